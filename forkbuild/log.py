@@ -1,0 +1,12 @@
+"""Progress lines for long steps: elapsed time since the command started, to stderr."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+_START = time.monotonic()
+
+
+def step(message: str) -> None:
+    print(f"[forkbuild {time.monotonic() - _START:6.1f}s] {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,89 @@
+"""The embedded default model: a tiny random-weight GPT-OSS, generated locally.
+
+GPT-OSS is the model of #47054: its layers alternate sliding-window and full attention,
+so vLLM gives it two KV cache groups (the shape that the cross-layer packing acts on).
+Weights are random but seeded, and the tokenizer is a byte-level BPE trained on a few
+sentences here, so nothing is downloaded. Run inside the fork's venv:
+    build/venv/bin/python -m forkbuild.tinymodel OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "vLLM serves large language models with paged attention.",
+    "Key and value caches are offloaded to CPU memory in blocks.",
+    "Sliding window layers and full attention layers share one block row.",
+    "Hello, world! The answer is 42.",
+]
+FORMAT = "tiny-gpt-oss-1"  # bump when the config or tokenizer below change
+
+
+def generate(out: Path) -> Path:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GptOssConfig, GptOssForCausalLM, PreTrainedTokenizerFast
+
+    marker = out / "forkbuild-model.json"
+    if marker.exists() and json.loads(marker.read_text()).get("format") == FORMAT:
+        return out
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+
+    bpe = Tokenizer(models.BPE(unk_token=None))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(CORPUS, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+    tokenizer.save_pretrained(tmp)
+
+    num_layers = 4
+    config = GptOssConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=num_layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=128,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)],
+        max_position_embeddings=4096,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    config.quantization_config = None  # plain bf16 weights; the CPU engine has no MXFP4
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(tmp, safe_serialization=True)
+    (tmp / "forkbuild-model.json").write_text(json.dumps({"format": FORMAT}) + "\n")
+
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+if __name__ == "__main__":
+    print(generate(Path(sys.argv[1])))

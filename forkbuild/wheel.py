@@ -1,0 +1,78 @@
+"""A distributable patched wheel for GPU hosts: vllm-<version>+<label>, on the official
+CUDA wheel's binaries, built from a clean export of the tree (the dev tree holds the
+CPU binaries of the editable install, which must not leak into it)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+from forkbuild import fetch, fixcheck, install, log, preflight, tree
+from forkbuild.errors import ForkError
+from forkbuild.pins import REPO_ROOT, Pins, build_dir
+from forkbuild.pip_runner import run_pip
+
+
+def dist_dir() -> Path:
+    return Path(os.environ.get("VLLM_FORK_DIST") or REPO_ROOT / "dist")
+
+
+def verify_wheel(path: Path, pins: Pins) -> None:
+    """The wheel must carry the fix, the fork's version and the compiled kernels."""
+    with zipfile.ZipFile(path) as whl:
+        names = set(whl.namelist())
+        verdict = fixcheck.classify(whl.read(fixcheck.MODULE_PATH).decode())
+        metadata = next((n for n in names if n.endswith(".dist-info/METADATA")), None)
+        version = next(
+            (ln.split(":", 1)[1].strip() for ln in whl.read(metadata).decode().splitlines()
+             if ln.startswith("Version:")),
+            None,
+        ) if metadata else None
+    problems = []
+    if verdict != "fixed":
+        problems.append(f"{fixcheck.FUNCTION} is {verdict}")
+    if version != pins.fork_version:
+        problems.append(f"version is {version}, expected {pins.fork_version}")
+    if "vllm/_C.abi3.so" not in names:
+        problems.append("vllm/_C.abi3.so is missing")
+    if problems:
+        raise ForkError(f"{path.name} is not a good fork wheel: {'; '.join(problems)}", "rebuild it")
+    log.step(f"wheel: verified {path.name}: version {version}, fix present, kernels present")
+
+
+def build(pins: Pins) -> Path:
+    preflight.check_all(pins)
+    python = install.ensure_toolchain(pins)
+    route = pins.routes["cuda"]
+    sdist = fetch.fetch(pins.sdist, python)
+    binaries = fetch.fetch(route.wheel, python)
+    tree_path = tree.build(pins, sdist)
+    preflight.check_disk(build_dir(), 2, "building the wheel")
+    with tempfile.TemporaryDirectory(prefix=".wheel-", dir=build_dir()) as tmp:
+        export, out = Path(tmp) / "src", Path(tmp) / "out"
+        archive = Path(tmp) / "src.tar"
+        subprocess.run(["git", "archive", "--format=tar", "-o", str(archive), "HEAD"],
+                       cwd=tree_path, check=True)
+        with tarfile.open(archive) as tar:
+            tar.extractall(export, filter="data")
+        log.step(f"wheel: building {pins.fork_version} on {binaries.name} (takes about a minute)")
+        run_pip(
+            python,
+            ["wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(export)],
+            what="build the wheel",
+            env=install.precompiled_env(pins, route, binaries),
+            quiet=True,
+        )
+        built = sorted(out.glob("vllm-*.whl"))
+        if len(built) != 1:
+            raise ForkError(f"pip wheel produced {[p.name for p in built]}, expected one vllm wheel")
+        verify_wheel(built[0], pins)
+        dist_dir().mkdir(parents=True, exist_ok=True)
+        final = dist_dir() / built[0].name
+        os.replace(built[0], final)
+    log.step(f"wheel: {final} ({final.stat().st_size / 2**20:.0f} MiB)")
+    return final
