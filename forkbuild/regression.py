@@ -65,18 +65,33 @@ def make_stock_tree(pins: Pins, fork_tree: Path) -> Path:
     return stock
 
 
-def run_pytest(python: Path, tree_path: Path, modules: list[str], junit: Path, extra: list[str] = ()) -> Outcome:
-    """Run MODULES inside TREE_PATH with that tree first on sys.path; count from JUnit XML."""
-    env = {**os.environ, "PYTHONPATH": str(tree_path)}
+def run_pytest(
+    python: Path,
+    cwd: Path,
+    modules: list[str],
+    junit: Path,
+    *,
+    pythonpath: Path | None = None,
+    output: Path | None = None,
+) -> Outcome:
+    """Run pytest on MODULES in CWD (PYTHONPATH first on sys.path); count from JUnit XML.
+
+    With OUTPUT, pytest's report goes to that file instead of the terminal: used for the
+    unpatched run, whose expected failures must not read as the run's result.
+    """
+    env = {**os.environ, "PYTHONPATH": str(pythonpath or cwd)}
     junit.unlink(missing_ok=True)
-    cmd = [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}",
-           *extra, *modules]
-    log.step(f"pytest in {tree_path.name}: {' '.join(modules)}")
-    result = subprocess.run(cmd, cwd=tree_path, env=env, check=False)
+    cmd = [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}", *modules]
+    log.step(f"pytest in {cwd.name}: {' '.join(modules)}" + (f" (report: {output})" if output else ""))
+    with open(output, "w") if output else open(os.devnull) as sink:
+        result = subprocess.run(
+            cmd, cwd=cwd, env=env, check=False,
+            stdout=sink if output else None, stderr=subprocess.STDOUT if output else None,
+        )
     if result.returncode not in (0, 1) or not junit.exists():
         raise ForkError(
-            f"pytest could not run the tests in {tree_path.name} (exit {result.returncode})",
-            "see its output above: a collection or import error is not a test result",
+            f"pytest could not run the tests in {cwd.name} (exit {result.returncode})",
+            f"see {output or 'its output above'}: a collection or import error is not a test result",
         )
     suite = ET.parse(junit).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
@@ -94,7 +109,7 @@ def imported_from(python: Path, tree_path: Path) -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
-def check(pins: Pins, python: Path, fork_tree: Path) -> None:
+def check(pins: Pins, python: Path, fork_tree: Path) -> list[tuple[str, Outcome]]:
     modules = list(pins.regression_tests)
     stock = make_stock_tree(pins, fork_tree)
     results = build_dir() / "test-results"
@@ -104,7 +119,10 @@ def check(pins: Pins, python: Path, fork_tree: Path) -> None:
         origin = imported_from(python, path)
         if not origin.resolve().is_relative_to(path.resolve()):
             raise ForkError(f"in {path.name}, `import vllm` resolved to {origin}; the check would be void")
-        outcome = run_pytest(python, path, modules, results / f"regression-{name}.xml")
+        outcome = run_pytest(
+            python, path, modules, results / f"regression-{name}.xml",
+            output=results / f"regression-{name}.log",
+        )
         ok = outcome.tests > 0 and outcome.errors == 0 and outcome.skipped == 0 and (
             outcome.failed == 0 if must == "pass" else outcome.failed == outcome.tests
         )
@@ -119,3 +137,4 @@ def check(pins: Pins, python: Path, fork_tree: Path) -> None:
             + "; ".join(f"{r[0]} must {r[2]} but got {r[3]}" for r in bad),
             "a regression case that passes without the fix proves nothing; fix the test",
         )
+    return [(name, outcome) for name, _, _, outcome, _ in rows]

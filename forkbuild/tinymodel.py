@@ -21,7 +21,7 @@ CORPUS = [
     "Sliding window layers and full attention layers share one block row.",
     "Hello, world! The answer is 42.",
 ]
-FORMAT = "tiny-gpt-oss-1"  # bump when the config or tokenizer below change
+FORMAT = "tiny-gpt-oss-3"  # bump when the config or tokenizer below change
 
 
 def generate(out: Path) -> Path:
@@ -53,7 +53,7 @@ def generate(out: Path) -> Path:
 
     num_layers = 4
     config = GptOssConfig(
-        vocab_size=1024,
+        vocab_size=len(tokenizer),  # every id the model emits decodes to text
         hidden_size=256,
         intermediate_size=256,
         num_hidden_layers=num_layers,
@@ -71,10 +71,15 @@ def generate(out: Path) -> Path:
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
     )
-    config.quantization_config = None  # plain bf16 weights; the CPU engine has no MXFP4
     torch.manual_seed(0)
     model = GptOssForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(tmp, safe_serialization=True)
+    # Plain bf16 weights: vLLM reads any quantization_config key (even null) as MXFP4,
+    # which the CPU engine does not run.
+    config_file = tmp / "config.json"
+    saved = json.loads(config_file.read_text())
+    saved.pop("quantization_config", None)
+    config_file.write_text(json.dumps(saved, indent=2) + "\n")
     (tmp / "forkbuild-model.json").write_text(json.dumps({"format": FORMAT}) + "\n")
 
     if out.exists():

@@ -144,9 +144,9 @@ def _apply_patches(tmp: Path, patches: list[Patch], env: dict[str, str]) -> None
         log.step(f"tree: applied {patch.name}")
 
 
-def build(pins: Pins, sdist: Path, *, force: bool = False) -> Path:
+def build(pins: Pins, sdist: Path, *, force: bool = False, patches_dir: Path = PATCHES_DIR) -> Path:
     """Make (or keep, when its inputs are unchanged) the patched tree; return its path."""
-    patches = read_series()
+    patches = read_series(patches_dir)
     digest = inputs_digest(pins, patches)
     final = tree_dir(pins)
     marker = final / ".git" / INPUTS_FILE

@@ -11,6 +11,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from packaging.utils import parse_wheel_filename
+
 from forkbuild import fetch, fixcheck, install, log, preflight, tree
 from forkbuild.errors import ForkError
 from forkbuild.pins import REPO_ROOT, Pins, build_dir
@@ -21,8 +23,15 @@ def dist_dir() -> Path:
     return Path(os.environ.get("VLLM_FORK_DIST") or REPO_ROOT / "dist")
 
 
-def verify_wheel(path: Path, pins: Pins) -> None:
-    """The wheel must carry the fix, the fork's version and the compiled kernels."""
+def _compiled(path: Path) -> set[str]:
+    with zipfile.ZipFile(path) as whl:
+        return {n for n in whl.namelist() if n.endswith(".so")}
+
+
+def verify_wheel(path: Path, pins: Pins, official: Path) -> None:
+    """The wheel must carry the fix, the fork's version and every compiled extension
+    of the OFFICIAL wheel whose binaries it was built on."""
+    missing = sorted(_compiled(official) - _compiled(path))
     with zipfile.ZipFile(path) as whl:
         names = set(whl.namelist())
         verdict = fixcheck.classify(whl.read(fixcheck.MODULE_PATH).decode())
@@ -37,11 +46,28 @@ def verify_wheel(path: Path, pins: Pins) -> None:
         problems.append(f"{fixcheck.FUNCTION} is {verdict}")
     if version != pins.fork_version:
         problems.append(f"version is {version}, expected {pins.fork_version}")
-    if "vllm/_C.abi3.so" not in names:
-        problems.append("vllm/_C.abi3.so is missing")
+    if missing:
+        problems.append(f"{len(missing)} compiled extension(s) missing, e.g. {missing[0]}")
     if problems:
         raise ForkError(f"{path.name} is not a good fork wheel: {'; '.join(problems)}", "rebuild it")
-    log.step(f"wheel: verified {path.name}: version {version}, fix present, kernels present")
+    log.step(f"wheel: verified {path.name}: version {version}, fix present, "
+             f"all {len(_compiled(official))} compiled extensions of {official.name} present")
+
+
+def _retag_like(python: Path, built: Path, official: Path) -> Path:
+    """pip tags a python-only build for the building interpreter (cp311-cp311-linux);
+    the binaries inside are the official wheel's, so give it the official wheel's tags
+    (cp38-abi3-manylinux_2_28) and it installs wherever that one does."""
+    _, _, _, tags = parse_wheel_filename(official.name)
+    tag = next(iter(tags))
+    result = subprocess.run(
+        [str(python), "-m", "wheel", "tags", "--remove", f"--python-tag={tag.interpreter}",
+         f"--abi-tag={tag.abi}", f"--platform-tag={tag.platform}", str(built)],
+        capture_output=True, text=True, check=False,
+    )
+    if result.returncode != 0:
+        raise ForkError(f"could not retag {built.name}: {result.stderr.strip()[-300:]}")
+    return built.parent / result.stdout.strip().splitlines()[-1]
 
 
 def build(pins: Pins) -> Path:
@@ -70,7 +96,8 @@ def build(pins: Pins) -> Path:
         built = sorted(out.glob("vllm-*.whl"))
         if len(built) != 1:
             raise ForkError(f"pip wheel produced {[p.name for p in built]}, expected one vllm wheel")
-        verify_wheel(built[0], pins)
+        built = [_retag_like(python, built[0], binaries)]
+        verify_wheel(built[0], pins, binaries)
         dist_dir().mkdir(parents=True, exist_ok=True)
         final = dist_dir() / built[0].name
         os.replace(built[0], final)

@@ -1,0 +1,40 @@
+"""Fixtures for forkbuild's own tests: a throw-away build folder and cache, seeded with
+the real, already verified sdist so that no test downloads it again."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from forkbuild import fetch, pins
+
+
+@pytest.fixture(scope="session")
+def fork_pins() -> pins.Pins:
+    return pins.load()
+
+
+@pytest.fixture(scope="session")
+def real_sdist(fork_pins: pins.Pins) -> Path:
+    path = fetch.artifacts_dir() / fork_pins.sdist.filename
+    if not path.exists():
+        pytest.skip("the sdist is not cached yet: run `make install` first")
+    return path
+
+
+@pytest.fixture
+def scratch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Point forkbuild's cache and build folders at TMP_PATH."""
+    monkeypatch.setenv("VLLM_FORK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("VLLM_FORK_BUILD", str(tmp_path / "build"))
+    (tmp_path / "cache" / "artifacts").mkdir(parents=True)
+    return tmp_path
+
+
+@pytest.fixture
+def scratch_sdist(scratch: Path, real_sdist: Path) -> Path:
+    copy = scratch / "cache" / "artifacts" / real_sdist.name
+    shutil.copy2(real_sdist, copy)
+    return copy

@@ -1,0 +1,49 @@
+"""fixcheck and preflight: the verdicts and refusals every other step relies on."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import tarfile
+
+import pytest
+
+from forkbuild import fixcheck, preflight
+from forkbuild.errors import ForkError
+
+
+@pytest.fixture(scope="module")
+def released_source(real_sdist) -> str:
+    with tarfile.open(real_sdist) as tar:
+        return tar.extractfile(f"vllm-0.25.1/{fixcheck.MODULE_PATH}").read().decode()
+
+
+def test_fixcheck_tells_released_from_fixed(released_source):
+    assert fixcheck.classify(released_source) == "buggy"
+    fixed = released_source.replace(".view(kv_cache_shape)", ".view(permuted_kv_cache_shape)")
+    assert fixcheck.classify(fixed) == "fixed"
+    # Reformatting does not fool it; code that no longer has the branch is "unknown".
+    assert fixcheck.classify(fixed.replace(".view(dtype)\n", ".view(dtype)  # note\n")) == "fixed"
+    assert fixcheck.classify("def _reshape_attention_kv_cache():\n    pass\n") == "unknown"
+    assert fixcheck.classify("not python (") == "unknown"
+
+
+def test_unsupported_python_and_machine_are_refused(fork_pins):
+    with pytest.raises(ForkError, match="is not supported by vLLM 0.25.1"):
+        preflight.check_python(dataclasses.replace(fork_pins, python="<3.0"))
+    with pytest.raises(ForkError, match="machine .* is not supported"):
+        preflight.check_machine(dataclasses.replace(fork_pins, machines=("riscv64",)))
+
+
+def test_no_space_is_refused_before_work(tmp_path):
+    with pytest.raises(ForkError, match="GiB free under"):
+        preflight.check_disk(tmp_path, 10**9, "the test")
+
+
+def test_port_in_use_is_refused():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ForkError, match=f"port {port} on 127.0.0.1 is already in use"):
+            preflight.check_port_free("127.0.0.1", port)

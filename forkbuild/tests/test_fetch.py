@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+import pytest
+
+from forkbuild import fetch
+from forkbuild.errors import ForkError
+
+
+def _no_download(*args, **kwargs):
+    raise AssertionError("fetch went to the network for a cached artifact")
+
+
+def test_cached_artifact_is_verified_not_downloaded(fork_pins, scratch_sdist, monkeypatch):
+    monkeypatch.setattr(fetch, "run_pip", _no_download)
+    assert fetch.fetch(fork_pins.sdist) == scratch_sdist
+
+
+@pytest.mark.parametrize("damage", ["tampered", "truncated"])
+def test_bad_artifact_is_deleted_and_refused(fork_pins, scratch_sdist, monkeypatch, damage):
+    monkeypatch.setattr(fetch, "run_pip", _no_download)
+    data = scratch_sdist.read_bytes()
+    if damage == "tampered":
+        data = data[:1000] + bytes([data[1000] ^ 0xFF]) + data[1001:]
+    else:
+        data = data[: len(data) // 2]
+    scratch_sdist.write_bytes(data)
+    with pytest.raises(ForkError, match="sha256 mismatch for vllm-0.25.1.tar.gz") as err:
+        fetch.fetch(fork_pins.sdist)
+    assert "\n" not in str(err.value)
+    assert not scratch_sdist.exists()
+
+
+def test_interrupted_download_leftovers_are_removed(scratch):
+    leftover = fetch.artifacts_dir() / ".download-abc123"
+    leftover.mkdir()
+    (leftover / "vllm-0.25.1.tar.gz").write_bytes(b"partial")
+    fetch.clean_partial_downloads()
+    assert not leftover.exists()

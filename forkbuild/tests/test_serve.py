@@ -1,0 +1,93 @@
+"""`forkbuild serve` end to end: refusals come at once; the embedded model answers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from forkbuild import preflight
+from forkbuild.pins import REPO_ROOT
+
+
+def _forkbuild(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "forkbuild", *args],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False, **kwargs,
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.skipif(preflight.has_nvidia_gpu(), reason="checks the refusal on a machine without a GPU")
+def test_gpu_preset_without_gpu_is_refused_at_once():
+    start = time.monotonic()
+    result = _forkbuild("serve", "--preset", "offload-47054", "--model", "openai/gpt-oss-20b")
+    assert result.returncode == 1
+    assert time.monotonic() - start < 20
+    (line,) = result.stderr.strip().splitlines()
+    assert "needs an NVIDIA GPU" in line
+
+
+def test_port_in_use_is_refused_at_once():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = _forkbuild("serve", "--port", str(port))
+    assert result.returncode == 1
+    (line,) = result.stderr.strip().splitlines()
+    assert f"port {port} on 127.0.0.1 is already in use" in line
+
+
+def test_embedded_model_answers_a_completion(tmp_path):
+    port = _free_port()
+    log = (tmp_path / "serve.log").open("w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "forkbuild", "serve", "--port", str(port)],
+        cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, f"server exited: {(tmp_path / 'serve.log').read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "server not healthy after 300 s"
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                time.sleep(2)
+        body = json.dumps({
+            "model": "tiny-gpt-oss", "prompt": "Hello, world!", "max_tokens": 8,
+            "temperature": 0, "ignore_eos": True,
+        }).encode()
+        request = urllib.request.Request(
+            f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            answer = json.load(resp)
+        assert answer["model"] == "tiny-gpt-oss"
+        assert answer["usage"]["completion_tokens"] == 8
+        assert isinstance(answer["choices"][0]["text"], str) and answer["choices"][0]["text"]
+        assert "+fork.1" in answer["system_fingerprint"]
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()
