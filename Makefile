@@ -1,0 +1,50 @@
+# The fork's pipeline, one target a step. Each step runs the steps it needs and skips
+# what is already done (forkbuild keeps stamps), so any target works on a fresh clone.
+#   make serve                 serve the embedded tiny model (CPU) through the fork
+#   make test                  everything CI runs
+#   make serve MODEL=openai/gpt-oss-20b PRESET=offload-47054    on a GPU host
+PYTHON ?= python3
+ROUTE ?=
+MODEL ?=
+PRESET ?=
+PORT ?= 8000
+HOST ?= 127.0.0.1
+ARGS ?=
+
+FORKBUILD := $(PYTHON) -m forkbuild
+ROUTE_OPT := $(if $(ROUTE),--route $(ROUTE))
+
+.PHONY: help fetch tree install regression wheel model serve test clean
+
+help:
+	@sed -n '1,5p' Makefile | sed 's/^# \{0,1\}//'
+	@$(FORKBUILD) --help
+
+fetch:
+	$(FORKBUILD) fetch $(ROUTE_OPT)
+
+tree:
+	$(FORKBUILD) tree
+
+install:
+	$(FORKBUILD) install $(ROUTE_OPT)
+
+regression:
+	$(FORKBUILD) regression $(ROUTE_OPT)
+
+wheel:
+	$(FORKBUILD) wheel
+
+model:
+	$(FORKBUILD) model $(ROUTE_OPT)
+
+serve:
+	$(FORKBUILD) serve $(ROUTE_OPT) --host $(HOST) --port $(PORT) \
+		$(if $(MODEL),--model $(MODEL)) $(if $(PRESET),--preset $(PRESET)) $(if $(ARGS),-- $(ARGS))
+
+test:
+	$(FORKBUILD) test $(ROUTE_OPT)
+
+# Removes what this clone built; the download cache (~/.cache/vllm-fork) is kept.
+clean:
+	rm -rf build dist
