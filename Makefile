@@ -10,6 +10,7 @@ PRESET ?=
 PORT ?= 8000
 HOST ?= 127.0.0.1
 ARGS ?=
+CPU_BYTES ?=
 
 FORKBUILD := $(PYTHON) -m forkbuild
 ROUTE_OPT := $(if $(ROUTE),--route $(ROUTE))
@@ -40,7 +41,8 @@ model:
 
 serve:
 	$(FORKBUILD) serve $(ROUTE_OPT) --host $(HOST) --port $(PORT) \
-		$(if $(MODEL),--model $(MODEL)) $(if $(PRESET),--preset $(PRESET)) $(if $(ARGS),-- $(ARGS))
+		$(if $(MODEL),--model $(MODEL)) $(if $(PRESET),--preset $(PRESET)) \
+		$(if $(CPU_BYTES),--cpu-bytes $(CPU_BYTES)) $(if $(ARGS),-- $(ARGS))
 
 test:
 	$(FORKBUILD) test $(ROUTE_OPT)

@@ -8,12 +8,13 @@ It ends with one plain summary line.
 
 from __future__ import annotations
 
-from forkbuild import install, log, regression, tree
+from forkbuild import install, regression, tree
 from forkbuild.errors import ForkError
 from forkbuild.pins import REPO_ROOT, Pins, build_dir
 
 
-def run(pins: Pins, route_name: str | None) -> None:
+def run(pins: Pins, route_name: str | None) -> str:
+    """Run everything; return the plain summary line (the caller prints it last)."""
     python, tree_path, _ = install.install(pins, route_name)
     results = build_dir() / "test-results"
     results.mkdir(parents=True, exist_ok=True)
@@ -34,7 +35,8 @@ def run(pins: Pins, route_name: str | None) -> None:
     print(f"fork tests in {tree_path.name}: {suite}")
     print(f"regression proof: {stock.failed}/{stock.tests} cases fail on unpatched v{pins.upstream_version}, "
           f"all pass on the fork")
-    print(f"summary: {passed} passed, {failed} failed, {skipped} skipped")
+    summary = f"summary: {passed} passed, {failed} failed, {skipped} skipped"
     if failed:
+        print(summary)
         raise ForkError(f"{failed} test(s) failed", f"JUnit reports are in {results}")
-    log.step("test: all green")
+    return summary

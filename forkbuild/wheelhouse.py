@@ -53,6 +53,7 @@ def install(
         args += ["-r", str(req_file)]
     offline = ["install", "--no-index", "--find-links", str(wheelhouse()), *args]
     verify_torch_wheels(pins)
+    log.step(f"install: installing {what} (from the wheelhouse where it has them)")
     try:
         run_pip(python, offline, what=f"install {what}", quiet=True)
         log.step(f"install: {what} installed from the wheelhouse")
