@@ -43,6 +43,7 @@ def fetch(artifact: Artifact, python: Path | str = sys.executable) -> Path:
     vLLM's setup.py imports torch: PYTHON must then be an interpreter that has the
     toolchain (torch and the build requirements) installed.
     """
+    clean_partial_downloads()
     target = artifacts_dir() / artifact.filename
     if target.exists():
         verify(target, artifact)

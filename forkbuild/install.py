@@ -45,6 +45,7 @@ def pick_route(pins: Pins, requested: str | None) -> Route:
 
 def ensure_toolchain(pins: Pins) -> Path:
     """The venv with torch, vLLM's build requirements and the test runner."""
+    preflight.check_all(pins)
     requirements = [f"torch=={pins.torch}", *pins.build, *pins.test]
     stamp_value = digest_of([platform.python_version(), *requirements])
     stamp = venv_dir() / TOOLCHAIN_STAMP
@@ -80,9 +81,7 @@ def precompiled_env(pins: Pins, route: Route, wheel: Path) -> dict[str, str]:
 
 def install(pins: Pins, route_name: str | None = None) -> tuple[Path, Path, Route]:
     """Make sure fetch, tree and the venv are complete; return (python, tree, route)."""
-    preflight.check_all(pins)
     route = pick_route(pins, route_name)
-    fetch.clean_partial_downloads()
     python = ensure_toolchain(pins)
     sdist = fetch.fetch(pins.sdist, python)
     wheel = fetch.fetch(route.wheel, python)

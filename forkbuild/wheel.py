@@ -71,7 +71,6 @@ def _retag_like(python: Path, built: Path, official: Path) -> Path:
 
 
 def build(pins: Pins) -> Path:
-    preflight.check_all(pins)
     python = install.ensure_toolchain(pins)
     route = pins.routes["cuda"]
     sdist = fetch.fetch(pins.sdist, python)
