@@ -40,17 +40,17 @@ def stock_dir(pins: Pins) -> Path:
 def make_stock_tree(pins: Pins, fork_tree: Path) -> Path:
     """(Re)create the unpatched worktree; cheap, so it is always made afresh."""
     stock = stock_dir(pins)
-    git = lambda *args, cwd=fork_tree: subprocess.run(  # noqa: E731
-        ["git", *args], cwd=cwd, capture_output=True, text=True, check=False,
-        env={**os.environ, **tree.IDENTITY, "GIT_COMMITTER_DATE": "@0 +0000"},
-    )
+    env = {**os.environ, **tree.IDENTITY, "GIT_COMMITTER_DATE": "@0 +0000"}
     if stock.exists():
         shutil.rmtree(stock)
-    git("worktree", "prune")
-    made = git("worktree", "add", "-q", "--force", "-B", "stock", str(stock), f"v{pins.upstream_version}")
+    tree.git(["worktree", "prune"], fork_tree, env)
+    made = tree.git(
+        ["worktree", "add", "-q", "--force", "-B", "stock", str(stock), f"v{pins.upstream_version}"],
+        fork_tree, env,
+    )
     if made.returncode != 0:
         raise ForkError(f"could not create the unpatched worktree: {made.stderr.strip()}", "run `make tree`")
-    picked = git("cherry-pick", "fork", cwd=stock)  # the tests overlay: the fork branch's tip
+    picked = tree.git(["cherry-pick", "fork"], stock, env)  # the tests overlay: the fork branch's tip
     if picked.returncode != 0:
         raise ForkError(f"could not add the fork's tests to the unpatched tree: {picked.stderr.strip()}")
     # The compiled extensions and generated version file are build outputs of the editable
