@@ -133,8 +133,11 @@ print(json.dumps({
 
 def check_install(python: Path, tree_path: Path, route: Route) -> dict[str, str]:
     """Ask the venv itself what `import vllm` gives: the tree, the fix, the platform."""
+    # From inside the tree, with it first on sys.path, as the tests run: nothing there may
+    # shadow the installed metadata (vLLM picks its platform from the version string).
     result = subprocess.run(
-        [str(python), "-c", _PROBE], capture_output=True, text=True, cwd=build_dir(), check=False
+        [str(python), "-c", _PROBE], capture_output=True, text=True, cwd=tree_path,
+        env={**os.environ, "PYTHONPATH": str(tree_path)}, check=False,
     )
     if result.returncode != 0:
         last = (result.stderr.strip().splitlines() or ["no output"])[-1]
@@ -151,9 +154,10 @@ def check_install(python: Path, tree_path: Path, route: Route) -> dict[str, str]
             f"the installed {fixcheck.FUNCTION} is {verdict}, not fixed",
             "check patches/series and rebuild the tree (make tree)",
         )
-    if route.target_device == "cpu" and info["platform"] != "CpuPlatform":
+    expected = {"cpu": "CpuPlatform", "cuda": "CudaPlatform"}[route.target_device]
+    if info["platform"] != expected:
         raise ForkError(
-            f"vLLM detected {info['platform']} instead of CpuPlatform (version {info['version']})",
+            f"vLLM detected {info['platform']} instead of {expected} (version {info['version']})",
             "rm -r build/venv and run again",
         )
     log.step(

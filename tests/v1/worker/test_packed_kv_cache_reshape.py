@@ -2,26 +2,35 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Packed (cross-layer) KV cache pages must be viewed in their physical order.
 
-Regression test for https://github.com/vllm-project/vllm/issues/47054: with
+Regression tests for https://github.com/vllm-project/vllm/issues/47054: with
 ``enable_cross_layers_blocks`` the planner packs the pages of several layers
 (e.g. GPT-OSS sliding-window and full-attention layers) into one block row,
 and ``_reshape_attention_kv_cache`` gets ``packing=(offset, block_stride)``.
 The OffloadingConnector selects the HND layout, whose stride order is not the
-identity, and the view handed to FlashAttention must then still have the
-backend's logical shape, with strides that walk the page in physical order.
-Every case here uses a non-identity stride order, so every case fails on a
-tree without the fix.
+identity, and the view handed to the attention backend must then still have
+the backend's logical shape, with strides that walk the page in physical order.
+
+Every case here uses a non-identity stride order and ``num_kv_heads !=
+block_size``, so every case fails on a tree without the fix. (Under HND,
+FlashAttention's, Triton's and the diff-KV backends' orders swap exactly the
+slot and head dimensions: when those sizes are equal the unfixed view
+coincides with the fixed one.)
 """
 
+import contextlib
 from math import prod
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vllm.utils.torch_utils import get_dtype_size
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+from vllm.v1.attention.backends.flash_attn_diffkv import FlashAttentionDiffKVBackend
 from vllm.v1.attention.backends.flex_attention import FlexAttentionBackend
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+from vllm.v1.attention.backends.triton_attn_diffkv import TritonAttentionDiffKVBackend
 from vllm.v1.attention.backends.utils import get_kv_cache_layout, set_kv_cache_layout
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.worker.gpu.attn_utils import _reshape_attention_kv_cache
@@ -30,20 +39,69 @@ pytestmark = pytest.mark.cpu_test
 
 NUM_BLOCKS = 5
 HEAD_SIZE = 64
+BACKENDS = [
+    FlashAttentionBackend,
+    TritonAttentionBackend,
+    FlexAttentionBackend,
+    FlashAttentionDiffKVBackend,
+    TritonAttentionDiffKVBackend,
+]
+DIFF_KV_BACKENDS = (FlashAttentionDiffKVBackend, TritonAttentionDiffKVBackend)
 
 
-@pytest.fixture
-def kv_cache_layout(request):
+@contextlib.contextmanager
+def kv_cache_layout(layout: str):
     """Select a KV cache layout the way a connector does, and restore it afterwards."""
-    set_kv_cache_layout(request.param)
+    set_kv_cache_layout(layout)
     get_kv_cache_layout.cache_clear()
-    yield request.param
-    set_kv_cache_layout(None)
-    get_kv_cache_layout.cache_clear()
+    try:
+        yield
+    finally:
+        set_kv_cache_layout(None)
+        get_kv_cache_layout.cache_clear()
 
 
-def _physical_strides(shape, stride_order, block_stride_elems):
-    """Element strides of a page laid out in ``stride_order``, rows ``block_stride`` apart."""
+def stride_order_of(backend, layout: str) -> tuple[int, ...]:
+    with kv_cache_layout(layout):
+        return tuple(backend.get_kv_cache_stride_order())
+
+
+def _is_identity(order: tuple[int, ...]) -> bool:
+    return order == tuple(range(len(order)))
+
+
+# Asked of the backend classes rather than written down, so that a backend whose
+# order changes is picked up (or dropped) by itself.
+ALL_CASES = [(backend, layout) for backend in BACKENDS for layout in ("NHD", "HND")]
+PERMUTED_CASES = [
+    pytest.param(backend, layout, id=f"{backend.get_name()}-{layout}")
+    for backend, layout in ALL_CASES
+    if not _is_identity(stride_order_of(backend, layout))
+]
+
+
+def layer_specs(backend, block_size, num_kv_heads, head_size, dtype, num_layers):
+    """GPT-OSS-like layers, alternating sliding-window and full attention."""
+    extra = {}
+    if backend in DIFF_KV_BACKENDS:
+        extra["head_size_v"] = backend.head_size_v
+    common = dict(
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        dtype=dtype,
+        **extra,
+    )
+    return [
+        SlidingWindowSpec(sliding_window=128, **common)
+        if layer % 2 == 0
+        else FullAttentionSpec(**common)
+        for layer in range(num_layers)
+    ]
+
+
+def physical_strides(shape, stride_order, block_stride_elems):
+    """Element strides of a page stored in ``stride_order``, rows ``block_stride`` apart."""
     physical_shape = [shape[i] for i in stride_order]
     strides = [0] * len(shape)
     step = 1
@@ -54,92 +112,64 @@ def _physical_strides(shape, stride_order, block_stride_elems):
     return tuple(strides)
 
 
-@pytest.mark.parametrize(
-    ("backend", "kv_cache_layout"),
-    [
-        (FlashAttentionBackend, "HND"),
-        (TritonAttentionBackend, "HND"),
-        (FlexAttentionBackend, "NHD"),
-        (FlexAttentionBackend, "HND"),
-    ],
-    indirect=["kv_cache_layout"],
-)
-@pytest.mark.parametrize(
-    ("dtype", "cache_dtype"),
-    [(torch.bfloat16, "auto"), (torch.float8_e4m3fn, "fp8")],
-)
-# num_kv_heads != block_size on purpose: under HND, FlashAttention's and Triton's
-# orders swap the slot and head dims, so with equal sizes the unfixed view would
-# coincide with the fixed one and the case could not fail without the fix.
-@pytest.mark.parametrize(("num_kv_heads", "block_size"), [(4, 16), (8, 32)])
-def test_packed_layers_view_physical_layout(
-    backend, kv_cache_layout, dtype, cache_dtype, num_kv_heads, block_size
-):
-    stride_order = backend.get_kv_cache_stride_order()
-    assert stride_order != tuple(range(len(stride_order))), "case needs a permuted layout"
+def probe_indices(shape, seed: int = 0):
+    """The first and last element of the view and a few seeded random ones."""
+    generator = torch.Generator().manual_seed(seed)
+    indices = [tuple(0 for _ in shape), tuple(n - 1 for n in shape)]
+    for _ in range(4):
+        indices.append(
+            tuple(int(torch.randint(n, (1,), generator=generator)) for n in shape)
+        )
+    return indices
 
-    # A GPT-OSS-like block row: sliding-window and full-attention layers, packed
-    # side by side at offsets 0, 1 and 2 pages.
-    sliding = SlidingWindowSpec(
-        block_size=block_size,
-        num_kv_heads=num_kv_heads,
-        head_size=HEAD_SIZE,
-        dtype=dtype,
-        sliding_window=128,
-    )
-    full = FullAttentionSpec(
-        block_size=block_size,
-        num_kv_heads=num_kv_heads,
-        head_size=HEAD_SIZE,
-        dtype=dtype,
-    )
-    specs = [sliding, full, sliding]
+
+def check_packed_views(backend, stride_order, specs, cache_dtype, num_blocks):
+    """Pack SPECS side by side in one block row, reshape each, and check every view."""
+    spec0 = specs[0]
     shape = backend.get_kv_cache_shape(
-        NUM_BLOCKS, block_size, num_kv_heads, HEAD_SIZE, cache_dtype
+        num_blocks, spec0.block_size, spec0.num_kv_heads, spec0.head_size, cache_dtype
     )
+    dtype = spec0.dtype
     dtype_size = get_dtype_size(dtype)
     page_bytes = prod(shape[1:]) * dtype_size
-    assert page_bytes == specs[0].page_size_bytes
+    # The planner sizes pages from the specs; the view from the backend's shape.
+    assert all(spec.page_size_bytes == page_bytes for spec in specs)
     block_stride = page_bytes * len(specs)
-    raw = torch.zeros(NUM_BLOCKS * block_stride, dtype=torch.int8)
+    raw = torch.zeros(num_blocks * block_stride, dtype=torch.int8)
+    physical_shape = [shape[i] for i in stride_order]
 
     views = []
     for layer, spec in enumerate(specs):
         offset = layer * page_bytes
         view = _reshape_attention_kv_cache(
-            raw, spec, shape, stride_order, NUM_BLOCKS, (offset, block_stride)
+            raw, spec, shape, stride_order, num_blocks, (offset, block_stride)
         )
         views.append(view)
-
         # What the attention kernels index: the backend's logical shape...
-        assert view.shape == shape
+        assert tuple(view.shape) == tuple(shape), f"layer {layer}: shape"
         assert view.dtype == dtype
         # ...walking the page in physical (stride) order, one block row apart.
-        assert view.stride() == _physical_strides(
-            shape, stride_order, block_stride // dtype_size
-        )
-        # A view of the packed allocation, not a copy.
+        # (The stride of a dimension of size 1 is never used; torch reports any.)
+        expected = physical_strides(shape, stride_order, block_stride // dtype_size)
+        assert [s for s, n in zip(view.stride(), shape) if n > 1] == [
+            s for s, n in zip(expected, shape) if n > 1
+        ], f"layer {layer}: strides {view.stride()}, expected {expected}"
+        # A view of the packed allocation at the layer's offset, not a copy.
         assert view.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr()
         assert view.storage_offset() * dtype_size == offset
 
-        # A value written at (block, k/v, slot, head, dim) lands at the byte the
-        # packing plan and the physical layout predict.
-        physical_shape = [shape[i] for i in stride_order]
-        for index in [
-            (0, 0, 0, 0, 0),
-            (1, 1, block_size - 1, 0, 3),
-            (NUM_BLOCKS - 1, 0, 2, num_kv_heads - 1, HEAD_SIZE - 1),
-            (2, 1, block_size // 2, num_kv_heads // 2, 7),
-        ]:
+        # A value written at a logical index lands at the byte that the packing
+        # plan and the physical layout predict.
+        marker = torch.tensor([layer + 1.5]).to(dtype)
+        for index in probe_indices(shape, seed=layer):
             physical_index = [index[i] for i in stride_order]
             within_page = 0
             for pos in range(1, len(shape)):
                 within_page = within_page * physical_shape[pos] + physical_index[pos]
             byte = index[0] * block_stride + offset + within_page * dtype_size
-            marker = torch.tensor([layer + 1.5], dtype=torch.float32).to(dtype)
             view[index] = marker[0]
-            landed = raw[byte : byte + dtype_size].view(dtype)
-            assert landed.view(torch.int8).tolist() == marker.view(torch.int8).tolist(), (
+            landed = raw[byte : byte + dtype_size]
+            assert landed.tolist() == marker.view(torch.int8).tolist(), (
                 f"layer {layer}: write at {index} did not land at byte {byte}"
             )
             view[index] = 0
@@ -147,7 +177,56 @@ def test_packed_layers_view_physical_layout(
     # The layers tile each block row exactly, without overlapping.
     for layer, view in enumerate(views):
         view.view(torch.int8).fill_(layer + 1)
-    rows = raw.view(NUM_BLOCKS, block_stride)
+    rows = raw.view(num_blocks, block_stride)
     for layer in range(len(specs)):
         page = rows[:, layer * page_bytes : (layer + 1) * page_bytes]
         assert bool((page == layer + 1).all()), f"layer {layer} page was overwritten"
+
+
+@pytest.mark.parametrize(("backend", "layout"), PERMUTED_CASES)
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"),
+    [(torch.bfloat16, "auto"), (torch.float8_e4m3fn, "fp8")],
+    ids=["bf16", "fp8"],
+)
+@pytest.mark.parametrize(
+    ("num_kv_heads", "block_size"), [(4, 16), (8, 32)], ids=["4h-16", "8h-32"]
+)
+def test_packed_layers_view_physical_layout(
+    backend, layout, dtype, cache_dtype, num_kv_heads, block_size
+):
+    stride_order = stride_order_of(backend, layout)
+    # Three GPT-OSS-like layers at offsets of 0, 1 and 2 pages in each block row.
+    specs = layer_specs(backend, block_size, num_kv_heads, HEAD_SIZE, dtype, 3)
+    with kv_cache_layout(layout):
+        check_packed_views(backend, stride_order, specs, cache_dtype, NUM_BLOCKS)
+
+
+DTYPES = {
+    torch.bfloat16: "auto",
+    torch.float16: "auto",
+    torch.float32: "auto",
+    torch.float8_e4m3fn: "fp8",
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    case=st.sampled_from(ALL_CASES),
+    block_size=st.sampled_from([16, 32, 48, 64]),
+    num_kv_heads=st.integers(min_value=1, max_value=8),
+    head_size=st.sampled_from([8, 32, 64, 80]),
+    num_layers=st.integers(min_value=1, max_value=4),
+    num_blocks=st.integers(min_value=1, max_value=4),
+    dtype=st.sampled_from(list(DTYPES)),
+)
+def test_packed_views_alias_their_pages(
+    case, block_size, num_kv_heads, head_size, num_layers, num_blocks, dtype
+):
+    """For any backend, layout and size: the packed views have the logical shape,
+    the physical order, and alias exactly their own bytes of the block row."""
+    backend, layout = case
+    stride_order = stride_order_of(backend, layout)
+    specs = layer_specs(backend, block_size, num_kv_heads, head_size, dtype, num_layers)
+    with kv_cache_layout(layout):
+        check_packed_views(backend, stride_order, specs, DTYPES[dtype], num_blocks)

@@ -1,0 +1,233 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The packed KV cache of vllm#47054, built the way the engine builds it, on CPU.
+
+A GPT-OSS-shaped model (sliding-window and full-attention layers, so two KV
+cache groups) with the OffloadingConnector and ``enable_cross_layers_blocks``:
+vLLM's planner packs the groups' pages into shared block rows, the connector
+makes the layout HND, and both model runners allocate and reshape the caches.
+Every view must be the attention backend's logical shape over the page's bytes
+in physical order. Fails without the fix in ``_reshape_attention_kv_cache``.
+"""
+
+import json
+
+import pytest
+import torch
+
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
+from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+from vllm.v1.attention.backends.utils import get_kv_cache_layout, set_kv_cache_layout
+from vllm.v1.core.kv_cache_utils import (
+    _use_packed_kv_cache_config,
+    get_kv_cache_configs,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from vllm.v1.worker.gpu.attn_utils import _allocate_kv_cache, _reshape_kv_cache
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.v1.worker.utils import AttentionGroup, prepare_kernel_block_sizes
+
+pytestmark = pytest.mark.cpu_test
+
+BLOCK_SIZE = 16
+NUM_KV_HEADS = 4  # != BLOCK_SIZE: see test_packed_kv_cache_reshape.py
+HEAD_SIZE = 64
+NUM_BLOCKS = 32
+
+
+def tiny_gpt_oss_config(path) -> str:
+    """A GPT-OSS config with no weights: all the planner needs is the shapes."""
+    config = {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "hidden_size": 256,
+        "intermediate_size": 256,
+        "head_dim": HEAD_SIZE,
+        "num_attention_heads": 8,
+        "num_key_value_heads": NUM_KV_HEADS,
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "sliding_window": 128,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "vocab_size": 400,
+        "max_position_embeddings": 4096,
+        "dtype": "bfloat16",
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 4096,
+            "rope_theta": 150000.0,
+            "truncate": False,
+        },
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.fixture
+def offload_config(tmp_path, monkeypatch) -> VllmConfig:
+    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
+    return VllmConfig(
+        model_config=ModelConfig(
+            model=tiny_gpt_oss_config(tmp_path),
+            skip_tokenizer_init=True,
+            max_model_len=128,
+            dtype="bfloat16",
+        ),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE),
+        device_config=DeviceConfig(device="cpu"),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "spec_name": "CPUOffloadingSpec",
+                "enable_cross_layers_blocks": "True",
+                "cpu_bytes_to_use": 1 << 24,
+            },
+        ),
+    )
+
+
+def layer_specs(vllm_config: VllmConfig) -> dict:
+    """The per-layer KV cache specs, as the model's attention layers declare them.
+
+    (Built here rather than by instantiating the model: on a CPU host the layers
+    would pick the CPU attention backend, which sets its own layout.)
+    """
+    model_config = vllm_config.model_config
+    hf_config = model_config.hf_text_config
+    common = dict(
+        block_size=vllm_config.cache_config.block_size,
+        num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
+        head_size=model_config.get_head_size(),
+        dtype=model_config.dtype,
+    )
+    return {
+        f"model.layers.{i}.self_attn.attn": (
+            SlidingWindowSpec(sliding_window=hf_config.sliding_window, **common)
+            if layer_type == "sliding_attention"
+            else FullAttentionSpec(**common)
+        )
+        for i, layer_type in enumerate(hf_config.layer_types)
+    }
+
+
+def reshape_v2(kv_cache_config, attn_groups, kernel_block_sizes):
+    raw = _allocate_kv_cache(kv_cache_config, {}, torch.device("cpu"))
+    views = _reshape_kv_cache(
+        attn_groups=[group for groups in attn_groups for group in groups],
+        kv_cache_raw_tensors=raw,
+        cache_dtype="auto",
+        kernel_block_sizes=kernel_block_sizes,
+        shared_kv_cache_layers={},
+        kv_cache_config=kv_cache_config,
+    )
+    return raw, views
+
+
+def reshape_v1(kv_cache_config, attn_groups, kernel_block_sizes, vllm_config):
+    """GPUModelRunner's own allocation and reshape methods (the runner GPT-OSS uses),
+    on an object that carries only the attributes those methods read: constructing
+    a whole GPUModelRunner needs a CUDA device."""
+
+    class KVCacheOwner:
+        _allocate_kv_cache_tensors = GPUModelRunner._allocate_kv_cache_tensors
+        _reshape_kv_cache_tensors = GPUModelRunner._reshape_kv_cache_tensors
+        _kv_cache_spec_attn_group_iterator = (
+            GPUModelRunner._kv_cache_spec_attn_group_iterator
+        )
+        _has_mixed_attention_kv_layout = GPUModelRunner._has_mixed_attention_kv_layout
+
+        device = torch.device("cpu")
+        runner_only_attn_layers: set[str] = set()
+
+    owner = KVCacheOwner()
+    owner.kv_cache_config = kv_cache_config
+    owner.attn_groups = attn_groups
+    owner.cache_config = vllm_config.cache_config
+    raw = owner._allocate_kv_cache_tensors(kv_cache_config)
+    return raw, owner._reshape_kv_cache_tensors(raw, kernel_block_sizes)
+
+
+@pytest.mark.parametrize("runner", ["v2", "v1"])
+@pytest.mark.parametrize("backend", [FlashAttentionBackend, TritonAttentionBackend])
+def test_offload_packed_kv_cache_views(offload_config, runner, backend):
+    specs = layer_specs(offload_config)
+    page_bytes = next(iter(specs.values())).page_size_bytes
+    with set_current_vllm_config(offload_config):
+        set_kv_cache_layout(None)  # no override: the connector decides
+        try:
+            assert get_kv_cache_layout() == "HND"
+            stride_order = backend.get_kv_cache_stride_order()
+
+            (kv_cache_config,) = get_kv_cache_configs(
+                # Memory for NUM_BLOCKS rows of one page per group (two groups).
+                offload_config, [specs], [NUM_BLOCKS * 2 * page_bytes]
+            )
+            groups = kv_cache_config.kv_cache_groups
+            assert sorted(type(g.kv_cache_spec).__name__ for g in groups) == [
+                "FullAttentionSpec",
+                "SlidingWindowSpec",
+            ]
+            assert _use_packed_kv_cache_config(offload_config, groups)
+            # One page per group in each block row, side by side.
+            tensors = kv_cache_config.kv_cache_tensors
+            assert {t.block_stride for t in tensors} == {len(groups) * page_bytes}
+            assert sorted(t.offset for t in tensors) == [0, page_bytes]
+            assert kv_cache_config.num_blocks == NUM_BLOCKS
+
+            attn_groups = [
+                [AttentionGroup(backend, list(g.layer_names), g.kv_cache_spec, i)]
+                for i, g in enumerate(groups)
+            ]
+            kernel_block_sizes = prepare_kernel_block_sizes(kv_cache_config, attn_groups)
+            if runner == "v2":
+                raw, views = reshape_v2(kv_cache_config, attn_groups, kernel_block_sizes)
+            else:
+                raw, views = reshape_v1(
+                    kv_cache_config, attn_groups, kernel_block_sizes, offload_config
+                )
+        finally:
+            get_kv_cache_layout.cache_clear()
+
+    placement = {name: (t.offset, t.block_stride) for t in tensors for name in t.shared_by}
+    for group_id, group in enumerate(groups):
+        kernel_block_size = kernel_block_sizes[group_id]
+        for name in group.layer_names:
+            view, layer_raw = views[name], raw[name]
+            offset, block_stride = placement[name]
+            num_blocks = layer_raw.numel() // block_stride
+            shape = backend.get_kv_cache_shape(
+                num_blocks * (BLOCK_SIZE // kernel_block_size),
+                kernel_block_size,
+                NUM_KV_HEADS,
+                HEAD_SIZE,
+            )
+            assert tuple(view.shape) == tuple(shape), name
+            assert view.untyped_storage().data_ptr() == (
+                layer_raw.untyped_storage().data_ptr()
+            )
+
+            # Fill the view; exactly this layer's page of each block row changes,
+            # and those bytes, read in the physical order, are the view permuted.
+            layer_raw.zero_()
+            view.copy_((torch.arange(view.numel()) % 251 + 1).view(view.shape))
+            rows = layer_raw.view(-1, block_stride)
+            page = rows[:, offset : offset + page_bytes]
+            others = torch.cat([rows[:, :offset], rows[:, offset + page_bytes :]], 1)
+            assert not others.any(), f"{name} wrote outside its page"
+            physical = page.contiguous().view(view.dtype)
+            physical = physical.view(num_blocks, *(shape[i] for i in stride_order[1:]))
+            assert torch.equal(physical, view.permute(*stride_order)), name
+            layer_raw.zero_()
