@@ -52,8 +52,8 @@ def _model(args: argparse.Namespace) -> None:
     from forkbuild import install, pins, serve
 
     p = pins.load()
-    python, _, _ = install.install(p, args.route)
-    print(serve.ensure_tiny_model(python))
+    python, tree_path, _ = install.install(p, args.route)
+    print(serve.ensure_tiny_model(python, tree_path))
 
 
 def _serve(args: argparse.Namespace) -> None:

@@ -45,6 +45,7 @@ class Pins:
     test: tuple[str, ...]
     routes: dict[str, Route]
     regression_tests: tuple[str, ...]
+    suite: tuple[str, ...]
 
     @property
     def sdist(self) -> Artifact:
@@ -90,6 +91,7 @@ def load(path: Path = PINS_FILE) -> Pins:
             test=tuple(tc["test"]),
             routes=routes,
             regression_tests=tuple(raw["tests"]["regression"]),
+            suite=tuple(raw["tests"]["suite"]),
         )
     except KeyError as exc:
         raise ForkError(f"{path} lacks the key {exc}", "compare it with the fork's main branch") from None

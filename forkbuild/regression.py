@@ -20,17 +20,43 @@ from forkbuild.pins import Pins, build_dir
 
 @dataclass(frozen=True)
 class Outcome:
-    tests: int
-    failed: int
-    errors: int
-    skipped: int
+    """Per-case results of one pytest run: node id -> passed | failed | error | skipped."""
+
+    cases: dict[str, str]
+
+    def count(self, status: str) -> int:
+        return sum(1 for s in self.cases.values() if s == status)
 
     @property
     def passed(self) -> int:
-        return self.tests - self.failed - self.errors - self.skipped
+        return self.count("passed")
+
+    @property
+    def failed(self) -> int:
+        return self.count("failed")
+
+    @property
+    def errors(self) -> int:
+        return self.count("error")
+
+    @property
+    def skipped(self) -> int:
+        return self.count("skipped")
 
     def __str__(self) -> str:
         return f"{self.passed} passed, {self.failed} failed, {self.errors} errors, {self.skipped} skipped"
+
+
+def _read_junit(junit: Path) -> Outcome:
+    cases = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        module = case.get("classname", "").replace(".", "/") + ".py"
+        status = "passed"
+        for child, name in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
+            if case.find(child) is not None:
+                status = name
+        cases[f"{module}::{case.get('name')}"] = status
+    return Outcome(cases)
 
 
 def stock_dir(pins: Pins) -> Path:
@@ -68,21 +94,21 @@ def make_stock_tree(pins: Pins, fork_tree: Path) -> Path:
 def run_pytest(
     python: Path,
     cwd: Path,
-    modules: list[str],
+    args: list[str],
     junit: Path,
     *,
     pythonpath: Path | None = None,
     output: Path | None = None,
 ) -> Outcome:
-    """Run pytest on MODULES in CWD (PYTHONPATH first on sys.path); count from JUnit XML.
+    """Run pytest with ARGS in CWD (PYTHONPATH first on sys.path); read JUnit XML.
 
     With OUTPUT, pytest's report goes to that file instead of the terminal: used for the
     unpatched run, whose expected failures must not read as the run's result.
     """
     env = {**os.environ, "PYTHONPATH": str(pythonpath or cwd)}
     junit.unlink(missing_ok=True)
-    cmd = [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}", *modules]
-    log.step(f"pytest in {cwd.name}: {' '.join(modules)}" + (f" (report: {output})" if output else ""))
+    cmd = [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}", *args]
+    log.step(f"pytest in {cwd.name}: {' '.join(args)}" + (f" (report: {output})" if output else ""))
     with open(output, "w") if output else open(os.devnull) as sink:
         result = subprocess.run(
             cmd, cwd=cwd, env=env, check=False,
@@ -93,9 +119,7 @@ def run_pytest(
             f"pytest could not run the tests in {cwd.name} (exit {result.returncode})",
             f"see {output or 'its output above'}: a collection or import error is not a test result",
         )
-    suite = ET.parse(junit).getroot()
-    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-    return Outcome(*(int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")))
+    return _read_junit(junit)
 
 
 def imported_from(python: Path, tree_path: Path) -> Path:
@@ -109,32 +133,52 @@ def imported_from(python: Path, tree_path: Path) -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
-def check(pins: Pins, python: Path, fork_tree: Path) -> list[tuple[str, Outcome]]:
-    modules = list(pins.regression_tests)
+def _wrong_on_stock(outcome: Outcome, regression: tuple[str, ...]) -> list[str]:
+    """Regression cases must fail (an error is no proof); every other case must not."""
+    wrong = []
+    for case, status in outcome.cases.items():
+        is_regression = case.split("::", 1)[0] in regression
+        if (is_regression and status != "failed") or (not is_regression and status in ("failed", "error")):
+            wrong.append(f"{case} {status}")
+    return wrong
+
+
+def check(pins: Pins, python: Path, fork_tree: Path) -> Outcome:
+    """Run the suite on the unpatched tree, then on the fork; return the fork's outcome."""
     stock = make_stock_tree(pins, fork_tree)
     results = build_dir() / "test-results"
     results.mkdir(exist_ok=True)
-    rows = []
-    for name, path, must in (("fork", fork_tree, "pass"), ("stock", stock, "fail")):
+    for path in (fork_tree, stock):
         origin = imported_from(python, path)
         if not origin.resolve().is_relative_to(path.resolve()):
             raise ForkError(f"in {path.name}, `import vllm` resolved to {origin}; the check would be void")
-        outcome = run_pytest(
-            python, path, modules, results / f"regression-{name}.xml",
-            output=results / f"regression-{name}.log",
-        )
-        ok = outcome.tests > 0 and outcome.errors == 0 and outcome.skipped == 0 and (
-            outcome.failed == 0 if must == "pass" else outcome.failed == outcome.tests
-        )
-        rows.append((name, path, must, outcome, ok))
-    print("\nregression check:", ", ".join(modules))
-    for name, path, must, outcome, ok in rows:
-        print(f"  {name:5} {path.name:24} must {must}: {outcome}  -> {'OK' if ok else 'WRONG'}")
-    bad = [r for r in rows if not r[4]]
-    if bad:
+
+    # The unpatched run first, its report to a file: its failures are expected, and the
+    # last pytest report on the terminal should be the fork's.
+    on_stock = run_pytest(
+        python, stock, list(pins.suite), results / "suite-stock.xml", output=results / "suite-stock.log"
+    )
+    on_fork = run_pytest(python, fork_tree, list(pins.suite), results / "suite-fork.xml")
+
+    regression = pins.regression_tests
+    failing = sorted(c for c, s in on_stock.cases.items() if s == "failed")
+    (results / "regression-cases-failing-on-stock.txt").write_text("\n".join(failing) + "\n")
+    print(f"\nregression proof ({' '.join(pins.suite)}):")
+    print(f"  fork  {fork_tree.name:24} {on_fork}")
+    print(f"  stock {stock.name:24} {on_stock}")
+    for module in regression:
+        in_module = [c for c in on_stock.cases if c.startswith(module + "::")]
+        failed = [c for c in in_module if on_stock.cases[c] == "failed"]
+        print(f"  {module}: {len(failed)}/{len(in_module)} fail on v{pins.upstream_version}")
+    print(f"  failing cases listed in {results / 'regression-cases-failing-on-stock.txt'}")
+
+    problems = [f"{c} {s} on the fork" for c, s in on_fork.cases.items() if s in ("failed", "error")]
+    problems += [f"{w} on v{pins.upstream_version}" for w in _wrong_on_stock(on_stock, regression)]
+    missing = [m for m in regression if not any(c.startswith(m + "::") for c in on_stock.cases)]
+    problems += [f"{m} ran no case" for m in missing]
+    if problems:
         raise ForkError(
-            "the regression tests do not separate the trees: "
-            + "; ".join(f"{r[0]} must {r[2]} but got {r[3]}" for r in bad),
-            "a regression case that passes without the fix proves nothing; fix the test",
+            f"{len(problems)} case(s) break the proof, e.g. {problems[0]}",
+            "a regression case must fail without the fix and pass with it; other cases pass on both",
         )
-    return [(name, outcome) for name, _, _, outcome, _ in rows]
+    return on_fork

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from forkbuild import log, preflight
 from forkbuild.errors import ForkError
-from forkbuild.pins import REPO_ROOT, Pins, build_dir
+from forkbuild.pins import Pins, build_dir
 
 EMBEDDED_NAME = "tiny-gpt-oss"
 DEFAULT_CPU_BYTES = 8 * 2**30
@@ -55,12 +55,16 @@ def add_arguments(cmd: argparse.ArgumentParser) -> None:
                      help="after --: passed to vllm serve unchanged")
 
 
-def ensure_tiny_model(python: Path) -> Path:
+# The generator lives with the fork's tests (the CPU engine test uses it too).
+GENERATOR = "tests/v1/worker/tiny_hybrid_model.py"
+
+
+def ensure_tiny_model(python: Path, tree_path: Path) -> Path:
     out = build_dir() / "models" / EMBEDDED_NAME
     log.step(f"serve: preparing the embedded model in {out}")
     result = subprocess.run(
-        [str(python), "-m", "forkbuild.tinymodel", str(out)],
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"},
+        [str(python), str(tree_path / GENERATOR), str(out)],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
         capture_output=True, text=True, check=False,
     )
     if result.returncode != 0:
@@ -96,9 +100,9 @@ def serve(pins: Pins, args: argparse.Namespace) -> None:
 
     from forkbuild import install
 
-    python, _, route = install.install(pins, args.route)
+    python, tree_path, route = install.install(pins, args.route)
     embedded = args.model is None
-    model = str(ensure_tiny_model(python)) if embedded else args.model
+    model = str(ensure_tiny_model(python, tree_path)) if embedded else args.model
     env = dict(os.environ)
     if embedded:
         env["HF_HUB_OFFLINE"] = "1"

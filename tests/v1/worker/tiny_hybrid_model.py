@@ -1,10 +1,11 @@
-"""The embedded default model: a tiny random-weight GPT-OSS, generated locally.
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""A tiny random-weight GPT-OSS checkpoint, generated locally (no download).
 
-GPT-OSS is the model of #47054: its layers alternate sliding-window and full attention,
-so vLLM gives it two KV cache groups (the shape that the cross-layer packing acts on).
-Weights are random but seeded, and the tokenizer is a byte-level BPE trained on a few
-sentences here, so nothing is downloaded. Run inside the fork's venv:
-    build/venv/bin/python -m forkbuild.tinymodel OUT_DIR
+GPT-OSS is the model of vllm#47054: its layers alternate sliding-window and full
+attention, so vLLM gives it two KV cache groups, the shape that cross-layer
+packing acts on. Weights are random but seeded; the tokenizer is a byte-level
+BPE trained here on a few sentences. As a script: python tiny_hybrid_model.py OUT
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ CORPUS = [
 FORMAT = "tiny-gpt-oss-3"  # bump when the config or tokenizer below change
 
 
-def generate(out: Path) -> Path:
+def make_tiny_gpt_oss(out: Path) -> Path:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import GptOssConfig, GptOssForCausalLM, PreTrainedTokenizerFast
@@ -91,4 +92,4 @@ def generate(out: Path) -> Path:
 
 
 if __name__ == "__main__":
-    print(generate(Path(sys.argv[1])))
+    print(make_tiny_gpt_oss(Path(sys.argv[1])))
