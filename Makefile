@@ -15,7 +15,7 @@ CPU_BYTES ?=
 FORKBUILD := $(PYTHON) -m forkbuild
 ROUTE_OPT := $(if $(ROUTE),--route $(ROUTE))
 
-.PHONY: help fetch tree install regression wheel model serve test clean
+.PHONY: help fetch tree install regression wheel model serve test nightly clean
 
 help:
 	@sed -n '1,5p' Makefile | sed 's/^# \{0,1\}//'
@@ -46,6 +46,10 @@ serve:
 
 test:
 	$(FORKBUILD) test $(ROUTE_OPT)
+
+# The nightly GPU job (.ci/gpu-nightly); refuses at once on a machine without a GPU.
+nightly:
+	$(FORKBUILD) nightly
 
 # Removes what this clone built; the download cache (~/.cache/vllm-fork) is kept.
 clean:

@@ -68,6 +68,12 @@ def _test(args: argparse.Namespace) -> str:
     return testrun.run(pins.load(), args.route)
 
 
+def _nightly(args: argparse.Namespace) -> str:
+    from forkbuild import nightly, pins
+
+    return nightly.run(pins.load())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="forkbuild", description=__doc__)
     sub = parser.add_subparsers(dest="step", required=True)
@@ -90,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     add("wheel", _wheel, "a distributable patched CUDA wheel in dist/")
     add("model", _model, "generate the embedded tiny random-weight model")
     add("test", _test, "everything CI runs: tool tests, the fork's tests, the regression check")
+    add("nightly", _nightly, "the nightly GPU job: CUDA build, GPU tests, benchmark (needs a GPU)")
     from forkbuild.serve import add_arguments
 
     add_arguments(add("serve", _serve, "vllm serve through the fork"))

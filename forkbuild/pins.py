@@ -46,6 +46,7 @@ class Pins:
     routes: dict[str, Route]
     regression_tests: tuple[str, ...]
     suite: tuple[str, ...]
+    gpu_tests: tuple[str, ...]
 
     @property
     def sdist(self) -> Artifact:
@@ -92,6 +93,7 @@ def load(path: Path = PINS_FILE) -> Pins:
             routes=routes,
             regression_tests=tuple(raw["tests"]["regression"]),
             suite=tuple(raw["tests"]["suite"]),
+            gpu_tests=tuple(raw["tests"]["gpu"]),
         )
     except KeyError as exc:
         raise ForkError(f"{path} lacks the key {exc}", "compare it with the fork's main branch") from None

@@ -1,7 +1,8 @@
 """`make test`: everything CI runs, after installing everything it needs.
 
 1. forkbuild's own tests (bad input, idempotence, the wheel, serving the embedded model);
-2. the CPU suite (fork.toml [tests] suite, under vLLM's own conftest) on the unpatched
+2. the GPU tests, which on a machine without a GPU must collect and skip with a reason;
+3. the CPU suite (fork.toml [tests] suite, under vLLM's own conftest) on the unpatched
    tree, where exactly the regression modules' cases must fail, then on the fork, where
    everything must pass.
 It ends with one plain summary line.
@@ -9,7 +10,7 @@ It ends with one plain summary line.
 
 from __future__ import annotations
 
-from forkbuild import install, regression
+from forkbuild import install, preflight, regression
 from forkbuild.errors import ForkError
 from forkbuild.pins import REPO_ROOT, Pins, build_dir
 
@@ -23,15 +24,34 @@ def run(pins: Pins, route_name: str | None) -> str:
     tools = regression.run_pytest(
         python, REPO_ROOT, ["forkbuild/tests"], results / "forkbuild.xml", pythonpath=REPO_ROOT
     )
+    gpu = _gpu_tests_skip_cleanly(pins, python, tree_path, results)
     suite = regression.check(pins, python, tree_path)
 
     passed = tools.passed + suite.passed
     failed = tools.failed + tools.errors + suite.failed + suite.errors
-    skipped = tools.skipped + suite.skipped
+    skipped = tools.skipped + suite.skipped + gpu.skipped
     print(f"\nforkbuild tool tests: {tools}")
+    print(f"GPU tests without a GPU: {gpu.skipped} collected and skipped with a reason")
     print(f"fork suite in {tree_path.name}: {suite}")
     summary = f"summary: {passed} passed, {failed} failed, {skipped} skipped"
     if failed:
         print(summary)
         raise ForkError(f"{failed} test(s) failed", f"JUnit reports are in {results}")
     return summary
+
+
+def _gpu_tests_skip_cleanly(pins: Pins, python, tree_path, results) -> regression.Outcome:
+    """Without a GPU the GPU tests cannot run, but they must still import, collect and
+    skip with a reason; the nightly GPU job runs them for real."""
+    if preflight.has_nvidia_gpu():
+        return regression.Outcome({})
+    outcome = regression.run_pytest(
+        python, tree_path, ["-rs", *pins.gpu_tests], results / "gpu-tests-on-cpu.xml",
+        output=results / "gpu-tests-on-cpu.log",
+    )
+    if not outcome.cases or outcome.skipped != len(outcome.cases):
+        raise ForkError(
+            f"the GPU tests did not all skip on this CPU machine: {outcome}",
+            f"see {results / 'gpu-tests-on-cpu.log'}",
+        )
+    return outcome

@@ -123,8 +123,8 @@ def layer_specs(vllm_config: VllmConfig) -> dict:
     }
 
 
-def reshape_v2(kv_cache_config, attn_groups, kernel_block_sizes):
-    raw = _allocate_kv_cache(kv_cache_config, {}, torch.device("cpu"))
+def reshape_v2(kv_cache_config, attn_groups, kernel_block_sizes, device="cpu"):
+    raw = _allocate_kv_cache(kv_cache_config, {}, torch.device(device))
     views = _reshape_kv_cache(
         attn_groups=[group for groups in attn_groups for group in groups],
         kv_cache_raw_tensors=raw,

@@ -1,0 +1,88 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Engine configurations of the GPU end-to-end tests for vllm#47054.
+
+Kept in one place so that a CPU-only test can build every one of them through
+vLLM's own config classes: a misspelled argument or connector option then
+fails in CPU CI, not on the GPU runner at night.
+"""
+
+from dataclasses import dataclass
+
+from vllm.config import KVTransferConfig
+
+GPU_BLOCK_SIZE = 16
+CPU_BYTES = 1 << 30
+# Greedy prompts of several GPU blocks each, as token ids (no tokenizer needed).
+PROMPT_TOKEN_IDS = [
+    [(7 * i + 3 * j) % 300 + 10 for j in range(6 * GPU_BLOCK_SIZE + 5)] for i in range(4)
+]
+MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class OffloadCase:
+    """One engine configuration of the #47054 setup."""
+
+    attn_backend: str  # "FLASH_ATTN" or "TRITON_ATTN": same cache shape and HND order
+    model_runner: str  # "v1" (GPT-OSS's default) or "v2"
+    cpu_block_size: int | None = None  # None: offloaded blocks are GPU blocks
+    tensor_parallel_size: int = 1
+
+    @property
+    def id(self) -> str:
+        cpu = f"-cpu{self.cpu_block_size}" if self.cpu_block_size else ""
+        return (
+            f"{self.attn_backend}-{self.model_runner}{cpu}-tp{self.tensor_parallel_size}"
+        )
+
+
+CASES = [
+    OffloadCase("FLASH_ATTN", "v1"),
+    OffloadCase("FLASH_ATTN", "v2"),
+    OffloadCase("FLASH_ATTN", "v1", cpu_block_size=4 * GPU_BLOCK_SIZE),
+    OffloadCase("TRITON_ATTN", "v1"),
+    OffloadCase("FLASH_ATTN", "v1", tensor_parallel_size=2),
+]
+
+
+def offload_transfer_config(cpu_block_size: int | None) -> KVTransferConfig:
+    """The connector configuration of the original report."""
+    extra = {
+        "spec_name": "CPUOffloadingSpec",
+        "enable_cross_layers_blocks": "True",
+        "cpu_bytes_to_use": CPU_BYTES,
+        "eviction_policy": "lru",
+    }
+    if cpu_block_size is not None:
+        extra["block_size"] = cpu_block_size
+    return KVTransferConfig(
+        kv_connector="OffloadingConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config=extra,
+    )
+
+
+def engine_kwargs(case: OffloadCase, model: str, *, offload: bool) -> dict:
+    """Keyword arguments for ``LLM``/``EngineArgs``: the baseline (offload=False)
+    differs from the #47054 engine only by the connector."""
+    kwargs = dict(
+        model=model,
+        dtype="bfloat16",
+        max_model_len=1024,
+        block_size=GPU_BLOCK_SIZE,
+        gpu_memory_utilization=0.3,
+        enable_prefix_caching=True,
+        disable_hybrid_kv_cache_manager=False,
+        tensor_parallel_size=case.tensor_parallel_size,
+        attention_config={"backend": case.attn_backend},
+        disable_log_stats=False,
+        seed=0,
+    )
+    if offload:
+        kwargs["kv_transfer_config"] = offload_transfer_config(case.cpu_block_size)
+    return kwargs
+
+
+def runner_env(case: OffloadCase) -> dict[str, str]:
+    return {"VLLM_USE_V2_MODEL_RUNNER": "1" if case.model_runner == "v2" else "0"}
