@@ -12,10 +12,10 @@ result must equal dense attention over the same K/V, for every layer.
 import pytest
 import torch
 
+from tests.v1.worker.test_packed_kv_cache_reshape import kv_cache_layout
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.attention.backends.flex_attention import FlexAttentionBackend
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
-from vllm.v1.attention.backends.utils import get_kv_cache_layout, set_kv_cache_layout
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.worker.gpu.attn_utils import _reshape_attention_kv_cache
 
@@ -29,11 +29,8 @@ SEQ_LENS = [29, 16, 7]
 @pytest.fixture(autouse=True)
 def hnd_layout():
     """The layout the OffloadingConnector requires."""
-    set_kv_cache_layout("HND")
-    get_kv_cache_layout.cache_clear()
-    yield
-    set_kv_cache_layout(None)
-    get_kv_cache_layout.cache_clear()
+    with kv_cache_layout("HND"):
+        yield
 
 
 def write_kv(cache, key, value, slot_mapping):

@@ -13,12 +13,13 @@ in the page in physical (HND) order, which is what the kernels read
 import pytest
 import torch
 
-from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
+from tests.v1.worker.offload_e2e_configs import offload_transfer_config
+from tests.v1.worker.test_packed_kv_cache_reshape import kv_cache_layout
+from vllm.config import CacheConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
     OffloadingConnectorWorker,
 )
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
-from vllm.v1.attention.backends.utils import get_kv_cache_layout, set_kv_cache_layout
 from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -48,11 +49,8 @@ class RecordingCPUOffloadingSpec(CPUOffloadingSpec):
 @pytest.fixture(autouse=True)
 def hnd_layout():
     """The layout the OffloadingConnector requires."""
-    set_kv_cache_layout("HND")
-    get_kv_cache_layout.cache_clear()
-    yield
-    set_kv_cache_layout(None)
-    get_kv_cache_layout.cache_clear()
+    with kv_cache_layout("HND"):
+        yield
 
 
 def test_offload_round_trip_on_packed_views():
@@ -70,15 +68,7 @@ def test_offload_round_trip_on_packed_views():
     ]
     vllm_config = VllmConfig(
         cache_config=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks_override=NUM_BLOCKS),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="OffloadingConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config={
-                "spec_name": "CPUOffloadingSpec",
-                "enable_cross_layers_blocks": "True",
-                "cpu_bytes_to_use": 1 << 20,
-            },
-        ),
+        kv_transfer_config=offload_transfer_config(cpu_block_size=None),
     )
     kv_cache_config = get_kv_cache_config_from_groups(vllm_config, groups, 1 << 30)
     page_bytes = full.page_size_bytes

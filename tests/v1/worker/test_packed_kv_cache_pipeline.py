@@ -15,10 +15,10 @@ import json
 import pytest
 import torch
 
+from tests.v1.worker.offload_e2e_configs import offload_transfer_config
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
-    KVTransferConfig,
     ModelConfig,
     VllmConfig,
     set_current_vllm_config,
@@ -87,15 +87,7 @@ def offload_config(tmp_path, monkeypatch) -> VllmConfig:
         ),
         cache_config=CacheConfig(block_size=BLOCK_SIZE),
         device_config=DeviceConfig(device="cpu"),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="OffloadingConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config={
-                "spec_name": "CPUOffloadingSpec",
-                "enable_cross_layers_blocks": "True",
-                "cpu_bytes_to_use": 1 << 24,
-            },
-        ),
+        kv_transfer_config=offload_transfer_config(cpu_block_size=None),
     )
 
 
