@@ -126,6 +126,7 @@ print(json.dumps({
     "module": attn_utils.__file__,
     "version": importlib.metadata.version("vllm"),
     "platform": type(current_platform).__name__,
+    "device": current_platform.device_type,
     "source": inspect.getsource(attn_utils._reshape_attention_kv_cache),
 }))
 """
@@ -154,10 +155,10 @@ def check_install(python: Path, tree_path: Path, route: Route) -> dict[str, str]
             f"the installed {fixcheck.FUNCTION} is {verdict}, not fixed",
             "check patches/series and rebuild the tree (make tree)",
         )
-    expected = {"cpu": "CpuPlatform", "cuda": "CudaPlatform"}[route.target_device]
-    if info["platform"] != expected:
+    if info["device"] != route.target_device:
         raise ForkError(
-            f"vLLM detected {info['platform']} instead of {expected} (version {info['version']})",
+            f"vLLM detected {info['platform']} (device {info['device']!r}) on the "
+            f"{route.name} route (version {info['version']})",
             "rm -r build/venv and run again",
         )
     log.step(
