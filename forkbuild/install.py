@@ -14,7 +14,6 @@ import os
 import platform
 import shutil
 import subprocess
-import sys
 import venv
 from pathlib import Path
 

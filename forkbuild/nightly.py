@@ -9,7 +9,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from forkbuild import install, log, preflight, regression
+from forkbuild import install, log, preflight, pytest_runner
 from forkbuild.errors import ForkError
 from forkbuild.pins import REPO_ROOT, Pins, build_dir
 
@@ -38,10 +38,10 @@ def run(pins: Pins) -> str:
     log.step(f"nightly: GPUs\n{gpus}")
 
     python, tree_path, _ = install.install(pins, "cuda")
-    kernels_and_engine = regression.run_pytest(
+    kernels_and_engine = pytest_runner.run_pytest(
         python, tree_path, ["--forked", "-v", "-rs", *pins.gpu_tests], out / "gpu-tests.xml"
     )
-    serve = regression.run_pytest(
+    serve = pytest_runner.run_pytest(
         python, REPO_ROOT, ["--forked", "-v", "-rs", "forkbuild/tests/test_serve_gpu.py"],
         out / "serve-gpu.xml", pythonpath=REPO_ROOT,
     )

@@ -9,54 +9,12 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import xml.etree.ElementTree as ET
-from dataclasses import dataclass
 from pathlib import Path
 
-from forkbuild import fixcheck, log, tree
+from forkbuild import fixcheck, tree
 from forkbuild.errors import ForkError
 from forkbuild.pins import Pins, build_dir
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """Per-case results of one pytest run: node id -> passed | failed | error | skipped."""
-
-    cases: dict[str, str]
-
-    def count(self, status: str) -> int:
-        return sum(1 for s in self.cases.values() if s == status)
-
-    @property
-    def passed(self) -> int:
-        return self.count("passed")
-
-    @property
-    def failed(self) -> int:
-        return self.count("failed")
-
-    @property
-    def errors(self) -> int:
-        return self.count("error")
-
-    @property
-    def skipped(self) -> int:
-        return self.count("skipped")
-
-    def __str__(self) -> str:
-        return f"{self.passed} passed, {self.failed} failed, {self.errors} errors, {self.skipped} skipped"
-
-
-def _read_junit(junit: Path) -> Outcome:
-    cases = {}
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        module = case.get("classname", "").replace(".", "/") + ".py"
-        status = "passed"
-        for child, name in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
-            if case.find(child) is not None:
-                status = name
-        cases[f"{module}::{case.get('name')}"] = status
-    return Outcome(cases)
+from forkbuild.pytest_runner import Outcome, run_pytest
 
 
 def stock_dir(pins: Pins) -> Path:
@@ -89,37 +47,6 @@ def make_stock_tree(pins: Pins, fork_tree: Path) -> Path:
     if verdict != "buggy":
         raise ForkError(f"the unpatched tree's {fixcheck.FUNCTION} reads as {verdict}, expected buggy")
     return stock
-
-
-def run_pytest(
-    python: Path,
-    cwd: Path,
-    args: list[str],
-    junit: Path,
-    *,
-    pythonpath: Path | None = None,
-    output: Path | None = None,
-) -> Outcome:
-    """Run pytest with ARGS in CWD (PYTHONPATH first on sys.path); read JUnit XML.
-
-    With OUTPUT, pytest's report goes to that file instead of the terminal: used for the
-    unpatched run, whose expected failures must not read as the run's result.
-    """
-    env = {**os.environ, "PYTHONPATH": str(pythonpath or cwd)}
-    junit.unlink(missing_ok=True)
-    cmd = [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}", *args]
-    log.step(f"pytest in {cwd.name}: {' '.join(args)}" + (f" (report: {output})" if output else ""))
-    with open(output, "w") if output else open(os.devnull) as sink:
-        result = subprocess.run(
-            cmd, cwd=cwd, env=env, check=False,
-            stdout=sink if output else None, stderr=subprocess.STDOUT if output else None,
-        )
-    if result.returncode not in (0, 1) or not junit.exists():
-        raise ForkError(
-            f"pytest could not run the tests in {cwd.name} (exit {result.returncode})",
-            f"see {output or 'its output above'}: a collection or import error is not a test result",
-        )
-    return _read_junit(junit)
 
 
 def imported_from(python: Path, tree_path: Path) -> Path:

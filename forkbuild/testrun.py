@@ -10,7 +10,7 @@ It ends with one plain summary line.
 
 from __future__ import annotations
 
-from forkbuild import install, preflight, regression
+from forkbuild import install, preflight, pytest_runner, regression
 from forkbuild.errors import ForkError
 from forkbuild.pins import REPO_ROOT, Pins, build_dir
 
@@ -21,7 +21,7 @@ def run(pins: Pins, route_name: str | None) -> str:
     results = build_dir() / "test-results"
     results.mkdir(parents=True, exist_ok=True)
 
-    tools = regression.run_pytest(
+    tools = pytest_runner.run_pytest(
         python, REPO_ROOT, ["forkbuild/tests"], results / "forkbuild.xml", pythonpath=REPO_ROOT
     )
     gpu = _gpu_tests_skip_cleanly(pins, python, tree_path, results)
@@ -40,12 +40,12 @@ def run(pins: Pins, route_name: str | None) -> str:
     return summary
 
 
-def _gpu_tests_skip_cleanly(pins: Pins, python, tree_path, results) -> regression.Outcome:
+def _gpu_tests_skip_cleanly(pins: Pins, python, tree_path, results) -> pytest_runner.Outcome:
     """Without a GPU the GPU tests cannot run, but they must still import, collect and
     skip with a reason; the nightly GPU job runs them for real."""
     if preflight.has_nvidia_gpu():
-        return regression.Outcome({})
-    outcome = regression.run_pytest(
+        return pytest_runner.Outcome({})
+    outcome = pytest_runner.run_pytest(
         python, tree_path, ["-rs", *pins.gpu_tests], results / "gpu-tests-on-cpu.xml",
         output=results / "gpu-tests-on-cpu.log",
     )

@@ -16,11 +16,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.v1.worker.test_packed_kv_cache_pipeline import (
+from tests.v1.worker.test_packed_kv_cache_pipeline import (  # noqa: F401
     BLOCK_SIZE,
     HEAD_SIZE,
     NUM_KV_HEADS,
     layer_specs,
+    offload_config,  # fixture: the same GPT-OSS-shaped offload configuration
     reshape_v2,
 )
 from vllm.platforms import current_platform
@@ -63,10 +64,6 @@ def packed_caches(offload_config):
         finally:
             get_kv_cache_layout.cache_clear()
     return kv_cache_config.num_blocks, views
-
-
-# The pipeline test's fixture, for the same GPT-OSS-shaped offload configuration.
-from tests.v1.worker.test_packed_kv_cache_pipeline import offload_config  # noqa: E402,F401
 
 
 def _write_sequences(views, num_blocks):
