@@ -15,7 +15,7 @@ CPU_BYTES ?=
 FORKBUILD := $(PYTHON) -m forkbuild
 ROUTE_OPT := $(if $(ROUTE),--route $(ROUTE))
 
-.PHONY: help fetch tree install regression wheel model serve test nightly clean
+.PHONY: help fetch tree install regression wheel model serve test matrix patch-status upstream rebase nightly clean
 
 help:
 	@sed -n '1,5p' Makefile | sed 's/^# \{0,1\}//'
@@ -46,6 +46,26 @@ serve:
 
 test:
 	$(FORKBUILD) test $(ROUTE_OPT)
+
+# Upstream alignment: the suite on stock releases (slow, ~15 min), the DEP-3 claims
+# (part of `make test`), the tests as a patch series for vLLM, a trial rebase.
+#   make matrix [VERSIONS="0.26.0 0.33.0"]    make rebase VERSION=0.26.0 [ACCEPT=1]
+VERSIONS ?=
+VERSION ?=
+ACCEPT ?=
+
+matrix:
+	$(FORKBUILD) matrix $(VERSIONS)
+
+patch-status:
+	$(FORKBUILD) patch-status
+
+upstream:
+	$(FORKBUILD) upstream
+
+rebase:
+	$(if $(VERSION),,$(error give the upstream version: make rebase VERSION=x.y.z))
+	$(FORKBUILD) rebase $(VERSION) $(if $(ACCEPT),--accept)
 
 # The nightly GPU job (.ci/gpu-nightly); refuses at once on a machine without a GPU.
 nightly:

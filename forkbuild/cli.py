@@ -68,6 +68,33 @@ def _test(args: argparse.Namespace) -> str:
     return testrun.run(pins.load(), args.route)
 
 
+def _matrix(args: argparse.Namespace) -> None:
+    from forkbuild import matrix, pins
+
+    matrix.run(pins.load(), args.versions)
+
+
+def _patch_status(args: argparse.Namespace) -> None:
+    from forkbuild import patch_status, pins
+
+    patch_status.check(pins.load())
+
+
+def _upstream(args: argparse.Namespace) -> None:
+    from forkbuild import pins, upstream
+
+    print(upstream.build(pins.load()))
+
+
+def _rebase(args: argparse.Namespace) -> None:
+    from forkbuild import pins, rebase
+
+    if args.accept:
+        rebase.accept(pins.load(), args.version)
+    else:
+        rebase.trial(pins.load(), args.version)
+
+
 def _nightly(args: argparse.Namespace) -> str:
     from forkbuild import nightly, pins
 
@@ -96,6 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     add("wheel", _wheel, "a distributable patched CUDA wheel in dist/")
     add("model", _model, "generate the embedded tiny random-weight model")
     add("test", _test, "everything CI runs: tool tests, the fork's tests, the regression check")
+    add("matrix", _matrix, "the fork's CPU suite on each release of [matrix]; writes docs/version-matrix.md").add_argument(
+        "versions", nargs="*", help="only these releases (default: all, plus the fork)"
+    )
+    add("patch-status", _patch_status, "confirm each patch's DEP-3 Applied-Upstream against the matrix releases")
+    add("upstream", _upstream, "dist/upstream/: the fork's tests as a git format-patch series for the newest release, proven")
+    rebase_cmd = add("rebase", _rebase, "try the patch series on another upstream release (changes nothing without --accept)")
+    rebase_cmd.add_argument("version", help="the upstream vLLM version, e.g. 0.26.0")
+    rebase_cmd.add_argument("--accept", action="store_true", help="move fork.toml and patches/ to that version")
     add("nightly", _nightly, "the nightly GPU job: CUDA build, GPU tests, benchmark (needs a GPU)")
     from forkbuild.serve import add_arguments
 

@@ -33,6 +33,17 @@ class Route:
 
 
 @dataclass(frozen=True)
+class Release:
+    """A stock upstream release of the version matrix."""
+
+    version: str
+    torch: str
+    sdist: Artifact
+    binaries: Artifact  # the wheel whose compiled extensions the release's Python loads
+    note: str = ""  # what a reader of the matrix table must know about this release
+
+
+@dataclass(frozen=True)
 class Pins:
     label: str
     upstream_version: str
@@ -47,6 +58,19 @@ class Pins:
     regression_tests: tuple[str, ...]
     suite: tuple[str, ...]
     gpu_tests: tuple[str, ...]
+    releases: tuple[Release, ...] = ()
+
+    def torch_pins(self, version: str) -> dict[str, str]:
+        """sha256 pins of the torch wheels of VERSION (the toolchain's or a release's)."""
+        prefix = f"torch-{version}-"
+        return {k: v for k, v in self.torch_sha256.items() if k.startswith(prefix)}
+
+    def release(self, version: str) -> Release:
+        for release in self.releases:
+            if release.version == version:
+                return release
+        known = ", ".join(r.version for r in self.releases)
+        raise ForkError(f"vLLM {version} is not in the version matrix ({known})", "add it to [matrix] in fork.toml")
 
     @property
     def sdist(self) -> Artifact:
@@ -80,6 +104,11 @@ def load(path: Path = PINS_FILE) -> Pins:
             for name, r in raw["routes"].items()
         }
         tc = raw["toolchain"]
+        matrix = raw.get("matrix", {})
+        torch_sha256 = {**tc["torch-sha256"], **matrix.get("torch-sha256", {})}
+        releases = tuple(
+            _release(raw, artifacts, tc["torch"], version) for version in matrix.get("releases", [])
+        )
         return Pins(
             label=raw["fork"]["label"],
             upstream_version=raw["upstream"]["version"],
@@ -87,16 +116,31 @@ def load(path: Path = PINS_FILE) -> Pins:
             machines=tuple(raw["upstream"]["machines"]),
             artifacts=artifacts,
             torch=tc["torch"],
-            torch_sha256={k: v.lower() for k, v in tc["torch-sha256"].items()},
+            torch_sha256={k: v.lower() for k, v in torch_sha256.items()},
             build=tuple(tc["build"]),
             test=tuple(tc["test"]),
             routes=routes,
             regression_tests=tuple(raw["tests"]["regression"]),
             suite=tuple(raw["tests"]["suite"]),
             gpu_tests=tuple(raw["tests"]["gpu"]),
+            releases=releases,
         )
     except KeyError as exc:
         raise ForkError(f"{path} lacks the key {exc}", "compare it with the fork's main branch") from None
+
+
+def _release(raw: dict, artifacts: dict[str, Artifact], torch: str, version: str) -> Release:
+    if version == raw["upstream"]["version"]:  # the fork's base: its files are [artifacts]
+        return Release(version, torch, artifacts["sdist"], artifacts["wheel-cpu"])
+    entry = raw["matrix"]["release"][version]
+
+    def artifact(key: str) -> Artifact:
+        a = entry[key]
+        return Artifact(f"{key}-{version}", a["requirement"], a["filename"], a["sha256"].lower())
+
+    return Release(
+        version, entry["torch"], artifact("sdist"), artifact("binaries"), entry.get("note", "")
+    )
 
 
 def cache_dir() -> Path:

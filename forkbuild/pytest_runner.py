@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from forkbuild import log
@@ -17,6 +17,7 @@ class Outcome:
     """Per-case results of one pytest run: node id -> passed | failed | error | skipped."""
 
     cases: dict[str, str]
+    reasons: dict[str, str] = field(default_factory=dict)  # skipped case -> pytest's reason
 
     def count(self, status: str) -> int:
         return sum(1 for s in self.cases.values() if s == status)
@@ -42,15 +43,19 @@ class Outcome:
 
 
 def _read_junit(junit: Path) -> Outcome:
-    cases = {}
+    cases, reasons = {}, {}
     for case in ET.parse(junit).getroot().iter("testcase"):
         module = case.get("classname", "").replace(".", "/") + ".py"
+        node = f"{module}::{case.get('name')}"
         status = "passed"
         for child, name in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
-            if case.find(child) is not None:
+            found = case.find(child)
+            if found is not None:
                 status = name
-        cases[f"{module}::{case.get('name')}"] = status
-    return Outcome(cases)
+                if name == "skipped":
+                    reasons[node] = found.get("message", "")
+        cases[node] = status
+    return Outcome(cases, reasons)
 
 
 def run_pytest(
@@ -61,13 +66,14 @@ def run_pytest(
     *,
     pythonpath: Path | None = None,
     output: Path | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> Outcome:
     """Run pytest with ARGS in CWD (PYTHONPATH first on sys.path); read JUnit XML.
 
     With OUTPUT, pytest's report goes to that file instead of the terminal: used for the
     unpatched run, whose expected failures must not read as the run's result.
     """
-    env = {**os.environ, "PYTHONPATH": str(pythonpath or cwd)}
+    env = {**os.environ, **(extra_env or {}), "PYTHONPATH": str(pythonpath or cwd)}
     junit.unlink(missing_ok=True)
     cmd = [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}", *args]
     log.step(f"pytest in {cwd.name}: {' '.join(args)}" + (f" (report: {output})" if output else ""))

@@ -4,13 +4,15 @@
 2. the GPU tests, which on a machine without a GPU must collect and skip with a reason;
 3. the CPU suite (fork.toml [tests] suite, under vLLM's own conftest) on the unpatched
    tree, where exactly the regression modules' cases must fail, then on the fork, where
-   everything must pass.
+   everything must pass;
+4. the patch-status check: every patch's DEP-3 Applied-Upstream confirmed on the
+   releases of the version matrix (the matrix itself is the slower `forkbuild matrix`).
 It ends with one plain summary line.
 """
 
 from __future__ import annotations
 
-from forkbuild import install, preflight, pytest_runner, regression
+from forkbuild import install, patch_status, preflight, pytest_runner, regression
 from forkbuild.errors import ForkError
 from forkbuild.pins import REPO_ROOT, Pins, build_dir
 
@@ -26,6 +28,8 @@ def run(pins: Pins, route_name: str | None) -> str:
     )
     gpu = _gpu_tests_skip_cleanly(pins, python, tree_path, results)
     suite = regression.check(pins, python, tree_path)
+    print("\npatch status (DEP-3 Applied-Upstream vs the version matrix):")
+    patch_status.check(pins, python)
 
     passed = tools.passed + suite.passed
     failed = tools.failed + tools.errors + suite.failed + suite.errors

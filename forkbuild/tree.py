@@ -159,40 +159,47 @@ def build(pins: Pins, sdist: Path, *, force: bool = False, patches_dir: Path = P
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tree-new-", dir=build_dir()))
     try:
-        log.step(f"tree: unpacking {sdist.name}")
-        stamp = _extract_sdist(sdist, tmp)
-        # The sdist's egg-info says version 0.25.1 with no "+cpu": first on sys.path (tests
-        # run inside the tree) it shadows the installed metadata and vLLM then detects no
-        # platform. pip regenerates metadata on install; the tree needs none.
-        shutil.rmtree(tmp / "vllm.egg-info", ignore_errors=True)
-        date = f"@{stamp} +0000"
-        env = {**os.environ, **IDENTITY, "GIT_AUTHOR_DATE": date, "GIT_COMMITTER_DATE": date}
-        _git_ok(["init", "-q", "-b", "fork"], tmp, env, "init the tree")
-        (tmp / ".git" / "info").mkdir(exist_ok=True)
-        (tmp / ".git" / "info" / "exclude").write_text(BUILD_OUTPUTS)
-        # -f: the sdist ships a .gitignore that matches a few of its own files; the commit
-        # must hold the release as published, less the generated metadata.
-        _git_ok(["add", "-A", "-f", "."], tmp, env, "stage the sdist")
-        _git_ok(
-            ["rm", "-r", "-q", "--cached", "--ignore-unmatch", *GENERATED], tmp, env, "unstage build metadata"
-        )
-        message = (
-            f"vLLM {pins.upstream_version} (sdist)\n\n"
-            f"{sdist.name}, sha256 {pins.sdist.sha256}.\n"
-            "Generated build metadata is not committed: vllm/_version.py stays untracked\n"
-            "(the build rewrites it) and the sdist's vllm.egg-info is removed.\n"
-        )
-        _git_ok(["commit", "-q", "-m", message], tmp, env, "commit the sdist")
-        _git_ok(["tag", f"v{pins.upstream_version}"], tmp, env, "tag the release")
+        env = commit_release(tmp, sdist, pins.upstream_version, pins.sdist.sha256)
         _apply_patches(tmp, patches, env)
         overlay_tests(tmp, env)
         (tmp / ".git" / INPUTS_FILE).write_text(digest + "\n")
-        _swap_into_place(tmp, final)
+        swap_into_place(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log.step(f"tree: {final} built ({len(patches)} patch(es), inputs {digest})")
     return final
+
+
+def commit_release(dest: Path, sdist: Path, version: str, sha256: str) -> dict[str, str]:
+    """Unpack SDIST into DEST as a git repository: one commit, tagged v<VERSION>.
+
+    Returns the git environment (identity, the release's date) for further commits.
+    """
+    log.step(f"tree: unpacking {sdist.name}")
+    stamp = _extract_sdist(sdist, dest)
+    # The sdist's egg-info carries the bare version (no "+cpu"): first on sys.path (tests
+    # run inside the tree) it shadows the installed metadata and vLLM then detects no
+    # platform. pip regenerates metadata on install; the tree needs none.
+    shutil.rmtree(dest / "vllm.egg-info", ignore_errors=True)
+    date = f"@{stamp} +0000"
+    env = {**os.environ, **IDENTITY, "GIT_AUTHOR_DATE": date, "GIT_COMMITTER_DATE": date}
+    _git_ok(["init", "-q", "-b", "fork"], dest, env, "init the tree")
+    (dest / ".git" / "info").mkdir(exist_ok=True)
+    (dest / ".git" / "info" / "exclude").write_text(BUILD_OUTPUTS)
+    # -f: the sdist ships a .gitignore that matches a few of its own files; the commit
+    # must hold the release as published, less the generated metadata.
+    _git_ok(["add", "-A", "-f", "."], dest, env, "stage the sdist")
+    _git_ok(["rm", "-r", "-q", "--cached", "--ignore-unmatch", *GENERATED], dest, env, "unstage build metadata")
+    message = (
+        f"vLLM {version} (sdist)\n\n"
+        f"{sdist.name}, sha256 {sha256}.\n"
+        "Generated build metadata is not committed: vllm/_version.py stays untracked\n"
+        "(the build rewrites it) and the sdist's vllm.egg-info is removed.\n"
+    )
+    _git_ok(["commit", "-q", "-m", message], dest, env, "commit the sdist")
+    _git_ok(["tag", f"v{version}"], dest, env, "tag the release")
+    return env
 
 
 def overlay_tests(tree: Path, env: dict[str, str]) -> None:
@@ -211,7 +218,7 @@ def overlay_tests(tree: Path, env: dict[str, str]) -> None:
     log.step(f"tree: overlaid {len(files)} test file(s)")
 
 
-def _swap_into_place(new: Path, final: Path) -> None:
+def swap_into_place(new: Path, final: Path) -> None:
     if final.exists():
         old = Path(tempfile.mkdtemp(prefix=".tree-old-", dir=final.parent))
         os.replace(final, old / final.name)

@@ -24,13 +24,14 @@ def wheelhouse() -> Path:
     return path
 
 
-def verify_torch_wheels(pins: Pins) -> None:
-    for wheel in sorted(wheelhouse().glob(f"torch-{pins.torch}-*.whl")):
+def verify_torch_wheels(pins: Pins, torch: str | None = None) -> None:
+    for wheel in sorted(wheelhouse().glob(f"torch-{torch or pins.torch}-*.whl")):
         pinned = pins.torch_sha256.get(wheel.name)
         if pinned is None:
             raise ForkError(
                 f"no sha256 pinned for {wheel.name}",
-                "check the file against the release and add it to [toolchain.torch-sha256] in fork.toml",
+                "check the file against the release and add it to fork.toml "
+                "([toolchain.torch-sha256] or [matrix.torch-sha256])",
             )
         if sha256_file(wheel) != pinned:
             wheel.unlink()
@@ -47,12 +48,15 @@ def install(
     *,
     what: str,
     requirement_files: Sequence[Path] = (),
+    torch: str | None = None,
 ) -> None:
+    """Install REQUIREMENTS into PYTHON's venv; TORCH: the torch version they pin, when it
+    is not the toolchain's (its wheels are checked against their pins all the same)."""
     args: list[str] = [*requirements]
     for req_file in requirement_files:
         args += ["-r", str(req_file)]
     offline = ["install", "--no-index", "--find-links", str(wheelhouse()), *args]
-    verify_torch_wheels(pins)
+    verify_torch_wheels(pins, torch)
     log.step(f"install: installing {what} (from the wheelhouse where it has them)")
     try:
         run_pip(python, offline, what=f"install {what}", quiet=True)
@@ -66,6 +70,6 @@ def install(
         ["download", "--progress-bar", "off", "-d", str(wheelhouse()), *args],
         what=f"download {what}",
     )
-    verify_torch_wheels(pins)
+    verify_torch_wheels(pins, torch)
     run_pip(python, offline, what=f"install {what}")
     log.step(f"install: {what} installed")

@@ -86,3 +86,17 @@ def engine_kwargs(case: OffloadCase, model: str, *, offload: bool) -> dict:
 
 def runner_env(case: OffloadCase) -> dict[str, str]:
     return {"VLLM_USE_V2_MODEL_RUNNER": "1" if case.model_runner == "v2" else "0"}
+
+
+
+def offloading_spec_inputs(vllm_config, kv_cache_config) -> tuple:
+    """The arguments an OffloadingSpec (and OffloadingSpecFactory.create_spec) takes,
+    built as the connector builds them: from vLLM 0.26 one OffloadingConfig, before
+    that the engine's two configs."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+            build_offloading_config,
+        )
+    except ImportError:
+        return (vllm_config, kv_cache_config)
+    return (build_offloading_config(vllm_config, kv_cache_config),)

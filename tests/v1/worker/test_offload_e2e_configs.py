@@ -10,10 +10,12 @@ create, so that a wrong argument or connector option fails in CPU CI.
 
 import pytest
 
+import tests.v1.worker.per_backend_kv_layout  # noqa: F401 (skips without that API)
 from tests.v1.worker.offload_e2e_configs import (
     CASES,
     GPU_BLOCK_SIZE,
     engine_kwargs,
+    offloading_spec_inputs,
 )
 from tests.v1.worker.test_packed_kv_cache_pipeline import layer_specs
 from tests.v1.worker.tiny_hybrid_model import make_tiny_gpt_oss
@@ -56,9 +58,13 @@ def test_gpu_e2e_configs_build(case, tiny_model, monkeypatch):
         (kv_cache_config,) = get_kv_cache_configs(config, [specs], [256 * 2 * page_bytes])
         assert _use_packed_kv_cache_config(config, kv_cache_config.kv_cache_groups)
         # The spec the connector creates from the extra config: every option read.
-        spec = OffloadingSpecFactory.create_spec(config, kv_cache_config)
+        spec = OffloadingSpecFactory.create_spec(
+            *offloading_spec_inputs(config, kv_cache_config)
+        )
     assert type(spec).__name__ == "CPUOffloadingSpec"
     assert spec.eviction_policy == "lru"
     offloaded_block_size = case.cpu_block_size or GPU_BLOCK_SIZE
-    assert spec.block_size_factor == offloaded_block_size // GPU_BLOCK_SIZE
+    # GPU blocks per offloaded block (named blocks_per_chunk from vLLM 0.26).
+    per_chunk = getattr(spec, "blocks_per_chunk", None) or spec.block_size_factor
+    assert per_chunk == offloaded_block_size // GPU_BLOCK_SIZE
     assert spec.num_blocks > 0

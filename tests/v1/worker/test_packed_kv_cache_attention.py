@@ -12,7 +12,8 @@ result must equal dense attention over the same K/V, for every layer.
 import pytest
 import torch
 
-from tests.v1.worker.test_packed_kv_cache_reshape import kv_cache_layout
+import tests.v1.worker.per_backend_kv_layout  # noqa: F401 (skips without that API)
+from tests.v1.worker.test_packed_kv_cache_reshape import kv_cache_layout, key_value_views
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.attention.backends.flex_attention import FlexAttentionBackend
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
@@ -35,20 +36,23 @@ def hnd_layout():
 
 def write_kv(cache, key, value, slot_mapping):
     """reshape_and_cache: token i goes to slot_mapping[i] = block * block_size + offset."""
-    block_size = cache.shape[2]
+    key_cache, value_cache = key_value_views(cache, HEAD_SIZE)
+    block_size = key_cache.shape[1]
     for token, slot in enumerate(slot_mapping.tolist()):
         block, offset = divmod(slot, block_size)
-        cache[block, 0, offset] = key[token]
-        cache[block, 1, offset] = value[token]
+        key_cache[block, offset] = key[token]
+        value_cache[block, offset] = value[token]
 
 
 def paged_attention(cache, query, block_table, seq_len):
-    """Causal attention of SEQ_LEN query tokens over the cache, via the block table."""
-    block_size, num_kv_heads = cache.shape[2], cache.shape[3]
+    """Causal attention of SEQ_LEN query tokens over the cache, via the block table.
+    Block size and head count come from the view, as the kernels take them."""
+    key_cache, value_cache = key_value_views(cache, HEAD_SIZE)
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     positions = torch.arange(seq_len)
     blocks = block_table[positions // block_size]
-    key = cache[blocks, 0, positions % block_size]
-    value = cache[blocks, 1, positions % block_size]
+    key = key_cache[blocks, positions % block_size]
+    value = value_cache[blocks, positions % block_size]
     group = query.shape[1] // num_kv_heads
     return dense_attention(query, key, value, group)
 

@@ -24,6 +24,7 @@ from tests.v1.worker.test_packed_kv_cache_pipeline import (  # noqa: F401
     offload_config,  # fixture: the same GPT-OSS-shaped offload configuration
     reshape_v2,
 )
+from tests.v1.worker.test_packed_kv_cache_reshape import key_value_views
 from vllm.platforms import current_platform
 
 pytestmark = pytest.mark.skipif(
@@ -93,7 +94,7 @@ def _write_sequences(views, num_blocks):
         value = torch.randn(total, NUM_KV_HEADS, HEAD_SIZE, generator=gen, device="cuda")
         query = torch.randn(total, NUM_QUERY_HEADS, HEAD_SIZE, generator=gen, device="cuda")
         key, value, query = (t.to(cache.dtype) for t in (key, value, query))
-        key_cache, value_cache = cache.unbind(1)
+        key_cache, value_cache = key_value_views(cache, HEAD_SIZE)
         ops.reshape_and_cache_flash(
             key, value, key_cache, value_cache, slots, "auto", scale, scale
         )
@@ -133,7 +134,7 @@ def test_flash_attention_over_packed_views(packed_caches, fa_version):
     cu_seqlens_q, seqused_k = _varlen_metadata()
     for name, cache in views.items():
         key, value, query = data[name]
-        key_cache, value_cache = cache.unbind(1)
+        key_cache, value_cache = key_value_views(cache, HEAD_SIZE)
         out = flash_attn_varlen_func(
             q=query,
             k=key_cache,
@@ -162,7 +163,7 @@ def test_triton_attention_over_packed_views(packed_caches):
     one = torch.ones(len(SEQ_LENS), NUM_KV_HEADS, dtype=torch.float32, device="cuda")
     for name, cache in views.items():
         key, value, query = data[name]
-        key_cache, value_cache = cache.unbind(1)
+        key_cache, value_cache = key_value_views(cache, HEAD_SIZE)
         out = torch.empty_like(query)
         unified_attention(
             q=query,

@@ -10,12 +10,15 @@ in the page in physical (HND) order, which is what the kernels read
 (vllm#47054).
 """
 
+import inspect
+
 import pytest
 import torch
 
-from tests.v1.worker.offload_e2e_configs import offload_transfer_config
+import tests.v1.worker.per_backend_kv_layout  # noqa: F401 (skips without that API)
+from tests.v1.worker.offload_e2e_configs import offloading_spec_inputs
+from tests.v1.worker.test_packed_kv_cache_pipeline import offload_config  # noqa: F401
 from tests.v1.worker.test_packed_kv_cache_reshape import kv_cache_layout
-from vllm.config import CacheConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
     OffloadingConnectorWorker,
 )
@@ -53,7 +56,7 @@ def hnd_layout():
         yield
 
 
-def test_offload_round_trip_on_packed_views():
+def test_offload_round_trip_on_packed_views(offload_config):
     common = dict(
         block_size=BLOCK_SIZE,
         num_kv_heads=NUM_KV_HEADS,
@@ -66,10 +69,8 @@ def test_offload_round_trip_on_packed_views():
         KVCacheGroupSpec(["layers.0", "layers.2"], sliding),
         KVCacheGroupSpec(["layers.1", "layers.3"], full),
     ]
-    vllm_config = VllmConfig(
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks_override=NUM_BLOCKS),
-        kv_transfer_config=offload_transfer_config(cpu_block_size=None),
-    )
+    vllm_config = offload_config
+    vllm_config.cache_config.num_gpu_blocks_override = NUM_BLOCKS
     kv_cache_config = get_kv_cache_config_from_groups(vllm_config, groups, 1 << 30)
     page_bytes = full.page_size_bytes
     block_stride = len(groups) * page_bytes
@@ -93,8 +94,13 @@ def test_offload_round_trip_on_packed_views():
         for name in sorted(placement)
     }
 
-    spec = RecordingCPUOffloadingSpec(vllm_config, kv_cache_config)
-    OffloadingConnectorWorker(spec).register_kv_caches(views)
+    spec = RecordingCPUOffloadingSpec(*offloading_spec_inputs(vllm_config, kv_cache_config))
+    # From vLLM 0.26 the worker takes the KV cache config beside the spec.
+    if "kv_cache_config" in inspect.signature(OffloadingConnectorWorker).parameters:
+        worker = OffloadingConnectorWorker(spec, kv_cache_config)
+    else:
+        worker = OffloadingConnectorWorker(spec)
+    worker.register_kv_caches(views)
     (canonical,) = spec.canonical.tensors
     rows = canonical.tensor
     assert rows.dtype == torch.int8

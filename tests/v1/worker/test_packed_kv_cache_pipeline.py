@@ -15,6 +15,7 @@ import json
 import pytest
 import torch
 
+import tests.v1.worker.per_backend_kv_layout  # noqa: F401 (skips without that API)
 from tests.v1.worker.offload_e2e_configs import offload_transfer_config
 from vllm.config import (
     CacheConfig,
@@ -130,21 +131,11 @@ def reshape_v2(kv_cache_config, attn_groups, kernel_block_sizes, device="cpu"):
 
 def reshape_v1(kv_cache_config, attn_groups, kernel_block_sizes, vllm_config):
     """GPUModelRunner's own allocation and reshape methods (the runner GPT-OSS uses),
-    on an object that carries only the attributes those methods read: constructing
-    a whole GPUModelRunner needs a CUDA device."""
-
-    class KVCacheOwner:
-        _allocate_kv_cache_tensors = GPUModelRunner._allocate_kv_cache_tensors
-        _reshape_kv_cache_tensors = GPUModelRunner._reshape_kv_cache_tensors
-        _kv_cache_spec_attn_group_iterator = (
-            GPUModelRunner._kv_cache_spec_attn_group_iterator
-        )
-        _has_mixed_attention_kv_layout = GPUModelRunner._has_mixed_attention_kv_layout
-
-        device = torch.device("cpu")
-        runner_only_attn_layers: set[str] = set()
-
-    owner = KVCacheOwner()
+    on a runner that is not initialised, carrying only the attributes those methods
+    read: constructing a whole GPUModelRunner needs a CUDA device."""
+    owner = object.__new__(GPUModelRunner)
+    owner.device = torch.device("cpu")
+    owner.runner_only_attn_layers = set()
     owner.kv_cache_config = kv_cache_config
     owner.attn_groups = attn_groups
     owner.cache_config = vllm_config.cache_config

@@ -25,6 +25,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import tests.v1.worker.per_backend_kv_layout  # noqa: F401 (skips without that API)
+from tests.v1.worker.test_packed_kv_cache_layer_views import (
+    PackedViews,
+    check_packed_layer_views,
+)
 from vllm.utils.torch_utils import get_dtype_size
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.attention.backends.flash_attn_diffkv import FlashAttentionDiffKVBackend
@@ -59,6 +64,27 @@ def kv_cache_layout(layout: str):
     finally:
         set_kv_cache_layout(None)
         get_kv_cache_layout.cache_clear()
+
+
+def key_value_views(cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of an attention cache view, each [blocks, block_size, heads, head_size].
+
+    The backends' logical shape changed in vLLM 0.26: [blocks, 2, block_size, heads,
+    head_size] before, K and V side by side in the last dim after ([blocks, heads,
+    block_size, 2 * head_size]). Both are views; writes go to the cache.
+    """
+    if cache.dim() == 5:
+        key, value = cache.unbind(1)
+    else:
+        key, value = cache.transpose(1, 2).split(head_size, dim=-1)
+    return key, value
+
+
+def logical_from_pages(pages: torch.Tensor, shape, stride_order) -> torch.Tensor:
+    """PAGES ([blocks, elements of one page]) read the way the backend declares them
+    stored: dims in STRIDE_ORDER, turned back into the logical SHAPE."""
+    physical = pages.reshape(pages.shape[0], *(shape[i] for i in stride_order[1:]))
+    return physical.permute(*(list(stride_order).index(i) for i in range(len(shape))))
 
 
 def stride_order_of(backend, layout: str) -> tuple[int, ...]:
@@ -100,87 +126,25 @@ def layer_specs(backend, block_size, num_kv_heads, head_size, dtype, num_layers)
     ]
 
 
-def physical_strides(shape, stride_order, block_stride_elems):
-    """Element strides of a page stored in ``stride_order``, rows ``block_stride`` apart."""
-    physical_shape = [shape[i] for i in stride_order]
-    strides = [0] * len(shape)
-    step = 1
-    for pos in reversed(range(1, len(shape))):
-        strides[stride_order[pos]] = step
-        step *= physical_shape[pos]
-    strides[stride_order[0]] = block_stride_elems
-    return tuple(strides)
-
-
-def probe_indices(shape, seed: int = 0):
-    """The first and last element of the view and a few seeded random ones."""
-    generator = torch.Generator().manual_seed(seed)
-    indices = [tuple(0 for _ in shape), tuple(n - 1 for n in shape)]
-    for _ in range(4):
-        indices.append(
-            tuple(int(torch.randint(n, (1,), generator=generator)) for n in shape)
-        )
-    return indices
-
-
 def check_packed_views(backend, stride_order, specs, cache_dtype, num_blocks):
     """Pack SPECS side by side in one block row, reshape each, and check every view."""
     spec0 = specs[0]
     shape = backend.get_kv_cache_shape(
         num_blocks, spec0.block_size, spec0.num_kv_heads, spec0.head_size, cache_dtype
     )
-    dtype = spec0.dtype
-    dtype_size = get_dtype_size(dtype)
-    page_bytes = prod(shape[1:]) * dtype_size
+    page_bytes = prod(shape[1:]) * get_dtype_size(spec0.dtype)
     # The planner sizes pages from the specs; the view from the backend's shape.
     assert all(spec.page_size_bytes == page_bytes for spec in specs)
     block_stride = page_bytes * len(specs)
     raw = torch.zeros(num_blocks * block_stride, dtype=torch.int8)
-    physical_shape = [shape[i] for i in stride_order]
-
-    views = []
-    for layer, spec in enumerate(specs):
-        offset = layer * page_bytes
-        view = _reshape_attention_kv_cache(
-            raw, spec, shape, stride_order, num_blocks, (offset, block_stride)
+    views = [
+        _reshape_attention_kv_cache(
+            raw, spec, shape, stride_order, num_blocks, (layer * page_bytes, block_stride)
         )
-        views.append(view)
-        # What the attention kernels index: the backend's logical shape...
-        assert tuple(view.shape) == tuple(shape), f"layer {layer}: shape"
-        assert view.dtype == dtype
-        # ...walking the page in physical (stride) order, one block row apart.
-        # (The stride of a dimension of size 1 is never used; torch reports any.)
-        expected = physical_strides(shape, stride_order, block_stride // dtype_size)
-        assert [s for s, n in zip(view.stride(), shape) if n > 1] == [
-            s for s, n in zip(expected, shape) if n > 1
-        ], f"layer {layer}: strides {view.stride()}, expected {expected}"
-        # A view of the packed allocation at the layer's offset, not a copy.
-        assert view.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr()
-        assert view.storage_offset() * dtype_size == offset
-
-        # A value written at a logical index lands at the byte that the packing
-        # plan and the physical layout predict.
-        marker = torch.tensor([layer + 1.5]).to(dtype)
-        for index in probe_indices(shape, seed=layer):
-            physical_index = [index[i] for i in stride_order]
-            within_page = 0
-            for pos in range(1, len(shape)):
-                within_page = within_page * physical_shape[pos] + physical_index[pos]
-            byte = index[0] * block_stride + offset + within_page * dtype_size
-            view[index] = marker[0]
-            landed = raw[byte : byte + dtype_size]
-            assert landed.tolist() == marker.view(torch.int8).tolist(), (
-                f"layer {layer}: write at {index} did not land at byte {byte}"
-            )
-            view[index] = 0
-
-    # The layers tile each block row exactly, without overlapping.
-    for layer, view in enumerate(views):
-        view.view(torch.int8).fill_(layer + 1)
-    rows = raw.view(num_blocks, block_stride)
-    for layer in range(len(specs)):
-        page = rows[:, layer * page_bytes : (layer + 1) * page_bytes]
-        assert bool((page == layer + 1).all()), f"layer {layer} page was overwritten"
+        for layer, spec in enumerate(specs)
+    ]
+    packed = PackedViews(raw, views, stride_order, page_bytes, block_stride)
+    check_packed_layer_views(packed, shape, spec0.dtype)
 
 
 @pytest.mark.parametrize(("backend", "layout"), PERMUTED_CASES)

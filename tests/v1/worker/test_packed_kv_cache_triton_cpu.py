@@ -18,8 +18,11 @@ as a failure rather than take the test session down.
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+import tests.v1.worker.per_backend_kv_layout  # noqa: F401 (skips without that API)
 
 pytestmark = pytest.mark.cpu_test
 
@@ -30,7 +33,15 @@ TOLERANCE = 5e-3  # fp16 kernels vs an fp32 reference
 
 @pytest.mark.parametrize("num_query_heads", [8, 32])
 def test_triton_kernels_on_packed_views(num_query_heads):
-    env = {**os.environ, "TRITON_INTERPRET": "1", "VLLM_KV_CACHE_LAYOUT": "HND"}
+    # The script imports the checkout's `tests` package, as pytest does.
+    root = str(Path(__file__).resolve().parents[3])
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    env = {
+        **os.environ,
+        "PYTHONPATH": path,
+        "TRITON_INTERPRET": "1",
+        "VLLM_KV_CACHE_LAYOUT": "HND",
+    }
     result = subprocess.run(
         [sys.executable, __file__, str(num_query_heads)],
         env=env,
@@ -84,6 +95,11 @@ def _run_case(num_query_heads: int) -> None:
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm.v1.worker.gpu.attn_utils import _reshape_attention_kv_cache
 
+    from tests.v1.worker.test_packed_kv_cache_reshape import (
+        key_value_views,
+        logical_from_pages,
+    )
+
     assert HAS_TRITON, "vLLM disabled Triton"
     assert get_kv_cache_layout() == "HND"
     torch.set_num_threads(1)
@@ -115,11 +131,8 @@ def _run_case(num_query_heads: int) -> None:
         assert tuple(cache.shape) == tuple(shape), (
             f"layer {layer}: view {tuple(cache.shape)}, backend shape {shape}"
         )
-    # The bytes of each layer in physical order: per block row, LAYERS pages of
-    # (2, heads, block_size, head_size).
-    physical = raw.view(dtype).view(
-        NUM_BLOCKS, LAYERS, 2, NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE
-    )
+    # Each block row holds LAYERS pages side by side.
+    pages = raw.view(NUM_BLOCKS, LAYERS, page_bytes)
 
     # Two sequences over scattered blocks; rows zero-padded as the runner does.
     block_table = torch.zeros((2, 8), dtype=torch.int32)
@@ -148,7 +161,7 @@ def _run_case(num_query_heads: int) -> None:
         slots = torch.tensor(
             [slot(s, p) for s, ps in enumerate(positions) for p in ps], dtype=torch.int64
         )
-        key_cache, value_cache = caches[layer].unbind(1)
+        key_cache, value_cache = key_value_views(caches[layer], HEAD_SIZE)
         triton_reshape_and_cache_flash(
             key, value, key_cache, value_cache, slots, "auto", one, one
         )
@@ -157,13 +170,18 @@ def _run_case(num_query_heads: int) -> None:
         """Every written token, of every layer, at its physical bytes and through
         its view; so no layer overwrote its neighbour in the block row."""
         for layer in range(LAYERS):
+            # The layer's page bytes, read in the order the backend declares.
+            stored = key_value_views(
+                logical_from_pages(pages[:, layer].view(dtype), shape, order), HEAD_SIZE
+            )
+            viewed = key_value_views(caches[layer], HEAD_SIZE)
             for s, n in enumerate(lengths):
                 for p in range(n):
                     block, offset = divmod(slot(s, p), BLOCK_SIZE)
                     for kv, truth in enumerate((keys, values)):
                         expected = truth[layer][s][p]
-                        assert torch.equal(physical[block, layer, kv, :, offset], expected)
-                        assert torch.equal(caches[layer][block, kv, offset], expected)
+                        assert torch.equal(stored[kv][block, offset], expected)
+                        assert torch.equal(viewed[kv][block, offset], expected)
         assert not backing[:guard].any() and not backing[guard + raw_bytes :].any(), (
             "a kernel wrote outside the packed allocation"
         )
@@ -183,7 +201,7 @@ def _run_case(num_query_heads: int) -> None:
             [queries[layer][s][c : c + n] for s, (c, n) in enumerate(zip(contexts, query_lens))]
         )
         out = torch.empty_like(q)
-        key_cache, value_cache = caches[layer].unbind(1)
+        key_cache, value_cache = key_value_views(caches[layer], HEAD_SIZE)
         descale = one.expand(len(seq_lens), NUM_KV_HEADS)
         extra = {}
         if segmented:  # the decode path that splits the softmax over segments

@@ -1,0 +1,275 @@
+"""`forkbuild matrix`: the fork's CPU suite on stock upstream releases and on the fork.
+
+For each release of fork.toml [matrix]: its sdist (pinned) becomes a git tree under
+build/matrix/vllm-<version> with the fork's tests on top and the compiled extensions of
+its own binary wheel (pinned) beside its Python code; the suite runs there on a venv with
+the torch that release pins (the fork's venv when it is the fork's torch). The result is
+a table in docs/version-matrix.md and the per-case record docs/version-matrix.json that
+the patch-status check reads.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import tempfile
+import venv
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from forkbuild import fetch, fixcheck, install, log, regression, tree, wheelhouse
+from forkbuild.errors import ForkError
+from forkbuild.hashing import digest_of
+from forkbuild.pins import REPO_ROOT, Pins, Release, build_dir
+from forkbuild.pytest_runner import Outcome, run_pytest
+
+DOCS = REPO_ROOT / "docs"
+TABLE = DOCS / "version-matrix.md"
+RECORD = DOCS / "version-matrix.json"
+FORK_ROW = "fork"  # the record's key for the patched tree
+# vLLM picks its CPU platform from this (the borrowed CUDA extensions of 0.33.0 would
+# otherwise make it look for a GPU).
+CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu"}
+
+
+def matrix_dir() -> Path:
+    return build_dir() / "matrix"
+
+
+def fork_test_modules(pins: Pins, tree_path: Path) -> list[str]:
+    """The fork's CPU test modules (tests/v1/worker/test_*.py that are not GPU-only),
+    as overlaid on TREE_PATH."""
+    modules = [
+        str(Path("tests") / p.relative_to(tree.TESTS_DIR))
+        for p in tree.overlay_files()
+        if p.name.startswith("test_") and p.suffix == ".py"
+    ]
+    return [m for m in modules if m not in pins.gpu_tests and (tree_path / m).is_file()]
+
+
+# -- trees -------------------------------------------------------------------------------
+
+
+def release_tree(pins: Pins, release: Release) -> Path:
+    """build/matrix/vllm-<version>: the stock release + the fork's tests + its binaries."""
+    toolchain = install.ensure_toolchain(pins)  # pip needs torch to read vLLM sdists' metadata
+    sdist = fetch.fetch(release.sdist, toolchain)
+    binaries = fetch.fetch(release.binaries, toolchain)
+    inputs = [release.sdist.sha256, release.binaries.sha256]
+    for path in tree.overlay_files():
+        inputs += [str(path.relative_to(tree.TESTS_DIR)), path.read_bytes()]
+    digest = digest_of(["matrix-tree-1", *inputs])
+    final = matrix_dir() / f"vllm-{release.version}"
+    marker = final / ".git" / tree.INPUTS_FILE
+    if marker.exists() and marker.read_text().strip() == digest:
+        log.step(f"matrix: {final} is up to date")
+        return final
+    matrix_dir().mkdir(parents=True, exist_ok=True)
+    for stale in matrix_dir().glob(".tree-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tree-new-", dir=matrix_dir()))
+    try:
+        env = tree.commit_release(tmp, sdist, release.version, release.sdist.sha256)
+        tree.overlay_tests(tmp, env)
+        add_binaries(tmp, binaries, release.version)
+        (tmp / ".git" / tree.INPUTS_FILE).write_text(digest + "\n")
+        tree.swap_into_place(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.step(f"matrix: {final} built")
+    return final
+
+
+def add_binaries(dest: Path, wheel: Path, version: str) -> None:
+    """What the wheel has beside the sdist's sources (compiled extensions, vendored
+    kernels' Python), plus version metadata naming the CPU platform."""
+    added = 0
+    with zipfile.ZipFile(wheel) as zf:
+        for name in zf.namelist():
+            if name.startswith("vllm/") and not name.endswith("/") and not (dest / name).exists():
+                zf.extract(name, dest)
+                added += 1
+    label = f"{version}+cpu"
+    (dest / "vllm" / "_version.py").write_text(
+        f"__version__ = version = {label!r}\n__version_tuple__ = version_tuple = "
+        f"{(*map(int, version.split('.')), 'cpu')!r}\n"
+    )
+    # First on sys.path, this metadata wins over whatever vLLM the venv has installed.
+    meta = dest / "vllm.egg-info"
+    meta.mkdir()
+    (meta / "PKG-INFO").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {label}\n")
+    log.step(f"matrix: {added} file(s) from {wheel.name} added beside the sources")
+
+
+# -- environments ------------------------------------------------------------------------
+
+
+def release_python(pins: Pins, release: Release, release_tree_path: Path) -> Path:
+    """The fork's venv for releases on the fork's torch; else a venv per torch version
+    with that release's own requirements."""
+    if release.torch == pins.torch:
+        python, _, _ = install.install(pins, "cpu")
+        return python
+    if not pins.torch_pins(release.torch):
+        raise ForkError(
+            f"vLLM {release.version} needs torch {release.torch}, which fork.toml does not pin",
+            "add its wheels' sha256 to [matrix.torch-sha256]",
+        )
+    home = matrix_dir() / f"venv-torch-{release.torch}"
+    python = home / "bin" / "python"
+    requirements = [f"torch=={release.torch}", *pins.test]
+    req_file = release_tree_path / "requirements" / "common.txt"
+    stamp = home / ".forkbuild-venv"
+    value = digest_of([platform.python_version(), *requirements, req_file.read_bytes()])
+    if stamp.exists() and stamp.read_text().strip() == value and python.exists():
+        return python
+    shutil.rmtree(home, ignore_errors=True)
+    log.step(f"matrix: creating {home} for vLLM {release.version} (torch {release.torch})")
+    venv.EnvBuilder(with_pip=True).create(home)
+    wheelhouse.install(
+        pins, python, requirements, what=f"torch {release.torch} and vLLM {release.version}'s requirements",
+        requirement_files=[req_file], torch=release.torch,
+    )
+    stamp.write_text(value + "\n")
+    return python
+
+
+# -- running -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Row:
+    key: str  # a release version, or FORK_ROW
+    title: str
+    torch: str
+    binaries: str
+    line: str  # what the #47054 code reads as there
+    outcome: Outcome
+
+
+def read_line(tree_path: Path) -> str:
+    module = tree_path / fixcheck.MODULE_PATH
+    source = module.read_text() if module.exists() else ""
+    verdict = fixcheck.classify(source)
+    if verdict == "unknown" and fixcheck.FUNCTION not in source:
+        return "removed (layout rewrite)"
+    return verdict
+
+
+def run_tree(pins: Pins, python: Path, tree_path: Path, name: str) -> Outcome:
+    origin = regression.imported_from(python, tree_path)
+    if not origin.resolve().is_relative_to(tree_path.resolve()):
+        raise ForkError(f"in {tree_path.name}, `import vllm` resolved to {origin}; the run would be void")
+    results = build_dir() / "test-results"
+    results.mkdir(parents=True, exist_ok=True)
+    return run_pytest(
+        python, tree_path, [*fork_test_modules(pins, tree_path), "-m", "cpu_test"],
+        results / f"matrix-{name}.xml", output=results / f"matrix-{name}.log", extra_env=CPU_ENV,
+    )
+
+
+def run(pins: Pins, versions: list[str] | None = None) -> list[Row]:
+    wanted = [pins.release(v) for v in versions] if versions else list(pins.releases)
+    rows = []
+    for index, release in enumerate(wanted, 1):
+        log.step(f"matrix: [{index}/{len(wanted)}] vLLM {release.version}")
+        path = release_tree(pins, release)
+        python = release_python(pins, release, path)
+        outcome = run_tree(pins, python, path, release.version)
+        rows.append(Row(release.version, release.version, release.torch, release.binaries.filename,
+                        read_line(path), outcome))
+        log.step(f"matrix: vLLM {release.version}: {outcome}")
+    if not versions or pins.upstream_version in versions:
+        python, fork_tree, _ = install.install(pins, "cpu")
+        outcome = run_tree(pins, python, fork_tree, FORK_ROW)
+        rows.append(Row(FORK_ROW, f"{pins.upstream_version} + patches/ (the fork)", pins.torch,
+                        pins.routes["cpu"].wheel.filename, read_line(fork_tree), outcome))
+    write(pins, rows)
+    return rows
+
+
+# -- the table and the record ------------------------------------------------------------
+
+
+def _counts(outcome: Outcome, modules: tuple[str, ...], inside: bool) -> str:
+    cases = [s for c, s in outcome.cases.items() if (c.split("::", 1)[0] in modules) == inside]
+    failed = sum(s in ("failed", "error") for s in cases)
+    return f"{cases.count('passed')} / {failed} / {cases.count('skipped')}"
+
+
+def reading(outcome: Outcome, modules: tuple[str, ...]) -> str:
+    statuses = [s for c, s in outcome.cases.items() if c.split("::", 1)[0] in modules]
+    others = [s for c, s in outcome.cases.items() if c.split("::", 1)[0] not in modules]
+    bad = sum(s in ("failed", "error") for s in statuses)
+    if bad:
+        text = f"bug present: {bad} regression case(s) fail"
+    elif "passed" in statuses:
+        text = "fixed: every regression case that runs passes"
+    else:
+        text = "not testable: no regression case runs"
+    other_bad = sum(s in ("failed", "error") for s in others)
+    return text + (f"; {other_bad} other case(s) fail" if other_bad else "")
+
+
+def _note(pins: Pins, key: str) -> str:
+    return "" if key == FORK_ROW else pins.release(key).note
+
+
+def _sdist_sha(pins: Pins, key: str) -> str:
+    return pins.sdist.sha256 if key == FORK_ROW else pins.release(key).sdist.sha256
+
+
+def write(pins: Pins, rows: list[Row]) -> None:
+    record = json.loads(RECORD.read_text()) if RECORD.exists() else {"rows": {}}
+    for row in rows:
+        record["rows"][row.key] = {
+            "title": row.title, "torch": row.torch, "binaries": row.binaries, "line": row.line,
+            "sdist_sha256": _sdist_sha(pins, row.key), "note": _note(pins, row.key),
+            "cases": dict(sorted(row.outcome.cases.items())),
+            "skip_reasons": dict(sorted(row.outcome.reasons.items())),
+        }
+    order = [r.version for r in pins.releases] + [FORK_ROW]
+    record["rows"] = {k: record["rows"][k] for k in order if k in record["rows"]}
+    DOCS.mkdir(exist_ok=True)
+    RECORD.write_text(json.dumps(record, indent=1) + "\n")
+    TABLE.write_text(render(pins, record))
+    print(render(pins, record))
+    log.step(f"matrix: wrote {TABLE.relative_to(REPO_ROOT)} and {RECORD.relative_to(REPO_ROOT)}")
+
+
+def render(pins: Pins, record: dict) -> str:
+    regression = pins.regression_tests
+    lines = [
+        "# Version matrix: the fork's CPU suite on stock vLLM releases",
+        "",
+        "Made by `python3 -m forkbuild matrix` (about 10 minutes on 2 cores); do not edit by hand.",
+        "Each release runs from its pinned sdist with the compiled extensions of its pinned",
+        "binary wheel, on the torch it pins; the fork's test modules are the same everywhere.",
+        f"Regression cases: the modules that reproduce #47054 ({len(regression)} modules);",
+        "counts are passed / failed (incl. errors) / skipped.",
+        "",
+        "| release | torch | compiled extensions from | packed branch of `_reshape_attention_kv_cache` "
+        "| regression cases | other fork cases | reading |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in record["rows"].values():
+        outcome = Outcome(row["cases"])
+        lines.append(
+            f"| {row['title']} | {row['torch']} | `{row['binaries']}` | {row['line']} "
+            f"| {_counts(outcome, regression, True)} | {_counts(outcome, regression, False)} "
+            f"| {reading(outcome, regression)} |"
+        )
+    notes = [f"- {row['title']}: {row['note']}" for row in record["rows"].values() if row.get("note")]
+    if notes:
+        lines += ["", "## Notes", "", *notes]
+    lines += ["", "## Why cases skip", ""]
+    for row in record["rows"].values():
+        reasons: dict[str, int] = {}
+        for reason in row["skip_reasons"].values():
+            reasons[reason] = reasons.get(reason, 0) + 1
+        for reason, count in sorted(reasons.items()):
+            lines.append(f"- {row['title']}: {count} case(s): {reason}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,153 @@
+"""`forkbuild patch-status`: is each patch of the series still needed?
+
+A patch's DEP-3 header says where upstream stands; `Applied-Upstream: v0.26.0` claims
+that the change is in 0.26.0 and every later release. The check confirms the claim on
+every release of the version matrix (fork.toml [matrix]):
+
+- before the claimed release the patch is still needed: it applies to that release's
+  sdist, or the matrix record shows the regression cases failing there;
+- from the claimed release on, upstream has the change: the patch reverse-applies to
+  that release's sdist, or, where upstream rewrote the code, the effect is present: the
+  matrix record (docs/version-matrix.json, made by `forkbuild matrix` from the same
+  pinned sdist) shows regression cases running there and none failing.
+
+A claim that cannot be confirmed fails the check. A patch that claims nothing is
+carried; the check still says where it would apply, so a rebase knows what to drop.
+"""
+
+from __future__ import annotations
+
+import email
+import json
+import subprocess
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from packaging.version import Version
+
+from forkbuild import fetch, install, log, matrix, tree
+from forkbuild.errors import ForkError
+from forkbuild.pins import Pins, Release
+
+APPLIES, REVERSED, NEITHER = "applies", "reverse-applies", "neither"
+
+
+@dataclass(frozen=True)
+class PatchInfo:
+    name: str
+    path: Path
+    fields: dict[str, str]  # DEP-3 fields
+    files: tuple[str, ...]  # paths the diff touches
+
+    @property
+    def applied_upstream(self) -> Version | None:
+        value = self.fields.get("Applied-Upstream", "").strip()
+        if not value or value.lower() in ("no", "not-needed"):
+            return None
+        try:
+            return Version(value.split(",")[0].split()[0].lstrip("v"))
+        except ValueError:
+            raise ForkError(
+                f"{self.name}: Applied-Upstream {value!r} names no release",
+                "write it as `Applied-Upstream: v<version>` (DEP-3), or leave it out",
+            ) from None
+
+
+def read_patch(name: str, path: Path) -> PatchInfo:
+    """The DEP-3 fields of a `git format-patch` mail: `Key: value` lines of the body,
+    before the `---` that starts the diffstat."""
+    message = email.message_from_bytes(path.read_bytes())
+    body = message.get_payload(decode=True).decode("utf-8", "replace")
+    fields: dict[str, str] = {}
+    for line in body.split("\n---\n", 1)[0].splitlines():
+        key, sep, value = line.partition(": ")
+        if sep and key.replace("-", "").isalnum() and " " not in key:
+            fields[key] = value.strip()
+    files = tuple(
+        line.split(" b/", 1)[1] for line in body.splitlines() if line.startswith("diff --git a/")
+    )
+    if not files:
+        raise ForkError(f"{name} has no diff", "regenerate it with git format-patch")
+    return PatchInfo(name, path, fields, files)
+
+
+def try_apply(patch: PatchInfo, sdist: Path) -> str:
+    """Does PATCH apply to SDIST, reverse-apply, or neither? (Only the files it touches
+    are unpacked; git apply --check changes nothing.)"""
+    with tempfile.TemporaryDirectory(prefix="patch-status-") as tmp:
+        with tarfile.open(sdist) as tar:
+            for member in tar.getmembers():
+                inner = member.name.split("/", 1)[-1]
+                if inner in patch.files and member.isfile():
+                    target = Path(tmp) / inner
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(tar.extractfile(member).read())
+        for args, verdict in ((["--check"], APPLIES), (["--check", "-R"], REVERSED)):
+            done = subprocess.run(
+                ["git", "apply", *args, str(patch.path.resolve())],
+                cwd=tmp, capture_output=True, text=True, check=False,
+            )
+            if done.returncode == 0:
+                return verdict
+    return NEITHER
+
+
+def recorded(pins: Pins, release: Release) -> str:
+    """What the matrix record says about the regression cases on RELEASE:
+    'fail', 'pass', or why it says nothing."""
+    if not matrix.RECORD.exists():
+        return "no matrix record"
+    row = json.loads(matrix.RECORD.read_text())["rows"].get(release.version)
+    if row is None:
+        return "not in the matrix record"
+    if row["sdist_sha256"] != release.sdist.sha256:
+        return "matrix record is of another sdist"
+    statuses = [s for c, s in row["cases"].items() if c.split("::", 1)[0] in pins.regression_tests]
+    if any(s in ("failed", "error") for s in statuses):
+        return "fail"
+    return "pass" if "passed" in statuses else "no regression case ran"
+
+
+def check(pins: Pins, python: Path | None = None, patches_dir: Path = tree.PATCHES_DIR) -> list[str]:
+    """Confirm every patch's claim; return the report lines. Raises on a claim that
+    the releases do not confirm."""
+    python = python or install.ensure_toolchain(pins)
+    sdists = {r.version: fetch.fetch(r.sdist, python) for r in pins.releases}
+    lines, problems = [], []
+    for p in tree.read_series(patches_dir):
+        patch = read_patch(p.name, p.path)
+        claim = patch.applied_upstream
+        lines.append(f"{patch.name}: Applied-Upstream {patch.fields.get('Applied-Upstream', '(none)')}")
+        if claim is not None and str(claim) not in {r.version for r in pins.releases}:
+            problems.append(f"{patch.name} claims v{claim}, which is not in the version matrix")
+        for release in pins.releases:
+            applied = try_apply(patch, sdists[release.version])
+            record = recorded(pins, release)
+            if claim is None:
+                ok, meaning = True, ("upstream has it: set Applied-Upstream" if applied == REVERSED else "carried")
+            elif Version(release.version) < claim:
+                ok = applied == APPLIES or record == "fail"
+                meaning = "still needed" if ok else "cannot show it is still needed"
+            elif record == "fail":  # upstream's change does not make the tests pass
+                ok, meaning = False, "regression cases fail where upstream should have it"
+            else:
+                ok = applied == REVERSED or record == "pass"
+                meaning = (
+                    "upstream has it (reverse-applies)" if applied == REVERSED
+                    else "effect present (regression cases pass)" if ok
+                    else "cannot show upstream has it"
+                )
+            lines.append(f"  {release.version:8} patch {applied:15} matrix: {record:24} -> {meaning}")
+            if not ok:
+                problems.append(f"{patch.name} on {release.version}: {meaning} (patch {applied}, matrix: {record})")
+    for line in lines:
+        print(line)
+    if problems:
+        raise ForkError(
+            f"{len(problems)} patch header claim(s) not confirmed, e.g. {problems[0]}",
+            "fix the DEP-3 header, or rerun `python3 -m forkbuild matrix` if the record is stale",
+        )
+    log.step("patch-status: every Applied-Upstream claim confirmed")
+    return lines

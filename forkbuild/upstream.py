@@ -1,0 +1,221 @@
+"""`forkbuild upstream`: the fork's tests as a patch series for vLLM, with proof.
+
+Against the newest release of the version matrix (the last of fork.toml [matrix]):
+1. a worktree of its stock tree gets the fork's test modules that run there (every
+   module with passing and no failing cases in that release's matrix record), plus the
+   test helpers they import at module level; one commit, `git format-patch` into
+   dist/upstream/;
+2. a PR description in vLLM's template (purpose, test plan, test result with the
+   version matrix table);
+3. the proof: a second, fresh worktree of the release, `git am` of the series, the
+   release's own binaries beside it, pytest on the added modules. It must pass.
+Nothing in the series refers to forkbuild: the tests import only vLLM and each other.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+from pathlib import Path
+
+from forkbuild import fetch, install, log, matrix, tree
+from forkbuild.errors import ForkError
+from forkbuild.pins import REPO_ROOT, Pins, build_dir
+from forkbuild.pytest_runner import Outcome, run_pytest
+
+DIST = REPO_ROOT / "dist" / "upstream"
+TEST_PACKAGE = "tests.v1.worker."
+COMMIT_MESSAGE = """\
+[Tests] Regression tests for packed (cross-layer) KV cache views
+
+vllm#47054: with cross-layer KV blocks (OffloadingConnector,
+enable_cross_layers_blocks) each block row packs one page per layer, and
+FlashAttention read its pages in the wrong order (illegal memory access on
+GPT-OSS). PR #47314 fixed it in 0.26.0 without a test.
+
+These CPU tests check the invariant the fix restored, on the current KV
+cache layout API: every layer's view of a packed block row has the
+promised logical shape, walks its own page in the layout's physical
+order one block row apart, aliases the allocation at its offset, and the
+pages tile the row without overlap. Run against 0.24.0-0.25.1 they fail
+on every case; on 0.26.0 and later they pass.
+
+Signed-off-by: {identity}
+"""
+
+
+def newest(pins: Pins):
+    if not pins.releases:
+        raise ForkError("fork.toml lists no [matrix] releases", "add the newest upstream release")
+    return pins.releases[-1]
+
+
+def modules_that_run(pins: Pins, version: str) -> list[str]:
+    """Test modules with passing and no failing cases on VERSION, per the matrix record."""
+    rows = json.loads(matrix.RECORD.read_text())["rows"] if matrix.RECORD.exists() else {}
+    row = rows.get(version)
+    if row is None or row["sdist_sha256"] != pins.release(version).sdist.sha256:
+        raise ForkError(
+            f"the version matrix has no current record of vLLM {version}",
+            f"run `python3 -m forkbuild matrix {version}` first",
+        )
+    by_module: dict[str, list[str]] = {}
+    for case, status in row["cases"].items():
+        by_module.setdefault(case.split("::", 1)[0], []).append(status)
+    return sorted(
+        m for m, s in by_module.items() if "passed" in s and not {"failed", "error"} & set(s)
+    )
+
+
+def with_helpers(modules: list[str]) -> list[str]:
+    """MODULES plus the fork's test files they import at module level, transitively."""
+    wanted, todo = set(), list(modules)
+    while todo:
+        module = todo.pop()
+        if module in wanted:
+            continue
+        wanted.add(module)
+        source = (tree.TESTS_DIR.parent / module).read_text()
+        for node in ast.parse(source).body:  # module level only: lazy imports stay out
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            for name in names:
+                if name.startswith(TEST_PACKAGE):
+                    todo.append(name.replace(".", "/") + ".py")
+    return sorted(wanted)
+
+
+def _worktree(repo: Path, path: Path, tag: str, branch: str) -> None:
+    env = {**os.environ, **tree.IDENTITY}
+    if path.exists():
+        shutil.rmtree(path)
+    tree.git(["worktree", "prune"], repo, env)
+    made = tree.git(["worktree", "add", "-q", "--force", "-B", branch, str(path), tag], repo, env)
+    if made.returncode != 0:
+        raise ForkError(f"could not create a worktree of {tag}: {made.stderr.strip()}")
+
+
+def build(pins: Pins) -> Path:
+    release = newest(pins)
+    version = release.version
+    modules = modules_that_run(pins, version)
+    if not modules:
+        raise ForkError(f"no fork test module passes on vLLM {version}", "see docs/version-matrix.md")
+    files = with_helpers(modules)
+    repo = matrix.release_tree(pins, release)
+    work = build_dir() / "upstream" / "work"
+    env = {**os.environ, **tree.IDENTITY, "GIT_AUTHOR_DATE": "@0 +0000", "GIT_COMMITTER_DATE": "@0 +0000"}
+
+    _worktree(repo, work, f"v{version}", "upstream-tests")
+    for rel in files:
+        text = (tree.TESTS_DIR.parent / rel).read_text()
+        if "forkbuild" in text:
+            raise ForkError(f"{rel} mentions forkbuild", "upstream tests must not depend on the fork's tooling")
+        (work / rel).parent.mkdir(parents=True, exist_ok=True)
+        (work / rel).write_text(text)
+    identity = f"{tree.IDENTITY['GIT_AUTHOR_NAME']} <{tree.IDENTITY['GIT_AUTHOR_EMAIL']}>"
+    tree._git_ok(["add", *files], work, env, "stage the tests")
+    tree._git_ok(["commit", "-q", "-m", COMMIT_MESSAGE.format(identity=identity)], work, env, "commit the tests")
+
+    if DIST.exists():
+        shutil.rmtree(DIST)
+    DIST.mkdir(parents=True)
+    tree._git_ok(
+        ["format-patch", "-q", "--no-signature", "-o", str(DIST), f"v{version}..HEAD"], work, env,
+        "write the patch series",
+    )
+    series = sorted(DIST.glob("*.patch"))
+    log.step(f"upstream: {len(series)} patch(es) against v{version} in {DIST}")
+
+    outcome = prove(pins, release, repo, series, modules)
+    (DIST / "PR_DESCRIPTION.md").write_text(describe(pins, version, files, modules, outcome))
+    log.step(f"upstream: PR description and proof written to {DIST}")
+    return DIST
+
+
+def prove(pins: Pins, release, repo: Path, series: list[Path], modules: list[str]) -> Outcome:
+    """git am the series onto a fresh worktree of the release and run the tests there."""
+    proof = build_dir() / "upstream" / "proof"
+    env = {**os.environ, **tree.IDENTITY}
+    _worktree(repo, proof, f"v{release.version}", "upstream-proof")
+    applied = tree.git(["am", "--keep-cr", *map(str, series)], proof, env)
+    if applied.returncode != 0:
+        raise ForkError(f"the series does not apply with git am: {applied.stdout.strip()[-300:]}")
+    binaries = fetch.fetch(release.binaries, install.ensure_toolchain(pins))
+    matrix.add_binaries(proof, binaries, release.version)
+    python = matrix.release_python(pins, release, proof)
+    outcome = run_pytest(
+        python, proof, [*modules, "-m", "cpu_test", "-rs"], DIST / "proof-junit.xml",
+        output=DIST / "proof-pytest.log", extra_env=matrix.CPU_ENV,
+    )
+    log_lines = [
+        f"vLLM {release.version} sdist {release.sdist.sha256}",
+        f"git am {' '.join(p.name for p in series)}: applied",
+        f"pytest {' '.join(modules)} -m cpu_test: {outcome}",
+        *(f"  {case} {status}" for case, status in sorted(outcome.cases.items())),
+    ]
+    (DIST / "PROOF.txt").write_text("\n".join(log_lines) + "\n")
+    if outcome.failed or outcome.errors or not outcome.passed:
+        raise ForkError(f"the tests do not pass on v{release.version} after git am: {outcome}",
+                        f"see {DIST / 'proof-pytest.log'}")
+    return outcome
+
+
+def describe(pins: Pins, version: str, files: list[str], modules: list[str], outcome: Outcome) -> str:
+    record = json.loads(matrix.RECORD.read_text())
+    table = matrix.render(pins, record).split("\n## Why cases skip")[0]
+    table_lines = [line for line in table.splitlines() if line.startswith("|")]
+    listed = "\n".join(f"- `{f}`" for f in files)
+    return f"""\
+## Purpose
+
+Regression tests for #47054 (fixed by #47314 in 0.26.0, which added no test). With
+cross-layer KV blocks (`OffloadingConnector`, `enable_cross_layers_blocks`), a block
+row packs one page per layer; before the fix FlashAttention received its pages in the
+wrong order and crashed with an illegal memory access on GPT-OSS. The tests check the
+invariant the fix restored, on the KV cache layout API of vLLM {version}: each layer's
+view has the promised logical shape, walks its own page in the layout's physical
+order one block row apart, aliases the allocation at its offset, and the pages tile
+each row without overlap. CPU only (`pytest.mark.cpu_test`), vLLM's own code, no mocks.
+
+Files:
+{listed}
+
+## Test Plan
+
+```
+pytest {' '.join(modules)} -m cpu_test
+```
+
+Also run, unchanged, against the stock releases below (each from its sdist with the
+compiled extensions of its own wheel): the regression cases fail on every release
+with the bug and pass on every release with the fix.
+
+## Test Result
+
+On vLLM {version} with this series applied by `git am`: {outcome}.
+
+{chr(10).join(table_lines)}
+
+(A "fork" row is the downstream 0.25.1 with the fix backported. Other modules of that
+downstream suite drive the per-backend layout API that the layout rewrite removed, and
+its GPU tests have not run on {version}; they are not part of this PR.)
+
+---
+<details>
+<summary>Essential Elements of an Effective PR Description Checklist</summary>
+
+- [x] The purpose of the PR.
+- [x] The test plan.
+- [x] The test results.
+- [ ] (Optional) Documentation update: none needed.
+
+The commit carries a placeholder `Signed-off-by`; whoever submits it signs it off
+(DCO) with their own identity.
+</details>
+"""
