@@ -123,12 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     add("wheel", _wheel, "a distributable patched CUDA wheel in dist/")
     add("model", _model, "generate the embedded tiny random-weight model")
     add("test", _test, "everything CI runs: tool tests, the fork's tests, the regression check")
-    add("matrix", _matrix, "the fork's CPU suite on each release of [matrix]; writes docs/version-matrix.md").add_argument(
+    add("matrix", _matrix, "the fork's CPU suite on the [matrix] releases: docs/version-matrix.md").add_argument(
         "versions", nargs="*", help="only these releases (default: all, plus the fork)"
     )
-    add("patch-status", _patch_status, "confirm each patch's DEP-3 Applied-Upstream against the matrix releases")
-    add("upstream", _upstream, "dist/upstream/: the fork's tests as a git format-patch series for the newest release, proven")
-    rebase_cmd = add("rebase", _rebase, "try the patch series on another upstream release (changes nothing without --accept)")
+    add("patch-status", _patch_status, "confirm each patch's DEP-3 Applied-Upstream on the matrix")
+    add("upstream", _upstream, "dist/upstream/: the tests as a patch series for the newest release")
+    rebase_cmd = add("rebase", _rebase, "try the series on another release (changes nothing without --accept)")
     rebase_cmd.add_argument("version", help="the upstream vLLM version, e.g. 0.26.0")
     rebase_cmd.add_argument("--accept", action="store_true", help="move fork.toml and patches/ to that version")
     add("nightly", _nightly, "the nightly GPU job: CUDA build, GPU tests, benchmark (needs a GPU)")

@@ -194,24 +194,27 @@ def run(pins: Pins, versions: list[str] | None = None) -> list[Row]:
 # -- the table and the record ------------------------------------------------------------
 
 
-def _counts(outcome: Outcome, modules: tuple[str, ...], inside: bool) -> str:
-    cases = [s for c, s in outcome.cases.items() if (c.split("::", 1)[0] in modules) == inside]
+def _module(case: str) -> str:
+    return case.split("::", 1)[0]
+
+
+def _counts(outcome: Outcome, modules: tuple[str, ...], inside: bool = True) -> str:
+    cases = [s for c, s in outcome.cases.items() if (_module(c) in modules) == inside]
     failed = sum(s in ("failed", "error") for s in cases)
     return f"{cases.count('passed')} / {failed} / {cases.count('skipped')}"
 
 
 def reading(outcome: Outcome, modules: tuple[str, ...]) -> str:
-    statuses = [s for c, s in outcome.cases.items() if c.split("::", 1)[0] in modules]
-    others = [s for c, s in outcome.cases.items() if c.split("::", 1)[0] not in modules]
+    """What the cases of one patch's regression MODULES say about a release."""
+    statuses = [s for c, s in outcome.cases.items() if _module(c) in modules]
     bad = sum(s in ("failed", "error") for s in statuses)
     if bad:
-        text = f"bug present: {bad} regression case(s) fail"
-    elif "passed" in statuses:
-        text = "fixed: every regression case that runs passes"
-    else:
-        text = "not testable: no regression case runs"
-    other_bad = sum(s in ("failed", "error") for s in others)
-    return text + (f"; {other_bad} other case(s) fail" if other_bad else "")
+        return f"needed ({bad} fail)"
+    return "has the fix" if "passed" in statuses else "not testable"
+
+
+def _patch_id(name: str) -> str:
+    return name.split("-", 1)[0]
 
 
 def _note(pins: Pins, key: str) -> str:
@@ -241,31 +244,35 @@ def write(pins: Pins, rows: list[Row]) -> None:
 
 
 def render(pins: Pins, record: dict) -> str:
-    regression = pins.regression_tests
+    patches = pins.regression_by_patch
     lines = [
         "# Version matrix: the fork's CPU suite on stock vLLM releases",
         "",
-        "Made by `python3 -m forkbuild matrix` (about 10 minutes on 2 cores); do not edit by hand.",
+        "Made by `python3 -m forkbuild matrix` (about 15 minutes on 2 cores); do not edit by hand.",
         "Each release runs from its pinned sdist with the compiled extensions of its pinned",
         "binary wheel, on the torch it pins; the fork's test modules are the same everywhere.",
-        f"Regression cases: the modules that reproduce #47054 ({len(regression)} modules);",
-        "counts are passed / failed (incl. errors) / skipped.",
+        "Per patch, its regression modules (fork.toml [tests.regression]): passed / failed",
+        "(incl. errors) / skipped, and what they say: the release still needs the patch, or",
+        "has the fix. The last column counts every other fork case. Patches:",
+        "",
+        *(f"- {_patch_id(name)}: `patches/{name}`" for name in patches),
         "",
         "| release | torch | compiled extensions from | packed branch of `_reshape_attention_kv_cache` "
-        "| regression cases | other fork cases | reading |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        + "".join(f"| patch {_patch_id(n)} cases | patch {_patch_id(n)} " for n in patches)
+        + "| other fork cases |",
+        "| --- | --- | --- | --- " + "| --- | --- " * len(patches) + "| --- |",
     ]
     for row in record["rows"].values():
         outcome = Outcome(row["cases"])
         lines.append(
             f"| {row['title']} | {row['torch']} | `{row['binaries']}` | {row['line']} "
-            f"| {_counts(outcome, regression, True)} | {_counts(outcome, regression, False)} "
-            f"| {reading(outcome, regression)} |"
+            + "".join(f"| {_counts(outcome, m)} | {reading(outcome, m)} " for m in patches.values())
+            + f"| {_counts(outcome, pins.regression_tests, inside=False)} |"
         )
     notes = [f"- {row['title']}: {row['note']}" for row in record["rows"].values() if row.get("note")]
     if notes:
         lines += ["", "## Notes", "", *notes]
-    lines += ["", "## Why cases skip", ""]
+    lines += ["", "## Why cases skip (or xfail: pytest reports them as skipped)", ""]
     for row in record["rows"].values():
         reasons: dict[str, int] = {}
         for reason in row["skip_reasons"].values():

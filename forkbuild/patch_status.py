@@ -94,8 +94,8 @@ def try_apply(patch: PatchInfo, sdist: Path) -> str:
     return NEITHER
 
 
-def recorded(pins: Pins, release: Release) -> str:
-    """What the matrix record says about the regression cases on RELEASE:
+def recorded(pins: Pins, release: Release, modules: tuple[str, ...]) -> str:
+    """What the matrix record says about the cases of MODULES on RELEASE:
     'fail', 'pass', or why it says nothing."""
     if not matrix.RECORD.exists():
         return "no matrix record"
@@ -104,7 +104,7 @@ def recorded(pins: Pins, release: Release) -> str:
         return "not in the matrix record"
     if row["sdist_sha256"] != release.sdist.sha256:
         return "matrix record is of another sdist"
-    statuses = [s for c, s in row["cases"].items() if c.split("::", 1)[0] in pins.regression_tests]
+    statuses = [s for c, s in row["cases"].items() if c.split("::", 1)[0] in modules]
     if any(s in ("failed", "error") for s in statuses):
         return "fail"
     return "pass" if "passed" in statuses else "no regression case ran"
@@ -119,12 +119,18 @@ def check(pins: Pins, python: Path | None = None, patches_dir: Path = tree.PATCH
     for p in tree.read_series(patches_dir):
         patch = read_patch(p.name, p.path)
         claim = patch.applied_upstream
+        modules = pins.regression_by_patch.get(patch.name)
+        if not modules:
+            raise ForkError(
+                f"{patch.name} has no regression modules in fork.toml [tests.regression]",
+                "every patch needs a test that fails without it: name its module there",
+            )
         lines.append(f"{patch.name}: Applied-Upstream {patch.fields.get('Applied-Upstream', '(none)')}")
         if claim is not None and str(claim) not in {r.version for r in pins.releases}:
             problems.append(f"{patch.name} claims v{claim}, which is not in the version matrix")
         for release in pins.releases:
             applied = try_apply(patch, sdists[release.version])
-            record = recorded(pins, release)
+            record = recorded(pins, release, modules)
             if claim is None:
                 ok, meaning = True, ("upstream has it: set Applied-Upstream" if applied == REVERSED else "carried")
             elif Version(release.version) < claim:

@@ -55,10 +55,15 @@ class Pins:
     build: tuple[str, ...]
     test: tuple[str, ...]
     routes: dict[str, Route]
-    regression_tests: tuple[str, ...]
+    regression_by_patch: dict[str, tuple[str, ...]]  # patch file name -> its modules
     suite: tuple[str, ...]
     gpu_tests: tuple[str, ...]
     releases: tuple[Release, ...] = ()
+
+    @property
+    def regression_tests(self) -> tuple[str, ...]:
+        """Every regression module, of every patch, in fork.toml's order."""
+        return tuple(dict.fromkeys(m for ms in self.regression_by_patch.values() for m in ms))
 
     def torch_pins(self, version: str) -> dict[str, str]:
         """sha256 pins of the torch wheels of VERSION (the toolchain's or a release's)."""
@@ -120,7 +125,7 @@ def load(path: Path = PINS_FILE) -> Pins:
             build=tuple(tc["build"]),
             test=tuple(tc["test"]),
             routes=routes,
-            regression_tests=tuple(raw["tests"]["regression"]),
+            regression_by_patch={k: tuple(v) for k, v in raw["tests"]["regression"].items()},
             suite=tuple(raw["tests"]["suite"]),
             gpu_tests=tuple(raw["tests"]["gpu"]),
             releases=releases,

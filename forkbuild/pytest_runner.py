@@ -52,8 +52,9 @@ def _read_junit(junit: Path) -> Outcome:
             found = case.find(child)
             if found is not None:
                 status = name
-                if name == "skipped":
-                    reasons[node] = found.get("message", "")
+                if name == "skipped":  # pytest reports an xfail as a skip of that type
+                    xfail = found.get("type") == "pytest.xfail"
+                    reasons[node] = ("xfail: " if xfail else "") + found.get("message", "")
         cases[node] = status
     return Outcome(cases, reasons)
 

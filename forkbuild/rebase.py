@@ -107,7 +107,10 @@ def trial(pins: Pins, version: str) -> tuple[list[Outcome], dict[str, tuple[str,
     out = rebase_dir() / f"patches-{version}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
-    kept = tree.git(["format-patch", "-q", "--no-signature", "--zero-commit", "-o", str(out), f"v{version}..HEAD"], work, env)
+    kept = tree.git(
+        ["format-patch", "-q", "--no-signature", "--zero-commit", "-o", str(out), f"v{version}..HEAD"],
+        work, env,
+    )
     if kept.returncode != 0:
         raise ForkError(f"git format-patch failed in {work}: {kept.stderr.strip()}")
     (out / "series").write_text("".join(f"{p.name}\n" for p in sorted(out.glob("*.patch"))))
@@ -132,7 +135,8 @@ def _effect_recorded(pins: Pins, patch: patch_status.PatchInfo, version: str) ->
     claim = patch.applied_upstream
     if claim is None or Version(version) < claim or version not in {r.version for r in pins.releases}:
         return False
-    return patch_status.recorded(pins, pins.release(version)) == "pass"
+    modules = pins.regression_by_patch.get(patch.name, ())
+    return bool(modules) and patch_status.recorded(pins, pins.release(version), modules) == "pass"
 
 
 def _inline(artifact) -> str:

@@ -18,6 +18,7 @@ import ast
 import json
 import os
 import shutil
+import textwrap
 from pathlib import Path
 
 from forkbuild import fetch, install, log, matrix, tree
@@ -39,8 +40,7 @@ These CPU tests check the invariant the fix restored, on the current KV
 cache layout API: every layer's view of a packed block row has the
 promised logical shape, walks its own page in the layout's physical
 order one block row apart, aliases the allocation at its offset, and the
-pages tile the row without overlap. Run against 0.24.0-0.25.1 they fail
-on every case; on 0.26.0 and later they pass.
+pages tile the row without overlap. {evidence}
 
 Signed-off-by: {identity}
 """
@@ -66,6 +66,32 @@ def modules_that_run(pins: Pins, version: str) -> list[str]:
         by_module.setdefault(case.split("::", 1)[0], []).append(status)
     return sorted(
         m for m, s in by_module.items() if "passed" in s and not {"failed", "error"} & set(s)
+    )
+
+
+def per_release(pins: Pins, modules: list[str]) -> dict[str, tuple[int, int, int]]:
+    """(passed, failed, skipped) of MODULES' cases on each stock release of the record."""
+    rows = json.loads(matrix.RECORD.read_text())["rows"]
+    counts = {}
+    for release in pins.releases:
+        row = rows.get(release.version)
+        if row is None:
+            continue
+        statuses = [s for c, s in row["cases"].items() if c.split("::", 1)[0] in modules]
+        counts[release.version] = (
+            statuses.count("passed"),
+            sum(s in ("failed", "error") for s in statuses),
+            statuses.count("skipped"),
+        )
+    return counts
+
+
+def evidence(counts: dict[str, tuple[int, int, int]]) -> str:
+    failing = [v for v, (_, f, _) in counts.items() if f]
+    passing = [v for v, (p, f, _) in counts.items() if p and not f]
+    return (
+        f"Run unchanged against released vLLM: they fail on {', '.join(failing) or 'none'} "
+        f"(the releases with the bug) and pass on {', '.join(passing) or 'none'}."
     )
 
 
@@ -109,7 +135,8 @@ def build(pins: Pins) -> Path:
     files = with_helpers(modules)
     repo = matrix.release_tree(pins, release)
     work = build_dir() / "upstream" / "work"
-    env = {**os.environ, **tree.IDENTITY, "GIT_AUTHOR_DATE": "@0 +0000", "GIT_COMMITTER_DATE": "@0 +0000"}
+    env = {**os.environ, **tree.IDENTITY}
+    counts = per_release(pins, modules)
 
     _worktree(repo, work, f"v{version}", "upstream-tests")
     for rel in files:
@@ -120,20 +147,22 @@ def build(pins: Pins) -> Path:
         (work / rel).write_text(text)
     identity = f"{tree.IDENTITY['GIT_AUTHOR_NAME']} <{tree.IDENTITY['GIT_AUTHOR_EMAIL']}>"
     tree._git_ok(["add", *files], work, env, "stage the tests")
-    tree._git_ok(["commit", "-q", "-m", COMMIT_MESSAGE.format(identity=identity)], work, env, "commit the tests")
+    message = COMMIT_MESSAGE.format(identity=identity, evidence=textwrap.fill(evidence(counts), 72))
+    tree._git_ok(["commit", "-q", "-m", message], work, env, "commit the tests")
 
     if DIST.exists():
         shutil.rmtree(DIST)
     DIST.mkdir(parents=True)
     tree._git_ok(
-        ["format-patch", "-q", "--no-signature", "-o", str(DIST), f"v{version}..HEAD"], work, env,
+        ["format-patch", "-q", "--zero-commit", "--no-signature", "-o", str(DIST), f"v{version}..HEAD"],
+        work, env,
         "write the patch series",
     )
     series = sorted(DIST.glob("*.patch"))
     log.step(f"upstream: {len(series)} patch(es) against v{version} in {DIST}")
 
     outcome = prove(pins, release, repo, series, modules)
-    (DIST / "PR_DESCRIPTION.md").write_text(describe(pins, version, files, modules, outcome))
+    (DIST / "PR_DESCRIPTION.md").write_text(describe(version, files, modules, outcome, counts))
     log.step(f"upstream: PR description and proof written to {DIST}")
     return DIST
 
@@ -166,10 +195,16 @@ def prove(pins: Pins, release, repo: Path, series: list[Path], modules: list[str
     return outcome
 
 
-def describe(pins: Pins, version: str, files: list[str], modules: list[str], outcome: Outcome) -> str:
-    record = json.loads(matrix.RECORD.read_text())
-    table = matrix.render(pins, record).split("\n## Why cases skip")[0]
-    table_lines = [line for line in table.splitlines() if line.startswith("|")]
+def describe(
+    version: str, files: list[str], modules: list[str], outcome: Outcome,
+    counts: dict[str, tuple[int, int, int]],
+) -> str:
+    record = json.loads(matrix.RECORD.read_text())["rows"]
+    table_lines = [
+        "| vLLM | packed branch of `_reshape_attention_kv_cache` | passed | failed | skipped |",
+        "| --- | --- | --- | --- | --- |",
+        *(f"| {v} | {record[v]['line']} | {p} | {f} | {sk} |" for v, (p, f, sk) in counts.items()),
+    ]
     listed = "\n".join(f"- `{f}`" for f in files)
     return f"""\
 ## Purpose
@@ -192,9 +227,8 @@ Files:
 pytest {' '.join(modules)} -m cpu_test
 ```
 
-Also run, unchanged, against the stock releases below (each from its sdist with the
-compiled extensions of its own wheel): the regression cases fail on every release
-with the bug and pass on every release with the fix.
+Also run, unchanged, against the stock releases below, each from its sdist with the
+compiled extensions of its own wheel on CPU. {evidence(counts)}
 
 ## Test Result
 
@@ -202,9 +236,10 @@ On vLLM {version} with this series applied by `git am`: {outcome}.
 
 {chr(10).join(table_lines)}
 
-(A "fork" row is the downstream 0.25.1 with the fix backported. Other modules of that
-downstream suite drive the per-backend layout API that the layout rewrite removed, and
-its GPU tests have not run on {version}; they are not part of this PR.)
+(The same cases through the per-backend layout API up to 0.26 and through
+`create_kv_cache_views` after the layout rewrite. Further tests of the downstream suite
+drive the per-backend API that the rewrite removed, and its GPU tests have not run on
+{version}; they are not part of this PR.)
 
 ---
 <details>

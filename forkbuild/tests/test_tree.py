@@ -22,16 +22,21 @@ def test_tree_carries_exactly_the_series(fork_pins, scratch_sdist):
     subjects = _git(built, "log", "--format=%s").splitlines()
     assert subjects == [
         "fork: overlay the fork's tests",
+        "triton_attn: keep per-token-head scale views in a packed layer's page",
         "v1/worker: view packed KV pages in their physical order",
         "vLLM 0.25.1 (sdist)",
     ]
     assert _git(built, "describe", "--tags", "--abbrev=0").strip() == "v0.25.1"
-    diff = _git(built, "diff", "v0.25.1", "--", "vllm/")
+    # The #47054 fix is one line; patch 0002 two (see its header).
+    diff = _git(built, "diff", "v0.25.1", "HEAD~2", "--", "vllm/")
     changed = [ln for ln in diff.splitlines() if ln[:1] in "+-" and ln[:3] not in ("+++", "---")]
     assert changed == [
         "-            .view(kv_cache_shape)",
         "+            .view(permuted_kv_cache_shape)",
     ]
+    assert _git(built, "diff", "--stat", "HEAD~2", "HEAD~1").strip().endswith(
+        "2 insertions(+), 2 deletions(-)"
+    )
     assert _git(built, "status", "--porcelain") == ""
     # Every file of the release is committed, including ones its own .gitignore matches.
     assert "vllm/vllm_flash_attn/.gitkeep" in _git(built, "ls-files", "vllm/vllm_flash_attn")

@@ -15,7 +15,8 @@ GPU_BLOCK_SIZE = 16
 CPU_BYTES = 1 << 30
 # Greedy prompts of several GPU blocks each, as token ids (no tokenizer needed).
 PROMPT_TOKEN_IDS = [
-    [(7 * i + 3 * j) % 300 + 10 for j in range(6 * GPU_BLOCK_SIZE + 5)] for i in range(4)
+    [(7 * i + 3 * j) % 300 + 10 for j in range(6 * GPU_BLOCK_SIZE + 5)]
+    for i in range(4)
 ]
 MAX_TOKENS = 16
 
@@ -32,9 +33,8 @@ class OffloadCase:
     @property
     def id(self) -> str:
         cpu = f"-cpu{self.cpu_block_size}" if self.cpu_block_size else ""
-        return (
-            f"{self.attn_backend}-{self.model_runner}{cpu}-tp{self.tensor_parallel_size}"
-        )
+        tp = self.tensor_parallel_size
+        return f"{self.attn_backend}-{self.model_runner}{cpu}-tp{tp}"
 
 
 CASES = [
@@ -86,7 +86,6 @@ def engine_kwargs(case: OffloadCase, model: str, *, offload: bool) -> dict:
 
 def runner_env(case: OffloadCase) -> dict[str, str]:
     return {"VLLM_USE_V2_MODEL_RUNNER": "1" if case.model_runner == "v2" else "0"}
-
 
 
 def offloading_spec_inputs(vllm_config, kv_cache_config) -> tuple:

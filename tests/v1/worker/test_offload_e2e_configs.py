@@ -22,7 +22,10 @@ from tests.v1.worker.tiny_hybrid_model import make_tiny_gpt_oss
 from vllm.config import set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.engine.arg_utils import EngineArgs
-from vllm.v1.core.kv_cache_utils import _use_packed_kv_cache_config, get_kv_cache_configs
+from vllm.v1.core.kv_cache_utils import (
+    _use_packed_kv_cache_config,
+    get_kv_cache_configs,
+)
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 pytestmark = pytest.mark.cpu_test
@@ -41,7 +44,9 @@ def test_gpu_e2e_configs_build(case, tiny_model, monkeypatch):
     baseline = EngineArgs(**engine_kwargs(case, tiny_model, offload=False))
     assert baseline.create_engine_config().kv_transfer_config is None
 
-    config = EngineArgs(**engine_kwargs(case, tiny_model, offload=True)).create_engine_config()
+    config = EngineArgs(
+        **engine_kwargs(case, tiny_model, offload=True)
+    ).create_engine_config()
     assert config.attention_config.backend.name == case.attn_backend
     assert config.parallel_config.tensor_parallel_size == case.tensor_parallel_size
     assert config.cache_config.block_size == GPU_BLOCK_SIZE
@@ -55,7 +60,9 @@ def test_gpu_e2e_configs_build(case, tiny_model, monkeypatch):
     specs = layer_specs(config)
     page_bytes = next(iter(specs.values())).page_size_bytes
     with set_current_vllm_config(config):
-        (kv_cache_config,) = get_kv_cache_configs(config, [specs], [256 * 2 * page_bytes])
+        (kv_cache_config,) = get_kv_cache_configs(
+            config, [specs], [256 * 2 * page_bytes]
+        )
         assert _use_packed_kv_cache_config(config, kv_cache_config.kv_cache_groups)
         # The spec the connector creates from the extra config: every option read.
         spec = OffloadingSpecFactory.create_spec(

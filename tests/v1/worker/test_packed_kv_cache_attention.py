@@ -13,7 +13,10 @@ import pytest
 import torch
 
 import tests.v1.worker.per_backend_kv_layout  # noqa: F401 (skips without that API)
-from tests.v1.worker.test_packed_kv_cache_reshape import kv_cache_layout, key_value_views
+from tests.v1.worker.test_packed_kv_cache_reshape import (
+    key_value_views,
+    kv_cache_layout,
+)
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.attention.backends.flex_attention import FlexAttentionBackend
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
@@ -35,7 +38,7 @@ def hnd_layout():
 
 
 def write_kv(cache, key, value, slot_mapping):
-    """reshape_and_cache: token i goes to slot_mapping[i] = block * block_size + offset."""
+    """reshape_and_cache: token i goes to slot block * block_size + offset."""
     key_cache, value_cache = key_value_views(cache, HEAD_SIZE)
     block_size = key_cache.shape[1]
     for token, slot in enumerate(slot_mapping.tolist()):
@@ -72,9 +75,15 @@ def dense_attention(query, key, value, group):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_attention_over_packed_views(backend, dtype):
     common = dict(
-        block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=dtype
+        block_size=BLOCK_SIZE,
+        num_kv_heads=NUM_KV_HEADS,
+        head_size=HEAD_SIZE,
+        dtype=dtype,
     )
-    specs = [SlidingWindowSpec(sliding_window=128, **common), FullAttentionSpec(**common)]
+    specs = [
+        SlidingWindowSpec(sliding_window=128, **common),
+        FullAttentionSpec(**common),
+    ]
     page_bytes = specs[0].page_size_bytes
     block_stride = len(specs) * page_bytes
     raw = torch.zeros(NUM_BLOCKS * block_stride, dtype=torch.int8)

@@ -16,12 +16,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.v1.worker.test_packed_kv_cache_pipeline import (  # noqa: F401
+from tests.v1.worker.test_packed_kv_cache_pipeline import (
     BLOCK_SIZE,
     HEAD_SIZE,
     NUM_KV_HEADS,
+    gpt_oss_offload_config,
     layer_specs,
-    offload_config,  # fixture: the same GPT-OSS-shaped offload configuration
     reshape_v2,
 )
 from tests.v1.worker.test_packed_kv_cache_reshape import key_value_views
@@ -38,14 +38,19 @@ NUM_GPU_BLOCKS = 64
 
 
 @pytest.fixture
-def packed_caches(offload_config):
+def packed_caches(tmp_path, monkeypatch):
     """Planner + allocation + reshape on CUDA, under the connector's layout."""
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
-    from vllm.v1.attention.backends.utils import get_kv_cache_layout, set_kv_cache_layout
+    from vllm.v1.attention.backends.utils import (
+        get_kv_cache_layout,
+        set_kv_cache_layout,
+    )
     from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
     from vllm.v1.worker.utils import AttentionGroup, prepare_kernel_block_sizes
 
+    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)  # the connector decides
+    offload_config = gpt_oss_offload_config(tmp_path)
     specs = layer_specs(offload_config)
     page_bytes = next(iter(specs.values())).page_size_bytes
     with set_current_vllm_config(offload_config):
@@ -56,12 +61,20 @@ def packed_caches(offload_config):
                 offload_config, [specs], [NUM_GPU_BLOCKS * 2 * page_bytes]
             )
             attn_groups = [
-                [AttentionGroup(FlashAttentionBackend, list(g.layer_names), g.kv_cache_spec, i)]
+                [
+                    AttentionGroup(
+                        FlashAttentionBackend, list(g.layer_names), g.kv_cache_spec, i
+                    )
+                ]
                 for i, g in enumerate(kv_cache_config.kv_cache_groups)
             ]
-            kernel_block_sizes = prepare_kernel_block_sizes(kv_cache_config, attn_groups)
+            kernel_block_sizes = prepare_kernel_block_sizes(
+                kv_cache_config, attn_groups
+            )
             assert set(kernel_block_sizes) == {BLOCK_SIZE}
-            _, views = reshape_v2(kv_cache_config, attn_groups, kernel_block_sizes, "cuda")
+            _, views = reshape_v2(
+                kv_cache_config, attn_groups, kernel_block_sizes, "cuda"
+            )
         finally:
             get_kv_cache_layout.cache_clear()
     return kv_cache_config.num_blocks, views
@@ -81,7 +94,8 @@ def _write_sequences(views, num_blocks):
         block_table[seq, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
     slots = torch.cat(
         [
-            block_table[seq, torch.arange(n, device="cuda") // BLOCK_SIZE].long() * BLOCK_SIZE
+            block_table[seq, torch.arange(n, device="cuda") // BLOCK_SIZE].long()
+            * BLOCK_SIZE
             + torch.arange(n, device="cuda") % BLOCK_SIZE
             for seq, n in enumerate(SEQ_LENS)
         ]
@@ -91,8 +105,12 @@ def _write_sequences(views, num_blocks):
     data = {}
     for name, cache in views.items():
         key = torch.randn(total, NUM_KV_HEADS, HEAD_SIZE, generator=gen, device="cuda")
-        value = torch.randn(total, NUM_KV_HEADS, HEAD_SIZE, generator=gen, device="cuda")
-        query = torch.randn(total, NUM_QUERY_HEADS, HEAD_SIZE, generator=gen, device="cuda")
+        value = torch.randn(
+            total, NUM_KV_HEADS, HEAD_SIZE, generator=gen, device="cuda"
+        )
+        query = torch.randn(
+            total, NUM_QUERY_HEADS, HEAD_SIZE, generator=gen, device="cuda"
+        )
         key, value, query = (t.to(cache.dtype) for t in (key, value, query))
         key_cache, value_cache = key_value_views(cache, HEAD_SIZE)
         ops.reshape_and_cache_flash(
@@ -111,13 +129,17 @@ def _reference(query, key, value):
         q = query[start : start + n].float().transpose(0, 1)
         k = key[start : start + n].float().repeat_interleave(group, 1).transpose(0, 1)
         v = value[start : start + n].float().repeat_interleave(group, 1).transpose(0, 1)
-        outputs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1))
+        outputs.append(
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1)
+        )
         start += n
     return torch.cat(outputs)
 
 
 def _varlen_metadata():
-    cu = torch.tensor([0, *torch.tensor(SEQ_LENS).cumsum(0).tolist()], dtype=torch.int32)
+    cu = torch.tensor(
+        [0, *torch.tensor(SEQ_LENS).cumsum(0).tolist()], dtype=torch.int32
+    )
     seqused = torch.tensor(SEQ_LENS, dtype=torch.int32)
     return cu.cuda(), seqused.cuda()
 

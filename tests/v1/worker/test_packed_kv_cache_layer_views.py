@@ -42,7 +42,8 @@ class PackedViews:
 
 
 def physical_strides(shape, stride_order, block_stride_elems) -> tuple[int, ...]:
-    """Element strides of a page stored in ``stride_order``, rows ``block_stride`` apart."""
+    """Element strides of a page stored in ``stride_order``, rows ``block_stride``
+    apart."""
     physical_shape = [shape[i] for i in stride_order]
     strides = [0] * len(shape)
     step = 1
@@ -76,7 +77,9 @@ def check_packed_layer_views(packed: PackedViews, shape, dtype: torch.dtype) -> 
         assert tuple(view.shape) == tuple(shape), f"layer {layer}: shape"
         assert view.dtype == dtype
         # (The stride of a dimension of size 1 is never used; torch reports any.)
-        expected = physical_strides(shape, stride_order, packed.block_stride // dtype_size)
+        expected = physical_strides(
+            shape, stride_order, packed.block_stride // dtype_size
+        )
         assert [s for s, n in zip(view.stride(), shape) if n > 1] == [
             s for s, n in zip(expected, shape) if n > 1
         ], f"layer {layer}: strides {view.stride()}, expected {expected}"
@@ -112,7 +115,10 @@ def check_packed_layer_views(packed: PackedViews, shape, dtype: torch.dtype) -> 
 def gpt_oss_like_specs(num_kv_heads, block_size, dtype):
     """Sliding-window and full attention layers alternating, as in GPT-OSS."""
     common = dict(
-        block_size=block_size, num_kv_heads=num_kv_heads, head_size=HEAD_SIZE, dtype=dtype
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_size=HEAD_SIZE,
+        dtype=dtype,
     )
     return [
         SlidingWindowSpec(sliding_window=128, **common)
@@ -123,9 +129,12 @@ def gpt_oss_like_specs(num_kv_heads, block_size, dtype):
 
 
 def views_per_backend_api(specs, num_blocks) -> PackedViews:
-    """FlashAttention's HND views of packed pages, through _reshape_attention_kv_cache."""
+    """FlashAttention's HND views of packed pages (_reshape_attention_kv_cache)."""
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
-    from vllm.v1.attention.backends.utils import get_kv_cache_layout, set_kv_cache_layout
+    from vllm.v1.attention.backends.utils import (
+        get_kv_cache_layout,
+        set_kv_cache_layout,
+    )
     from vllm.v1.worker.gpu.attn_utils import _reshape_attention_kv_cache
 
     spec = specs[0]
@@ -153,8 +162,9 @@ def views_per_backend_api(specs, num_blocks) -> PackedViews:
 
 def views_layout_api(specs, num_blocks) -> PackedViews:
     """BLHNC views: every block row holds all layers' pages, heads before tokens."""
-    from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
     from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
 
     layout = KVCacheLayout.BLHNC
     page_bytes = specs[0].page_size_bytes

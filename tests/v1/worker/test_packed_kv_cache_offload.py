@@ -17,7 +17,7 @@ import torch
 
 import tests.v1.worker.per_backend_kv_layout  # noqa: F401 (skips without that API)
 from tests.v1.worker.offload_e2e_configs import offloading_spec_inputs
-from tests.v1.worker.test_packed_kv_cache_pipeline import offload_config  # noqa: F401
+from tests.v1.worker.test_packed_kv_cache_pipeline import gpt_oss_offload_config
 from tests.v1.worker.test_packed_kv_cache_reshape import kv_cache_layout
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
     OffloadingConnectorWorker,
@@ -30,7 +30,10 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
-from vllm.v1.worker.gpu.attn_utils import _allocate_kv_cache, _reshape_attention_kv_cache
+from vllm.v1.worker.gpu.attn_utils import (
+    _allocate_kv_cache,
+    _reshape_attention_kv_cache,
+)
 
 pytestmark = pytest.mark.cpu_test
 
@@ -48,6 +51,27 @@ class RecordingCPUOffloadingSpec(CPUOffloadingSpec):
         self.canonical = kv_caches
         return None
 
+    def get_handlers(self, kv_caches):  # the same hand-off up to vLLM 0.24
+        self.canonical = kv_caches
+        return iter(())
+
+
+def register_kv_caches(
+    vllm_config, kv_cache_config, views
+) -> RecordingCPUOffloadingSpec:
+    """The connector worker's registration of VIEWS; returns the spec, which holds
+    the canonical tensors the transfer worker would get."""
+    spec = RecordingCPUOffloadingSpec(
+        *offloading_spec_inputs(vllm_config, kv_cache_config)
+    )
+    # From vLLM 0.26 the worker takes the KV cache config beside the spec.
+    if "kv_cache_config" in inspect.signature(OffloadingConnectorWorker).parameters:
+        worker = OffloadingConnectorWorker(spec, kv_cache_config)
+    else:
+        worker = OffloadingConnectorWorker(spec)
+    worker.register_kv_caches(views)
+    return spec
+
 
 @pytest.fixture(autouse=True)
 def hnd_layout():
@@ -56,7 +80,7 @@ def hnd_layout():
         yield
 
 
-def test_offload_round_trip_on_packed_views(offload_config):
+def test_offload_round_trip_on_packed_views(tmp_path):
     common = dict(
         block_size=BLOCK_SIZE,
         num_kv_heads=NUM_KV_HEADS,
@@ -69,7 +93,7 @@ def test_offload_round_trip_on_packed_views(offload_config):
         KVCacheGroupSpec(["layers.0", "layers.2"], sliding),
         KVCacheGroupSpec(["layers.1", "layers.3"], full),
     ]
-    vllm_config = offload_config
+    vllm_config = gpt_oss_offload_config(tmp_path)
     vllm_config.cache_config.num_gpu_blocks_override = NUM_BLOCKS
     kv_cache_config = get_kv_cache_config_from_groups(vllm_config, groups, 1 << 30)
     page_bytes = full.page_size_bytes
@@ -94,13 +118,7 @@ def test_offload_round_trip_on_packed_views(offload_config):
         for name in sorted(placement)
     }
 
-    spec = RecordingCPUOffloadingSpec(*offloading_spec_inputs(vllm_config, kv_cache_config))
-    # From vLLM 0.26 the worker takes the KV cache config beside the spec.
-    if "kv_cache_config" in inspect.signature(OffloadingConnectorWorker).parameters:
-        worker = OffloadingConnectorWorker(spec, kv_cache_config)
-    else:
-        worker = OffloadingConnectorWorker(spec)
-    worker.register_kv_caches(views)
+    spec = register_kv_caches(vllm_config, kv_cache_config, views)
     (canonical,) = spec.canonical.tensors
     rows = canonical.tensor
     assert rows.dtype == torch.int8
@@ -118,9 +136,9 @@ def test_offload_round_trip_on_packed_views(offload_config):
     truth = {}
     for name, view in views.items():
         blocks = owned[group_of[name]]
-        truth[name] = torch.randn(
-            (len(blocks), *shape[1:]), generator=gen
-        ).to(torch.bfloat16)
+        truth[name] = torch.randn((len(blocks), *shape[1:]), generator=gen).to(
+            torch.bfloat16
+        )
         view[blocks] = truth[name]
 
     # Store some rows to host memory (the byte copy the CUDA worker does), scribble

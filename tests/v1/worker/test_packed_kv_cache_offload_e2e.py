@@ -33,7 +33,8 @@ from vllm.platforms import current_platform
 
 pytestmark = pytest.mark.skipif(
     not current_platform.is_cuda(),
-    reason="needs an NVIDIA GPU: CPU KV offloading runs only from CUDA-alike or XPU GPUs",
+    reason="needs an NVIDIA GPU: CPU KV offloading runs only from CUDA-alike or "
+    "XPU GPUs",
 )
 
 RESET_TIMEOUT_S = 60
@@ -67,8 +68,11 @@ def _reset_prefix_cache(llm):
     while not llm.reset_prefix_cache():
         assert time.monotonic() < deadline, "stores to CPU did not finish in time"
         # One engine step lets the scheduler collect finished transfers.
-        llm.generate([TokensPrompt(prompt_token_ids=[1])], SamplingParams(max_tokens=1),
-                     use_tqdm=False)
+        llm.generate(
+            [TokensPrompt(prompt_token_ids=[1])],
+            SamplingParams(max_tokens=1),
+            use_tqdm=False,
+        )
 
 
 def _counter(name: str) -> float:

@@ -76,20 +76,31 @@ def tiny_gpt_oss_config(path) -> str:
     return str(path)
 
 
-@pytest.fixture
-def offload_config(tmp_path, monkeypatch) -> VllmConfig:
-    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
+def gpt_oss_offload_config(
+    path, cache_dtype: str = "auto", cross_layers: bool = True
+) -> VllmConfig:
+    """The #47054 configuration on the GPT-OSS-shaped config written to PATH."""
+    transfer_config = offload_transfer_config(cpu_block_size=None)
+    transfer_config.kv_connector_extra_config["enable_cross_layers_blocks"] = str(
+        cross_layers
+    )
     return VllmConfig(
         model_config=ModelConfig(
-            model=tiny_gpt_oss_config(tmp_path),
+            model=tiny_gpt_oss_config(path),
             skip_tokenizer_init=True,
             max_model_len=128,
             dtype="bfloat16",
         ),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, cache_dtype=cache_dtype),
         device_config=DeviceConfig(device="cpu"),
-        kv_transfer_config=offload_transfer_config(cpu_block_size=None),
+        kv_transfer_config=transfer_config,
     )
+
+
+@pytest.fixture
+def offload_config(tmp_path, monkeypatch) -> VllmConfig:
+    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
+    return gpt_oss_offload_config(tmp_path)
 
 
 def layer_specs(vllm_config: VllmConfig) -> dict:
@@ -116,12 +127,14 @@ def layer_specs(vllm_config: VllmConfig) -> dict:
     }
 
 
-def reshape_v2(kv_cache_config, attn_groups, kernel_block_sizes, device="cpu"):
+def reshape_v2(
+    kv_cache_config, attn_groups, kernel_block_sizes, device="cpu", cache_dtype="auto"
+):
     raw = _allocate_kv_cache(kv_cache_config, {}, torch.device(device))
     views = _reshape_kv_cache(
         attn_groups=[group for groups in attn_groups for group in groups],
         kv_cache_raw_tensors=raw,
-        cache_dtype="auto",
+        cache_dtype=cache_dtype,
         kernel_block_sizes=kernel_block_sizes,
         shared_kv_cache_layers={},
         kv_cache_config=kv_cache_config,
@@ -143,6 +156,19 @@ def reshape_v1(kv_cache_config, attn_groups, kernel_block_sizes, vllm_config):
     return raw, owner._reshape_kv_cache_tensors(raw, kernel_block_sizes)
 
 
+def allocate_and_reshape(
+    runner, kv_cache_config, attn_groups, kernel_block_sizes, vllm_config
+):
+    """The raw tensors and per-layer views, through the v2 model runner's helpers or
+    the v1 runner's own methods (RUNNER "v2" or "v1")."""
+    if runner == "v2":
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        return reshape_v2(
+            kv_cache_config, attn_groups, kernel_block_sizes, cache_dtype=cache_dtype
+        )
+    return reshape_v1(kv_cache_config, attn_groups, kernel_block_sizes, vllm_config)
+
+
 @pytest.mark.parametrize("runner", ["v2", "v1"])
 @pytest.mark.parametrize("backend", [FlashAttentionBackend, TritonAttentionBackend])
 def test_offload_packed_kv_cache_views(offload_config, runner, backend):
@@ -156,7 +182,9 @@ def test_offload_packed_kv_cache_views(offload_config, runner, backend):
 
             (kv_cache_config,) = get_kv_cache_configs(
                 # Memory for NUM_BLOCKS rows of one page per group (two groups).
-                offload_config, [specs], [NUM_BLOCKS * 2 * page_bytes]
+                offload_config,
+                [specs],
+                [NUM_BLOCKS * 2 * page_bytes],
             )
             groups = kv_cache_config.kv_cache_groups
             assert sorted(type(g.kv_cache_spec).__name__ for g in groups) == [
@@ -174,17 +202,18 @@ def test_offload_packed_kv_cache_views(offload_config, runner, backend):
                 [AttentionGroup(backend, list(g.layer_names), g.kv_cache_spec, i)]
                 for i, g in enumerate(groups)
             ]
-            kernel_block_sizes = prepare_kernel_block_sizes(kv_cache_config, attn_groups)
-            if runner == "v2":
-                raw, views = reshape_v2(kv_cache_config, attn_groups, kernel_block_sizes)
-            else:
-                raw, views = reshape_v1(
-                    kv_cache_config, attn_groups, kernel_block_sizes, offload_config
-                )
+            kernel_block_sizes = prepare_kernel_block_sizes(
+                kv_cache_config, attn_groups
+            )
+            raw, views = allocate_and_reshape(
+                runner, kv_cache_config, attn_groups, kernel_block_sizes, offload_config
+            )
         finally:
             get_kv_cache_layout.cache_clear()
 
-    placement = {name: (t.offset, t.block_stride) for t in tensors for name in t.shared_by}
+    placement = {
+        name: (t.offset, t.block_stride) for t in tensors for name in t.shared_by
+    }
     for group_id, group in enumerate(groups):
         kernel_block_size = kernel_block_sizes[group_id]
         for name in group.layer_names:

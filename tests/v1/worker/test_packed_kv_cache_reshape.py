@@ -66,7 +66,9 @@ def kv_cache_layout(layout: str):
         get_kv_cache_layout.cache_clear()
 
 
-def key_value_views(cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def key_value_views(
+    cache: torch.Tensor, head_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of an attention cache view, each [blocks, block_size, heads, head_size].
 
     The backends' logical shape changed in vLLM 0.26: [blocks, 2, block_size, heads,
@@ -139,7 +141,12 @@ def check_packed_views(backend, stride_order, specs, cache_dtype, num_blocks):
     raw = torch.zeros(num_blocks * block_stride, dtype=torch.int8)
     views = [
         _reshape_attention_kv_cache(
-            raw, spec, shape, stride_order, num_blocks, (layer * page_bytes, block_stride)
+            raw,
+            spec,
+            shape,
+            stride_order,
+            num_blocks,
+            (layer * page_bytes, block_stride),
         )
         for layer, spec in enumerate(specs)
     ]

@@ -22,8 +22,6 @@ from pathlib import Path
 
 import pytest
 
-import tests.v1.worker.per_backend_kv_layout  # noqa: F401 (skips without that API)
-
 pytestmark = pytest.mark.cpu_test
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE = 16, 16, 4, 64
@@ -33,6 +31,10 @@ TOLERANCE = 5e-3  # fp16 kernels vs an fp32 reference
 
 @pytest.mark.parametrize("num_query_heads", [8, 32])
 def test_triton_kernels_on_packed_views(num_query_heads):
+    # Imported here, not at module level: the case process must set Triton up for
+    # the CPU before anything imports vLLM. Skips without the per-backend API.
+    import tests.v1.worker.per_backend_kv_layout  # noqa: F401
+
     # The script imports the checkout's `tests` package, as pytest does.
     root = str(Path(__file__).resolve().parents[3])
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
@@ -85,6 +87,10 @@ def _run_case(num_query_heads: int) -> None:
     _enable_triton_on_cpu()
     import torch
 
+    from tests.v1.worker.test_packed_kv_cache_reshape import (
+        key_value_views,
+        logical_from_pages,
+    )
     from vllm.triton_utils import HAS_TRITON, triton
     from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
     from vllm.v1.attention.backends.utils import get_kv_cache_layout
@@ -95,11 +101,6 @@ def _run_case(num_query_heads: int) -> None:
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm.v1.worker.gpu.attn_utils import _reshape_attention_kv_cache
 
-    from tests.v1.worker.test_packed_kv_cache_reshape import (
-        key_value_views,
-        logical_from_pages,
-    )
-
     assert HAS_TRITON, "vLLM disabled Triton"
     assert get_kv_cache_layout() == "HND"
     torch.set_num_threads(1)
@@ -107,7 +108,10 @@ def _run_case(num_query_heads: int) -> None:
     scale = HEAD_SIZE**-0.5
 
     spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=dtype
+        block_size=BLOCK_SIZE,
+        num_kv_heads=NUM_KV_HEADS,
+        head_size=HEAD_SIZE,
+        dtype=dtype,
     )
     page_bytes = spec.page_size_bytes
     block_stride = LAYERS * page_bytes
@@ -148,7 +152,9 @@ def _run_case(num_query_heads: int) -> None:
 
     keys = [[rand(n, NUM_KV_HEADS, HEAD_SIZE) for n in total_lens] for _ in caches]
     values = [[rand(n, NUM_KV_HEADS, HEAD_SIZE) for n in total_lens] for _ in caches]
-    queries = [[rand(n, num_query_heads, HEAD_SIZE) for n in total_lens] for _ in caches]
+    queries = [
+        [rand(n, num_query_heads, HEAD_SIZE) for n in total_lens] for _ in caches
+    ]
     one = torch.tensor(1.0)
 
     def slot(seq, pos):
@@ -159,7 +165,8 @@ def _run_case(num_query_heads: int) -> None:
         key = torch.cat([keys[layer][s][p] for s, p in enumerate(positions)])
         value = torch.cat([values[layer][s][p] for s, p in enumerate(positions)])
         slots = torch.tensor(
-            [slot(s, p) for s, ps in enumerate(positions) for p in ps], dtype=torch.int64
+            [slot(s, p) for s, ps in enumerate(positions) for p in ps],
+            dtype=torch.int64,
         )
         key_cache, value_cache = key_value_views(caches[layer], HEAD_SIZE)
         triton_reshape_and_cache_flash(
@@ -192,13 +199,18 @@ def _run_case(num_query_heads: int) -> None:
         v = v.float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
         q_pos = torch.arange(context, context + q.shape[0])[:, None]
-        scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > q_pos, -torch.inf)
+        scores = scores.masked_fill(
+            torch.arange(k.shape[0])[None, :] > q_pos, -torch.inf
+        )
         return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
     def attend(layer, query_lens, seq_lens, segmented=False):
         contexts = [s - q for s, q in zip(seq_lens, query_lens)]
         q = torch.cat(
-            [queries[layer][s][c : c + n] for s, (c, n) in enumerate(zip(contexts, query_lens))]
+            [
+                queries[layer][s][c : c + n]
+                for s, (c, n) in enumerate(zip(contexts, query_lens))
+            ]
         )
         out = torch.empty_like(q)
         key_cache, value_cache = key_value_views(caches[layer], HEAD_SIZE)
@@ -220,7 +232,9 @@ def _run_case(num_query_heads: int) -> None:
             k=key_cache,
             v=value_cache,
             out=out,
-            cu_seqlens_q=torch.tensor([0, *torch.tensor(query_lens).cumsum(0)], dtype=torch.int32),
+            cu_seqlens_q=torch.tensor(
+                [0, *torch.tensor(query_lens).cumsum(0)], dtype=torch.int32
+            ),
             max_seqlen_q=max(query_lens),
             seqused_k=torch.tensor(seq_lens, dtype=torch.int32),
             max_seqlen_k=max(seq_lens),
@@ -237,7 +251,10 @@ def _run_case(num_query_heads: int) -> None:
         expected = torch.cat(
             [
                 reference(
-                    queries[layer][s][c : c + n], keys[layer][s][:t], values[layer][s][:t], c
+                    queries[layer][s][c : c + n],
+                    keys[layer][s][:t],
+                    values[layer][s][:t],
+                    c,
                 )
                 for s, (c, n, t) in enumerate(zip(contexts, query_lens, seq_lens))
             ]

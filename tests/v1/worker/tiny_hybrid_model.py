@@ -47,7 +47,9 @@ def make_tiny_gpt_oss(out: Path) -> Path:
     )
     bpe.train_from_iterator(CORPUS, trainer)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
+        tokenizer_object=bpe,
+        eos_token="<|endoftext|>",
+        bos_token="<|endoftext|>",
         pad_token="<|endoftext|>",
     )
     tokenizer.save_pretrained(tmp)
@@ -64,7 +66,10 @@ def make_tiny_gpt_oss(out: Path) -> Path:
         num_local_experts=4,
         num_experts_per_tok=2,
         sliding_window=128,
-        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)],
+        layer_types=[
+            "sliding_attention" if i % 2 == 0 else "full_attention"
+            for i in range(num_layers)
+        ],
         max_position_embeddings=4096,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
