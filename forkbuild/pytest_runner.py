@@ -42,19 +42,31 @@ class Outcome:
         return f"{self.passed} passed, {self.failed} failed, {self.errors} errors, {self.skipped} skipped"
 
 
+def _skip_reason(skipped: ET.Element) -> str:
+    message = skipped.get("message", "")
+    if skipped.get("type") == "pytest.xfail":
+        return f"xfail: {message}"
+    if message == "collection skipped":  # the reason is in the text: (file, line, 'Skipped: …')
+        text = skipped.text or ""
+        return text.split("Skipped: ", 1)[-1].rstrip("')\"") if "Skipped: " in text else message
+    return message
+
+
 def _read_junit(junit: Path) -> Outcome:
     cases, reasons = {}, {}
     for case in ET.parse(junit).getroot().iter("testcase"):
-        module = case.get("classname", "").replace(".", "/") + ".py"
-        node = f"{module}::{case.get('name')}"
+        classname, name = case.get("classname", ""), case.get("name", "")
+        if classname:
+            node = f"{classname.replace('.', '/')}.py::{name}"
+        else:  # a whole module skipped (or broken) at collection: NAME is the module
+            node = f"{name.replace('.', '/')}.py::(module)"
         status = "passed"
         for child, name in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
             found = case.find(child)
             if found is not None:
                 status = name
                 if name == "skipped":  # pytest reports an xfail as a skip of that type
-                    xfail = found.get("type") == "pytest.xfail"
-                    reasons[node] = ("xfail: " if xfail else "") + found.get("message", "")
+                    reasons[node] = _skip_reason(found)
         cases[node] = status
     return Outcome(cases, reasons)
 

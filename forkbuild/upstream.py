@@ -31,16 +31,16 @@ TEST_PACKAGE = "tests.v1.worker."
 COMMIT_MESSAGE = """\
 [Tests] Regression tests for packed (cross-layer) KV cache views
 
-vllm#47054: with cross-layer KV blocks (OffloadingConnector,
-enable_cross_layers_blocks) each block row packs one page per layer, and
-FlashAttention read its pages in the wrong order (illegal memory access on
-GPT-OSS). PR #47314 fixed it in 0.26.0 without a test.
+With cross-layer KV blocks (OffloadingConnector, enable_cross_layers_blocks)
+each block row packs one page per layer. Two defects of that layout were
+fixed without a test: #47054 (FlashAttention read its pages in the wrong
+order: illegal memory access on GPT-OSS; fixed by #47314 in 0.26.0) and
+Triton's per-token-head KV scales, which every packed layer took from the
+same bytes (fixed by the 0.26.0 rewrite of _ensure_scale_caches).
 
-These CPU tests check the invariant the fix restored, on the current KV
-cache layout API: every layer's view of a packed block row has the
-promised logical shape, walks its own page in the layout's physical
-order one block row apart, aliases the allocation at its offset, and the
-pages tile the row without overlap. {evidence}
+{files}
+
+{evidence}
 
 Signed-off-by: {identity}
 """
@@ -90,9 +90,15 @@ def evidence(counts: dict[str, tuple[int, int, int]]) -> str:
     failing = [v for v, (_, f, _) in counts.items() if f]
     passing = [v for v, (p, f, _) in counts.items() if p and not f]
     return (
-        f"Run unchanged against released vLLM: they fail on {', '.join(failing) or 'none'} "
-        f"(the releases with the bug) and pass on {', '.join(passing) or 'none'}."
+        f"they fail on {', '.join(failing) or 'none'} (the releases with the bug) "
+        f"and pass on {', '.join(passing) or 'none'}."
     )
+
+
+def summary(path: str) -> str:
+    """The first line of a test module's docstring."""
+    source = (tree.TESTS_DIR.parent / path).read_text()
+    return (ast.get_docstring(ast.parse(source)) or "").split("\n", 1)[0].strip()
 
 
 def with_helpers(modules: list[str]) -> list[str]:
@@ -113,6 +119,17 @@ def with_helpers(modules: list[str]) -> list[str]:
             for name in names:
                 if name.startswith(TEST_PACKAGE):
                     todo.append(name.replace(".", "/") + ".py")
+    # A fork module imported anywhere else (inside a function) must come along too,
+    # or the series would refer to a file upstream does not have.
+    for module in wanted:
+        source = (tree.TESTS_DIR.parent / module).read_text()
+        for node in ast.walk(ast.parse(source)):
+            name = node.module if isinstance(node, ast.ImportFrom) else None
+            if name and name.startswith(TEST_PACKAGE) and name.replace(".", "/") + ".py" not in wanted:
+                raise ForkError(
+                    f"{module} imports {name} inside a function; the series would lack it",
+                    "import it at module level or drop the dependency",
+                )
     return sorted(wanted)
 
 
@@ -147,7 +164,12 @@ def build(pins: Pins) -> Path:
         (work / rel).write_text(text)
     identity = f"{tree.IDENTITY['GIT_AUTHOR_NAME']} <{tree.IDENTITY['GIT_AUTHOR_EMAIL']}>"
     tree._git_ok(["add", *files], work, env, "stage the tests")
-    message = COMMIT_MESSAGE.format(identity=identity, evidence=textwrap.fill(evidence(counts), 72))
+    listed = "\n".join(textwrap.fill(f"- {f}: {summary(f)}", 72, subsequent_indent="  ") for f in files)
+    message = COMMIT_MESSAGE.format(
+        identity=identity,
+        files=listed,
+        evidence=textwrap.fill(f"Run unchanged against released vLLM, {evidence(counts)}", 72),
+    )
     tree._git_ok(["commit", "-q", "-m", message], work, env, "commit the tests")
 
     if DIST.exists():
@@ -205,18 +227,21 @@ def describe(
         "| --- | --- | --- | --- | --- |",
         *(f"| {v} | {record[v]['line']} | {p} | {f} | {sk} |" for v, (p, f, sk) in counts.items()),
     ]
-    listed = "\n".join(f"- `{f}`" for f in files)
+    listed = "\n".join(f"- `{f}`: {summary(f)}" for f in files)
     return f"""\
 ## Purpose
 
-Regression tests for #47054 (fixed by #47314 in 0.26.0, which added no test). With
-cross-layer KV blocks (`OffloadingConnector`, `enable_cross_layers_blocks`), a block
-row packs one page per layer; before the fix FlashAttention received its pages in the
-wrong order and crashed with an illegal memory access on GPT-OSS. The tests check the
-invariant the fix restored, on the KV cache layout API of vLLM {version}: each layer's
-view has the promised logical shape, walks its own page in the layout's physical
-order one block row apart, aliases the allocation at its offset, and the pages tile
-each row without overlap. CPU only (`pytest.mark.cpu_test`), vLLM's own code, no mocks.
+Regression tests for packed (cross-layer) KV cache views. With cross-layer KV blocks
+(`OffloadingConnector`, `enable_cross_layers_blocks`) a block row packs one page per
+layer. Two defects of that layout were fixed without a test: #47054 (FlashAttention
+received its pages in the wrong order and crashed with an illegal memory access on
+GPT-OSS; fixed by #47314 in 0.26.0) and Triton's per-token-head KV scales, which every
+packed layer took from the same bytes, silently (fixed when 0.26.0 rewrote
+`_ensure_scale_caches`). The tests pin both on the KV cache layout API of vLLM
+{version}: each layer's view has the promised logical shape, walks its own page in the
+layout's physical order one block row apart, aliases the allocation at its offset, the
+pages tile each row, and each layer's scales lie in its own page's padding. CPU only
+(`pytest.mark.cpu_test`), vLLM's own code, no mocks.
 
 Files:
 {listed}
@@ -228,7 +253,7 @@ pytest {' '.join(modules)} -m cpu_test
 ```
 
 Also run, unchanged, against the stock releases below, each from its sdist with the
-compiled extensions of its own wheel on CPU. {evidence(counts)}
+compiled extensions of its own wheel, on CPU: {evidence(counts)}
 
 ## Test Result
 

@@ -162,9 +162,11 @@ def views_per_backend_api(specs, num_blocks) -> PackedViews:
 
 def views_layout_api(specs, num_blocks) -> PackedViews:
     """BLHNC views: every block row holds all layers' pages, heads before tokens."""
-    from vllm.v1.kv_cache_layout import KVCacheLayout
-
-    from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
+    from vllm.v1.kv_cache_interface import (
+        KVCacheLayout,
+        KVCacheTensor,
+        create_kv_cache_views,
+    )
 
     layout = KVCacheLayout.BLHNC
     page_bytes = specs[0].page_size_bytes

@@ -30,13 +30,12 @@ from tests.v1.worker.test_packed_kv_cache_pipeline import (
     gpt_oss_offload_config,
     layer_specs,
 )
-from tests.v1.worker.test_packed_kv_cache_reshape import key_value_views
+from tests.v1.worker.test_packed_kv_cache_scales import mark_bytes, scale_bytes_of
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionBackend,
-    TritonAttentionImpl,
 )
 from vllm.v1.attention.backends.utils import get_kv_cache_layout, set_kv_cache_layout
 from vllm.v1.core.kv_cache_utils import (
@@ -44,7 +43,6 @@ from vllm.v1.core.kv_cache_utils import (
     get_kv_cache_configs,
 )
 from vllm.v1.kv_cache_interface import (
-    SlidingWindowSpec,
     get_kv_quant_mode,
     kv_cache_uses_per_token_head_scales,
 )
@@ -52,7 +50,6 @@ from vllm.v1.worker.utils import AttentionGroup, prepare_kernel_block_sizes
 
 pytestmark = pytest.mark.cpu_test
 
-NUM_QUERY_HEADS = 8
 # The planner refuses this one for any sliding-window + full-attention model
 # (test_int4_per_token_head_is_refused_with_sliding_window), packed or not.
 INT4 = "int4_per_token_head"
@@ -106,13 +103,6 @@ def build_views(vllm_config: VllmConfig, backend, runner: str):
         finally:
             get_kv_cache_layout.cache_clear()
     return kv_cache_config, raw, views, page_bytes
-
-
-def mark_bytes(tensor: torch.Tensor) -> None:
-    """Set every byte the tensor covers to a non-zero value, whatever its dtype."""
-    size = tensor.element_size()
-    as_int = {1: torch.int8, 2: torch.int16, 4: torch.int32}[size]
-    tensor.view(as_int).fill_(int("11" * size, 16))
 
 
 def layer_pages(kv_cache_config, page_bytes: int, num_blocks: int):
@@ -189,8 +179,8 @@ def test_quantized_packed_views_and_registration(
 
 
 def check_scales_stay_in_their_layer(tmp_path, cache_dtype: str, cross_layers: bool):
-    """The scale views Triton carves out of each layer's cache must be that
-    layer's own padding: never its data, never another layer's page."""
+    """The scale views Triton carves out of each layer's cache, planned and
+    allocated by vLLM, must be that layer's own padding."""
     vllm_config = gpt_oss_offload_config(tmp_path, cache_dtype, cross_layers)
     kv_cache_config, raw, views, _ = build_views(
         vllm_config, TritonAttentionBackend, "v1"
@@ -201,40 +191,9 @@ def check_scales_stay_in_their_layer(tmp_path, cache_dtype: str, cross_layers: b
         for name in group.layer_names
     }
     for name, view in views.items():
-        backing = raw[name]
-        pad = 4 // view.element_size()  # one float32 scale per (token, head)
-        # The bytes this layer may give to scales: the tail of each head's K and
-        # V (K and V side by side in the last dim from vLLM 0.26).
-        padded_head = view.shape[-1] if view.dim() == 5 else view.shape[-1] // 2
-        backing.zero_()
-        for half in key_value_views(view, padded_head):
-            mark_bytes(half[..., -pad:])
-        padding = backing != 0
-        backing.zero_()
-
-        impl = TritonAttentionImpl(
-            num_heads=NUM_QUERY_HEADS,
-            head_size=HEAD_SIZE,
-            scale=HEAD_SIZE**-0.5,
-            num_kv_heads=NUM_KV_HEADS,
-            alibi_slopes=None,
-            sliding_window=(
-                specs[name].sliding_window
-                if isinstance(specs[name], SlidingWindowSpec)
-                else None
-            ),
-            kv_cache_dtype=cache_dtype,
-        )
-        impl._ensure_scale_caches(view)
-        backing.zero_()
-        mark_bytes(impl._k_scale_cache)
-        mark_bytes(impl._v_scale_cache)
-        scale_bytes = backing != 0
-        # One distinct scale per (block, K/V, slot, head), all in this layer's
-        # own padding.
-        assert int(scale_bytes.sum()) == 2 * NUM_BLOCKS * BLOCK_SIZE * NUM_KV_HEADS * 4
-        assert not (scale_bytes & ~padding).any(), f"{name}'s scales left its padding"
-        backing.zero_()
+        raw[name].zero_()
+        window = getattr(specs[name], "sliding_window", None)
+        scale_bytes_of(raw[name], view, cache_dtype, window)
 
 
 @pytest.mark.parametrize("cache_dtype", PER_TOKEN_HEAD_DTYPES)
