@@ -15,6 +15,7 @@ import platform
 import shutil
 import subprocess
 import venv
+import zipfile
 from pathlib import Path
 
 from forkbuild import fetch, fixcheck, log, preflight, tree, wheelhouse
@@ -111,15 +112,48 @@ def install(pins: Pins, route_name: str | None = None) -> tuple[Path, Path, Rout
             env=precompiled_env(pins, route, wheel),
             quiet=True,
         )
+        add_missing_extensions(wheel, tree_path)
     check_install(python, tree_path, route)
     stamp.write_text(stamp_value + "\n")
     return python, tree_path, route
+
+
+def add_missing_extensions(wheel: Path, tree_path: Path) -> list[str]:
+    """Copy the wheel's compiled extensions that vLLM's precompiled install left out.
+
+    vLLM 0.25.1's setup.py extracts a fixed list of extensions (`_C`, the attention
+    kernels, ...), which lacks the CPU build's per-ISA variants `_C_AVX2` and
+    `_C_AVX512`. The CPU platform loads `_C` only where AVX-512 BF16 exists and one of
+    the variants elsewhere, so without them the CPU engine has no kernels on an
+    AVX2-only host (`torch.ops._C` has no `init_cpu_memory_env`). The wheel is the
+    verified one; each file is written beside its final name, then renamed.
+    """
+    added = []
+    with zipfile.ZipFile(wheel) as whl:
+        for name in whl.namelist():
+            target = tree_path / name
+            if not (name.startswith("vllm/") and name.endswith(".so")) or target.exists():
+                continue
+            partial = target.with_name(target.name + ".partial")
+            with whl.open(name) as src, open(partial, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            partial.rename(target)
+            added.append(name)
+    if added:
+        log.step(f"install: added {len(added)} compiled extension(s) vLLM's setup.py skips: "
+                 + ", ".join(Path(n).name for n in added))
+    return added
 
 
 _PROBE = """
 import importlib.metadata, inspect, json, vllm
 from vllm.platforms import current_platform
 from vllm.v1.worker.gpu import attn_utils
+cpu_kernels = None
+if current_platform.device_type == "cpu":  # the ones this host's ISA loads
+    import torch
+    current_platform.import_kernels()
+    cpu_kernels = hasattr(torch.ops._C, "init_cpu_memory_env")
 print(json.dumps({
     "vllm": vllm.__file__,
     "module": attn_utils.__file__,
@@ -127,6 +161,7 @@ print(json.dumps({
     "platform": type(current_platform).__name__,
     "device": current_platform.device_type,
     "source": inspect.getsource(attn_utils._reshape_attention_kv_cache),
+    "cpu_kernels": cpu_kernels,
 }))
 """
 
@@ -158,6 +193,13 @@ def check_install(python: Path, tree_path: Path, route: Route) -> dict[str, str]
         raise ForkError(
             f"vLLM detected {info['platform']} (device {info['device']!r}) on the "
             f"{route.name} route (version {info['version']})",
+            "rm -r build/venv and run again",
+        )
+    if info["cpu_kernels"] is False:
+        raise ForkError(
+            "vLLM's CPU kernels do not load on this host (torch.ops._C lacks "
+            "init_cpu_memory_env): the CPU engine cannot start",
+            f"check that {route.wheel.filename}'s vllm/_C*.so files are in {tree_path / 'vllm'}; "
             "rm -r build/venv and run again",
         )
     log.step(
