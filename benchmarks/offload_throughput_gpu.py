@@ -2,45 +2,55 @@
 
 For each layout the OffloadingConnector engine prefills a batch of long prompts (stores
 to CPU), the GPU prefix cache is emptied, and the batch runs again (loads from CPU).
-Store/load GB/s come from the connector's own counters; TTFT is the wall time of a
-one-token generation, cold vs CPU hit. The practical PCIe limit is measured alongside:
-a torch pinned-memory H2D/D2H copy of the same number of bytes.
+Store/load GB/s come from the connector's own counters; TTFT is the batch's latest
+first-token latency (vLLM's per-request metric, from arrival), cold vs CPU hit. The
+practical PCIe limit is measured alongside: a torch pinned-memory H2D/D2H copy of the
+same number of bytes.
 
 Run inside the fork's tree on a GPU host:
-    cd build/vllm-0.25.1 && ../venv/bin/python ../../benchmarks/offload_throughput_gpu.py \\
+    cd build/vllm-0.25.1 && PYTHONPATH=. ../venv/bin/python \\
+        ../../benchmarks/offload_throughput_gpu.py \\
         --out result.json [--model DIR_OR_NAME]
+
+It exits non-zero when a figure is zero or missing (offload_figures.py): the report is
+still written, for the diagnosis.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import time
 from pathlib import Path
 
-import prometheus_client
 import torch
 
+from tests.v1.worker.offload_round_trip import counter, empty_gpu_prefix_cache, release_engine
 from tests.v1.worker.tiny_hybrid_model import make_tiny_gpt_oss
 from vllm import LLM, SamplingParams
 from vllm.config import KVTransferConfig
-from vllm.distributed import cleanup_dist_env_and_memory
 from vllm.inputs import TokensPrompt
 
+# Beside this file: Python puts a script's folder first on sys.path.
+from offload_figures import missing_figures
+
 PROMPTS = [[(13 * i + j) % 300 + 10 for j in range(2000)] for i in range(8)]
+# A short request decoding beside each batch. LLMEngine records scheduler stats (the
+# connector's counters) only on steps with request outputs; one-token requests have none
+# in the step that submits their deferred stores, nor while they wait for a load. The
+# filler keeps every step recording until the transfers are done.
+FILLER = [11] * 4
+FILLER_TOKENS = 256
 
 
-def counter(name: str) -> float:
-    return sum(s.value for m in prometheus_client.REGISTRY.collect() if m.name == name
-               for s in m.samples if s.name == name + "_total")
-
-
-def timed_generate(llm: LLM, prompts) -> float:
-    start = time.perf_counter()
-    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                 SamplingParams(max_tokens=1), use_tqdm=False)
-    return time.perf_counter() - start
+def timed_batch(llm: LLM, prompts) -> float:
+    """Batch TTFT: the latest first-token latency of PROMPTS, run beside the filler;
+    the filler's own decode steps do not count."""
+    params = [SamplingParams(max_tokens=FILLER_TOKENS, ignore_eos=True)]
+    params += [SamplingParams(max_tokens=1)] * len(prompts)
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in [FILLER, *prompts]], params, use_tqdm=False
+    )
+    return max(o.metrics.first_token_latency for o in outputs[1:])
 
 
 def measure(model: str, cross_layer: bool) -> dict:
@@ -53,19 +63,14 @@ def measure(model: str, cross_layer: bool) -> dict:
                                        "enable_cross_layers_blocks": str(cross_layer),
                                        "cpu_bytes_to_use": 8 << 30}),
     )
-    before = {k: counter(f"vllm:kv_offload_{k}") for k in
-              ("store_bytes", "store_time", "load_bytes", "load_time")}
-    cold_s = timed_generate(llm, PROMPTS)
-    deadline = time.monotonic() + 120
-    while not llm.reset_prefix_cache():
-        if time.monotonic() > deadline:
-            raise TimeoutError("stores to CPU did not finish")
-        timed_generate(llm, [[1]])
-    hit_s = timed_generate(llm, PROMPTS)
+    names = ("store_bytes", "store_time", "load_bytes", "load_time")
+    before = {k: counter(f"vllm:kv_offload_{k}") for k in names}
+    cold_s = timed_batch(llm, PROMPTS)
+    empty_gpu_prefix_cache(llm)
+    hit_s = timed_batch(llm, PROMPTS)
     delta = {k: counter(f"vllm:kv_offload_{k}") - v for k, v in before.items()}
+    release_engine(llm)
     del llm
-    gc.collect()
-    cleanup_dist_env_and_memory()
     return {
         "layout": "cross-layer (packed)" if cross_layer else "per-layer",
         "store_bytes": delta["store_bytes"], "load_bytes": delta["load_bytes"],
@@ -106,6 +111,14 @@ def main() -> None:
     }
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report, indent=1))
+    missing = missing_figures(report)
+    if missing:
+        raise SystemExit(
+            "offload_throughput_gpu: these figures are zero or missing, so nothing was "
+            "measured for them: " + "; ".join(missing) + f". The report is in {args.out}; "
+            "check that the engine stored to and loaded from CPU (the connector's "
+            "vllm:kv_offload_* counters)"
+        )
 
 
 if __name__ == "__main__":

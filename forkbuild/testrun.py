@@ -12,7 +12,7 @@ It ends with one plain summary line.
 
 from __future__ import annotations
 
-from forkbuild import install, patch_status, preflight, pytest_runner, regression
+from forkbuild import gpu_required, install, patch_status, preflight, pytest_runner, regression
 from forkbuild.errors import ForkError
 from forkbuild.pins import REPO_ROOT, Pins, build_dir
 
@@ -26,7 +26,7 @@ def run(pins: Pins, route_name: str | None) -> str:
     tools = pytest_runner.run_pytest(
         python, REPO_ROOT, ["forkbuild/tests"], results / "forkbuild.xml", pythonpath=REPO_ROOT
     )
-    gpu = _gpu_tests_skip_cleanly(pins, python, tree_path, results)
+    gpu = _gpu_tests_skip_cleanly(pins, python, tree_path, results, tools)
     suite = regression.check(pins, python, tree_path)
     print("\npatch status (DEP-3 Applied-Upstream vs the version matrix):")
     patch_status.check(pins, python)
@@ -44,9 +44,12 @@ def run(pins: Pins, route_name: str | None) -> str:
     return summary
 
 
-def _gpu_tests_skip_cleanly(pins: Pins, python, tree_path, results) -> pytest_runner.Outcome:
+def _gpu_tests_skip_cleanly(
+    pins: Pins, python, tree_path, results, tools: pytest_runner.Outcome
+) -> pytest_runner.Outcome:
     """Without a GPU the GPU tests cannot run, but they must still import, collect and
-    skip with a reason; the nightly GPU job runs them for real."""
+    skip with a reason; the nightly GPU job runs them for real. TOOLS (forkbuild's own
+    tests, which hold the serve test) is where the other required GPU case is collected."""
     if preflight.has_nvidia_gpu():
         return pytest_runner.Outcome({})
     outcome = pytest_runner.run_pytest(
@@ -58,4 +61,6 @@ def _gpu_tests_skip_cleanly(pins: Pins, python, tree_path, results) -> pytest_ru
             f"the GPU tests did not all skip on this CPU machine: {outcome}",
             f"see {results / 'gpu-tests-on-cpu.log'}",
         )
+    # The nightly job fails on a required case it does not find; a rename must fail here.
+    gpu_required.check_collected({**tools.cases, **outcome.cases})
     return outcome

@@ -13,12 +13,18 @@ from vllm.config import KVTransferConfig
 
 GPU_BLOCK_SIZE = 16
 CPU_BYTES = 1 << 30
-# Greedy prompts of several GPU blocks each, as token ids (no tokenizer needed).
-PROMPT_TOKEN_IDS = [
-    [(7 * i + 3 * j) % 300 + 10 for j in range(6 * GPU_BLOCK_SIZE + 5)]
-    for i in range(4)
-]
+SLIDING_WINDOW = 128  # the tiny GPT-OSS's (tiny_hybrid_model.py)
+NUM_PROMPTS = 4
 MAX_TOKENS = 16
+# Decode steps of the filler request that keeps every step recorded while a prompt
+# reloads (offload_round_trip.py): many more than a load of a few blocks takes.
+FILLER_TOKENS = 64
+
+
+def full_blocks(offloaded_block_size: int) -> int:
+    """Offloaded blocks per prompt: a window's worth, so that prompts (a tail
+    longer) reach past the sliding window and it matters."""
+    return max(1, SLIDING_WINDOW // offloaded_block_size)
 
 
 @dataclass(frozen=True)
@@ -46,14 +52,23 @@ CASES = [
 ]
 
 
-def offload_transfer_config(cpu_block_size: int | None) -> KVTransferConfig:
-    """The connector configuration of the original report."""
+def offload_transfer_config(
+    cpu_block_size: int | None,
+    *,
+    cpu_bytes: int = CPU_BYTES,
+    spec_name: str = "CPUOffloadingSpec",
+    spec_module_path: str | None = None,
+) -> KVTransferConfig:
+    """The connector configuration of the original report. SPEC_MODULE_PATH names
+    a module holding SPEC_NAME: the connector's extension point for specs."""
     extra = {
-        "spec_name": "CPUOffloadingSpec",
+        "spec_name": spec_name,
         "enable_cross_layers_blocks": "True",
-        "cpu_bytes_to_use": CPU_BYTES,
+        "cpu_bytes_to_use": cpu_bytes,
         "eviction_policy": "lru",
     }
+    if spec_module_path is not None:
+        extra["spec_module_path"] = spec_module_path
     if cpu_block_size is not None:
         extra["block_size"] = cpu_block_size
     return KVTransferConfig(

@@ -6,16 +6,22 @@ The cache is planned, allocated and reshaped on the GPU by vLLM's own code
 (GPT-OSS-like sliding + full groups, OffloadingConnector layout HND,
 ``num_kv_heads != block_size``); K/V are written with vLLM's cache-write op and
 read by FlashAttention's paged varlen kernel (FA2, and FA3 on Hopper) and by
-Triton unified attention, for every layer, and compared with a dense reference.
-Without the fix the views are wrong and the kernels read past the pages (the
-reported illegal memory access). Run with ``pytest --forked``: a crashed case
-then fails alone.
+Triton unified attention, for every layer, called as GPT-OSS's layers call them:
+the sliding layers with their window, and, where the kernel takes them (FA3,
+Triton; FA2 refuses them), with attention sinks. Each output is compared with
+``reference_attention`` (checked on CPU against vLLM's Triton kernel in
+test_attention_reference_cpu.py). Without the fix the views are wrong and the
+kernels read past the pages (the reported illegal memory access). Run with
+``pytest --forked``: a crashed case then fails alone.
 """
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from tests.v1.worker.attention_reference import (
+    backend_window_size,
+    reference_attention,
+)
 from tests.v1.worker.test_packed_kv_cache_pipeline import (
     BLOCK_SIZE,
     HEAD_SIZE,
@@ -33,8 +39,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 NUM_QUERY_HEADS = 16
-SEQ_LENS = [70, 33, 129]
+# The sliding layers' window is 128 (the config's sliding_window): the last two
+# sequences are longer, so their later queries no longer see their first keys.
+# (Longer than the config's max_model_len, which only the planner reads.)
+SEQ_LENS = [70, 33, 129, 300]
 NUM_GPU_BLOCKS = 64
+SCALE = HEAD_SIZE**-0.5
 
 
 @pytest.fixture
@@ -77,12 +87,22 @@ def packed_caches(tmp_path, monkeypatch):
             )
         finally:
             get_kv_cache_layout.cache_clear()
-    return kv_cache_config.num_blocks, views
+    # Each layer's sliding window, from its group's KV cache spec (None: full).
+    windows = {
+        name: getattr(group.kv_cache_spec, "sliding_window", None)
+        for group in kv_cache_config.kv_cache_groups
+        for name in group.layer_names
+    }
+    assert set(windows) == set(views)
+    sliding = {w for w in windows.values() if w is not None}
+    assert sliding and None in windows.values(), "expected sliding and full layers"
+    assert max(SEQ_LENS) > max(sliding), "the window would change nothing"
+    return kv_cache_config.num_blocks, views, windows
 
 
 def _write_sequences(views, num_blocks):
     """Write random K/V of every sequence into every layer with vLLM's cache op;
-    return the K/V, queries and block table."""
+    return each layer's K/V, queries and sinks, and the block table."""
     from vllm import _custom_ops as ops
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -112,28 +132,17 @@ def _write_sequences(views, num_blocks):
             total, NUM_QUERY_HEADS, HEAD_SIZE, generator=gen, device="cuda"
         )
         key, value, query = (t.to(cache.dtype) for t in (key, value, query))
+        # GPT-OSS's sinks: one logit per query head, a parameter in the model's
+        # dtype (bf16, as FA3 requires), on both sides of the scores.
+        sinks = torch.randn(NUM_QUERY_HEADS, generator=gen, device="cuda") * 2
+        sinks = sinks.to(torch.bfloat16)
         key_cache, value_cache = key_value_views(cache, HEAD_SIZE)
         ops.reshape_and_cache_flash(
             key, value, key_cache, value_cache, slots, "auto", scale, scale
         )
-        data[name] = (key, value, query)
+        data[name] = (key, value, query, sinks)
     torch.cuda.synchronize()
     return data, block_table
-
-
-def _reference(query, key, value):
-    """Causal dense attention, sequence by sequence (torch SDPA, fp32)."""
-    outputs, start = [], 0
-    group = NUM_QUERY_HEADS // NUM_KV_HEADS
-    for n in SEQ_LENS:
-        q = query[start : start + n].float().transpose(0, 1)
-        k = key[start : start + n].float().repeat_interleave(group, 1).transpose(0, 1)
-        v = value[start : start + n].float().repeat_interleave(group, 1).transpose(0, 1)
-        outputs.append(
-            F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1)
-        )
-        start += n
-    return torch.cat(outputs)
 
 
 def _varlen_metadata():
@@ -151,12 +160,15 @@ def test_flash_attention_over_packed_views(packed_caches, fa_version):
 
     if not is_fa_version_supported(fa_version):
         pytest.skip(f"FlashAttention {fa_version} is not supported on this GPU")
-    num_blocks, views = packed_caches
+    num_blocks, views, windows = packed_caches
     data, block_table = _write_sequences(views, num_blocks)
     cu_seqlens_q, seqused_k = _varlen_metadata()
     for name, cache in views.items():
-        key, value, query = data[name]
+        key, value, query, sinks = data[name]
+        if fa_version == 2:
+            sinks = None  # FA2 raises NotImplementedError on s_aux
         key_cache, value_cache = key_value_views(cache, HEAD_SIZE)
+        # As FlashAttentionImpl.forward calls it (bf16: no descales).
         out = flash_attn_varlen_func(
             q=query,
             k=key_cache,
@@ -165,28 +177,40 @@ def test_flash_attention_over_packed_views(packed_caches, fa_version):
             cu_seqlens_q=cu_seqlens_q,
             max_seqlen_k=max(SEQ_LENS),
             seqused_k=seqused_k,
-            softmax_scale=HEAD_SIZE**-0.5,
+            softmax_scale=SCALE,
             causal=True,
+            window_size=list(backend_window_size(windows[name])),
             block_table=block_table,
             fa_version=fa_version,
+            s_aux=sinks,
         )
         torch.cuda.synchronize()
+        expected = reference_attention(
+            query,
+            key,
+            value,
+            SEQ_LENS,
+            SCALE,
+            sliding_window=windows[name],
+            sinks=sinks,
+        )
         torch.testing.assert_close(
-            out.float(), _reference(query, key, value), atol=2e-2, rtol=2e-2, msg=name
+            out.float(), expected, atol=2e-2, rtol=2e-2, msg=name
         )
 
 
 def test_triton_attention_over_packed_views(packed_caches):
     from vllm.v1.attention.ops.triton_unified_attention import unified_attention
 
-    num_blocks, views = packed_caches
+    num_blocks, views, windows = packed_caches
     data, block_table = _write_sequences(views, num_blocks)
     cu_seqlens_q, seqused_k = _varlen_metadata()
     one = torch.ones(len(SEQ_LENS), NUM_KV_HEADS, dtype=torch.float32, device="cuda")
     for name, cache in views.items():
-        key, value, query = data[name]
+        key, value, query, sinks = data[name]
         key_cache, value_cache = key_value_views(cache, HEAD_SIZE)
         out = torch.empty_like(query)
+        # As TritonAttentionImpl.forward calls it (no alibi, softcap or fp8).
         unified_attention(
             q=query,
             k=key_cache,
@@ -196,16 +220,26 @@ def test_triton_attention_over_packed_views(packed_caches):
             max_seqlen_q=max(SEQ_LENS),
             seqused_k=seqused_k,
             max_seqlen_k=max(SEQ_LENS),
-            softmax_scale=HEAD_SIZE**-0.5,
+            softmax_scale=SCALE,
             causal=True,
-            window_size=(-1, -1),
+            window_size=backend_window_size(windows[name]),
             block_table=block_table,
             softcap=0,
             q_descale=None,
             k_descale=one,
             v_descale=one,
+            sinks=sinks,
         )
         torch.cuda.synchronize()
+        expected = reference_attention(
+            query,
+            key,
+            value,
+            SEQ_LENS,
+            SCALE,
+            sliding_window=windows[name],
+            sinks=sinks,
+        )
         torch.testing.assert_close(
-            out.float(), _reference(query, key, value), atol=2e-2, rtol=2e-2, msg=name
+            out.float(), expected, atol=2e-2, rtol=2e-2, msg=name
         )

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.v1.worker.triton_on_cpu import enable_triton_on_cpu
+
 pytestmark = pytest.mark.cpu_test
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE = 16, 16, 4, 64
@@ -60,31 +62,8 @@ def test_triton_kernels_on_packed_views(num_query_heads):
     assert "all checks passed" in result.stdout, report
 
 
-def _enable_triton_on_cpu():
-    """Environment shims, not mocks: they make the real kernels runnable here.
-
-    vLLM disables Triton when no GPU driver is active; on a "+cpu" build it keeps
-    Triton only if Triton knows a "cpu" backend, which Triton 3.x does not ship.
-    An inactive placeholder entry passes that gate without changing which driver
-    Triton picks. The cache-write kernel sizes its tiles from the CUDA device
-    capability, which has no answer without a GPU: report Hopper's.
-    """
-    import torch
-    import triton.backends
-
-    class _InactiveDriver:
-        @classmethod
-        def is_active(cls):
-            return False
-
-    triton.backends.backends.setdefault(
-        "cpu", triton.backends.Backend(compiler=None, driver=_InactiveDriver)
-    )
-    torch.cuda.get_device_capability = lambda device=None: (9, 0)
-
-
 def _run_case(num_query_heads: int) -> None:
-    _enable_triton_on_cpu()
+    enable_triton_on_cpu()
     import torch
 
     from tests.v1.worker.test_packed_kv_cache_reshape import (

@@ -1,0 +1,151 @@
+"""The GPU cases the nightly job must run, per GPU kind and GPU count.
+
+Counting failures is not enough: every GPU case skips itself when the hardware or a
+kernel is missing (FA3 that does not import, one GPU for TP=2), so a broken install on
+a Hopper runner would skip all FA3 and FLASH_ATTN cases and still leave the job green.
+Here each kind lists what it must run; a skip or an absence of one of those fails the
+job with pytest's reason. Standard library only: nightly.py runs on the system python3,
+and `make test` checks on CPU that every node id listed here is collected.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+
+from forkbuild.errors import ForkError
+from forkbuild.pytest_runner import Outcome
+
+KERNELS = "tests/v1/worker/test_packed_kv_cache_gpu_kernels.py"
+ENGINE = "tests/v1/worker/test_packed_kv_cache_offload_e2e.py"
+SERVE = "forkbuild/tests/test_serve_gpu.py::test_offload_preset_serves_and_reloads"
+
+
+def _fa(version: int) -> str:
+    return f"{KERNELS}::test_flash_attention_over_packed_views[{version}]"
+
+
+def _engine(case_id: str) -> str:
+    """CASE_ID is `OffloadCase.id` of tests/v1/worker/offload_e2e_configs.py."""
+    return f"{ENGINE}::test_offload_reload_matches_baseline[{case_id}]"
+
+
+TRITON_KERNEL = f"{KERNELS}::test_triton_attention_over_packed_views"
+
+Capability = tuple[int, int]  # CUDA compute capability (major, minor): 9.0 -> (9, 0)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A GPU generation: from which compute capability, and what it must run."""
+
+    name: str
+    min_capability: Capability
+    cases: tuple[str, ...]  # required with any number of GPUs
+    multi_gpu_cases: tuple[str, ...] = ()  # required only with two GPUs or more
+
+    def required(self, gpu_count: int) -> tuple[str, ...]:
+        return self.cases + (self.multi_gpu_cases if gpu_count >= 2 else ())
+
+
+AMPERE = Kind(
+    "Ampere", (8, 0),
+    (_fa(2), TRITON_KERNEL, _engine("TRITON_ATTN-v1-tp1")),
+)
+# GPT-OSS's attention sinks need FA3, so every FLASH_ATTN engine case (TP=2 included)
+# and the serve test (the preset uses FLASH_ATTN) are Hopper's.
+HOPPER = Kind(
+    "Hopper", (9, 0),
+    AMPERE.cases + (
+        _fa(3),
+        _engine("FLASH_ATTN-v1-tp1"),
+        _engine("FLASH_ATTN-v2-tp1"),
+        _engine("FLASH_ATTN-v1-cpu64-tp1"),
+        SERVE,
+    ),
+    (_engine("FLASH_ATTN-v1-tp2"),),
+)
+# Oldest first: a GPU is of the newest kind whose minimum it reaches (so 10.0 counts as
+# Hopper and must run FA3 too; add a kind here when a newer one needs other cases).
+KINDS: tuple[Kind, ...] = (AMPERE, HOPPER)
+
+
+def all_required() -> set[str]:
+    """Every node id that some GPU kind, with any GPU count, requires."""
+    return {case for kind in KINDS for case in kind.required(gpu_count=2)}
+
+
+def kind_of(capability: Capability) -> Kind | None:
+    fitting = [kind for kind in KINDS if capability >= kind.min_capability]
+    return fitting[-1] if fitting else None
+
+
+def parse_nvidia_smi(csv_text: str) -> list[Capability]:
+    """Compute capabilities, one per GPU, from `nvidia-smi --query-gpu=...,compute_cap
+    --format=csv` (with its header line)."""
+    rows = list(csv.reader(io.StringIO(csv_text), skipinitialspace=True))
+    if not rows or "compute_cap" not in rows[0]:
+        raise ForkError(
+            f"nvidia-smi did not report compute capabilities: {csv_text.strip()!r}",
+            "check the driver with `nvidia-smi --query-gpu=name,compute_cap --format=csv`",
+        )
+    column = rows[0].index("compute_cap")
+    capabilities = []
+    for row in rows[1:]:
+        if not row:
+            continue
+        major, _, minor = row[column].strip().partition(".")
+        capabilities.append((int(major), int(minor or 0)))
+    return capabilities
+
+
+def select(capabilities: list[Capability]) -> tuple[Kind, tuple[str, ...]]:
+    """The kind of this machine and the cases it must run. With mixed GPUs the weakest
+    decides: a case may land on any of them (TP=2 uses two)."""
+    if not capabilities:
+        raise ForkError("nvidia-smi listed no GPU", "check the driver with `nvidia-smi -L`")
+    weakest = min(capabilities)
+    kind = kind_of(weakest)
+    if kind is None:
+        oldest = KINDS[0]
+        raise ForkError(
+            f"compute capability {weakest[0]}.{weakest[1]} is older than {oldest.name} "
+            f"({oldest.min_capability[0]}.{oldest.min_capability[1]}): the nightly GPU "
+            "job has no cases that must run there",
+            "run the job on the Ampere or Hopper queue (.buildkite/fork_nightly_gpu.yaml)",
+        )
+    return kind, kind.required(len(capabilities))
+
+
+def not_run(required: Iterable[str], outcomes: Iterable[Outcome]) -> list[str]:
+    """One line per required case that was skipped (with pytest's reason) or never
+    reported. Failures and errors are not listed: the job counts those already."""
+    cases: dict[str, str] = {}
+    reasons: dict[str, str] = {}
+    for outcome in outcomes:
+        cases.update(outcome.cases)
+        reasons.update(outcome.reasons)
+    lines = []
+    for node in required:
+        status = cases.get(node)
+        if status is None:
+            lines.append(f"{node}: required but not run (not collected or not reported)")
+        elif status == "skipped":
+            lines.append(f"{node}: required but skipped: {reasons.get(node) or 'no reason given'}")
+    return lines
+
+
+def check_collected(collected: Collection[str]) -> None:
+    """Fail unless every node id a GPU kind requires is among COLLECTED (the GPU cases
+    and forkbuild's tool tests as collected on CPU): a renamed test or parameter id must
+    fail here, not as a 'required but not run' on the GPU runner at night."""
+    missing = sorted(all_required() - set(collected))
+    if missing:
+        raise ForkError(
+            f"{len(missing)} node id(s) that the nightly GPU job requires are not collected: "
+            + ", ".join(missing),
+            "update the lists in forkbuild/gpu_required.py to the tests' current node ids "
+            "(a renamed test or OffloadCase id), or restore the cases",
+        )

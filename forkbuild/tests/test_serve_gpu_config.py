@@ -1,0 +1,108 @@
+"""The engine arguments of test_serve_gpu.py through vLLM's own parser, config and start-up
+KV-cache check, on CPU: an argument vLLM rejects, or a --num-gpu-blocks-override too small for
+one request of --max-model-len, fails here rather than in the nightly GPU job."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+from forkbuild import serve
+from forkbuild.tests.test_serve_gpu import ENGINE_ARGS, GPU_BLOCKS, OFFLOAD_ARGS
+from tests.v1.worker.test_packed_kv_cache_pipeline import layer_specs
+from tests.v1.worker.tiny_hybrid_model import make_tiny_gpt_oss
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.openai.cli_args import make_arg_parser
+from vllm.usage.usage_lib import UsageContext
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.v1.core.kv_cache_utils import _use_packed_kv_cache_config, get_kv_cache_configs
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+SERVERS = {"plain": [], "offload": OFFLOAD_ARGS}
+# What the memory profiler would report; with an override vLLM plans override blocks instead.
+PROFILED_BYTES = 8 << 30
+# max_num_batched_tokens `vllm serve` defaults to on H100/H200 (EngineArgs.get_batch_defaults).
+HOPPER_SERVE_BATCHED_TOKENS = 8192
+REFUSED = "To serve at least one request with the model's max seq len"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_gpt_oss(tmp_path_factory.mktemp("models") / serve.EMBEDDED_NAME)
+
+
+def _with_override(args: list[str], blocks: int) -> list[str]:
+    at = args.index("--num-gpu-blocks-override") + 1
+    return [*args[:at], str(blocks), *args[at + 1:]]
+
+
+def _engine_config(model: Path, server: list[str], engine_args: list[str]) -> VllmConfig:
+    """The config `vllm serve` builds from the command forkbuild serve runs in the GPU test."""
+    fork_parser = argparse.ArgumentParser()
+    serve.add_arguments(fork_parser)
+    fork_args = fork_parser.parse_args([*server, "--", *engine_args])
+    # [vllm, "serve", model, ...]: the embedded model's and the preset's arguments included.
+    argv = serve.command(Path(sys.executable), str(model), fork_args, embedded=True)[2:]
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+    args.model = args.model_tag  # as the serve subcommand does
+    return AsyncEngineArgs.from_cli_args(args).create_engine_config(
+        usage_context=UsageContext.OPENAI_API_SERVER
+    )
+
+
+def _plan(config: VllmConfig):
+    """The engine's start-up planning (EngineCore._initialize_kv_caches): the override is
+    applied inside get_kv_cache_configs, before its one-request-fits check."""
+    with set_current_vllm_config(config):
+        (kv_cache_config,) = get_kv_cache_configs(config, [layer_specs(config)], [PROFILED_BYTES])
+    return kv_cache_config
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_serve_gpu_args_pass_the_startup_check(server, tiny_model, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
+    config = _engine_config(tiny_model, SERVERS[server], ENGINE_ARGS)
+    # The GPU's values, not this CPU platform's: block size 16, both KV cache groups.
+    assert config.cache_config.block_size == 16
+    assert config.cache_config.num_gpu_blocks_override == GPU_BLOCKS
+    assert config.model_config.max_model_len == 1024
+    assert config.scheduler_config.disable_hybrid_kv_cache_manager is False
+    assert config.attention_config.backend.name == "FLASH_ATTN"
+    assert (config.kv_transfer_config is not None) == (server == "offload")
+
+    kv_cache_config = _plan(config)
+    assert kv_cache_config.num_blocks == GPU_BLOCKS
+    specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
+    assert sorted(type(spec).__name__ for spec in specs) == [
+        FullAttentionSpec.__name__, SlidingWindowSpec.__name__
+    ]
+    assert _use_packed_kv_cache_config(config, kv_cache_config.kv_cache_groups) == (
+        server == "offload"
+    )
+    # The sliding group's need is capped by max_model_len, so this platform's default
+    # max_num_batched_tokens plans the same blocks as a Hopper GPU's.
+    (sliding,) = [spec for spec in specs if isinstance(spec, SlidingWindowSpec)]
+    here = config.scheduler_config.max_num_batched_tokens
+    assert {
+        sliding.max_admission_blocks_per_request(
+            max_num_batched_tokens=tokens, max_model_len=1024
+        )
+        for tokens in (here, HOPPER_SERVE_BATCHED_TOKENS)
+    } == {65}
+
+
+# 96: the old value; GPU_BLOCKS - 1: the check is tight at 64 + 65 blocks.
+@pytest.mark.parametrize("blocks", [96, GPU_BLOCKS - 1])
+@pytest.mark.parametrize("server", SERVERS)
+def test_too_few_gpu_blocks_are_refused(server, blocks, tiny_model, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
+    config = _engine_config(tiny_model, SERVERS[server], _with_override(ENGINE_ARGS, blocks))
+    assert config.cache_config.num_gpu_blocks_override == blocks
+    with pytest.raises(ValueError, match=REFUSED):
+        _plan(config)
