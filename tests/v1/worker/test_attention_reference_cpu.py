@@ -16,11 +16,6 @@ script), as in test_packed_kv_cache_triton_cpu.py: Triton's interpreter switch
 and vLLM's Triton gate are read once, at import.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,6 +24,7 @@ from tests.v1.worker.attention_reference import (
     backend_window_size,
     reference_attention,
 )
+from tests.v1.worker.triton_on_cpu import run_case_in_fresh_process
 
 pytestmark = pytest.mark.cpu_test
 
@@ -128,24 +124,7 @@ def test_backend_window_size_matches_backends(backend, sliding_window):
 
 
 def test_triton_unified_attention_matches_reference():
-    # The script imports the checkout's `tests` package, as pytest does.
-    root = str(Path(__file__).resolve().parents[3])
-    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, __file__],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    report = (result.stdout + result.stderr)[-4000:]
-    assert result.returncode >= 0, (
-        f"kernel process killed by signal {-result.returncode}:\n{report}"
-    )
-    assert result.returncode == 0, report
-    assert "all checks passed" in result.stdout, report
+    run_case_in_fresh_process(__file__, env={"TRITON_INTERPRET": "1"})
 
 
 NUM_BLOCKS, BLOCK_SIZE = 16, 16

@@ -15,14 +15,14 @@ and a kernel that writes out of bounds may kill its process, which must count
 as a failure rather than take the test session down.
 """
 
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.v1.worker.triton_on_cpu import enable_triton_on_cpu
+from tests.v1.worker.triton_on_cpu import (
+    enable_triton_on_cpu,
+    run_case_in_fresh_process,
+)
 
 pytestmark = pytest.mark.cpu_test
 
@@ -37,29 +37,11 @@ def test_triton_kernels_on_packed_views(num_query_heads):
     # the CPU before anything imports vLLM. Skips without the per-backend API.
     import tests.v1.worker.per_backend_kv_layout  # noqa: F401
 
-    # The script imports the checkout's `tests` package, as pytest does.
-    root = str(Path(__file__).resolve().parents[3])
-    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    env = {
-        **os.environ,
-        "PYTHONPATH": path,
-        "TRITON_INTERPRET": "1",
-        "VLLM_KV_CACHE_LAYOUT": "HND",
-    }
-    result = subprocess.run(
-        [sys.executable, __file__, str(num_query_heads)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
+    run_case_in_fresh_process(
+        __file__,
+        str(num_query_heads),
+        env={"TRITON_INTERPRET": "1", "VLLM_KV_CACHE_LAYOUT": "HND"},
     )
-    report = (result.stdout + result.stderr)[-4000:]
-    assert result.returncode >= 0, (
-        f"kernel process killed by signal {-result.returncode}:\n{report}"
-    )
-    assert result.returncode == 0, report
-    assert "all checks passed" in result.stdout, report
 
 
 def _run_case(num_query_heads: int) -> None:

@@ -29,3 +29,37 @@ def enable_triton_on_cpu() -> None:
         "cpu", triton.backends.Backend(compiler=None, driver=_InactiveDriver)
     )
     torch.cuda.get_device_capability = lambda device=None: (9, 0)
+
+
+def run_case_in_fresh_process(
+    script: str, *args: str, env: dict[str, str | None], timeout: float = 600
+) -> str:
+    """Run SCRIPT (a test module that is also its case's worker) with ARGS in a
+    fresh interpreter, the checkout's root first on PYTHONPATH so that it imports
+    the ``tests`` package as pytest does, with ENV over this process's
+    environment (None: unset). It must exit cleanly and print "all checks
+    passed". A kernel that writes out of bounds may kill its process: that fails
+    the case instead of the test session. Returns the worker's stdout."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(script).resolve().parents[3])
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    merged = {**os.environ, "PYTHONPATH": path, **env}
+    result = subprocess.run(
+        [sys.executable, script, *args],
+        env={key: value for key, value in merged.items() if value is not None},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    report = (result.stdout + result.stderr)[-6000:]
+    assert result.returncode >= 0, (
+        f"case process killed by signal {-result.returncode}:\n{report}"
+    )
+    assert result.returncode == 0, report
+    assert "all checks passed" in result.stdout, report
+    return result.stdout
