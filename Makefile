@@ -3,6 +3,11 @@
 #   make serve                 serve the embedded tiny model (CPU) through the fork
 #   make test                  everything CI runs
 #   make serve MODEL=openai/gpt-oss-20b PRESET=offload-47054    on a GPU host
+# Variables: PYTHON (the python3 forkbuild runs on, stdlib only; default python3)
+#   ROUTE=cpu|cuda (fetch, install, regression, model, serve, test; default: cuda with a GPU)
+#   serve: PORT (8000) HOST (127.0.0.1) MODEL PRESET CPU_BYTES ARGS (to vllm serve)
+#   matrix: VERSIONS="0.26.0 0.33.0"    rebase: VERSION=x.y.z ACCEPT=1
+# `make clean` removes build/ and dist/ (the download cache ~/.cache/vllm-fork stays).
 PYTHON ?= python3
 ROUTE ?=
 MODEL ?=
@@ -15,10 +20,11 @@ CPU_BYTES ?=
 FORKBUILD := $(PYTHON) -m forkbuild
 ROUTE_OPT := $(if $(ROUTE),--route $(ROUTE))
 
-.PHONY: help fetch tree install regression wheel model serve test matrix patch-status upstream rebase nightly clean
+.PHONY: help fetch tree lock install regression wheel model serve test matrix patch-status upstream rebase nightly clean
 
 help:
-	@sed -n '1,5p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '1,10p' Makefile | sed 's/^# \{0,1\}//'
+	@echo
 	@$(FORKBUILD) --help
 
 fetch:
@@ -26,6 +32,10 @@ fetch:
 
 tree:
 	$(FORKBUILD) tree
+
+# Regenerates locks/ (needs the package index); commit the result.
+lock:
+	$(FORKBUILD) lock
 
 install:
 	$(FORKBUILD) install $(ROUTE_OPT)
@@ -39,15 +49,16 @@ wheel:
 model:
 	$(FORKBUILD) model $(ROUTE_OPT)
 
+# FORKBUILD_PORT_OPTION: a busy port's message names the make variable, not --port.
 serve:
-	$(FORKBUILD) serve $(ROUTE_OPT) --host $(HOST) --port $(PORT) \
+	FORKBUILD_PORT_OPTION="PORT=N (make serve PORT=8001)" $(FORKBUILD) serve $(ROUTE_OPT) --host $(HOST) --port $(PORT) \
 		$(if $(MODEL),--model $(MODEL)) $(if $(PRESET),--preset $(PRESET)) \
 		$(if $(CPU_BYTES),--cpu-bytes $(CPU_BYTES)) $(if $(ARGS),-- $(ARGS))
 
 test:
 	$(FORKBUILD) test $(ROUTE_OPT)
 
-# Upstream alignment: the suite on stock releases (slow, ~15 min), the DEP-3 claims
+# Upstream alignment: the suite on stock releases (slow, ~11 min), the DEP-3 claims
 # (part of `make test`), the tests as a patch series for vLLM, a trial rebase.
 #   make matrix [VERSIONS="0.26.0 0.33.0"]    make rebase VERSION=0.26.0 [ACCEPT=1]
 VERSIONS ?=

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from forkbuild import log
@@ -36,12 +36,16 @@ def verify(path: Path, artifact: Artifact) -> None:
         )
 
 
-def fetch(artifact: Artifact, python: Path | str = sys.executable) -> Path:
+PipCommand = Path | str | Sequence[str]
+
+
+def fetch(artifact: Artifact, pip: Callable[[], PipCommand], *, quiet: bool = False) -> Path:
     """Return the verified local path of ARTIFACT, downloading it with pip if needed.
 
-    The sdist is fetched with --no-build-isolation because pip prepares its metadata, and
-    vLLM's setup.py imports torch: PYTHON must then be an interpreter that has the
-    toolchain (torch and the build requirements) installed.
+    PIP gives the pip to download with (an interpreter, or a whole command) and is called
+    only when the file is not cached: a cached file needs no environment at all. The
+    sdist is fetched with --no-build-isolation because pip prepares its metadata, and
+    vLLM's setup.py imports torch: its PIP must be the venv's, which has the toolchain.
     """
     clean_partial_downloads()
     target = artifacts_dir() / artifact.filename
@@ -61,7 +65,7 @@ def fetch(artifact: Artifact, python: Path | str = sys.executable) -> Path:
         else:
             name = artifact.requirement.split("==")[0]
             args += ["--no-binary", name, "--no-build-isolation"]
-        run_pip(python, [*args, artifact.requirement], what=f"download {artifact.requirement}")
+        run_pip(pip(), [*args, artifact.requirement], what=f"download {artifact.requirement}", quiet=quiet)
         got = Path(tmp) / artifact.filename
         if not got.exists():
             saved = ", ".join(sorted(os.listdir(tmp))) or "nothing"

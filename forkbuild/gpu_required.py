@@ -132,7 +132,7 @@ def not_run(required: Iterable[str], outcomes: Iterable[Outcome]) -> list[str]:
         status = cases.get(node)
         if status is None:
             lines.append(f"{node}: required but not run (not collected or not reported)")
-        elif status == "skipped":
+        elif status in ("skipped", "xfailed"):
             lines.append(f"{node}: required but skipped: {reasons.get(node) or 'no reason given'}")
     return lines
 

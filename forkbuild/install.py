@@ -1,30 +1,31 @@
-"""Step 3: a virtualenv at build/venv with the pinned toolchain and an editable,
-python-only install of the patched tree on vLLM's precompiled binaries.
+"""Step 3: a virtualenv at build/venv holding exactly the route's lock (every package
+hash-checked, installed by uv) and an editable, python-only install of the patched tree
+on vLLM's precompiled binaries.
 
-VLLM_PRECOMPILED_WHEEL_LOCATION always points at the verified local wheel: when it is
-unset, vLLM 0.25.1's setup.py fetches a nightly wheel from the network instead.
-Each stage writes a stamp when it has finished, so an interrupted install is redone
-from the start of that stage on the next run, and a finished one is skipped.
+The venv is made beside its place (build/venv.partial) and moved there only when the lock
+is fully installed and verified: a failed or interrupted install leaves no half venv, and
+the next run resumes from uv's cache. VLLM_PRECOMPILED_WHEEL_LOCATION always points at
+the verified local wheel: when it is unset, vLLM 0.25.1's setup.py fetches a nightly
+wheel from the network instead.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import platform
 import shutil
 import subprocess
-import venv
+import sys
 import zipfile
 from pathlib import Path
 
-from forkbuild import fetch, fixcheck, log, preflight, tree, wheelhouse
+from forkbuild import fetch, fixcheck, lock, log, preflight, tree, uv
 from forkbuild.errors import ForkError
 from forkbuild.hashing import digest_of
 from forkbuild.pins import Pins, Route, build_dir
-from forkbuild.pip_runner import run_pip
 
 TOOLCHAIN_STAMP = ".forkbuild-toolchain"
+LOCK_RECORD = ".forkbuild-lock"  # in the venv: the lock it holds, e.g. locks/cpu-py311.txt
 INSTALL_STAMP = ".forkbuild-installed"  # inside the tree: a rebuilt tree drops it
 
 
@@ -43,23 +44,54 @@ def pick_route(pins: Pins, requested: str | None) -> Route:
     return pins.routes[name]
 
 
-def ensure_toolchain(pins: Pins) -> Path:
-    """The venv with torch, vLLM's build requirements and the test runner."""
+def venv_matches_lock(python: Path, lock_file: Path, pins: Pins) -> None:
+    """What the venv holds (but the editable vLLM) must be exactly what the lock pins."""
+    out = uv.run(pins, ["pip", "freeze", "--exclude-editable", "--python", str(python)],
+                 what="list the venv's packages")
+    have = lock.pinned_lines(out)
+    want = lock.pinned(lock_file)
+    if have != want:
+        diff = sorted(set(have.items()) ^ set(want.items()))
+        raise ForkError(
+            f"the venv differs from {lock_file.name} in {len(diff)} package(s), e.g. "
+            f"{'=='.join(diff[0])}",
+            "rm -r build/venv and run again",
+        )
+
+
+def ensure_toolchain(pins: Pins, route_name: str | None = None) -> Path:
+    """build/venv with exactly the route's lock for this Python: torch, vLLM's
+    requirements, its build requirements and the test runner."""
     preflight.check_all(pins)
-    requirements = [f"torch=={pins.torch}", *pins.build, *pins.test]
-    stamp_value = digest_of([platform.python_version(), *requirements])
+    route = pick_route(pins, route_name)
+    lock_file = lock.path(route.name, lock.running_python())
+    if not lock_file.is_file():
+        raise ForkError(f"{lock_file} is missing", "run `make lock` (needs the package index)")
+    stamp_value = digest_of([sys.version, pins.uv.sha256, lock_file.read_bytes()])
     stamp = venv_dir() / TOOLCHAIN_STAMP
     if stamp.exists() and stamp.read_text().strip() == stamp_value and venv_python().exists():
-        log.step(f"install: toolchain venv {venv_dir()} is up to date")
+        log.step(f"install: venv {venv_dir()} holds {lock_file.name}")
         return venv_python()
     preflight.check_disk(build_dir(), 12, "the virtualenv")
+    partial = build_dir() / "venv.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    log.step(f"install: creating {venv_dir()} from {lock_file.name} with uv (Python {lock.running_python()})")
+    try:
+        uv.run(pins, ["venv", "--quiet", "--relocatable", "--python", sys.executable, str(partial)],
+               what="create the venv")
+        python = partial / "bin" / "python"
+        uv.install(pins, ["sync", "--require-hashes", "--python", str(python), str(lock_file)],
+                   what=f"the packages of {lock_file.name}", lock=lock_file)
+        venv_matches_lock(python, lock_file, pins)
+        (partial / LOCK_RECORD).write_text(f"{lock_file.relative_to(lock_file.parent.parent)}\n")
+        (partial / TOOLCHAIN_STAMP).write_text(stamp_value + "\n")
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     if venv_dir().exists():
-        log.step(f"install: removing unfinished or outdated venv {venv_dir()}")
         shutil.rmtree(venv_dir())
-    log.step(f"install: creating venv {venv_dir()} (Python {platform.python_version()})")
-    venv.EnvBuilder(with_pip=True).create(venv_dir())
-    wheelhouse.install(pins, venv_python(), requirements, what=f"torch {pins.torch} and build/test tools")
-    stamp.write_text(stamp_value + "\n")
+    partial.rename(venv_dir())  # a relocatable venv: its scripts find their python anywhere
+    log.step(f"install: {venv_dir()} holds exactly {lock_file.name} ({len(lock.pinned(lock_file))} packages)")
     return venv_python()
 
 
@@ -82,37 +114,35 @@ def precompiled_env(pins: Pins, route: Route, wheel: Path) -> dict[str, str]:
 def install(pins: Pins, route_name: str | None = None) -> tuple[Path, Path, Route]:
     """Make sure fetch, tree and the venv are complete; return (python, tree, route)."""
     route = pick_route(pins, route_name)
-    python = ensure_toolchain(pins)
-    sdist = fetch.fetch(pins.sdist, python)
-    wheel = fetch.fetch(route.wheel, python)
+    python = ensure_toolchain(pins, route.name)
+    sdist = fetch.fetch(pins.sdist, lambda: python)
+    wheel = fetch.fetch(route.wheel, lambda: python)
     tree_path = tree.build(pins, sdist)
+    lock.check(pins, tree_path)
 
     stamp = tree_path / INSTALL_STAMP
     stamp_value = digest_of(
         [route.name, route.wheel.sha256, (tree_path / ".git" / tree.INPUTS_FILE).read_text(),
-         (venv_dir() / TOOLCHAIN_STAMP).read_text(), *route.extra,
-         (tree_path / route.requirements).read_bytes()]
+         (venv_dir() / TOOLCHAIN_STAMP).read_text()]
     )
     if stamp.exists() and stamp.read_text().strip() == stamp_value:
-        log.step("install: vLLM requirements and the editable tree are up to date")
-    else:
-        stamp.unlink(missing_ok=True)
-        wheelhouse.install(
-            pins,
-            python,
-            [f"torch=={pins.torch}", *route.extra],
-            what=f"vLLM's {route.requirements}",
-            requirement_files=[tree_path / route.requirements],
-        )
-        log.step(f"install: editable install of {tree_path} on {route.wheel.filename}")
-        run_pip(
-            python,
-            ["install", "--no-build-isolation", "--no-deps", "-q", "-e", str(tree_path)],
-            what="install the tree in editable mode",
-            env=precompiled_env(pins, route, wheel),
-            quiet=True,
-        )
-        add_missing_extensions(wheel, tree_path)
+        # Verified by the probe when it was stamped; what may change since is the source.
+        verdict = fixcheck.classify((tree_path / fixcheck.MODULE_PATH).read_text())
+        if verdict != "fixed":
+            raise ForkError(f"{tree_path / fixcheck.MODULE_PATH} is {verdict}, not fixed",
+                            "rebuild the tree: make tree")
+        log.step("install: the venv and the editable tree are up to date and verified")
+        return python, tree_path, route
+    stamp.unlink(missing_ok=True)
+    log.step(f"install: editable install of {tree_path} on {route.wheel.filename}")
+    uv.run(
+        pins,
+        ["pip", "install", "--quiet", "--python", str(python), "--no-deps", "--no-build-isolation",
+         "--offline", "-e", str(tree_path)],
+        what="install the tree in editable mode",
+        extra_env=precompiled_env(pins, route, wheel),
+    )
+    add_missing_extensions(wheel, tree_path)
     check_install(python, tree_path, route)
     stamp.write_text(stamp_value + "\n")
     return python, tree_path, route
@@ -146,21 +176,22 @@ def add_missing_extensions(wheel: Path, tree_path: Path) -> list[str]:
 
 
 _PROBE = """
-import importlib.metadata, inspect, json, vllm
+import importlib.metadata, importlib.util, json, vllm
 from vllm.platforms import current_platform
-from vllm.v1.worker.gpu import attn_utils
 cpu_kernels = None
 if current_platform.device_type == "cpu":  # the ones this host's ISA loads
     import torch
     current_platform.import_kernels()
     cpu_kernels = hasattr(torch.ops._C, "init_cpu_memory_env")
+# The file `import` would load, read rather than imported: importing it costs ~8 s.
+module = importlib.util.find_spec("vllm.v1.worker.gpu.attn_utils").origin
 print(json.dumps({
     "vllm": vllm.__file__,
-    "module": attn_utils.__file__,
+    "module": module,
     "version": importlib.metadata.version("vllm"),
     "platform": type(current_platform).__name__,
     "device": current_platform.device_type,
-    "source": inspect.getsource(attn_utils._reshape_attention_kv_cache),
+    "source": open(module).read(),
     "cpu_kernels": cpu_kernels,
 }))
 """

@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 import platform
 import shutil
+import sys
 import tempfile
-import venv
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from forkbuild import fetch, fixcheck, install, log, regression, tree, wheelhouse
+from forkbuild import fetch, fixcheck, install, log, regression, tree, uv
 from forkbuild.errors import ForkError
 from forkbuild.hashing import digest_of
 from forkbuild.pins import REPO_ROOT, Pins, Release, build_dir
@@ -54,7 +54,9 @@ def fork_test_modules(pins: Pins, tree_path: Path) -> list[str]:
 
 def release_tree(pins: Pins, release: Release) -> Path:
     """build/matrix/vllm-<version>: the stock release + the fork's tests + its binaries."""
-    toolchain = install.ensure_toolchain(pins)  # pip needs torch to read vLLM sdists' metadata
+    def toolchain() -> Path:  # pip needs torch to read vLLM sdists' metadata
+        return install.ensure_toolchain(pins, "cpu")
+
     sdist = fetch.fetch(release.sdist, toolchain)
     binaries = fetch.fetch(release.binaries, toolchain)
     inputs = [release.sdist.sha256, release.binaries.sha256]
@@ -120,7 +122,12 @@ def release_python(pins: Pins, release: Release, release_tree_path: Path) -> Pat
         )
     home = matrix_dir() / f"venv-torch-{release.torch}"
     python = home / "bin" / "python"
-    requirements = [f"torch=={release.torch}", *pins.test]
+    # A stock release is tested on its own requirement ranges (what its users get), not
+    # on a lock; its torch is checked against fork.toml's pins all the same.
+    torch_line = f"torch=={release.torch} " + " ".join(
+        f"--hash=sha256:{sha}" for sha in pins.torch_pins(release.torch).values()
+    )
+    requirements = [torch_line, *pins.test]
     req_file = release_tree_path / "requirements" / "common.txt"
     stamp = home / ".forkbuild-venv"
     value = digest_of([platform.python_version(), *requirements, req_file.read_bytes()])
@@ -128,11 +135,15 @@ def release_python(pins: Pins, release: Release, release_tree_path: Path) -> Pat
         return python
     shutil.rmtree(home, ignore_errors=True)
     log.step(f"matrix: creating {home} for vLLM {release.version} (torch {release.torch})")
-    venv.EnvBuilder(with_pip=True).create(home)
-    wheelhouse.install(
-        pins, python, requirements, what=f"torch {release.torch} and vLLM {release.version}'s requirements",
-        requirement_files=[req_file], torch=release.torch,
-    )
+    try:
+        uv.run(pins, ["venv", "--quiet", "--python", sys.executable, str(home)], what="create the venv")
+        listed = home / "requirements.in"
+        listed.write_text("".join(f"{r}\n" for r in requirements) + f"-r {req_file}\n")
+        uv.install(pins, ["install", "--python", str(python), "-r", str(listed)],
+                   what=f"torch {release.torch} and vLLM {release.version}'s requirements")
+    except BaseException:
+        shutil.rmtree(home, ignore_errors=True)
+        raise
     stamp.write_text(value + "\n")
     return python
 
@@ -201,7 +212,7 @@ def _module(case: str) -> str:
 def _counts(outcome: Outcome, modules: tuple[str, ...], inside: bool = True) -> str:
     cases = [s for c, s in outcome.cases.items() if (_module(c) in modules) == inside]
     failed = sum(s in ("failed", "error") for s in cases)
-    return f"{cases.count('passed')} / {failed} / {cases.count('skipped')}"
+    return f"{cases.count('passed')} / {failed} / {cases.count('skipped') + cases.count('xfailed')}"
 
 
 def reading(outcome: Outcome, modules: tuple[str, ...]) -> str:

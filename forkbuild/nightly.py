@@ -82,7 +82,8 @@ def conclude(
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     passed = sum(o.passed for o in outcomes)
     skipped = sum(o.skipped for o in outcomes)
-    line = f"summary: {passed} passed, {failed} failed, {skipped} skipped"
+    xfailed = sum(o.xfailed for o in outcomes)
+    line = f"summary: {passed} passed, {failed} failed, {skipped} skipped, {xfailed} xfailed"
     if failed or not_run:
         for problem in not_run:
             print(problem)

@@ -25,9 +25,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from packaging.version import Version
-
-from forkbuild import fetch, install, log, matrix, tree
+from forkbuild import fetch, install, log, matrix, tree, versions
 from forkbuild.errors import ForkError
 from forkbuild.pins import Pins, Release
 
@@ -42,13 +40,13 @@ class PatchInfo:
     files: tuple[str, ...]  # paths the diff touches
 
     @property
-    def applied_upstream(self) -> Version | None:
+    def applied_upstream(self) -> versions.Release | None:
         value = self.fields.get("Applied-Upstream", "").strip()
         if not value or value.lower() in ("no", "not-needed"):
             return None
         try:
-            return Version(value.split(",")[0].split()[0].lstrip("v"))
-        except ValueError:
+            return versions.release(value.split(",")[0].split()[0].lstrip("v"))
+        except ForkError:
             raise ForkError(
                 f"{self.name}: Applied-Upstream {value!r} names no release",
                 "write it as `Applied-Upstream: v<version>` (DEP-3), or leave it out",
@@ -113,8 +111,10 @@ def recorded(pins: Pins, release: Release, modules: tuple[str, ...]) -> str:
 def check(pins: Pins, python: Path | None = None, patches_dir: Path = tree.PATCHES_DIR) -> list[str]:
     """Confirm every patch's claim; return the report lines. Raises on a claim that
     the releases do not confirm."""
-    python = python or install.ensure_toolchain(pins)
-    sdists = {r.version: fetch.fetch(r.sdist, python) for r in pins.releases}
+    def pip() -> Path:
+        return python or install.ensure_toolchain(pins)
+
+    sdists = {r.version: fetch.fetch(r.sdist, pip) for r in pins.releases}
     lines, problems = [], []
     for p in tree.read_series(patches_dir):
         patch = read_patch(p.name, p.path)
@@ -133,7 +133,7 @@ def check(pins: Pins, python: Path | None = None, patches_dir: Path = tree.PATCH
             record = recorded(pins, release, modules)
             if claim is None:
                 ok, meaning = True, ("upstream has it: set Applied-Upstream" if applied == REVERSED else "carried")
-            elif Version(release.version) < claim:
+            elif versions.release(release.version) < claim:
                 ok = applied == APPLIES or record == "fail"
                 meaning = "still needed" if ok else "cannot show it is still needed"
             elif record == "fail":  # upstream's change does not make the tests pass

@@ -47,12 +47,15 @@ class Release:
 class Pins:
     label: str
     upstream_version: str
-    python: str
+    pythons: tuple[str, ...]  # "3.11", ...: supported, and locked
     machines: tuple[str, ...]
+    lock_platform: str
     artifacts: dict[str, Artifact]
+    uv: Artifact
     torch: str
-    torch_sha256: dict[str, str]
+    torch_sha256: dict[str, str]  # the matrix releases' torch wheels (the fork's are locked)
     build: tuple[str, ...]
+    tools: tuple[str, ...]
     test: tuple[str, ...]
     routes: dict[str, Route]
     regression_by_patch: dict[str, tuple[str, ...]]  # patch file name -> its modules
@@ -76,6 +79,11 @@ class Pins:
                 return release
         known = ", ".join(r.version for r in self.releases)
         raise ForkError(f"vLLM {version} is not in the version matrix ({known})", "add it to [matrix] in fork.toml")
+
+    @property
+    def toolchain(self) -> tuple[str, ...]:
+        """What every venv of the fork has beside vLLM's own requirements."""
+        return (f"torch=={self.torch}", *self.build, *self.tools, *self.test)
 
     @property
     def sdist(self) -> Artifact:
@@ -110,19 +118,23 @@ def load(path: Path = PINS_FILE) -> Pins:
         }
         tc = raw["toolchain"]
         matrix = raw.get("matrix", {})
-        torch_sha256 = {**tc["torch-sha256"], **matrix.get("torch-sha256", {})}
+        torch_sha256 = matrix.get("torch-sha256", {})
+        uv = tc["uv"]
         releases = tuple(
             _release(raw, artifacts, tc["torch"], version) for version in matrix.get("releases", [])
         )
         return Pins(
             label=raw["fork"]["label"],
             upstream_version=raw["upstream"]["version"],
-            python=raw["upstream"]["python"],
+            pythons=tuple(raw["upstream"]["pythons"]),
             machines=tuple(raw["upstream"]["machines"]),
+            lock_platform=raw["upstream"]["lock_platform"],
             artifacts=artifacts,
+            uv=Artifact("uv", uv["requirement"], uv["filename"], uv["sha256"].lower()),
             torch=tc["torch"],
             torch_sha256={k: v.lower() for k, v in torch_sha256.items()},
             build=tuple(tc["build"]),
+            tools=tuple(tc["tools"]),
             test=tuple(tc["test"]),
             routes=routes,
             regression_by_patch={k: tuple(v) for k, v in raw["tests"]["regression"].items()},
@@ -154,6 +166,10 @@ def cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     ) / "vllm-fork"
     return Path(base)
+
+
+def locks_dir() -> Path:
+    return REPO_ROOT / "locks"
 
 
 def build_dir() -> Path:

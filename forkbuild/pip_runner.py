@@ -1,4 +1,9 @@
-"""Run pip with the machine's own pip configuration; never name an index here."""
+"""Run pip with the machine's own pip configuration; never name an index here.
+
+pip only downloads: the pinned upstream files by name (uv, the one installer, has no
+download command) and, once, uv itself. PYTHON is an interpreter with pip, or a whole
+pip command (the bootstrap's pip may be the wheel inside ensurepip).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from forkbuild.errors import ForkError
 
 
 def run_pip(
-    python: Path | str,
+    python: Path | str | Sequence[str],
     args: Sequence[str],
     *,
     what: str,
@@ -23,7 +28,8 @@ def run_pip(
     With quiet=True the output is captured (for attempts whose failure is expected);
     otherwise it streams, so that long downloads show pip's own progress.
     """
-    cmd = [str(python), "-m", "pip", *args]
+    prefix = [str(python), "-m", "pip"] if isinstance(python, (str, Path)) else list(python)
+    cmd = [*prefix, *args]
     result = subprocess.run(
         cmd,
         env=dict(env) if env is not None else None,
@@ -33,12 +39,12 @@ def run_pip(
         check=False,
     )
     if result.returncode != 0:
-        last = _last_error_line(result.stderr or "") if quiet else "see pip's output above"
+        last = last_error_line(result.stderr or "") if quiet else "see pip's output above"
         raise ForkError(f"pip failed to {what}: {last}", "check the network and disk, then run again")
     return result
 
 
-def _last_error_line(stderr: str) -> str:
+def last_error_line(stderr: str) -> str:
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
     errors = [ln for ln in lines if ln.startswith("ERROR")]
     return (errors or lines or ["no output"])[-1]

@@ -1,25 +1,29 @@
-"""Checks that fail fast, before any download or build starts."""
+"""Checks that fail fast, before any download or build starts.
+
+forkbuild runs on the standard library alone until its venv exists: this module is the
+first it imports, on whatever python3 the user has.
+"""
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 import socket
 import sys
 from pathlib import Path
 
-from packaging.specifiers import SpecifierSet
-
 from forkbuild.errors import ForkError
 from forkbuild.pins import Pins
 
 
 def check_python(pins: Pins) -> None:
-    here = platform.python_version()
-    if here not in SpecifierSet(pins.python):
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if here not in pins.pythons:
         raise ForkError(
-            f"Python {here} is not supported by vLLM {pins.upstream_version} (needs {pins.python})",
-            "run forkbuild with a supported python3, e.g. PYTHON=python3.11 make ...",
+            f"Python {platform.python_version()} is not supported: the fork locks Python "
+            f"{', '.join(pins.pythons)}",
+            f"run forkbuild with one of those, e.g. make ... PYTHON=python{pins.pythons[0]}",
         )
 
 
@@ -62,9 +66,11 @@ def check_port_free(host: str, port: int) -> None:
         try:
             sock.bind((host, port))
         except OSError as exc:
+            # `make serve` says which make variable it passes, so the advice names it.
+            option = os.environ.get("FORKBUILD_PORT_OPTION", "--port N")
             raise ForkError(
                 f"port {port} on {host} is already in use ({exc.strerror})",
-                "stop what listens there or pass --port N",
+                f"stop what listens there or pass {option}",
             ) from None
 
 

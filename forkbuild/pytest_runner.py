@@ -14,7 +14,8 @@ from forkbuild.errors import ForkError
 
 @dataclass(frozen=True)
 class Outcome:
-    """Per-case results of one pytest run: node id -> passed | failed | error | skipped."""
+    """Per-case results of one pytest run: node id -> passed | failed | error | skipped
+    | xfailed (JUnit files an xfail as a skip of type pytest.xfail; it is counted apart)."""
 
     cases: dict[str, str]
     reasons: dict[str, str] = field(default_factory=dict)  # skipped case -> pytest's reason
@@ -38,8 +39,13 @@ class Outcome:
     def skipped(self) -> int:
         return self.count("skipped")
 
+    @property
+    def xfailed(self) -> int:
+        return self.count("xfailed")
+
     def __str__(self) -> str:
-        return f"{self.passed} passed, {self.failed} failed, {self.errors} errors, {self.skipped} skipped"
+        text = f"{self.passed} passed, {self.failed} failed, {self.errors} errors, {self.skipped} skipped"
+        return text + (f", {self.xfailed} xfailed" if self.xfailed else "")
 
 
 def _skip_reason(skipped: ET.Element) -> str:
@@ -67,6 +73,8 @@ def _read_junit(junit: Path) -> Outcome:
                 status = name
                 if name == "skipped":  # pytest reports an xfail as a skip of that type
                     reasons[node] = _skip_reason(found)
+                    if found.get("type") == "pytest.xfail":
+                        status = "xfailed"
         cases[node] = status
     return Outcome(cases, reasons)
 

@@ -23,9 +23,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from packaging.version import Version
-
-from forkbuild import install, log, patch_status, tree
+from forkbuild import install, log, patch_status, tree, versions
 from forkbuild.errors import ForkError
 from forkbuild.hashing import sha256_file
 from forkbuild.pins import PINS_FILE, Pins, build_dir, cache_dir, load
@@ -45,33 +43,49 @@ def rebase_dir() -> Path:
     return build_dir() / "rebase"
 
 
-def download(pins: Pins, python: Path, package: str, version: str, binary: bool) -> Path:
-    """An upstream file by name, into <cache>/rebase; its hash is not known yet."""
+def download(python: Path, package: str, version: str, binary: bool) -> Path:
+    """An upstream file by name, into <cache>/rebase/VERSION; its hash is not known yet.
+    pip downloads into a temporary folder beside it, so a failure leaves nothing."""
     dest = cache_dir() / "rebase" / version
-    dest.mkdir(parents=True, exist_ok=True)
-    args = ["download", "--no-deps", "--progress-bar", "off", "-d", str(dest)]
-    args += ["--only-binary", ":all:"] if binary else ["--no-binary", package, "--no-build-isolation"]
-    before = set(dest.iterdir())
-    run_pip(python, [*args, f"{package}=={version}"], what=f"download {package}=={version}")
     stem = package.replace("-", "_")
-    found = [
-        p for p in dest.iterdir()
-        if p.name.startswith((f"{stem}-{version}", f"{package}-{version}"))
-        and p.name.endswith(".whl" if binary else ".tar.gz")
-    ]
-    if not found:
-        new = sorted(p.name for p in set(dest.iterdir()) - before)
-        raise ForkError(f"pip saved no {package} {version} {'wheel' if binary else 'sdist'} ({new})")
-    return found[0]
+    kind = ".whl" if binary else ".tar.gz"
+
+    def ours(folder: Path) -> list[Path]:
+        return [p for p in folder.iterdir() if p.name.startswith((f"{stem}-{version}", f"{package}-{version}"))
+                and p.name.endswith(kind)] if folder.is_dir() else []
+
+    if ours(dest):
+        return ours(dest)[0]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    args = ["download", "--no-deps", "--progress-bar", "off"]
+    args += ["--only-binary", ":all:"] if binary else ["--no-binary", package, "--no-build-isolation"]
+    with tempfile.TemporaryDirectory(prefix=f".{version}-", dir=dest.parent) as tmp:
+        try:
+            run_pip(python, [*args, "-d", tmp, f"{package}=={version}"],
+                    what=f"download {package}=={version}", quiet=True)
+        except ForkError as exc:
+            if "No matching distribution" in str(exc) or "from versions:" in str(exc):
+                raise ForkError(
+                    f"the package index has no {package} {version} {'wheel' if binary else 'sdist'}",
+                    "check the version against vLLM's releases",
+                ) from None
+            raise
+        found = ours(Path(tmp))
+        if not found:
+            saved = sorted(p.name for p in Path(tmp).iterdir())
+            raise ForkError(f"pip saved no {package} {version} {'wheel' if binary else 'sdist'} ({saved})")
+        dest.mkdir(exist_ok=True)
+        return Path(shutil.move(str(found[0]), dest / found[0].name))
 
 
 def trial(pins: Pins, version: str) -> tuple[list[Outcome], dict[str, tuple[str, str, str]]]:
+    versions.release(version, what="VERSION")  # before anything is downloaded or made
     python = install.ensure_toolchain(pins)
     log.step(f"rebase: fetching vLLM {version} (sdist and wheels) by name")
     files: dict[str, Path] = {}
     for key, (pkg, binary) in ARTIFACTS.items():
         try:
-            files[key] = download(pins, python, pkg, version, binary)
+            files[key] = download(python, pkg, version, binary)
         except ForkError as exc:
             if key == "sdist":
                 raise
@@ -133,7 +147,7 @@ def _effect_recorded(pins: Pins, patch: patch_status.PatchInfo, version: str) ->
     """Upstream rewrote the code: the patch's claim covers VERSION and the matrix record
     shows the regression cases passing there."""
     claim = patch.applied_upstream
-    if claim is None or Version(version) < claim or version not in {r.version for r in pins.releases}:
+    if claim is None or versions.release(version) < claim or version not in {r.version for r in pins.releases}:
         return False
     modules = pins.regression_by_patch.get(patch.name, ())
     return bool(modules) and patch_status.recorded(pins, pins.release(version), modules) == "pass"
@@ -195,5 +209,6 @@ def accept(pins: Pins, version: str) -> None:
         os.replace(staged / "fork.toml", PINS_FILE)
     finally:
         shutil.rmtree(staged, ignore_errors=True)
-    log.step(f"rebase: fork.toml and patches/ now target vLLM {version}; run `make test`, then review "
-             "the [matrix] and [toolchain] pins (torch) by hand")
+    log.step(f"rebase: fork.toml and patches/ now target vLLM {version}; review the [matrix] and "
+             "[toolchain] pins (torch) by hand, run `make lock` (the release's requirements are the "
+             "locks' inputs), then `make test`")

@@ -1,6 +1,10 @@
 """`vllm serve` through the fork.
 
-Without --model it serves the embedded tiny GPT-OSS (generated locally, no network).
+Without --model it serves the embedded tiny chat model (a random-weight Gemma 2 generated
+locally, no network): its layers alternate sliding-window and full attention, so vLLM plans
+the same two KV cache groups as for GPT-OSS, and its ChatML template answers
+/v1/chat/completions offline (the tiny GPT-OSS the tests use cannot: vLLM renders GPT-OSS
+chats with harmony, which downloads its vocabulary).
 --preset offload-47054 adds the configuration of vLLM issue #47054: cross-layer CPU KV
 offloading on FlashAttention, with prefix caching and the hybrid KV cache manager on.
 """
@@ -15,9 +19,15 @@ from pathlib import Path
 
 from forkbuild import log, preflight
 from forkbuild.errors import ForkError
-from forkbuild.pins import Pins, build_dir
+from forkbuild.pins import REPO_ROOT, Pins, build_dir
 
-EMBEDDED_NAME = "tiny-gpt-oss"
+# Models `--model NAME` generates locally (no download), by the generator that makes them;
+# the first is the default. tiny-gpt-oss is the #47054 model of the tests and GPU cases.
+EMBEDDED = {
+    "tiny-chat": "tests/v1/worker/tiny_chat_model.py",
+    "tiny-gpt-oss": "tests/v1/worker/tiny_hybrid_model.py",
+}
+EMBEDDED_NAME = next(iter(EMBEDDED))
 DEFAULT_CPU_BYTES = 8 * 2**30
 
 
@@ -45,7 +55,8 @@ PRESETS = {"offload-47054": offload_47054_args}
 
 
 def add_arguments(cmd: argparse.ArgumentParser) -> None:
-    cmd.add_argument("--model", help="model name or path (default: the embedded tiny GPT-OSS)")
+    cmd.add_argument("--model", help="model name or path, or an embedded model: "
+                     f"{', '.join(EMBEDDED)} (default: {EMBEDDED_NAME})")
     cmd.add_argument("--preset", choices=sorted(PRESETS), help="a documented vLLM configuration")
     cmd.add_argument("--host", default="127.0.0.1")
     cmd.add_argument("--port", type=int, default=8000)
@@ -55,28 +66,41 @@ def add_arguments(cmd: argparse.ArgumentParser) -> None:
                      help="after --: passed to vllm serve unchanged")
 
 
-# The generator lives with the fork's tests (the CPU engine test uses it too).
-GENERATOR = "tests/v1/worker/tiny_hybrid_model.py"
-
-
-def ensure_tiny_model(python: Path, tree_path: Path) -> Path:
-    out = build_dir() / "models" / EMBEDDED_NAME
-    log.step(f"serve: preparing the embedded model in {out}")
-    result = subprocess.run(
-        [str(python), str(tree_path / GENERATOR), str(out)],
+def start_tiny_model(python: Path, name: str = EMBEDDED_NAME) -> subprocess.Popen[str]:
+    """Start generating embedded model NAME (a no-op when it is current). The generators
+    live with the fork's tests (the same files the tree overlays), so this needs only the
+    venv and can run while the tree is installed."""
+    out = build_dir() / "models" / name
+    log.step(f"serve: preparing the embedded model {name} in {out}")
+    return subprocess.Popen(
+        [str(python), str(REPO_ROOT / EMBEDDED[name]), str(out)],
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        capture_output=True, text=True, check=False,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    if result.returncode != 0:
-        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+
+
+def finish_tiny_model(generating: subprocess.Popen[str]) -> Path:
+    stdout, stderr = generating.communicate()
+    if generating.returncode != 0:
+        last = (stderr.strip().splitlines() or ["no output"])[-1]
         raise ForkError(f"could not generate the embedded model: {last}")
-    return out
+    return Path(stdout.strip().splitlines()[-1])
 
 
-def command(python: Path, model: str, args: argparse.Namespace, embedded: bool) -> list[str]:
+def ensure_tiny_model(python: Path, name: str = EMBEDDED_NAME) -> Path:
+    return finish_tiny_model(start_tiny_model(python, name))
+
+
+def command(python: Path, model: str, args: argparse.Namespace, embedded: str | None,
+            *, cpu: bool = False) -> list[str]:
+    """The `vllm serve` command; EMBEDDED: the embedded model's name, when it is one."""
     cmd = [str(python.parent / "vllm"), "serve", model, "--host", args.host, "--port", str(args.port)]
     if embedded:
-        cmd += ["--served-model-name", EMBEDDED_NAME, "--max-model-len", "1024", "--dtype", "bfloat16"]
+        cmd += ["--served-model-name", embedded, "--max-model-len", "1024", "--dtype", "bfloat16"]
+        if cpu:
+            # A random-weight demo gains nothing from the CPU platform's Inductor compile,
+            # which costs ~20 s of every start on 2 cores (measured: 58 s vs 81 s to ready).
+            cmd += ["--enforce-eager"]
     if args.preset:
         cmd += PRESETS[args.preset](args.cpu_bytes)
     extra = list(args.vllm_args)
@@ -100,17 +124,35 @@ def serve(pins: Pins, args: argparse.Namespace) -> None:
 
     from forkbuild import install
 
-    python, tree_path, route = install.install(pins, args.route)
-    embedded = args.model is None
-    model = str(ensure_tiny_model(python, tree_path)) if embedded else args.model
+    route = install.pick_route(pins, args.route)
+    embedded = (args.model or EMBEDDED_NAME) if args.model in (None, *EMBEDDED) else None
+    generating = start_tiny_model(install.ensure_toolchain(pins, route.name), embedded) if embedded else None
+    try:
+        python, _, route = install.install(pins, route.name)
+    except BaseException:
+        if generating:
+            generating.kill()
+            generating.wait()
+        raise
+    model = str(finish_tiny_model(generating)) if generating else args.model
     env = dict(os.environ)
     if embedded:
         env["HF_HUB_OFFLINE"] = "1"
     if route.target_device == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM's default is sized for big hosts
     preflight.check_port_free(args.host, args.port)
-    cmd = command(python, model, args, embedded)
+    cmd = command(python, model, args, embedded, cpu=route.target_device == "cpu")
     log.step(f"serve: {' '.join(cmd)}")
-    log.step(f"serve: try  curl http://{args.host}:{args.port}/v1/completions -H 'Content-Type: application/json' "
-             f"-d '{{\"model\": \"{EMBEDDED_NAME if embedded else model}\", \"prompt\": \"Hello\", \"max_tokens\": 8}}'")
+    for line in try_lines(args.host, args.port, embedded or model):
+        log.step(f"serve: try  {line}")
     os.execve(cmd[0], cmd, env)
+
+
+def try_lines(host: str, port: int, model: str) -> list[str]:
+    """A curl line for the completions and the chat endpoint (the serve test sends both)."""
+    base = f"curl http://{host}:{port}/v1"
+    head = "-H 'Content-Type: application/json'"
+    completion = {"model": model, "prompt": "Hello", "max_tokens": 8}
+    chat = {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8}
+    return [f"{base}/completions {head} -d '{json.dumps(completion)}'",
+            f"{base}/chat/completions {head} -d '{json.dumps(chat)}'"]

@@ -12,7 +12,14 @@ It ends with one plain summary line.
 
 from __future__ import annotations
 
-from forkbuild import gpu_required, install, patch_status, preflight, pytest_runner, regression
+from forkbuild import (
+    gpu_required,
+    install,
+    patch_status,
+    preflight,
+    pytest_runner,
+    regression,
+)
 from forkbuild.errors import ForkError
 from forkbuild.pins import REPO_ROOT, Pins, build_dir
 
@@ -34,10 +41,11 @@ def run(pins: Pins, route_name: str | None) -> str:
     passed = tools.passed + suite.passed
     failed = tools.failed + tools.errors + suite.failed + suite.errors
     skipped = tools.skipped + suite.skipped + gpu.skipped
+    xfailed = tools.xfailed + suite.xfailed + gpu.xfailed
     print(f"\nforkbuild tool tests: {tools}")
     print(f"GPU tests without a GPU: {gpu.skipped} collected and skipped with a reason")
     print(f"fork suite in {tree_path.name}: {suite}")
-    summary = f"summary: {passed} passed, {failed} failed, {skipped} skipped"
+    summary = f"summary: {passed} passed, {failed} failed, {skipped} skipped, {xfailed} xfailed"
     if failed:
         print(summary)
         raise ForkError(f"{failed} test(s) failed", f"JUnit reports are in {results}")

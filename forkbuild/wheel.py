@@ -11,8 +11,6 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from packaging.utils import parse_wheel_filename
-
 from forkbuild import fetch, fixcheck, install, log, preflight, tree
 from forkbuild.errors import ForkError
 from forkbuild.pins import REPO_ROOT, Pins, build_dir
@@ -58,11 +56,11 @@ def _retag_like(python: Path, built: Path, official: Path) -> Path:
     """pip tags a python-only build for the building interpreter (cp311-cp311-linux);
     the binaries inside are the official wheel's, so give it the official wheel's tags
     (cp38-abi3-manylinux_2_28) and it installs wherever that one does."""
-    _, _, _, tags = parse_wheel_filename(official.name)
-    tag = next(iter(tags))
+    # name-version-python-abi-platform.whl (fork.toml pins the official file name)
+    interpreter, abi, platform_tag = official.name.removesuffix(".whl").split("-")[-3:]
     result = subprocess.run(
-        [str(python), "-m", "wheel", "tags", "--remove", f"--python-tag={tag.interpreter}",
-         f"--abi-tag={tag.abi}", f"--platform-tag={tag.platform}", str(built)],
+        [str(python), "-m", "wheel", "tags", "--remove", f"--python-tag={interpreter}",
+         f"--abi-tag={abi}", f"--platform-tag={platform_tag}", str(built)],
         capture_output=True, text=True, check=False,
     )
     if result.returncode != 0:
@@ -73,8 +71,8 @@ def _retag_like(python: Path, built: Path, official: Path) -> Path:
 def build(pins: Pins) -> Path:
     python = install.ensure_toolchain(pins)
     route = pins.routes["cuda"]
-    sdist = fetch.fetch(pins.sdist, python)
-    binaries = fetch.fetch(route.wheel, python)
+    sdist = fetch.fetch(pins.sdist, lambda: python)
+    binaries = fetch.fetch(route.wheel, lambda: python)
     tree_path = tree.build(pins, sdist)
     preflight.check_disk(build_dir(), 2, "building the wheel")
     with tempfile.TemporaryDirectory(prefix=".wheel-", dir=build_dir()) as tmp:

@@ -29,8 +29,8 @@ def test_fixcheck_tells_released_from_fixed(released_source):
 
 
 def test_unsupported_python_and_machine_are_refused(fork_pins):
-    with pytest.raises(ForkError, match="is not supported by vLLM 0.25.1"):
-        preflight.check_python(dataclasses.replace(fork_pins, python="<3.0"))
+    with pytest.raises(ForkError, match="is not supported: the fork locks Python 2.7"):
+        preflight.check_python(dataclasses.replace(fork_pins, pythons=("2.7",)))
     with pytest.raises(ForkError, match="machine .* is not supported"):
         preflight.check_machine(dataclasses.replace(fork_pins, machines=("riscv64",)))
 
@@ -45,5 +45,12 @@ def test_port_in_use_is_refused():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        with pytest.raises(ForkError, match=f"port {port} on 127.0.0.1 is already in use"):
+        with pytest.raises(ForkError, match=f"port {port} on 127.0.0.1 is already in use") as err:
             preflight.check_port_free("127.0.0.1", port)
+        assert "pass --port N" in err.value.hint
+        # Through `make serve` (the Makefile names its variable) the advice is PORT=N.
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("FORKBUILD_PORT_OPTION", "PORT=N (make serve PORT=8001)")
+            with pytest.raises(ForkError) as err:
+                preflight.check_port_free("127.0.0.1", port)
+        assert "pass PORT=N" in err.value.hint

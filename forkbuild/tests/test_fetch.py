@@ -10,9 +10,13 @@ def _no_download(*args, **kwargs):
     raise AssertionError("fetch went to the network for a cached artifact")
 
 
+def _no_pip():
+    raise AssertionError("fetch asked for a pip (an environment) for a cached artifact")
+
+
 def test_cached_artifact_is_verified_not_downloaded(fork_pins, scratch_sdist, monkeypatch):
     monkeypatch.setattr(fetch, "run_pip", _no_download)
-    assert fetch.fetch(fork_pins.sdist) == scratch_sdist
+    assert fetch.fetch(fork_pins.sdist, _no_pip) == scratch_sdist
 
 
 @pytest.mark.parametrize("damage", ["tampered", "truncated"])
@@ -25,7 +29,7 @@ def test_bad_artifact_is_deleted_and_refused(fork_pins, scratch_sdist, monkeypat
         data = data[: len(data) // 2]
     scratch_sdist.write_bytes(data)
     with pytest.raises(ForkError, match="sha256 mismatch for vllm-0.25.1.tar.gz") as err:
-        fetch.fetch(fork_pins.sdist)
+        fetch.fetch(fork_pins.sdist, _no_pip)
     assert "\n" not in str(err.value)
     assert not scratch_sdist.exists()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -51,7 +52,26 @@ def test_port_in_use_is_refused_at_once():
     assert f"port {port} on 127.0.0.1 is already in use" in line
 
 
-def test_embedded_model_answers_a_completion(tmp_path):
+def _printed_requests(log_text: str) -> list[tuple[str, dict]]:
+    """The (url, body) of each `curl` line that `forkbuild serve` printed for the user."""
+    requests = []
+    for line in log_text.splitlines():
+        if "serve: try  curl " in line:
+            words = shlex.split(line.split("serve: try  ", 1)[1])
+            requests.append((words[1], json.loads(words[words.index("-d") + 1])))
+    return requests
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        assert resp.status == 200
+        return json.load(resp)
+
+
+def test_embedded_model_answers_a_completion_and_a_chat(tmp_path):
     port = _free_port()
     log = (tmp_path / "serve.log").open("w")
     server = subprocess.Popen(
@@ -70,19 +90,27 @@ def test_embedded_model_answers_a_completion(tmp_path):
                         break
             except OSError:
                 time.sleep(2)
-        body = json.dumps({
-            "model": "tiny-gpt-oss", "prompt": "Hello, world!", "max_tokens": 8,
-            "temperature": 0, "ignore_eos": True,
-        }).encode()
-        request = urllib.request.Request(
-            f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=120) as resp:
-            answer = json.load(resp)
-        assert answer["model"] == "tiny-gpt-oss"
-        assert answer["usage"]["completion_tokens"] == 8
-        assert isinstance(answer["choices"][0]["text"], str) and answer["choices"][0]["text"]
-        assert "+fork.1" in answer["system_fingerprint"]
+        # The two lines the user is told to try, sent as printed: both endpoints answer.
+        printed = _printed_requests((tmp_path / "serve.log").read_text())
+        assert [url for url, _ in printed] == [f"{base}/v1/completions", f"{base}/v1/chat/completions"]
+        for url, body in printed:
+            answer = _post(url, body)
+            assert answer["model"] == "tiny-chat"
+            assert 1 <= answer["usage"]["completion_tokens"] <= body["max_tokens"]
+        # Then in full: eight greedy tokens from each, text and chat message.
+        greedy = {"model": "tiny-chat", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        text = _post(f"{base}/v1/completions", {**greedy, "prompt": "Hello, world!"})
+        assert text["usage"]["completion_tokens"] == 8
+        assert isinstance(text["choices"][0]["text"], str) and text["choices"][0]["text"]
+        assert "+fork.1" in text["system_fingerprint"]
+        chat = _post(f"{base}/v1/chat/completions",
+                     {**greedy, "messages": [{"role": "user", "content": "Hello, world!"}]})
+        assert chat["usage"]["completion_tokens"] == 8
+        assert chat["choices"][0]["message"]["role"] == "assistant"
+        assert chat["choices"][0]["message"]["content"]
+        # the ChatML turn the template renders (system_fingerprint: the fork's vLLM)
+        assert chat["usage"]["prompt_tokens"] > text["usage"]["prompt_tokens"]
+        assert "+fork.1" in chat["system_fingerprint"]
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:

@@ -69,6 +69,8 @@ ENGINE_ARGS = ["--num-gpu-blocks-override", str(GPU_BLOCKS), "--block-size", "16
                "--max-model-len", "1024", "--gpu-memory-utilization", "0.3",
                "--max-num-seqs", "8", "--attention-backend", "FLASH_ATTN"]
 OFFLOAD_ARGS = ["--preset", "offload-47054", "--cpu-bytes", str(2 << 30)]
+# Both servers serve the embedded tiny GPT-OSS (the #47054 model), not the default chat model.
+MODEL_ARGS = ["--model", "tiny-gpt-oss"]
 PROMPTS = [
     f"Request {i}: "
     + " ".join(f"key and value block {i}.{j} goes to CPU memory" for j in range(40))
@@ -90,7 +92,7 @@ def _server(extra: list[str], log_path: Path) -> Iterator[tuple[int, subprocess.
     with open(log_path, "w") as log:
         server = subprocess.Popen(
             [sys.executable, "-m", "forkbuild", "serve", "--route", "cuda", "--port", str(port),
-             *extra, "--", *ENGINE_ARGS],
+             *MODEL_ARGS, *extra, "--", *ENGINE_ARGS],
             cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             # Unbuffered, so that the log read before shutdown holds everything so far.
             env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -9,18 +9,26 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from forkbuild import serve
-from forkbuild.tests.test_serve_gpu import ENGINE_ARGS, GPU_BLOCKS, OFFLOAD_ARGS
-from tests.v1.worker.test_packed_kv_cache_pipeline import layer_specs
-from tests.v1.worker.tiny_hybrid_model import make_tiny_gpt_oss
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.entrypoints.openai.cli_args import make_arg_parser
 from vllm.usage.usage_lib import UsageContext
 from vllm.utils.argparse_utils import FlexibleArgumentParser
-from vllm.v1.core.kv_cache_utils import _use_packed_kv_cache_config, get_kv_cache_configs
+from vllm.v1.core.kv_cache_utils import (
+    _use_packed_kv_cache_config,
+    get_kv_cache_configs,
+)
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+from forkbuild import serve
+from forkbuild.tests.test_serve_gpu import (
+    ENGINE_ARGS,
+    GPU_BLOCKS,
+    MODEL_ARGS,
+    OFFLOAD_ARGS,
+)
+from tests.v1.worker.test_packed_kv_cache_pipeline import layer_specs
+from tests.v1.worker.tiny_hybrid_model import make_tiny_gpt_oss
 
 SERVERS = {"plain": [], "offload": OFFLOAD_ARGS}
 # What the memory profiler would report; with an override vLLM plans override blocks instead.
@@ -32,7 +40,7 @@ REFUSED = "To serve at least one request with the model's max seq len"
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_gpt_oss(tmp_path_factory.mktemp("models") / serve.EMBEDDED_NAME)
+    return make_tiny_gpt_oss(tmp_path_factory.mktemp("models") / MODEL_ARGS[1])
 
 
 def _with_override(args: list[str], blocks: int) -> list[str]:
@@ -44,9 +52,10 @@ def _engine_config(model: Path, server: list[str], engine_args: list[str]) -> Vl
     """The config `vllm serve` builds from the command forkbuild serve runs in the GPU test."""
     fork_parser = argparse.ArgumentParser()
     serve.add_arguments(fork_parser)
-    fork_args = fork_parser.parse_args([*server, "--", *engine_args])
+    fork_args = fork_parser.parse_args([*MODEL_ARGS, *server, "--", *engine_args])
+    assert fork_args.model in serve.EMBEDDED  # generated, and served under its name
     # [vllm, "serve", model, ...]: the embedded model's and the preset's arguments included.
-    argv = serve.command(Path(sys.executable), str(model), fork_args, embedded=True)[2:]
+    argv = serve.command(Path(sys.executable), str(model), fork_args, embedded=fork_args.model)[2:]
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
     args.model = args.model_tag  # as the serve subcommand does
     return AsyncEngineArgs.from_cli_args(args).create_engine_config(

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
 import pytest
 
-from forkbuild import fetch, install, patch_status, rebase, tree, upstream
+from forkbuild import fetch, install, patch_status, pins, rebase, tree, upstream
 from forkbuild.errors import ForkError
 
 PATCH = next(p for p in tree.read_series())
@@ -31,7 +33,7 @@ def test_dep3_header_is_read_from_the_mail():
 def test_fix_applies_to_the_bug_and_reverse_applies_to_the_fix(fork_pins, toolchain):
     patch = patch_status.read_patch(PATCH.name, PATCH.path)
     for version, expected in (("0.25.1", patch_status.APPLIES), ("0.26.0", patch_status.REVERSED)):
-        sdist = fetch.fetch(fork_pins.release(version).sdist, toolchain)
+        sdist = fetch.fetch(fork_pins.release(version).sdist, lambda: toolchain)
         assert patch_status.try_apply(patch, sdist) == expected, version
 
 
@@ -45,6 +47,29 @@ def test_a_claim_the_releases_contradict_fails(fork_pins, toolchain, tmp_path, c
     (tmp_path / "series").write_text(PATCH.name + "\n")
     with pytest.raises(ForkError, match=error):
         patch_status.check(fork_pins, toolchain, patches_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("version", "error"),
+    [
+        ("not-a-version", "VERSION 'not-a-version' is not a release version -- give it as X.Y.Z"),
+        # needs the package index (as `make rebase` does): pip finds no such release
+        ("9.9.9", "the package index has no vllm 9.9.9 sdist -- check the version"),
+    ],
+)
+def test_rebase_to_a_version_that_does_not_exist_says_so_and_leaves_nothing(version, error, toolchain):
+    result = subprocess.run(
+        [sys.executable, "-m", "forkbuild", "rebase", version],
+        cwd=pins.REPO_ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"forkbuild rebase: error: {error}")
+    # forkbuild's progress lines and that one error; none of pip's own output
+    assert all(line.startswith("[forkbuild ") for line in lines[:-1]), lines
+    assert not (pins.cache_dir() / "rebase" / version).exists()
+    assert not list((pins.cache_dir() / "rebase").glob(f".{version}-*"))
+    assert not (rebase.rebase_dir() / f"vllm-{version}").exists()
 
 
 def test_rebase_moves_every_pin_together(fork_pins):

@@ -14,6 +14,10 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -25,9 +29,29 @@ CORPUS = [
 FORMAT = "tiny-gpt-oss-3"  # bump when the config or tokenizer below change
 
 
+def byte_level_bpe(special_tokens: list[str]) -> Tokenizer:
+    """A byte-level BPE (512 tokens, specials first) trained on CORPUS.
+
+    Byte-level: any text encodes and any id decodes, with no unknown token.
+    Shared with tiny_chat_model.py: a change here changes both models, so bump
+    both FORMATs.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE(unk_token=None))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=special_tokens,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(CORPUS, trainer)
+    return bpe
+
+
 def make_tiny_gpt_oss(out: Path) -> Path:
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import GptOssConfig, GptOssForCausalLM, PreTrainedTokenizerFast
 
     marker = out / "forkbuild-model.json"
@@ -37,17 +61,8 @@ def make_tiny_gpt_oss(out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
 
-    bpe = Tokenizer(models.BPE(unk_token=None))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=512,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    bpe.train_from_iterator(CORPUS, trainer)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
+        tokenizer_object=byte_level_bpe(["<|endoftext|>"]),
         eos_token="<|endoftext|>",
         bos_token="<|endoftext|>",
         pad_token="<|endoftext|>",

@@ -1,0 +1,155 @@
+"""`forkbuild lock`: the hash-locked environments, one per route and supported Python.
+
+locks/ROUTE-pyXY.txt pins every package of the route's venv (fork.toml's toolchain, the
+route's extras and vLLM's own requirement file in the tree) with its sha256, resolved by
+`uv pip compile --generate-hashes` for fork.toml's lock_platform. Each lock records a
+digest of the inputs it was made from; an install refuses a lock whose inputs changed
+since (fork.toml or the tree's requirements), so the venv installed is always the one
+that was locked and tested. Only `forkbuild lock` needs the network.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from forkbuild import log, uv
+from forkbuild.errors import ForkError
+from forkbuild.hashing import digest_of
+from forkbuild.pins import Pins, Route, locks_dir
+
+FORMAT = "forkbuild-lock-1"
+_DIGEST_LINE = "# inputs-sha256: "
+_PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s\\;]+)")
+
+
+def running_python() -> str:
+    return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def path(route: str, python: str) -> Path:
+    return locks_dir() / f"{route}-py{python.replace('.', '')}.txt"
+
+
+def _requirement_files(tree_path: Path, relative: str) -> list[Path]:
+    """The route's requirement file and those it includes with -r, in reading order."""
+    files, todo = [], [tree_path / relative]
+    while todo:
+        current = todo.pop(0)
+        if current in files:
+            continue
+        if not current.is_file():
+            raise ForkError(f"{current} is missing from the tree", "rebuild it: make tree")
+        files.append(current)
+        for line in current.read_text().splitlines():
+            found = re.match(r"^\s*(?:-r|--requirement)\s+(\S+)", line)
+            if found:
+                todo.append(current.parent / found[1])
+    return files
+
+
+@dataclass(frozen=True)
+class LockInputs:
+    route: Route
+    python: str
+    requirements: tuple[str, ...]  # beside the tree's file
+    tree_file: Path
+
+    def digest(self, pins: Pins, tree_path: Path) -> str:
+        files = _requirement_files(tree_path, self.route.requirements)
+        return digest_of([
+            FORMAT, self.route.name, self.python, pins.lock_platform, *self.requirements,
+            *(f"{f.relative_to(tree_path)}\n".encode() + f.read_bytes() for f in files),
+        ])
+
+
+def inputs(pins: Pins, route: Route, python: str, tree_path: Path) -> LockInputs:
+    return LockInputs(route, python, (*pins.toolchain, *route.extra), tree_path / route.requirements)
+
+
+def recorded_digest(lock_file: Path) -> str | None:
+    for line in lock_file.read_text().splitlines():
+        if line.startswith(_DIGEST_LINE):
+            return line[len(_DIGEST_LINE):].strip()
+    return None
+
+
+def stale(pins: Pins, tree_path: Path) -> list[str]:
+    """Every lock that is missing or was made from other inputs than today's."""
+    wrong = []
+    for route in pins.routes.values():
+        for python in pins.pythons:
+            lock_file = path(route.name, python)
+            if not lock_file.is_file():
+                wrong.append(f"{lock_file.name} (missing)")
+            elif recorded_digest(lock_file) != inputs(pins, route, python, tree_path).digest(pins, tree_path):
+                wrong.append(f"{lock_file.name} (its inputs changed)")
+    return wrong
+
+
+def check(pins: Pins, tree_path: Path) -> None:
+    wrong = stale(pins, tree_path)
+    if wrong:
+        raise ForkError(
+            f"the locks no longer match the requirements they were made from: {', '.join(wrong)}",
+            "run `make lock` (needs the package index) and commit locks/",
+        )
+
+
+def pinned(lock_file: Path) -> dict[str, str]:
+    """name -> version of every package a lock pins (names normalized as in PEP 503)."""
+    return pinned_lines(lock_file.read_text())
+
+
+def pinned_lines(text: str) -> dict[str, str]:
+    """name -> version of `name==version` lines (a freeze)."""
+    return {normalize(m[1]): m[2] for m in map(_PIN.match, text.splitlines()) if m}
+
+
+def normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _header(pins: Pins, lock_inputs: LockInputs, digest: str) -> str:
+    r = lock_inputs.route
+    return (
+        f"# {path(r.name, lock_inputs.python).name}: the {r.name} route's venv on Python "
+        f"{lock_inputs.python} ({pins.lock_platform}), every package with its sha256.\n"
+        f"# Made by `make lock` (uv pip compile --generate-hashes) from fork.toml [toolchain] and "
+        f"[routes.{r.name}] and vLLM {pins.upstream_version}'s {r.requirements}; do not edit.\n"
+        f"{_DIGEST_LINE}{digest}\n"
+    )
+
+
+def generate(pins: Pins, tree_path: Path) -> list[Path]:
+    """(Re)write every lock whose inputs changed; the others are left as they are."""
+    locks_dir().mkdir(exist_ok=True)
+    written = []
+    for route in pins.routes.values():
+        for python in pins.pythons:
+            lock_inputs = inputs(pins, route, python, tree_path)
+            digest = lock_inputs.digest(pins, tree_path)
+            target = path(route.name, python)
+            if target.is_file() and recorded_digest(target) == digest:
+                log.step(f"lock: {target.name} is up to date")
+                continue
+            log.step(f"lock: resolving {target.name} (route {route.name}, Python {python})")
+            with tempfile.TemporaryDirectory(prefix=".lock-", dir=locks_dir()) as tmp:
+                source = Path(tmp) / "requirements.in"
+                source.write_text("".join(f"{r}\n" for r in lock_inputs.requirements)
+                                  + f"-r {lock_inputs.tree_file}\n")
+                out = Path(tmp) / "lock.txt"
+                uv.run(pins, [
+                    "pip", "compile", str(source), "--generate-hashes", "--no-header", "--no-annotate",
+                    "--python-version", python, "--python-platform", pins.lock_platform,
+                    "--quiet", "-o", str(out),
+                ], what=f"resolve {target.name}")
+                partial = Path(tmp) / target.name
+                partial.write_text(_header(pins, lock_inputs, digest) + out.read_text())
+                partial.replace(target)
+            log.step(f"lock: wrote {target} ({len(pinned(target))} packages)")
+            written.append(target)
+    return written

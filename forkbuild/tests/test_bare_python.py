@@ -1,0 +1,98 @@
+"""The README's commands start from a bare python3: forkbuild needs nothing but the
+standard library until its venv exists, bootstraps uv without pip, and a step makes
+only what it uses. The help says what each step does and which options it takes."""
+
+from __future__ import annotations
+
+import os
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import forkbuild
+from forkbuild import pins, uv
+from forkbuild.errors import ForkError
+
+
+@pytest.fixture(scope="module")
+def bare_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Python with the standard library alone: no pip, no packaging."""
+    home = tmp_path_factory.mktemp("bare") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(home)], check=True)
+    python = home / "bin" / "python"
+    for module in ("packaging", "pip"):
+        probe = subprocess.run([str(python), "-c", f"import {module}"], capture_output=True, check=False)
+        assert probe.returncode != 0, f"{module} is importable in {home}"
+    return python
+
+
+def _forkbuild(python: Path, *args: str, env: dict[str, str] | None = None, timeout: int = 300):
+    return subprocess.run(
+        [str(python), "-m", "forkbuild", *args], cwd=pins.REPO_ROOT, capture_output=True,
+        text=True, timeout=timeout, check=False, env={**os.environ, **(env or {})},
+    )
+
+
+def test_every_forkbuild_module_imports_on_the_standard_library(bare_python):
+    modules = [m.name for m in pkgutil.walk_packages(forkbuild.__path__, "forkbuild.")
+               if not m.name.startswith(("forkbuild.tests", "forkbuild.__main__"))]
+    code = "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)\n"
+    result = subprocess.run([str(bare_python), "-c", code, *modules], cwd=pins.REPO_ROOT,
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "forkbuild.cli" in modules and "forkbuild.install" in modules
+
+
+def test_fetch_and_tree_run_on_a_bare_python_and_make_no_venv(bare_python, tmp_path):
+    """With the files cached, `make fetch` and `make tree` need no environment at all."""
+    build = tmp_path / "build"
+    for step in (["fetch", "--route", "cpu"], ["tree"]):
+        result = _forkbuild(bare_python, *step, env={"VLLM_FORK_BUILD": str(build)})
+        assert result.returncode == 0, result.stderr[-2000:]
+    assert (build / f"vllm-{pins.load().upstream_version}" / "vllm").is_dir()
+    assert not (build / "venv").exists() and not (build / "venv.partial").exists()
+
+
+def test_uv_bootstraps_without_pip_from_ensurepips_wheel(bare_python, tmp_path):
+    """An empty cache and a Python without pip: uv arrives through the pip wheel that
+    ensurepip bundles, verified (needs the package index, as a cold `make` does)."""
+    code = ("from forkbuild import pins, uv\n"
+            "print(uv.bootstrap_pip()[-1])\n"
+            "print(uv.binary(pins.load()))\n")
+    result = subprocess.run([str(bare_python), "-c", code], cwd=pins.REPO_ROOT, capture_output=True,
+                            text=True, timeout=300, check=False,
+                            env={**os.environ, "VLLM_FORK_CACHE": str(tmp_path / "cache")})
+    assert result.returncode == 0, result.stderr[-2000:]
+    via, binary = result.stdout.strip().splitlines()[-2:]
+    assert "/ensurepip/_bundled/pip-" in via
+    assert Path(binary).is_relative_to(tmp_path / "cache")
+    version = subprocess.run([binary, "--version"], capture_output=True, text=True, check=True)
+    assert version.stdout.split()[:2] == ["uv", pins.load().uv.requirement.split("==")[1]]
+
+
+def test_a_python_without_pip_or_ensurepip_gets_one_line_naming_the_package(monkeypatch):
+    monkeypatch.setattr(uv.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ForkError) as err:
+        uv.bootstrap_pip()
+    assert "\n" not in str(err.value)
+    assert "neither pip nor ensurepip" in err.value.cause
+    assert "python3-venv" in err.value.hint
+
+
+def test_help_lists_every_target_variable_and_what_test_runs():
+    text = subprocess.run(["make", "-s", "help", f"PYTHON={sys.executable}"], cwd=pins.REPO_ROOT,
+                          capture_output=True, text=True, check=True).stdout
+    for word in ("make clean", "PORT", "HOST", "PRESET", "MODEL", "ROUTE", "VERSION", "VERSIONS",
+                 "ACCEPT", "ARGS", "CPU_BYTES", "PYTHON", "lock"):
+        assert word in text, word
+    test_help = _forkbuild(Path(sys.executable), "test", "--help").stdout
+    assert "GPU tests' clean skip" in test_help and "patch-status" in test_help
+    assert "--route" in test_help
+    for step in ("tree", "wheel", "lock", "matrix", "patch-status", "upstream", "nightly"):
+        assert "--route" not in _forkbuild(Path(sys.executable), step, "--help").stdout, step
+    makefile = (pins.REPO_ROOT / "Makefile").read_text()
+    readme = (pins.REPO_ROOT / "README.md").read_text()
+    assert "~11 min" in makefile and "11 min for all five releases" in readme

@@ -1,0 +1,119 @@
+"""The hash-locked environments: locks current, the venv equal to its lock, a bad hash
+refused with both hashes and no half venv, xfails counted as xfails."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from forkbuild import install, lock, pins
+from forkbuild.errors import ForkError
+from forkbuild.pytest_runner import _read_junit
+
+
+@pytest.fixture(scope="module")
+def fork_tree(fork_pins: pins.Pins) -> Path:
+    path = pins.build_dir() / f"vllm-{fork_pins.upstream_version}"
+    if not (path / "requirements").is_dir():
+        pytest.skip("the tree is not built yet: run `make install` first")
+    return path
+
+
+def test_every_lock_matches_the_requirements_it_was_made_from(fork_pins, fork_tree):
+    assert lock.stale(fork_pins, fork_tree) == []
+    lock.check(fork_pins, fork_tree)
+    for route in fork_pins.routes.values():
+        for python in fork_pins.pythons:
+            locked = lock.pinned(lock.path(route.name, python))
+            assert locked["torch"] == fork_pins.torch
+            for requirement in fork_pins.tools + fork_pins.test + route.extra:
+                name, _, version = requirement.partition("==")
+                assert locked[lock.normalize(name)] == version, requirement
+            # every pinned package carries a sha256 (uv compile --generate-hashes)
+            text = lock.path(route.name, python).read_text()
+            assert text.count("--hash=sha256:") >= len(locked)
+
+
+def test_a_changed_input_makes_the_locks_stale(fork_pins, fork_tree, tmp_path):
+    copy = tmp_path / "tree"
+    shutil.copytree(fork_tree / "requirements", copy / "requirements")
+    assert lock.stale(fork_pins, copy) == []
+    common = copy / "requirements" / "common.txt"
+    common.write_text(common.read_text() + "six==1.17.0\n")
+    stale = lock.stale(fork_pins, copy)
+    # requirements/cuda.txt includes common.txt: both routes' locks are stale
+    assert len(stale) == len(fork_pins.routes) * len(fork_pins.pythons)
+    with pytest.raises(ForkError, match="no longer match the requirements") as err:
+        lock.check(fork_pins, copy)
+    assert "make lock" in err.value.hint
+    bumped = dataclasses.replace(fork_pins, test=(*fork_pins.test, "six==1.17.0"))
+    assert len(lock.stale(bumped, fork_tree)) == len(stale)
+
+
+def test_the_venv_holds_exactly_its_lock():
+    """`pip freeze` of the venv these tests run in equals the lock it was made from."""
+    venv = Path(sys.prefix)
+    record = venv / install.LOCK_RECORD
+    if not record.is_file():
+        pytest.skip(f"{venv} is not a forkbuild venv")
+    lock_file = pins.REPO_ROOT / record.read_text().strip()
+    freeze = subprocess.run(
+        [sys.executable, "-m", "pip", "freeze", "--all", "--exclude-editable"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    assert lock.pinned_lines(freeze) == lock.pinned(lock_file)
+
+
+@pytest.fixture
+def scratch_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A throw-away build folder; the download cache (uv and its packages) stays shared."""
+    monkeypatch.setenv("VLLM_FORK_BUILD", str(tmp_path / "build"))
+    return tmp_path / "build"
+
+
+def test_a_hash_mismatch_stops_the_install_and_leaves_no_venv(fork_pins, scratch_build, monkeypatch):
+    real = lock.pinned(lock.path("cpu", lock.running_python()))
+    bad = scratch_build.parent / "locks" / "cpu-py311.txt"
+    bad.parent.mkdir()
+    wrong = "0" * 64
+    bad.write_text(f"tblib=={real['tblib']} \\\n    --hash=sha256:{wrong}\n")
+    monkeypatch.setattr(lock, "path", lambda route, python: bad)
+    with pytest.raises(ForkError) as err:
+        install.ensure_toolchain(fork_pins, "cpu")
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"sha256 mismatch for tblib=={real['tblib']}" in message
+    assert f"cpu-py311.txt pins {wrong}" in message
+    assert "the download has " in message
+    computed = message.split("the download has ", 1)[1][:64]
+    assert len(computed) == 64 and computed != wrong
+    assert not (scratch_build / "venv").exists()
+    assert not (scratch_build / "venv.partial").exists()
+
+
+def test_a_missing_lock_is_refused_with_what_to_do(fork_pins, scratch_build, monkeypatch):
+    monkeypatch.setattr(lock, "path", lambda route, python: scratch_build / "none.txt")
+    with pytest.raises(ForkError, match="none.txt is missing") as err:
+        install.ensure_toolchain(fork_pins, "cpu")
+    assert "make lock" in err.value.hint
+
+
+def test_xfails_are_counted_as_xfails(tmp_path):
+    junit = tmp_path / "r.xml"
+    junit.write_text(
+        '<testsuites><testsuite>'
+        '<testcase classname="tests.t" name="a"/>'
+        '<testcase classname="tests.t" name="b"><skipped type="pytest.skip" message="no GPU"/></testcase>'
+        '<testcase classname="tests.t" name="c"><skipped type="pytest.xfail" message="known"/></testcase>'
+        '<testcase classname="tests.t" name="d"><skipped type="pytest.xfail" message="known"/></testcase>'
+        '</testsuite></testsuites>'
+    )
+    outcome = _read_junit(junit)
+    assert (outcome.passed, outcome.skipped, outcome.xfailed) == (1, 1, 2)
+    assert str(outcome) == "1 passed, 0 failed, 0 errors, 1 skipped, 2 xfailed"
+    assert outcome.reasons["tests/t.py::c"] == "xfail: known"

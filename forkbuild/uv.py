@@ -1,0 +1,154 @@
+"""uv, the fork's one installer, at the version fork.toml pins.
+
+Bootstrap, once per cache: the pinned uv wheel is downloaded by package name with pip --
+the running interpreter's, or, where it has none (python.org, pyenv and Debian builds
+without python3-pip), the pip wheel that its ensurepip bundles -- and checked against
+fork.toml's sha256; its `uv` binary is extracted beside it and checked against the
+wheel's RECORD. Every later run checks both again and needs no network and no pip.
+
+uv keeps its downloads in <cache>/uv, outside the clone, so a fresh clone installs
+offline from there; packages it lacks are downloaded then (uv reads its own index
+configuration: UV_DEFAULT_INDEX, UV_INDEX, uv.toml).
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from forkbuild import fetch, log
+from forkbuild.errors import ForkError
+from forkbuild.hashing import sha256_file
+from forkbuild.pins import Pins, cache_dir
+
+
+def bootstrap_pip() -> list[str]:
+    """A pip command for the one download that comes before uv: this interpreter's pip,
+    else the pip wheel its ensurepip bundles (pip runs from a wheel file)."""
+    if importlib.util.find_spec("pip") is not None:
+        return [sys.executable, "-m", "pip"]
+    spec = importlib.util.find_spec("ensurepip")
+    if spec is not None and spec.origin:
+        bundled = sorted((Path(spec.origin).parent / "_bundled").glob("pip-*.whl"))
+        if bundled:
+            return [sys.executable, str(bundled[-1] / "pip")]
+    raise ForkError(
+        f"{sys.executable} has neither pip nor ensurepip, which forkbuild needs once to fetch uv",
+        "install your distribution's python3-venv or python3-pip package (Debian/Ubuntu: "
+        "apt install python3-venv), or run with another interpreter: make ... PYTHON=/path/to/python3",
+    )
+
+
+def _record_sha256(wheel: zipfile.ZipFile, member: str) -> str:
+    """The hex sha256 that the wheel's RECORD gives MEMBER."""
+    record = next(n for n in wheel.namelist() if n.endswith(".dist-info/RECORD"))
+    for line in wheel.read(record).decode().splitlines():
+        name, _, rest = line.partition(",")
+        if name == member:
+            algo, _, b64 = rest.split(",", 1)[0].partition("=")
+            if algo == "sha256":
+                return base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)).hex()
+    raise ForkError(f"{member} has no sha256 in the uv wheel's RECORD")
+
+
+_verified: dict[str, Path] = {}  # per process: the binary is checked once
+
+
+def binary(pins: Pins) -> Path:
+    """The verified uv binary, bootstrapped on first use."""
+    if pins.uv.sha256 in _verified:
+        return _verified[pins.uv.sha256]
+    wheel_path = fetch.fetch(pins.uv, bootstrap_pip, quiet=True)
+    version = pins.uv.requirement.split("==", 1)[1]
+    target = cache_dir() / "uv" / version / "uv"
+    with zipfile.ZipFile(wheel_path) as wheel:
+        member = f"uv-{version}.data/scripts/uv"
+        expected = _record_sha256(wheel, member)
+        if target.exists() and sha256_file(target) == expected:
+            _verified[pins.uv.sha256] = target
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name("uv.partial")
+        with wheel.open(member) as src, open(partial, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+    if sha256_file(partial) != expected:
+        partial.unlink()
+        raise ForkError(f"the uv binary extracted from {wheel_path.name} does not match its RECORD")
+    partial.chmod(0o755)
+    partial.replace(target)
+    log.step(f"uv: {pins.uv.requirement} ready at {target}")
+    _verified[pins.uv.sha256] = target
+    return target
+
+
+def env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """BASE (default: this process's environment) with uv's settings for the fork."""
+    return {
+        **(os.environ if base is None else base),
+        "UV_CACHE_DIR": str(cache_dir() / "uv-cache"),
+        "UV_PYTHON_DOWNLOADS": "never",  # venvs use the interpreter forkbuild runs on
+        "UV_NO_PROGRESS": "1",
+    }
+
+
+_MISMATCH = re.compile(
+    r"Hash mismatch for `(?P<what>[^`]+)`.*?Expected:\s+sha256:(?P<expected>[0-9a-f]{64})"
+    r".*?Computed:\s+sha256:(?P<computed>[0-9a-f]{64})",
+    re.DOTALL,
+)
+
+
+def _failure(output: str, what: str, lock: Path | None) -> ForkError:
+    found = _MISMATCH.search(output)
+    if found:
+        where = f"{lock.name} pins" if lock else "the requirements pin"
+        return ForkError(
+            f"sha256 mismatch for {found['what']}: the download has {found['computed']}, "
+            f"{where} {found['expected']}; nothing was installed",
+            "run again (the download is not kept); if it mismatches again, do not edit the lock: "
+            "check the package on the index",
+        )
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith(("error:", "cause:", "Caused by:"))]
+    return ForkError(f"uv failed to {what}: {' '.join(errors[-2:] or lines[-1:] or ['no output'])}",
+                     "check the network and disk, then run again")
+
+
+def run(pins: Pins, args: Sequence[str], *, what: str, lock: Path | None = None,
+        extra_env: dict[str, str] | None = None, stream: bool = False) -> str:
+    """Run `uv ARGS`; return its output. With STREAM its lines are shown as they come
+    (long downloads); either way a failure raises with uv's own cause."""
+    cmd = [str(binary(pins)), *args]
+    proc = subprocess.Popen(cmd, env=env({**os.environ, **(extra_env or {})}), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if stream:
+            print(f"  uv: {line.rstrip()}", flush=True)
+    output = "".join(lines)
+    if proc.wait() != 0:
+        raise _failure(output, what, lock)
+    return output
+
+
+def install(pins: Pins, args: Sequence[str], *, what: str, lock: Path | None = None,
+            extra_env: dict[str, str] | None = None) -> None:
+    """`uv pip ARGS` from uv's cache alone first; only what the cache lacks is downloaded."""
+    try:
+        run(pins, ["pip", *args, "--offline"], what=what, lock=lock, extra_env=extra_env)
+        return
+    except ForkError as exc:
+        if "sha256 mismatch" in str(exc):
+            raise
+    log.step(f"install: downloading what uv's cache lacks for {what}")
+    run(pins, ["pip", *args], what=what, lock=lock, extra_env=extra_env, stream=True)
