@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from forkbuild import fixcheck, tree
@@ -80,12 +81,16 @@ def check(pins: Pins, python: Path, fork_tree: Path) -> Outcome:
         if not origin.resolve().is_relative_to(path.resolve()):
             raise ForkError(f"in {path.name}, `import vllm` resolved to {origin}; the check would be void")
 
-    # The unpatched run first, its report to a file: its failures are expected, and the
-    # last pytest report on the terminal should be the fork's.
-    on_stock = run_pytest(
-        python, stock, list(pins.suite), results / "suite-stock.xml", output=results / "suite-stock.log"
-    )
-    on_fork = run_pytest(python, fork_tree, list(pins.suite), results / "suite-fork.xml")
+    # Both trees at once (their processes share nothing but the venv): the unpatched run's
+    # report goes to a file, as its failures are expected; the terminal shows the fork's.
+    # On 2 cores this takes ~70% of running them one after the other.
+    with ThreadPoolExecutor(2) as pool:
+        stock_run = pool.submit(
+            run_pytest, python, stock, list(pins.suite), results / "suite-stock.xml",
+            output=results / "suite-stock.log",
+        )
+        on_fork = run_pytest(python, fork_tree, list(pins.suite), results / "suite-fork.xml")
+        on_stock = stock_run.result()
 
     regression = pins.regression_tests
     failing = sorted(c for c, s in on_stock.cases.items() if s == "failed")
