@@ -52,20 +52,17 @@ def verify_wheel(path: Path, pins: Pins, official: Path) -> None:
              f"all {len(_compiled(official))} compiled extensions of {official.name} present")
 
 
-def _retag_like(python: Path, built: Path, official: Path) -> Path:
-    """pip tags a python-only build for the building interpreter (cp311-cp311-linux);
-    the binaries inside are the official wheel's, so give it the official wheel's tags
-    (cp38-abi3-manylinux_2_28) and it installs wherever that one does."""
+def _tag_options(official: Path) -> list[str]:
+    """pip tags a python-only build for the building interpreter (cp311-cp311-linux); the
+    binaries inside are the official wheel's, so bdist_wheel is told the official wheel's
+    tags (cp38-abi3-manylinux_2_28) and the wheel installs wherever that one does. (Built
+    so, it is zipped once: retagging afterwards rewrote all ~400 MB again.)"""
     # name-version-python-abi-platform.whl (fork.toml pins the official file name)
     interpreter, abi, platform_tag = official.name.removesuffix(".whl").split("-")[-3:]
-    result = subprocess.run(
-        [str(python), "-m", "wheel", "tags", "--remove", f"--python-tag={interpreter}",
-         f"--abi-tag={abi}", f"--platform-tag={platform_tag}", str(built)],
-        capture_output=True, text=True, check=False,
-    )
-    if result.returncode != 0:
-        raise ForkError(f"could not retag {built.name}: {result.stderr.strip()[-300:]}")
-    return built.parent / result.stdout.strip().splitlines()[-1]
+    if abi != "abi3":
+        raise ForkError(f"{official.name} is not an abi3 wheel", "the wheel step expects vLLM's abi3 wheel")
+    return [f"-C--build-option=--py-limited-api={interpreter}",
+            f"-C--build-option=--plat-name={platform_tag}"]
 
 
 def build(pins: Pins) -> Path:
@@ -85,15 +82,17 @@ def build(pins: Pins) -> Path:
         log.step(f"wheel: building {pins.fork_version} on {binaries.name} (takes about a minute)")
         run_pip(
             python,
-            ["wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(export)],
+            ["wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
+             *_tag_options(binaries), str(export)],
             what="build the wheel",
             env=install.precompiled_env(pins, route, binaries),
             quiet=True,
         )
         built = sorted(out.glob("vllm-*.whl"))
-        if len(built) != 1:
-            raise ForkError(f"pip wheel produced {[p.name for p in built]}, expected one vllm wheel")
-        built = [_retag_like(python, built[0], binaries)]
+        tags = "-".join(binaries.name.removesuffix(".whl").split("-")[-3:])
+        if len(built) != 1 or not built[0].name.endswith(f"-{tags}.whl"):
+            raise ForkError(f"pip wheel produced {[p.name for p in built]}, expected one vllm wheel "
+                            f"tagged {tags}")
         verify_wheel(built[0], pins, binaries)
         dist_dir().mkdir(parents=True, exist_ok=True)
         final = dist_dir() / built[0].name
