@@ -8,6 +8,12 @@ vLLM's planner packs the groups' pages into shared block rows, the connector
 makes the layout HND, and both model runners allocate and reshape the caches.
 Every view must be the attention backend's logical shape over the page's bytes
 in physical order. Fails without the fix in ``_reshape_attention_kv_cache``.
+
+The planner packs for any connector configured with
+``enable_cross_layers_blocks``, and the layout is whatever the connector asks
+for, so the same pipeline runs for every connector whose layout is HND: P/D
+disaggregation (NixlConnector, MooncakeConnector), MultiConnector over them,
+and any connector under ``VLLM_KV_CACHE_LAYOUT=HND``.
 """
 
 import json
@@ -20,10 +26,12 @@ from tests.v1.worker.offload_e2e_configs import offload_transfer_config
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
+    KVTransferConfig,
     ModelConfig,
     VllmConfig,
     set_current_vllm_config,
 )
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 from vllm.v1.attention.backends.utils import get_kv_cache_layout, set_kv_cache_layout
@@ -76,11 +84,49 @@ def tiny_gpt_oss_config(path) -> str:
     return str(path)
 
 
+# Connectors of 0.25.1 configured with enable_cross_layers_blocks, by the name
+# vLLM registers them under, with the environment the case sets. Each asks for
+# HND (get_required_kvcache_layout), or the environment forces it. (A connector
+# without hybrid-allocator support, e.g. ExampleConnector, turns the hybrid KV
+# cache manager off: one group, nothing packed.)
+CONNECTORS = {
+    "OffloadingConnector": {},
+    "NixlConnector": {},
+    "MooncakeConnector": {},
+    "MultiConnector": {},
+    "SimpleCPUOffloadConnector": {"VLLM_KV_CACHE_LAYOUT": "HND"},  # asks for none
+}
+
+
+def connector_transfer_config(connector: str) -> KVTransferConfig:
+    """CONNECTOR as a user would configure it, with enable_cross_layers_blocks."""
+    if connector == "OffloadingConnector":  # the configuration of the report
+        return offload_transfer_config(cpu_block_size=None)
+    extra: dict = {"enable_cross_layers_blocks": "True"}
+    if connector == "MultiConnector":  # P/D transfer plus CPU offloading
+        offload = offload_transfer_config(cpu_block_size=None)
+        extra["connectors"] = [
+            {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+            {
+                "kv_connector": offload.kv_connector,
+                "kv_role": offload.kv_role,
+                "kv_connector_extra_config": offload.kv_connector_extra_config,
+            },
+        ]
+    return KVTransferConfig(
+        kv_connector=connector, kv_role="kv_both", kv_connector_extra_config=extra
+    )
+
+
 def gpt_oss_offload_config(
-    path, cache_dtype: str = "auto", cross_layers: bool = True
+    path,
+    cache_dtype: str = "auto",
+    cross_layers: bool = True,
+    connector: str = "OffloadingConnector",
 ) -> VllmConfig:
-    """The #47054 configuration on the GPT-OSS-shaped config written to PATH."""
-    transfer_config = offload_transfer_config(cpu_block_size=None)
+    """The #47054 configuration on the GPT-OSS-shaped config written to PATH
+    (with CONNECTOR in place of the OffloadingConnector, where given)."""
+    transfer_config = connector_transfer_config(connector)
     transfer_config.kv_connector_extra_config["enable_cross_layers_blocks"] = str(
         cross_layers
     )
@@ -97,10 +143,19 @@ def gpt_oss_offload_config(
     )
 
 
-@pytest.fixture
-def offload_config(tmp_path, monkeypatch) -> VllmConfig:
+@pytest.fixture(params=list(CONNECTORS))
+def offload_config(request, tmp_path, monkeypatch) -> VllmConfig:
     monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
-    return gpt_oss_offload_config(tmp_path)
+    for name, value in CONNECTORS[request.param].items():
+        monkeypatch.setenv(name, value)
+    return gpt_oss_offload_config(tmp_path, connector=request.param)
+
+
+def required_layout(vllm_config: VllmConfig) -> str | None:
+    """The layout the configured connector class itself asks for."""
+    transfer_config = vllm_config.kv_transfer_config
+    connector_cls = KVConnectorFactory.get_connector_class(transfer_config)
+    return connector_cls.get_required_kvcache_layout(vllm_config)
 
 
 def layer_specs(vllm_config: VllmConfig) -> dict:
@@ -177,7 +232,11 @@ def test_offload_packed_kv_cache_views(offload_config, runner, backend):
     with set_current_vllm_config(offload_config):
         set_kv_cache_layout(None)  # no override: the connector decides
         try:
-            assert get_kv_cache_layout() == "HND"
+            forced = CONNECTORS[offload_config.kv_transfer_config.kv_connector]
+            layout = forced.get("VLLM_KV_CACHE_LAYOUT") or required_layout(
+                offload_config
+            )
+            assert get_kv_cache_layout() == layout == "HND"
             stride_order = backend.get_kv_cache_stride_order()
 
             (kv_cache_config,) = get_kv_cache_configs(
