@@ -17,15 +17,13 @@ chat tokens. As a script: python tiny_chat_model.py OUT
 
 from __future__ import annotations
 
-import json
 import sys
-import tempfile
 from pathlib import Path
 
 try:
-    from tests.v1.worker.tiny_hybrid_model import byte_level_bpe
+    from tests.v1.worker.tiny_hybrid_model import byte_level_bpe, generated_model
 except ImportError:  # run as a script: this file's folder is on sys.path
-    from tiny_hybrid_model import byte_level_bpe
+    from tiny_hybrid_model import byte_level_bpe, generated_model
 
 FORMAT = "tiny-chat-gemma2-1"  # bump when the config or tokenizer below change
 
@@ -49,15 +47,15 @@ LAYER_TYPES = [
 
 
 def make_tiny_chat_model(out: Path) -> Path:
+    with generated_model(out, FORMAT) as tmp:
+        if tmp is not None:
+            _write_tiny_chat_model(tmp)
+    return out
+
+
+def _write_tiny_chat_model(tmp: Path) -> None:
     import torch
     from transformers import Gemma2Config, Gemma2ForCausalLM, PreTrainedTokenizerFast
-
-    marker = out / "forkbuild-model.json"
-    if marker.exists() and json.loads(marker.read_text()).get("format") == FORMAT:
-        return out
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
 
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=byte_level_bpe([ENDOFTEXT, IM_START, IM_END]),
@@ -91,14 +89,6 @@ def make_tiny_chat_model(out: Path) -> Path:
     torch.manual_seed(0)
     model = Gemma2ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(tmp, safe_serialization=True)
-    (tmp / "forkbuild-model.json").write_text(json.dumps({"format": FORMAT}) + "\n")
-
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return out
 
 
 if __name__ == "__main__":

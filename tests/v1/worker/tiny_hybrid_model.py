@@ -10,9 +10,12 @@ BPE trained here on a few sentences. As a script: python tiny_hybrid_model.py OU
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -50,16 +53,38 @@ def byte_level_bpe(special_tokens: list[str]) -> Tokenizer:
     return bpe
 
 
-def make_tiny_gpt_oss(out: Path) -> Path:
-    import torch
-    from transformers import GptOssConfig, GptOssForCausalLM, PreTrainedTokenizerFast
-
+@contextlib.contextmanager
+def generated_model(out: Path, model_format: str) -> Iterator[Path | None]:
+    """Where to write a generated checkpoint: None when OUT already holds one of
+    MODEL_FORMAT, else a folder beside OUT that replaces it once the block ends
+    (an interrupted generation leaves OUT as it was)."""
     marker = out / "forkbuild-model.json"
-    if marker.exists() and json.loads(marker.read_text()).get("format") == FORMAT:
-        return out
-
+    if marker.exists() and json.loads(marker.read_text()).get("format") == model_format:
+        yield None
+        return
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    (tmp / marker.name).write_text(json.dumps({"format": model_format}) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+
+
+def make_tiny_gpt_oss(out: Path) -> Path:
+    with generated_model(out, FORMAT) as tmp:
+        if tmp is not None:
+            _write_tiny_gpt_oss(tmp)
+    return out
+
+
+def _write_tiny_gpt_oss(tmp: Path) -> None:
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM, PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=byte_level_bpe(["<|endoftext|>"]),
@@ -101,14 +126,6 @@ def make_tiny_gpt_oss(out: Path) -> Path:
     saved = json.loads(config_file.read_text())
     saved.pop("quantization_config", None)
     config_file.write_text(json.dumps(saved, indent=2) + "\n")
-    (tmp / "forkbuild-model.json").write_text(json.dumps({"format": FORMAT}) + "\n")
-
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return out
 
 
 if __name__ == "__main__":
