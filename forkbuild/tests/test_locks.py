@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from forkbuild import install, lock, pins
+from forkbuild import install, lock, pins, uv
 from forkbuild.errors import ForkError
 from forkbuild.pytest_runner import _read_junit
 
@@ -117,3 +117,19 @@ def test_xfails_are_counted_as_xfails(tmp_path):
     assert (outcome.passed, outcome.skipped, outcome.xfailed) == (1, 1, 2)
     assert str(outcome) == "1 passed, 0 failed, 0 errors, 1 skipped, 2 xfailed"
     assert outcome.reasons["tests/t.py::c"] == "xfail: known"
+
+
+@pytest.mark.parametrize("route", ["cpu", "cuda"])
+def test_each_lock_of_this_python_installs_on_its_platform(fork_pins, route, tmp_path):
+    """uv resolves every pinned file of the lock for the platform it was made for, with
+    hashes required: what a GPU host installs (the CUDA lock) is checked here without
+    one (a dry run: nothing is installed; needs the package index for what uv's cache
+    lacks)."""
+    lock_file = lock.path(route, lock.running_python())
+    uv.run(fork_pins, ["venv", "--quiet", "--python", sys.executable, str(tmp_path / "venv")],
+           what="create a venv")
+    out = uv.run(fork_pins, [
+        "pip", "sync", "--dry-run", "--require-hashes", "--python", str(tmp_path / "venv" / "bin" / "python"),
+        "--python-platform", fork_pins.lock_platform, str(lock_file),
+    ], what=f"check {lock_file.name}", lock=lock_file)
+    assert f"Would install {len(lock.pinned(lock_file))} packages" in out
