@@ -63,6 +63,12 @@ def ensure_toolchain(pins: Pins, route_name: str | None = None) -> Path:
     """build/venv with exactly the route's lock for this Python: torch, vLLM's
     requirements, its build requirements and the test runner."""
     preflight.check_all(pins)
+    record = venv_dir() / LOCK_RECORD
+    if route_name is None and record.is_file():
+        # A step that installs no route's binaries (tree, wheel, rebase...) keeps the venv
+        # it finds rather than rebuilding it for the default route.
+        recorded = Path(record.read_text().strip()).name.split("-py")[0]
+        route_name = recorded if recorded in pins.routes else None
     route = pick_route(pins, route_name)
     lock_file = lock.path(route.name, lock.running_python())
     if not lock_file.is_file():
@@ -73,8 +79,9 @@ def ensure_toolchain(pins: Pins, route_name: str | None = None) -> Path:
         log.step(f"install: venv {venv_dir()} holds {lock_file.name}")
         return venv_python()
     preflight.check_disk(build_dir(), 12, "the virtualenv")
-    partial = build_dir() / "venv.partial"
+    partial, old = build_dir() / "venv.partial", build_dir() / "venv.old"
     shutil.rmtree(partial, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
     log.step(f"install: creating {venv_dir()} from {lock_file.name} with uv (Python {lock.running_python()})")
     try:
         uv.run(pins, ["venv", "--quiet", "--relocatable", "--python", sys.executable, str(partial)],
@@ -88,9 +95,12 @@ def ensure_toolchain(pins: Pins, route_name: str | None = None) -> Path:
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
+    # Renames only: an interruption leaves either the old venv or the new one in place,
+    # never a half-deleted one that still carries its stamp.
     if venv_dir().exists():
-        shutil.rmtree(venv_dir())
+        venv_dir().rename(old)
     partial.rename(venv_dir())  # a relocatable venv: its scripts find their python anywhere
+    shutil.rmtree(old, ignore_errors=True)
     log.step(f"install: {venv_dir()} holds exactly {lock_file.name} ({len(lock.pinned(lock_file))} packages)")
     return venv_python()
 
@@ -138,7 +148,7 @@ def install(pins: Pins, route_name: str | None = None) -> tuple[Path, Path, Rout
     uv.run(
         pins,
         ["pip", "install", "--quiet", "--python", str(python), "--no-deps", "--no-build-isolation",
-         "--offline", "-e", str(tree_path)],
+         "--offline", "--reinstall-package", "vllm", "-e", str(tree_path)],
         what="install the tree in editable mode",
         extra_env=precompiled_env(pins, route, wheel),
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -72,19 +73,33 @@ def start_tiny_model(python: Path, name: str = EMBEDDED_NAME) -> subprocess.Pope
     venv and can run while the tree is installed."""
     out = build_dir() / "models" / name
     log.step(f"serve: preparing the embedded model {name} in {out}")
-    return subprocess.Popen(
-        [str(python), str(REPO_ROOT / EMBEDDED[name]), str(out)],
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Its output to a file, not a pipe nobody reads while the tree installs.
+    with open(out.with_name(f"{name}.log"), "w") as report:
+        return subprocess.Popen(
+            [str(python), str(REPO_ROOT / EMBEDDED[name]), str(out)],
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            stdout=report, stderr=subprocess.STDOUT, text=True,
+        )
 
 
 def finish_tiny_model(generating: subprocess.Popen[str]) -> Path:
-    stdout, stderr = generating.communicate()
-    if generating.returncode != 0:
-        last = (stderr.strip().splitlines() or ["no output"])[-1]
-        raise ForkError(f"could not generate the embedded model: {last}")
-    return Path(stdout.strip().splitlines()[-1])
+    out = Path(generating.args[-1])
+    if generating.wait() != 0:
+        lines = out.with_name(f"{out.name}.log").read_text().strip().splitlines()
+        raise ForkError(f"could not generate the embedded model: {(lines or ['no output'])[-1]}",
+                        f"see {out.with_name(out.name + '.log')}")
+    return out
+
+
+def stop_tiny_model(generating: subprocess.Popen[str]) -> None:
+    """Interrupt a generation (as Ctrl-C would: it removes its unfinished folder)."""
+    generating.send_signal(signal.SIGINT)
+    try:
+        generating.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        generating.kill()
+        generating.wait()
 
 
 def ensure_tiny_model(python: Path, name: str = EMBEDDED_NAME) -> Path:
@@ -131,8 +146,7 @@ def serve(pins: Pins, args: argparse.Namespace) -> None:
         python, _, route = install.install(pins, route.name)
     except BaseException:
         if generating:
-            generating.kill()
-            generating.wait()
+            stop_tiny_model(generating)
         raise
     model = str(finish_tiny_model(generating)) if generating else args.model
     env = dict(os.environ)

@@ -41,9 +41,11 @@ def run(pins: Pins, route_name: str | None) -> str:
             results / "forkbuild.xml", pythonpath=REPO_ROOT, output=results / "forkbuild.log",
         )
         gpu_run = pool.submit(_run_gpu_tests_on_cpu, pins, python, tree_path, results)
-        suite = regression.check(pins, python, tree_path)
-        tools, gpu = tools_run.result(), gpu_run.result()
-    _report(tools, "forkbuild tool tests", results / "forkbuild.log")
+        try:
+            suite = regression.check(pins, python, tree_path)
+        finally:  # a broken proof must not hide failing tool tests
+            tools, gpu = tools_run.result(), gpu_run.result()
+            _report(tools, "forkbuild tool tests", results / "forkbuild.log")
     _check_gpu_tests_skipped(gpu, tools, results)
     print("\npatch status (DEP-3 Applied-Upstream vs the version matrix):")
     patch_status.check(pins, python)

@@ -11,7 +11,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from forkbuild import fetch, fixcheck, install, log, preflight, tree
+from forkbuild import fetch, fixcheck, install, lock, log, preflight, tree
 from forkbuild.errors import ForkError
 from forkbuild.pins import REPO_ROOT, Pins, build_dir
 from forkbuild.pip_runner import run_pip
@@ -71,6 +71,7 @@ def build(pins: Pins) -> Path:
     sdist = fetch.fetch(pins.sdist, lambda: python)
     binaries = fetch.fetch(route.wheel, lambda: python)
     tree_path = tree.build(pins, sdist)
+    lock.check(pins, tree_path)  # the venv it builds in is the tested one
     preflight.check_disk(build_dir(), 2, "building the wheel")
     with tempfile.TemporaryDirectory(prefix=".wheel-", dir=build_dir()) as tmp:
         export, out = Path(tmp) / "src", Path(tmp) / "out"
