@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from forkbuild import preflight
+from forkbuild import preflight, serve
 from forkbuild.pins import REPO_ROOT
 
 
@@ -111,6 +111,8 @@ def test_embedded_model_answers_a_completion_and_a_chat(tmp_path):
         # the ChatML turn the template renders (system_fingerprint: the fork's vLLM)
         assert chat["usage"]["prompt_tokens"] > text["usage"]["prompt_tokens"]
         assert "+fork.1" in chat["system_fingerprint"]
+        # the demo's worker ran inside the engine core process (demo_engine_env)
+        assert "(Worker pid=" not in (tmp_path / "serve.log").read_text()
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
@@ -119,3 +121,11 @@ def test_embedded_model_answers_a_completion_and_a_chat(tmp_path):
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
         log.close()
+
+
+def test_demo_engine_env_keeps_the_worker_in_the_engine_core(monkeypatch):
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    assert serve.demo_engine_env("tiny-chat") == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert serve.demo_engine_env(None) == {}  # a real model keeps vLLM's default
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert serve.demo_engine_env("tiny-chat") == {}  # the user's choice stands
