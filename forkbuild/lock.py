@@ -62,6 +62,7 @@ class LockInputs:
         files = _requirement_files(tree_path, self.route.requirements)
         return digest_of([
             FORMAT, self.route.name, self.python, pins.lock_platform, *self.requirements,
+            *(f"exclude {name}" for name in self.route.exclude),
             *(f"{f.relative_to(tree_path)}\n".encode() + f.read_bytes() for f in files),
         ])
 
@@ -142,10 +143,14 @@ def generate(pins: Pins, tree_path: Path) -> list[Path]:
                 source.write_text("".join(f"{r}\n" for r in lock_inputs.requirements)
                                   + f"-r {lock_inputs.tree_file}\n")
                 out = Path(tmp) / "lock.txt"
+                excludes = []
+                if route.exclude:
+                    (Path(tmp) / "excludes.txt").write_text("".join(f"{n}\n" for n in route.exclude))
+                    excludes = ["--excludes", str(Path(tmp) / "excludes.txt")]
                 uv.run(pins, [
                     "pip", "compile", str(source), "--generate-hashes", "--no-header", "--no-annotate",
                     "--python-version", python, "--python-platform", pins.lock_platform,
-                    "--quiet", "-o", str(out),
+                    *excludes, "--quiet", "-o", str(out),
                 ], what=f"resolve {target.name}")
                 partial = Path(tmp) / target.name
                 partial.write_text(_header(pins, lock_inputs, digest) + out.read_text())

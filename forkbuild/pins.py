@@ -30,6 +30,9 @@ class Route:
     requirements: str
     extra: tuple[str, ...]
     target_device: str
+    # Dependencies left out of the route's lock (uv pip compile --excludes): what a
+    # package declares but the route never imports (FlashInfer's CUDA compilers on CPU).
+    exclude: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,7 @@ def load(path: Path = PINS_FILE) -> Pins:
                 r["requirements"],
                 tuple(r["extra"]),
                 r["target_device"],
+                tuple(r.get("exclude", ())),
             )
             for name, r in raw["routes"].items()
         }

@@ -55,6 +55,20 @@ def test_a_changed_input_makes_the_locks_stale(fork_pins, fork_tree, tmp_path):
     assert len(lock.stale(bumped, fork_tree)) == len(stale)
 
 
+def test_a_changed_exclusion_makes_the_route_locks_stale(fork_pins, fork_tree):
+    """A dependency left out of a route's lock (fork.toml `exclude`) is an input too."""
+    cpu = fork_pins.routes["cpu"]
+    assert "nvidia-cutlass-dsl" in cpu.exclude  # FlashInfer's CUDA compiler, never on CPU
+    locked = lock.pinned(lock.path("cpu", fork_pins.pythons[0]))
+    assert "flashinfer-python" in locked
+    assert not {lock.normalize(n) for n in cpu.exclude} & set(locked)
+    fewer = dataclasses.replace(cpu, exclude=cpu.exclude[1:])
+    changed = dataclasses.replace(fork_pins, routes={**fork_pins.routes, "cpu": fewer})
+    assert sorted(lock.stale(changed, fork_tree)) == sorted(
+        f"cpu-py{v.replace('.', '')}.txt (its inputs changed)" for v in fork_pins.pythons
+    )
+
+
 def test_the_venv_holds_exactly_its_lock():
     """`pip freeze` of the venv these tests run in equals the lock it was made from."""
     venv = Path(sys.prefix)

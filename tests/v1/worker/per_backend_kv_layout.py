@@ -22,3 +22,24 @@ REASON = (
 
 if not hasattr(attn_utils, "_reshape_attention_kv_cache"):
     pytest.skip(REASON, allow_module_level=True)
+
+
+# FlashInfer (Blackwell's default attention backend) in the same modules as
+# FlashAttention: its Python package imports without a GPU. Where it is not
+# installed, its cases skip with this reason.
+try:
+    from vllm.v1.attention.backends.flashinfer import FlashInferBackend
+
+    FLASHINFER_MISSING = ""
+except ImportError as exc:
+    FlashInferBackend = None
+    FLASHINFER_MISSING = f"FlashInfer's Python package does not import here ({exc})"
+
+
+def flashinfer_param(*values, id: str):
+    """A FlashInfer case, skipped with the reason where FlashInfer is missing."""
+    return pytest.param(
+        *values,
+        id=id,
+        marks=pytest.mark.skipif(bool(FLASHINFER_MISSING), reason=FLASHINFER_MISSING),
+    )

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import tests.v1.worker.per_backend_kv_layout  # noqa: F401 (skips without that API)
+from tests.v1.worker.per_backend_kv_layout import FlashInferBackend, flashinfer_param
 from tests.v1.worker.test_packed_kv_cache_reshape import (
     key_value_views,
     kv_cache_layout,
@@ -70,7 +71,13 @@ def dense_attention(query, key, value, group):
 
 
 @pytest.mark.parametrize(
-    "backend", [FlashAttentionBackend, TritonAttentionBackend, FlexAttentionBackend]
+    "backend",
+    [
+        FlashAttentionBackend,
+        TritonAttentionBackend,
+        FlexAttentionBackend,
+        flashinfer_param(FlashInferBackend, id="FlashInferBackend"),
+    ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_attention_over_packed_views(backend, dtype):

@@ -47,7 +47,7 @@ from tests.v1.worker.triton_on_cpu import (
 
 pytestmark = pytest.mark.cpu_test
 
-# Block size 32 (the CPU engine wants multiples of 32), 8 KV heads: under HND the
+# Block size 32 (the CPU engine wants multiples of 32), 2 KV heads: under HND the
 # 0.25.1 view swaps exactly these two dimensions, so they must differ. Two full
 # blocks and a tail (75 tokens): the interpreter's attention cost grows with the
 # square of the prompt, and the packing needs the two groups, not a long prompt.

@@ -23,6 +23,7 @@ import torch
 
 import tests.v1.worker.per_backend_kv_layout  # noqa: F401 (skips without that API)
 from tests.v1.worker.offload_e2e_configs import offload_transfer_config
+from tests.v1.worker.per_backend_kv_layout import FlashInferBackend, flashinfer_param
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -33,6 +34,7 @@ from vllm.config import (
 )
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+from vllm.v1.attention.backends.flex_attention import FlexAttentionBackend
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 from vllm.v1.attention.backends.utils import get_kv_cache_layout, set_kv_cache_layout
 from vllm.v1.core.kv_cache_utils import (
@@ -50,6 +52,15 @@ BLOCK_SIZE = 16
 NUM_KV_HEADS = 4  # != BLOCK_SIZE: see test_packed_kv_cache_reshape.py
 HEAD_SIZE = 64
 NUM_BLOCKS = 32
+
+# The backends whose HND stride order is not the identity, as the layers of a
+# hybrid model on a GPU host may select them.
+BACKENDS = [
+    pytest.param(FlashAttentionBackend, id="FLASH_ATTN"),
+    pytest.param(TritonAttentionBackend, id="TRITON_ATTN"),
+    pytest.param(FlexAttentionBackend, id="FLEX_ATTENTION"),
+    flashinfer_param(FlashInferBackend, id="FLASHINFER"),
+]
 
 
 def tiny_gpt_oss_config(path) -> str:
@@ -225,7 +236,7 @@ def allocate_and_reshape(
 
 
 @pytest.mark.parametrize("runner", ["v2", "v1"])
-@pytest.mark.parametrize("backend", [FlashAttentionBackend, TritonAttentionBackend])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_offload_packed_kv_cache_views(offload_config, runner, backend):
     specs = layer_specs(offload_config)
     page_bytes = next(iter(specs.values())).page_size_bytes

@@ -26,6 +26,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tests.v1.worker.per_backend_kv_layout  # noqa: F401 (skips without that API)
+from tests.v1.worker.per_backend_kv_layout import (
+    FLASHINFER_MISSING,
+    FlashInferBackend,
+    flashinfer_param,
+)
 from tests.v1.worker.test_packed_kv_cache_layer_views import (
     PackedViews,
     check_packed_layer_views,
@@ -51,6 +56,8 @@ BACKENDS = [
     FlashAttentionDiffKVBackend,
     TritonAttentionDiffKVBackend,
 ]
+if FlashInferBackend is not None:
+    BACKENDS.append(FlashInferBackend)
 DIFF_KV_BACKENDS = (FlashAttentionDiffKVBackend, TritonAttentionDiffKVBackend)
 
 
@@ -106,6 +113,8 @@ PERMUTED_CASES = [
     for backend, layout in ALL_CASES
     if not _is_identity(stride_order_of(backend, layout))
 ]
+if FLASHINFER_MISSING:  # its HND order, measured where it imports: (0, 1, 3, 2, 4)
+    PERMUTED_CASES.append(flashinfer_param(None, "HND", id="FLASHINFER-HND"))
 
 
 def layer_specs(backend, block_size, num_kv_heads, head_size, dtype, num_layers):
