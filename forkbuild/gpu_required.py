@@ -33,6 +33,11 @@ def _engine(case_id: str) -> str:
 
 
 TRITON_KERNEL = f"{KERNELS}::test_triton_attention_over_packed_views"
+# FlashInfer's paged prefill and decode (0.25.1's cuda.txt pins flashinfer-python and its
+# prebuilt kernels, flashinfer-cubin; both are in the CUDA lock).
+FLASHINFER_KERNELS = tuple(
+    f"{KERNELS}::test_flashinfer_over_packed_views[{mode}]" for mode in ("prefill", "decode")
+)
 
 Capability = tuple[int, int]  # CUDA compute capability (major, minor): 9.0 -> (9, 0)
 
@@ -52,7 +57,7 @@ class Kind:
 
 AMPERE = Kind(
     "Ampere", (8, 0),
-    (_fa(2), TRITON_KERNEL, _engine("TRITON_ATTN-v1-tp1")),
+    (_fa(2), TRITON_KERNEL, *FLASHINFER_KERNELS, _engine("TRITON_ATTN-v1-tp1")),
 )
 # GPT-OSS's attention sinks need FA3, so every FLASH_ATTN engine case (TP=2 included)
 # and the serve test (the preset uses FLASH_ATTN) are Hopper's.

@@ -17,7 +17,9 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import shutil
+import subprocess
 import textwrap
 from pathlib import Path
 
@@ -133,6 +135,79 @@ def with_helpers(modules: list[str]) -> list[str]:
     return sorted(wanted)
 
 
+def submitter() -> dict[str, str]:
+    """The git identity of whoever runs `make upstream` (git config user.name and
+    user.email, as `git commit` reads them from here): the series' author, and its
+    DCO sign-off. Without one, stop: a sign-off is a statement only its author makes."""
+    found = {}
+    for key in ("user.name", "user.email"):
+        got = tree.git(["config", "--get", key], REPO_ROOT)
+        found[key] = got.stdout.strip() if got.returncode == 0 else ""
+    missing = [key for key, value in found.items() if not value]
+    if missing:
+        raise ForkError(
+            f"git has no {' and no '.join(missing)}: the series is signed off (DCO) by "
+            "whoever runs `make upstream`",
+            'set yours: git config --global user.name "Your Name" && '
+            "git config --global user.email you@example.com",
+        )
+    name, email = found["user.name"], found["user.email"]
+    return {"GIT_AUTHOR_NAME": name, "GIT_AUTHOR_EMAIL": email,
+            "GIT_COMMITTER_NAME": name, "GIT_COMMITTER_EMAIL": email}
+
+
+# The release's own hooks (tools/pre_commit/) that its .pre-commit-config.yaml applies to
+# test files, beside ruff check and ruff format.
+HOOK_SCRIPTS = ("check_spdx_header", "check_forbidden_imports", "check_test_tethering")
+
+
+def pinned_ruff(release_tree: Path) -> str:
+    """The ruff version the release's .pre-commit-config.yaml pins (ruff-pre-commit rev)."""
+    config = (release_tree / ".pre-commit-config.yaml").read_text()
+    found = re.search(r"astral-sh/ruff-pre-commit\s*\n\s*rev:\s*v?([0-9][0-9.]*)", config)
+    if not found:
+        raise ForkError(f"{release_tree.name}/.pre-commit-config.yaml pins no ruff-pre-commit rev",
+                        "read the release's hooks and update forkbuild/upstream.py")
+    return found[1]
+
+
+def run_hooks(python: Path, release_tree: Path, files: list[str]) -> list[str]:
+    """Run the release's pre-commit hooks for test files on FILES, from RELEASE_TREE
+    (its ruff configuration, its hook scripts, its Buildkite jobs) with the ruff
+    version it pins, which must be the fork's venv's (hash-locked). Returns one line per
+    hook; raises with every finding."""
+    ruff = python.parent / "ruff"
+    wanted = pinned_ruff(release_tree)
+    have = subprocess.run([str(ruff), "--version"], capture_output=True, text=True, check=False)
+    if have.returncode != 0 or have.stdout.split()[-1:] != [wanted]:
+        raise ForkError(
+            f"{release_tree.name} runs its hooks with ruff {wanted}; the fork's venv has "
+            f"{have.stdout.strip() or 'none'}",
+            f"pin ruff=={wanted} in fork.toml [toolchain] test, then `make lock`",
+        )
+    hooks = [
+        ("ruff check", [str(ruff), "check", "--no-cache", *files]),
+        ("ruff format", [str(ruff), "format", "--check", "--no-cache", *files]),
+        *((name, [str(python), f"tools/pre_commit/{name}.py", *files]) for name in HOOK_SCRIPTS),
+    ]
+    lines, findings = [], []
+    for name, cmd in hooks:
+        done = subprocess.run(cmd, cwd=release_tree, capture_output=True, text=True, check=False)
+        said = (done.stdout + done.stderr).strip()
+        lines.append(f"{name}: {'passed' if done.returncode == 0 else 'FAILED'}")
+        if done.returncode != 0:
+            findings.append(f"{name}: {said.splitlines()[0] if said else f'exit {done.returncode}'}")
+            log.step(f"upstream: hook {name} failed:\n{said}")
+    if findings:
+        raise ForkError(
+            f"{len(findings)} of the release's pre-commit hooks fail on the series: "
+            + "; ".join(findings),
+            "fix the test files (vLLM's CI runs the same hooks) and run `make upstream` again",
+        )
+    log.step(f"upstream: the release's hooks pass on {len(files)} file(s) (ruff {wanted})")
+    return lines
+
+
 def _worktree(repo: Path, path: Path, tag: str, branch: str) -> None:
     env = {**os.environ, **tree.IDENTITY}
     if path.exists():
@@ -144,6 +219,7 @@ def _worktree(repo: Path, path: Path, tag: str, branch: str) -> None:
 
 
 def build(pins: Pins) -> Path:
+    author = submitter()  # before minutes of work
     release = newest(pins)
     version = release.version
     modules = modules_that_run(pins, version)
@@ -162,7 +238,7 @@ def build(pins: Pins) -> Path:
             raise ForkError(f"{rel} mentions forkbuild", "upstream tests must not depend on the fork's tooling")
         (work / rel).parent.mkdir(parents=True, exist_ok=True)
         (work / rel).write_text(text)
-    identity = f"{tree.IDENTITY['GIT_AUTHOR_NAME']} <{tree.IDENTITY['GIT_AUTHOR_EMAIL']}>"
+    identity = f"{author['GIT_AUTHOR_NAME']} <{author['GIT_AUTHOR_EMAIL']}>"
     tree._git_ok(["add", *files], work, env, "stage the tests")
     listed = "\n".join(textwrap.fill(f"- {f}: {summary(f)}", 72, subsequent_indent="  ") for f in files)
     message = COMMIT_MESSAGE.format(
@@ -170,7 +246,7 @@ def build(pins: Pins) -> Path:
         files=listed,
         evidence=textwrap.fill(f"Run unchanged against released vLLM, {evidence(counts)}", 72),
     )
-    tree._git_ok(["commit", "-q", "-m", message], work, env, "commit the tests")
+    tree._git_ok(["commit", "-q", "-m", message], work, {**env, **author}, "commit the tests")
 
     if DIST.exists():
         shutil.rmtree(DIST)
@@ -184,6 +260,9 @@ def build(pins: Pins) -> Path:
     log.step(f"upstream: {len(series)} patch(es) against v{version} in {DIST}")
 
     outcome = prove(pins, release, repo, series, modules)
+    hooks = run_hooks(install.ensure_toolchain(pins), build_dir() / "upstream" / "proof", files)
+    with (DIST / "PROOF.txt").open("a") as proof:
+        proof.write("".join(f"hook {line}\n" for line in hooks))
     (DIST / "PR_DESCRIPTION.md").write_text(describe(version, files, modules, outcome, counts))
     log.step(f"upstream: PR description and proof written to {DIST}")
     return DIST
@@ -275,7 +354,6 @@ drive the per-backend API that the rewrite removed, and its GPU tests have not r
 - [x] The test results.
 - [ ] (Optional) Documentation update: none needed.
 
-The commit carries a placeholder `Signed-off-by`; whoever submits it signs it off
-(DCO) with their own identity.
+The commit is signed off (DCO) by whoever ran `make upstream`, with their git identity.
 </details>
 """

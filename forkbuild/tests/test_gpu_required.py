@@ -17,9 +17,10 @@ ENGINE = "tests/v1/worker/test_packed_kv_cache_offload_e2e.py::test_offload_relo
 FA2 = f"{KERNELS}::test_flash_attention_over_packed_views[2]"
 FA3 = f"{KERNELS}::test_flash_attention_over_packed_views[3]"
 TRITON = f"{KERNELS}::test_triton_attention_over_packed_views"
+FLASHINFER = {f"{KERNELS}::test_flashinfer_over_packed_views[{m}]" for m in ("prefill", "decode")}
 SERVE = "forkbuild/tests/test_serve_gpu.py::test_offload_preset_serves_and_reloads"
 # The issue's lists, written out here so that a slip in gpu_required's data shows.
-AMPERE = {FA2, TRITON, f"{ENGINE}[TRITON_ATTN-v1-tp1]"}
+AMPERE = {FA2, TRITON, *FLASHINFER, f"{ENGINE}[TRITON_ATTN-v1-tp1]"}
 HOPPER = AMPERE | {
     FA3, f"{ENGINE}[FLASH_ATTN-v1-tp1]", f"{ENGINE}[FLASH_ATTN-v2-tp1]",
     f"{ENGINE}[FLASH_ATTN-v1-cpu64-tp1]", SERVE,
@@ -83,7 +84,7 @@ def test_all_required_cases_run_passes(tmp_path):
     # One H100: the TP=2 case skips, and that is allowed with one GPU.
     statuses = {case: "passed" for case in HOPPER} | {TP2: "skipped"}
     line = _conclude(H100, statuses, {TP2: "needs 2 GPUs"}, out=tmp_path)
-    assert line == "summary: 8 passed, 0 failed, 1 skipped, 0 xfailed"
+    assert line == "summary: 10 passed, 0 failed, 1 skipped, 0 xfailed"
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["gpu_kind"] == "Hopper" and summary["required_not_run"] == []
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -95,3 +97,86 @@ def test_upstream_series_takes_only_module_level_helpers():
     assert upstream.with_helpers(["tests/v1/worker/test_packed_kv_cache_layer_views.py"]) == [
         "tests/v1/worker/test_packed_kv_cache_layer_views.py"
     ]
+
+
+def _git_home(tmp_path: Path, config: str | None) -> dict[str, str]:
+    """An environment whose only git configuration is CONFIG (None: none at all)."""
+    global_config = tmp_path / "gitconfig"
+    if config is not None:
+        global_config.write_text(config)
+    return {"GIT_CONFIG_GLOBAL": str(global_config), "GIT_CONFIG_NOSYSTEM": "1",
+            "HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path)}
+
+
+def test_upstream_without_a_git_identity_stops_at_once(tmp_path):
+    import os
+
+    result = subprocess.run(
+        [sys.executable, "-m", "forkbuild", "upstream"], cwd=pins.REPO_ROOT,
+        env={**os.environ, **_git_home(tmp_path, None)},
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert "git has no user.name and no user.email" in last, result.stderr
+    assert 'git config --global user.name "Your Name"' in last
+
+
+def test_the_series_is_signed_off_by_whoever_runs_it(tmp_path, monkeypatch):
+    config = "[user]\n\tname = Ada Reviewer\n\temail = ada@example.org\n"
+    for key, value in _git_home(tmp_path, config).items():
+        monkeypatch.setenv(key, value)
+    assert upstream.submitter() == {
+        "GIT_AUTHOR_NAME": "Ada Reviewer", "GIT_AUTHOR_EMAIL": "ada@example.org",
+        "GIT_COMMITTER_NAME": "Ada Reviewer", "GIT_COMMITTER_EMAIL": "ada@example.org",
+    }
+    (tmp_path / "gitconfig").write_text("[user]\n\tname = Ada Reviewer\n")
+    with pytest.raises(ForkError, match="git has no user.email"):
+        upstream.submitter()
+
+
+@pytest.fixture(scope="module")
+def release_hooks(fork_pins, toolchain, tmp_path_factory) -> Path:
+    """The newest release's tree, unpacked from its sdist, with the series' modules:
+    what its hooks read (their scripts and configuration, ruff's settings and its
+    view of the packages, the Buildkite jobs)."""
+    sdist = fetch.fetch(upstream.newest(fork_pins).sdist, lambda: toolchain)
+    out = tmp_path_factory.mktemp("release")
+    tree._extract_sdist(sdist, out)
+    for module in ("test_packed_kv_cache_layer_views.py", "test_packed_kv_cache_scales.py"):
+        target = out / "tests" / "v1" / "worker" / module
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(tree.TESTS_DIR / "v1" / "worker" / module, target)
+    return out
+
+
+SERIES = ["tests/v1/worker/test_packed_kv_cache_layer_views.py",
+          "tests/v1/worker/test_packed_kv_cache_scales.py"]
+
+
+def test_the_release_hooks_pass_on_the_series(release_hooks, toolchain):
+    lines = upstream.run_hooks(toolchain, release_hooks, SERIES)
+    assert lines == [f"{hook}: passed" for hook in
+                     ("ruff check", "ruff format", *upstream.HOOK_SCRIPTS)]
+
+
+def test_a_hook_finding_stops_the_upstream_step(release_hooks, toolchain, tmp_path):
+    bad = release_hooks / "tests" / "v1" / "worker" / "test_no_header.py"
+    bad.write_text("import os\n\n\ndef test_nothing():\n    assert os.sep\n")
+    try:
+        with pytest.raises(ForkError, match="check_spdx_header") as err:
+            upstream.run_hooks(toolchain, release_hooks, [*SERIES, str(bad.relative_to(release_hooks))])
+    finally:
+        bad.unlink()
+    assert "fix the test files" in err.value.hint
+
+
+def test_a_ruff_other_than_the_release_pins_is_refused(release_hooks, toolchain, tmp_path):
+    copy = tmp_path / "release"
+    shutil.copytree(release_hooks, copy)
+    config = copy / ".pre-commit-config.yaml"
+    config.write_text(re.sub(r"(ruff-pre-commit\s*\n\s*rev:\s*)v?[0-9.]+", r"\g<1>v0.0.1",
+                             config.read_text()))
+    with pytest.raises(ForkError, match="runs its hooks with ruff 0.0.1") as err:
+        upstream.run_hooks(toolchain, copy, SERIES)
+    assert "pin ruff==0.0.1" in err.value.hint

@@ -21,6 +21,12 @@ def backend_window_size(sliding_window: int | None) -> tuple[int, int]:
     return (sliding_window - 1, 0)
 
 
+def flashinfer_window_left(sliding_window: int | None) -> int:
+    """The ``window_left`` FlashInferImpl plans its wrappers with for a layer whose
+    KV cache spec has SLIDING_WINDOW (-1: none). Checked against it on CPU."""
+    return backend_window_size(sliding_window)[0]
+
+
 def reference_attention(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -9,12 +9,15 @@ checked against closed forms, against causal SDPA (the previous reference) when
 it has neither sinks nor a window, and against vLLM's Triton ``unified_attention``
 with sinks and a window, run under Triton's interpreter on a plain (unpacked)
 paged cache; and the window the GPU tests pass is checked against the one the
-FlashAttention and Triton backends derive from a layer's sliding window.
+FlashAttention, Triton and FlashInfer backends derive from a layer's sliding
+window.
 
 The kernel case runs in a fresh interpreter (this file is also the worker
 script), as in test_packed_kv_cache_triton_cpu.py: Triton's interpreter switch
 and vLLM's Triton gate are read once, at import.
 """
+
+import importlib.util
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ import torch.nn.functional as F
 
 from tests.v1.worker.attention_reference import (
     backend_window_size,
+    flashinfer_window_left,
     reference_attention,
 )
 from tests.v1.worker.triton_on_cpu import run_case_in_fresh_process
@@ -29,6 +33,11 @@ from tests.v1.worker.triton_on_cpu import run_case_in_fresh_process
 pytestmark = pytest.mark.cpu_test
 
 NUM_QUERY_HEADS, NUM_KV_HEADS, HEAD_SIZE = 8, 2, 64
+FLASHINFER_MISSING = (
+    ""
+    if importlib.util.find_spec("flashinfer")
+    else "FlashInfer's Python package (flashinfer-python) is not installed"
+)
 SCALE = HEAD_SIZE**-0.5
 
 
@@ -103,24 +112,95 @@ def test_reference_window_and_sinks_limits():
 
 
 @pytest.mark.parametrize("sliding_window", [None, 1, 128])
-@pytest.mark.parametrize("backend", ["FLASH_ATTN", "TRITON_ATTN"])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "FLASH_ATTN",
+        "TRITON_ATTN",
+        pytest.param(
+            "FLASHINFER",
+            marks=pytest.mark.skipif(
+                bool(FLASHINFER_MISSING), reason=FLASHINFER_MISSING
+            ),
+        ),
+    ],
+)
 def test_backend_window_size_matches_backends(backend, sliding_window):
     """The window the GPU tests pass is the one the backend's attention impl
-    derives from the layer's sliding window (a causal decoder layer)."""
+    derives from the layer's sliding window (a causal decoder layer); FlashInfer's
+    kernels take its left edge (``window_left``)."""
+    # (Imported here: this file is also the interpreter case's worker script, which
+    # must set Triton up before anything imports vLLM.)
+    from vllm.config import VllmConfig, set_current_vllm_config
+
     if backend == "FLASH_ATTN":
         from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl as impl
-    else:
+    elif backend == "TRITON_ATTN":
         from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl as impl
-    layer = impl(
-        num_heads=NUM_QUERY_HEADS,
-        head_size=HEAD_SIZE,
-        scale=SCALE,
-        num_kv_heads=NUM_KV_HEADS,
-        alibi_slopes=None,
-        sliding_window=sliding_window,
-        kv_cache_dtype="auto",
-    )
+    else:
+        from vllm.v1.attention.backends.flashinfer import FlashInferImpl as impl
+    # (FlashInferImpl reads the current config for its workspace settings.)
+    with set_current_vllm_config(VllmConfig()):
+        layer = impl(
+            num_heads=NUM_QUERY_HEADS,
+            head_size=HEAD_SIZE,
+            scale=SCALE,
+            num_kv_heads=NUM_KV_HEADS,
+            alibi_slopes=None,
+            sliding_window=sliding_window,
+            kv_cache_dtype="auto",
+        )
     assert tuple(layer.sliding_window) == backend_window_size(sliding_window)
+    if backend == "FLASHINFER":
+        assert layer.window_left == flashinfer_window_left(sliding_window)
+
+
+@pytest.mark.skipif(bool(FLASHINFER_MISSING), reason=FLASHINFER_MISSING)
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_flashinfer_calls_of_the_gpu_test_fit_its_api(mode):
+    """What test_packed_kv_cache_gpu_kernels.py hands FlashInfer, checked where no
+    GPU runs it: the page table of its sequences, and every argument name of
+    the wrapper calls against FlashInfer's own signatures."""
+    import inspect
+
+    import flashinfer
+
+    # (Imported here: the GPU module needs the per-backend layout API.)
+    from tests.v1.worker.test_packed_kv_cache_gpu_kernels import (
+        BLOCK_SIZE,
+        SEQ_LENS,
+        flashinfer_plan_kwargs,
+        paged_kv_table,
+    )
+
+    pages = [-(-n // BLOCK_SIZE) for n in SEQ_LENS]
+    block_table = torch.arange(len(SEQ_LENS) * max(pages), dtype=torch.int32)
+    block_table = block_table.view(len(SEQ_LENS), max(pages)).flip(1)
+    indptr, indices, last_page_len = paged_kv_table(block_table, SEQ_LENS, BLOCK_SIZE)
+    assert BLOCK_SIZE == 16 and SEQ_LENS == [70, 33, 129, 300]
+    assert indptr.tolist() == [0, 5, 8, 17, 36]
+    assert last_page_len.tolist() == [6, 1, 1, 12]
+    assert indices.tolist() == [
+        page for s, n in enumerate(pages) for page in block_table[s, :n].tolist()
+    ]
+    assert {t.dtype for t in (indptr, indices, last_page_len)} == {torch.int32}
+
+    wrapper = (
+        flashinfer.BatchPrefillWithPagedKVCacheWrapper
+        if mode == "prefill"
+        else flashinfer.BatchDecodeWithPagedKVCacheWrapper
+    )
+    query_lens = list(SEQ_LENS) if mode == "prefill" else [1] * len(SEQ_LENS)
+    table = (indptr, indices, last_page_len)
+    kwargs = flashinfer_plan_kwargs(mode, query_lens, table, 128, torch.bfloat16)
+    # bind() raises TypeError on a name the method does not take
+    inspect.signature(wrapper.__init__).bind(None, torch.empty(1), "HND")
+    inspect.signature(wrapper.plan).bind(None, **kwargs)
+    inspect.signature(wrapper.run).bind(None, torch.empty(1), torch.empty(1))
+    assert kwargs["window_left"] == 127  # FlashInferImpl's, for a window of 128
+    if mode == "prefill":
+        assert kwargs["qo_indptr"].tolist() == [0, 70, 103, 232, 532]
+        assert kwargs["causal"] is True
 
 
 def test_triton_unified_attention_matches_reference():

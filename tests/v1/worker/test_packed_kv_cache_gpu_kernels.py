@@ -5,8 +5,9 @@
 The cache is planned, allocated and reshaped on the GPU by vLLM's own code
 (GPT-OSS-like sliding + full groups, OffloadingConnector layout HND,
 ``num_kv_heads != block_size``); K/V are written with vLLM's cache-write op and
-read by FlashAttention's paged varlen kernel (FA2, and FA3 on Hopper) and by
-Triton unified attention, for every layer, called as GPT-OSS's layers call them:
+read by FlashAttention's paged varlen kernel (FA2, and FA3 on Hopper), by
+Triton unified attention and by FlashInfer's paged prefill and decode (HND, the
+wrappers FlashInferImpl plans), for every layer, called as GPT-OSS's layers call them:
 the sliding layers with their window, and, where the kernel takes them (FA3,
 Triton; FA2 refuses them), with attention sinks. Each output is compared with
 ``reference_attention`` (checked on CPU against vLLM's Triton kernel in
@@ -20,6 +21,7 @@ import torch
 
 from tests.v1.worker.attention_reference import (
     backend_window_size,
+    flashinfer_window_left,
     reference_attention,
 )
 from tests.v1.worker.test_packed_kv_cache_pipeline import (
@@ -30,7 +32,10 @@ from tests.v1.worker.test_packed_kv_cache_pipeline import (
     layer_specs,
     reshape_v2,
 )
-from tests.v1.worker.test_packed_kv_cache_reshape import key_value_views
+from tests.v1.worker.test_packed_kv_cache_reshape import (
+    key_value_views,
+    kv_cache_layout,
+)
 from vllm.platforms import current_platform
 
 pytestmark = pytest.mark.skipif(
@@ -45,6 +50,7 @@ NUM_QUERY_HEADS = 16
 SEQ_LENS = [70, 33, 129, 300]
 NUM_GPU_BLOCKS = 64
 SCALE = HEAD_SIZE**-0.5
+FLASHINFER_WORKSPACE_BYTES = 256 << 20
 
 
 @pytest.fixture
@@ -239,6 +245,127 @@ def test_triton_attention_over_packed_views(packed_caches):
             SCALE,
             sliding_window=windows[name],
             sinks=sinks,
+        )
+        torch.testing.assert_close(
+            out.float(), expected, atol=2e-2, rtol=2e-2, msg=name
+        )
+
+
+def paged_kv_table(
+    block_table: torch.Tensor, seq_lens: list[int], block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashInfer's page table of SEQ_LENS in BLOCK_TABLE (host tensors, int32):
+    each sequence's pages in order (``indptr`` into ``indices``) and the tokens
+    in its last page, as vLLM's FlashInfer metadata builder makes them."""
+    pages = [-(-n // block_size) for n in seq_lens]
+    indptr = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()])
+    indices = torch.cat([block_table[s, :p] for s, p in enumerate(pages)])
+    last = [n - (p - 1) * block_size for n, p in zip(seq_lens, pages)]
+    as_int = dict(dtype=torch.int32)
+    return indptr.to(**as_int), indices.to(**as_int), torch.tensor(last, **as_int)
+
+
+def flashinfer_plan_kwargs(
+    mode: str,
+    query_lens: list[int],
+    table: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    sliding_window: int | None,
+    dtype: torch.dtype,
+) -> dict:
+    """The keyword arguments of the FlashInfer wrapper's ``plan`` for MODE
+    ("prefill": BatchPrefillWithPagedKVCacheWrapper, "decode":
+    BatchDecodeWithPagedKVCacheWrapper), named as FlashInferMetadataBuilder
+    passes them (bf16, no soft cap). Checked against FlashInfer's signatures on
+    CPU (test_packed_kv_cache_attention.py)."""
+    indptr, indices, last_page_len = table
+    common = dict(
+        num_qo_heads=NUM_QUERY_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        page_size=BLOCK_SIZE,
+        sm_scale=SCALE,
+        window_left=flashinfer_window_left(sliding_window),
+        q_data_type=dtype,
+        kv_data_type=dtype,
+        o_data_type=dtype,
+    )
+    if mode == "prefill":
+        qo_indptr = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
+        return dict(
+            qo_indptr=qo_indptr.to(torch.int32),
+            paged_kv_indptr=indptr,
+            paged_kv_indices=indices,
+            paged_kv_last_page_len=last_page_len,
+            head_dim_qk=HEAD_SIZE,
+            causal=True,
+            **common,
+        )
+    return dict(
+        indptr=indptr,
+        indices=indices,
+        last_page_len=last_page_len,
+        head_dim=HEAD_SIZE,
+        **common,
+    )
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_flashinfer_over_packed_views(packed_caches, mode):
+    """FlashInfer (Blackwell's default backend, HND like FlashAttention) reads the
+    packed views as FlashInferImpl.forward passes them: permuted to the physical
+    HND order, pages one block row apart. Prefill: every token of every
+    sequence; decode: each sequence's last token over its whole cache. (GPT-OSS's
+    sinks go to FlashInfer's trtllm-gen kernels on Blackwell only; the paged
+    wrappers here are the ones every other layer uses, compared without sinks.)"""
+    flashinfer = pytest.importorskip(
+        "flashinfer", reason="needs FlashInfer (flashinfer-python, 0.25.1's cuda.txt)"
+    )
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.attention.backends.flashinfer import FlashInferBackend
+
+    num_blocks, views, windows = packed_caches
+    # The views were planned with FlashAttention's declarations: FlashInfer's are
+    # the same shape and the same HND order, so they are FlashInfer's views too.
+    with kv_cache_layout("HND"):
+        order = tuple(FlashInferBackend.get_kv_cache_stride_order())
+        assert order == tuple(FlashAttentionBackend.get_kv_cache_stride_order())
+    shape_args = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+    assert FlashInferBackend.get_kv_cache_shape(
+        *shape_args
+    ) == FlashAttentionBackend.get_kv_cache_shape(*shape_args)
+
+    data, block_table = _write_sequences(views, num_blocks)
+    indptr, indices, last_page_len = paged_kv_table(
+        block_table.cpu(), SEQ_LENS, BLOCK_SIZE
+    )
+    table = (indptr, indices.cuda(), last_page_len)
+    query_lens = list(SEQ_LENS) if mode == "prefill" else [1] * len(SEQ_LENS)
+    last_tokens = (torch.tensor(SEQ_LENS).cumsum(0) - 1).cuda()
+    workspace = torch.zeros(
+        FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device="cuda"
+    )
+    for name, cache in views.items():
+        key, value, query, _ = data[name]
+        if mode == "decode":
+            query = query[last_tokens]
+        if mode == "prefill":
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND")
+        else:
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND")
+        wrapper.plan(
+            **flashinfer_plan_kwargs(
+                mode, query_lens, table, windows[name], query.dtype
+            )
+        )
+        out = wrapper.run(query, cache.permute(*order))
+        torch.cuda.synchronize()
+        expected = reference_attention(
+            query,
+            key,
+            value,
+            SEQ_LENS,
+            SCALE,
+            query_lens=query_lens,
+            sliding_window=windows[name],
         )
         torch.testing.assert_close(
             out.float(), expected, atol=2e-2, rtol=2e-2, msg=name

@@ -246,7 +246,7 @@ def planner_config(tmp_path_factory) -> PlannerConfig:
 # No shrinking: where the views are wrong, nearly every drawn model fails, and
 # shrinking 14 failing cases costs minutes; the first failing model is reported.
 @settings(
-    max_examples=20,
+    max_examples=12,
     deadline=None,
     phases=[Phase.explicit, Phase.reuse, Phase.generate],
     suppress_health_check=[HealthCheck.function_scoped_fixture],
