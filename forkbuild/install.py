@@ -144,18 +144,44 @@ def install(pins: Pins, route_name: str | None = None) -> tuple[Path, Path, Rout
         log.step("install: the venv and the editable tree are up to date and verified")
         return python, tree_path, route
     stamp.unlink(missing_ok=True)
-    log.step(f"install: editable install of {tree_path} on {route.wheel.filename}")
-    uv.run(
-        pins,
-        ["pip", "install", "--quiet", "--python", str(python), "--no-deps", "--no-build-isolation",
-         "--offline", "--reinstall-package", "vllm", "-e", str(tree_path)],
-        what="install the tree in editable mode",
-        extra_env=precompiled_env(pins, route, wheel),
-    )
-    add_missing_extensions(wheel, tree_path)
-    check_install(python, tree_path, route)
+    compiling = start_compiling(python, tree_path)
+    try:
+        log.step(f"install: editable install of {tree_path} on {route.wheel.filename}")
+        uv.run(
+            pins,
+            ["pip", "install", "--quiet", "--python", str(python), "--no-deps",
+             "--no-build-isolation", "--offline", "--reinstall-package", "vllm", "-e", str(tree_path)],
+            what="install the tree in editable mode",
+            extra_env=precompiled_env(pins, route, wheel),
+        )
+        add_missing_extensions(wheel, tree_path)
+        check_install(python, tree_path, route)
+    finally:
+        finish_compiling(compiling)
     stamp.write_text(stamp_value + "\n")
     return python, tree_path, route
+
+
+def start_compiling(python: Path, tree_path: Path) -> subprocess.Popen[bytes]:
+    """Byte-compile the fresh tree's vLLM package in the background, on the core that the
+    editable install and the import check (one process each) leave idle: otherwise the
+    first `vllm serve` compiles ~2000 modules itself (measured on 2 cores: the first start
+    after an install took 15 s longer than the next; compiling them all takes 9 s)."""
+    return subprocess.Popen(
+        [str(python), "-m", "compileall", "-q", "-j", "1", str(tree_path / "vllm")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"},
+    )
+
+
+def finish_compiling(compiling: subprocess.Popen[bytes]) -> None:
+    """Wait for the byte-compilation (an optimization: a module it cannot compile is
+    compiled, or reported, by the import that needs it)."""
+    try:
+        compiling.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        compiling.kill()
+        compiling.wait()
 
 
 def add_missing_extensions(wheel: Path, tree_path: Path) -> list[str]:

@@ -17,6 +17,7 @@ import torch
 
 import tests.v1.worker.per_backend_kv_layout  # noqa: F401 (skips without that API)
 from tests.v1.worker.offload_e2e_configs import offloading_spec_inputs
+from tests.v1.worker.per_backend_kv_layout import FlashInferBackend, flashinfer_param
 from tests.v1.worker.test_packed_kv_cache_pipeline import gpt_oss_offload_config
 from tests.v1.worker.test_packed_kv_cache_reshape import kv_cache_layout
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
@@ -80,7 +81,14 @@ def hnd_layout():
         yield
 
 
-def test_offload_round_trip_on_packed_views(tmp_path):
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param(FlashAttentionBackend, id="FLASH_ATTN"),
+        flashinfer_param(FlashInferBackend, id="FLASHINFER"),
+    ],
+)
+def test_offload_round_trip_on_packed_views(tmp_path, backend):
     common = dict(
         block_size=BLOCK_SIZE,
         num_kv_heads=NUM_KV_HEADS,
@@ -101,10 +109,8 @@ def test_offload_round_trip_on_packed_views(tmp_path):
     assert {t.block_stride for t in kv_cache_config.kv_cache_tensors} == {block_stride}
 
     raw = _allocate_kv_cache(kv_cache_config, {}, torch.device("cpu"))
-    shape = FlashAttentionBackend.get_kv_cache_shape(
-        NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE
-    )
-    order = FlashAttentionBackend.get_kv_cache_stride_order()
+    shape = backend.get_kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+    order = backend.get_kv_cache_stride_order()
     placement = {
         name: (t.offset, t.block_stride)
         for t in kv_cache_config.kv_cache_tensors
