@@ -26,7 +26,9 @@ from vllm.v1.core.kv_cache_utils import (
     get_kv_cache_configs,
 )
 
-pytestmark = pytest.mark.cpu_test
+# No distributed state or engine here: vLLM's per-test global cleanup (~0.7 s a case
+# on CPU) is skipped, as its conftest allows for such unit tests.
+pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
 
 def test_a_connector_without_hma_support_packs_nothing(tmp_path, monkeypatch):

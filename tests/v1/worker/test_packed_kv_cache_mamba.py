@@ -46,7 +46,9 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.worker.utils import AttentionGroup, prepare_kernel_block_sizes
 
-pytestmark = pytest.mark.cpu_test
+# No distributed state or engine here: vLLM's per-test global cleanup (~0.7 s a case
+# on CPU) is skipped, as its conftest allows for such unit tests.
+pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
 NUM_KV_HEADS, HEAD_SIZE = 4, 64
 NUM_BLOCKS = 8

@@ -36,7 +36,9 @@ from vllm.v1.worker.gpu.attn_utils import (
     _reshape_attention_kv_cache,
 )
 
-pytestmark = pytest.mark.cpu_test
+# No distributed state or engine here: vLLM's per-test global cleanup (~0.7 s a case
+# on CPU) is skipped, as its conftest allows for such unit tests.
+pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE = 8, 16, 4, 64
 

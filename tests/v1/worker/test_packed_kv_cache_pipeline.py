@@ -46,7 +46,9 @@ from vllm.v1.worker.gpu.attn_utils import _allocate_kv_cache, _reshape_kv_cache
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.utils import AttentionGroup, prepare_kernel_block_sizes
 
-pytestmark = pytest.mark.cpu_test
+# No distributed state or engine here: vLLM's per-test global cleanup (~0.7 s a case
+# on CPU) is skipped, as its conftest allows for such unit tests.
+pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
 BLOCK_SIZE = 16
 NUM_KV_HEADS = 4  # != BLOCK_SIZE: see test_packed_kv_cache_reshape.py

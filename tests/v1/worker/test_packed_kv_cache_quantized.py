@@ -48,7 +48,9 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.worker.utils import AttentionGroup, prepare_kernel_block_sizes
 
-pytestmark = pytest.mark.cpu_test
+# No distributed state or engine here: vLLM's per-test global cleanup (~0.7 s a case
+# on CPU) is skipped, as its conftest allows for such unit tests.
+pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
 # The planner refuses this one for any sliding-window + full-attention model
 # (test_int4_per_token_head_is_refused_with_sliding_window), packed or not.

@@ -32,7 +32,9 @@ from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.worker.utils import AttentionGroup, prepare_kernel_block_sizes
 
-pytestmark = pytest.mark.cpu_test
+# No distributed state or engine here: vLLM's per-test global cleanup (~0.7 s a case
+# on CPU) is skipped, as its conftest allows for such unit tests.
+pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
 flashinfer = pytest.importorskip(
     "vllm.v1.attention.backends.flashinfer",
