@@ -336,7 +336,10 @@ compiled extensions of its own wheel, on CPU: {evidence(counts)}
 
 ## Test Result
 
-On vLLM {version} with this series applied by `git am`: {outcome}.
+On vLLM {version} with this series applied by `git am`: {outcome}. The release's own
+pre-commit hooks for test files pass on the series, run from that tree: ruff check and
+ruff format at the version `.pre-commit-config.yaml` pins, `check_spdx_header`,
+`check_forbidden_imports` and `check_test_tethering`.
 
 {chr(10).join(table_lines)}
 

@@ -159,6 +159,24 @@ def _varlen_metadata():
     return cu.cuda(), seqused.cuda()
 
 
+def _assert_matches_reference(
+    out, query, key, value, sliding_window, name, sinks=None, query_lens=None
+):
+    """OUT (after the kernel finished) equals reference_attention of the same inputs."""
+    torch.cuda.synchronize()
+    expected = reference_attention(
+        query,
+        key,
+        value,
+        SEQ_LENS,
+        SCALE,
+        query_lens=query_lens,
+        sliding_window=sliding_window,
+        sinks=sinks,
+    )
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2, msg=name)
+
+
 @pytest.mark.parametrize("fa_version", [2, 3])
 def test_flash_attention_over_packed_views(packed_caches, fa_version):
     from vllm.vllm_flash_attn import flash_attn_varlen_func
@@ -190,19 +208,7 @@ def test_flash_attention_over_packed_views(packed_caches, fa_version):
             fa_version=fa_version,
             s_aux=sinks,
         )
-        torch.cuda.synchronize()
-        expected = reference_attention(
-            query,
-            key,
-            value,
-            SEQ_LENS,
-            SCALE,
-            sliding_window=windows[name],
-            sinks=sinks,
-        )
-        torch.testing.assert_close(
-            out.float(), expected, atol=2e-2, rtol=2e-2, msg=name
-        )
+        _assert_matches_reference(out, query, key, value, windows[name], name, sinks)
 
 
 def test_triton_attention_over_packed_views(packed_caches):
@@ -236,19 +242,7 @@ def test_triton_attention_over_packed_views(packed_caches):
             v_descale=one,
             sinks=sinks,
         )
-        torch.cuda.synchronize()
-        expected = reference_attention(
-            query,
-            key,
-            value,
-            SEQ_LENS,
-            SCALE,
-            sliding_window=windows[name],
-            sinks=sinks,
-        )
-        torch.testing.assert_close(
-            out.float(), expected, atol=2e-2, rtol=2e-2, msg=name
-        )
+        _assert_matches_reference(out, query, key, value, windows[name], name, sinks)
 
 
 def paged_kv_table(
@@ -357,16 +351,6 @@ def test_flashinfer_over_packed_views(packed_caches, mode):
             )
         )
         out = wrapper.run(query, cache.permute(*order))
-        torch.cuda.synchronize()
-        expected = reference_attention(
-            query,
-            key,
-            value,
-            SEQ_LENS,
-            SCALE,
-            query_lens=query_lens,
-            sliding_window=windows[name],
-        )
-        torch.testing.assert_close(
-            out.float(), expected, atol=2e-2, rtol=2e-2, msg=name
+        _assert_matches_reference(
+            out, query, key, value, windows[name], name, query_lens=query_lens
         )

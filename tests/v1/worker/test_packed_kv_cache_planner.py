@@ -21,7 +21,6 @@ identity, asked of the backend classes; there 0.25.1 views a packed page with
 the logical shape (vllm#47054) and every case fails.
 """
 
-import contextlib
 import dataclasses
 from math import prod
 
@@ -33,21 +32,20 @@ from hypothesis import strategies as st
 import tests.v1.worker.per_backend_kv_layout  # noqa: F401 (skips without that API)
 from tests.v1.worker.per_backend_kv_layout import (
     FLASHINFER_MISSING,
-    FlashInferBackend,
     flashinfer_param,
 )
 from tests.v1.worker.test_packed_kv_cache_pipeline import (
     allocate_and_reshape,
     gpt_oss_offload_config,
 )
+from tests.v1.worker.test_packed_kv_cache_reshape import (
+    BACKENDS,
+    DIFF_KV_BACKENDS,
+    kv_cache_layout,
+    stride_order_of,
+)
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.utils.torch_utils import get_dtype_size
-from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
-from vllm.v1.attention.backends.flash_attn_diffkv import FlashAttentionDiffKVBackend
-from vllm.v1.attention.backends.flex_attention import FlexAttentionBackend
-from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
-from vllm.v1.attention.backends.triton_attn_diffkv import TritonAttentionDiffKVBackend
-from vllm.v1.attention.backends.utils import get_kv_cache_layout, set_kv_cache_layout
 from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
@@ -61,37 +59,10 @@ from vllm.v1.worker.utils import AttentionGroup, prepare_kernel_block_sizes
 # on CPU) is skipped, as its conftest allows for such unit tests.
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
-BACKENDS = [
-    FlashAttentionBackend,
-    TritonAttentionBackend,
-    FlexAttentionBackend,
-    FlashAttentionDiffKVBackend,
-    TritonAttentionDiffKVBackend,
-]
-if FlashInferBackend is not None:
-    BACKENDS.append(FlashInferBackend)
-DIFF_KV_BACKENDS = (FlashAttentionDiffKVBackend, TritonAttentionDiffKVBackend)
 # Block rows the planner is told to make (num_gpu_blocks_override): enough for one
 # request of MAX_MODEL_LEN tokens in every group, which 0.25.1 checks at planning.
 NUM_BLOCKS = 32
 MAX_MODEL_LEN = 32
-
-
-@contextlib.contextmanager
-def kv_cache_layout(layout: str | None):
-    """LAYOUT for the KV cache, as a connector selects it; restored afterwards."""
-    set_kv_cache_layout(layout)
-    get_kv_cache_layout.cache_clear()
-    try:
-        yield
-    finally:
-        set_kv_cache_layout(None)
-        get_kv_cache_layout.cache_clear()
-
-
-def stride_order_of(backend, layout: str) -> tuple[int, ...]:
-    with kv_cache_layout(layout):
-        return tuple(backend.get_kv_cache_stride_order())
 
 
 CASES = [
@@ -232,6 +203,42 @@ class PlannerConfig:
         return "PlannerConfig(OffloadingConnector, enable_cross_layers_blocks)"
 
 
+def plan(config: VllmConfig, specs: dict, backend):
+    """vLLM's plan of SPECS under CONFIG (memory for far more rows than its
+    num_gpu_blocks_override), the attention groups for BACKEND and their kernel
+    block sizes. Call inside the config's and the layout's context."""
+    memory = 64 * sum(spec.page_size_bytes for spec in specs.values())
+    (kv_cache_config,) = get_kv_cache_configs(config, [specs], [memory])
+    attn_groups = [
+        [AttentionGroup(backend, list(g.layer_names), g.kv_cache_spec, i)]
+        for i, g in enumerate(kv_cache_config.kv_cache_groups)
+    ]
+    return (
+        kv_cache_config,
+        attn_groups,
+        prepare_kernel_block_sizes(kv_cache_config, attn_groups),
+    )
+
+
+def check_layer_views(
+    backend, stride_order, groups, kernel_block_sizes, raw, views, placement
+):
+    """check_view for every layer, with the backend's shape in kernel blocks."""
+    for group, kernel_block_size in zip(groups, kernel_block_sizes):
+        spec = group.kv_cache_spec
+        for name in group.layer_names:
+            num_rows = raw[name].numel() // placement[name][1]
+            shape = backend.get_kv_cache_shape(
+                num_rows * (spec.block_size // kernel_block_size),
+                kernel_block_size,
+                spec.num_kv_heads,
+                spec.head_size,
+            )
+            check_view(
+                views[name], raw[name], spec, shape, stride_order, placement[name]
+            )
+
+
 @pytest.fixture(scope="module")
 def planner_config(tmp_path_factory) -> PlannerConfig:
     """The #47054 configuration (OffloadingConnector, enable_cross_layers_blocks),
@@ -264,17 +271,12 @@ def test_planned_packed_views_hold_their_own_bytes(
         pages = {spec.page_size_bytes for spec in specs.values()}
         # 0.25.1 refuses pages that do not divide the largest unless it can pad them
         assume(by_block_stride or all(max(pages) % page == 0 for page in pages))
-        # Memory for far more rows than NUM_BLOCKS; the override decides.
-        memory = 64 * sum(spec.page_size_bytes for spec in specs.values())
-        (kv_cache_config,) = get_kv_cache_configs(offload_config, [specs], [memory])
+        kv_cache_config, attn_groups, kernel_block_sizes = plan(
+            offload_config, specs, backend
+        )
         assert kv_cache_config.num_blocks == NUM_BLOCKS
         placement = check_plan(kv_cache_config)
         groups = kv_cache_config.kv_cache_groups
-        attn_groups = [
-            [AttentionGroup(backend, list(g.layer_names), g.kv_cache_spec, i)]
-            for i, g in enumerate(groups)
-        ]
-        kernel_block_sizes = prepare_kernel_block_sizes(kv_cache_config, attn_groups)
         # A kernel block smaller than the block row's page cannot be viewed with one
         # stride in a packed row: 0.25.1 (and 0.26.0) fail such a plan at start-up
         # (test_packed_kv_cache_split_blocks.py); the property is about the others.
@@ -289,17 +291,6 @@ def test_planned_packed_views_hold_their_own_bytes(
         )
         stride_order = tuple(backend.get_kv_cache_stride_order())
 
-    for group_id, group in enumerate(groups):
-        spec = group.kv_cache_spec
-        kernel_block_size = kernel_block_sizes[group_id]
-        for name in group.layer_names:
-            num_rows = raw[name].numel() // placement[name][1]
-            shape = backend.get_kv_cache_shape(
-                num_rows * (spec.block_size // kernel_block_size),
-                kernel_block_size,
-                spec.num_kv_heads,
-                spec.head_size,
-            )
-            check_view(
-                views[name], raw[name], spec, shape, stride_order, placement[name]
-            )
+    check_layer_views(
+        backend, stride_order, groups, kernel_block_sizes, raw, views, placement
+    )

@@ -23,14 +23,13 @@ from tests.v1.worker.test_packed_kv_cache_pipeline import (
     gpt_oss_offload_config,
 )
 from tests.v1.worker.test_packed_kv_cache_planner import (
+    check_layer_views,
     check_plan,
-    check_view,
-    kv_cache_layout,
+    plan,
 )
+from tests.v1.worker.test_packed_kv_cache_reshape import kv_cache_layout
 from vllm.config import set_current_vllm_config
-from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-from vllm.v1.worker.utils import AttentionGroup, prepare_kernel_block_sizes
 
 # No distributed state or engine here: vLLM's per-test global cleanup (~0.7 s a case
 # on CPU) is skipped, as its conftest allows for such unit tests.
@@ -66,26 +65,14 @@ def test_packed_rows_split_into_kernel_blocks(tmp_path, runner):
         ),
     }
     with set_current_vllm_config(config), kv_cache_layout("HND"):
-        memory = 64 * sum(spec.page_size_bytes for spec in specs.values())
-        (kv_cache_config,) = get_kv_cache_configs(config, [specs], [memory])
+        kv_cache_config, attn_groups, kernel_block_sizes = plan(config, specs, backend)
         placement = check_plan(kv_cache_config)
-        groups = kv_cache_config.kv_cache_groups
-        attn_groups = [
-            [AttentionGroup(backend, list(g.layer_names), g.kv_cache_spec, i)]
-            for i, g in enumerate(groups)
-        ]
-        kernel_block_sizes = prepare_kernel_block_sizes(kv_cache_config, attn_groups)
         assert kernel_block_sizes == [64, 64]  # two kernel blocks per block
         raw, views = allocate_and_reshape(
             runner, kv_cache_config, attn_groups, kernel_block_sizes, config
         )
         stride_order = tuple(backend.get_kv_cache_stride_order())
-
-    for group in groups:
-        spec = group.kv_cache_spec
-        for name in group.layer_names:
-            shape = backend.get_kv_cache_shape(
-                NUM_BLOCKS * 2, 64, spec.num_kv_heads, spec.head_size
-            )
-            view, layer_raw = views[name], raw[name]
-            check_view(view, layer_raw, spec, shape, stride_order, placement[name])
+    groups = kv_cache_config.kv_cache_groups
+    check_layer_views(
+        backend, stride_order, groups, kernel_block_sizes, raw, views, placement
+    )
