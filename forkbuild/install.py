@@ -16,10 +16,13 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import zipfile
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from forkbuild import fetch, fixcheck, lock, log, preflight, tree, uv
+from forkbuild import bytecode, fetch, fixcheck, lock, log, preflight, tree, uv
 from forkbuild.errors import ForkError
 from forkbuild.hashing import digest_of
 from forkbuild.pins import Pins, Route, build_dir
@@ -27,6 +30,7 @@ from forkbuild.pins import Pins, Route, build_dir
 TOOLCHAIN_STAMP = ".forkbuild-toolchain"
 LOCK_RECORD = ".forkbuild-lock"  # in the venv: the lock it holds, e.g. locks/cpu-py311.txt
 INSTALL_STAMP = ".forkbuild-installed"  # inside the tree: a rebuilt tree drops it
+EDITABLE_CONFIG = ".forkbuild-uv-editable.toml"  # inside the tree, git-ignored (BUILD_OUTPUTS)
 
 
 def venv_dir() -> Path:
@@ -90,6 +94,9 @@ def ensure_toolchain(pins: Pins, route_name: str | None = None) -> Path:
         uv.install(pins, ["sync", "--require-hashes", "--python", str(python), str(lock_file)],
                    what=f"the packages of {lock_file.name}", lock=lock_file)
         venv_matches_lock(python, lock_file, pins)
+        linked = bytecode.restore(site_packages(partial), venv_bytecode(lock_file))
+        if linked:
+            log.step(f"install: {linked} bytecode files of earlier venvs of {lock_file.name} linked in")
         (partial / LOCK_RECORD).write_text(f"{lock_file.relative_to(lock_file.parent.parent)}\n")
         (partial / TOOLCHAIN_STAMP).write_text(stamp_value + "\n")
     except BaseException:
@@ -103,6 +110,25 @@ def ensure_toolchain(pins: Pins, route_name: str | None = None) -> Path:
     shutil.rmtree(old, ignore_errors=True)
     log.step(f"install: {venv_dir()} holds exactly {lock_file.name} ({len(lock.pinned(lock_file))} packages)")
     return venv_python()
+
+
+def site_packages(venv: Path) -> Path:
+    return venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+
+
+def venv_bytecode(lock_file: Path) -> Path:
+    return bytecode.store("venv", lock_file.read_bytes())
+
+
+def tree_bytecode(pins: Pins) -> Path:
+    return bytecode.store("tree", pins.sdist.sha256)
+
+
+def keep_bytecode(pins: Pins, route: Route, tree_path: Path) -> None:
+    """Keep what Python compiled in this venv and tree (the install's check, earlier
+    tests and servers) for the next fresh ones (forkbuild/bytecode.py)."""
+    bytecode.keep(site_packages(venv_dir()), venv_bytecode(lock.path(route.name, lock.running_python())))
+    bytecode.keep(tree_path / "vllm", tree_bytecode(pins))
 
 
 def _version_label(pins: Pins, route: Route) -> str:
@@ -124,10 +150,9 @@ def precompiled_env(pins: Pins, route: Route, wheel: Path) -> dict[str, str]:
 def install(pins: Pins, route_name: str | None = None) -> tuple[Path, Path, Route]:
     """Make sure fetch, tree and the venv are complete; return (python, tree, route)."""
     route = pick_route(pins, route_name)
-    python = ensure_toolchain(pins, route.name)
-    sdist = fetch.fetch(pins.sdist, lambda: python)
+    preflight.check_all(pins)
+    python, tree_path = _venv_beside_tree(pins, route)
     wheel = fetch.fetch(route.wheel, lambda: python)
-    tree_path = tree.build(pins, sdist)
     lock.check(pins, tree_path)
 
     stamp = tree_path / INSTALL_STAMP
@@ -141,25 +166,79 @@ def install(pins: Pins, route_name: str | None = None) -> tuple[Path, Path, Rout
         if verdict != "fixed":
             raise ForkError(f"{tree_path / fixcheck.MODULE_PATH} is {verdict}, not fixed",
                             "rebuild the tree: make tree")
+        keep_bytecode(pins, route, tree_path)
         log.step("install: the venv and the editable tree are up to date and verified")
         return python, tree_path, route
     stamp.unlink(missing_ok=True)
-    compiling = start_compiling(python, tree_path)
+    bytecode.restore(tree_path / "vllm", tree_bytecode(pins))
+    compiling = start_compiling(python, tree_path)  # what the restore did not cover
     try:
         log.step(f"install: editable install of {tree_path} on {route.wheel.filename}")
-        uv.run(
-            pins,
-            ["pip", "install", "--quiet", "--python", str(python), "--no-deps",
-             "--no-build-isolation", "--offline", "--reinstall-package", "vllm", "-e", str(tree_path)],
-            what="install the tree in editable mode",
-            extra_env=precompiled_env(pins, route, wheel),
-        )
-        add_missing_extensions(wheel, tree_path)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="extensions") as pool:
+            # The extensions setup.py leaves out are unpacked meanwhile (~200 MB on the CPU
+            # route); the ones it names are its own to write.
+            adding = pool.submit(add_missing_extensions, wheel, tree_path,
+                                 leave=named_in(tree_path / "setup.py"))
+            uv.run(
+                pins,
+                ["pip", "install", "--quiet", "--config-file", str(editable_config(pins, route, tree_path)),
+                 "--python", str(python), "--no-deps", "--no-build-isolation", "--offline",
+                 "--reinstall-package", "vllm", "-e", str(tree_path)],
+                what="install the tree in editable mode",
+                extra_env=precompiled_env(pins, route, wheel),
+            )
+            adding.result()
+        add_missing_extensions(wheel, tree_path)  # any that setup.py named and did not write
         check_install(python, tree_path, route)
     finally:
         finish_compiling(compiling)
+    keep_bytecode(pins, route, tree_path)
     stamp.write_text(stamp_value + "\n")
     return python, tree_path, route
+
+
+def _venv_beside_tree(pins: Pins, route: Route) -> tuple[Path, Path]:
+    """The venv and the patched tree, made at the same time: the tree needs only the sdist
+    (unpacking it and committing it to git take one core for ~8 s on 2 cores), the venv
+    only the lock, so uv fills the venv on the other core meanwhile."""
+    venv_ready = threading.Event()
+    made: list[Path] = []
+
+    def pip_once_the_venv_exists() -> Path:
+        # Only a download of the sdist needs pip, and pip comes with the venv.
+        venv_ready.wait()
+        if not made:
+            raise ForkError("the venv could not be made, so the sdist cannot be downloaded")
+        return made[0]
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tree") as pool:
+        making_tree = pool.submit(
+            lambda: tree.build(pins, fetch.fetch(pins.sdist, pip_once_the_venv_exists))
+        )
+        try:
+            made.append(ensure_toolchain(pins, route.name))
+        finally:
+            venv_ready.set()
+        return made[0], making_tree.result()
+
+
+def editable_config(pins: Pins, route: Route, tree_path: Path) -> Path:
+    """A uv configuration that gives uv the version of the editable vLLM it installs.
+
+    With the version given (uv's `dependency-metadata`), uv does not run vLLM's setup.py a
+    first time just to learn it (`prepare_metadata_for_build_editable`: it imports torch
+    and unpacks the precompiled wheel, ~6 s on 2 cores), only once to build. What is
+    installed still comes from that build; the install's probe reads the version back.
+    """
+    config = tree_path / EDITABLE_CONFIG
+    config.write_text(
+        "# Written by forkbuild's install step (forkbuild/install.py: editable_config).\n"
+        "[[dependency-metadata]]\n"
+        'name = "vllm"\n'
+        f'version = "{_version_label(pins, route)}"\n'
+        "requires-dist = []  # installed with --no-deps: the lock holds the dependencies\n"
+    )
+    return config
 
 
 def start_compiling(python: Path, tree_path: Path) -> subprocess.Popen[bytes]:
@@ -184,7 +263,15 @@ def finish_compiling(compiling: subprocess.Popen[bytes]) -> None:
         compiling.wait()
 
 
-def add_missing_extensions(wheel: Path, tree_path: Path) -> list[str]:
+def named_in(setup_py: Path) -> Callable[[str], bool]:
+    """Whether setup.py names a wheel member (in quotes): vLLM's precompiled install
+    unpacks exactly the members its setup.py lists."""
+    text = setup_py.read_text()
+    return lambda member: f'"{member}"' in text
+
+
+def add_missing_extensions(wheel: Path, tree_path: Path, *,
+                           leave: Callable[[str], bool] = lambda member: False) -> list[str]:
     """Copy the wheel's compiled extensions that vLLM's precompiled install left out.
 
     vLLM 0.25.1's setup.py extracts a fixed list of extensions (`_C`, the attention
@@ -192,13 +279,14 @@ def add_missing_extensions(wheel: Path, tree_path: Path) -> list[str]:
     `_C_AVX512`. The CPU platform loads `_C` only where AVX-512 BF16 exists and one of
     the variants elsewhere, so without them the CPU engine has no kernels on an
     AVX2-only host (`torch.ops._C` has no `init_cpu_memory_env`). The wheel is the
-    verified one; each file is written beside its final name, then renamed.
+    verified one; each file is written beside its final name, then renamed. Members
+    for which LEAVE is true are left alone (setup.py writes them itself).
     """
     added = []
     with zipfile.ZipFile(wheel) as whl:
         for name in whl.namelist():
             target = tree_path / name
-            if not (name.startswith("vllm/") and name.endswith(".so")) or target.exists():
+            if not (name.startswith("vllm/") and name.endswith(".so")) or target.exists() or leave(name):
                 continue
             partial = target.with_name(target.name + ".partial")
             with whl.open(name) as src, open(partial, "wb") as dst:
@@ -235,6 +323,7 @@ print(json.dumps({
 
 def check_install(python: Path, tree_path: Path, route: Route) -> dict[str, str]:
     """Ask the venv itself what `import vllm` gives: the tree, the fix, the platform."""
+    log.step("install: asking the venv what `import vllm` gives")
     # From inside the tree, with it first on sys.path, as the tests run: nothing there may
     # shadow the installed metadata (vLLM picks its platform from the version string).
     result = subprocess.run(

@@ -31,7 +31,7 @@ from forkbuild.pins import REPO_ROOT, Pins, build_dir
 
 def run(pins: Pins, route_name: str | None) -> str:
     """Run everything; return the plain summary line (the caller prints it last)."""
-    python, tree_path, _ = install.install(pins, route_name)
+    python, tree_path, route = install.install(pins, route_name)
     results = build_dir() / "test-results"
     results.mkdir(parents=True, exist_ok=True)
 
@@ -46,6 +46,8 @@ def run(pins: Pins, route_name: str | None) -> str:
         finally:  # a broken proof must not hide failing tool tests
             tools, gpu = tools_run.result(), gpu_run.result()
             _report(tools, "forkbuild tool tests", results / "forkbuild.log")
+    # What the suites compiled (vLLM's engine, pytest, hypothesis...) for the next clone.
+    install.keep_bytecode(pins, route, tree_path)
     _check_gpu_tests_skipped(gpu, tools, results)
     print("\npatch status (DEP-3 Applied-Upstream vs the version matrix):")
     patch_status.check(pins, python)

