@@ -8,7 +8,10 @@ Against the newest release of the version matrix (the last of fork.toml [matrix]
 2. a PR description in vLLM's template (purpose, test plan, test result with the
    version matrix table);
 3. the proof: a second, fresh worktree of the release, `git am` of the series, the
-   release's own binaries beside it, pytest on the added modules. It must pass.
+   release's own binaries beside it, pytest on the added modules. It must pass;
+4. the release's pre-commit hooks for test files pass on the added files, and every
+   hand-written breakage of the release's packed-view code (forkbuild/mutants.py),
+   applied alone to the proof tree, fails some case; the table goes into the PR text.
 Nothing in the series refers to forkbuild: the tests import only vLLM and each other.
 """
 
@@ -23,7 +26,7 @@ import subprocess
 import textwrap
 from pathlib import Path
 
-from forkbuild import fetch, install, log, matrix, tree
+from forkbuild import fetch, install, log, matrix, mutants, tree
 from forkbuild.errors import ForkError
 from forkbuild.pins import REPO_ROOT, Pins, build_dir
 from forkbuild.pytest_runner import Outcome, run_pytest
@@ -54,8 +57,17 @@ def newest(pins: Pins):
     return pins.releases[-1]
 
 
+# Modules that run on the newest release but protect nothing upstream has: they check
+# the fork's own tools (the reference of the GPU kernel test, which needs a GPU and
+# the per-backend API, and is not sent).
+NOT_FOR_UPSTREAM = {
+    "tests/v1/worker/test_attention_reference_cpu.py",
+}
+
+
 def modules_that_run(pins: Pins, version: str) -> list[str]:
-    """Test modules with passing and no failing cases on VERSION, per the matrix record."""
+    """Test modules with passing and no failing cases on VERSION, per the matrix record
+    (less NOT_FOR_UPSTREAM)."""
     rows = json.loads(matrix.RECORD.read_text())["rows"] if matrix.RECORD.exists() else {}
     row = rows.get(version)
     if row is None or row["sdist_sha256"] != pins.release(version).sdist.sha256:
@@ -67,7 +79,8 @@ def modules_that_run(pins: Pins, version: str) -> list[str]:
     for case, status in row["cases"].items():
         by_module.setdefault(case.split("::", 1)[0], []).append(status)
     return sorted(
-        m for m, s in by_module.items() if "passed" in s and not {"failed", "error"} & set(s)
+        m for m, s in by_module.items()
+        if "passed" in s and not {"failed", "error"} & set(s) and m not in NOT_FOR_UPSTREAM
     )
 
 
@@ -260,10 +273,19 @@ def build(pins: Pins) -> Path:
     log.step(f"upstream: {len(series)} patch(es) against v{version} in {DIST}")
 
     outcome = prove(pins, release, repo, series, modules)
-    hooks = run_hooks(install.ensure_toolchain(pins), build_dir() / "upstream" / "proof", files)
+    proof_tree = build_dir() / "upstream" / "proof"
+    hooks = run_hooks(install.ensure_toolchain(pins), proof_tree, files)
+    verdicts = mutants.kill(
+        matrix.release_python(pins, release, proof_tree), proof_tree, mutants.for_release(version),
+        [*modules, "-m", "cpu_test"], DIST / "mutants", extra_env=matrix.CPU_ENV,
+    )
     with (DIST / "PROOF.txt").open("a") as proof:
         proof.write("".join(f"hook {line}\n" for line in hooks))
-    (DIST / "PR_DESCRIPTION.md").write_text(describe(version, files, modules, outcome, counts))
+        proof.write("".join(f"mutant killed by {len(v.killers)} case(s): {v.mutant.name}\n"
+                            for v in verdicts))
+    (DIST / "PR_DESCRIPTION.md").write_text(
+        describe(version, files, modules, outcome, counts, mutants.table(verdicts))
+    )
     log.step(f"upstream: PR description and proof written to {DIST}")
     return DIST
 
@@ -298,7 +320,7 @@ def prove(pins: Pins, release, repo: Path, series: list[Path], modules: list[str
 
 def describe(
     version: str, files: list[str], modules: list[str], outcome: Outcome,
-    counts: dict[str, tuple[int, int, int]],
+    counts: dict[str, tuple[int, int, int]], mutation_table: str,
 ) -> str:
     record = json.loads(matrix.RECORD.read_text())["rows"]
     table_lines = [
@@ -310,17 +332,27 @@ def describe(
     return f"""\
 ## Purpose
 
-Regression tests for packed (cross-layer) KV cache views. With cross-layer KV blocks
-(`OffloadingConnector`, `enable_cross_layers_blocks`) a block row packs one page per
+Regression tests for packed (cross-layer) KV caches, whose block rows hold one page per
 layer. Two defects of that layout were fixed without a test: #47054 (FlashAttention
 received its pages in the wrong order and crashed with an illegal memory access on
-GPT-OSS; fixed by #47314 in 0.26.0) and Triton's per-token-head KV scales, which every
-packed layer took from the same bytes, silently (fixed when 0.26.0 rewrote
-`_ensure_scale_caches`). The tests pin both on the KV cache layout API of vLLM
-{version}: each layer's view has the promised logical shape, walks its own page in the
-layout's physical order one block row apart, aliases the allocation at its offset, the
-pages tile each row, and each layer's scales lie in its own page's padding. CPU only
-(`pytest.mark.cpu_test`), vLLM's own code, no mocks.
+GPT-OSS under the `OffloadingConnector` with `enable_cross_layers_blocks`; fixed by
+#47314 in 0.26.0) and Triton's per-token-head KV scales, which every packed layer took
+from the same bytes, silently (fixed when 0.26.0 rewrote `_ensure_scale_caches`).
+
+On vLLM {version} packing comes from the resolved `KVCacheLayout`: the block-outermost
+layouts (`BLHNC`, `BLNHC`, e.g. through `VLLM_KV_CACHE_LAYOUT`) pack; the
+`OffloadingConnector` itself asks for the layer-compact `LBHNC`, and
+`enable_cross_layers_blocks` no longer changes the plan. The tests walk that path on
+CPU with vLLM's own code: the planner places a GPT-OSS-shaped hybrid model's layers
+as the layout says (equal and unequal page sizes, padded pages); the v1 and v2 model
+runners' views walk each layer's own page in the layout's physical order, alias the
+allocation at the tensor's offset and write nothing outside the pages; the
+`OffloadingConnector` worker registers packed rows as one block-row tensor, and a
+store and load of rows reads every layer back exactly; where the series has them,
+Triton's cache-write and unified-attention kernels (under `TRITON_INTERPRET=1`) read
+and write exactly each layer's bytes, and each layer's per-token-head scales lie in its
+own page. Only the CUDA transfer worker of the CPU offloading spec is not created (a
+subclass of the spec records what it would receive); `pytest.mark.cpu_test`, no mocks.
 
 Files:
 {listed}
@@ -343,10 +375,16 @@ ruff format at the version `.pre-commit-config.yaml` pins, `check_spdx_header`,
 
 {chr(10).join(table_lines)}
 
-(The same cases through the per-backend layout API up to 0.26 and through
-`create_kv_cache_views` after the layout rewrite. Further tests of the downstream suite
-drive the per-backend API that the rewrite removed, and its GPU tests have not run on
-{version}; they are not part of this PR.)
+Mutation check: each breakage below, made by hand in vLLM {version}'s packed-view code
+and applied alone to the tree with this series, fails the cases named.
+
+{mutation_table}
+
+(Modules written for both layout APIs run the same cases through the per-backend API up
+to 0.26 and through `create_kv_cache_views` after the rewrite; the layout-API modules
+skip before it. Further tests of the downstream suite drive the per-backend API that
+the rewrite removed, and its GPU and CPU-engine tests have not run on {version}; they
+are not part of this PR.)
 
 ---
 <details>

@@ -143,40 +143,52 @@ def release_hooks(fork_pins, toolchain, tmp_path_factory) -> Path:
     sdist = fetch.fetch(upstream.newest(fork_pins).sdist, lambda: toolchain)
     out = tmp_path_factory.mktemp("release")
     tree._extract_sdist(sdist, out)
-    for module in ("test_packed_kv_cache_layer_views.py", "test_packed_kv_cache_scales.py"):
-        target = out / "tests" / "v1" / "worker" / module
+    for rel in series_files(fork_pins):
+        target = out / rel
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(tree.TESTS_DIR / "v1" / "worker" / module, target)
+        shutil.copy(pins.REPO_ROOT / rel, target)
     return out
 
 
-SERIES = ["tests/v1/worker/test_packed_kv_cache_layer_views.py",
-          "tests/v1/worker/test_packed_kv_cache_scales.py"]
+def series_files(fork_pins) -> list[str]:
+    """What `make upstream` sends: the modules that pass on the newest release (per the
+    version matrix record) and the helpers they import."""
+    version = upstream.newest(fork_pins).version
+    return upstream.with_helpers(upstream.modules_that_run(fork_pins, version))
 
 
-def test_the_release_hooks_pass_on_the_series(release_hooks, toolchain):
-    lines = upstream.run_hooks(toolchain, release_hooks, SERIES)
+def test_the_series_is_what_runs_on_the_newest_release(fork_pins):
+    files = series_files(fork_pins)
+    assert "tests/v1/worker/test_packed_kv_cache_layout_pipeline.py" in files
+    assert "tests/v1/worker/test_packed_kv_cache_layouts.py" in files
+    assert not set(files) & upstream.NOT_FOR_UPSTREAM
+
+
+def test_the_release_hooks_pass_on_the_series(release_hooks, toolchain, fork_pins):
+    lines = upstream.run_hooks(toolchain, release_hooks, series_files(fork_pins))
     assert lines == [f"{hook}: passed" for hook in
                      ("ruff check", "ruff format", *upstream.HOOK_SCRIPTS)]
 
 
-def test_a_hook_finding_stops_the_upstream_step(release_hooks, toolchain, tmp_path):
+def test_a_hook_finding_stops_the_upstream_step(release_hooks, toolchain, tmp_path, fork_pins):
     bad = release_hooks / "tests" / "v1" / "worker" / "test_no_header.py"
     bad.write_text("import os\n\n\ndef test_nothing():\n    assert os.sep\n")
     try:
         with pytest.raises(ForkError, match="check_spdx_header") as err:
-            upstream.run_hooks(toolchain, release_hooks, [*SERIES, str(bad.relative_to(release_hooks))])
+            upstream.run_hooks(toolchain, release_hooks,
+                               [*series_files(fork_pins), str(bad.relative_to(release_hooks))])
     finally:
         bad.unlink()
     assert "fix the test files" in err.value.hint
 
 
-def test_a_ruff_other_than_the_release_pins_is_refused(release_hooks, toolchain, tmp_path):
+def test_a_ruff_other_than_the_release_pins_is_refused(release_hooks, toolchain, tmp_path,
+                                                        fork_pins):
     copy = tmp_path / "release"
     shutil.copytree(release_hooks, copy)
     config = copy / ".pre-commit-config.yaml"
     config.write_text(re.sub(r"(ruff-pre-commit\s*\n\s*rev:\s*)v?[0-9.]+", r"\g<1>v0.0.1",
                              config.read_text()))
     with pytest.raises(ForkError, match="runs its hooks with ruff 0.0.1") as err:
-        upstream.run_hooks(toolchain, copy, SERIES)
+        upstream.run_hooks(toolchain, copy, series_files(fork_pins))
     assert "pin ruff==0.0.1" in err.value.hint

@@ -7,6 +7,7 @@ vLLM's own config classes: a misspelled argument or connector option then
 fails in CPU CI, not on the GPU runner at night.
 """
 
+import json
 from dataclasses import dataclass
 
 from vllm.config import KVTransferConfig
@@ -114,3 +115,36 @@ def offloading_spec_inputs(vllm_config, kv_cache_config) -> tuple:
     except ImportError:
         return (vllm_config, kv_cache_config)
     return (build_offloading_config(vllm_config, kv_cache_config),)
+
+
+def tiny_gpt_oss_config(path, head_size: int, num_kv_heads: int) -> str:
+    """A GPT-OSS config written to PATH, with no weights: all the planner needs is the
+    shapes (4 layers, sliding-window and full attention alternating)."""
+    config = {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "hidden_size": 256,
+        "intermediate_size": 256,
+        "head_dim": head_size,
+        "num_attention_heads": 8,
+        "num_key_value_heads": num_kv_heads,
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "sliding_window": SLIDING_WINDOW,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "vocab_size": 400,
+        "max_position_embeddings": 4096,
+        "dtype": "bfloat16",
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 4096,
+            "rope_theta": 150000.0,
+            "truncate": False,
+        },
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)

@@ -14,10 +14,8 @@ import torch
 
 import tests.v1.worker.per_backend_kv_layout  # noqa: F401 (skips without that API)
 from tests.v1.worker.per_backend_kv_layout import FlashInferBackend, flashinfer_param
-from tests.v1.worker.test_packed_kv_cache_reshape import (
-    key_value_views,
-    kv_cache_layout,
-)
+from tests.v1.worker.test_packed_kv_cache_layer_views import key_value_views
+from tests.v1.worker.test_packed_kv_cache_reshape import kv_cache_layout
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.attention.backends.flex_attention import FlexAttentionBackend
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend

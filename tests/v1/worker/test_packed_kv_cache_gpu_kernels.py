@@ -24,6 +24,7 @@ from tests.v1.worker.attention_reference import (
     flashinfer_window_left,
     reference_attention,
 )
+from tests.v1.worker.test_packed_kv_cache_layer_views import key_value_views
 from tests.v1.worker.test_packed_kv_cache_pipeline import (
     BLOCK_SIZE,
     HEAD_SIZE,
@@ -32,10 +33,7 @@ from tests.v1.worker.test_packed_kv_cache_pipeline import (
     layer_specs,
     reshape_v2,
 )
-from tests.v1.worker.test_packed_kv_cache_reshape import (
-    key_value_views,
-    kv_cache_layout,
-)
+from tests.v1.worker.test_packed_kv_cache_reshape import kv_cache_layout
 from vllm.platforms import current_platform
 
 pytestmark = pytest.mark.skipif(

@@ -32,15 +32,26 @@ HEAD_SIZE = 64
 NUM_LAYERS = 3
 # Only the KVCacheLayout API has create_kv_cache_views.
 HAS_LAYOUT_API = hasattr(kv_cache_interface, "create_kv_cache_views")
+# For test modules written for that API alone.
+LAYOUT_API_ONLY = pytest.mark.skipif(
+    not HAS_LAYOUT_API,
+    reason="the KVCacheLayout API (create_kv_cache_views) is newer than this vLLM",
+)
 
 
 @dataclass
 class PackedViews:
-    raw: torch.Tensor  # the int8 allocation: NUM_BLOCKS rows of block_stride bytes
+    raw: torch.Tensor  # the int8 region the views' pages lie in
     views: list[torch.Tensor]  # one per layer, as the attention kernels get them
     stride_order: tuple[int, ...]  # physical order of the views' logical dims
     page_bytes: int
     block_stride: int
+    # Bytes from one layer's page to the next; 0: page_bytes (pages back to back).
+    layer_stride: int = 0
+
+    @property
+    def page_step(self) -> int:
+        return self.layer_stride or self.page_bytes
 
 
 def physical_strides(shape, stride_order, block_stride_elems) -> tuple[int, ...]:
@@ -67,15 +78,38 @@ def probe_indices(shape, seed: int = 0) -> list[tuple[int, ...]]:
     return indices
 
 
+def key_value_views(
+    cache: torch.Tensor, head_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of an attention cache view, each [blocks, block_size, heads, head_size].
+
+    The backends' logical shape changed in vLLM 0.26: [blocks, 2, block_size, heads,
+    head_size] before, K and V side by side in the last dim after ([blocks, heads,
+    block_size, 2 * head_size]). Both are views; writes go to the cache.
+    """
+    if cache.dim() == 5:
+        key, value = cache.unbind(1)
+    else:
+        key, value = cache.transpose(1, 2).split(head_size, dim=-1)
+    return key, value
+
+
+def logical_from_pages(pages: torch.Tensor, shape, stride_order) -> torch.Tensor:
+    """PAGES ([blocks, elements of one page]) read the way the backend declares them
+    stored: dims in STRIDE_ORDER, turned back into the logical SHAPE."""
+    physical = pages.reshape(pages.shape[0], *(shape[i] for i in stride_order[1:]))
+    return physical.permute(*(list(stride_order).index(i) for i in range(len(shape))))
+
+
 def check_packed_layer_views(packed: PackedViews, shape, dtype: torch.dtype) -> None:
     """Every view has SHAPE, walks its page in physical order, aliases the packed
-    allocation at its layer's offset, and the pages tile each block row exactly."""
+    allocation at its layer's offset, and filling the pages writes nothing else."""
     raw, stride_order = packed.raw, packed.stride_order
     dtype_size = torch.empty((), dtype=dtype).element_size()
     physical_shape = [shape[i] for i in stride_order]
     num_blocks = shape[0]
     for layer, view in enumerate(packed.views):
-        offset = layer * packed.page_bytes
+        offset = layer * packed.page_step
         assert tuple(view.shape) == tuple(shape), f"layer {layer}: shape"
         assert view.dtype == dtype
         # (The stride of a dimension of size 1 is never used; torch reports any.)
@@ -85,9 +119,10 @@ def check_packed_layer_views(packed: PackedViews, shape, dtype: torch.dtype) -> 
         assert [s for s, n in zip(view.stride(), shape) if n > 1] == [
             s for s, n in zip(expected, shape) if n > 1
         ], f"layer {layer}: strides {view.stride()}, expected {expected}"
-        # A view of the packed allocation at the layer's offset, not a copy.
+        # A view of the packed allocation at the layer's offset, not a copy. (RAW may
+        # itself start inside a larger allocation, at the tensor's byte offset.)
         assert view.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr()
-        assert view.storage_offset() * dtype_size == offset
+        assert view.storage_offset() * dtype_size == raw.storage_offset() + offset
 
         # A value written at a logical index lands at the byte that the packing
         # plan and the physical layout predict.
@@ -105,13 +140,23 @@ def check_packed_layer_views(packed: PackedViews, shape, dtype: torch.dtype) -> 
             )
             view[index] = 0
 
-    # The layers tile each block row exactly, without overlapping.
+    # Each view fills exactly its layer's page of every block: no overlap, and
+    # nothing between or after the pages changes.
+    before = raw.clone()
     for layer, view in enumerate(packed.views):
         view.view(torch.int8).fill_(layer + 1)
-    rows = raw.view(num_blocks, packed.block_stride)
+    outside = torch.ones(raw.numel(), dtype=torch.bool)
+    within = torch.arange(packed.page_bytes)
     for layer in range(len(packed.views)):
-        page = rows[:, layer * packed.page_bytes : (layer + 1) * packed.page_bytes]
-        assert bool((page == layer + 1).all()), f"layer {layer} page was overwritten"
+        starts = (
+            torch.arange(num_blocks) * packed.block_stride + layer * packed.page_step
+        )
+        page = (starts[:, None] + within).flatten()
+        assert bool((raw[page] == layer + 1).all()), (
+            f"layer {layer} page was overwritten"
+        )
+        outside[page] = False
+    assert torch.equal(raw[outside], before[outside]), "bytes outside the pages changed"
 
 
 def gpt_oss_like_specs(num_kv_heads, block_size, dtype):

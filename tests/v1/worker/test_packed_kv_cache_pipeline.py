@@ -16,13 +16,14 @@ disaggregation (NixlConnector, MooncakeConnector), MultiConnector over them,
 and any connector under ``VLLM_KV_CACHE_LAYOUT=HND``.
 """
 
-import json
-
 import pytest
 import torch
 
 import tests.v1.worker.per_backend_kv_layout  # noqa: F401 (skips without that API)
-from tests.v1.worker.offload_e2e_configs import offload_transfer_config
+from tests.v1.worker.offload_e2e_configs import (
+    offload_transfer_config,
+    tiny_gpt_oss_config,
+)
 from tests.v1.worker.per_backend_kv_layout import FlashInferBackend, flashinfer_param
 from vllm.config import (
     CacheConfig,
@@ -63,38 +64,6 @@ BACKENDS = [
     pytest.param(FlexAttentionBackend, id="FLEX_ATTENTION"),
     flashinfer_param(FlashInferBackend, id="FLASHINFER"),
 ]
-
-
-def tiny_gpt_oss_config(path) -> str:
-    """A GPT-OSS config with no weights: all the planner needs is the shapes."""
-    config = {
-        "architectures": ["GptOssForCausalLM"],
-        "model_type": "gpt_oss",
-        "hidden_size": 256,
-        "intermediate_size": 256,
-        "head_dim": HEAD_SIZE,
-        "num_attention_heads": 8,
-        "num_key_value_heads": NUM_KV_HEADS,
-        "num_hidden_layers": 4,
-        "layer_types": ["sliding_attention", "full_attention"] * 2,
-        "sliding_window": 128,
-        "num_local_experts": 4,
-        "num_experts_per_tok": 2,
-        "vocab_size": 400,
-        "max_position_embeddings": 4096,
-        "dtype": "bfloat16",
-        "rope_parameters": {
-            "rope_type": "yarn",
-            "factor": 32.0,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "original_max_position_embeddings": 4096,
-            "rope_theta": 150000.0,
-            "truncate": False,
-        },
-    }
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
 
 
 # Connectors of 0.25.1 configured with enable_cross_layers_blocks, by the name
@@ -145,7 +114,7 @@ def gpt_oss_offload_config(
     )
     return VllmConfig(
         model_config=ModelConfig(
-            model=tiny_gpt_oss_config(path),
+            model=tiny_gpt_oss_config(path, HEAD_SIZE, NUM_KV_HEADS),
             skip_tokenizer_init=True,
             max_model_len=128,
             dtype="bfloat16",

@@ -75,29 +75,6 @@ def kv_cache_layout(layout: str):
         get_kv_cache_layout.cache_clear()
 
 
-def key_value_views(
-    cache: torch.Tensor, head_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of an attention cache view, each [blocks, block_size, heads, head_size].
-
-    The backends' logical shape changed in vLLM 0.26: [blocks, 2, block_size, heads,
-    head_size] before, K and V side by side in the last dim after ([blocks, heads,
-    block_size, 2 * head_size]). Both are views; writes go to the cache.
-    """
-    if cache.dim() == 5:
-        key, value = cache.unbind(1)
-    else:
-        key, value = cache.transpose(1, 2).split(head_size, dim=-1)
-    return key, value
-
-
-def logical_from_pages(pages: torch.Tensor, shape, stride_order) -> torch.Tensor:
-    """PAGES ([blocks, elements of one page]) read the way the backend declares them
-    stored: dims in STRIDE_ORDER, turned back into the logical SHAPE."""
-    physical = pages.reshape(pages.shape[0], *(shape[i] for i in stride_order[1:]))
-    return physical.permute(*(list(stride_order).index(i) for i in range(len(shape))))
-
-
 def stride_order_of(backend, layout: str) -> tuple[int, ...]:
     with kv_cache_layout(layout):
         return tuple(backend.get_kv_cache_stride_order())

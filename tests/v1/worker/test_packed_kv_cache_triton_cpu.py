@@ -1,13 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""vLLM's Triton cache-write and unified-attention kernels over packed HND views.
+"""vLLM's Triton cache-write and unified-attention kernels over packed views.
 
-TRITON_ATTN shares FlashAttention's cache shape and HND stride order, and its
-kernels run on CPU tensors under Triton's interpreter, so this exercises the
-kernels of vllm#47054 without a GPU: two layers per block row, guard bytes
-around the packed allocation, a zero-padded non-contiguous block table, the
+TRITON_ATTN's kernels run on CPU tensors under Triton's interpreter, so this
+exercises the kernels of vllm#47054 without a GPU: two layers per block row, guard
+bytes around the packed allocation, a zero-padded non-contiguous block table, the
 prefill (2D) and decode (2D and segmented 3D) paths, compared with a torch
-reference.
+reference. The packed views come from whichever KV cache layout API this vLLM has:
+``_reshape_attention_kv_cache`` with TRITON_ATTN's cache shape and HND stride order
+(FlashAttention's, up to 0.26), or ``create_kv_cache_views`` with ``BLHNC``, the
+block-outermost layout whose block rows hold every layer's page (after the layout
+rewrite, RFC #42082).
 
 Each case runs in a fresh interpreter (this file is also the worker script):
 Triton's interpreter switch and vLLM's Triton gate are read once, at import,
@@ -33,10 +36,6 @@ TOLERANCE = 5e-3  # fp16 kernels vs an fp32 reference
 
 @pytest.mark.parametrize("num_query_heads", [8, 32])
 def test_triton_kernels_on_packed_views(num_query_heads):
-    # Imported here, not at module level: the case process must set Triton up for
-    # the CPU before anything imports vLLM. Skips without the per-backend API.
-    import tests.v1.worker.per_backend_kv_layout  # noqa: F401
-
     run_case_in_fresh_process(
         __file__,
         str(num_query_heads),
@@ -44,26 +43,61 @@ def test_triton_kernels_on_packed_views(num_query_heads):
     )
 
 
+def views_per_backend_api(raw, spec, block_stride):
+    """TRITON_ATTN's HND views of the packed pages (_reshape_attention_kv_cache)."""
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+    from vllm.v1.attention.backends.utils import get_kv_cache_layout
+    from vllm.v1.worker.gpu.attn_utils import _reshape_attention_kv_cache
+
+    assert get_kv_cache_layout() == "HND"
+    shape = TritonAttentionBackend.get_kv_cache_shape(
+        NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE
+    )
+    order = TritonAttentionBackend.get_kv_cache_stride_order()
+    page_bytes = spec.page_size_bytes
+    caches = [
+        _reshape_attention_kv_cache(
+            raw, spec, shape, order, NUM_BLOCKS, (layer * page_bytes, block_stride)
+        )
+        for layer in range(LAYERS)
+    ]
+    return caches, tuple(shape), tuple(order)
+
+
+def views_layout_api(raw, spec, block_stride):
+    """BLHNC views: every block row holds all layers' pages, heads before tokens."""
+    from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    layout = KVCacheLayout.BLHNC
+    tensor = KVCacheTensor(
+        size=raw.numel(),
+        layers=[f"model.layers.{layer}.self_attn.attn" for layer in range(LAYERS)],
+        layer_stride=spec.page_size_bytes,
+        block_stride=block_stride,
+    )
+    caches = create_kv_cache_views(raw, spec, NUM_BLOCKS, layout, tensor)
+    shape = (NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)
+    return caches, shape, layout.layer_view_order
+
+
 def _run_case(num_query_heads: int) -> None:
     enable_triton_on_cpu()
     import torch
 
-    from tests.v1.worker.test_packed_kv_cache_reshape import (
+    from tests.v1.worker.test_packed_kv_cache_layer_views import (
         key_value_views,
         logical_from_pages,
     )
     from vllm.triton_utils import HAS_TRITON, triton
-    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
-    from vllm.v1.attention.backends.utils import get_kv_cache_layout
+    from vllm.v1 import kv_cache_interface
     from vllm.v1.attention.ops.triton_reshape_and_cache_flash import (
         triton_reshape_and_cache_flash,
     )
     from vllm.v1.attention.ops.triton_unified_attention import unified_attention
     from vllm.v1.kv_cache_interface import FullAttentionSpec
-    from vllm.v1.worker.gpu.attn_utils import _reshape_attention_kv_cache
 
     assert HAS_TRITON, "vLLM disabled Triton"
-    assert get_kv_cache_layout() == "HND"
     torch.set_num_threads(1)
     dtype = torch.float16  # the interpreter's tl.dot mishandles bf16
     scale = HEAD_SIZE**-0.5
@@ -80,16 +114,10 @@ def _run_case(num_query_heads: int) -> None:
     guard = 4 * raw_bytes  # stray stores land here instead of in someone's heap
     backing = torch.zeros(guard + raw_bytes + guard, dtype=torch.int8)
     raw = backing[guard : guard + raw_bytes]
-    shape = TritonAttentionBackend.get_kv_cache_shape(
-        NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE
-    )
-    order = TritonAttentionBackend.get_kv_cache_stride_order()
-    caches = [
-        _reshape_attention_kv_cache(
-            raw, spec, shape, order, NUM_BLOCKS, (layer * page_bytes, block_stride)
-        )
-        for layer in range(LAYERS)
-    ]
+    if hasattr(kv_cache_interface, "create_kv_cache_views"):
+        caches, shape, order = views_layout_api(raw, spec, block_stride)
+    else:
+        caches, shape, order = views_per_backend_api(raw, spec, block_stride)
     # The kernels take block_size and num_kv_heads from these shapes: with any
     # other shape they address the wrong blocks and write past the allocation.
     for layer, cache in enumerate(caches):
@@ -122,7 +150,7 @@ def _run_case(num_query_heads: int) -> None:
         return int(block_table[seq, pos // BLOCK_SIZE]) * BLOCK_SIZE + pos % BLOCK_SIZE
 
     def write(layer, positions):
-        """vLLM's cache-write kernel, for POSITIONS[seq] of each sequence."""
+        """VLLM's cache-write kernel, for POSITIONS[seq] of each sequence."""
         key = torch.cat([keys[layer][s][p] for s, p in enumerate(positions)])
         value = torch.cat([values[layer][s][p] for s, p in enumerate(positions)])
         slots = torch.tensor(

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+import tests.v1.worker.per_backend_kv_layout  # noqa: F401 (skips without that API)
 from tests.v1.worker.tiny_chat_model import (
     IM_END,
     IM_START,
