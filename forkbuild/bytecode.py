@@ -12,9 +12,12 @@ from the same sources.
 It is safe by Python's own rule: a .pyc records the mtime and size of its source and is
 recompiled when they differ. uv links the same unpacked files into every venv (same
 inode, same mtime) and the tree keeps the sdist's mtimes; a file a patch changed has a
-new mtime, so its cached bytecode is ignored and compiled afresh. Python replaces a .pyc
-by renaming a new file over it and never writes into one, so a file linked from the
-cache is never changed through a venv. A missing cache only costs the compile time.
+new mtime, so its cached bytecode is ignored and compiled afresh (and the tree's key
+includes the patches, so two trees with different patches never share a file). Python
+replaces a .pyc by renaming a new file over it and never writes into one, so a file
+linked from the cache is never changed through a venv. A missing or unwritable cache
+only costs the compile time. (Where uv copies instead of linking, every venv's files
+get new mtimes and the cache is never used.)
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from forkbuild import log
 from forkbuild.hashing import digest_of
 from forkbuild.pins import cache_dir
 
@@ -50,39 +54,59 @@ def _link(src: Path, dest: Path) -> None:
     """DEST becomes SRC's file (a hard link; a copy across file systems), in one rename."""
     partial = dest.with_name(f"{dest.name}.{os.getpid()}.partial")
     try:
-        os.link(src, partial)
-    except OSError:  # another file system, or links not allowed: a copy does the same
-        shutil.copy2(src, partial)
-    os.replace(partial, dest)
+        try:
+            os.link(src, partial)
+        except OSError:  # another file system, or links not allowed: a copy does the same
+            shutil.copy2(src, partial)
+        os.replace(partial, dest)
+    except OSError:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def restore(root: Path, kept: Path) -> int:
     """Link the bytecode kept in KEPT into ROOT where ROOT has the source folder and no
-    bytecode of its own yet; return how many files were linked."""
+    bytecode of its own yet; return how many files were linked. A file that cannot be
+    linked is skipped (Python compiles it): the cache is an optimization."""
     if not kept.is_dir():
         return 0
-    linked = 0
+    linked, failed = 0, []
     for rel in _pyc_files(kept):
         dest = root / rel
         if dest.exists() or not dest.parent.parent.is_dir():
             continue
-        dest.parent.mkdir(exist_ok=True)
-        _link(kept / rel, dest)
+        try:
+            dest.parent.mkdir(exist_ok=True)
+            _link(kept / rel, dest)
+        except OSError as exc:
+            failed.append(exc)
+            continue
         linked += 1
+    _report(failed, f"linked into {root}")
     return linked
 
 
 def keep(root: Path, kept: Path) -> int:
-    """Link into KEPT the bytecode under ROOT that KEPT lacks; return how many files."""
-    added = 0
+    """Link into KEPT the bytecode under ROOT that KEPT lacks; return how many files.
+    A file that cannot be kept (a full or read-only cache, a .pyc replaced meanwhile)
+    is skipped."""
+    added, failed = 0, []
     for rel in _pyc_files(root):
         dest = kept / rel
         if dest.exists():
             continue
-        dest.parent.mkdir(parents=True, exist_ok=True)
         try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
             _link(root / rel, dest)
-        except OSError:  # vanished meanwhile (recompiled by a running process): skip it
+        except OSError as exc:
+            failed.append(exc)
             continue
         added += 1
+    _report(failed, f"kept in {kept}")
     return added
+
+
+def _report(failed: list[OSError], what: str) -> None:
+    if failed:
+        log.step(f"bytecode: {len(failed)} file(s) could not be {what} ({failed[0]}); "
+                 "Python compiles them instead")

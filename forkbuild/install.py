@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -121,7 +122,7 @@ def venv_bytecode(lock_file: Path) -> Path:
 
 
 def tree_bytecode(pins: Pins) -> Path:
-    return bytecode.store("tree", pins.sdist.sha256)
+    return bytecode.store("tree", pins.sdist.sha256, *(p.path.read_bytes() for p in tree.read_series()))
 
 
 def keep_bytecode(pins: Pins, route: Route, tree_path: Path) -> None:
@@ -175,10 +176,10 @@ def install(pins: Pins, route_name: str | None = None) -> tuple[Path, Path, Rout
     try:
         log.step(f"install: editable install of {tree_path} on {route.wheel.filename}")
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="extensions") as pool:
-            # The extensions setup.py leaves out are unpacked meanwhile (~200 MB on the CPU
-            # route); the ones it names are its own to write.
+            # The per-ISA kernels setup.py leaves out are unpacked meanwhile (~200 MB on
+            # the CPU route); what it unpacks is its own to write.
             adding = pool.submit(add_missing_extensions, wheel, tree_path,
-                                 leave=named_in(tree_path / "setup.py"))
+                                 leave=left_to_setup_py(tree_path / "setup.py"))
             uv.run(
                 pins,
                 ["pip", "install", "--quiet", "--config-file", str(editable_config(pins, route, tree_path)),
@@ -261,6 +262,19 @@ def finish_compiling(compiling: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         compiling.kill()
         compiling.wait()
+
+
+# The CPU build's per-ISA kernels (vllm/_C_AVX2.abi3.so, vllm/_C_AVX512.abi3.so), which
+# vLLM 0.25.1's setup.py does not unpack: the only extensions unpacked while it runs.
+PER_ISA_KERNEL = re.compile(r"vllm/_C_[A-Z0-9]+\.abi3\.so")
+
+
+def left_to_setup_py(setup_py: Path) -> Callable[[str], bool]:
+    """The wheel members that the unpacking beside setup.py leaves alone: all but the
+    per-ISA kernels it does not name. (setup.py also unpacks members by pattern, the
+    Rust extensions and DeepGEMM's, so "not named" alone would race it on those.)"""
+    named = named_in(setup_py)
+    return lambda member: not PER_ISA_KERNEL.fullmatch(member) or named(member)
 
 
 def named_in(setup_py: Path) -> Callable[[str], bool]:

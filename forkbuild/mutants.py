@@ -58,10 +58,12 @@ MUTANTS: dict[str, tuple[Mutant, ...]] = {
             "    order = tuple(range(len(layout.stride_order)))\n",
         ),
         Mutant(
-            "page padding ignored where the planner derives strides (padded pages packed back to back)",
+            # Not `max(current_stride, padded)` dropped alone: the assert after it
+            # would stop that mutant, not the tests.
+            "page padding ignored where strides are derived (padded pages laid out dense)",
             _VIEWS,
-            "current_stride = max(current_stride, padded_page_size)",
-            "current_stride = current_stride",
+            'padded_page_size = getattr(spec, "page_size_padded", None)',
+            "padded_page_size = None",
         ),
         Mutant(
             "each layer's view copied instead of aliased",
@@ -139,8 +141,8 @@ def kill(python: Path, worktree: Path, mutants: tuple[Mutant, ...], pytest_args:
     verdicts = []
     for number, mutant in enumerate(mutants, 1):
         log.step(f"mutants: [{number}/{len(mutants)}] {mutant.name}")
-        apply(worktree, mutant)
         try:
+            apply(worktree, mutant)
             outcome = run_pytest(
                 python, worktree, pytest_args,
                 results / f"mutant-{number}.xml", output=results / f"mutant-{number}.log",

@@ -351,8 +351,10 @@ allocation at the tensor's offset and write nothing outside the pages; the
 store and load of rows reads every layer back exactly; where the series has them,
 Triton's cache-write and unified-attention kernels (under `TRITON_INTERPRET=1`) read
 and write exactly each layer's bytes, and each layer's per-token-head scales lie in its
-own page. Only the CUDA transfer worker of the CPU offloading spec is not created (a
-subclass of the spec records what it would receive); `pytest.mark.cpu_test`, no mocks.
+own page. Not run: the CUDA transfer worker of the CPU offloading spec (a subclass of
+the spec records what it would receive) and the v1 runner's constructor (its own
+`initialize_kv_cache_tensors` runs on a runner object holding only what that method
+reads). `pytest.mark.cpu_test`; no mocks of the code under test.
 
 Files:
 {listed}

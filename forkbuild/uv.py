@@ -8,7 +8,8 @@ wheel's RECORD. Every later run checks both again and needs no network and no pi
 
 uv keeps its downloads in <cache>/uv, outside the clone, so a fresh clone installs
 offline from there; packages it lacks are downloaded then (uv reads its own index
-configuration: UV_DEFAULT_INDEX, UV_INDEX, uv.toml).
+configuration: UV_DEFAULT_INDEX, UV_INDEX, uv.toml; only the offline editable install
+of the tree passes its own --config-file, so no user uv.toml applies there).
 """
 
 from __future__ import annotations

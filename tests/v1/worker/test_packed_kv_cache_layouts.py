@@ -53,7 +53,9 @@ def block_row_layouts() -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"]
+)
 @pytest.mark.parametrize("spacing", list(SPACINGS))
 @pytest.mark.parametrize("layout_name", block_row_layouts())
 def test_packed_views_at_an_offset_follow_the_layout(layout_name, spacing, dtype):

@@ -150,7 +150,7 @@ def _run_case(num_query_heads: int) -> None:
         return int(block_table[seq, pos // BLOCK_SIZE]) * BLOCK_SIZE + pos % BLOCK_SIZE
 
     def write(layer, positions):
-        """VLLM's cache-write kernel, for POSITIONS[seq] of each sequence."""
+        """The cache-write kernel of vLLM, for POSITIONS[seq] of each sequence."""
         key = torch.cat([keys[layer][s][p] for s, p in enumerate(positions)])
         value = torch.cat([values[layer][s][p] for s, p in enumerate(positions)])
         slots = torch.tensor(
