@@ -15,9 +15,10 @@ def _fetch(args: argparse.Namespace) -> None:
 
     p = pins.load()
     route = install.pick_route(p, args.route)
-    # pip runs in the venv (the sdist's metadata needs torch), made only if a file is missing.
-    fetch.fetch(p.sdist, lambda: install.ensure_toolchain(p, route.name))
-    fetch.fetch(route.wheel, lambda: install.ensure_toolchain(p, route.name))
+    # pip runs in the venv (the sdist's metadata needs torch), made only if a file is
+    # missing. Any route's venv has pip: downloading the CUDA wheel keeps the venv there is.
+    fetch.fetch(p.sdist, lambda: install.ensure_toolchain(p))
+    fetch.fetch(route.wheel, lambda: install.ensure_toolchain(p))
 
 
 def _tree(args: argparse.Namespace) -> None:
@@ -141,8 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     add("wheel", _wheel, "a distributable patched CUDA wheel in dist/")
     add("model", _model, "generate the embedded tiny random-weight models", route=True)
     add("test", _test, "everything CI runs: forkbuild's tool tests (serve, wheel, locks, bad input), "
-        "the GPU tests' clean skip without a GPU, the regression proof (the CPU suite fails on stock "
-        "vLLM and passes on the fork) and the patch-status check", route=True)
+        "the CUDA route without a GPU (its install in build/cuda-route, every compiled extension "
+        "loaded through a driver stub, FlashInfer's JIT toolchain, the GPU tests' clean skip under "
+        "that build, the kernel test's calls up to the ops' dispatch), the regression proof (the CPU "
+        "suite fails on stock vLLM and passes on the fork) and the patch-status check", route=True)
     add("matrix", _matrix, "the fork's CPU suite on the [matrix] releases: docs/version-matrix.md").add_argument(
         "versions", nargs="*", help="only these releases (default: all, plus the fork)"
     )

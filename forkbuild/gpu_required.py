@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
@@ -33,8 +34,10 @@ def _engine(case_id: str) -> str:
 
 
 TRITON_KERNEL = f"{KERNELS}::test_triton_attention_over_packed_views"
-# FlashInfer's paged prefill and decode (0.25.1's cuda.txt pins flashinfer-python and its
-# prebuilt kernels, flashinfer-cubin; both are in the CUDA lock).
+# FlashInfer's paged prefill and decode, required from Ampere on.
+# flashinfer-python 0.6.13 from the package index JIT-compiles these modules on first use
+# (flashinfer-cubin holds other kernels): nvcc and ninja from the CUDA lock, a host
+# compiler from the agent; nightly.py checks that toolchain before the tests start.
 FLASHINFER_KERNELS = tuple(
     f"{KERNELS}::test_flashinfer_over_packed_views[{mode}]" for mode in ("prefill", "decode")
 )
@@ -87,23 +90,98 @@ def kind_of(capability: Capability) -> Kind | None:
     return fitting[-1] if fitting else None
 
 
-def parse_nvidia_smi(csv_text: str) -> list[Capability]:
-    """Compute capabilities, one per GPU, from `nvidia-smi --query-gpu=...,compute_cap
-    --format=csv` (with its header line)."""
+# What the nightly asks nvidia-smi (with --format=csv): index and uuid to apply
+# CUDA_VISIBLE_DEVICES, compute_cap to choose the kind; name and memory for the record.
+NVIDIA_SMI_QUERY = "index,uuid,name,compute_cap,memory.total"
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int  # nvidia-smi's index (PCI bus order)
+    uuid: str  # GPU-xxxxxxxx-...
+    capability: Capability
+
+
+def parse_gpus(csv_text: str) -> list[Gpu]:
+    """Every GPU of `nvidia-smi --query-gpu=NVIDIA_SMI_QUERY --format=csv` (with its
+    header line), whatever CUDA_VISIBLE_DEVICES says."""
     rows = list(csv.reader(io.StringIO(csv_text), skipinitialspace=True))
-    if not rows or "compute_cap" not in rows[0]:
+    header = [name.strip() for name in rows[0]] if rows else []
+    if not {"index", "uuid", "compute_cap"} <= set(header):
         raise ForkError(
-            f"nvidia-smi did not report compute capabilities: {csv_text.strip()!r}",
-            "check the driver with `nvidia-smi --query-gpu=name,compute_cap --format=csv`",
+            f"nvidia-smi did not report the GPUs' index, uuid and compute capabilities: "
+            f"{csv_text.strip()!r}",
+            f"check the driver with `nvidia-smi --query-gpu={NVIDIA_SMI_QUERY} --format=csv`",
         )
-    column = rows[0].index("compute_cap")
-    capabilities = []
+    column = {name: header.index(name) for name in ("index", "uuid", "compute_cap")}
+    gpus = []
     for row in rows[1:]:
         if not row:
             continue
-        major, _, minor = row[column].strip().partition(".")
-        capabilities.append((int(major), int(minor or 0)))
-    return capabilities
+        major, _, minor = row[column["compute_cap"]].strip().partition(".")
+        gpus.append(Gpu(int(row[column["index"]]), row[column["uuid"]].strip(),
+                        (int(major), int(minor or 0))))
+    return gpus
+
+
+def _by_uuid(entry: str, gpus: list[Gpu]) -> Gpu | None:
+    """The one GPU whose UUID starts with ENTRY (CUDA takes unambiguous prefixes)."""
+    matches = [gpu for gpu in gpus if gpu.uuid.startswith(entry)]
+    return matches[0] if len(matches) == 1 else None
+
+
+def _by_index(entry: str, gpus: list[Gpu]) -> Gpu | None:
+    """The GPU of ENTRY's leading number (CUDA parses it like strtoul: `1gpu` is 1)."""
+    number = re.match(r"\+?(\d+)", entry)
+    if number is None:
+        return None
+    return next((gpu for gpu in gpus if gpu.index == int(number[1])), None)
+
+
+def visible_gpus(gpus: list[Gpu], cuda_visible_devices: str | None) -> list[Gpu]:
+    """The GPUs a CUDA process sees under CUDA_VISIBLE_DEVICES, as torch.cuda.device_count()
+    (which the TP=2 case skips on) counts them: unset, all; a comma-separated list of
+    indices, or of UUIDs or UUID prefixes when it starts with `GPU-`; the list ends at
+    the first entry that names no GPU (so an empty value means none), and a GPU named
+    twice leaves none. Indices are taken as nvidia-smi's, as torch does: CUDA numbers
+    the fastest GPU first unless CUDA_DEVICE_ORDER=PCI_BUS_ID, which only differs on a
+    host with GPUs of different kinds."""
+    if cuda_visible_devices is None:
+        return gpus
+    if cuda_visible_devices.strip().startswith("MIG-"):
+        raise ForkError(
+            f"CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} names MIG instances: the nightly "
+            "GPU job needs whole GPUs (its kinds and TP=2 count GPUs)",
+            "give the agent whole GPUs (indices or GPU- UUIDs), or unset CUDA_VISIBLE_DEVICES",
+        )
+    by_uuid = cuda_visible_devices.strip().startswith("GPU-")
+    chosen: list[Gpu] = []
+    for entry in (part.strip() for part in cuda_visible_devices.split(",")):
+        if by_uuid:
+            gpu = _by_uuid(entry, gpus) if entry.startswith("GPU-") else None
+        else:
+            gpu = _by_index(entry, gpus)
+        if gpu is None:
+            break
+        if gpu in chosen:
+            return []
+        chosen.append(gpu)
+    return chosen
+
+
+def parse_nvidia_smi(csv_text: str, cuda_visible_devices: str | None = None) -> list[Capability]:
+    """Compute capabilities, one per GPU that CUDA_VISIBLE_DEVICES (its value, None when
+    unset) exposes, from `nvidia-smi --query-gpu=NVIDIA_SMI_QUERY --format=csv`. An agent
+    pinned to one GPU of a larger host must not be asked for the TP=2 case."""
+    gpus = parse_gpus(csv_text)
+    visible = visible_gpus(gpus, cuda_visible_devices)
+    if gpus and not visible:
+        raise ForkError(
+            f"CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} leaves none of the {len(gpus)} "
+            "GPU(s) nvidia-smi lists visible",
+            "name the agent's GPUs by index or UUID as gpus.csv lists them, or unset it",
+        )
+    return [gpu.capability for gpu in visible]
 
 
 def select(capabilities: list[Capability]) -> tuple[Kind, tuple[str, ...]]:

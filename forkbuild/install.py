@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import uuid
 import zipfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,9 @@ from forkbuild.pins import Pins, Route, build_dir
 TOOLCHAIN_STAMP = ".forkbuild-toolchain"
 LOCK_RECORD = ".forkbuild-lock"  # in the venv: the lock it holds, e.g. locks/cpu-py311.txt
 INSTALL_STAMP = ".forkbuild-installed"  # inside the tree: a rebuilt tree drops it
+# In the venv: a fresh id per venv made, part of the tree's install stamp, so that a venv
+# made anew (`rm -r build/venv`, a changed lock) never passes for one holding the tree.
+VENV_ID = ".forkbuild-venv-id"
 EDITABLE_CONFIG = ".forkbuild-uv-editable.toml"  # inside the tree, git-ignored (BUILD_OUTPUTS)
 
 
@@ -42,11 +46,33 @@ def venv_python() -> Path:
     return venv_dir() / "bin" / "python"
 
 
+# Set only by forkbuild/cuda_route.py (`make test`'s CUDA route without a GPU), for the
+# install it runs in a build folder of its own: the CUDA route is installed on a machine
+# without a driver, and the install's probe expects vLLM to find no GPU platform.
+CUDA_WITHOUT_GPU = "FORKBUILD_CUDA_WITHOUT_GPU"
+
+
 def pick_route(pins: Pins, requested: str | None) -> Route:
     name = requested or ("cuda" if preflight.has_nvidia_gpu() else "cpu")
     if name not in pins.routes:
         raise ForkError(f"unknown route {name!r}", f"use one of {', '.join(pins.routes)}")
     return pins.routes[name]
+
+
+def cuda_without_gpu() -> bool:
+    return os.environ.get(CUDA_WITHOUT_GPU) == "1"
+
+
+def refuse_without_gpu(route: Route) -> None:
+    """A GPU route installed here would take a minute, replace the working CPU venv and
+    then fail on the missing driver: refuse before anything is touched."""
+    if route.target_device != "cuda" or cuda_without_gpu() or preflight.has_nvidia_gpu():
+        return
+    raise ForkError(
+        f"the {route.name} route needs an NVIDIA GPU and its driver, and this machine has none",
+        "here, install the CPU route (`make install`, the default without a GPU); "
+        "`make test` checks the CUDA route's build without a GPU",
+    )
 
 
 def venv_matches_lock(python: Path, lock_file: Path, pins: Pins) -> None:
@@ -75,6 +101,7 @@ def ensure_toolchain(pins: Pins, route_name: str | None = None) -> Path:
         recorded = Path(record.read_text().strip()).name.split("-py")[0]
         route_name = recorded if recorded in pins.routes else None
     route = pick_route(pins, route_name)
+    refuse_without_gpu(route)
     lock_file = lock.path(route.name, lock.running_python())
     if not lock_file.is_file():
         raise ForkError(f"{lock_file} is missing", "run `make lock` (needs the package index)")
@@ -99,6 +126,7 @@ def ensure_toolchain(pins: Pins, route_name: str | None = None) -> Path:
         if linked:
             log.step(f"install: {linked} bytecode files of earlier venvs of {lock_file.name} linked in")
         (partial / LOCK_RECORD).write_text(f"{lock_file.relative_to(lock_file.parent.parent)}\n")
+        (partial / VENV_ID).write_text(uuid.uuid4().hex + "\n")
         (partial / TOOLCHAIN_STAMP).write_text(stamp_value + "\n")
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
@@ -152,16 +180,14 @@ def install(pins: Pins, route_name: str | None = None) -> tuple[Path, Path, Rout
     """Make sure fetch, tree and the venv are complete; return (python, tree, route)."""
     route = pick_route(pins, route_name)
     preflight.check_all(pins)
+    refuse_without_gpu(route)
     python, tree_path = _venv_beside_tree(pins, route)
     wheel = fetch.fetch(route.wheel, lambda: python)
     lock.check(pins, tree_path)
 
     stamp = tree_path / INSTALL_STAMP
-    stamp_value = digest_of(
-        [route.name, route.wheel.sha256, (tree_path / ".git" / tree.INPUTS_FILE).read_text(),
-         (venv_dir() / TOOLCHAIN_STAMP).read_text()]
-    )
-    if stamp.exists() and stamp.read_text().strip() == stamp_value:
+    stamp_value = install_stamp(route, tree_path)
+    if stamp.exists() and stamp.read_text().strip() == stamp_value and holds_editable(tree_path):
         # Verified by the probe when it was stamped; what may change since is the source.
         verdict = fixcheck.classify((tree_path / fixcheck.MODULE_PATH).read_text())
         if verdict != "fixed":
@@ -196,6 +222,28 @@ def install(pins: Pins, route_name: str | None = None) -> tuple[Path, Path, Rout
     keep_bytecode(pins, route, tree_path)
     stamp.write_text(stamp_value + "\n")
     return python, tree_path, route
+
+
+def install_stamp(route: Route, tree_path: Path) -> str:
+    """What the tree's install stamp records: the route's wheel, the tree's inputs, the
+    venv's lock and the venv itself (its id: a venv made anew has another)."""
+    venv_id = venv_dir() / VENV_ID
+    return digest_of(
+        [route.name, route.wheel.sha256, (tree_path / ".git" / tree.INPUTS_FILE).read_text(),
+         (venv_dir() / TOOLCHAIN_STAMP).read_text(), venv_id.read_text() if venv_id.exists() else ""]
+    )
+
+
+def holds_editable(tree_path: Path) -> bool:
+    """Whether the venv's vLLM is the editable install of TREE_PATH (its metadata, as
+    the install wrote it): a cheap look that needs no interpreter."""
+    for direct_url in site_packages(venv_dir()).glob("vllm-*.dist-info/direct_url.json"):
+        try:
+            info = json.loads(direct_url.read_text())
+        except (OSError, ValueError):
+            return False
+        return bool(info.get("dir_info", {}).get("editable")) and info.get("url") == tree_path.resolve().as_uri()
+    return False
 
 
 def _venv_beside_tree(pins: Pins, route: Route) -> tuple[Path, Path]:
@@ -359,7 +407,10 @@ def check_install(python: Path, tree_path: Path, route: Route) -> dict[str, str]
             f"the installed {fixcheck.FUNCTION} is {verdict}, not fixed",
             "check patches/series and rebuild the tree (make tree)",
         )
-    if info["device"] != route.target_device:
+    # Without a driver vLLM finds no platform at all (UnspecifiedPlatform, no device);
+    # only the CUDA route's check without a GPU installs there, and expects exactly that.
+    expected_device = "" if cuda_without_gpu() and route.target_device == "cuda" else route.target_device
+    if info["device"] != expected_device:
         raise ForkError(
             f"vLLM detected {info['platform']} (device {info['device']!r}) on the "
             f"{route.name} route (version {info['version']})",

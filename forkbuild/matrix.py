@@ -46,7 +46,8 @@ def fork_test_modules(pins: Pins, tree_path: Path) -> list[str]:
         for p in tree.overlay_files()
         if p.name.startswith("test_") and p.suffix == ".py"
     ]
-    return [m for m in modules if m not in pins.gpu_tests and (tree_path / m).is_file()]
+    not_cpu = (*pins.gpu_tests, *pins.cuda_route_tests)
+    return [m for m in modules if m not in not_cpu and (tree_path / m).is_file()]
 
 
 # -- trees -------------------------------------------------------------------------------

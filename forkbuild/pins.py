@@ -64,6 +64,8 @@ class Pins:
     regression_by_patch: dict[str, tuple[str, ...]]  # patch file name -> its modules
     suite: tuple[str, ...]
     gpu_tests: tuple[str, ...]
+    # Modules that run only on the CUDA build without a GPU (forkbuild/cuda_route.py).
+    cuda_route_tests: tuple[str, ...] = ()
     releases: tuple[Release, ...] = ()
 
     @property
@@ -144,6 +146,7 @@ def load(path: Path = PINS_FILE) -> Pins:
             regression_by_patch={k: tuple(v) for k, v in raw["tests"]["regression"].items()},
             suite=tuple(raw["tests"]["suite"]),
             gpu_tests=tuple(raw["tests"]["gpu"]),
+            cuda_route_tests=tuple(raw["tests"].get("cuda_route", ())),
             releases=releases,
         )
     except KeyError as exc:

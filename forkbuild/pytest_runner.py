@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import tempfile
+import uuid
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +22,9 @@ class Outcome:
 
     cases: dict[str, str]
     reasons: dict[str, str] = field(default_factory=dict)  # skipped case -> pytest's reason
+    # Why the run was stopped before it ended (its time limit), "" when it ended itself:
+    # then CASES holds only what pytest reported before it was stopped.
+    killed: str = ""
 
     def count(self, status: str) -> int:
         return sum(1 for s in self.cases.values() if s == status)
@@ -45,7 +51,8 @@ class Outcome:
 
     def __str__(self) -> str:
         text = f"{self.passed} passed, {self.failed} failed, {self.errors} errors, {self.skipped} skipped"
-        return text + (f", {self.xfailed} xfailed" if self.xfailed else "")
+        text += f", {self.xfailed} xfailed" if self.xfailed else ""
+        return text + (f"; killed: {self.killed}" if self.killed else "")
 
 
 def _skip_reason(skipped: ET.Element) -> str:
@@ -58,10 +65,12 @@ def _skip_reason(skipped: ET.Element) -> str:
     return message
 
 
-def _read_junit(junit: Path) -> Outcome:
+def _read_junit(junit: Path, killed: str = "") -> Outcome:
     cases, reasons = {}, {}
     for case in ET.parse(junit).getroot().iter("testcase"):
         classname, name = case.get("classname", ""), case.get("name", "")
+        if not name:  # what pytest writes for the case a Ctrl-C (SIGINT) interrupted
+            continue
         if classname:
             node = f"{classname.replace('.', '/')}.py::{name}"
         else:  # a whole module skipped (or broken) at collection: NAME is the module
@@ -76,7 +85,114 @@ def _read_junit(junit: Path) -> Outcome:
                     if found.get("type") == "pytest.xfail":
                         status = "xfailed"
         cases[node] = status
-    return Outcome(cases, reasons)
+    return Outcome(cases, reasons, killed)
+
+
+# After its time limit, a run gets SIGINT first: pytest then ends the session as on
+# Ctrl-C and still writes the JUnit XML of every case it finished (a forked case's child
+# gets it too and exits). What still runs GRACE_S later is killed.
+GRACE_S = 30
+
+# A pytest plugin, put on PYTHONPATH for a run with a time limit, that names the case in
+# progress: pytest writes its JUnit XML only at the end, so without it a killed run
+# could not say where it hung. logstart and logfinish run in the main pytest process,
+# also under --forked.
+_PROGRESS_MODULE = "_forkbuild_progress"
+_PROGRESS_PLUGIN = """\
+import os
+
+def _write(text):
+    with open(os.environ["FORKBUILD_PYTEST_PROGRESS"], "w") as progress:
+        progress.write(text)
+
+def pytest_runtest_logstart(nodeid, location):
+    _write(nodeid)
+
+def pytest_runtest_logfinish(nodeid, location):
+    _write("")
+"""
+
+
+# Every process a limited run starts carries this variable with the run's own value, so
+# that what escaped its process group (a `vllm serve` in a session of its own, as the
+# serve test starts it) is found and killed too: /proc/PID/environ keeps the environment
+# a process was started with.
+_RUN_MARK = "FORKBUILD_LIMITED_RUN"
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:  # nothing of it is left
+        pass
+
+
+def marked_processes(token: str) -> list[int]:
+    """The live processes whose environment holds _RUN_MARK=TOKEN (Linux /proc)."""
+    mark = f"{_RUN_MARK}={token}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if mark in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile, or another user's
+            continue
+    return found
+
+
+def _kill_all(pgid: int, token: str) -> None:
+    """SIGKILL the process group PGID and every process marked with TOKEN."""
+    _signal_group(pgid, signal.SIGKILL)
+    for pid in marked_processes(token):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _stop(proc: subprocess.Popen, token: str) -> None:
+    """SIGINT to PROC's process group; after GRACE_S, SIGKILL to what is left of it."""
+    _signal_group(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=GRACE_S)
+    except subprocess.TimeoutExpired:
+        _kill_all(proc.pid, token)
+        proc.wait()
+
+
+def run_limited(
+    cmd: list[str], *, cwd: Path, env: dict[str, str], timeout_s: float, **popen_args
+) -> tuple[int, bool]:
+    """Run CMD in a session of its own; stop it with all it started after TIMEOUT_S.
+    Return (exit status, whether it was stopped). What hangs is often not pytest but
+    what it started: a forked case, vLLM's engine cores, a `vllm serve`. Whatever of
+    them is left when CMD ends, stopped or not, is killed, so that it does not hold the
+    GPU for the next run."""
+    token = uuid.uuid4().hex
+    proc = subprocess.Popen(cmd, cwd=cwd, env={**env, _RUN_MARK: token}, start_new_session=True,
+                            **popen_args)
+    try:
+        return proc.wait(timeout=timeout_s), False
+    except subprocess.TimeoutExpired:
+        _stop(proc, token)
+        return proc.returncode, True
+    except BaseException:  # Ctrl-C of forkbuild no longer reaches the new session
+        _stop(proc, token)
+        raise
+    finally:
+        _kill_all(proc.pid, token)
+
+
+def _with_progress(cmd: list[str], env: dict[str, str], folder: Path) -> tuple[list[str], Path]:
+    """CMD and ENV (changed in place) with the progress plugin; its file."""
+    (folder / f"{_PROGRESS_MODULE}.py").write_text(_PROGRESS_PLUGIN)
+    progress = folder / "running"
+    progress.write_text("")
+    env["PYTHONPATH"] = f"{folder}{os.pathsep}{env['PYTHONPATH']}"
+    env["FORKBUILD_PYTEST_PROGRESS"] = str(progress)
+    return [*cmd, "-p", _PROGRESS_MODULE], progress
 
 
 def run_pytest(
@@ -88,24 +204,50 @@ def run_pytest(
     pythonpath: Path | None = None,
     output: Path | None = None,
     extra_env: dict[str, str] | None = None,
+    timeout_s: float | None = None,
 ) -> Outcome:
     """Run pytest with ARGS in CWD (PYTHONPATH first on sys.path); read JUnit XML.
 
     With OUTPUT, pytest's report goes to that file instead of the terminal: used for the
     unpatched run, whose expected failures must not read as the run's result.
+    With TIMEOUT_S, the run (and all it started) is stopped after that many seconds and
+    the Outcome holds what pytest reported until then, with `killed` saying so and
+    naming the case in progress: a hung run must still leave a result to report.
     """
     env = {**os.environ, **(extra_env or {}), "PYTHONPATH": str(pythonpath or cwd)}
     junit.unlink(missing_ok=True)
     cmd = [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}", *args]
     log.step(f"pytest in {cwd.name}: {' '.join(args)}" + (f" (report: {output})" if output else ""))
     with open(output, "w") if output else open(os.devnull) as sink:
-        result = subprocess.run(
-            cmd, cwd=cwd, env=env, check=False,
-            stdout=sink if output else None, stderr=subprocess.STDOUT if output else None,
-        )
-    if result.returncode not in (0, 1) or not junit.exists():
+        streams = {"stdout": sink if output else None, "stderr": subprocess.STDOUT if output else None}
+        if timeout_s is None:
+            result = subprocess.run(cmd, cwd=cwd, env=env, check=False, **streams)
+            returncode, killed = result.returncode, ""
+        else:
+            with tempfile.TemporaryDirectory(prefix="forkbuild-pytest-") as folder:
+                cmd, progress = _with_progress(cmd, env, Path(folder))
+                returncode, stopped = run_limited(cmd, cwd=cwd, env=env, timeout_s=timeout_s,
+                                                  **streams)
+                killed = _killed_note(timeout_s, progress.read_text().strip()) if stopped else ""
+    if killed:
+        log.step(f"pytest in {cwd.name}: {killed}")
+        return _partial(junit, killed)
+    if returncode not in (0, 1) or not junit.exists():
         raise ForkError(
-            f"pytest could not run the tests in {cwd.name} (exit {result.returncode})",
+            f"pytest could not run the tests in {cwd.name} (exit {returncode})",
             f"see {output or 'its output above'}: a collection or import error is not a test result",
         )
     return _read_junit(junit)
+
+
+def _partial(junit: Path, killed: str) -> Outcome:
+    """What a stopped run reported: its JUnit XML if pytest got to write it whole."""
+    try:
+        return _read_junit(junit, killed)
+    except (OSError, ET.ParseError):  # not written, or cut off by the SIGKILL
+        return Outcome({}, killed=killed)
+
+
+def _killed_note(timeout_s: float, running: str) -> str:
+    where = f"while running {running}" if running else "outside a case (collecting, or in between)"
+    return f"stopped after its time limit of {timeout_s:g} s {where}"

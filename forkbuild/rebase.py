@@ -78,8 +78,20 @@ def download(python: Path, package: str, version: str, binary: bool) -> Path:
         return Path(shutil.move(str(found[0]), dest / found[0].name))
 
 
+def check_newer(pins: Pins, version: str) -> None:
+    """A rebase moves the fork forward: VERSION must be a release newer than its base
+    (an older one would carry the fix back to releases the fork does not serve)."""
+    wanted, base = versions.release(version, what="VERSION"), versions.release(pins.upstream_version)
+    if wanted <= base:
+        raise ForkError(
+            f"VERSION {version} is not newer than the fork's base {pins.upstream_version}",
+            f"give a later release, e.g. make rebase VERSION={base[0]}.{base[1] + 1}.0; the "
+            "series on older releases is what `make matrix` and `make patch-status` report",
+        )
+
+
 def trial(pins: Pins, version: str) -> tuple[list[Outcome], dict[str, tuple[str, str, str]]]:
-    versions.release(version, what="VERSION")  # before anything is downloaded or made
+    check_newer(pins, version)  # before anything is downloaded or made
     python = install.ensure_toolchain(pins)
     log.step(f"rebase: fetching vLLM {version} (sdist and wheels) by name")
     files: dict[str, Path] = {}

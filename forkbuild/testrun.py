@@ -1,7 +1,10 @@
 """`make test`: everything CI runs, after installing everything it needs.
 
 1. forkbuild's own tests (bad input, idempotence, the wheel, serving the embedded model);
-2. the GPU tests, which on a machine without a GPU must collect and skip with a reason;
+2. without a GPU, the CUDA route (forkbuild/cuda_route.py): installed in build/cuda-route,
+   every compiled extension of the CUDA wheel loaded through a driver stub, the GPU tests
+   collected under that build and skipped for lack of a device (every case the nightly
+   requires among them), the kernel test's calls up to the real ops' dispatch;
 3. the CPU suite (fork.toml [tests] suite, under vLLM's own conftest) on the unpatched
    tree, where exactly the regression modules' cases must fail, and on the fork, where
    everything must pass;
@@ -18,7 +21,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from forkbuild import (
-    gpu_required,
+    cuda_route,
     install,
     patch_status,
     preflight,
@@ -40,24 +43,28 @@ def run(pins: Pins, route_name: str | None) -> str:
             pytest_runner.run_pytest, python, REPO_ROOT, ["-rfEs", "forkbuild/tests"],
             results / "forkbuild.xml", pythonpath=REPO_ROOT, output=results / "forkbuild.log",
         )
-        gpu_run = pool.submit(_run_gpu_tests_on_cpu, pins, python, tree_path, results)
+        # Mostly downloads and one-core steps at first: it overlaps the suites well.
+        cuda_run = pool.submit(_check_cuda_route, pins, results)
         try:
             suite = regression.check(pins, python, tree_path)
         finally:  # a broken proof must not hide failing tool tests
-            tools, gpu = tools_run.result(), gpu_run.result()
+            tools = tools_run.result()
             _report(tools, "forkbuild tool tests", results / "forkbuild.log")
+            cuda = cuda_run.result()
     # What the suites compiled (vLLM's engine, pytest, hypothesis...) for the next clone.
     install.keep_bytecode(pins, route, tree_path)
-    _check_gpu_tests_skipped(gpu, tools, results)
     print("\npatch status (DEP-3 Applied-Upstream vs the version matrix):")
     patch_status.check(pins, python)
 
-    passed = tools.passed + suite.passed
+    calls = cuda.calls if cuda else pytest_runner.Outcome({})
+    gpu_skipped = len(cuda.gpu_cases.cases) if cuda else 0
+    passed = tools.passed + suite.passed + calls.passed
     failed = tools.failed + tools.errors + suite.failed + suite.errors
-    skipped = tools.skipped + suite.skipped + gpu.skipped
-    xfailed = tools.xfailed + suite.xfailed + gpu.xfailed
+    skipped = tools.skipped + suite.skipped + gpu_skipped
+    xfailed = tools.xfailed + suite.xfailed
     print(f"\nforkbuild tool tests: {tools}")
-    print(f"GPU tests without a GPU: {gpu.skipped} collected and skipped with a reason")
+    print(cuda.line() if cuda else "cuda route without a GPU: not checked (this machine has a GPU: "
+          "`make nightly` runs the CUDA route for real)")
     print(f"fork suite in {tree_path.name}: {suite}")
     summary = f"summary: {passed} passed, {failed} failed, {skipped} skipped, {xfailed} xfailed"
     if failed:
@@ -75,27 +82,8 @@ def _report(outcome: pytest_runner.Outcome, what: str, log: object) -> None:
         print(f"{what}: pytest's report is in {log}")
 
 
-def _run_gpu_tests_on_cpu(pins: Pins, python, tree_path, results) -> pytest_runner.Outcome:
+def _check_cuda_route(pins: Pins, results) -> cuda_route.Result | None:
+    """The CUDA route without a GPU; on a GPU host the nightly job runs it for real."""
     if preflight.has_nvidia_gpu():
-        return pytest_runner.Outcome({})
-    return pytest_runner.run_pytest(
-        python, tree_path, ["-rs", *pins.gpu_tests], results / "gpu-tests-on-cpu.xml",
-        output=results / "gpu-tests-on-cpu.log",
-    )
-
-
-def _check_gpu_tests_skipped(
-    outcome: pytest_runner.Outcome, tools: pytest_runner.Outcome, results
-) -> None:
-    """Without a GPU the GPU tests cannot run, but they must still import, collect and
-    skip with a reason; the nightly GPU job runs them for real. TOOLS (forkbuild's own
-    tests, which hold the serve test) is where the other required GPU case is collected."""
-    if preflight.has_nvidia_gpu():
-        return
-    if not outcome.cases or outcome.skipped != len(outcome.cases):
-        raise ForkError(
-            f"the GPU tests did not all skip on this CPU machine: {outcome}",
-            f"see {results / 'gpu-tests-on-cpu.log'}",
-        )
-    # The nightly job fails on a required case it does not find; a rename must fail here.
-    gpu_required.check_collected({**tools.cases, **outcome.cases})
+        return None
+    return cuda_route.check(pins, results)

@@ -122,10 +122,35 @@ def _extract_sdist(sdist: Path, dest: Path) -> int:
         stamp = max(m.mtime for m in members)
         for member in members:
             member.name = member.name[len(top) + 1 :] if member.name != top else "."
-        # The "data" filter refuses links out of DEST and does not chown to the tar's uids
-        # (git refuses repositories owned by another user).
-        tar.extractall(dest, members=[m for m in members if m.name != "."], filter="data")
+        extract_data(tar, dest, [m for m in members if m.name != "."])
     return stamp
+
+
+def extract_data(tar: tarfile.TarFile, dest: Path, members: list[tarfile.TarInfo] | None = None) -> None:
+    """Extract MEMBERS (default: all) of TAR into DEST as plain data: nothing outside DEST,
+    no device files, no set-id bits, owned by whoever runs this (git refuses repositories
+    owned by another user, and as root tarfile would chown to the archive's uids).
+
+    tarfile's "data" filter does exactly this, but only from Python 3.11.4 and 3.12.0:
+    Debian 12's python3 is 3.11.2. There the same rules are applied here first."""
+    members = tar.getmembers() if members is None else members
+    if hasattr(tarfile, "data_filter"):
+        tar.extractall(dest, members=members, filter="data")
+        return
+    root = dest.resolve()
+    for member in members:
+        target = (root / member.name).resolve()
+        if member.name.startswith("/") or not target.is_relative_to(root):
+            raise ForkError(f"{tar.name}: member {member.name!r} would land outside {dest}")
+        if not (member.isfile() or member.isdir() or member.issym() or member.islnk()):
+            raise ForkError(f"{tar.name}: member {member.name!r} is not a file, folder or link")
+        if member.issym() or member.islnk():
+            base = target.parent if member.issym() else root
+            if member.linkname.startswith("/") or not (base / member.linkname).resolve().is_relative_to(root):
+                raise ForkError(f"{tar.name}: link {member.name!r} points outside {dest}")
+        member.mode &= 0o755 if member.isdir() or member.mode & 0o100 else 0o644
+        member.uid, member.gid, member.uname, member.gname = os.getuid(), os.getgid(), "", ""
+    tar.extractall(dest, members=members)
 
 
 def _apply_patches(tmp: Path, patches: list[Patch], env: dict[str, str]) -> None:

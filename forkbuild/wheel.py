@@ -79,7 +79,7 @@ def build(pins: Pins) -> Path:
         subprocess.run(["git", "archive", "--format=tar", "-o", str(archive), "HEAD"],
                        cwd=tree_path, check=True)
         with tarfile.open(archive) as tar:
-            tar.extractall(export, filter="data")
+            tree.extract_data(tar, export)
         log.step(f"wheel: building {pins.fork_version} on {binaries.name} (takes about a minute)")
         run_pip(
             python,

@@ -56,6 +56,62 @@ def test_fetch_and_tree_run_on_a_bare_python_and_make_no_venv(bare_python, tmp_p
     assert not (build / "venv").exists() and not (build / "venv.partial").exists()
 
 
+def other_interpreters() -> list[Path]:
+    """The other Pythons of the supported versions on this machine (CI's has the same):
+    Debian 12's /usr/bin/python3 (3.11.2, the oldest 3.11 patch release in use), and the
+    pyenv builds of the other minor versions, oldest patch release first."""
+    supported = pins.load().pythons
+    found = []
+    for candidate in [Path("/usr/bin/python3"),
+                      *sorted(Path.home().glob(".pyenv/versions/3.1*/bin/python3"))]:
+        if not candidate.exists() or candidate.resolve() == Path(sys.executable).resolve():
+            continue
+        version = subprocess.run([str(candidate), "-c", "import sys; print(*sys.version_info[:3])"],
+                                 capture_output=True, text=True, check=False).stdout.split()
+        minor = ".".join(version[:2])
+        if minor in supported:
+            found.append((tuple(map(int, version)), candidate))
+    oldest: dict[tuple[int, int], tuple[tuple[int, ...], Path]] = {}
+    for version, candidate in found:  # one per minor version: its oldest patch release
+        if version[:2] not in oldest or version < oldest[version[:2]][0]:
+            oldest[version[:2]] = (version, candidate)
+    return [candidate for _, candidate in sorted(oldest.values())]
+
+
+def test_tree_is_the_same_on_every_interpreter_here(tmp_path):
+    """`make tree PYTHON=...` with each other supported interpreter of this machine (the
+    standard library alone; tarfile's data filter is missing before 3.11.4) makes the very
+    commits the running one makes: same inputs, same tree."""
+    interpreters = other_interpreters()
+    if not interpreters:
+        pytest.skip("no other supported Python on this machine")
+    builds = {python: tmp_path / f"build-{i}" for i, python in enumerate(interpreters)}
+    running = {
+        python: subprocess.Popen(
+            [str(python), "-m", "forkbuild", "tree"], cwd=pins.REPO_ROOT, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env={**os.environ, "VLLM_FORK_BUILD": str(build)},
+        )
+        for python, build in builds.items()
+    }
+    heads = {}
+    for python, process in running.items():
+        output, _ = process.communicate(timeout=600)
+        assert process.returncode == 0, f"{python}: {output[-2000:]}"
+        tree = builds[python] / f"vllm-{pins.load().upstream_version}"
+        heads[python] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True,
+                                       text=True, check=True).stdout.strip()
+    # The running interpreter's tree: the build's own when made from the same inputs.
+    made_here = pins.build_dir() / f"vllm-{pins.load().upstream_version}"
+    inputs = made_here / ".git" / "forkbuild-inputs"
+    theirs = next(iter(builds.values())) / made_here.name / ".git" / "forkbuild-inputs"
+    if inputs.exists() and inputs.read_text() == theirs.read_text():
+        heads[Path(sys.executable)] = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=made_here, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    assert len(set(heads.values())) == 1, heads
+
+
 def test_uv_bootstraps_without_pip_from_ensurepips_wheel(bare_python, tmp_path):
     """An empty cache and a Python without pip: uv arrives through the pip wheel that
     ensurepip bundles, verified (needs the package index, as a cold `make` does)."""
@@ -88,8 +144,9 @@ def test_help_lists_every_target_variable_and_what_test_runs():
     for word in ("make clean", "PORT", "HOST", "PRESET", "MODEL", "ROUTE", "VERSION", "VERSIONS",
                  "ACCEPT", "ARGS", "CPU_BYTES", "PYTHON", "lock"):
         assert word in text, word
-    test_help = _forkbuild(Path(sys.executable), "test", "--help").stdout
+    test_help = " ".join(_forkbuild(Path(sys.executable), "test", "--help").stdout.split())
     assert "GPU tests' clean skip" in test_help and "patch-status" in test_help
+    assert "CUDA route without a GPU" in test_help
     assert "--route" in test_help
     for step in ("tree", "wheel", "lock", "matrix", "patch-status", "upstream", "nightly"):
         assert "--route" not in _forkbuild(Path(sys.executable), step, "--help").stdout, step

@@ -5,11 +5,13 @@ no GPU needed)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from forkbuild import gpu_required, nightly
 from forkbuild.errors import ForkError
+from forkbuild.pins import REPO_ROOT
 from forkbuild.pytest_runner import Outcome
 
 KERNELS = "tests/v1/worker/test_packed_kv_cache_gpu_kernels.py"
@@ -28,39 +30,99 @@ HOPPER = AMPERE | {
 TP2 = f"{ENGINE}[FLASH_ATTN-v1-tp2]"
 EVERY_CASE = HOPPER | {TP2}
 
-HEADER = "name, compute_cap, memory.total [MiB]\n"
-H100 = "NVIDIA H100 80GB HBM3, 9.0, 81559 MiB\n"
-H200 = "NVIDIA H200, 9.0, 143771 MiB\n"
-A100 = "NVIDIA A100-SXM4-80GB, 8.0, 81920 MiB\n"
-A10 = "NVIDIA A10, 8.6, 23028 MiB\n"
+# `nvidia-smi --query-gpu=index,uuid,name,compute_cap,memory.total --format=csv`, made up.
+HEADER = "index, uuid, name, compute_cap, memory.total [MiB]\n"
+H100 = ("NVIDIA H100 80GB HBM3", "9.0", "81559 MiB")
+H200 = ("NVIDIA H200", "9.0", "143771 MiB")
+A100 = ("NVIDIA A100-SXM4-80GB", "8.0", "81920 MiB")
+A10 = ("NVIDIA A10", "8.6", "23028 MiB")
+T4 = ("Tesla T4", "7.5", "15360 MiB")
+
+
+def uuid(index: int) -> str:
+    return f"GPU-{index}a5e{index}c1f-0b0e-4c7a-9d2e-6f1b2c3d4e{index:02d}"
+
+
+def _csv(*gpus: tuple[str, str, str]) -> str:
+    """nvidia-smi's CSV for GPUS, indexed in order."""
+    return HEADER + "".join(f"{i}, {uuid(i)}, {', '.join(gpu)}\n" for i, gpu in enumerate(gpus))
 
 
 @pytest.mark.parametrize(
     ("gpus", "kind", "required"),
     [
-        (A100, "Ampere", AMPERE),
-        (A10, "Ampere", AMPERE),
-        (2 * A100, "Ampere", AMPERE),  # TP=2 is a FLASH_ATTN case: FA3, Hopper only
-        (H100, "Hopper", HOPPER),
-        (H200, "Hopper", HOPPER),
-        (2 * H100, "Hopper", HOPPER | {TP2}),
-        (H100 + A100, "Ampere", AMPERE),  # mixed: the weakest GPU decides
+        ((A100,), "Ampere", AMPERE),
+        ((A10,), "Ampere", AMPERE),
+        ((A100, A100), "Ampere", AMPERE),  # TP=2 is a FLASH_ATTN case: FA3, Hopper only
+        ((H100,), "Hopper", HOPPER),
+        ((H200,), "Hopper", HOPPER),
+        ((H100, H100), "Hopper", HOPPER | {TP2}),
+        ((H100, A100), "Ampere", AMPERE),  # mixed: the weakest GPU decides
     ],
     ids=["A100", "A10", "2xA100", "H100", "H200", "2xH100", "H100+A100"],
 )
 def test_required_cases_per_kind_and_gpu_count(gpus, kind, required):
-    selected, cases = gpu_required.select(gpu_required.parse_nvidia_smi(HEADER + gpus))
+    selected, cases = gpu_required.select(gpu_required.parse_nvidia_smi(_csv(*gpus)))
     assert selected.name == kind
     assert set(cases) == required and len(cases) == len(required)
 
 
 def test_older_gpus_and_unreadable_nvidia_smi_are_refused():
     with pytest.raises(ForkError, match=r"compute capability 7\.5 is older than Ampere"):
-        gpu_required.select(gpu_required.parse_nvidia_smi(HEADER + "Tesla T4, 7.5, 15360 MiB\n"))
-    with pytest.raises(ForkError, match="did not report compute capabilities"):
+        gpu_required.select(gpu_required.parse_nvidia_smi(_csv(T4)))
+    with pytest.raises(ForkError, match="did not report the GPUs' index, uuid and compute cap"):
         gpu_required.parse_nvidia_smi("Failed to initialize NVML: Driver/library mismatch\n")
+    with pytest.raises(ForkError, match="did not report the GPUs' index, uuid"):  # the old query
+        gpu_required.parse_nvidia_smi("name, compute_cap, memory.total [MiB]\nNVIDIA A10, 8.6, 1 MiB\n")
     with pytest.raises(ForkError, match="listed no GPU"):
         gpu_required.select(gpu_required.parse_nvidia_smi(HEADER))
+
+
+@pytest.mark.parametrize(
+    ("visible", "gpu_count"),
+    [
+        (None, 2),  # unset: every GPU
+        ("0", 1),  # an agent pinned to one GPU of two: TP=2 is not required
+        ("1", 1),
+        ("1,0", 2),
+        (" 0 , 1 ", 2),
+        ("0,7,1", 1),  # CUDA stops at the first entry that names no GPU
+        ("0,x,1", 1),
+        ("1gpu", 1),  # read like strtoul: the leading number
+        (uuid(1), 1),
+        (uuid(1)[:12], 1),  # an unambiguous UUID prefix
+        (f"{uuid(0)},{uuid(1)[:12]}", 2),
+        (f"{uuid(0)},1", 1),  # a UUID list ends at an entry that is no UUID
+    ],
+)
+def test_cuda_visible_devices_decides_the_gpu_count(visible, gpu_count):
+    capabilities = gpu_required.parse_nvidia_smi(_csv(H100, H100), visible)
+    assert capabilities == [(9, 0)] * gpu_count
+    kind, cases = gpu_required.select(capabilities)
+    assert kind.name == "Hopper" and (TP2 in cases) == (gpu_count == 2)
+
+
+def test_cuda_visible_devices_picks_the_gpus_whose_kind_counts():
+    # A100 at index 0, H100 at 1: the agent that sees only the H100 is a Hopper agent.
+    gpus = _csv(A100, H100)
+    assert gpu_required.select(gpu_required.parse_nvidia_smi(gpus, "1"))[0].name == "Hopper"
+    assert gpu_required.select(gpu_required.parse_nvidia_smi(gpus, uuid(0)))[0].name == "Ampere"
+
+
+@pytest.mark.parametrize(
+    "visible",
+    ["", "7", "-1", "0,0", "GPU-", "GPU-ffff", "GPU-1a5e1c1f-0b0e,GPU-1a5e1c1f-0b0e"],
+    ids=["empty", "unknown-index", "negative", "repeated", "ambiguous-uuid", "unknown-uuid",
+         "repeated-uuid"],
+)
+def test_cuda_visible_devices_that_hides_every_gpu_is_refused(visible):
+    with pytest.raises(ForkError, match=r"leaves none of the 2 GPU\(s\)"):
+        gpu_required.parse_nvidia_smi(_csv(H100, H100), visible)
+
+
+def test_mig_instances_are_refused():
+    with pytest.raises(ForkError, match="MIG instances: the nightly GPU job needs whole GPUs"):
+        gpu_required.parse_nvidia_smi(_csv(H100), "MIG-4b0c2c7e-2b0f-5a59-8e2c-1d8f3b0c9a11")
 
 
 def _outcomes(statuses: dict[str, str], reasons: dict[str, str] | None = None):
@@ -74,8 +136,8 @@ def _outcomes(statuses: dict[str, str], reasons: dict[str, str] | None = None):
     )
 
 
-def _conclude(gpus: str, statuses, reasons=None, *, out, benchmark_exit: int = 0) -> str:
-    kind, required = gpu_required.select(gpu_required.parse_nvidia_smi(HEADER + gpus))
+def _conclude(gpus, statuses, reasons=None, *, out, benchmark_exit: int = 0) -> str:
+    kind, required = gpu_required.select(gpu_required.parse_nvidia_smi(_csv(*gpus)))
     gpu_tests, serve = _outcomes(statuses, reasons)
     return nightly.conclude(kind, required, gpu_tests, serve, benchmark_exit, out)
 
@@ -83,7 +145,7 @@ def _conclude(gpus: str, statuses, reasons=None, *, out, benchmark_exit: int = 0
 def test_all_required_cases_run_passes(tmp_path):
     # One H100: the TP=2 case skips, and that is allowed with one GPU.
     statuses = {case: "passed" for case in HOPPER} | {TP2: "skipped"}
-    line = _conclude(H100, statuses, {TP2: "needs 2 GPUs"}, out=tmp_path)
+    line = _conclude((H100,), statuses, {TP2: "needs 2 GPUs"}, out=tmp_path)
     assert line == "summary: 10 passed, 0 failed, 1 skipped, 0 xfailed"
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["gpu_kind"] == "Hopper" and summary["required_not_run"] == []
@@ -92,7 +154,7 @@ def test_all_required_cases_run_passes(tmp_path):
 def test_ampere_may_skip_what_only_hopper_runs(tmp_path):
     statuses = {case: "passed" for case in AMPERE}
     statuses |= {case: "skipped" for case in EVERY_CASE - AMPERE}
-    assert _conclude(A100, statuses, out=tmp_path).endswith("0 failed, 6 skipped, 0 xfailed")
+    assert _conclude((A100,), statuses, out=tmp_path).endswith("0 failed, 6 skipped, 0 xfailed")
 
 
 def test_a_skipped_required_case_fails_the_job_with_its_reason(tmp_path, capsys):
@@ -105,7 +167,7 @@ def test_a_skipped_required_case_fails_the_job_with_its_reason(tmp_path, capsys)
     statuses |= {case: "skipped" for case in flash}
     reasons = {FA3: fa3_reason} | {case: sinks_reason for case in flash}
     with pytest.raises(ForkError, match="on Hopper: 0 failed .*, 5 required case"):
-        _conclude(2 * H100, statuses, reasons, out=tmp_path)
+        _conclude((H100, H100), statuses, reasons, out=tmp_path)
     printed = capsys.readouterr().out
     assert f"{FA3}: required but skipped: {fa3_reason}" in printed
     assert f"{TP2}: required but skipped: {sinks_reason}" in printed
@@ -117,17 +179,17 @@ def test_a_missing_required_case_fails_the_job(tmp_path, capsys):
     # The serve test did not report at all (renamed, or its run produced no case).
     statuses = {case: "passed" for case in HOPPER - {SERVE}}
     with pytest.raises(ForkError, match="1 required case"):
-        _conclude(H100, statuses, out=tmp_path)
+        _conclude((H100,), statuses, out=tmp_path)
     assert f"{SERVE}: required but not run (not collected" in capsys.readouterr().out
 
 
 def test_failures_and_the_benchmark_still_fail_the_job(tmp_path):
     statuses = {case: "passed" for case in AMPERE} | {TRITON: "failed"}
     with pytest.raises(ForkError, match="1 failed .*, 0 required case"):
-        _conclude(A100, statuses, out=tmp_path)
+        _conclude((A100,), statuses, out=tmp_path)
     statuses[TRITON] = "passed"
     with pytest.raises(ForkError, match=r"1 failed \(benchmark exit 1\)"):
-        _conclude(A100, statuses, out=tmp_path, benchmark_exit=1)
+        _conclude((A100,), statuses, out=tmp_path, benchmark_exit=1)
 
 
 def test_every_required_case_must_be_collected_on_cpu():
@@ -147,3 +209,34 @@ def test_the_required_serve_case_is_a_test_of_the_serve_module():
     path, _, name = gpu_required.SERVE.partition("::")
     module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
     assert callable(getattr(module, name, None)), f"{path} has no {name}"
+
+
+# The word by which the README and the pipeline's header name each required case's family
+# (first match wins: the TP=2 case is also a FLASH_ATTN one).
+FAMILIES = (
+    ("test_flash_attention_over_packed_views[2]", "FA2"),
+    ("test_flash_attention_over_packed_views[3]", "FA3"),
+    ("test_triton_attention_over_packed_views", "Triton"),
+    ("test_flashinfer_over_packed_views", "FlashInfer"),
+    ("[TRITON_ATTN-", "TRITON_ATTN"),
+    ("[FLASH_ATTN-v1-tp2]", "TP=2"),
+    ("[FLASH_ATTN-", "FLASH_ATTN"),
+    ("test_serve_gpu.py", "serve"),
+)
+
+
+def _families(cases) -> set[str]:
+    return {next(word for key, word in FAMILIES if key in case) for case in cases}
+
+
+@pytest.mark.parametrize("path", ["README.md", ".buildkite/fork_nightly_gpu.yaml"])
+def test_the_docs_say_what_each_gpu_kind_must_run(path):
+    # "Ampere (sm80) must run ...; Hopper (sm90) adds ...": the same lists as the code.
+    text = " ".join(line.lstrip("# ") for line in (REPO_ROOT / path).read_text().splitlines())
+    found = re.search(r"Ampere \(sm80\) must run (.*?); Hopper \(sm90\) adds (.*?)\. ", text)
+    assert found, f"{path} no longer says what Ampere and Hopper must run"
+    ampere, hopper = found[1], found[2]
+    hopper_only = _families(gpu_required.HOPPER.required(2)) - _families(gpu_required.AMPERE.cases)
+    assert {w for w in _families(gpu_required.AMPERE.cases) if w not in ampere} == set()
+    assert {w for w in hopper_only if w not in ampere} == hopper_only  # none of Hopper's
+    assert {w for w in hopper_only if w not in hopper} == set()

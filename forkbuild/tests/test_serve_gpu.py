@@ -6,7 +6,17 @@ With random weights a greedy token can flip when the batch around a request chan
 8 concurrent requests are batched differently by the two servers (eviction, reloads). So the
 texts are compared only for one request sent alone to each server while it is cold; the
 concurrent rounds must answer every request in full, the offload server must have stored and
-loaded KV bytes, and neither log may show an error."""
+loaded KV bytes, and neither log may show an error.
+
+vLLM 0.25.1 logs nothing when it packs the KV cache, and per-layer offloading passes all of
+the above too. So each server's worker reports the KV cache it holds (the worker extension of
+tests/v1/worker/offload_round_trip.py, called through the dev-mode `/collective_rpc`
+endpoint): the offload server's must be packed block rows in HND order, the plain server's
+not packed.
+
+The servers run one after the other on one GPU: the second starts only once every process of
+the first (API server, engine core, workers) has exited, or its memory profiling would see
+the first's memory come free and refuse to start."""
 
 from __future__ import annotations
 
@@ -21,13 +31,20 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import pytest
 
 from forkbuild import preflight
-from forkbuild.pins import REPO_ROOT
+from forkbuild.pins import REPO_ROOT, build_dir
+from tests.v1.worker.offload_round_trip import (
+    KV_CACHE_INSPECTION,
+    KV_CACHE_REPORT,
+    PackedKVCache,
+    check_not_packed,
+    check_packed,
+)
 
 
 def _compute_capability() -> float:
@@ -65,9 +82,13 @@ GPU_BLOCKS = 129
 # --block-size 16 is what FLASH_ATTN picks on CUDA anyway; explicit, the CPU check plans the
 # same blocks (the CPU platform would pick 128). Both servers use the preset's backend, so
 # the cold texts come from the same kernels.
+# --worker-extension-cls adds the KV cache report to the worker's methods (vLLM's hook for
+# collective_rpc; nothing else changes); VLLM_SERVER_DEV_MODE=1 (_server) opens the
+# /collective_rpc endpoint that calls it by name.
 ENGINE_ARGS = ["--num-gpu-blocks-override", str(GPU_BLOCKS), "--block-size", "16",
                "--max-model-len", "1024", "--gpu-memory-utilization", "0.3",
-               "--max-num-seqs", "8", "--attention-backend", "FLASH_ATTN"]
+               "--max-num-seqs", "8", "--attention-backend", "FLASH_ATTN",
+               "--worker-extension-cls", KV_CACHE_INSPECTION]
 OFFLOAD_ARGS = ["--preset", "offload-47054", "--cpu-bytes", str(2 << 30)]
 # Both servers serve the embedded tiny GPT-OSS (the #47054 model), not the default chat model.
 MODEL_ARGS = ["--model", "tiny-gpt-oss"]
@@ -78,6 +99,83 @@ PROMPTS = [
 ]
 MAX_TOKENS = 16
 ERRORS = re.compile(r"Traceback|illegal memory access|CUDA error|\bERROR\b")
+
+
+# How long the processes of a server may take to exit after SIGTERM, and after SIGKILL.
+STOP_S = 120
+KILL_S = 30
+
+
+def _session_table(session: int) -> list[tuple[int, int, str]]:
+    """(pid, process group, 'PID COMMAND') of each live process of SESSION (Linux /proc).
+    Zombies are left out: they hold no memory, and an orphan's zombie lasts until PID 1
+    reaps it, which a container's PID 1 may never do."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").strip()
+        except OSError:  # exited meanwhile
+            continue
+        # "PID (COMM) STATE PPID PGRP SESSION ...", and COMM may hold ") ".
+        state, _, pgrp, sid = stat[stat.rindex(")") + 2:].split()[:4]
+        if int(sid) == session and state not in ("Z", "X"):
+            name = " ".join(command.decode(errors="replace").split())[:200]
+            name = name or stat[stat.index("("):stat.rindex(")") + 1]
+            found.append((int(entry.name), int(pgrp), f"{entry.name} {name}"))
+    return found
+
+
+def session_processes(session: int) -> list[str]:
+    """'PID COMMAND' of each live process of SESSION."""
+    return [described for _, _, described in _session_table(session)]
+
+
+def _signal_session(session: int, sig: signal.Signals) -> None:
+    """SIG to the process group of SESSION's leader (the server's processes, unless one
+    moved to a group of its own), and to each process of the session outside that group:
+    each process gets SIG once, as the old killpg gave it (vLLM's API server, engine core
+    and workers handle SIGTERM as a shutdown request)."""
+    with suppress(ProcessLookupError):
+        os.killpg(session, sig)
+    for pid, pgrp, _ in _session_table(session):
+        if pgrp != session:
+            with suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+
+def _wait_session(leader: subprocess.Popen, timeout: float) -> list[str]:
+    """Wait up to TIMEOUT seconds for LEADER's session to empty; what is left."""
+    deadline = time.monotonic() + timeout
+    while True:
+        leader.poll()  # reap the leader, our child
+        left = session_processes(leader.pid)
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.5)
+
+
+def stop_session(leader: subprocess.Popen, stop_s: float = STOP_S, kill_s: float = KILL_S) -> None:
+    """Stop LEADER (started with start_new_session=True) and every process of its session,
+    and return only once none is left: SIGTERM, SIGKILL to whatever is left after STOP_S
+    seconds, and a failure naming the processes still there KILL_S seconds later.
+
+    Waiting for LEADER alone is not enough: the server's engine core and workers are its
+    children, may outlive it, and hold GPU memory until they exit; a server started
+    meanwhile fails vLLM 0.25.1's memory profiling (vllm/v1/worker/gpu_worker.py,
+    `assert self.init_snapshot.free_memory >= free_gpu_memory`)."""
+    _signal_session(leader.pid, signal.SIGTERM)
+    left = _wait_session(leader, stop_s)
+    if left:
+        print(f"server session {leader.pid}: SIGKILL after {stop_s:.0f} s: {'; '.join(left)}")
+        _signal_session(leader.pid, signal.SIGKILL)
+        left = _wait_session(leader, kill_s)
+    assert not left, (
+        f"processes of the server (session {leader.pid}) still running {stop_s:.0f} s after "
+        f"SIGTERM and {kill_s:.0f} s after SIGKILL: " + "; ".join(left)
+    )
 
 
 def _free_port() -> int:
@@ -93,9 +191,18 @@ def _server(extra: list[str], log_path: Path) -> Iterator[tuple[int, subprocess.
         server = subprocess.Popen(
             [sys.executable, "-m", "forkbuild", "serve", "--route", "cuda", "--port", str(port),
              *MODEL_ARGS, *extra, "--", *ENGINE_ARGS],
+            # Its own session: stop_session waits for every process of the server.
             cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            # Unbuffered, so that the log read before shutdown holds everything so far.
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={
+                **os.environ,
+                # Unbuffered, so that the log read before shutdown holds everything so far.
+                "PYTHONUNBUFFERED": "1",
+                "VLLM_SERVER_DEV_MODE": "1",  # the /collective_rpc endpoint
+                # The worker imports the extension (ENGINE_ARGS) from the fork's tests.
+                "PYTHONPATH": os.pathsep.join(
+                    filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])
+                ),
+            },
         )
         try:
             deadline = time.monotonic() + 600
@@ -109,12 +216,7 @@ def _server(extra: list[str], log_path: Path) -> Iterator[tuple[int, subprocess.
                     time.sleep(2)
             yield port, server
         finally:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
+            stop_session(server)
 
 
 def _complete(port: int, prompt: str) -> dict:
@@ -133,6 +235,35 @@ def _two_rounds(port: int) -> list[dict]:
         answers = list(pool.map(lambda p: _complete(port, p), PROMPTS))  # stores to CPU
         answers += list(pool.map(lambda p: _complete(port, p), PROMPTS))  # reloads evicted blocks
     return answers
+
+
+def _kv_cache_reports(port: int) -> list[dict]:
+    """Each worker's kv_cache_report, through the dev-mode endpoint of vLLM 0.25.1
+    (vllm/entrypoints/serve/dev/rpc/api_router.py): it takes a method name and returns
+    {"results": [one per worker]}, dicts as they are."""
+    body = json.dumps({"method": KV_CACHE_REPORT, "timeout": 60}).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/collective_rpc", data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        return json.load(resp)["results"]
+
+
+def _packed_kv_cache() -> PackedKVCache:
+    """The packed cache the offload server's worker must hold: the embedded tiny GPT-OSS
+    (generated by forkbuild serve under the build folder), served in bfloat16
+    (serve.command), with ENGINE_ARGS' block size, backend and block count."""
+    config = json.loads((build_dir() / "models" / MODEL_ARGS[1] / "config.json").read_text())
+    return PackedKVCache(
+        backend="FLASH_ATTN",
+        layer_types=tuple(config["layer_types"]),
+        num_kv_heads=config["num_key_value_heads"],
+        head_size=config["head_dim"],
+        block_size=16,
+        dtype_bytes=2,
+        num_blocks=GPU_BLOCKS,
+    )
 
 
 def _counter(metrics: str, name: str) -> float:
@@ -159,6 +290,13 @@ def _serve(
     extra: list[str], log_path: Path, offload: bool
 ) -> tuple[str, list[dict], tuple[float, float]]:
     with _server(extra, log_path) as (port, server):
+        # The KV cache under test, before any request (a config that stops packing fails
+        # here, not after minutes of a test of per-layer offloading).
+        (report,) = _kv_cache_reports(port)  # one worker
+        if offload:
+            check_packed(report, _packed_kv_cache())
+        else:
+            check_not_packed(report)
         alone = _complete(port, PROMPTS[0])["choices"][0]["text"]  # cold, nothing else in flight
         answers = _two_rounds(port)
         moved = _offload_bytes(port) if offload else (0.0, 0.0)

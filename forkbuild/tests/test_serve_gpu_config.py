@@ -1,11 +1,18 @@
 """The engine arguments of test_serve_gpu.py through vLLM's own parser, config and start-up
 KV-cache check, on CPU: an argument vLLM rejects, or a --num-gpu-blocks-override too small for
-one request of --max-model-len, fails here rather than in the nightly GPU job."""
+one request of --max-model-len, fails here rather than in the nightly GPU job. Also on CPU:
+the helper that waits for every process of one server before the next starts."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import subprocess
 import sys
+import textwrap
+import time
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -14,6 +21,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.entrypoints.openai.cli_args import make_arg_parser
 from vllm.usage.usage_lib import UsageContext
 from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.utils.import_utils import resolve_obj_by_qualname
 from vllm.v1.core.kv_cache_utils import (
     _use_packed_kv_cache_config,
     get_kv_cache_configs,
@@ -21,12 +29,16 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
 from forkbuild import serve
+from forkbuild.tests import test_serve_gpu
 from forkbuild.tests.test_serve_gpu import (
     ENGINE_ARGS,
     GPU_BLOCKS,
     MODEL_ARGS,
     OFFLOAD_ARGS,
+    session_processes,
+    stop_session,
 )
+from tests.v1.worker.offload_round_trip import KV_CACHE_INSPECTION, KVCacheInspection
 from tests.v1.worker.test_packed_kv_cache_pipeline import layer_specs
 from tests.v1.worker.tiny_hybrid_model import make_tiny_gpt_oss
 
@@ -83,6 +95,9 @@ def test_serve_gpu_args_pass_the_startup_check(server, tiny_model, monkeypatch):
     assert config.scheduler_config.disable_hybrid_kv_cache_manager is False
     assert config.attention_config.backend.name == "FLASH_ATTN"
     assert (config.kv_transfer_config is not None) == (server == "offload")
+    # The worker extension the test's KV cache report needs, importable by that name.
+    assert config.parallel_config.worker_extension_cls == KV_CACHE_INSPECTION
+    assert resolve_obj_by_qualname(KV_CACHE_INSPECTION) is KVCacheInspection
 
     kv_cache_config = _plan(config)
     assert kv_cache_config.num_blocks == GPU_BLOCKS
@@ -115,3 +130,88 @@ def test_too_few_gpu_blocks_are_refused(server, blocks, tiny_model, monkeypatch)
     assert config.cache_config.num_gpu_blocks_override == blocks
     with pytest.raises(ValueError, match=REFUSED):
         _plan(config)
+
+
+# A server in miniature: a parent that starts a child and sleeps. The child prints "ready"
+# once set up (with "ignore-term": ignoring SIGTERM, as a stuck engine core would), and the
+# parent then prints the child's pid.
+PARENT = textwrap.dedent("""
+    import subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", *sys.argv[1:]], stdout=subprocess.PIPE)
+    assert child.stdout.readline().strip() == b"ready"
+    print(child.pid, flush=True)
+    time.sleep(300)
+""")
+CHILD = textwrap.dedent("""
+    import signal, sys, time
+    if sys.argv[1:] == ["ignore-term"]:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("ready", flush=True)
+    time.sleep(300)
+""")
+
+
+def _start_tree(*child_args: str) -> tuple[subprocess.Popen, int]:
+    """The parent in a session of its own, as _server starts a server; its child's pid."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD, *child_args],
+                              stdout=subprocess.PIPE, start_new_session=True)
+    return parent, int(parent.stdout.readline())
+
+
+def _alive(pid: int) -> bool:
+    """PID runs (a zombie does not: it waits only to be reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+@pytest.fixture
+def process_trees():
+    """Process trees started by a test, killed at its end whatever happened."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for parent in started:
+        with suppress(ProcessLookupError):
+            os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
+        parent.stdout.close()
+
+
+def test_stop_session_waits_for_the_servers_children(process_trees):
+    parent, child = _start_tree()
+    process_trees.append(parent)
+    # The parent alone gone: its child still runs (as an engine core may after its API
+    # server), so waiting for the parent's pid is not waiting for the server.
+    os.kill(parent.pid, signal.SIGTERM)
+    parent.wait(timeout=30)
+    assert _alive(child)
+    assert [p.split()[0] for p in session_processes(parent.pid)] == [str(child)]
+
+    stop_session(parent, stop_s=30, kill_s=10)
+    assert not _alive(child)
+    assert session_processes(parent.pid) == []
+
+
+def test_stop_session_kills_what_ignores_sigterm(process_trees):
+    parent, child = _start_tree("ignore-term")
+    process_trees.append(parent)
+    started = time.monotonic()
+    stop_session(parent, stop_s=2, kill_s=10)
+    assert time.monotonic() - started >= 2  # SIGTERM did not end the child
+    assert not _alive(child) and parent.poll() is not None
+    assert session_processes(parent.pid) == []
+
+
+def test_stop_session_fails_naming_what_is_left(process_trees, monkeypatch):
+    parent, child = _start_tree()
+    process_trees.append(parent)
+    # Processes no signal ends (e.g. stuck in the GPU driver), simulated: no signal is sent.
+    monkeypatch.setattr(test_serve_gpu, "_signal_session", lambda session, sig: None)
+    with pytest.raises(AssertionError) as failure:
+        stop_session(parent, stop_s=0.5, kill_s=0.5)
+    message = str(failure.value)
+    assert f"session {parent.pid}" in message and "after SIGKILL" in message
+    for pid in (parent.pid, child):
+        assert f"{pid} {sys.executable} -c" in message

@@ -55,6 +55,9 @@ def test_a_claim_the_releases_contradict_fails(fork_pins, toolchain, tmp_path, c
     ("version", "error"),
     [
         ("not-a-version", "VERSION 'not-a-version' is not a release version -- give it as X.Y.Z"),
+        # older than (or the same as) the fork's base: refused before any download
+        ("0.24.0", "VERSION 0.24.0 is not newer than the fork's base 0.25.1 -- give a later"),
+        ("0.25.1", "VERSION 0.25.1 is not newer than the fork's base 0.25.1"),
         # needs the package index (as `make rebase` does): pip finds no such release
         ("9.9.9", "the package index has no vllm 9.9.9 sdist -- check the version"),
     ],

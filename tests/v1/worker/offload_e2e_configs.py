@@ -36,6 +36,10 @@ class OffloadCase:
     model_runner: str  # "v1" (GPT-OSS's default) or "v2"
     cpu_block_size: int | None = None  # None: offloaded blocks are GPU blocks
     tensor_parallel_size: int = 1
+    # (query heads, KV heads) of the generated tiny GPT-OSS; None: its default
+    # (4, 2). A rank must keep at least 2 KV heads: with one, a page's HND and
+    # NHD orders are the same bytes and a head/token order defect cannot show.
+    tiny_model_heads: tuple[int, int] | None = None
 
     @property
     def id(self) -> str:
@@ -49,7 +53,9 @@ CASES = [
     OffloadCase("FLASH_ATTN", "v2"),
     OffloadCase("FLASH_ATTN", "v1", cpu_block_size=4 * GPU_BLOCK_SIZE),
     OffloadCase("TRITON_ATTN", "v1"),
-    OffloadCase("FLASH_ATTN", "v1", tensor_parallel_size=2),
+    # 4 KV heads over 2 ranks: 2 per rank. Only this case pays for the larger
+    # model (the CPU tests build its config too).
+    OffloadCase("FLASH_ATTN", "v1", tensor_parallel_size=2, tiny_model_heads=(8, 4)),
 ]
 
 
@@ -79,9 +85,13 @@ def offload_transfer_config(
     )
 
 
-def engine_kwargs(case: OffloadCase, model: str, *, offload: bool) -> dict:
+def engine_kwargs(
+    case: OffloadCase, model: str, *, offload: bool, worker_extension_cls: str = ""
+) -> dict:
     """Keyword arguments for ``LLM``/``EngineArgs``: the baseline (offload=False)
-    differs from the #47054 engine only by the connector."""
+    differs from the #47054 engine only by the connector. WORKER_EXTENSION_CLS
+    (vLLM's hook for methods that ``collective_rpc`` can call by name) adds
+    methods to the worker and changes nothing else."""
     kwargs = dict(
         model=model,
         dtype="bfloat16",
@@ -94,6 +104,7 @@ def engine_kwargs(case: OffloadCase, model: str, *, offload: bool) -> dict:
         attention_config={"backend": case.attn_backend},
         disable_log_stats=False,
         seed=0,
+        worker_extension_cls=worker_extension_cls,
     )
     if offload:
         kwargs["kv_transfer_config"] = offload_transfer_config(case.cpu_block_size)

@@ -104,57 +104,96 @@ def packed_caches(tmp_path, monkeypatch):
     return kv_cache_config.num_blocks, views, windows
 
 
-def _write_sequences(views, num_blocks):
-    """Write random K/V of every sequence into every layer with vLLM's cache op;
-    return each layer's K/V, queries and sinks, and the block table."""
-    from vllm import _custom_ops as ops
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    free = torch.randperm(num_blocks, generator=gen, device="cuda").tolist()
+def sequence_inputs(views, num_blocks, device="cuda"):
+    """Random K/V, queries and sinks of every sequence for every layer, the block
+    table of the sequences (scattered blocks) and each token's cache slot."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    free = torch.randperm(num_blocks, generator=gen, device=device).tolist()
     width = max(-(-n // BLOCK_SIZE) for n in SEQ_LENS)
-    block_table = torch.zeros((len(SEQ_LENS), width), dtype=torch.int32, device="cuda")
+    block_table = torch.zeros((len(SEQ_LENS), width), dtype=torch.int32, device=device)
     for seq, seq_len in enumerate(SEQ_LENS):
         blocks = [free.pop() for _ in range(-(-seq_len // BLOCK_SIZE))]
         block_table[seq, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
     slots = torch.cat(
         [
-            block_table[seq, torch.arange(n, device="cuda") // BLOCK_SIZE].long()
+            block_table[seq, torch.arange(n, device=device) // BLOCK_SIZE].long()
             * BLOCK_SIZE
-            + torch.arange(n, device="cuda") % BLOCK_SIZE
+            + torch.arange(n, device=device) % BLOCK_SIZE
             for seq, n in enumerate(SEQ_LENS)
         ]
     )
     total = sum(SEQ_LENS)
-    scale = torch.ones(1, dtype=torch.float32, device="cuda")
     data = {}
     for name, cache in views.items():
-        key = torch.randn(total, NUM_KV_HEADS, HEAD_SIZE, generator=gen, device="cuda")
+        key = torch.randn(total, NUM_KV_HEADS, HEAD_SIZE, generator=gen, device=device)
         value = torch.randn(
-            total, NUM_KV_HEADS, HEAD_SIZE, generator=gen, device="cuda"
+            total, NUM_KV_HEADS, HEAD_SIZE, generator=gen, device=device
         )
         query = torch.randn(
-            total, NUM_QUERY_HEADS, HEAD_SIZE, generator=gen, device="cuda"
+            total, NUM_QUERY_HEADS, HEAD_SIZE, generator=gen, device=device
         )
         key, value, query = (t.to(cache.dtype) for t in (key, value, query))
         # GPT-OSS's sinks: one logit per query head, a parameter in the model's
         # dtype (bf16, as FA3 requires), on both sides of the scores.
-        sinks = torch.randn(NUM_QUERY_HEADS, generator=gen, device="cuda") * 2
-        sinks = sinks.to(torch.bfloat16)
-        key_cache, value_cache = key_value_views(cache, HEAD_SIZE)
-        ops.reshape_and_cache_flash(
-            key, value, key_cache, value_cache, slots, "auto", scale, scale
-        )
-        data[name] = (key, value, query, sinks)
+        sinks = torch.randn(NUM_QUERY_HEADS, generator=gen, device=device) * 2
+        data[name] = (key, value, query, sinks.to(torch.bfloat16))
+    return data, block_table, slots
+
+
+def write_kv(key, value, cache, slots) -> None:
+    """KEY and VALUE into the layer's CACHE view at SLOTS with vLLM's cache-write op,
+    as FlashAttentionImpl.do_kv_cache_update calls it (bf16: no scales)."""
+    from vllm import _custom_ops as ops
+
+    scale = torch.ones(1, dtype=torch.float32, device=key.device)
+    key_cache, value_cache = key_value_views(cache, HEAD_SIZE)
+    ops.reshape_and_cache_flash(
+        key, value, key_cache, value_cache, slots, "auto", scale, scale
+    )
+
+
+def _write_sequences(views, num_blocks):
+    """Write random K/V of every sequence into every layer with vLLM's cache op;
+    return each layer's K/V, queries and sinks, and the block table."""
+    data, block_table, slots = sequence_inputs(views, num_blocks)
+    for name, cache in views.items():
+        key, value, _, _ = data[name]
+        write_kv(key, value, cache, slots)
     torch.cuda.synchronize()
     return data, block_table
 
 
-def _varlen_metadata():
+def varlen_metadata(device="cuda"):
     cu = torch.tensor(
         [0, *torch.tensor(SEQ_LENS).cumsum(0).tolist()], dtype=torch.int32
     )
     seqused = torch.tensor(SEQ_LENS, dtype=torch.int32)
-    return cu.cuda(), seqused.cuda()
+    return cu.to(device), seqused.to(device)
+
+
+def flash_attn_kwargs(
+    fa_version, cache, query, sinks, sliding_window, block_table, metadata
+) -> dict:
+    """flash_attn_varlen_func's arguments for one layer, as FlashAttentionImpl.forward
+    passes them (bf16: no descales); METADATA is varlen_metadata()."""
+    cu_seqlens_q, seqused_k = metadata
+    key_cache, value_cache = key_value_views(cache, HEAD_SIZE)
+    return dict(
+        q=query,
+        k=key_cache,
+        v=value_cache,
+        max_seqlen_q=max(SEQ_LENS),
+        cu_seqlens_q=cu_seqlens_q,
+        max_seqlen_k=max(SEQ_LENS),
+        seqused_k=seqused_k,
+        softmax_scale=SCALE,
+        causal=True,
+        window_size=list(backend_window_size(sliding_window)),
+        block_table=block_table,
+        fa_version=fa_version,
+        # FA2 raises NotImplementedError on s_aux: only FA3 gets GPT-OSS's sinks.
+        s_aux=sinks if fa_version == 3 else None,
+    )
 
 
 def _assert_matches_reference(
@@ -184,29 +223,16 @@ def test_flash_attention_over_packed_views(packed_caches, fa_version):
         pytest.skip(f"FlashAttention {fa_version} is not supported on this GPU")
     num_blocks, views, windows = packed_caches
     data, block_table = _write_sequences(views, num_blocks)
-    cu_seqlens_q, seqused_k = _varlen_metadata()
+    metadata = varlen_metadata()
     for name, cache in views.items():
         key, value, query, sinks = data[name]
-        if fa_version == 2:
-            sinks = None  # FA2 raises NotImplementedError on s_aux
-        key_cache, value_cache = key_value_views(cache, HEAD_SIZE)
-        # As FlashAttentionImpl.forward calls it (bf16: no descales).
-        out = flash_attn_varlen_func(
-            q=query,
-            k=key_cache,
-            v=value_cache,
-            max_seqlen_q=max(SEQ_LENS),
-            cu_seqlens_q=cu_seqlens_q,
-            max_seqlen_k=max(SEQ_LENS),
-            seqused_k=seqused_k,
-            softmax_scale=SCALE,
-            causal=True,
-            window_size=list(backend_window_size(windows[name])),
-            block_table=block_table,
-            fa_version=fa_version,
-            s_aux=sinks,
+        kwargs = flash_attn_kwargs(
+            fa_version, cache, query, sinks, windows[name], block_table, metadata
         )
-        _assert_matches_reference(out, query, key, value, windows[name], name, sinks)
+        out = flash_attn_varlen_func(**kwargs)
+        _assert_matches_reference(
+            out, query, key, value, windows[name], name, kwargs["s_aux"]
+        )
 
 
 def test_triton_attention_over_packed_views(packed_caches):
@@ -214,7 +240,7 @@ def test_triton_attention_over_packed_views(packed_caches):
 
     num_blocks, views, windows = packed_caches
     data, block_table = _write_sequences(views, num_blocks)
-    cu_seqlens_q, seqused_k = _varlen_metadata()
+    cu_seqlens_q, seqused_k = varlen_metadata()
     one = torch.ones(len(SEQ_LENS), NUM_KV_HEADS, dtype=torch.float32, device="cuda")
     for name, cache in views.items():
         key, value, query, sinks = data[name]
@@ -300,6 +326,16 @@ def flashinfer_plan_kwargs(
     )
 
 
+def flashinfer_wrapper(flashinfer, mode: str, workspace: torch.Tensor):
+    """The paged wrapper FlashInferMetadataBuilder makes for MODE (the default
+    backend, HND): decode with tensor cores, as FlashInferImpl builds it."""
+    if mode == "prefill":
+        return flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND")
+    return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        workspace, "HND", use_tensor_cores=True
+    )
+
+
 @pytest.mark.parametrize("mode", ["prefill", "decode"])
 def test_flashinfer_over_packed_views(packed_caches, mode):
     """FlashInfer (Blackwell's default backend, HND like FlashAttention) reads the
@@ -339,10 +375,7 @@ def test_flashinfer_over_packed_views(packed_caches, mode):
         key, value, query, _ = data[name]
         if mode == "decode":
             query = query[last_tokens]
-        if mode == "prefill":
-            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND")
-        else:
-            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND")
+        wrapper = flashinfer_wrapper(flashinfer, mode, workspace)
         wrapper.plan(
             **flashinfer_plan_kwargs(
                 mode, query_lens, table, windows[name], query.dtype

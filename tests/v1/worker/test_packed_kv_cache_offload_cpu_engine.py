@@ -10,7 +10,9 @@ as on a GPU. Attention is vLLM's Triton backend (FlashAttention's cache shape
 and HND stride order), its real kernels run by Triton's interpreter. The
 round trip (offload_round_trip.py, shared with the GPU test): store to host
 memory, empty the GPU prefix cache, reload; the tokens must equal a baseline
-engine's after a prefix-cache hit, and the connector's counters must move.
+engine's after a prefix-cache hit, and the connector's counters must move; the
+worker's KV cache, reported through ``collective_rpc`` as in the GPU tests,
+must be packed block rows in HND order (the baseline's not packed).
 Without the fix the engine dies in the Triton attention path, the CPU
 counterpart of the GPU's illegal memory access.
 
@@ -34,6 +36,7 @@ that writes out of bounds may kill its process.
 """
 
 import importlib.util
+import json
 import sys
 import time
 from pathlib import Path
@@ -108,11 +111,17 @@ def _run_case(work: Path) -> None:
         HostCopyOffloadingWorker,
     )
     from tests.v1.worker.offload_e2e_configs import offload_transfer_config
-    from tests.v1.worker.offload_round_trip import prompt_token_ids, run_round_trip
+    from tests.v1.worker.offload_round_trip import (
+        KV_CACHE_INSPECTION,
+        PackedKVCache,
+        prompt_token_ids,
+        run_round_trip,
+    )
     from tests.v1.worker.tiny_hybrid_model import make_tiny_gpt_oss
     from vllm import LLM
 
     model = make_tiny_gpt_oss(work / "tiny-gpt-oss")
+    model_config = json.loads((model / "config.json").read_text())
     workers: list[HostCopyOffloadingWorker] = []
     original_get_worker = HostCopyOffloadingSpec.get_worker
 
@@ -136,6 +145,8 @@ def _run_case(work: Path) -> None:
             enforce_eager=True,
             disable_log_stats=False,
             seed=0,
+            # The KV cache report of the GPU tests (run_round_trip calls it).
+            worker_extension_cls=KV_CACHE_INSPECTION,
         )
         if offload:
             kwargs["kv_transfer_config"] = offload_transfer_config(
@@ -147,11 +158,27 @@ def _run_case(work: Path) -> None:
         return LLM(**kwargs)
 
     prompts = prompt_token_ids(1, BLOCK_SIZE, BLOCK_SIZE, full_blocks=FULL_BLOCKS)
-    trip = run_round_trip(make_llm, prompts, MAX_TOKENS, filler_tokens=FILLER_TOKENS)
+    packed = PackedKVCache(
+        backend="TRITON_ATTN",
+        layer_types=tuple(model_config["layer_types"]),
+        num_kv_heads=model_config["num_key_value_heads"],
+        head_size=model_config["head_dim"],
+        block_size=BLOCK_SIZE,
+        dtype_bytes=4,  # float32
+    )
+    trip = run_round_trip(
+        make_llm,
+        prompts,
+        MAX_TOKENS,
+        filler_tokens=FILLER_TOKENS,
+        packed=packed,
+    )
     print(f"cold {[g.token_ids for g in trip.cold]}")
     print(f"hit {[(g.num_cached_tokens, g.token_ids) for g in trip.hit]}")
     print(f"reloaded {[(g.num_cached_tokens, g.token_ids) for g in trip.reloaded]}")
     print(f"store bytes {trip.store_bytes:.0f}, load bytes {trip.load_bytes:.0f}")
+    (report,) = trip.offload_kv_caches
+    print(f"packed KV cache ({report['layout']}): {report['tensors']}")
     trip.check()
 
     # The connector registered the packed cache: one canonical tensor of block

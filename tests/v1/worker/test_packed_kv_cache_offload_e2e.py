@@ -9,7 +9,10 @@ is offload_round_trip.py, the harness the CPU engine test
 (test_packed_kv_cache_offload_cpu_engine.py) runs with vLLM's Triton kernels on
 CPU: greedy tokens after a reload from CPU must equal a baseline engine's after
 a GPU prefix-cache hit of the same length, one request in flight at a time, and
-the connector's store and load counters must move. The configurations live in
+the connector's store and load counters must move. Each engine's workers
+report the KV cache they hold: the #47054 engine's must be packed block rows
+(both KV cache groups per row, every layer a view into one allocation) in HND
+order, the baseline's per-layer. The configurations live in
 offload_e2e_configs.py; a CPU test builds each of them. Run with
 ``pytest --forked``.
 
@@ -18,6 +21,7 @@ the host has one; by default a tiny GPT-OSS with random weights is generated.
 """
 
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -28,11 +32,17 @@ from tests.v1.worker.offload_e2e_configs import (
     GPU_BLOCK_SIZE,
     MAX_TOKENS,
     NUM_PROMPTS,
+    OffloadCase,
     engine_kwargs,
     full_blocks,
     runner_env,
 )
-from tests.v1.worker.offload_round_trip import prompt_token_ids, run_round_trip
+from tests.v1.worker.offload_round_trip import (
+    KV_CACHE_INSPECTION,
+    PackedKVCache,
+    prompt_token_ids,
+    run_round_trip,
+)
 from tests.v1.worker.tiny_hybrid_model import make_tiny_gpt_oss
 from vllm.platforms import current_platform
 
@@ -44,15 +54,43 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
+def model_for(tmp_path_factory) -> Callable[[OffloadCase], str]:
+    """The model of a case: the named checkpoint, or the tiny GPT-OSS with the
+    case's heads, generated once per head count."""
     named = os.environ.get("VLLM_OFFLOAD_E2E_MODEL")
-    if named:
-        return named
-    return str(make_tiny_gpt_oss(tmp_path_factory.mktemp("models") / "tiny-gpt-oss"))
+    folder = tmp_path_factory.mktemp("models")
+
+    def model(case: OffloadCase) -> str:
+        if named:
+            return named
+        if case.tiny_model_heads is None:
+            return str(make_tiny_gpt_oss(folder / "tiny-gpt-oss"))
+        q, kv = case.tiny_model_heads
+        return str(make_tiny_gpt_oss(folder / f"tiny-gpt-oss-q{q}-kv{kv}", q, kv))
+
+    return model
+
+
+def packed_kv_cache(case: OffloadCase, model: str) -> PackedKVCache:
+    """The packed cache each worker of CASE's #47054 engine must hold, from the
+    model's own config (not vLLM's reading of it)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    kwargs = engine_kwargs(case, model, offload=True)
+    assert config.num_key_value_heads % case.tensor_parallel_size == 0
+    return PackedKVCache(
+        backend=case.attn_backend,
+        layer_types=tuple(config.layer_types),
+        num_kv_heads=config.num_key_value_heads // case.tensor_parallel_size,
+        head_size=config.head_dim,
+        block_size=kwargs["block_size"],
+        dtype_bytes=getattr(torch, kwargs["dtype"]).itemsize,
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
-def test_offload_reload_matches_baseline(case, model, monkeypatch):
+def test_offload_reload_matches_baseline(case, model_for, monkeypatch):
     from vllm import LLM
     from vllm.v1.attention.backends.fa_utils import flash_attn_supports_sinks
 
@@ -63,6 +101,7 @@ def test_offload_reload_matches_baseline(case, model, monkeypatch):
     for key, value in runner_env(case).items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
+    model = model_for(case)
 
     offloaded_block_size = case.cpu_block_size or GPU_BLOCK_SIZE
     prompts = prompt_token_ids(
@@ -72,9 +111,14 @@ def test_offload_reload_matches_baseline(case, model, monkeypatch):
         full_blocks=full_blocks(offloaded_block_size),
     )
     trip = run_round_trip(
-        lambda offload: LLM(**engine_kwargs(case, model, offload=offload)),
+        lambda offload: LLM(
+            **engine_kwargs(
+                case, model, offload=offload, worker_extension_cls=KV_CACHE_INSPECTION
+            )
+        ),
         prompts,
         MAX_TOKENS,
         filler_tokens=FILLER_TOKENS,
+        packed=packed_kv_cache(case, model),
     )
     trip.check()

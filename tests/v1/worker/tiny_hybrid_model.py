@@ -75,14 +75,31 @@ def generated_model(out: Path, model_format: str) -> Iterator[Path | None]:
     tmp.rename(out)
 
 
-def make_tiny_gpt_oss(out: Path) -> Path:
-    with generated_model(out, FORMAT) as tmp:
+# Grouped-query attention as in GPT-OSS (64 query, 8 KV heads), kept small: under
+# Triton's interpreter (the CPU engine test) the attention kernel's cost grows with
+# the heads (measured: 8/8 heads 108 s, 4/2 heads 30 s).
+NUM_ATTENTION_HEADS = 4
+NUM_KV_HEADS = 2
+
+
+def make_tiny_gpt_oss(
+    out: Path,
+    num_attention_heads: int = NUM_ATTENTION_HEADS,
+    num_kv_heads: int = NUM_KV_HEADS,
+) -> Path:
+    """The tiny GPT-OSS in OUT (generated unless OUT holds it already). Other head
+    counts serve tensor parallelism: a rank must keep at least 2 KV heads, or the
+    HND and NHD orders of its pages are the same bytes."""
+    model_format = FORMAT
+    if (num_attention_heads, num_kv_heads) != (NUM_ATTENTION_HEADS, NUM_KV_HEADS):
+        model_format += f"-q{num_attention_heads}-kv{num_kv_heads}"
+    with generated_model(out, model_format) as tmp:
         if tmp is not None:
-            _write_tiny_gpt_oss(tmp)
+            _write_tiny_gpt_oss(tmp, num_attention_heads, num_kv_heads)
     return out
 
 
-def _write_tiny_gpt_oss(tmp: Path) -> None:
+def _write_tiny_gpt_oss(tmp: Path, num_attention_heads: int, num_kv_heads: int) -> None:
     import torch
     from transformers import GptOssConfig, GptOssForCausalLM, PreTrainedTokenizerFast
 
@@ -100,11 +117,8 @@ def _write_tiny_gpt_oss(tmp: Path) -> None:
         hidden_size=256,
         intermediate_size=256,
         num_hidden_layers=num_layers,
-        # Grouped-query attention as in GPT-OSS (64 query, 8 KV heads), kept small:
-        # under Triton's interpreter (the CPU engine test) the attention kernel's
-        # cost grows with the heads (measured: 8/8 heads 108 s, 4/2 heads 30 s).
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_kv_heads,
         head_dim=64,
         num_local_experts=4,
         num_experts_per_tok=2,

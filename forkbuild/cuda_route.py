@@ -1,0 +1,335 @@
+"""The CUDA route checked on a machine without a GPU (part of `make test`).
+
+The nightly GPU job is the only place the CUDA route runs for real, and a GPU is rarely
+at hand. Most of what can break there is not the GPU: the CUDA lock, the editable install
+on the official CUDA wheel, the wheel's compiled extensions against the locked torch, the
+fix in what `import vllm` loads, the GPU tests' collection under the CUDA build, and the
+arguments the kernel test hands to the real ops. This checks all of that here:
+
+1. `forkbuild install --route cuda` in a build folder of its own (build/cuda-route: the
+   CUDA lock hash-checked into its venv, the patched tree, the editable install on the
+   official CUDA wheel, the install's own `import vllm` probe), as a GPU host runs it;
+2. a stand-in for the driver library, generated from the wheel's own undefined driver
+   symbols (forkbuild/driver_stub.py), under build/cuda-route/driver-stub and on
+   LD_LIBRARY_PATH of this check's processes only;
+3. every compiled extension of the wheel that this Python can load: in the tree byte for
+   byte as the wheel's RECORD says, and loaded against the locked torch;
+4. the GPU tests collected under that build, every case skipped for lack of a device (with
+   a reason), every node id the nightly requires among them; the kernel test's calls with
+   CPU tensors up to the real ops' dispatch ([tests] cuda_route in fork.toml).
+It ends in one line: `cuda route without a GPU: ...`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from forkbuild import driver_stub, fetch, gpu_required, lock, log, pytest_runner
+from forkbuild.errors import ForkError
+from forkbuild.pins import REPO_ROOT, Pins, build_dir
+
+
+def home() -> Path:
+    return build_dir() / "cuda-route"
+
+
+@dataclass(frozen=True)
+class Result:
+    extensions_loaded: int
+    extensions: int
+    other_pythons: int  # the wheel's extensions built for other Python versions
+    jit_modules: int  # FlashInfer modules whose JIT build graph resolved
+    gpu_cases: pytest_runner.Outcome
+    calls: pytest_runner.Outcome
+
+    def line(self) -> str:
+        return (
+            f"cuda route without a GPU: {self.extensions_loaded} of {self.extensions} compiled "
+            f"extensions load ({self.other_pythons} more are for other Pythons), "
+            f"FlashInfer's JIT on the lock's nvcc ({self.jit_modules} module build graphs), "
+            f"{len(self.gpu_cases.cases)} GPU cases collected and skipped without a device, "
+            f"kernel calls up to dispatch: {self.calls}"
+        )
+
+
+def install_env() -> dict[str, str]:
+    from forkbuild.install import CUDA_WITHOUT_GPU
+
+    return {**os.environ, "VLLM_FORK_BUILD": str(home()), CUDA_WITHOUT_GPU: "1"}
+
+
+def install_cuda_route(pins: Pins, results: Path) -> tuple[Path, Path]:
+    """Run the install step itself, for the CUDA route, in build/cuda-route: what a GPU
+    host runs, minus the GPU. Returns (python, tree)."""
+    report = results / "cuda-route-install.log"
+    log.step(f"cuda route: forkbuild install --route cuda in {home()} (report: {report})")
+    with open(report, "w") as sink:
+        done = subprocess.run(
+            [sys.executable, "-m", "forkbuild", "install", "--route", "cuda"],
+            cwd=REPO_ROOT, env=install_env(), stdout=sink, stderr=subprocess.STDOUT, check=False,
+        )
+    if done.returncode != 0:
+        last = (report.read_text().strip().splitlines() or ["no output"])[-1]
+        raise ForkError(f"the CUDA route's install failed: {last}", f"see {report}")
+    python = home() / "venv" / "bin" / "python"
+    tree = home() / f"vllm-{pins.upstream_version}"
+    if not (python.exists() and tree.is_dir()):
+        raise ForkError(f"the CUDA route's install left no {python} or {tree}", f"see {report}")
+    return python, tree
+
+
+def build_driver_stub(python: Path, tree: Path) -> Path:
+    """build/cuda-route/driver-stub/libcuda.so.1 for the extensions in TREE."""
+    out = home() / "driver-stub"
+    done = subprocess.run(
+        [str(python), "-m", "forkbuild.driver_stub", str(tree), str(out)],
+        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True, text=True, check=False,
+    )
+    if done.returncode != 0:
+        raise ForkError(
+            f"could not build the driver stub: {(done.stderr or done.stdout).strip()[-400:]}",
+            "the check needs a C compiler (cc or gcc) and the CUDA venv's pyelftools",
+        )
+    log.step(f"cuda route: {done.stdout.strip()}")
+    return out
+
+
+def stub_env(stub: Path) -> dict[str, str]:
+    """The environment of this check's processes: the stub found before any other
+    libcuda.so.1 (there is none on a machine without a driver)."""
+    paths = [str(stub), *filter(None, os.environ.get("LD_LIBRARY_PATH", "").split(":"))]
+    return {"LD_LIBRARY_PATH": ":".join(paths)}
+
+
+# Run in the CUDA venv with the stub: loads each extension the wheel's RECORD lists,
+# from where the install put it (checked against RECORD's sha256 first).
+_LOAD_PROBE = r"""
+import base64, hashlib, importlib.machinery, importlib.util, json, sys, zipfile
+wheel, tree = sys.argv[1], sys.argv[2]
+import torch
+record = {}
+with zipfile.ZipFile(wheel) as whl:
+    name = next(n for n in whl.namelist() if n.endswith(".dist-info/RECORD"))
+    for line in whl.read(name).decode().splitlines():
+        path, digest, _ = line.rsplit(",", 2)
+        record[path] = digest
+tag = importlib.machinery.EXTENSION_SUFFIXES[0]  # e.g. .cpython-311-x86_64-linux-gnu.so
+result = {"loaded": [], "failed": {}, "other_pythons": [], "cuda_available": None, "ops": {}}
+for path in sorted(p for p in record if p.startswith("vllm/") and p.endswith(".so")):
+    if not (path.endswith(".abi3.so") or path.endswith(tag)):
+        result["other_pythons"].append(path)
+        continue
+    data = open(f"{tree}/{path}", "rb").read()
+    want = record[path].partition("=")[2]
+    have = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    if have != want:
+        result["failed"][path] = "differs from the wheel's RECORD"
+        continue
+    module = path[: -len(".so")].split(".")[0].replace("/", ".")
+    try:
+        spec = importlib.util.spec_from_file_location(module, f"{tree}/{path}")
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        result["loaded"].append(path)
+    except Exception as exc:
+        result["failed"][path] = f"{type(exc).__name__}: {exc}"
+result["cuda_available"] = torch.cuda.is_available()
+for op in ("_C_cache_ops.reshape_and_cache_flash", "_vllm_fa2_C.varlen_fwd", "_vllm_fa3_C.fwd"):
+    namespace, name = op.split(".")
+    try:
+        result["ops"][op] = str(getattr(getattr(torch.ops, namespace), name).default._schema)
+    except Exception as exc:
+        result["ops"][op] = None
+print(json.dumps(result))
+"""
+
+
+def load_extensions(python: Path, tree: Path, wheel: Path, stub: Path) -> dict:
+    done = subprocess.run(
+        [str(python), "-c", _LOAD_PROBE, str(wheel), str(tree)],
+        cwd=tree, env={**os.environ, **stub_env(stub)}, capture_output=True, text=True, check=False,
+    )
+    if done.returncode != 0:
+        raise ForkError(
+            f"the CUDA build's extension check crashed: {done.stderr.strip()[-600:]}",
+            "read the error above: the locked torch or the wheel may not match",
+        )
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if result["failed"]:
+        bad = "; ".join(f"{path}: {why}" for path, why in result["failed"].items())
+        raise ForkError(f"compiled extensions of the CUDA wheel do not load: {bad}",
+                        "the locked torch must be the one the wheel was built against")
+    if result["cuda_available"]:
+        raise ForkError("torch reports a GPU through the driver stub",
+                        "the stub must answer every driver call with CUDA_ERROR_NO_DEVICE")
+    missing = [op for op, schema in result["ops"].items() if not schema]
+    if missing:
+        raise ForkError(f"the CUDA build registers no {', '.join(missing)}",
+                        "the kernel test calls these ops: check the wheel's extensions")
+    return result
+
+
+# Run in the CUDA venv with the nightly's toolchain environment: where FlashInfer's JIT
+# finds its compiler and ninja, and the build files of the paged prefill modules that
+# the kernel test's wrappers ask for (FA2: the prefill wrapper on Ampere and the decode
+# wrapper with tensor cores; FA3: the prefill wrapper on Hopper), sliding and full
+# layers, bf16, head size 64. `ninja -n` checks each build graph without compiling (a
+# module takes about a minute of nvcc on 2 cores); one small CUDA file is compiled and
+# linked as FlashInfer links, with the lock's nvcc, headers and libcudart.
+_JIT_PROBE = r"""
+import json, os, shutil, subprocess, sys, torch
+from flashinfer.jit import cpp_ext
+from flashinfer.prefill import gen_batch_prefill_module
+work = sys.argv[1]
+result = {"cuda_home": cpp_ext.get_cuda_path(), "ninja": shutil.which("ninja"),
+          "nvcc": shutil.which("nvcc"), "cuda_version": str(cpp_ext.get_cuda_version()),
+          "modules": {}}
+for backend in ("fa2", "fa3"):
+    for sliding in (False, True):
+        spec = gen_batch_prefill_module(backend, torch.bfloat16, torch.bfloat16, torch.bfloat16,
+                                        torch.int32, 64, 64, 0, sliding, False, False)
+        spec.write_ninja()
+        dry = subprocess.run(["ninja", "-n", "-C", str(spec.build_dir)], capture_output=True, text=True)
+        result["modules"][spec.name] = dry.returncode == 0 and "nvcc" in spec.ninja_path.read_text()
+source = os.path.join(work, "probe.cu")
+with open(source, "w") as out:
+    out.write("#include <cuda_runtime.h>\n__global__ void k(float *x) { x[threadIdx.x] += 1; }\n"
+              "extern \"C\" int probe(float *x) { k<<<1, 32>>>(x); return cudaGetLastError(); }\n")
+nvcc = os.path.join(result["cuda_home"], "bin", "nvcc")
+obj, lib = os.path.join(work, "probe.cuda.o"), os.path.join(work, "probe.so")
+steps = ([nvcc, "-c", "-Xcompiler", "-fPIC", "-arch=sm_80", source, "-o", obj],
+         [os.environ.get("CXX", "c++"), "-shared", obj, "-o", lib, "-lcudart", "-lcuda"])
+for step in steps:  # as FlashInfer's build.ninja: nvcc compiles, the C++ compiler links
+    built = subprocess.run(step, capture_output=True, text=True)
+    if built.returncode != 0:
+        break
+result["compiled"] = built.returncode == 0
+result["compile_error"] = (built.stderr or built.stdout)[-800:]
+needed = subprocess.run(["readelf", "-d", lib], capture_output=True, text=True).stdout
+result["links"] = [n for n in ("libcudart.so.13", "libcuda.so.1") if n in needed]
+print(json.dumps(result))
+"""
+
+
+def check_flashinfer_jit(python: Path, stub: Path, results: Path) -> int:
+    """FlashInfer's JIT in the nightly's environment (forkbuild/nightly.py: CUDA_HOME is
+    the lock's toolkit, ninja the venv's, the link names made as on the GPU host, with the
+    driver stub standing in for the driver's libcuda.so.1). Returns the modules checked."""
+    from forkbuild import nightly
+
+    venv = python.parent.parent
+    nvcc_version = nightly.check_lock_pins(lock.path("cuda", lock.running_python()))
+    nightly.make_link_dir(venv, nvcc_version, stub / driver_stub.SONAME)
+    env = nightly.toolchain_env(venv, nvcc_version)
+    missing = nightly.missing_tools(env, nightly.link_dir(venv))
+    if missing:
+        raise ForkError(f"the CUDA lock's toolchain is incomplete: {', '.join(missing)}",
+                        "check the CUDA lock's nvidia-cuda-* and ninja pins")
+    work = home() / "flashinfer-jit"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    done = subprocess.run(
+        [str(python), "-c", _JIT_PROBE, str(work)], cwd=work,
+        env={**os.environ, **env, **stub_env(stub), "FLASHINFER_WORKSPACE_BASE": str(work),
+             "FLASHINFER_CUDA_ARCH_LIST": "8.0 9.0a"},
+        capture_output=True, text=True, check=False,
+    )
+    (results / "cuda-route-flashinfer-jit.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise ForkError(f"FlashInfer's JIT probe crashed: {done.stderr.strip()[-600:]}",
+                        f"see {results / 'cuda-route-flashinfer-jit.log'}")
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    problems = []
+    if Path(found["cuda_home"]) != Path(env["CUDA_HOME"]):
+        problems.append(f"FlashInfer takes CUDA from {found['cuda_home']}, not the lock's")
+    if not found["ninja"] or Path(found["ninja"]).parent != venv / "bin":
+        problems.append(f"ninja resolves to {found['ninja']}, not the venv's")
+    if not found["cuda_version"].startswith(nvcc_version.rsplit(".", 1)[0]):
+        problems.append(f"FlashInfer reads CUDA {found['cuda_version']}, the lock pins {nvcc_version}")
+    problems += [f"no build graph for {name}" for name, ok in found["modules"].items() if not ok]
+    if not found["compiled"]:
+        problems.append(f"the lock's nvcc cannot compile and link: {found['compile_error']}")
+    elif len(found["links"]) != 2:  # the module must need the runtime and the driver by soname
+        problems.append(f"the linked module needs only {found['links']} of libcudart, libcuda")
+    if problems:
+        raise ForkError("FlashInfer's JIT would fail on the GPU runner: " + "; ".join(problems),
+                        f"see {results / 'cuda-route-flashinfer-jit.log'}")
+    return len(found["modules"])
+
+
+def run_gpu_tests(pins: Pins, python: Path, tree: Path, stub: Path, results: Path
+                  ) -> tuple[pytest_runner.Outcome, pytest_runner.Outcome]:
+    """The GPU tests and the serve test collected under the CUDA build (each case must
+    skip for lack of a device, with a reason), and the kernel-call module (must pass).
+    The GPU modules and the kernel calls share one pytest run (one vLLM import less)."""
+    env = stub_env(stub)
+    in_tree = pytest_runner.run_pytest(
+        python, tree, ["-rfEs", *pins.gpu_tests, *pins.cuda_route_tests],
+        results / "cuda-route-tests.xml", output=results / "cuda-route-tests.log", extra_env=env,
+    )
+    serve = pytest_runner.run_pytest(
+        python, REPO_ROOT, ["-rs", gpu_required.SERVE.split("::")[0]],
+        results / "cuda-route-serve-gpu.xml", pythonpath=REPO_ROOT,
+        output=results / "cuda-route-serve-gpu.log", extra_env=env,
+    )
+    calls = _part(in_tree, pins.cuda_route_tests)
+    gpu = _part(in_tree, pins.gpu_tests)
+    collected = pytest_runner.Outcome({**gpu.cases, **serve.cases}, {**gpu.reasons, **serve.reasons})
+    return collected, calls
+
+
+def _part(outcome: pytest_runner.Outcome, modules: tuple[str, ...]) -> pytest_runner.Outcome:
+    """The cases of OUTCOME in MODULES."""
+    cases = {c: s for c, s in outcome.cases.items() if c.split("::")[0] in modules}
+    return pytest_runner.Outcome(cases, {c: r for c, r in outcome.reasons.items() if c in cases})
+
+
+def check_skipped(collected: pytest_runner.Outcome, results: Path) -> None:
+    """Every GPU case skipped, each for lack of a device: an import error or a missing
+    module would also skip (or error), and would only show on the GPU runner."""
+    not_skipped = [case for case, status in collected.cases.items() if status != "skipped"]
+    if not collected.cases or not_skipped:
+        raise ForkError(
+            f"the GPU tests under the CUDA build did not all skip without a GPU: {collected}"
+            + (f", e.g. {not_skipped[0]}" if not_skipped else ""),
+            f"see {results / 'cuda-route-tests.log'} and {results / 'cuda-route-serve-gpu.log'}",
+        )
+    wrong = {case: why for case, why in collected.reasons.items() if "GPU" not in why}
+    if wrong:
+        case, why = next(iter(wrong.items()))
+        raise ForkError(
+            f"{len(wrong)} GPU case(s) skipped under the CUDA build for another reason than "
+            f"the missing GPU, e.g. {case}: {why}",
+            "that reason would skip them on the GPU runner too: fix the import or install",
+        )
+    gpu_required.check_collected(collected.cases)
+
+
+def check(pins: Pins, results: Path) -> Result:
+    from forkbuild import preflight
+
+    if preflight.has_nvidia_gpu():  # the stub is for machines without a driver only
+        raise ForkError("this machine has a GPU: the CUDA route runs for real there",
+                        "run `make nightly`")
+    python, tree = install_cuda_route(pins, results)
+    wheel = fetch.artifacts_dir() / pins.routes["cuda"].wheel.filename
+    stub = build_driver_stub(python, tree)
+    loaded = load_extensions(python, tree, wheel, stub)
+    log.step(f"cuda route: {len(loaded['loaded'])} compiled extensions load against the locked "
+             "torch through the driver stub")
+    jit_modules = check_flashinfer_jit(python, stub, results)
+    log.step(f"cuda route: FlashInfer's JIT finds the lock's nvcc and ninja; {jit_modules} paged "
+             "prefill build graphs resolve, a CUDA file compiles and links")
+    collected, calls = run_gpu_tests(pins, python, tree, stub, results)
+    check_skipped(collected, results)
+    if calls.failed or calls.errors or calls.skipped or not calls.passed:
+        raise ForkError(f"the kernel test's calls do not reach the CUDA ops' dispatch: {calls}",
+                        f"see {results / 'cuda-route-tests.log'}")
+    return Result(len(loaded["loaded"]), len(loaded["loaded"]), len(loaded["other_pythons"]),
+                  jit_modules, collected, calls)

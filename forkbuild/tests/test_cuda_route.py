@@ -1,0 +1,140 @@
+"""The CUDA route without a GPU: the install refuses a driverless machine before it
+touches anything, the driver stub is made from the symbols an extension imports, and
+the check's verdicts on the GPU tests' collection."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from forkbuild import cuda_route, driver_stub, gpu_required, preflight
+from forkbuild.errors import ForkError
+from forkbuild.pins import REPO_ROOT
+from forkbuild.pytest_runner import Outcome
+
+NO_GPU = pytest.mark.skipif(preflight.has_nvidia_gpu(), reason="this machine has a GPU")
+
+
+@NO_GPU
+@pytest.mark.parametrize("step", ["install", "test", "regression", "model"])
+def test_the_cuda_route_is_refused_at_once_without_a_driver(scratch, step):
+    venv = scratch / "build" / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "marker").write_text("the working CPU venv")
+    env = {k: v for k, v in os.environ.items() if k != "FORKBUILD_CUDA_WITHOUT_GPU"}
+    done = subprocess.run(
+        [sys.executable, "-m", "forkbuild", step, "--route", "cuda"], cwd=REPO_ROOT,
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "needs an NVIDIA GPU and its driver" in lines[0]
+    assert "make install" in lines[0] and "make test" in lines[0]
+    # Nothing was touched: no CUDA venv beside it, the CPU venv as it was.
+    assert sorted(p.name for p in (scratch / "build").iterdir()) == ["venv"]
+    assert (venv / "marker").read_text() == "the working CPU venv"
+
+
+def test_the_stub_defines_every_imported_driver_entry_point(tmp_path):
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
+    pytest.importorskip("elftools")
+    tree = tmp_path / "tree"
+    (tree / "vllm" / "sub").mkdir(parents=True)
+    # A driver library to link against, and two extensions: one imports two entry
+    # points (and a libc function, which is not the driver's), one none.
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "cuda.c").write_text("int cuInit(void){return 0;}\nint cuMemMap(void){return 0;}\n")
+    subprocess.run(["cc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o",
+                    str(fake / "libcuda.so.1"), str(fake / "cuda.c")], check=True)
+    (fake / "libcuda.so").symlink_to("libcuda.so.1")
+    (tmp_path / "ext.c").write_text(
+        "#include <string.h>\nint cuInit(void); int cuMemMap(void);\n"
+        "int use(const char *s){return cuInit() + cuMemMap() + (int)strlen(s);}\n"
+    )
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(tree / "vllm" / "sub" / "_ext.abi3.so"),
+                    str(tmp_path / "ext.c"), f"-L{fake}", "-lcuda"], check=True)
+    (tmp_path / "plain.c").write_text("int plain(void){return 1;}\n")
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(tree / "vllm" / "_plain.abi3.so"),
+                    str(tmp_path / "plain.c")], check=True)
+
+    library, users, symbols = driver_stub.build(tree, tmp_path / "stub")
+
+    assert users == ["vllm/sub/_ext.abi3.so"]
+    assert symbols == ["cuInit", "cuMemMap"]
+    assert library.name == "libcuda.so.1"
+    # The extension loads against the stub (and not without it), and gets "no device".
+    probe = ("import ctypes,sys; lib=ctypes.CDLL(sys.argv[1]); "
+             "print(ctypes.CDLL('libcuda.so.1').cuInit())")
+    ext = str(tree / "vllm" / "sub" / "_ext.abi3.so")
+    loaded = subprocess.run([sys.executable, "-c", probe, ext], capture_output=True, text=True,
+                            env={**os.environ, "LD_LIBRARY_PATH": str(library.parent)})
+    assert loaded.stdout.strip() == str(driver_stub.CUDA_ERROR_NO_DEVICE), loaded.stderr
+    bare = subprocess.run([sys.executable, "-c", probe, ext], capture_output=True, text=True,
+                          env={k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"})
+    assert bare.returncode != 0 and "libcuda.so.1" in bare.stderr
+
+
+def test_the_stub_source_answers_no_device():
+    source = driver_stub.c_source(["cuCtxGetCurrent", "cuMemCreate"])
+    assert "int cuCtxGetCurrent(void) { return 100; }" in source
+    assert "int cuMemCreate(void) { return 100; }" in source
+
+
+def test_the_stub_comes_first_on_the_library_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/a:/opt/b")
+    assert cuda_route.stub_env(tmp_path)["LD_LIBRARY_PATH"] == f"{tmp_path}:/opt/a:/opt/b"
+    monkeypatch.delenv("LD_LIBRARY_PATH")
+    assert cuda_route.stub_env(tmp_path)["LD_LIBRARY_PATH"] == str(tmp_path)
+
+
+def _collected(reason: str = "needs an NVIDIA GPU: runs vLLM's CUDA kernels", drop: str = ""):
+    cases = {case: "skipped" for case in gpu_required.all_required() if case != drop}
+    cases["tests/v1/worker/test_x.py::test_more"] = "skipped"
+    return Outcome(cases, {case: reason for case in cases})
+
+
+def test_every_gpu_case_skipped_for_lack_of_a_device_passes(tmp_path):
+    cuda_route.check_skipped(_collected(), tmp_path)
+
+
+def test_a_gpu_case_skipped_for_another_reason_fails(tmp_path):
+    broken = _collected("could not import 'flashinfer': No module named 'flashinfer'")
+    with pytest.raises(ForkError, match="another reason than the missing GPU"):
+        cuda_route.check_skipped(broken, tmp_path)
+
+
+def test_a_gpu_case_that_did_not_skip_fails(tmp_path):
+    outcome = _collected()
+    cases = dict(outcome.cases)
+    cases[gpu_required.TRITON_KERNEL] = "error"
+    with pytest.raises(ForkError, match="did not all skip"):
+        cuda_route.check_skipped(Outcome(cases, outcome.reasons), tmp_path)
+
+
+def test_a_required_case_that_is_not_collected_fails(tmp_path):
+    with pytest.raises(ForkError, match="not collected"):
+        cuda_route.check_skipped(_collected(drop=gpu_required.SERVE), tmp_path)
+
+
+def test_the_check_splits_one_run_by_module():
+    outcome = Outcome({"a/x.py::t1": "passed", "a/y.py::t2": "skipped", "a/x.py::t3": "passed"},
+                      {"a/y.py::t2": "no GPU"})
+    part = cuda_route._part(outcome, ("a/y.py",))
+    assert part.cases == {"a/y.py::t2": "skipped"} and part.reasons == {"a/y.py::t2": "no GPU"}
+
+
+def test_the_stub_is_nowhere_but_the_checks_folder(fork_pins):
+    """Never in a venv, the tree or the CPU build (where `make serve` runs)."""
+    home = cuda_route.home()
+    if not (home / "driver-stub").exists():
+        pytest.skip("the CUDA route check has not run here yet")
+    stubs = {p.resolve() for p in Path(home.parent).rglob("libcuda.so*")}
+    assert stubs <= {(home / "driver-stub" / "libcuda.so.1").resolve()}
