@@ -7,7 +7,16 @@
 #   ROUTE=cpu|cuda (fetch, install, regression, model, serve, test; default: cuda with a GPU)
 #   serve: PORT (8000) HOST (127.0.0.1) MODEL PRESET CPU_BYTES ARGS (to vllm serve)
 #   matrix: VERSIONS="0.26.0 0.33.0"    rebase: VERSION=x.y.z ACCEPT=1
+# Environment variables, each moving what forkbuild writes:
+#   VLLM_FORK_CACHE  the download cache: verified upstream files, uv and its package cache,
+#                    bytecode (default ~/.cache/vllm-fork; kept by make clean)
+#   VLLM_FORK_BUILD  trees, venvs, models, reports (default build/)
+#   VLLM_FORK_DIST   the wheel of `make wheel` (default dist/)
+# Logs: make test writes JUnit XML and pytest logs to build/test-results/ (make matrix too),
+#   the embedded models' generator to build/models/*.log, make nightly its reports to
+#   build/gpu-nightly/ (FORK_NIGHTLY_OUT), make upstream its proof to dist/upstream/.
 # `make clean` removes build/ and dist/ (the download cache ~/.cache/vllm-fork stays).
+# More: README.md and docs/.
 PYTHON ?= python3
 ROUTE ?=
 MODEL ?=
@@ -23,7 +32,7 @@ ROUTE_OPT := $(if $(ROUTE),--route $(ROUTE))
 .PHONY: help fetch tree lock install regression wheel model serve test matrix patch-status upstream rebase nightly clean
 
 help:
-	@sed -n '1,10p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '/^[^#]/q;p' Makefile | sed 's/^# \{0,1\}//'
 	@echo
 	@$(FORKBUILD) --help
 

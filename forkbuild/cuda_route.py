@@ -121,11 +121,13 @@ with zipfile.ZipFile(wheel) as whl:
         path, digest, _ = line.rsplit(",", 2)
         record[path] = digest
 tag = importlib.machinery.EXTENSION_SUFFIXES[0]  # e.g. .cpython-311-x86_64-linux-gnu.so
-result = {"loaded": [], "failed": {}, "other_pythons": [], "cuda_available": None, "ops": {}}
+result = {"loaded": [], "failed": {}, "other_pythons": [], "cuda_available": None, "ops": {},
+          "candidates": 0}
 for path in sorted(p for p in record if p.startswith("vllm/") and p.endswith(".so")):
     if not (path.endswith(".abi3.so") or path.endswith(tag)):
         result["other_pythons"].append(path)
         continue
+    result["candidates"] += 1
     data = open(f"{tree}/{path}", "rb").read()
     want = record[path].partition("=")[2]
     have = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
@@ -184,12 +186,13 @@ def load_extensions(python: Path, tree: Path, wheel: Path, stub: Path) -> dict:
 # linked as FlashInfer links, with the lock's nvcc, headers and libcudart.
 _JIT_PROBE = r"""
 import json, os, shutil, subprocess, sys, torch
+from elftools.elf.elffile import ELFFile
 from flashinfer.jit import cpp_ext
 from flashinfer.prefill import gen_batch_prefill_module
 work = sys.argv[1]
 result = {"cuda_home": cpp_ext.get_cuda_path(), "ninja": shutil.which("ninja"),
           "nvcc": shutil.which("nvcc"), "cuda_version": str(cpp_ext.get_cuda_version()),
-          "modules": {}}
+          "modules": {}, "compiled": False, "compile_error": "", "links": []}
 for backend in ("fa2", "fa3"):
     for sliding in (False, True):
         spec = gen_batch_prefill_module(backend, torch.bfloat16, torch.bfloat16, torch.bfloat16,
@@ -199,20 +202,33 @@ for backend in ("fa2", "fa3"):
         result["modules"][spec.name] = dry.returncode == 0 and "nvcc" in spec.ninja_path.read_text()
 source = os.path.join(work, "probe.cu")
 with open(source, "w") as out:
-    out.write("#include <cuda_runtime.h>\n__global__ void k(float *x) { x[threadIdx.x] += 1; }\n"
-              "extern \"C\" int probe(float *x) { k<<<1, 32>>>(x); return cudaGetLastError(); }\n")
+    # A runtime call and a driver call (one the wheel's extensions import, so the stub
+    # defines it): the module must need both libraries by soname (gcc links --as-needed
+    # on Debian, so a -lcuda whose symbols are unused would leave no trace).
+    out.write("#include <cuda_runtime.h>\n"
+              "extern \"C\" int cuCtxGetCurrent(void **context);\n"
+              "__global__ void k(float *x) { x[threadIdx.x] += 1; }\n"
+              "extern \"C\" int probe(float *x) { void *c; cuCtxGetCurrent(&c);\n"
+              "  k<<<1, 32>>>(x); return cudaGetLastError(); }\n")
 nvcc = os.path.join(result["cuda_home"], "bin", "nvcc")
 obj, lib = os.path.join(work, "probe.cuda.o"), os.path.join(work, "probe.so")
 steps = ([nvcc, "-c", "-Xcompiler", "-fPIC", "-arch=sm_80", source, "-o", obj],
          [os.environ.get("CXX", "c++"), "-shared", obj, "-o", lib, "-lcudart", "-lcuda"])
 for step in steps:  # as FlashInfer's build.ninja: nvcc compiles, the C++ compiler links
-    built = subprocess.run(step, capture_output=True, text=True)
-    if built.returncode != 0:
+    try:
+        built = subprocess.run(step, capture_output=True, text=True)
+    except FileNotFoundError as exc:
+        result["compile_error"] = f"{step[0]} not found: {exc}"
         break
-result["compiled"] = built.returncode == 0
-result["compile_error"] = (built.stderr or built.stdout)[-800:]
-needed = subprocess.run(["readelf", "-d", lib], capture_output=True, text=True).stdout
-result["links"] = [n for n in ("libcudart.so.13", "libcuda.so.1") if n in needed]
+    if built.returncode != 0:
+        result["compile_error"] = (built.stderr or built.stdout)[-800:]
+        break
+else:
+    result["compiled"] = True
+    with open(lib, "rb") as handle:
+        dynamic = ELFFile(handle).get_section_by_name(".dynamic")
+        needed = [t.needed for t in dynamic.iter_tags() if t.entry.d_tag == "DT_NEEDED"]
+    result["links"] = sorted(n for n in needed if n in ("libcudart.so.13", "libcuda.so.1"))
 print(json.dumps(result))
 """
 
@@ -290,6 +306,11 @@ def _part(outcome: pytest_runner.Outcome, modules: tuple[str, ...]) -> pytest_ru
     return pytest_runner.Outcome(cases, {c: r for c, r in outcome.reasons.items() if c in cases})
 
 
+# How every GPU module words its skip for lack of a device (its skipif reason starts so):
+# anything else (an FA3 that does not import, a missing package) is not "no GPU here".
+NO_DEVICE = "needs an NVIDIA GPU"
+
+
 def check_skipped(collected: pytest_runner.Outcome, results: Path) -> None:
     """Every GPU case skipped, each for lack of a device: an import error or a missing
     module would also skip (or error), and would only show on the GPU runner."""
@@ -300,7 +321,7 @@ def check_skipped(collected: pytest_runner.Outcome, results: Path) -> None:
             + (f", e.g. {not_skipped[0]}" if not_skipped else ""),
             f"see {results / 'cuda-route-tests.log'} and {results / 'cuda-route-serve-gpu.log'}",
         )
-    wrong = {case: why for case, why in collected.reasons.items() if "GPU" not in why}
+    wrong = {case: why for case, why in collected.reasons.items() if not why.startswith(NO_DEVICE)}
     if wrong:
         case, why = next(iter(wrong.items()))
         raise ForkError(
@@ -331,5 +352,5 @@ def check(pins: Pins, results: Path) -> Result:
     if calls.failed or calls.errors or calls.skipped or not calls.passed:
         raise ForkError(f"the kernel test's calls do not reach the CUDA ops' dispatch: {calls}",
                         f"see {results / 'cuda-route-tests.log'}")
-    return Result(len(loaded["loaded"]), len(loaded["loaded"]), len(loaded["other_pythons"]),
+    return Result(len(loaded["loaded"]), loaded["candidates"], len(loaded["other_pythons"]),
                   jit_modules, collected, calls)

@@ -36,14 +36,16 @@ def needs_driver(path: Path) -> list[str] | None:
 
     with open(path, "rb") as handle:
         elf = ELFFile(handle)
-        dynamic = elf.get_section_by_name(".dynamic")
+        # Segments, not section headers: a stripped object may have no section table.
+        dynamic = next((seg for seg in elf.iter_segments() if seg.header.p_type == "PT_DYNAMIC"), None)
+        if dynamic is None:  # statically linked: needs no library
+            return None
         needed = [tag.needed for tag in dynamic.iter_tags() if tag.entry.d_tag == "DT_NEEDED"]
         if SONAME not in needed:
             return None
-        symbols = elf.get_section_by_name(".dynsym")
         return sorted(
             sym.name
-            for sym in symbols.iter_symbols()
+            for sym in dynamic.iter_symbols()
             if sym["st_shndx"] == "SHN_UNDEF" and DRIVER_SYMBOL.fullmatch(sym.name)
         )
 

@@ -274,11 +274,11 @@ def run(pins: Pins) -> str:
 
     python, tree_path, _ = install.install(pins, "cuda")
     env = prepare_toolchain(python.parent.parent, nvcc_version)
-    kernels_and_engine = pytest_runner.run_pytest(
+    kernels_and_engine = _run_or_note(
         python, tree_path, ["--forked", "-v", "-rs", *PER_CASE_TIMEOUT, *pins.gpu_tests],
         out / "gpu-tests.xml", extra_env=env, timeout_s=RUN_LIMITS_S["gpu-tests"],
     )
-    serve = pytest_runner.run_pytest(
+    serve = _run_or_note(
         python, REPO_ROOT,
         ["--forked", "-v", "-rs", *PER_CASE_TIMEOUT, "forkbuild/tests/test_serve_gpu.py"],
         out / "serve-gpu.xml", pythonpath=REPO_ROOT, extra_env=env, timeout_s=RUN_LIMITS_S["serve"],
@@ -292,6 +292,17 @@ def run(pins: Pins) -> str:
     bench_killed = f"stopped after its time limit of {RUN_LIMITS_S['benchmark']} s"
     return conclude(kind, required, kernels_and_engine, serve, bench_exit, out,
                     benchmark_killed=bench_killed if bench_stopped else "")
+
+
+def _run_or_note(*args, **kwargs) -> pytest_runner.Outcome:
+    """run_pytest, but a run that pytest could not carry out (a collection error, an
+    internal error: exit status 2 to 5) becomes an outcome that says so, so that the
+    later runs still happen and summary.json still names what went wrong."""
+    try:
+        return pytest_runner.run_pytest(*args, **kwargs)
+    except ForkError as exc:
+        log.step(f"nightly: {exc}")
+        return pytest_runner.Outcome({}, killed=f"could not run: {exc}")
 
 
 def conclude(
@@ -331,7 +342,7 @@ def conclude(
         raise ForkError(
             f"the nightly GPU job failed on {kind.name}: {failed} failed (benchmark exit "
             f"{benchmark_exit}), {len(not_run)} required case(s) did not run, {len(killed)} "
-            "run(s) stopped at their time limit (listed above)",
+            "run(s) stopped at their time limit or could not run (listed above)",
             f"reports are in {out} (summary.json, JUnit XML); a skip reason such as an "
             "FA3 import error points at the CUDA install",
         )

@@ -1,24 +1,30 @@
-""".buildkite/fork_nightly_gpu.yaml is a pipeline Buildkite accepts: checked against
-Buildkite's own pipeline schema (shipped in the buildkite-sdk package, a test tool of
-fork.toml), plus what the schema cannot know: the command files exist here and the
-artifacts are where the nightly job writes its reports."""
+"""The fork's Buildkite pipelines, .buildkite/fork_nightly_gpu.yaml (the nightly GPU job)
+and .buildkite/fork_ci.yaml (make test on every push and pull request), are pipelines
+Buildkite accepts: checked against Buildkite's own pipeline schema (shipped in the
+buildkite-sdk package, a test tool of fork.toml), plus what the schema cannot know: the
+command files exist here, the artifacts are where the runs write their reports, and the
+CI keeps its download cache where forkbuild reads it."""
 
 from __future__ import annotations
 
 import fnmatch
 import importlib.resources
 import json
+import re
 import shlex
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 import jsonschema
 import pytest
 import yaml
 
-from forkbuild import nightly
+from forkbuild import nightly, pins
 from forkbuild.pins import REPO_ROOT
 
 PIPELINE = REPO_ROOT / ".buildkite" / "fork_nightly_gpu.yaml"
+CI_PIPELINE = REPO_ROOT / ".buildkite" / "fork_ci.yaml"
+# A cold `make test` takes about 12 minutes on 2 cores; the fork's CI stops a job at 90.
+CI_RUN_MIN, CI_LIMIT_MIN = 12, 90
 # What forkbuild/nightly.py writes into its output folder.
 REPORTS = ("gpus.csv", "gpu-tests.xml", "serve-gpu.xml", "benchmark.json", "summary.json")
 
@@ -34,6 +40,11 @@ def schema() -> dict:
 @pytest.fixture(scope="module")
 def pipeline() -> dict:
     return yaml.safe_load(PIPELINE.read_text())
+
+
+@pytest.fixture(scope="module")
+def ci_pipeline() -> dict:
+    return yaml.safe_load(CI_PIPELINE.read_text())
 
 
 def _errors(schema: dict, instance, definition: str | None = None) -> list[str]:
@@ -107,3 +118,81 @@ def test_artifacts_are_the_reports_in_the_nightly_output_folder(pipeline, monkey
             assert PurePosixPath(pattern).parent == out, (label, pattern)
         for report in REPORTS:
             assert any(fnmatch.fnmatch(f"{out}/{report}", p) for p in patterns), (label, report)
+
+
+# -- the fork's CI on every push and pull request ---------------------------------------------
+
+def _step_kind(step) -> str:
+    """The schema definition of STEP's kind (a wait step, else a command step)."""
+    if step in ("wait", "waiter") or isinstance(step, dict) and "wait" in step:
+        return "waitStep"
+    return "commandStep"
+
+
+def _command_steps(pipeline: dict) -> list[dict]:
+    return [step for step in pipeline["steps"] if _step_kind(step) == "commandStep"]
+
+
+def test_the_ci_pipeline_is_valid_for_buildkite(schema, ci_pipeline):
+    for step in ci_pipeline["steps"]:
+        label = step.get("label") if isinstance(step, dict) else step
+        assert _errors(schema, step, _step_kind(step)) == [], label
+    assert _errors(schema, ci_pipeline) == []
+    assert set(ci_pipeline) <= set(schema["properties"]), set(ci_pipeline) - set(schema["properties"])
+
+
+def test_the_schema_refuses_a_broken_ci_pipeline(schema, ci_pipeline):
+    # The same check on a step with a misspelt key and a timeout that is no number.
+    step = dict(_command_steps(ci_pipeline)[0], artifacts_paths=["build/test-results/*.xml"])
+    assert any("Additional properties" in e for e in _errors(schema, step, "commandStep"))
+    step = dict(_command_steps(ci_pipeline)[0], timeout_in_minutes="forty-five")
+    assert _errors(schema, step, "commandStep") != []
+    assert _errors(schema, {**ci_pipeline, "steps": [step]}) != []
+
+
+def test_the_ci_pipeline_runs_make_test_on_a_cpu_queue(ci_pipeline, pipeline):
+    (step,) = _command_steps(ci_pipeline)  # one job: make test runs its parts at once itself
+    assert step["command"] == "bash .ci/run"
+    run = (REPO_ROOT / ".ci" / "run").read_text()
+    assert re.search(r"^make test$", run, re.M), "bash .ci/run no longer runs `make test`"
+    gpu_queues = {s["agents"]["queue"] for s in pipeline["steps"]}
+    assert step["agents"]["queue"] not in gpu_queues  # with a GPU, make test takes the CUDA route
+    assert "gpu" not in step["agents"]["queue"]
+    assert step["key"] not in {s["key"] for s in pipeline["steps"]}
+
+
+def test_the_ci_timeout_fits_a_cold_run_and_the_ci_limit(ci_pipeline):
+    (step,) = _command_steps(ci_pipeline)
+    assert 2 * CI_RUN_MIN <= step["timeout_in_minutes"] <= CI_LIMIT_MIN
+
+
+def test_the_ci_keeps_the_download_cache_where_forkbuild_reads_it(ci_pipeline, monkeypatch):
+    (step,) = _command_steps(ci_pipeline)
+    env = step["env"]
+    cache = PurePosixPath(env["VLLM_FORK_CACHE"])
+    # Absolute, so outside the checkout, which Buildkite cleans of ignored files each build.
+    assert cache.is_absolute(), cache
+    monkeypatch.setenv("VLLM_FORK_CACHE", str(cache))
+    assert pins.cache_dir() == Path(str(cache))
+    # build/ stays in the checkout: the reports are uploaded from there, and each build is
+    # a fresh clone with a warm cache, as the README's figures are measured.
+    assert "VLLM_FORK_BUILD" not in env and "VLLM_FORK_DIST" not in env
+
+
+def test_the_ci_uploads_every_junit_report_of_make_test(ci_pipeline, monkeypatch):
+    monkeypatch.delenv("VLLM_FORK_BUILD", raising=False)
+    results = PurePosixPath((pins.build_dir() / "test-results").relative_to(REPO_ROOT).as_posix())
+    (step,) = _command_steps(ci_pipeline)
+    patterns = step["artifact_paths"]
+    patterns = [patterns] if isinstance(patterns, str) else patterns
+    assert all(PurePosixPath(p).parent == results for p in patterns), patterns
+    # The JUnit files the modules of `make test` write into build/test-results.
+    reports = set()
+    for module in ("testrun", "regression", "cuda_route"):
+        source = (REPO_ROOT / "forkbuild" / f"{module}.py").read_text()
+        reports |= set(re.findall(r"""results\s*/\s*["']([\w.-]+\.xml)["']""", source))
+    assert {"forkbuild.xml", "suite-fork.xml", "suite-stock.xml"} <= reports, reports
+    for report in reports:
+        assert any(fnmatch.fnmatch(f"{results}/{report}", p) for p in patterns), report
+    assert f"{results}/*.xml" in patterns
+

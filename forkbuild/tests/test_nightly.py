@@ -366,6 +366,31 @@ def test_a_hung_forked_case_fails_alone_under_the_per_case_limit(tmp_path):
                                "test_cases.py::test_runs_after": "passed"})
 
 
+def test_what_a_timed_out_case_started_is_ended_before_the_next_case(tmp_path):
+    """A forked case stopped by its limit leaves what it started (vLLM's engine core: a
+    spawned process, here a sleep in a session of its own); it must be gone when the
+    next case starts, not only when the whole run ends."""
+    pid_file = tmp_path / "pid"
+    project = _project(tmp_path, (
+        "import os, subprocess, time\n\n"
+        "def test_starts_an_engine_and_hangs():\n"
+        "    engine = subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
+        f"    open({str(pid_file)!r}, 'w').write(str(engine.pid))\n"
+        "    time.sleep(60)\n\n"
+        "def test_next_case_finds_it_gone():\n"
+        f"    pid = int(open({str(pid_file)!r}).read())\n"
+        "    state = open(f'/proc/{pid}/stat').read().split()[2] if os.path.exists(f'/proc/{pid}') else 'gone'\n"
+        "    assert state in ('gone', 'Z'), state\n"
+    ))
+    options = [f"--timeout={2}" if o.startswith("--timeout=") else o for o in nightly.PER_CASE_TIMEOUT]
+    outcome = pytest_runner.run_pytest(
+        PYTHON, project, ["--forked", *options, "test_cases.py"], tmp_path / "junit.xml",
+        timeout_s=60,
+    )
+    assert outcome.cases == {"test_cases.py::test_starts_an_engine_and_hangs": "error",
+                             "test_cases.py::test_next_case_finds_it_gone": "passed"}
+
+
 # --- the job's order, with the GPU, the install and the runs faked ---------------------
 
 
@@ -424,6 +449,27 @@ def test_the_job_runs_the_gpu_tests_with_the_toolchain_and_the_limits(fake_job):
     # CUDA_VISIBLE_DEVICES=1: one GPU, so the TP=2 case is not among the required.
     assert summary["gpu_kind"] == "Hopper"
     assert not any("tp2" in line for line in summary["required_not_run"])
+
+
+def test_a_run_pytest_cannot_carry_out_still_leaves_the_summary(fake_job, monkeypatch):
+    """A collection error in the GPU tests (pytest exit 2) must not lose the serve test,
+    the benchmark or summary.json."""
+    pins, calls, _ = fake_job
+
+    def gpu_run_breaks(*args, **kwargs):
+        calls.append(("pytest", args, kwargs))
+        if len(calls) == 2:  # the GPU tests' run
+            raise ForkError("pytest could not run the tests in tree (exit 2)", "see its output")
+        return Outcome({})
+
+    monkeypatch.setattr(nightly.pytest_runner, "run_pytest", gpu_run_breaks)
+    with pytest.raises(ForkError, match="could not run"):
+        nightly.run(pins)
+    assert [call[0] for call in calls] == ["install", "pytest", "pytest", "benchmark"]
+    summary = json.loads((Path(os.environ["FORK_NIGHTLY_OUT"]) / "summary.json").read_text())
+    assert summary["killed"] == [
+        "gpu-tests.xml: could not run: pytest could not run the tests in tree (exit 2) -- see its output"
+    ]
 
 
 def test_a_missing_host_compiler_stops_the_job_before_the_install(fake_job, tmp_path, monkeypatch):
