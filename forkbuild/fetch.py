@@ -56,6 +56,8 @@ def fetch(artifact: Artifact, pip: Callable[[], PipCommand], *, quiet: bool = Fa
 
     from forkbuild.preflight import check_disk
 
+    # One file: the largest pinned one, the CUDA wheel, is 239 MiB (uv's packages are
+    # checked apart, by uv.install). Also refuses a cache that cannot be written.
     check_disk(artifacts_dir(), 1, f"downloading {artifact.filename}")
     log.step(f"fetch: downloading {artifact.requirement} ({artifact.filename}) with pip")
     with tempfile.TemporaryDirectory(prefix=".download-", dir=artifacts_dir()) as tmp:

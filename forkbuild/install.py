@@ -128,6 +128,8 @@ def ensure_toolchain(pins: Pins, route_name: str | None = None) -> Path:
         (partial / LOCK_RECORD).write_text(f"{lock_file.relative_to(lock_file.parent.parent)}\n")
         (partial / VENV_ID).write_text(uuid.uuid4().hex + "\n")
         (partial / TOOLCHAIN_STAMP).write_text(stamp_value + "\n")
+    except KeyboardInterrupt:
+        raise  # Ctrl-C: venv.partial is left to the next run, which removes it first
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
@@ -260,15 +262,22 @@ def _venv_beside_tree(pins: Pins, route: Route) -> tuple[Path, Path]:
             raise ForkError("the venv could not be made, so the sdist cannot be downloaded")
         return made[0]
 
+    stop = threading.Event()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tree") as pool:
         making_tree = pool.submit(
-            lambda: tree.build(pins, fetch.fetch(pins.sdist, pip_once_the_venv_exists))
+            lambda: tree.build(pins, fetch.fetch(pins.sdist, pip_once_the_venv_exists), stop=stop)
         )
         try:
-            made.append(ensure_toolchain(pins, route.name))
-        finally:
-            venv_ready.set()
-        return made[0], making_tree.result()
+            try:
+                made.append(ensure_toolchain(pins, route.name))
+            finally:
+                venv_ready.set()
+            return made[0], making_tree.result()
+        except KeyboardInterrupt:
+            # Ctrl-C: the tree step stops at its next file or git command rather than
+            # finish first (leaving this block waits for it).
+            stop.set()
+            raise
 
 
 def editable_config(pins: Pins, route: Route, tree_path: Path) -> Path:

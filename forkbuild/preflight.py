@@ -11,10 +11,11 @@ import platform
 import shutil
 import socket
 import sys
+import tempfile
 from pathlib import Path
 
 from forkbuild.errors import ForkError
-from forkbuild.pins import Pins
+from forkbuild.pins import Pins, build_dir, cache_dir
 
 
 def check_python(pins: Pins) -> None:
@@ -38,13 +39,41 @@ def check_machine(pins: Pins) -> None:
         raise ForkError(f"platform {sys.platform} is not supported", "build on Linux")
 
 
+def setting_for(path: Path) -> str:
+    """The variable that moves PATH: VLLM_FORK_CACHE for the download cache (default
+    ~/.cache/vllm-fork), VLLM_FORK_BUILD for the build folder (default build/)."""
+    for variable, root in (("VLLM_FORK_CACHE", cache_dir()), ("VLLM_FORK_BUILD", build_dir())):
+        if path.absolute().is_relative_to(root.absolute()):
+            return variable
+    return "VLLM_FORK_CACHE / VLLM_FORK_BUILD"
+
+
+def check_writable(path: Path, what: str) -> None:
+    """PATH exists (made if need be) and a file can be written in it: a read-only or
+    unwritable cache or build folder is refused at once, with the variable that moves it.
+    (It writes a file rather than asking os.access: root passes every permission check,
+    and still cannot write to a read-only file system.)"""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".forkbuild-write-test-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        if exc.errno == 28:  # ENOSPC: a full disk, said as such by the caller's checks
+            raise
+        raise ForkError(
+            f"cannot write in {path} ({exc.strerror or exc}), which {what} needs",
+            f"make it writable, or set {setting_for(path)} to a writable folder",
+        ) from None
+
+
 def check_disk(path: Path, need_gib: float, what: str) -> None:
-    path.mkdir(parents=True, exist_ok=True)
+    check_writable(path, what)
     free_gib = shutil.disk_usage(path).free / 2**30
     if free_gib < need_gib:
         raise ForkError(
-            f"only {free_gib:.1f} GiB free under {path}; {what} needs about {need_gib:.0f} GiB",
-            "free some disk space or point VLLM_FORK_CACHE / VLLM_FORK_BUILD elsewhere",
+            f"only {free_gib:.1f} GiB free under {path}; {what} needs about {need_gib:.1f} GiB",
+            f"free some disk space there, or set {setting_for(path)} to a folder on a disk with room",
         )
 
 

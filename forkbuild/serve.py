@@ -3,8 +3,9 @@
 Without --model it serves the embedded tiny chat model (a random-weight Gemma 2 generated
 locally, no network): its layers alternate sliding-window and full attention, so vLLM plans
 the same two KV cache groups as for GPT-OSS, and its ChatML template answers
-/v1/chat/completions offline (the tiny GPT-OSS the tests use cannot: vLLM renders GPT-OSS
-chats with harmony, which downloads its vocabulary).
+/v1/chat/completions offline (the tiny GPT-OSS the tests use cannot: see NO_CHAT).
+A --model that is neither embedded, nor a local path, nor a hub id is refused at once
+(check_model).
 --preset offload-47054 adds the configuration of vLLM issue #47054: cross-layer CPU KV
 offloading on FlashAttention, with prefix caching and the hybrid KV cache manager on.
 """
@@ -12,8 +13,10 @@ offloading on FlashAttention, with prefix caching and the hybrid KV cache manage
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -29,6 +32,16 @@ EMBEDDED = {
     "tiny-gpt-oss": "tests/v1/worker/tiny_hybrid_model.py",
 }
 EMBEDDED_NAME = next(iter(EMBEDDED))
+# Embedded models whose /v1/chat/completions fails, and why: `serve` prints this instead of
+# the chat curl line. Checked in forkbuild/tests/test_serve.py (the KeyError is real).
+NO_CHAT = {
+    "tiny-gpt-oss": (
+        "vLLM 0.25.1 gives every GPT-OSS model its GPT-OSS reasoning parser, which looks up "
+        "harmony's token <|end|> in the model's tokenizer, and the tiny GPT-OSS's tokenizer (a "
+        "small BPE trained locally) has none of harmony's chat tokens: /v1/chat/completions "
+        "answers HTTP 500 (KeyError: '<|end|>'); /v1/completions works"
+    ),
+}
 DEFAULT_CPU_BYTES = 8 * 2**30
 
 
@@ -65,6 +78,56 @@ def add_arguments(cmd: argparse.ArgumentParser) -> None:
                      help="CPU memory for offloaded KV blocks, with --preset offload-47054")
     cmd.add_argument("vllm_args", nargs=argparse.REMAINDER,
                      help="after --: passed to vllm serve unchanged")
+
+
+# A Hugging Face hub id: org/name (the hub's rules: letters, digits, '-', '_', '.', not first).
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def _hub_cache() -> Path:
+    """Where huggingface_hub keeps downloaded models (its own defaults)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return Path(os.environ.get("HF_HOME") or cache / "huggingface") / "hub"
+
+
+def _exists(path: str) -> bool:
+    try:
+        return Path(path).expanduser().exists()
+    except (OSError, ValueError):  # a name too long for a path, a NUL byte
+        return False
+
+
+def check_model(model: str | None) -> None:
+    """Refuse at once (before minutes of install and a hub lookup ending in a traceback) a
+    --model that names nothing: served are an embedded model, an existing local path, a
+    hub id `org/name`, or a bare name the hub cache already holds.
+
+    A bare name (no '/') that is none of these is refused, although the hub still answers
+    a few such ids (gpt2, bert-base-uncased): those are the hub's old org-less names, which
+    it moved under organizations (gpt2 is openai-community/gpt2) and keeps as redirects, so
+    every hub model has an org/name id to give instead, while a bare name here is far more
+    often a mistyped embedded name (tiny-chta) or a local folder that is not there.
+    """
+    if model is None or model in EMBEDDED:
+        return
+    if _exists(model):
+        return
+    bare = "/" not in model
+    if HUB_ID.fullmatch(model) or (bare and (_hub_cache() / f"models--{model}").is_dir()):
+        return
+    close = difflib.get_close_matches(model.lower(), EMBEDDED, n=1)
+    if bare or close:
+        guess = f"; did you mean {close[0]}?" if close else ""
+        raise ForkError(
+            f"model {model!r} is neither an embedded model ({', '.join(EMBEDDED)}) nor a local "
+            f"folder{guess}",
+            "a hub model is named org/name (e.g. openai/gpt-oss-20b; gpt2 is "
+            "openai-community/gpt2), a local folder by a path that exists",
+        )
+    raise ForkError(f"model {model!r} is not a local path that exists, nor a hub id org/name",
+                    "check the path, or name a hub model org/name (e.g. openai/gpt-oss-20b)")
 
 
 def start_tiny_model(python: Path, name: str = EMBEDDED_NAME) -> subprocess.Popen[str]:
@@ -126,6 +189,7 @@ def command(python: Path, model: str, args: argparse.Namespace, embedded: str | 
 
 def serve(pins: Pins, args: argparse.Namespace) -> None:
     # Everything that can be refused is refused before minutes of install and start-up.
+    check_model(args.model)
     gpu = preflight.has_nvidia_gpu()
     if args.preset and not gpu:
         raise ForkError(
@@ -148,7 +212,7 @@ def serve(pins: Pins, args: argparse.Namespace) -> None:
         if generating:
             stop_tiny_model(generating)
         raise
-    model = str(finish_tiny_model(generating)) if generating else args.model
+    model = str(finish_tiny_model(generating)) if generating else os.path.expanduser(args.model)
     env = dict(os.environ)
     if embedded:
         env["HF_HUB_OFFLINE"] = "1"
@@ -159,7 +223,7 @@ def serve(pins: Pins, args: argparse.Namespace) -> None:
     cmd = command(python, model, args, embedded, cpu=route.target_device == "cpu")
     log.step(f"serve: {' '.join(cmd)}")
     for line in try_lines(args.host, args.port, embedded or model):
-        log.step(f"serve: try  {line}")
+        log.step(f"serve: {line}")
     os.execve(cmd[0], cmd, env)
 
 
@@ -180,10 +244,14 @@ def demo_engine_env(embedded: str | None) -> dict[str, str]:
 
 
 def try_lines(host: str, port: int, model: str) -> list[str]:
-    """A curl line for the completions and the chat endpoint (the serve test sends both)."""
+    """What `serve` prints to try: a curl line (`try  curl ...`) for the completions and the
+    chat endpoint (the serve test sends both), or, for a model in NO_CHAT, instead of the
+    chat line one that says why there is none."""
     base = f"curl http://{host}:{port}/v1"
     head = "-H 'Content-Type: application/json'"
     completion = {"model": model, "prompt": "Hello", "max_tokens": 8}
     chat = {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8}
-    return [f"{base}/completions {head} -d '{json.dumps(completion)}'",
-            f"{base}/chat/completions {head} -d '{json.dumps(chat)}'"]
+    lines = [f"try  {base}/completions {head} -d '{json.dumps(completion)}'"]
+    if model in NO_CHAT:
+        return [*lines, f"no chat line for {model}: {NO_CHAT[model]}"]
+    return [*lines, f"try  {base}/chat/completions {head} -d '{json.dumps(chat)}'"]

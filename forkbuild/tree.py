@@ -17,6 +17,8 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,23 +100,35 @@ def inputs_digest(
     return digest_of(parts)
 
 
-def git(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _check(stop: threading.Event | None) -> None:
+    """Between two files or git commands: stop when the caller was interrupted."""
+    if stop is not None and stop.is_set():
+        raise KeyboardInterrupt
+
+
+def git(args: list[str], cwd: Path, env: dict[str, str] | None = None,
+        stop: threading.Event | None = None) -> subprocess.CompletedProcess[str]:
+    _check(stop)
     return subprocess.run(
         ["git", *args], cwd=cwd, env=env, text=True, capture_output=True, check=False
     )
 
 
-def _git_ok(args: list[str], cwd: Path, env: dict[str, str], what: str) -> None:
-    result = git(args, cwd, env)
+def _git_ok(args: list[str], cwd: Path, env: dict[str, str], what: str,
+            stop: threading.Event | None = None) -> None:
+    result = git(args, cwd, env, stop)
     if result.returncode != 0:
         detail = (result.stderr or result.stdout).strip().splitlines()
         raise ForkError(f"git could not {what}: {detail[-1] if detail else 'no output'}")
 
 
-def _extract_sdist(sdist: Path, dest: Path) -> int:
+def _extract_sdist(sdist: Path, dest: Path, stop: threading.Event | None = None) -> int:
     """Unpack the sdist's single top folder into DEST; return the release's mtime."""
     with tarfile.open(sdist) as tar:
-        members = tar.getmembers()
+        members = []
+        for member in tar:  # reading the index decompresses the archive (~1 s)
+            _check(stop)
+            members.append(member)
         tops = {m.name.split("/", 1)[0] for m in members}
         if len(tops) != 1:
             raise ForkError(f"{sdist.name} does not have one top folder (found {sorted(tops)[:3]})")
@@ -122,11 +136,12 @@ def _extract_sdist(sdist: Path, dest: Path) -> int:
         stamp = max(m.mtime for m in members)
         for member in members:
             member.name = member.name[len(top) + 1 :] if member.name != top else "."
-        extract_data(tar, dest, [m for m in members if m.name != "."])
+        extract_data(tar, dest, [m for m in members if m.name != "."], stop)
     return stamp
 
 
-def extract_data(tar: tarfile.TarFile, dest: Path, members: list[tarfile.TarInfo] | None = None) -> None:
+def extract_data(tar: tarfile.TarFile, dest: Path, members: list[tarfile.TarInfo] | None = None,
+                 stop: threading.Event | None = None) -> None:
     """Extract MEMBERS (default: all) of TAR into DEST as plain data: nothing outside DEST,
     no device files, no set-id bits, owned by whoever runs this (git refuses repositories
     owned by another user, and as root tarfile would chown to the archive's uids).
@@ -134,8 +149,14 @@ def extract_data(tar: tarfile.TarFile, dest: Path, members: list[tarfile.TarInfo
     tarfile's "data" filter does exactly this, but only from Python 3.11.4 and 3.12.0:
     Debian 12's python3 is 3.11.2. There the same rules are applied here first."""
     members = tar.getmembers() if members is None else members
+
+    def checked() -> Iterator[tarfile.TarInfo]:  # STOP is looked at before each member
+        for member in members:
+            _check(stop)
+            yield member
+
     if hasattr(tarfile, "data_filter"):
-        tar.extractall(dest, members=members, filter="data")
+        tar.extractall(dest, members=checked(), filter="data")
         return
     root = dest.resolve()
     for member in members:
@@ -150,12 +171,13 @@ def extract_data(tar: tarfile.TarFile, dest: Path, members: list[tarfile.TarInfo
                 raise ForkError(f"{tar.name}: link {member.name!r} points outside {dest}")
         member.mode &= 0o755 if member.isdir() or member.mode & 0o100 else 0o644
         member.uid, member.gid, member.uname, member.gname = os.getuid(), os.getgid(), "", ""
-    tar.extractall(dest, members=members)
+    tar.extractall(dest, members=checked())
 
 
-def _apply_patches(tmp: Path, patches: list[Patch], env: dict[str, str]) -> None:
+def _apply_patches(tmp: Path, patches: list[Patch], env: dict[str, str],
+                   stop: threading.Event | None = None) -> None:
     for patch in patches:
-        result = git(["am", "--keep-cr", str(patch.path)], tmp, env)
+        result = git(["am", "--keep-cr", str(patch.path)], tmp, env, stop)
         if result.returncode != 0:
             output = f"{result.stdout}\n{result.stderr}"
             hunk = next(
@@ -169,8 +191,11 @@ def _apply_patches(tmp: Path, patches: list[Patch], env: dict[str, str]) -> None
         log.step(f"tree: applied {patch.name}")
 
 
-def build(pins: Pins, sdist: Path, *, force: bool = False, patches_dir: Path = PATCHES_DIR) -> Path:
-    """Make (or keep, when its inputs are unchanged) the patched tree; return its path."""
+def build(pins: Pins, sdist: Path, *, force: bool = False, patches_dir: Path = PATCHES_DIR,
+          stop: threading.Event | None = None) -> Path:
+    """Make (or keep, when its inputs are unchanged) the patched tree; return its path.
+    STOP, set from another thread, ends the build at its next file or git command
+    (KeyboardInterrupt), leaving no tree behind."""
     patches = read_series(patches_dir)
     digest = inputs_digest(pins, patches)
     final = tree_dir(pins)
@@ -184,9 +209,9 @@ def build(pins: Pins, sdist: Path, *, force: bool = False, patches_dir: Path = P
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tree-new-", dir=build_dir()))
     try:
-        env = commit_release(tmp, sdist, pins.upstream_version, pins.sdist.sha256)
-        _apply_patches(tmp, patches, env)
-        overlay_tests(tmp, env)
+        env = commit_release(tmp, sdist, pins.upstream_version, pins.sdist.sha256, stop)
+        _apply_patches(tmp, patches, env, stop)
+        overlay_tests(tmp, env, stop)
         (tmp / ".git" / INPUTS_FILE).write_text(digest + "\n")
         swap_into_place(tmp, final)
     except BaseException:
@@ -196,49 +221,51 @@ def build(pins: Pins, sdist: Path, *, force: bool = False, patches_dir: Path = P
     return final
 
 
-def commit_release(dest: Path, sdist: Path, version: str, sha256: str) -> dict[str, str]:
+def commit_release(dest: Path, sdist: Path, version: str, sha256: str,
+                   stop: threading.Event | None = None) -> dict[str, str]:
     """Unpack SDIST into DEST as a git repository: one commit, tagged v<VERSION>.
 
     Returns the git environment (identity, the release's date) for further commits.
     """
     log.step(f"tree: unpacking {sdist.name}")
-    stamp = _extract_sdist(sdist, dest)
+    stamp = _extract_sdist(sdist, dest, stop)
     # The sdist's egg-info carries the bare version (no "+cpu"): first on sys.path (tests
     # run inside the tree) it shadows the installed metadata and vLLM then detects no
     # platform. pip regenerates metadata on install; the tree needs none.
     shutil.rmtree(dest / "vllm.egg-info", ignore_errors=True)
     date = f"@{stamp} +0000"
     env = {**os.environ, **IDENTITY, "GIT_AUTHOR_DATE": date, "GIT_COMMITTER_DATE": date}
-    _git_ok(["init", "-q", "-b", "fork"], dest, env, "init the tree")
+    _git_ok(["init", "-q", "-b", "fork"], dest, env, "init the tree", stop)
     (dest / ".git" / "info").mkdir(exist_ok=True)
     (dest / ".git" / "info" / "exclude").write_text(BUILD_OUTPUTS)
     # -f: the sdist ships a .gitignore that matches a few of its own files; the commit
     # must hold the release as published, less the generated metadata.
-    _git_ok(["add", "-A", "-f", "."], dest, env, "stage the sdist")
-    _git_ok(["rm", "-r", "-q", "--cached", "--ignore-unmatch", *GENERATED], dest, env, "unstage build metadata")
+    _git_ok(["add", "-A", "-f", "."], dest, env, "stage the sdist", stop)
+    _git_ok(["rm", "-r", "-q", "--cached", "--ignore-unmatch", *GENERATED], dest, env, "unstage build metadata", stop)
     message = (
         f"vLLM {version} (sdist)\n\n"
         f"{sdist.name}, sha256 {sha256}.\n"
         "Generated build metadata is not committed: vllm/_version.py stays untracked\n"
         "(the build rewrites it) and the sdist's vllm.egg-info is removed.\n"
     )
-    _git_ok(["commit", "-q", "-m", message], dest, env, "commit the sdist")
-    _git_ok(["tag", f"v{version}"], dest, env, "tag the release")
+    _git_ok(["commit", "-q", "-m", message], dest, env, "commit the sdist", stop)
+    _git_ok(["tag", f"v{version}"], dest, env, "tag the release", stop)
     return env
 
 
-def overlay_tests(tree: Path, env: dict[str, str]) -> None:
+def overlay_tests(tree: Path, env: dict[str, str], stop: threading.Event | None = None) -> None:
     files = overlay_files()
     for src in files:
         dest = tree / "tests" / src.relative_to(TESTS_DIR)
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, dest)
-    _git_ok(["add", "-A", "tests"], tree, env, "stage the fork's tests")
+    _git_ok(["add", "-A", "tests"], tree, env, "stage the fork's tests", stop)
     _git_ok(
         ["commit", "-q", "--allow-empty", "-m", "fork: overlay the fork's tests"],
         tree,
         env,
         "commit the fork's tests",
+        stop,
     )
     log.step(f"tree: overlaid {len(files)} test file(s)")
 

@@ -6,10 +6,12 @@ without python3-pip), the pip wheel that its ensurepip bundles -- and checked ag
 fork.toml's sha256; its `uv` binary is extracted beside it and checked against the
 wheel's RECORD. Every later run checks both again and needs no network and no pip.
 
-uv keeps its downloads in <cache>/uv, outside the clone, so a fresh clone installs
+uv keeps its downloads in <cache>/uv-cache, outside the clone, so a fresh clone installs
 offline from there; packages it lacks are downloaded then (uv reads its own index
 configuration: UV_DEFAULT_INDEX, UV_INDEX, uv.toml; only the offline editable install
-of the tree passes its own --config-file, so no user uv.toml applies there).
+of the tree passes its own --config-file, so no user uv.toml applies there). Before uv
+downloads a lock's packages, the disk of the cache must have room for those it lacks
+(download_need_gib); a cache that cannot be written is refused before uv runs.
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from forkbuild import fetch, log
+from forkbuild import fetch, log, preflight
 from forkbuild.errors import ForkError
 from forkbuild.hashing import sha256_file
-from forkbuild.pins import Pins, cache_dir
+from forkbuild.pins import Pins, build_dir, cache_dir
 
 
 def bootstrap_pip() -> list[str]:
@@ -90,14 +92,88 @@ def binary(pins: Pins) -> Path:
     return target
 
 
+def uv_cache() -> Path:
+    return cache_dir() / "uv-cache"
+
+
 def env(base: dict[str, str] | None = None) -> dict[str, str]:
     """BASE (default: this process's environment) with uv's settings for the fork."""
     return {
         **(os.environ if base is None else base),
-        "UV_CACHE_DIR": str(cache_dir() / "uv-cache"),
+        "UV_CACHE_DIR": str(uv_cache()),
         "UV_PYTHON_DOWNLOADS": "never",  # venvs use the interpreter forkbuild runs on
         "UV_NO_PROGRESS": "1",
     }
+
+
+# What a package takes in uv's cache, which keeps every wheel unpacked (one folder under
+# <cache>/uv-cache/archive-v0 each). Measured on this fork's cache after `make test` (both
+# routes' locks for Python 3.11 installed; `du -sh ~/.cache/vllm-fork/*`: uv-cache 9.1G,
+# artifacts 545M, bytecode 379M, uv 37M): `du -sk` of each archive folder, named by the
+# .dist-info inside it. In MiB, the packages of 50 MiB or more; the 184 others took 3.5 MiB
+# each on average (none 44 MiB or more), counted as OTHER_MIB. In all, cpu-py311.txt took
+# 5.3 GiB (this table says 5.6), cuda-py311.txt 8.6 GiB (8.7), and the CUDA route's packages
+# that the CPU route's lack 3.3 GiB (3.2): that is what `make test`'s CUDA route check adds
+# to the cache `make serve` filled.
+UNPACKED_MIB = {
+    "flashinfer-cubin": 1858, "torch": 1115, "triton": 639, "nvidia-cublas": 570,
+    "nvidia-cudnn-cu13": 472, "tokenspeed-triton": 288, "nvidia-cufft": 275,
+    "nvidia-cusolver": 235, "nvidia-cusparselt-cu13": 223, "nvidia-cuda-nvrtc": 218,
+    "nvidia-nccl-cu13": 209, "nvidia-cutlass-dsl-libs-cu13": 189, "tilelang": 183,
+    "nvidia-cutlass-dsl-libs-base": 178, "llvmlite": 161, "nvidia-cusparse": 156,
+    "opencv-python-headless": 153, "nvidia-nvvm": 134, "nvidia-curand": 129, "xgrammar": 114,
+    "nvidia-cuda-nvcc": 112, "nvidia-nvjitlink": 95, "pynvvideocodec": 85,
+    "flashinfer-python": 84, "nvidia-nvshmem-cu13": 78, "z3-solver": 66, "transformers": 60,
+    "numpy": 59,
+}
+OTHER_MIB = 4
+# Beside the packages: uv's temporary folders while it downloads (each wheel is unpacked
+# in one, then renamed into place), and the bytecode the install keeps in the cache
+# afterwards (forkbuild/bytecode.py; 0.4 GiB for both routes, measured as above).
+MARGIN_GIB = 1.0
+
+
+def _fits_this_python(wheel_metadata: Path) -> bool:
+    """Whether an unpacked wheel (its WHEEL file) is one this interpreter installs."""
+    here = {f"cp{sys.version_info.major}{sys.version_info.minor}", "py3",
+            f"py{sys.version_info.major}{sys.version_info.minor}"}
+    try:
+        tags = [ln.split(":", 1)[1].strip() for ln in wheel_metadata.read_text().splitlines()
+                if ln.startswith("Tag:")]
+    except OSError:
+        return False
+    for tag in tags:
+        python, abi, _ = (tag.split("-") + ["", ""])[:3]
+        if here & set(python.split(".")) or abi == "abi3":
+            return True
+    return False
+
+
+def cached_packages() -> set[tuple[str, str]]:
+    """(name, version) of the wheels uv's cache holds for this Python, read from uv
+    0.13's layout (archive-v0/<id>/<name>-<version>.dist-info; fork.toml pins uv): a
+    layout it does not find counts as an empty cache, which asks for more room, not less."""
+    from forkbuild.lock import normalize  # lock imports this module
+
+    held = set()
+    for dist_info in (uv_cache() / "archive-v0").glob("*/*.dist-info"):
+        name, _, version = dist_info.name[: -len(".dist-info")].rpartition("-")
+        if name and _fits_this_python(dist_info / "WHEEL"):
+            held.add((normalize(name), version.lower()))
+    return held
+
+
+def download_need_gib(lock: Path) -> float:
+    """Room uv's cache needs to download what it lacks of LOCK (UNPACKED_MIB), plus MARGIN_GIB."""
+    from forkbuild.lock import pinned  # lock imports this module
+
+    held = cached_packages()
+    lacking = [name for name, version in pinned(lock).items() if (name, version.lower()) not in held]
+    return sum(UNPACKED_MIB.get(name, OTHER_MIB) for name in lacking) / 1024 + MARGIN_GIB
+
+
+class _Final(ForkError):
+    """A uv failure that downloading cannot mend: a hash mismatch, a full or unwritable disk."""
 
 
 _MISMATCH = re.compile(
@@ -107,16 +183,47 @@ _MISMATCH = re.compile(
 )
 
 
+# uv's I/O errors end in "(os error N)"; the line names the path in `...` or "...".
+_OS_ERROR = re.compile(r"(?P<reason>[A-Z][A-Za-z -]+) \(os error (?P<errno>\d+)\)")
+_PATH = re.compile(r"[`\"](?P<path>/[^`\"]+)[`\"]")
+_UNWRITABLE = {1, 13, 20, 30}  # EPERM, EACCES, ENOTDIR, EROFS
+
+
+def _disk_failure(output: str, what: str) -> ForkError | None:
+    """A full or unwritable disk, said with the folder it hit and the variable that moves it."""
+    for line in output.splitlines():
+        found = _OS_ERROR.search(line)
+        if not found or int(found["errno"]) not in {28, *_UNWRITABLE}:
+            continue
+        named = _PATH.search(line)
+        path = Path(named["path"]) if named else uv_cache()
+        folder = next((root for root in (uv_cache(), build_dir()) if path.is_relative_to(root.absolute())),
+                      path)
+        setting = preflight.setting_for(path)
+        if int(found["errno"]) == 28:
+            return _Final(
+                f"no space left on the disk of {folder} when uv tried to {what}",
+                f"free disk space there, or set {setting} to a folder on a disk with room; then "
+                "run again (uv keeps what it downloaded)",
+            )
+        return _Final(f"uv cannot write in {folder} ({found['reason']}) when it tried to {what}",
+                      f"make it writable, or set {setting} to a writable folder")
+    return None
+
+
 def _failure(output: str, what: str, lock: Path | None) -> ForkError:
     found = _MISMATCH.search(output)
     if found:
         where = f"{lock.name} pins" if lock else "the requirements pin"
-        return ForkError(
+        return _Final(
             f"sha256 mismatch for {found['what']}: the download has {found['computed']}, "
             f"{where} {found['expected']}; nothing was installed",
             "run again (the download is not kept); if it mismatches again, do not edit the lock: "
             "check the package on the index",
         )
+    disk = _disk_failure(output, what)
+    if disk:
+        return disk
     lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
     errors = [ln for ln in lines if ln.startswith(("error:", "cause:", "Caused by:"))]
     return ForkError(f"uv failed to {what}: {' '.join(errors[-2:] or lines[-1:] or ['no output'])}",
@@ -127,6 +234,7 @@ def run(pins: Pins, args: Sequence[str], *, what: str, lock: Path | None = None,
         extra_env: dict[str, str] | None = None, stream: bool = False) -> str:
     """Run `uv ARGS`; return its output. With STREAM its lines are shown as they come
     (long downloads); either way a failure raises with uv's own cause."""
+    check_cache_writable()
     cmd = [str(binary(pins)), *args]
     proc = subprocess.Popen(cmd, env=env({**os.environ, **(extra_env or {})}), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -142,14 +250,30 @@ def run(pins: Pins, args: Sequence[str], *, what: str, lock: Path | None = None,
     return output
 
 
+_writable: set[Path] = set()  # per process: the cache is checked once
+
+
+def check_cache_writable() -> None:
+    """uv cannot run on a cache it cannot write (it locks it even to read): say so, and
+    name VLLM_FORK_CACHE, before uv fails with its own words."""
+    if uv_cache() not in _writable:
+        preflight.check_writable(uv_cache(), "uv")
+        _writable.add(uv_cache())
+
+
 def install(pins: Pins, args: Sequence[str], *, what: str, lock: Path | None = None,
             extra_env: dict[str, str] | None = None) -> None:
-    """`uv pip ARGS` from uv's cache alone first; only what the cache lacks is downloaded."""
+    """`uv pip ARGS` (installing WHAT, e.g. "the packages of cpu-py311.txt") from uv's cache
+    alone first; only what the cache lacks is downloaded, once the disk has room for it."""
     try:
-        run(pins, ["pip", *args, "--offline"], what=what, lock=lock, extra_env=extra_env)
+        run(pins, ["pip", *args, "--offline"], what=f"install {what}", lock=lock, extra_env=extra_env)
         return
-    except ForkError as exc:
-        if "sha256 mismatch" in str(exc):
-            raise
+    except _Final:
+        raise
+    except ForkError:
+        pass
+    if lock is not None:
+        preflight.check_disk(uv_cache(), download_need_gib(lock),
+                             f"downloading what uv's cache lacks of {lock.name}")
     log.step(f"install: downloading what uv's cache lacks for {what}")
-    run(pins, ["pip", *args], what=what, lock=lock, extra_env=extra_env, stream=True)
+    run(pins, ["pip", *args], what=f"install {what}", lock=lock, extra_env=extra_env, stream=True)

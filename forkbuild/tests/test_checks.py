@@ -8,7 +8,7 @@ import tarfile
 
 import pytest
 
-from forkbuild import fixcheck, preflight
+from forkbuild import fixcheck, pins, preflight
 from forkbuild.errors import ForkError
 
 
@@ -35,9 +35,27 @@ def test_unsupported_python_and_machine_are_refused(fork_pins):
         preflight.check_machine(dataclasses.replace(fork_pins, machines=("riscv64",)))
 
 
-def test_no_space_is_refused_before_work(tmp_path):
+def test_no_space_is_refused_before_work(tmp_path, monkeypatch):
     with pytest.raises(ForkError, match="GiB free under"):
         preflight.check_disk(tmp_path, 10**9, "the test")
+    # The advice names the variable that moves the folder that is short of space.
+    monkeypatch.setenv("VLLM_FORK_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ForkError) as err:
+        preflight.check_disk(tmp_path / "cache" / "uv-cache", 10**9, "uv's downloads")
+    assert "set VLLM_FORK_CACHE to a folder on a disk with room" in err.value.hint
+
+
+@pytest.mark.parametrize("variable", ["VLLM_FORK_CACHE", "VLLM_FORK_BUILD"])
+def test_unwritable_cache_or_build_is_refused_with_its_variable(tmp_path, monkeypatch, variable):
+    """A folder that cannot be made or written (here: below a file; a read-only file system
+    in test_uv_cache.py) is refused in one line that names the variable moving it; it
+    raised NotADirectoryError, a traceback, before."""
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv(variable, str(tmp_path / "a-file" / "folder"))
+    folder = pins.cache_dir() / "artifacts" if variable == "VLLM_FORK_CACHE" else pins.build_dir()
+    with pytest.raises(ForkError, match=r"cannot write in .*a-file/folder.* \(Not a directory\)") as err:
+        preflight.check_disk(folder, 1, "the test")
+    assert err.value.hint == f"make it writable, or set {variable} to a writable folder"
 
 
 def test_port_in_use_is_refused():

