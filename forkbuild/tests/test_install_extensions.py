@@ -110,7 +110,7 @@ def _stub_steps(monkeypatch, tmp_path, toolchain):
 
     monkeypatch.setattr(install, "ensure_toolchain", toolchain)
     monkeypatch.setattr(fetch_step, "fetch", fetch)
-    monkeypatch.setattr(tree_step, "build", lambda pins, sdist: tmp_path / "tree")
+    monkeypatch.setattr(tree_step, "build", lambda pins, sdist, stop=None: tmp_path / "tree")
     return calls
 
 

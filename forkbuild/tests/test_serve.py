@@ -156,9 +156,16 @@ def _post(url: str, body: dict) -> dict:
 def test_embedded_model_answers_a_completion_and_a_chat(tmp_path):
     port = _free_port()
     log = (tmp_path / "serve.log").open("w")
+    # The GPU serve test's KV cache check, exercised here on CPU: the worker extension
+    # passed through to vllm serve, and the dev-mode /collective_rpc that calls it by name.
+    from tests.v1.worker.offload_round_trip import KV_CACHE_INSPECTION
+
     server = subprocess.Popen(
-        [sys.executable, "-m", "forkbuild", "serve", "--port", str(port)],
+        [sys.executable, "-m", "forkbuild", "serve", "--port", str(port), "--",
+         "--worker-extension-cls", KV_CACHE_INSPECTION],
         cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "VLLM_SERVER_DEV_MODE": "1",
+             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))},
     )
     base = f"http://127.0.0.1:{port}"
     try:
@@ -195,6 +202,14 @@ def test_embedded_model_answers_a_completion_and_a_chat(tmp_path):
         assert "+fork.1" in chat["system_fingerprint"]
         # the demo's worker ran inside the engine core process (demo_engine_env)
         assert "(Worker pid=" not in (tmp_path / "serve.log").read_text()
+        # What the GPU serve test asks its servers, asked here the same way: one report
+        # per worker; the tiny chat model's two groups (sliding, full) per layer, unpacked.
+        from forkbuild.tests.test_serve_gpu import _kv_cache_reports
+        from tests.v1.worker.offload_round_trip import check_not_packed
+
+        (report,) = _kv_cache_reports(port)
+        check_not_packed(report)
+        assert len(report["layers"]) == 4, report["layers"]
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
