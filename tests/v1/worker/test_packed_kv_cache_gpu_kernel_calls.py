@@ -26,6 +26,7 @@ from tests.v1.worker.test_packed_kv_cache_gpu_kernels import (
     sequence_inputs,
     varlen_metadata,
     write_kv,
+    write_kv_args,
 )
 from tests.v1.worker.test_packed_kv_cache_layer_views import (
     gpt_oss_like_specs,
@@ -96,7 +97,8 @@ def test_cache_write_reaches_the_kernel(packed):
     views, _, data, _, slots = packed
     for name, cache in views.items():
         key, value, _, _ = data[name]
-        reach_dispatch(partial(write_kv, key, value, cache, slots), CACHE_WRITE)
+        args = write_kv_args(key, value, cache, slots)
+        reach_dispatch(partial(write_kv, *args), CACHE_WRITE)
 
 
 @pytest.mark.parametrize("fa_version", [2, 3])
@@ -161,6 +163,8 @@ def test_a_broken_flash_attention_call_does_not_reach_the_kernel(packed, breakag
         reach_dispatch(lambda: flash_attn_varlen_func(**broken), FLASH_ATTENTION[3])
 
 
+# Breakages of the cache write's arguments (write_kv_args), each caught before the
+# kernel: by vLLM's wrapper (the argument count) or by the op's schema (the types).
 CACHE_WRITE_BREAKAGES = {
     "missing argument": lambda args: args[:-1],
     "None where the schema takes str": lambda args: (*args[:5], None, *args[6:]),
@@ -170,19 +174,11 @@ CACHE_WRITE_BREAKAGES = {
 
 @pytest.mark.parametrize("breakage", sorted(CACHE_WRITE_BREAKAGES))
 def test_a_broken_cache_write_does_not_reach_the_kernel(packed, breakage):
-    from tests.v1.worker.test_packed_kv_cache_layer_views import key_value_views
-
     views, _, data, _, slots = packed
     name, cache = next(iter(views.items()))
     key, value, _, _ = data[name]
-    scale = torch.ones(1, dtype=torch.float32)
-    args = (key, value, *key_value_views(cache, HEAD_SIZE), slots, "auto", scale, scale)
+    args = write_kv_args(key, value, cache, slots)
     broken = CACHE_WRITE_BREAKAGES[breakage](args)
-    reach_dispatch(
-        lambda: torch.ops._C_cache_ops.reshape_and_cache_flash(*args), CACHE_WRITE
-    )
+    reach_dispatch(partial(write_kv, *args), CACHE_WRITE)
     with pytest.raises(NotReached):
-        reach_dispatch(
-            lambda: torch.ops._C_cache_ops.reshape_and_cache_flash(*broken),
-            CACHE_WRITE,
-        )
+        reach_dispatch(partial(write_kv, *broken), CACHE_WRITE)

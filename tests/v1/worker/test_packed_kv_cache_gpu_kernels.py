@@ -140,16 +140,20 @@ def sequence_inputs(views, num_blocks, device="cuda"):
     return data, block_table, slots
 
 
-def write_kv(key, value, cache, slots) -> None:
-    """KEY and VALUE into the layer's CACHE view at SLOTS with vLLM's cache-write op,
-    as FlashAttentionImpl.do_kv_cache_update calls it (bf16: no scales)."""
-    from vllm import _custom_ops as ops
-
+def write_kv_args(key, value, cache, slots) -> tuple:
+    """The arguments of vLLM's cache-write op that write KEY and VALUE into the
+    layer's CACHE view at SLOTS, as FlashAttentionImpl.do_kv_cache_update passes
+    them (bf16: the scales are ones)."""
     scale = torch.ones(1, dtype=torch.float32, device=key.device)
     key_cache, value_cache = key_value_views(cache, HEAD_SIZE)
-    ops.reshape_and_cache_flash(
-        key, value, key_cache, value_cache, slots, "auto", scale, scale
-    )
+    return key, value, key_cache, value_cache, slots, "auto", scale, scale
+
+
+def write_kv(*args) -> None:
+    """vLLM's cache-write op (``reshape_and_cache_flash``) on ARGS: write_kv_args()."""
+    from vllm import _custom_ops as ops
+
+    ops.reshape_and_cache_flash(*args)
 
 
 def _write_sequences(views, num_blocks):
@@ -158,7 +162,7 @@ def _write_sequences(views, num_blocks):
     data, block_table, slots = sequence_inputs(views, num_blocks)
     for name, cache in views.items():
         key, value, _, _ = data[name]
-        write_kv(key, value, cache, slots)
+        write_kv(*write_kv_args(key, value, cache, slots))
     torch.cuda.synchronize()
     return data, block_table
 
