@@ -247,19 +247,29 @@ def check_flashinfer_jit(python: Path, stub: Path, results: Path) -> int:
     if missing:
         raise ForkError(f"the CUDA lock's toolchain is incomplete: {', '.join(missing)}",
                         "check the CUDA lock's nvidia-cuda-* and ninja pins")
-    work = home() / "flashinfer-jit"
+    return probe_flashinfer_jit(python, {**env, **stub_env(stub)}, nvcc_version,
+                                home() / "flashinfer-jit", results / "cuda-route-flashinfer-jit.log")
+
+
+def probe_flashinfer_jit(python: Path, env: dict[str, str], nvcc_version: str, work: Path,
+                         report: Path) -> int:
+    """Run _JIT_PROBE in PYTHON's venv with ENV (the nightly's toolchain_env, plus the
+    driver stub where there is no driver); fail naming what FlashInfer's JIT would miss.
+    The nightly runs it too, on the GPU host before the tests: a host compiler that the
+    lock's nvcc refuses stops it there in seconds, not in the first FlashInfer case."""
+    venv = python.parent.parent
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     done = subprocess.run(
         [str(python), "-c", _JIT_PROBE, str(work)], cwd=work,
-        env={**os.environ, **env, **stub_env(stub), "FLASHINFER_WORKSPACE_BASE": str(work),
+        env={**os.environ, **env, "FLASHINFER_WORKSPACE_BASE": str(work),
              "FLASHINFER_CUDA_ARCH_LIST": "8.0 9.0a"},
         capture_output=True, text=True, check=False,
     )
-    (results / "cuda-route-flashinfer-jit.log").write_text(done.stdout + done.stderr)
+    report.write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         raise ForkError(f"FlashInfer's JIT probe crashed: {done.stderr.strip()[-600:]}",
-                        f"see {results / 'cuda-route-flashinfer-jit.log'}")
+                        f"see {report}")
     found = json.loads(done.stdout.strip().splitlines()[-1])
     problems = []
     if Path(found["cuda_home"]) != Path(env["CUDA_HOME"]):
@@ -275,7 +285,7 @@ def check_flashinfer_jit(python: Path, stub: Path, results: Path) -> int:
         problems.append(f"the linked module needs only {found['links']} of libcudart, libcuda")
     if problems:
         raise ForkError("FlashInfer's JIT would fail on the GPU runner: " + "; ".join(problems),
-                        f"see {results / 'cuda-route-flashinfer-jit.log'}")
+                        f"see {report}")
     return len(found["modules"])
 
 

@@ -274,6 +274,7 @@ def run(pins: Pins) -> str:
 
     python, tree_path, _ = install.install(pins, "cuda")
     env = prepare_toolchain(python.parent.parent, nvcc_version)
+    check_jit(python, env, nvcc_version, out)
     kernels_and_engine = _run_or_note(
         python, tree_path, ["--forked", "-v", "-rs", *PER_CASE_TIMEOUT, *pins.gpu_tests],
         out / "gpu-tests.xml", extra_env=env, timeout_s=RUN_LIMITS_S["gpu-tests"],
@@ -292,6 +293,18 @@ def run(pins: Pins) -> str:
     bench_killed = f"stopped after its time limit of {RUN_LIMITS_S['benchmark']} s"
     return conclude(kind, required, kernels_and_engine, serve, bench_exit, out,
                     benchmark_killed=bench_killed if bench_stopped else "")
+
+
+def check_jit(python: Path, env: dict[str, str], nvcc_version: str, out: Path) -> None:
+    """FlashInfer's JIT toolchain on this agent, in seconds, before the tests: the same
+    probe as `make test`'s CUDA route check (forkbuild/cuda_route.py), here with the
+    agent's own driver and host compiler."""
+    from forkbuild import cuda_route
+
+    modules = cuda_route.probe_flashinfer_jit(python, env, nvcc_version, out / "flashinfer-jit",
+                                              out / "flashinfer-jit.log")
+    log.step(f"nightly: FlashInfer's JIT finds the lock's nvcc and ninja ({modules} module build "
+             "graphs), and a CUDA file compiles and links on this agent")
 
 
 def _run_or_note(*args, **kwargs) -> pytest_runner.Outcome:

@@ -421,6 +421,9 @@ def fake_job(tmp_path, monkeypatch):
     monkeypatch.setattr(nightly.install, "install", lambda pins, route: (
         calls.append(("install", route)) or (venv / "bin" / "python", tmp_path / "tree", None)
     ))
+    monkeypatch.setattr(nightly, "check_jit", lambda python, env, nvcc, out: (
+        calls.append(("jit", env["CUDA_HOME"]))
+    ))
     monkeypatch.setattr(nightly.pytest_runner, "run_pytest", lambda *args, **kwargs: (
         calls.append(("pytest", args, kwargs)) or Outcome({})
     ))
@@ -435,8 +438,8 @@ def test_the_job_runs_the_gpu_tests_with_the_toolchain_and_the_limits(fake_job):
     pins, calls, venv = fake_job
     with pytest.raises(ForkError, match="required case"):  # the fakes report no case
         nightly.run(pins)
-    assert [call[0] for call in calls] == ["install", "pytest", "pytest", "benchmark"]
-    (_, (_, _, gpu_args, _), gpu), (_, _, serve), (_, _, bench) = calls[1:]
+    assert [call[0] for call in calls] == ["install", "jit", "pytest", "pytest", "benchmark"]
+    (_, (_, _, gpu_args, _), gpu), (_, _, serve), (_, _, bench) = calls[2:]
     assert gpu_args[:3] == ["--forked", "-v", "-rs"]
     assert gpu_args[3:-1] == nightly.PER_CASE_TIMEOUT
     home = str(install.site_packages(venv) / "nvidia" / "cu13")
@@ -458,14 +461,14 @@ def test_a_run_pytest_cannot_carry_out_still_leaves_the_summary(fake_job, monkey
 
     def gpu_run_breaks(*args, **kwargs):
         calls.append(("pytest", args, kwargs))
-        if len(calls) == 2:  # the GPU tests' run
+        if len(calls) == 3:  # the GPU tests' run (after the install and the JIT probe)
             raise ForkError("pytest could not run the tests in tree (exit 2)", "see its output")
         return Outcome({})
 
     monkeypatch.setattr(nightly.pytest_runner, "run_pytest", gpu_run_breaks)
     with pytest.raises(ForkError, match="could not run"):
         nightly.run(pins)
-    assert [call[0] for call in calls] == ["install", "pytest", "pytest", "benchmark"]
+    assert [call[0] for call in calls] == ["install", "jit", "pytest", "pytest", "benchmark"]
     summary = json.loads((Path(os.environ["FORK_NIGHTLY_OUT"]) / "summary.json").read_text())
     assert summary["killed"] == [
         "gpu-tests.xml: could not run: pytest could not run the tests in tree (exit 2) -- see its output"
