@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import urllib.parse
 import uuid
 import zipfile
 from collections.abc import Callable
@@ -189,7 +190,7 @@ def install(pins: Pins, route_name: str | None = None) -> tuple[Path, Path, Rout
 
     stamp = tree_path / INSTALL_STAMP
     stamp_value = install_stamp(route, tree_path)
-    if stamp.exists() and stamp.read_text().strip() == stamp_value and holds_editable(tree_path):
+    if is_installed(route, tree_path):
         # Verified by the probe when it was stamped; what may change since is the source.
         verdict = fixcheck.classify((tree_path / fixcheck.MODULE_PATH).read_text())
         if verdict != "fixed":
@@ -226,6 +227,14 @@ def install(pins: Pins, route_name: str | None = None) -> tuple[Path, Path, Rout
     return python, tree_path, route
 
 
+def is_installed(route: Route, tree_path: Path) -> bool:
+    """The tree was installed into this very venv (the stamp names the venv's id) and the
+    venv still holds it (its editable vLLM points at the tree)."""
+    stamp = tree_path / INSTALL_STAMP
+    return (stamp.exists() and stamp.read_text().strip() == install_stamp(route, tree_path)
+            and holds_editable(tree_path))
+
+
 def install_stamp(route: Route, tree_path: Path) -> str:
     """What the tree's install stamp records: the route's wheel, the tree's inputs, the
     venv's lock and the venv itself (its id: a venv made anew has another)."""
@@ -244,7 +253,11 @@ def holds_editable(tree_path: Path) -> bool:
             info = json.loads(direct_url.read_text())
         except (OSError, ValueError):
             return False
-        return bool(info.get("dir_info", {}).get("editable")) and info.get("url") == tree_path.resolve().as_uri()
+        url = urllib.parse.urlparse(info.get("url", ""))
+        if url.scheme != "file" or not info.get("dir_info", {}).get("editable"):
+            return False
+        # Resolved on both sides: uv may write the path as given (VLLM_FORK_BUILD may be a link).
+        return Path(urllib.parse.unquote(url.path)).resolve() == tree_path.resolve()
     return False
 
 

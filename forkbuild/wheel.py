@@ -152,6 +152,13 @@ def verify_wheel(path: Path, pins: Pins, official: Path, patches_dir: Path = tre
             None,
         ) if metadata else None
     problems, hints = [], []
+    ours, theirs = _requirements(path), _requirements(official)
+    if ours != theirs:
+        only = sorted(set(ours) ^ set(theirs))
+        problems.append(f"its METADATA's Requires-Dist/Requires-Python differ from the official "
+                        f"wheel's in {len(only)} line(s), e.g. {only[0]!r}")
+        hints.append("the fork must depend on exactly what vllm==0.25.1 depends on: check the tree's "
+                     "requirements files against the sdist's")
     if verdict != "fixed":
         problems.append(f"{fixcheck.FUNCTION} is {verdict}")
     if version != pins.fork_version:
@@ -168,6 +175,16 @@ def verify_wheel(path: Path, pins: Pins, official: Path, patches_dir: Path = tre
              f"{result.compared} files of {official.name} ({len(_compiled(official))} compiled "
              f"extensions among them) present and equal, {len(result.patched)} changed as the "
              f"series and the build change them ({', '.join(result.patched)})")
+
+
+def _requirements(path: Path) -> list[str]:
+    """The Requires-Dist and Requires-Python lines of the wheel's METADATA, sorted: what
+    an installer takes from it (the rest of .dist-info names the build, not the needs)."""
+    with zipfile.ZipFile(path) as whl:
+        name = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
+        head = whl.read(name).decode().split("\n\n", 1)[0]  # headers end at the first blank line
+    return sorted(line.strip() for line in head.splitlines()
+                  if line.startswith(("Requires-Dist:", "Requires-Python:")))
 
 
 def _tag_options(official: Path) -> list[str]:

@@ -69,3 +69,55 @@ def test_a_venv_made_anew_changes_the_install_stamp(scratch, fork_pins):
     assert install.install_stamp(route, tree) == first
     (venv / install.VENV_ID).write_text("b" * 32 + "\n")
     assert install.install_stamp(route, tree) != first
+
+
+def _installed_here(scratch: Path, route) -> Path:
+    """A build folder as an install leaves it: a venv with an id and the tree's editable
+    vLLM, the tree stamped with both."""
+    tree = scratch / "build" / "vllm-0.25.1"
+    (tree / ".git").mkdir(parents=True)
+    (tree / ".git" / "forkbuild-inputs").write_text("inputs\n")
+    venv = scratch / "build" / "venv"
+    _editable(_site(scratch / "build"), tree)
+    (venv / install.TOOLCHAIN_STAMP).write_text("the lock\n")
+    (venv / install.VENV_ID).write_text("c" * 32 + "\n")
+    (tree / install.INSTALL_STAMP).write_text(install.install_stamp(route, tree) + "\n")
+    return tree
+
+
+def test_rm_venv_then_install_is_not_up_to_date(scratch, fork_pins):
+    """The issue's sequence: the venv made anew has the same lock, another id, no vLLM."""
+    import shutil
+
+    route = fork_pins.routes["cpu"]
+    tree = _installed_here(scratch, route)
+    assert install.is_installed(route, tree)
+    venv = scratch / "build" / "venv"
+    shutil.rmtree(venv)
+    _site(scratch / "build")
+    (venv / install.TOOLCHAIN_STAMP).write_text("the lock\n")
+    (venv / install.VENV_ID).write_text("d" * 32 + "\n")
+    assert not install.is_installed(route, tree)
+
+
+def test_a_venv_that_lost_the_editable_vllm_is_not_up_to_date(scratch, fork_pins):
+    import shutil
+
+    route = fork_pins.routes["cpu"]
+    tree = _installed_here(scratch, route)
+    for info in (scratch / "build" / "venv").rglob("vllm-*.dist-info"):
+        shutil.rmtree(info)
+    assert not install.is_installed(route, tree)
+
+
+def test_the_venvs_forkbuild_makes_carry_an_id():
+    """ensure_toolchain writes the id the stamp needs (the build's own venv, made by the
+    install that `make test` ran first)."""
+    import pytest
+
+    from forkbuild.pins import build_dir
+
+    venv = build_dir() / "venv"
+    if not (venv / install.TOOLCHAIN_STAMP).exists():
+        pytest.skip("no venv made by forkbuild here yet")
+    assert len((venv / install.VENV_ID).read_text().strip()) == 32

@@ -94,10 +94,14 @@ def _record_hash(data: bytes) -> str:
     return f"sha256={digest}"
 
 
-def make_wheel(path: Path, version: str, files: dict[str, bytes], *, lie: dict[str, bytes] | None = None) -> Path:
-    """A wheel of FILES with its .dist-info; LIE: files whose RECORD states other bytes."""
+def make_wheel(path: Path, version: str, files: dict[str, bytes], *, lie: dict[str, bytes] | None = None,
+               requires: tuple[str, ...] = ("torch==2.11.0",)) -> Path:
+    """A wheel of FILES with its .dist-info; LIE: files whose RECORD states other bytes;
+    REQUIRES: its Requires-Dist."""
     info = f"vllm-{version}.dist-info"
-    files = {**files, f"{info}/METADATA": f"Metadata-Version: 2.4\nName: vllm\nVersion: {version}\n".encode(),
+    needs = "".join(f"Requires-Dist: {r}\n" for r in requires)
+    metadata = f"Metadata-Version: 2.4\nName: vllm\nVersion: {version}\n{needs}\nA description.\n"
+    files = {**files, f"{info}/METADATA": metadata.encode(),
              f"{info}/WHEEL": b"Wheel-Version: 1.0\n"}
     stated = {**files, **(lie or {})}
     record = "".join(f"{name},{_record_hash(stated[name])},{len(stated[name])}\n" for name in files)
@@ -206,3 +210,10 @@ def test_many_files_are_counted_and_the_first_few_named(fork_pins, tmp_path, ser
     with pytest.raises(ForkError, match=r"12 file\(s\) of .* missing: vllm/configs/c00.json, "
                        r".*vllm/configs/c04.json, \.\.\. \(7 more\)"):
         wheel.verify_wheel(fork, fork_pins, official, patches_dir=series)
+
+
+def test_other_requirements_than_the_official_wheel_are_refused(fork_pins, tmp_path, series, official_made_up):
+    files = {**BASE, "vllm/_version.py": b"v\n"}
+    fork = fork_made_up(tmp_path, fork_pins, files, requires=("torch==2.11.0", "extra-package"))
+    with pytest.raises(ForkError, match="Requires-Dist/Requires-Python differ .* 1 line"):
+        wheel.verify_wheel(fork, fork_pins, official_made_up, patches_dir=series)
