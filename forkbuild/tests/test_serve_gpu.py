@@ -48,11 +48,20 @@ from tests.v1.worker.offload_round_trip import (
 
 
 def _compute_capability() -> float:
-    out = subprocess.run(
-        ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
-        capture_output=True, text=True, check=False,
-    ).stdout.split()
-    return float(out[0]) if out else 0.0
+    """The weakest compute capability among the GPUs this process sees (as the nightly
+    counts them: CUDA_VISIBLE_DEVICES applies), 0.0 without nvidia-smi or a GPU."""
+    from forkbuild import gpu_required
+
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={gpu_required.NVIDIA_SMI_QUERY}", "--format=csv"],
+            capture_output=True, text=True, check=False,
+        ).stdout
+        capabilities = gpu_required.parse_nvidia_smi(out, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    except Exception:  # no GPU, no nvidia-smi or none visible: the other skip decides
+        return 0.0
+    major, minor = min(capabilities)
+    return major + minor / 10
 
 
 pytestmark = [
