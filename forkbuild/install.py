@@ -87,7 +87,7 @@ def venv_matches_lock(python: Path, lock_file: Path, pins: Pins) -> None:
         raise ForkError(
             f"the venv differs from {lock_file.name} in {len(diff)} package(s), e.g. "
             f"{'=='.join(diff[0])}",
-            "rm -r build/venv and run again",
+            f"rm -r {venv_dir()} and run again",
         )
 
 
@@ -421,7 +421,7 @@ def check_install(python: Path, tree_path: Path, route: Route) -> dict[str, str]
     if not Path(info["vllm"]).resolve().is_relative_to(tree_path.resolve()):
         raise ForkError(
             f"`import vllm` resolves to {info['vllm']}, not into {tree_path}",
-            "remove other vLLM installs from the venv (rm -r build/venv) and run again",
+            f"remove other vLLM installs from the venv (rm -r {venv_dir()}) and run again",
         )
     verdict = fixcheck.classify(info["source"])
     if verdict != "fixed":
@@ -436,14 +436,14 @@ def check_install(python: Path, tree_path: Path, route: Route) -> dict[str, str]
         raise ForkError(
             f"vLLM detected {info['platform']} (device {info['device']!r}) on the "
             f"{route.name} route (version {info['version']})",
-            "rm -r build/venv and run again",
+            f"rm -r {venv_dir()} and run again",
         )
     if info["cpu_kernels"] is False:
         raise ForkError(
             "vLLM's CPU kernels do not load on this host (torch.ops._C lacks "
             "init_cpu_memory_env): the CPU engine cannot start",
             f"check that {route.wheel.filename}'s vllm/_C*.so files are in {tree_path / 'vllm'}; "
-            "rm -r build/venv and run again",
+            f"rm -r {venv_dir()} and run again",
         )
     log.step(
         f"install: verified: vllm {info['version']} from {tree_path}, {info['platform']}, "
