@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pkgutil
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -79,16 +80,18 @@ def other_interpreters() -> list[Path]:
 
 
 def test_tree_is_the_same_on_every_interpreter_here(tmp_path):
-    """`make tree PYTHON=...` with each other supported interpreter of this machine (the
-    standard library alone; tarfile's data filter is missing before 3.11.4) makes the very
-    commits the running one makes: same inputs, same tree."""
+    """`make fetch` and `make tree PYTHON=...` with each other supported interpreter of
+    this machine (the standard library alone; tarfile's data filter is missing before
+    3.11.4) make the very commits the running one makes: same inputs, same tree."""
     interpreters = other_interpreters()
     if not interpreters:
         pytest.skip("no other supported Python on this machine")
     builds = {python: tmp_path / f"build-{i}" for i, python in enumerate(interpreters)}
+    # `make fetch` (the cached files verified) then `make tree`, as the README runs them.
+    steps = "{0} -m forkbuild fetch --route cpu && {0} -m forkbuild tree"
     running = {
         python: subprocess.Popen(
-            [str(python), "-m", "forkbuild", "tree"], cwd=pins.REPO_ROOT, text=True,
+            ["sh", "-c", steps.format(shlex.quote(str(python)))], cwd=pins.REPO_ROOT, text=True,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             env={**os.environ, "VLLM_FORK_BUILD": str(build)},
         )
