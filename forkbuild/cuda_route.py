@@ -185,9 +185,9 @@ def load_extensions(python: Path, tree: Path, wheel: Path, stub: Path) -> dict:
 # module takes about a minute of nvcc on 2 cores); one small CUDA file is compiled and
 # linked as FlashInfer links, with the lock's nvcc, headers and libcudart.
 _JIT_PROBE = r"""
-import json, os, shutil, subprocess, sys, torch
-from elftools.elf.elffile import ELFFile
+import json, os, pathlib, shutil, subprocess, sys, torch
 from flashinfer.jit import cpp_ext
+from forkbuild.driver_stub import needed_libraries
 from flashinfer.prefill import gen_batch_prefill_module
 work = sys.argv[1]
 result = {"cuda_home": cpp_ext.get_cuda_path(), "ninja": shutil.which("ninja"),
@@ -225,9 +225,7 @@ for step in steps:  # as FlashInfer's build.ninja: nvcc compiles, the C++ compil
         break
 else:
     result["compiled"] = True
-    with open(lib, "rb") as handle:
-        dynamic = ELFFile(handle).get_section_by_name(".dynamic")
-        needed = [t.needed for t in dynamic.iter_tags() if t.entry.d_tag == "DT_NEEDED"]
+    needed = needed_libraries(pathlib.Path(lib))
     result["links"] = sorted(n for n in needed if n in ("libcudart.so.13", "libcuda.so.1"))
 print(json.dumps(result))
 """
@@ -262,7 +260,8 @@ def probe_flashinfer_jit(python: Path, env: dict[str, str], nvcc_version: str, w
     work.mkdir(parents=True)
     done = subprocess.run(
         [str(python), "-c", _JIT_PROBE, str(work)], cwd=work,
-        env={**os.environ, **env, "FLASHINFER_WORKSPACE_BASE": str(work),
+        # PYTHONPATH: the probe reads the module's sonames with forkbuild.driver_stub.
+        env={**os.environ, **env, "PYTHONPATH": str(REPO_ROOT), "FLASHINFER_WORKSPACE_BASE": str(work),
              "FLASHINFER_CUDA_ARCH_LIST": "8.0 9.0a"},
         capture_output=True, text=True, check=False,
     )

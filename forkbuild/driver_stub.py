@@ -29,23 +29,34 @@ CUDA_ERROR_NO_DEVICE = 100
 DRIVER_SYMBOL = re.compile(r"cu[A-Z][A-Za-z0-9_]*")
 
 
-def needs_driver(path: Path) -> list[str] | None:
-    """The driver entry points that the ELF shared object PATH imports, or None when it
-    does not link against the driver library (some link it and import none)."""
+def _dynamic_segment(elf):
+    """The PT_DYNAMIC segment of ELF, or None when it is statically linked. Segments, not
+    section headers: a stripped object may have no section table."""
+    return next((seg for seg in elf.iter_segments() if seg.header.p_type == "PT_DYNAMIC"), None)
+
+
+def needed_libraries(path: Path) -> list[str]:
+    """The sonames (DT_NEEDED) of the ELF shared object PATH."""
     from elftools.elf.elffile import ELFFile  # the CUDA venv's pyelftools
 
     with open(path, "rb") as handle:
-        elf = ELFFile(handle)
-        # Segments, not section headers: a stripped object may have no section table.
-        dynamic = next((seg for seg in elf.iter_segments() if seg.header.p_type == "PT_DYNAMIC"), None)
-        if dynamic is None:  # statically linked: needs no library
-            return None
-        needed = [tag.needed for tag in dynamic.iter_tags() if tag.entry.d_tag == "DT_NEEDED"]
-        if SONAME not in needed:
-            return None
+        dynamic = _dynamic_segment(ELFFile(handle))
+        if dynamic is None:
+            return []
+        return [tag.needed for tag in dynamic.iter_tags() if tag.entry.d_tag == "DT_NEEDED"]
+
+
+def needs_driver(path: Path) -> list[str] | None:
+    """The driver entry points that the ELF shared object PATH imports, or None when it
+    does not link against the driver library (some link it and import none)."""
+    from elftools.elf.elffile import ELFFile
+
+    if SONAME not in needed_libraries(path):
+        return None
+    with open(path, "rb") as handle:
         return sorted(
             sym.name
-            for sym in dynamic.iter_symbols()
+            for sym in _dynamic_segment(ELFFile(handle)).iter_symbols()
             if sym["st_shndx"] == "SHN_UNDEF" and DRIVER_SYMBOL.fullmatch(sym.name)
         )
 
