@@ -22,6 +22,7 @@ import os
 import re
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,14 +35,21 @@ from forkbuild.pins import Pins, build_dir, cache_dir
 
 def bootstrap_pip() -> list[str]:
     """A pip command for the one download that comes before uv: this interpreter's pip,
-    else the pip wheel its ensurepip bundles (pip runs from a wheel file)."""
+    else the pip wheel its ensurepip installs from (pip runs from a wheel file): the one
+    bundled with ensurepip, or, where a distribution keeps it apart (Debian's
+    /usr/share/python-wheels), the one in the folder that ensurepip itself reads,
+    sysconfig's WHEEL_PKG_DIR."""
     if importlib.util.find_spec("pip") is not None:
         return [sys.executable, "-m", "pip"]
     spec = importlib.util.find_spec("ensurepip")
     if spec is not None and spec.origin:
-        bundled = sorted((Path(spec.origin).parent / "_bundled").glob("pip-*.whl"))
-        if bundled:
-            return [sys.executable, str(bundled[-1] / "pip")]
+        folders = [Path(spec.origin).parent / "_bundled"]
+        if sysconfig.get_config_var("WHEEL_PKG_DIR"):
+            folders.append(Path(sysconfig.get_config_var("WHEEL_PKG_DIR")))
+        for folder in folders:
+            wheels = sorted(folder.glob("pip-*.whl"))
+            if wheels:
+                return [sys.executable, str(wheels[-1] / "pip")]
     raise ForkError(
         f"{sys.executable} has neither pip nor ensurepip, which forkbuild needs once to fetch uv",
         "install your distribution's python3-venv or python3-pip package (Debian/Ubuntu: "
