@@ -23,7 +23,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from forkbuild import install, log, patch_status, tree, versions
+from forkbuild import fetch, install, log, patch_status, tree, versions
 from forkbuild.errors import ForkError
 from forkbuild.hashing import sha256_file
 from forkbuild.pins import PINS_FILE, Pins, build_dir, cache_dir, load
@@ -152,6 +152,15 @@ def trial(pins: Pins, version: str) -> tuple[list[Outcome], dict[str, tuple[str,
     print(f"refreshed series: {out}\nhashes to pin:    {rebase_dir() / f'pins-{version}.toml'}")
     for key, (_, name, sha) in found.items():
         print(f"  {key:10} {name}  {sha}")
+    # The backport audit sorts the changes of the #47054 path up to AUDIT_RELEASE: a file
+    # of that path that changed in VERSION and has no row there is a change nobody sorted.
+    base_sdist = fetch.fetch(pins.sdist, lambda: python)
+    unsorted = unsorted_files(base_sdist, files["sdist"], audited_set(), AUDIT_DOC.read_text())
+    print(f"backport audit ({AUDIT_DOC.relative_to(PINS_FILE.parent)}): "
+          + (f"{len(unsorted)} changed file(s) of the #47054 path without a row: "
+             + ", ".join(unsorted) + "; sort their changes before accepting" if unsorted
+             else f"every changed file of the #47054 path has a row (changes sorted up to "
+                  f"{AUDIT_RELEASE}; review newer hunks of those files by hand)"))
     return outcomes, found
 
 
@@ -224,3 +233,44 @@ def accept(pins: Pins, version: str) -> None:
     log.step(f"rebase: fork.toml and patches/ now target vLLM {version}; review the [matrix] and "
              "[toolchain] pins (torch) by hand, run `make lock` (the release's requirements are the "
              "locks' inputs), then `make test`")
+
+
+# -- The backport audit: which changed files of the #47054 path are still unsorted --------
+
+AUDIT_DOC = PINS_FILE.parent / "docs" / "backport-audit.md"
+AUDIT_FILES = PINS_FILE.parent / "docs" / "backport-audit-files.txt"
+AUDIT_RELEASE = "0.26.0"  # the release the audit sorts the changes of
+_AUDIT_ROW = re.compile(r"^\|\s*`(vllm/[^`]+)`")
+
+
+def differing_files(old_sdist: Path, new_sdist: Path, names: list[str]) -> list[str]:
+    """The NAMES (paths inside a release, vllm/...) whose bytes differ between the two
+    sdists; a file that only one of them has differs too."""
+    wanted = frozenset(names)
+    old = patch_status.sdist_files(old_sdist, wanted)
+    new = patch_status.sdist_files(new_sdist, wanted)
+    return sorted(name for name in wanted if old.get(name) != new.get(name))
+
+
+def audited_set(path: Path = AUDIT_FILES) -> list[str]:
+    """The [audited] section of docs/backport-audit-files.txt: one path a line, # comments."""
+    files, section = [], None
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1]
+        elif line and section == "audited":
+            files.append(line)
+    return files
+
+
+def audit_table_files(text: str) -> set[str]:
+    """The files of the audit's tables: rows whose first cell opens with a `vllm/...` code span."""
+    return {m[1] for line in text.splitlines() if (m := _AUDIT_ROW.match(line))}
+
+
+def unsorted_files(old_sdist: Path, new_sdist: Path, audited: list[str], audit_text: str) -> list[str]:
+    """The files of AUDITED that differ between the two sdists and have no row in the
+    audit (AUDIT_TEXT): changes a rebase onto NEW_SDIST would take unsorted."""
+    rows = audit_table_files(audit_text)
+    return [name for name in differing_files(old_sdist, new_sdist, audited) if name not in rows]

@@ -22,21 +22,26 @@ def test_tree_carries_exactly_the_series(fork_pins, scratch_sdist):
     subjects = _git(built, "log", "--format=%s").splitlines()
     assert subjects == [
         "fork: overlay the fork's tests",
+        "triton_reshape_and_cache_flash: take the DiffKV head stride from the cache",
+        "offloading: clear surviving requests' transfer jobs in reset_cache",
         "triton_attn: keep per-token-head scale views in a packed layer's page",
         "v1/worker: view packed KV pages in their physical order",
         "vLLM 0.25.1 (sdist)",
     ]
     assert _git(built, "describe", "--tags", "--abbrev=0").strip() == "v0.25.1"
-    # The #47054 fix is one line; patch 0002 two (see its header).
-    diff = _git(built, "diff", "v0.25.1", "HEAD~2", "--", "vllm/")
+    # The #47054 fix is one line; patch 0002 two, 0003 one, 0004 four (see their headers).
+    diff = _git(built, "diff", "v0.25.1", "HEAD~4", "--", "vllm/")
     changed = [ln for ln in diff.splitlines() if ln[:1] in "+-" and ln[:3] not in ("+++", "---")]
     assert changed == [
         "-            .view(kv_cache_shape)",
         "+            .view(permuted_kv_cache_shape)",
     ]
-    assert _git(built, "diff", "--stat", "HEAD~2", "HEAD~1").strip().endswith(
-        "2 insertions(+), 2 deletions(-)"
-    )
+    for commits, stat in [
+        (("HEAD~4", "HEAD~3"), "2 insertions(+), 2 deletions(-)"),
+        (("HEAD~3", "HEAD~2"), "1 insertion(+)"),
+        (("HEAD~2", "HEAD~1"), "4 insertions(+), 3 deletions(-)"),
+    ]:
+        assert _git(built, "diff", "--stat", *commits).strip().endswith(stat)
     assert _git(built, "status", "--porcelain") == ""
     # Every file of the release is committed, including ones its own .gitignore matches.
     assert "vllm/vllm_flash_attn/.gitkeep" in _git(built, "ls-files", "vllm/vllm_flash_attn")

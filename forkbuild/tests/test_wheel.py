@@ -144,7 +144,9 @@ def fork_made_up(tmp_path: Path, pins, files: dict[str, bytes], **kwargs) -> Pat
 def test_patched_paths_of_the_series(series):
     assert wheel.patched_paths(tree.read_series(series)) == {"vllm/patched.py", "vllm/added.py"}
     assert wheel.patched_paths(tree.read_series()) == {
-        "vllm/v1/worker/gpu/attn_utils.py", "vllm/v1/attention/backends/triton_attn.py"}
+        "vllm/v1/worker/gpu/attn_utils.py", "vllm/v1/attention/backends/triton_attn.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py",
+        "vllm/v1/attention/ops/triton_reshape_and_cache_flash.py"}
 
 
 def test_equal_wheel_passes_metadata_version_and_patched_files_aside(

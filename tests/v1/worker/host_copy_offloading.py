@@ -95,7 +95,11 @@ class HostCopyOffloadingSpec(CPUOffloadingSpec):
     """``CPUOffloadingSpec`` with the host-copy worker above."""
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        assert self.block_size_factor == 1, "the host-copy worker moves whole blocks"
+        # 0.26 renamed the offloaded-to-GPU block ratio to blocks_per_chunk.
+        factor = getattr(self, "block_size_factor", None)
+        if factor is None:
+            factor = self.blocks_per_chunk
+        assert factor == 1, "the host-copy worker moves whole blocks"
         if self._worker is None:
             self._worker = HostCopyOffloadingWorker(kv_caches, self.num_blocks)
         return self._worker
