@@ -68,7 +68,7 @@ test:
 	$(FORKBUILD) test $(ROUTE_OPT)
 
 # Upstream alignment: the suite on stock releases (slow, ~11 min), the DEP-3 claims
-# (part of `make test`), the tests as a patch series for vLLM, a trial rebase.
+# (part of `make test`), the test PRs for vLLM with their proof, a trial rebase.
 #   make matrix [VERSIONS="0.26.0 0.33.0"]    make rebase VERSION=0.26.0 [ACCEPT=1]
 VERSIONS ?=
 VERSION ?=

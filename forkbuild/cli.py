@@ -29,11 +29,12 @@ def _tree(args: argparse.Namespace) -> None:
 
 
 def _lock(args: argparse.Namespace) -> None:
-    from forkbuild import fetch, install, lock, pins, tree
+    from forkbuild import fetch, install, lock, pins, tree, upstream
 
     p = pins.load()
     tree_path = tree.build(p, fetch.fetch(p.sdist, lambda: install.ensure_toolchain(p)))
     lock.generate(p, tree_path)
+    upstream.lock_hooks(p, upstream.release_hook_config(p))
 
 
 def _install(args: argparse.Namespace) -> None:
@@ -150,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         "versions", nargs="*", help="only these releases (default: all, plus the fork)"
     )
     add("patch-status", _patch_status, "confirm each patch's DEP-3 Applied-Upstream on the matrix")
-    add("upstream", _upstream, "dist/upstream/: the tests as a patch series for the newest release")
+    add("upstream", _upstream, "dist/upstream/<pr>/: the test PRs of upstream-prs/ for the newest "
+        "release, each proven alone and together, measured by differential mutation")
     rebase_cmd = add("rebase", _rebase, "try the series on another release (changes nothing without --accept)")
     rebase_cmd.add_argument("version", help="the upstream vLLM version, e.g. 0.26.0")
     rebase_cmd.add_argument("--accept", action="store_true", help="move fork.toml and patches/ to that version")

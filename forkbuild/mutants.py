@@ -1,5 +1,7 @@
-"""The mutation proof of `forkbuild upstream`: small breakages of the release's packed-view
-code, applied one at a time to the proof worktree; the series' tests must fail on each.
+"""The differential mutation proof of `forkbuild upstream`: small breakages of the
+release's packed KV cache path, applied one at a time, run against the release's own
+tests of that path (as shipped) and against the PRs' cases. A PR is worth what it kills
+that the release's tests miss.
 
 Each mutant is one text substitution, written by hand from reading that release's code
 (offset, strides, layout order, view vs copy: the ways #47054-like defects happen). It
@@ -10,6 +12,7 @@ each run, and its bytecode removed both times so that no stale .pyc stands in fo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,84 +29,225 @@ class Mutant:
     mutated: str
 
 
-_VIEWS = "vllm/v1/kv_cache_interface.py"  # create_kv_cache_views, compute_layout_strides
+# The code of the packed KV cache path in vLLM 0.33.0, by what it does.
+_VIEWS = "vllm/v1/kv_cache_interface.py"  # compute_layout_strides, create_kv_cache_views
+_LAYOUT = "vllm/v1/kv_cache_layout.py"  # KVCacheLayout's stride orders
+_ALLOC = "vllm/v1/worker/utils.py"  # allocate_kv_cache
+_PLANNER = "vllm/v1/core/kv_cache_planning.py"  # packing groups into block rows
 # The OffloadingConnector worker's registration (register_kv_caches).
 _OFFLOAD = "vllm/distributed/kv_transfer/kv_connector/v1/offloading/worker.py"
+_TRITON = "vllm/v1/attention/backends/triton_attn.py"  # per-token-head scale views
 
-# Per release that `make upstream` may target: fork.toml [matrix]'s newest.
+# A PR set must prove its worth on at least this many breakages the release's tests miss.
+MIN_SURVIVORS = 8
+
+# Per release that `make upstream` may target (fork.toml [matrix]'s newest): breakages
+# that 0.33.0's own tests miss, found by reading the packed path and measured against
+# RELEASE_TESTS (its old mutants of this path, which those tests already kill, are gone:
+# they measured nothing a PR adds).
 MUTANTS: dict[str, tuple[Mutant, ...]] = {
     "0.33.0": (
-        Mutant(
-            "the tensor's byte offset ignored",
-            _VIEWS,
-            "storage_offset=raw.storage_offset() + kv_cache_tensor.offset,",
-            "storage_offset=raw.storage_offset(),",
-        ),
-        Mutant(
-            "the layer stride ignored (recomputed from the page size)",
-            _VIEWS,
-            "fixed_strides=(layer_stride, block_stride, None, None, None),",
-            "fixed_strides=(None, block_stride, None, None, None),",
-        ),
-        Mutant(
-            "the block stride ignored (recomputed from the pages of the view's layers)",
-            _VIEWS,
-            "fixed_strides=(layer_stride, block_stride, None, None, None),",
-            "fixed_strides=(layer_stride, None, None, None, None),",
-        ),
-        Mutant(
-            "the layout's order dropped (logical order taken as physical, as in #47054)",
-            _VIEWS,
-            "    order = layout.stride_order\n",
-            "    order = tuple(range(len(layout.stride_order)))\n",
-        ),
-        Mutant(
-            # Not `max(current_stride, padded)` dropped alone: the assert after it
-            # would stop that mutant, not the tests.
-            "page padding ignored where strides are derived (padded pages laid out dense)",
-            _VIEWS,
-            'padded_page_size = getattr(spec, "page_size_padded", None)',
-            "padded_page_size = None",
-        ),
-        Mutant(
-            "each layer's view copied instead of aliased",
-            _VIEWS,
-            "        views.append(cache_logical)\n",
-            "        views.append(cache_logical.clone())\n",
-        ),
-        Mutant(
-            "the connector does not see packed rows (registers each layer's page)",
-            _OFFLOAD,
-            "if tensor.stride(0) != tensor.shape[1]",
-            "if tensor.stride(0) < tensor.shape[1]",
-        ),
-        Mutant(
-            "the connector moves one layer's page of a packed row, not the whole row",
-            _OFFLOAD,
-            "[CanonicalKVCacheTensor(packed_tensor, block_stride)]",
-            "[CanonicalKVCacheTensor(packed_tensor, tensor.shape[1])]",
-        ),
+            Mutant(
+                "a packed block split into kernel blocks (the dense-page guard only rejects "
+                "blocks smaller than a page)",
+                _VIEWS,
+                "        if block_stride != dense_page_size:\n",
+                "        if block_stride < dense_page_size:\n",
+            ),
+                Mutant(
+                "every group split by the first group's kernel block size",
+                _ALLOC,
+                "kernel_block_size = kernel_block_sizes[group_id]",
+                "kernel_block_size = kernel_block_sizes[0]",
+            ),
+                    Mutant(
+                "BLNHC stored heads-before-tokens (an alias of BLHNC)",
+                _LAYOUT,
+                "    BLNHC = (1, 0, 3, 2, 4)",
+                "    BLNHC = (1, 0, 2, 3, 4)",
+            ),
+            Mutant(
+                "views placed from the storage's start, not the backing tensor's",
+                _VIEWS,
+                "storage_offset=raw.storage_offset() + kv_cache_tensor.offset,",
+                "storage_offset=kv_cache_tensor.offset,",
+            ),
+            Mutant(
+                "the next page size of a packed row starts after the unpadded pages",
+                _PLANNER,
+                "spec.page_size_bytes if layout.is_block_outermost else layer_stride",
+                "spec.real_page_size_bytes if layout.is_block_outermost else layer_stride",
+            ),
+            Mutant(
+                "a packed row's pages padded to the block stride alignment "
+                "(the layer-outer block stride taken in a block-outer row)",
+                _PLANNER,
+                "spec.page_size_bytes if layout.is_block_outermost else layer_stride",
+                "padded_page if layout.is_block_outermost else layer_stride",
+            ),
+            Mutant(
+                "an unaligned page takes its padded page as block stride, "
+                "not the packed row",
+                _PLANNER,
+                "if block_stride is None and padded_page != spec.page_size_bytes:",
+                "if padded_page != spec.page_size_bytes:",
+            ),
+            Mutant(
+                "the connector moves one layer's page of a packed row, not the whole row",
+                _OFFLOAD,
+                "[CanonicalKVCacheTensor(packed_tensor, block_stride)]",
+                "[CanonicalKVCacheTensor(packed_tensor, tensor.shape[1])]",
+            ),
+            Mutant(
+                "the registered packed tensor steps by one layer's page, not by the row",
+                _OFFLOAD,
+                "                (block_stride, 1),\n                storage_offset=0,",
+                "                (tensor.shape[1], 1),\n                storage_offset=0,",
+            ),
+            Mutant(
+                "only the first offloaded group references the packed row",
+                _OFFLOAD,
+                "[[CanonicalKVCacheRef(0, block_stride)] for _ in selected_groups]",
+                "[[CanonicalKVCacheRef(0, block_stride)]]",
+            ),
+            Mutant(
+                "per-token-head scales: layer's storage offset ignored (views start at offset 0)",
+                _TRITON,
+                "base_off_f32 = to_f32_units(kv_cache.storage_offset())",
+                "base_off_f32 = 0",
+            ),
+            Mutant(
+                "per-token-head scales: page-sized block stride instead of the packed row's",
+                _TRITON,
+                "block_f32 = to_f32_units(strides[0])",
+                "block_f32 = to_f32_units(nkv * block_size * content)",
+            ),
+            Mutant(
+                "per-token-head scales: head stride assumed NHD (one content row)",
+                _TRITON,
+                "head_f32 = to_f32_units(strides[1])",
+                "head_f32 = to_f32_units(content)",
+            ),
+            Mutant(
+                "per-token-head scales: slot stride assumed HND (one content row)",
+                _TRITON,
+                "slot_f32 = to_f32_units(strides[2])",
+                "slot_f32 = to_f32_units(content)",
+            ),
+            Mutant(
+                "per-token-head scales: K scale view's slot and head strides swapped",
+                _TRITON,
+                "stride=(block_f32, slot_f32, head_f32),\n"
+                "            storage_offset=k_scale_off_f32,",
+                "stride=(block_f32, head_f32, slot_f32),\n"
+                "            storage_offset=k_scale_off_f32,",
+            ),
+            Mutant(
+                "per-token-head scales: K scale placed before the K data, not after it",
+                _TRITON,
+                "k_scale_off_f32 = base_off_f32 + to_f32_units(hs)",
+                "k_scale_off_f32 = base_off_f32",
+            ),
+            Mutant(
+                "per-token-head scales: V scale offset misses the K scale padding",
+                _TRITON,
+                "v_scale_off_f32 = base_off_f32 + to_f32_units(padded_hs + hs)",
+                "v_scale_off_f32 = base_off_f32 + to_f32_units(hs + hs)",
+            ),
+            Mutant(
+                "per-token-head scales: views rebuilt and reset to 1.0 on every call",
+                _TRITON,
+                "        if self._k_scale_cache is not None:\n            return\n",
+                "",
+            ),
+            Mutant(
+                "per-token-head K/V views: split at head_size, ignoring the inline scale",
+                _TRITON,
+                "padded_hs = kv_cache.shape[-1] // 2\n        key_cache, value_cache",
+                "padded_hs = self.head_size\n        key_cache, value_cache",
+            ),
+            Mutant(
+                "fp8_per_token_head K/V views: not retyped to the fp8 dtype",
+                _TRITON,
+                "if self._kv_quant_mode == KVQuantMode.FP8_PER_TOKEN_HEAD:",
+                "if self._kv_quant_mode == KVQuantMode.FP8_PER_TENSOR:",
+            ),
+            Mutant(
+                "int4_per_token_head page: two values per byte not packed (content not halved)",
+                _TRITON,
+                "hs_k, hs_v = hs_k // 2, hs_v // 2",
+                "hs_k, hs_v = hs_k, hs_v",
+            ),
     ),
 }
 
-
-@dataclass(frozen=True)
-class Verdict:
-    mutant: Mutant
-    outcome: Outcome
-
-    @property
-    def killers(self) -> list[str]:
-        return sorted(c for c, s in self.outcome.cases.items() if s in ("failed", "error"))
+# The release's own tests of each mutated file, as shipped: every file of its tests/ that
+# reaches that code (found by grep for the functions the mutants change) and runs on
+# CPU. They run whole, without a marker filter; a case that fails here unmutated (a
+# model download, a GPU) kills nothing.
+_VIEW_TESTS = (
+    "tests/v1/worker/test_attn_utils.py",
+    "tests/v1/core/test_contiguous_kv_packing.py",
+    "tests/v1/core/test_kv_cache_planning.py",
+    "tests/v1/worker/test_kv_block_zeroer.py",
+    "tests/v1/worker/test_dsv4_packed_zeroer_geometry.py",
+    "tests/v1/worker/test_kv_cache_allocation_scope.py",
+    "tests/v1/simple_kv_offload/test_worker.py",
+    "tests/v1/kv_connector/unit/offloading_connector/test_worker.py",
+    "tests/v1/attention/test_sparse_mla_kv_cache_layout.py",
+)
+_PLANNER_TESTS = (
+    "tests/v1/core/test_contiguous_kv_packing.py",
+    "tests/v1/core/test_kv_cache_planning.py",
+    "tests/v1/core/test_kv_cache_config_builder.py",
+    "tests/v1/core/test_kv_cache_utils.py",
+    "tests/v1/attention/test_sparse_mla_kv_cache_layout.py",
+    "tests/v1/worker/test_dsv4_packed_zeroer_geometry.py",
+    "tests/v1/worker/test_attn_utils.py",
+    "tests/v1/simple_kv_offload/test_worker.py",
+)
+_OFFLOAD_TESTS = (
+    "tests/v1/kv_connector/unit/offloading_connector/test_worker.py",
+    "tests/v1/kv_connector/unit/offloading_connector/test_canonical_mapping.py",
+    "tests/v1/kv_connector/unit/offloading_connector/test_worker_metadata.py",
+    "tests/v1/kv_offload/cpu",
+)
+# tests/v1/attention/test_attention_backends.py constructs TritonAttentionImpl too, but
+# none of its cases reaches the scale views on CPU (measured with the functions
+# instrumented), and its 115 GPU cases fail here; it would only cost time.
+_SCALE_TESTS = (
+    "tests/quantization/test_per_token_kv_cache.py",
+    "tests/v1/core/test_kv_cache_utils.py",
+    "tests/v1/kv_connector/unit/offloading_connector/test_canonical_mapping.py",
+)
+RELEASE_TESTS: dict[str, dict[str, tuple[str, ...]]] = {
+    "0.33.0": {
+        _VIEWS: _VIEW_TESTS,
+        _LAYOUT: _VIEW_TESTS,
+        _ALLOC: _VIEW_TESTS,
+        _PLANNER: _PLANNER_TESTS,
+        _OFFLOAD: _OFFLOAD_TESTS,
+        _TRITON: _SCALE_TESTS,
+    },
+}
 
 
 def for_release(version: str) -> tuple[Mutant, ...]:
-    if version not in MUTANTS:
+    if version not in MUTANTS or version not in RELEASE_TESTS:
         raise ForkError(
             f"forkbuild/mutants.py has no mutants of vLLM {version}'s packed-view code",
-            "read the release's create_kv_cache_views (or its successor) and write them",
+            "read the release's packed path and its own tests of it, and write them",
         )
     return MUTANTS[version]
+
+
+def release_tests(version: str, path: str) -> tuple[str, ...]:
+    """The release's own test files of the code in PATH, as shipped."""
+    for_release(version)
+    if path not in RELEASE_TESTS[version]:
+        raise ForkError(f"forkbuild/mutants.py names no release tests of {path} for vLLM {version}",
+                        "grep the release's tests/ for the code the mutant changes and list them")
+    return RELEASE_TESTS[version][path]
 
 
 def apply(worktree: Path, mutant: Mutant) -> None:
@@ -134,45 +278,139 @@ def _drop_bytecode(source: Path) -> None:
         pyc.unlink(missing_ok=True)
 
 
-def kill(python: Path, worktree: Path, mutants: tuple[Mutant, ...], pytest_args: list[str],
-         results: Path, extra_env: dict[str, str] | None = None) -> list[Verdict]:
-    """Run PYTEST_ARGS in WORKTREE once per mutant; every mutant must make a case fail."""
+def killers(outcome: Outcome, baseline: Outcome | None = None) -> list[str]:
+    """The cases that fail (or error) in OUTCOME, and passed in BASELINE when given: a
+    case the unmutated tree already fails on this machine (a model it cannot download, a
+    GPU) kills nothing."""
+    return sorted(c for c, s in outcome.cases.items() if s in ("failed", "error")
+                  and (baseline is None or baseline.cases.get(c) == "passed"))
+
+
+def run_each(python: Path, worktree: Path, mutants: tuple[Mutant, ...], pytest_args: list[str],
+             results: Path, extra_env: dict[str, str] | None = None, what: str = "") -> list[Outcome]:
+    """Run PYTEST_ARGS in WORKTREE once per mutant, each applied alone and undone."""
     results.mkdir(parents=True, exist_ok=True)
-    verdicts = []
+    outcomes = []
     for number, mutant in enumerate(mutants, 1):
-        log.step(f"mutants: [{number}/{len(mutants)}] {mutant.name}")
+        log.step(f"mutants: [{number}/{len(mutants)}] {mutant.name} vs {what or worktree.name}")
         try:
             apply(worktree, mutant)
             outcome = run_pytest(
                 python, worktree, pytest_args,
-                results / f"mutant-{number}.xml", output=results / f"mutant-{number}.log",
+                results / f"{what or 'run'}-{number}.xml", output=results / f"{what or 'run'}-{number}.log",
                 extra_env=extra_env,
             )
         finally:
             restore(worktree, mutant)
-        verdict = Verdict(mutant, outcome)
-        verdicts.append(verdict)
+        outcomes.append(outcome)
+        found = killers(outcome)
         log.step(f"mutants: [{number}/{len(mutants)}] "
-                 + (f"killed by {len(verdict.killers)} case(s)" if verdict.killers else "SURVIVED"))
-    survivors = [v.mutant.name for v in verdicts if not v.killers]
-    if survivors:
-        raise ForkError(
-            f"{len(survivors)} of {len(mutants)} mutant(s) survived the series' tests: "
-            + "; ".join(survivors),
-            f"strengthen the tests so that each breakage fails a case (logs in {results})",
-        )
-    return verdicts
+                 + (f"killed by {len(found)} case(s)" if found else "survived"))
+    return outcomes
 
 
-def table(verdicts: list[Verdict]) -> str:
-    """The PR description's mutation table."""
-    lines = ["| mutant (in the release) | file | cases failed | killed by |", "| --- | --- | --- | --- |"]
-    for v in verdicts:
-        modules: dict[str, int] = {}
-        for case in v.killers:
-            name = Path(case.split("::", 1)[0]).name
-            modules[name] = modules.get(name, 0) + 1
-        by = ", ".join(f"`{m}` ({n})" for m, n in sorted(modules.items()))
-        lines.append(f"| {v.mutant.name} | `{v.mutant.path}` | {len(v.killers)} of "
-                     f"{len(v.outcome.cases)} | {by} |")
+@dataclass(frozen=True)
+class Row:
+    """One mutant: what the release's own tests did with it, and each PR's cases."""
+
+    mutant: Mutant
+    upstream_tests: tuple[str, ...]  # the release's test files of the mutated code
+    upstream_killers: list[str]  # their cases it made fail (that pass unmutated)
+    by_pr: dict[str, list[str]]  # PR name -> its cases that failed
+
+    @property
+    def survivor(self) -> bool:
+        """Missed by the release's own tests: only such a mutant measures a PR."""
+        return not self.upstream_killers
+
+
+def differential(python: Path, stock: Path, with_prs: Path, mutants: tuple[Mutant, ...],
+                 upstream_tests: dict[str, tuple[str, ...]], pr_cases: list[str],
+                 owners: dict[str, Callable[[str], bool]], results: Path,
+                 extra_env: dict[str, str] | None = None) -> list[Row]:
+    """Every mutant against the release's own tests of the file it changes (STOCK
+    worktree, UPSTREAM_TESTS: path -> test files) and against the PRs' cases (WITH_PRS:
+    all PRs applied; a case is credited to the PR that OWNS it). Each set of release
+    tests runs once unmutated first: what fails there already is no kill."""
+    results.mkdir(parents=True, exist_ok=True)
+    clean = run_pytest(python, with_prs, pr_cases, results / "clean-prs.xml",
+                       output=results / "clean-prs.log", extra_env=extra_env)
+    if clean.failed or clean.errors or not clean.passed:
+        raise ForkError(f"the PRs' cases do not pass unmutated: {clean}", f"see {results / 'clean-prs.log'}")
+    baselines: dict[str, Outcome] = {}
+    for number, path in enumerate(sorted({m.path for m in mutants}), 1):
+        tests = list(upstream_tests[path])
+        baselines[path] = run_pytest(python, stock, tests, results / f"baseline-{number}.xml",
+                                     output=results / f"baseline-{number}.log", extra_env=extra_env)
+        if not baselines[path].passed:
+            raise ForkError(f"no case of the release's own tests of {path} passes unmutated: "
+                            f"{baselines[path]}", f"see {results / f'baseline-{number}.log'}")
+        log.step(f"mutants: the release's tests of {path}, unmutated: {baselines[path]}")
+    rows = []
+    for number, mutant in enumerate(mutants, 1):
+        tests = upstream_tests[mutant.path]
+        (up,) = run_each(python, stock, (mutant,), list(tests), results, extra_env,
+                         f"release-tests-{number}")
+        (mine,) = run_each(python, with_prs, (mutant,), pr_cases, results, extra_env,
+                           f"pr-cases-{number}")
+        failed = killers(mine, clean)
+        rows.append(Row(mutant, tests, killers(up, baselines[mutant.path]),
+                        {name: [c for c in failed if owns(c)] for name, owns in owners.items()}))
+    return rows
+
+
+def check(rows: list[Row], pr_names: list[str]) -> None:
+    """Every survivor of the release's tests is killed by some PR, each PR kills at least
+    one survivor, and the survivors are at least MIN_SURVIVORS."""
+    survivors = [r for r in rows if r.survivor]
+    unkilled = [r.mutant.name for r in survivors if not any(r.by_pr.values())]
+    idle = [n for n in pr_names if not any(r.by_pr[n] for r in survivors)]
+    problems = []
+    if unkilled:
+        problems.append(f"{len(unkilled)} mutant(s) survive the release's tests and every PR: "
+                        + "; ".join(unkilled))
+    if idle:
+        problems.append(f"{', '.join(idle)} kill(s) no mutant the release's tests miss: not worth sending")
+    if len(survivors) < MIN_SURVIVORS:
+        problems.append(f"only {len(survivors)} mutant(s) survive the release's tests "
+                        f"({MIN_SURVIVORS} wanted across the packed path)")
+    if problems:
+        raise ForkError("; ".join(problems), "see dist/upstream/mutants/ and forkbuild/mutants.py")
+
+
+def table(rows: list[Row], pr: str) -> str:
+    """PR's table for its description: the mutants the release's tests miss and it kills."""
+    lines = ["| mutant | file | killed by the release's tests | killed by this PR |",
+             "| --- | --- | --- | --- |"]
+    for row in rows:
+        if row.survivor and row.by_pr[pr]:
+            cases = ", ".join(f"`{c.split('::', 1)[1]}`" for c in row.by_pr[pr])
+            lines.append(f"| {row.mutant.name} | `{row.mutant.path}` | no | {cases} |")
+    mine = [r for r in rows if r.by_pr[pr] or r.mutant.path in _paths(rows, pr)]
+    caught = sum(1 for r in mine if not r.survivor)
+    lines.append("")
+    lines.append(f"Mutants tried on the code these tests cover: {len(mine)}, each one change to "
+                 f"vLLM's code, applied alone; the release's own tests of that code, as shipped "
+                 f"({', '.join(f'`{t}`' for t in sorted({t for r in mine for t in r.upstream_tests}))}), "
+                 f"kill {caught} of them. The table lists those they miss and this PR kills.")
     return "\n".join(lines)
+
+
+def _paths(rows: list[Row], pr: str) -> set[str]:
+    return {r.mutant.path for r in rows if r.by_pr[pr]}
+
+
+def summary(rows: list[Row], pr: str | None = None) -> str:
+    """PROOF.txt lines: per mutant, the release's tests' verdict and the PRs'."""
+    out = []
+    for row in rows:
+        if pr is not None and not row.by_pr[pr] and row.survivor:
+            verdict = "NOT killed by this PR"
+        elif pr is not None:
+            verdict = f"this PR kills it with {len(row.by_pr[pr])} case(s)"
+        else:
+            verdict = "; ".join(f"{n}: {len(c)}" for n, c in row.by_pr.items())
+        up = (f"the release's tests kill it ({len(row.upstream_killers)} case(s), e.g. "
+              f"{row.upstream_killers[0]})" if row.upstream_killers else "the release's tests miss it")
+        out.append(f"mutant {row.mutant.name} [{row.mutant.path}]: {up}; {verdict}")
+    return "\n".join(out)

@@ -25,6 +25,7 @@ class Outcome:
     # Why the run was stopped before it ended (its time limit), "" when it ended itself:
     # then CASES holds only what pytest reported before it was stopped.
     killed: str = ""
+    times: dict[str, float] = field(default_factory=dict)  # case -> seconds, as JUnit says
 
     def count(self, status: str) -> int:
         return sum(1 for s in self.cases.values() if s == status)
@@ -66,13 +67,17 @@ def _skip_reason(skipped: ET.Element) -> str:
 
 
 def _read_junit(junit: Path, killed: str = "") -> Outcome:
-    cases, reasons = {}, {}
+    cases, reasons, times = {}, {}, {}
     for case in ET.parse(junit).getroot().iter("testcase"):
         classname, name = case.get("classname", ""), case.get("name", "")
         if not name:  # what pytest writes for the case a Ctrl-C (SIGINT) interrupted
             continue
         if classname:
-            node = f"{classname.replace('.', '/')}.py::{name}"
+            # "pkg.test_mod.TestClass" -> "pkg/test_mod.py::TestClass::name" (test classes
+            # are CamelCase after pytest's python_classes = Test*; modules never are).
+            parts = classname.split(".")
+            cut = next((i for i, part in enumerate(parts) if part[:4] == "Test"), len(parts))
+            node = "::".join(["/".join(parts[:cut]) + ".py", *parts[cut:], name])
         else:  # a whole module skipped (or broken) at collection: NAME is the module
             node = f"{name.replace('.', '/')}.py::(module)"
         status = "passed"
@@ -85,7 +90,8 @@ def _read_junit(junit: Path, killed: str = "") -> Outcome:
                     if found.get("type") == "pytest.xfail":
                         status = "xfailed"
         cases[node] = status
-    return Outcome(cases, reasons, killed)
+        times[node] = float(case.get("time") or 0.0)
+    return Outcome(cases, reasons, killed, times)
 
 
 # After its time limit, a run gets SIGINT first: pytest then ends the session as on

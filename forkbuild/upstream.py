@@ -1,157 +1,113 @@
-"""`forkbuild upstream`: the fork's tests as a patch series for vLLM, with proof.
+"""`forkbuild upstream`: the fork's tests as small vLLM pull requests, each with proof of
+what it adds beyond the tests upstream already has.
 
-Against the newest release of the version matrix (the last of fork.toml [matrix]):
-1. a worktree of its stock tree gets the fork's test modules that run there (every
-   module with passing and no failing cases in that release's matrix record), plus the
-   test helpers they import at module level; one commit, `git format-patch` into
-   dist/upstream/;
-2. a PR description in vLLM's template (purpose, test plan, test result with the
-   version matrix table);
-3. the proof: a second, fresh worktree of the release, `git am` of the series, the
-   release's own binaries beside it, pytest on the added modules. It must pass;
-4. the release's pre-commit hooks for test files pass on the added files, and every
-   hand-written breakage of the release's packed-view code (forkbuild/mutants.py),
-   applied alone to the proof tree, fails some case; the table goes into the PR text.
-Nothing in the series refers to forkbuild: the tests import only vLLM and each other.
+The PRs live in upstream-prs/<name>/ (names sort in the order they should be sent): the
+`git format-patch` mail(s) of one commit against the newest release of the version matrix
+(the last of fork.toml [matrix]), pr.toml (the cases it adds, the CPU job that runs them)
+and description.md (the hand-written parts of the release's PR template). For each PR,
+into dist/upstream/<name>/:
+1. the commit, re-authored and signed off (DCO) by whoever runs the step, as a
+   `git format-patch` file;
+2. the proof (PROOF.txt): a fresh worktree of the release, `git am` of that file, the
+   release's own binaries beside it, pytest on the PR's cases (all must pass, on CPU);
+   the release's pre-commit hooks on the files it changes (ruff check and format at the
+   pinned version, the SPDX, forbidden-import and tethering scripts, and mypy as the
+   release's pre-commit runs it, from a hash-locked environment); the Buildkite job that
+   collects the cases, which must be the CPU job pr.toml names, with the `cpu_test`
+   marker selected; the cases' CPU time;
+3. PR_DESCRIPTION.md in the release's .github/PULL_REQUEST_TEMPLATE.md.
+Then all PRs together on one fresh worktree (they must apply in order and pass), and the
+differential mutation check (forkbuild/mutants.py): every mutant runs against the
+release's own tests of the packed path, as shipped, and against the PRs' cases. A
+mutant the release's tests kill says nothing about the PRs; one they miss must be killed
+by some PR, and each PR must kill at least one of them, or it is not worth sending.
+Nothing sent refers to the fork or its tooling.
 """
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import re
 import shutil
 import subprocess
-import textwrap
+import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 
-from forkbuild import fetch, install, log, matrix, mutants, tree
+from forkbuild import fetch, install, log, matrix, mutants, tree, uv
 from forkbuild.errors import ForkError
-from forkbuild.pins import REPO_ROOT, Pins, build_dir
+from forkbuild.hashing import digest_of
+from forkbuild.pins import REPO_ROOT, Pins, Release, build_dir, locks_dir
 from forkbuild.pytest_runner import Outcome, run_pytest
 
 DIST = REPO_ROOT / "dist" / "upstream"
-TEST_PACKAGE = "tests.v1.worker."
-COMMIT_MESSAGE = """\
-[Tests] Regression tests for packed (cross-layer) KV cache views
-
-With cross-layer KV blocks (OffloadingConnector, enable_cross_layers_blocks)
-each block row packs one page per layer. Two defects of that layout were
-fixed without a test: #47054 (FlashAttention read its pages in the wrong
-order: illegal memory access on GPT-OSS; fixed by #47314 in 0.26.0) and
-Triton's per-token-head KV scales, which every packed layer took from the
-same bytes (fixed by the 0.26.0 rewrite of _ensure_scale_caches).
-
-{files}
-
-{evidence}
-
-Signed-off-by: {identity}
-"""
+PRS_DIR = REPO_ROOT / "upstream-prs"
+JOBS_SCRIPT = Path(__file__).with_name("release_ci_jobs.py")
+# Words that would tell a reviewer about this repository rather than about vLLM.
+NOT_FOR_UPSTREAM_WORDS = ("forkbuild", "fork", "series", "matrix", "0.25.1", "downstream")
+# The places in description.md that the proof fills in (each exactly once).
+MARKERS = ("@@VALIDATION@@", "@@MUTANTS@@")
+# The cases of one PR must fit in a CPU job beside everything it already runs.
+MAX_CASES_S = 60.0
+# The release's own tests include cases that download models: here they fail at once
+# (and count as no kill) instead of waiting on the network.
+OFFLINE = {"HF_HUB_OFFLINE": "1"}
 
 
-def newest(pins: Pins):
+@dataclass(frozen=True)
+class PullRequest:
+    name: str  # its folder; sorts in sending order
+    folder: Path
+    release: str
+    title: str
+    cases: tuple[str, ...]  # pytest node ids (or files) of the cases it adds
+    job: str  # the Buildkite key of the CPU job that must collect them
+    patches: tuple[Path, ...]
+
+    @property
+    def description(self) -> str:
+        return (self.folder / "description.md").read_text()
+
+    def owns(self, case: str) -> bool:
+        return any(case == c or case.startswith((c + "[", c + "::")) for c in self.cases)
+
+
+def load_prs(version: str, folder: Path = PRS_DIR) -> list[PullRequest]:
+    """The PRs for vLLM VERSION, in sending order; each folder is checked whole."""
+    prs = []
+    for sub in sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []:
+        meta_file = sub / "pr.toml"
+        try:
+            meta = tomllib.loads(meta_file.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as err:
+            raise ForkError(f"{meta_file} cannot be read: {err}",
+                            "each upstream-prs/<name>/ needs pr.toml (see upstream-prs/README.md)")
+        missing = [k for k in ("release", "title", "cases", "job") if k not in meta]
+        patches = tuple(sorted(sub.glob("*.patch")))
+        if missing or not patches or not (sub / "description.md").is_file():
+            raise ForkError(
+                f"{sub.name}: " + (f"pr.toml lacks {', '.join(missing)}" if missing
+                                   else "no *.patch" if not patches else "no description.md"),
+                "see upstream-prs/README.md for what a PR folder holds",
+            )
+        pr = PullRequest(sub.name, sub, meta["release"], meta["title"], tuple(meta["cases"]),
+                         meta["job"], patches)
+        if pr.release == version:
+            prs.append(pr)
+    return prs
+
+
+def newest(pins: Pins) -> Release:
     if not pins.releases:
         raise ForkError("fork.toml lists no [matrix] releases", "add the newest upstream release")
     return pins.releases[-1]
 
 
-# Modules that run on the newest release but protect nothing upstream has: they check
-# the fork's own tools (the reference of the GPU kernel test, which needs a GPU and
-# the per-backend API, and is not sent).
-NOT_FOR_UPSTREAM = {
-    "tests/v1/worker/test_attention_reference_cpu.py",
-}
-
-
-def modules_that_run(pins: Pins, version: str) -> list[str]:
-    """Test modules with passing and no failing cases on VERSION, per the matrix record
-    (less NOT_FOR_UPSTREAM)."""
-    rows = json.loads(matrix.RECORD.read_text())["rows"] if matrix.RECORD.exists() else {}
-    row = rows.get(version)
-    if row is None or row["sdist_sha256"] != pins.release(version).sdist.sha256:
-        raise ForkError(
-            f"the version matrix has no current record of vLLM {version}",
-            f"run `python3 -m forkbuild matrix {version}` first",
-        )
-    by_module: dict[str, list[str]] = {}
-    for case, status in row["cases"].items():
-        by_module.setdefault(case.split("::", 1)[0], []).append(status)
-    return sorted(
-        m for m, s in by_module.items()
-        if "passed" in s and not {"failed", "error"} & set(s) and m not in NOT_FOR_UPSTREAM
-    )
-
-
-def per_release(pins: Pins, modules: list[str]) -> dict[str, tuple[int, int, int]]:
-    """(passed, failed, skipped) of MODULES' cases on each stock release of the record."""
-    rows = json.loads(matrix.RECORD.read_text())["rows"]
-    counts = {}
-    for release in pins.releases:
-        row = rows.get(release.version)
-        if row is None:
-            continue
-        statuses = [s for c, s in row["cases"].items() if c.split("::", 1)[0] in modules]
-        counts[release.version] = (
-            statuses.count("passed"),
-            sum(s in ("failed", "error") for s in statuses),
-            statuses.count("skipped") + statuses.count("xfailed"),
-        )
-    return counts
-
-
-def evidence(counts: dict[str, tuple[int, int, int]]) -> str:
-    failing = [v for v, (_, f, _) in counts.items() if f]
-    passing = [v for v, (p, f, _) in counts.items() if p and not f]
-    return (
-        f"they fail on {', '.join(failing) or 'none'} (the releases with the bug) "
-        f"and pass on {', '.join(passing) or 'none'}."
-    )
-
-
-def summary(path: str) -> str:
-    """The first line of a test module's docstring."""
-    source = (tree.TESTS_DIR.parent / path).read_text()
-    return (ast.get_docstring(ast.parse(source)) or "").split("\n", 1)[0].strip()
-
-
-def with_helpers(modules: list[str]) -> list[str]:
-    """MODULES plus the fork's test files they import at module level, transitively."""
-    wanted, todo = set(), list(modules)
-    while todo:
-        module = todo.pop()
-        if module in wanted:
-            continue
-        wanted.add(module)
-        source = (tree.TESTS_DIR.parent / module).read_text()
-        for node in ast.parse(source).body:  # module level only: lazy imports stay out
-            names = []
-            if isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            elif isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            for name in names:
-                if name.startswith(TEST_PACKAGE):
-                    todo.append(name.replace(".", "/") + ".py")
-    # A fork module imported anywhere else (inside a function) must come along too,
-    # or the series would refer to a file upstream does not have.
-    for module in wanted:
-        source = (tree.TESTS_DIR.parent / module).read_text()
-        for node in ast.walk(ast.parse(source)):
-            name = node.module if isinstance(node, ast.ImportFrom) else None
-            if name and name.startswith(TEST_PACKAGE) and name.replace(".", "/") + ".py" not in wanted:
-                raise ForkError(
-                    f"{module} imports {name} inside a function; the series would lack it",
-                    "import it at module level or drop the dependency",
-                )
-    return sorted(wanted)
-
-
 def submitter() -> dict[str, str]:
     """The git identity of whoever runs `make upstream` (git config user.name and
-    user.email, as `git commit` reads them from here): the series' author, and its
-    DCO sign-off. Without one, stop: a sign-off is a statement only its author makes."""
+    user.email, as `git commit` reads them from here): the PRs' author, and its DCO
+    sign-off. Without one, stop: a sign-off is a statement only its author makes."""
     found = {}
     for key in ("user.name", "user.email"):
         got = tree.git(["config", "--get", key], REPO_ROOT)
@@ -159,7 +115,7 @@ def submitter() -> dict[str, str]:
     missing = [key for key, value in found.items() if not value]
     if missing:
         raise ForkError(
-            f"git has no {' and no '.join(missing)}: the series is signed off (DCO) by "
+            f"git has no {' and no '.join(missing)}: the PRs are signed off (DCO) by "
             "whoever runs `make upstream`",
             'set yours: git config --global user.name "Your Name" && '
             "git config --global user.email you@example.com",
@@ -169,9 +125,23 @@ def submitter() -> dict[str, str]:
             "GIT_COMMITTER_NAME": name, "GIT_COMMITTER_EMAIL": email}
 
 
+def check_words(pr: PullRequest) -> None:
+    """Nothing a PR sends may speak of this repository (its patches and description)."""
+    for path in (*pr.patches, pr.folder / "description.md"):
+        text = path.read_text().lower()
+        said = [w for w in NOT_FOR_UPSTREAM_WORDS if re.search(rf"\b{re.escape(w)}\b", text)]
+        if said:
+            raise ForkError(f"{pr.name}/{path.name} mentions {', '.join(said)}",
+                            "a PR speaks of vLLM only: rewrite those lines")
+
+
+# -- the release's hooks -----------------------------------------------------------------
+
 # The release's own hooks (tools/pre_commit/) that its .pre-commit-config.yaml applies to
-# test files, beside ruff check and ruff format.
+# test files, beside ruff check, ruff format and mypy.
 HOOK_SCRIPTS = ("check_spdx_header", "check_forbidden_imports", "check_test_tethering")
+HOOKS_LOCK = "release-hooks-py311.txt"
+_HOOKS_DIGEST = "# inputs-sha256: "
 
 
 def pinned_ruff(release_tree: Path) -> str:
@@ -184,11 +154,106 @@ def pinned_ruff(release_tree: Path) -> str:
     return found[1]
 
 
-def run_hooks(python: Path, release_tree: Path, files: list[str]) -> list[str]:
-    """Run the release's pre-commit hooks for test files on FILES, from RELEASE_TREE
-    (its ruff configuration, its hook scripts, its Buildkite jobs) with the ruff
-    version it pins, which must be the fork's venv's (hash-locked). Returns one line per
-    hook; raises with every finding."""
+def mypy_hook(config_text: str) -> tuple[str, list[str]]:
+    """(entry, additional_dependencies) of the release's mypy hook, read from its
+    .pre-commit-config.yaml without a YAML parser (forkbuild runs on the standard library):
+    the hook's block runs from `- id: mypy` to the next `- id:`."""
+    block = re.search(r"^\s*- id: mypy\b(.*?)(?=^\s*- id:|\Z)", config_text, re.M | re.S)
+    entry = re.search(r"^\s*entry:\s*(.+)$", block[1], re.M) if block else None
+    deps = re.search(r"^\s*additional_dependencies:\s*\[(.*)\]\s*$", block[1], re.M) if block else None
+    if not (entry and deps):
+        raise ForkError("the release's .pre-commit-config.yaml has no mypy hook with an entry "
+                        "and additional_dependencies", "read its hooks and update forkbuild/upstream.py")
+    items = [d.strip().strip("\"'") for d in deps[1].split(",") if d.strip()]
+    return entry[1].strip(), items
+
+
+def hooks_lock_path() -> Path:
+    return locks_dir() / HOOKS_LOCK
+
+
+def hooks_inputs_digest(requirements: list[str]) -> str:
+    return digest_of(["release-hooks-1", *requirements])
+
+
+def release_hook_config(pins: Pins) -> str:
+    """The newest release's .pre-commit-config.yaml, read from its verified sdist."""
+    import tarfile
+
+    release = newest(pins)
+    sdist = fetch.fetch(release.sdist, lambda: install.ensure_toolchain(pins))
+    with tarfile.open(sdist) as tar:
+        top = tar.getmembers()[0].name.split("/", 1)[0]
+        member = tar.extractfile(f"{top}/.pre-commit-config.yaml")
+        if member is None:
+            raise ForkError(f"{sdist.name} has no .pre-commit-config.yaml")
+        return member.read().decode()
+
+
+def lock_hooks(pins: Pins, config_text: str) -> Path:
+    """locks/release-hooks-py311.txt: the release's mypy hook environment (what pre-commit
+    installs for it: mypy and its additional_dependencies), every package with its sha256.
+    Rewritten only when the release's hook asks for something else."""
+    _, requirements = mypy_hook(config_text)
+    target, digest = hooks_lock_path(), hooks_inputs_digest(requirements)
+    if target.is_file() and _HOOKS_DIGEST + digest in target.read_text():
+        log.step(f"lock: {target.name} is up to date")
+        return target
+    source = build_dir() / "upstream" / "release-hooks.in"
+    source.parent.mkdir(parents=True, exist_ok=True)
+    source.write_text("".join(f"{r}\n" for r in requirements))
+    out = source.with_suffix(".txt")
+    uv.run(pins, ["pip", "compile", str(source), "--generate-hashes", "--no-header",
+                  "--no-annotate", "--python-version", "3.11", "--python-platform",
+                  pins.lock_platform, "--quiet", "-o", str(out)], what=f"resolve {target.name}")
+    target.write_text(
+        f"# {target.name}: the mypy hook of vLLM's .pre-commit-config.yaml\n"
+        f"# ({', '.join(requirements)}),\n"
+        f"# every package with its sha256. Made by `make lock` from the newest release of\n"
+        f"# fork.toml [matrix]; `make upstream` installs it to run that hook; do not edit.\n"
+        f"{_HOOKS_DIGEST}{digest}\n" + out.read_text()
+    )
+    log.step(f"lock: wrote {target}")
+    return target
+
+
+def hooks_python(pins: Pins, release_tree: Path) -> Path:
+    """The venv of the release's mypy hook, installed from the hash-locked
+    release-hooks lock; refused when the release asks for something the lock lacks."""
+    _, requirements = mypy_hook((release_tree / ".pre-commit-config.yaml").read_text())
+    lock_file = hooks_lock_path()
+    if not lock_file.is_file() or _HOOKS_DIGEST + hooks_inputs_digest(requirements) not in lock_file.read_text():
+        raise ForkError(
+            f"{lock_file.name} is missing or was made for another mypy hook than "
+            f"{release_tree.name}'s ({', '.join(requirements)})",
+            "run `make lock` to resolve it again",
+        )
+    home = build_dir() / "upstream" / "hooks-venv"
+    python = home / "bin" / "python"
+    stamp = home / ".forkbuild-lock"
+    want = digest_of([lock_file.read_bytes()])
+    if stamp.is_file() and stamp.read_text().strip() == want and python.exists():
+        return python
+    shutil.rmtree(home, ignore_errors=True)
+    try:
+        uv.run(pins, ["venv", "--quiet", "--python", str(install.ensure_toolchain(pins)), str(home)],
+               what="create the venv of the release's mypy hook")
+        uv.install(pins, ["install", "--python", str(python), "--require-hashes", "-r", str(lock_file)],
+                   what="the release's mypy hook (hash-locked)")
+    except BaseException:
+        shutil.rmtree(home, ignore_errors=True)
+        raise
+    stamp.write_text(want + "\n")
+    return python
+
+
+def run_hooks(python: Path, release_tree: Path, files: list[str],
+              mypy_python: Path | None = None) -> list[str]:
+    """Run the release's pre-commit hooks for FILES from RELEASE_TREE (its ruff
+    configuration, its hook scripts, its Buildkite jobs) with the ruff version it pins,
+    which must be the fork's venv's (hash-locked); with MYPY_PYTHON, also its mypy hook as
+    pre-commit runs it (`entry` with the Python files, that environment first on PATH).
+    Returns one line per hook; raises with every finding."""
     ruff = python.parent / "ruff"
     wanted = pinned_ruff(release_tree)
     have = subprocess.run([str(ruff), "--version"], capture_output=True, text=True, check=False)
@@ -198,205 +263,294 @@ def run_hooks(python: Path, release_tree: Path, files: list[str]) -> list[str]:
             f"{have.stdout.strip() or 'none'}",
             f"pin ruff=={wanted} in fork.toml [toolchain] test, then `make lock`",
         )
+    # Each hook gets the files its `files`/`types` filter in .pre-commit-config.yaml
+    # passes: Python for all but the tethering check, which also reads pipeline YAMLs.
+    py_files = [f for f in files if f.endswith(".py")]
+    tethered = [f for f in files if (f.startswith("tests/") and f.endswith(".py"))
+                or re.match(r"\.buildkite/.*\.yaml$", f)]
     hooks = [
-        ("ruff check", [str(ruff), "check", "--no-cache", *files]),
-        ("ruff format", [str(ruff), "format", "--check", "--no-cache", *files]),
-        *((name, [str(python), f"tools/pre_commit/{name}.py", *files]) for name in HOOK_SCRIPTS),
+        ("ruff check", [str(ruff), "check", "--no-cache", *py_files], None),
+        ("ruff format", [str(ruff), "format", "--check", "--no-cache", *py_files], None),
+        *((name, [str(python), f"tools/pre_commit/{name}.py",
+                  *(tethered if name == "check_test_tethering" else py_files)], None)
+          for name in HOOK_SCRIPTS),
     ]
+    if mypy_python is not None:
+        entry, _ = mypy_hook((release_tree / ".pre-commit-config.yaml").read_text())
+        path = f"{mypy_python.parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        hooks.append(("mypy", [*_entry_words(entry), *py_files], {"PATH": path}))
     lines, findings = [], []
-    for name, cmd in hooks:
-        done = subprocess.run(cmd, cwd=release_tree, capture_output=True, text=True, check=False)
+    for name, cmd, env in hooks:
+        done = subprocess.run(cmd, cwd=release_tree, capture_output=True, text=True, check=False,
+                              env={**os.environ, **env} if env else None)
         said = (done.stdout + done.stderr).strip()
         lines.append(f"{name}: {'passed' if done.returncode == 0 else 'FAILED'}")
         if done.returncode != 0:
-            findings.append(f"{name}: {said.splitlines()[0] if said else f'exit {done.returncode}'}")
+            findings.append(f"{name}: {said.splitlines()[-1] if said else f'exit {done.returncode}'}")
             log.step(f"upstream: hook {name} failed:\n{said}")
     if findings:
         raise ForkError(
-            f"{len(findings)} of the release's pre-commit hooks fail on the series: "
-            + "; ".join(findings),
+            f"{len(findings)} of the release's pre-commit hooks fail: " + "; ".join(findings),
             "fix the test files (vLLM's CI runs the same hooks) and run `make upstream` again",
         )
-    log.step(f"upstream: the release's hooks pass on {len(files)} file(s) (ruff {wanted})")
+    log.step(f"upstream: the release's hooks pass on {len(files)} file(s) (ruff {wanted}"
+             + (", mypy)" if mypy_python else ")"))
     return lines
 
 
-def _worktree(repo: Path, path: Path, tag: str, branch: str) -> None:
+def _entry_words(entry: str) -> list[str]:
+    import shlex
+    return shlex.split(entry)
+
+
+# -- the CPU job -------------------------------------------------------------------------
+
+
+def collecting_jobs(python: Path, release_tree: Path, files: list[str]) -> dict[str, list[dict]]:
+    """The release's Buildkite jobs that collect each test file (release_ci_jobs.py)."""
+    done = subprocess.run([str(python), str(JOBS_SCRIPT), *files], cwd=release_tree,
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise ForkError(f"could not read {release_tree.name}'s Buildkite jobs: {done.stderr.strip()[-300:]}")
+    return json.loads(done.stdout)
+
+
+def selects_cpu_test(marker: str | None) -> bool:
+    """Whether a pytest `-m` expression runs cases marked cpu_test (and nothing else
+    distinguishes them): no filter, or one that names cpu_test without negating it."""
+    if marker is None:
+        return True
+    return bool(re.search(r"(?<!not )\bcpu_test\b", marker))
+
+
+def check_job(pr: PullRequest, jobs: dict[str, list[dict]]) -> str:
+    """The line PROOF.txt gets: the CPU job pr.toml names collects every file of the
+    PR's cases with the cpu_test marker selected."""
+    files = sorted({c.split("::", 1)[0] for c in pr.cases})
+    lines = []
+    for test_file in files:
+        hits = [j for j in jobs.get(test_file, [])
+                if j["key"] == pr.job and "cpu" in str(j["device"]) and selects_cpu_test(j["marker"])]
+        if not hits:
+            others = ", ".join(sorted({j["key"] or j["label"] for j in jobs.get(test_file, [])})) or "none"
+            raise ForkError(
+                f"{pr.name}: no CPU job '{pr.job}' of the release collects {test_file} with "
+                f"cpu_test selected (jobs that run it: {others})",
+                "mark the cases cpu_test and add the file to that job's commands in the PR",
+            )
+        lines.append(f"{test_file}: collected by '{hits[0]['label']}' ({pr.job}, "
+                     f"{hits[0]['device']}): {hits[0]['command']}")
+    return "\n".join(lines)
+
+
+# -- worktrees ---------------------------------------------------------------------------
+
+
+def _worktree(repo: Path, path: Path, tag: str) -> None:
     env = {**os.environ, **tree.IDENTITY}
     if path.exists():
         shutil.rmtree(path)
     tree.git(["worktree", "prune"], repo, env)
-    made = tree.git(["worktree", "add", "-q", "--force", "-B", branch, str(path), tag], repo, env)
+    made = tree.git(["worktree", "add", "-q", "--force", "--detach", str(path), tag], repo, env)
     if made.returncode != 0:
         raise ForkError(f"could not create a worktree of {tag}: {made.stderr.strip()}")
+
+
+def apply_mails(work: Path, mails: list[Path], env: dict[str, str]) -> None:
+    # --keep-non-patch: keep "[Tests]" in the subject; only "[PATCH]" is stripped.
+    applied = tree.git(["am", "--keep-cr", "--keep-non-patch", *map(str, mails)], work, env)
+    if applied.returncode != 0:
+        tree.git(["am", "--abort"], work, env)
+        raise ForkError(
+            f"{', '.join(m.name for m in mails)} do not apply with git am on {work.name}: "
+            f"{(applied.stdout + applied.stderr).strip()[-300:]}",
+            "refresh the PR's patch against the release",
+        )
+
+
+def changed_files(work: Path, base: str) -> list[str]:
+    got = tree.git(["diff", "--name-only", f"{base}..HEAD"], work)
+    return sorted(got.stdout.split())
+
+
+def lines_added(work: Path, base: str) -> int:
+    got = tree.git(["diff", "--numstat", f"{base}..HEAD"], work)
+    return sum(int(line.split()[0]) for line in got.stdout.splitlines() if line.split()[0].isdigit())
+
+
+@dataclass
+class Context:
+    pins: Pins
+    release: Release
+    repo: Path  # the release's git repository (tag v<version>)
+    python: Path  # the release's venv
+    wheel: Path  # the release's binaries
+    author: dict[str, str]
+
+    @property
+    def tag(self) -> str:
+        return f"v{self.release.version}"
+
+    def fresh(self, name: str, mails: list[Path]) -> Path:
+        """A fresh worktree of the release, MAILS applied by git am, binaries beside."""
+        work = build_dir() / "upstream" / name
+        _worktree(self.repo, work, self.tag)
+        if mails:
+            apply_mails(work, mails, {**os.environ, **tree.IDENTITY, **self.author})
+        matrix.add_binaries(work, self.wheel, self.release.version)
+        return work
+
+
+def signed_mail(ctx: Context, pr: PullRequest, out: Path) -> Path:
+    """The PR's commit re-authored and signed off by the submitter, as one mail in OUT."""
+    env = {**os.environ, **tree.IDENTITY, **ctx.author}
+    work = build_dir() / "upstream" / "sign"
+    _worktree(ctx.repo, work, ctx.tag)
+    apply_mails(work, list(pr.patches), env)
+    tree._git_ok(["commit", "-q", "--amend", "--no-edit", "--reset-author", "--signoff"],
+                 work, env, "sign off the commit")
+    out.mkdir(parents=True, exist_ok=True)
+    tree._git_ok(["format-patch", "-q", "--zero-commit", "--no-signature", "-o", str(out),
+                  f"{ctx.tag}..HEAD"], work, env, "write the PR's patch")
+    (mail,) = sorted(out.glob("*.patch"))
+    return mail
+
+
+@dataclass
+class Proof:
+    pr: PullRequest
+    mail: Path
+    outcome: Outcome
+    hooks: list[str]
+    job: str
+    added: int
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.outcome.times.values())
+
+
+def prove(ctx: Context, pr: PullRequest, mail: Path, mypy_python: Path) -> Proof:
+    """PR alone on a fresh worktree: git am, its cases, the hooks, the job."""
+    work = ctx.fresh(f"proof-{pr.name}", [mail])
+    out = mail.parent
+    outcome = run_pytest(ctx.python, work, [*pr.cases, "-rs"], out / "proof-junit.xml",
+                         output=out / "proof-pytest.log", extra_env={**matrix.CPU_ENV, **OFFLINE})
+    if outcome.failed or outcome.errors or outcome.passed != len(outcome.cases):
+        raise ForkError(f"{pr.name}: its cases do not all pass on {ctx.tag} after git am: {outcome}",
+                        f"see {out / 'proof-pytest.log'}")
+    files = changed_files(work, ctx.tag)
+    hooks = run_hooks(install.ensure_toolchain(ctx.pins), work, files, mypy_python)
+    tests = [f for f in files if f.startswith("tests/") and f.endswith(".py")]
+    job = check_job(pr, collecting_jobs(ctx.python, work, tests))
+    seconds = sum(outcome.times.values())
+    if seconds > MAX_CASES_S:
+        raise ForkError(f"{pr.name}: its cases take {seconds:.1f} s on CPU, over {MAX_CASES_S:.0f} s",
+                        "make them smaller: the CPU job runs them beside everything else")
+    return Proof(pr, mail, outcome, hooks, job, lines_added(work, ctx.tag))
+
+
+# -- the step ----------------------------------------------------------------------------
 
 
 def build(pins: Pins) -> Path:
     author = submitter()  # before minutes of work
     release = newest(pins)
-    version = release.version
-    modules = modules_that_run(pins, version)
-    if not modules:
-        raise ForkError(f"no fork test module passes on vLLM {version}", "see docs/version-matrix.md")
-    files = with_helpers(modules)
+    prs = load_prs(release.version)
+    if not prs:
+        raise ForkError(f"upstream-prs/ has no PR for vLLM {release.version}",
+                        "write them against the newest release (upstream-prs/README.md)")
+    for pr in prs:
+        check_words(pr)
     repo = matrix.release_tree(pins, release)
-    work = build_dir() / "upstream" / "work"
-    env = {**os.environ, **tree.IDENTITY}
-    counts = per_release(pins, modules)
-
-    _worktree(repo, work, f"v{version}", "upstream-tests")
-    for rel in files:
-        text = (tree.TESTS_DIR.parent / rel).read_text()
-        if "forkbuild" in text:
-            raise ForkError(f"{rel} mentions forkbuild", "upstream tests must not depend on the fork's tooling")
-        (work / rel).parent.mkdir(parents=True, exist_ok=True)
-        (work / rel).write_text(text)
-    identity = f"{author['GIT_AUTHOR_NAME']} <{author['GIT_AUTHOR_EMAIL']}>"
-    tree._git_ok(["add", *files], work, env, "stage the tests")
-    listed = "\n".join(textwrap.fill(f"- {f}: {summary(f)}", 72, subsequent_indent="  ") for f in files)
-    message = COMMIT_MESSAGE.format(
-        identity=identity,
-        files=listed,
-        evidence=textwrap.fill(f"Run unchanged against released vLLM, {evidence(counts)}", 72),
-    )
-    tree._git_ok(["commit", "-q", "-m", message], work, {**env, **author}, "commit the tests")
+    ctx = Context(pins, release, repo, matrix.release_python(pins, release, repo),
+                  fetch.fetch(release.binaries, lambda: install.ensure_toolchain(pins, "cpu")),
+                  author)
+    mypy_python = hooks_python(pins, repo)
 
     if DIST.exists():
         shutil.rmtree(DIST)
-    DIST.mkdir(parents=True)
-    tree._git_ok(
-        ["format-patch", "-q", "--zero-commit", "--no-signature", "-o", str(DIST), f"v{version}..HEAD"],
-        work, env,
-        "write the patch series",
-    )
-    series = sorted(DIST.glob("*.patch"))
-    log.step(f"upstream: {len(series)} patch(es) against v{version} in {DIST}")
+    proofs = []
+    for number, pr in enumerate(prs, 1):
+        log.step(f"upstream: [{number}/{len(prs)}] {pr.name}: alone on a fresh {ctx.tag}")
+        proofs.append(prove(ctx, pr, signed_mail(ctx, pr, DIST / pr.name), mypy_python))
 
-    outcome = prove(pins, release, repo, series, modules)
-    proof_tree = build_dir() / "upstream" / "proof"
-    hooks = run_hooks(install.ensure_toolchain(pins), proof_tree, files)
-    verdicts = mutants.kill(
-        matrix.release_python(pins, release, proof_tree), proof_tree, mutants.for_release(version),
-        [*modules, "-m", "cpu_test"], DIST / "mutants", extra_env=matrix.CPU_ENV,
+    log.step(f"upstream: all {len(prs)} PRs together on a fresh {ctx.tag}")
+    together = ctx.fresh("proof-all", [p.mail for p in proofs])
+    all_cases = [c for pr in prs for c in pr.cases]
+    joint = run_pytest(ctx.python, together, [*all_cases, "-rs"], DIST / "all-junit.xml",
+                       output=DIST / "all-pytest.log", extra_env={**matrix.CPU_ENV, **OFFLINE})
+    if joint.failed or joint.errors or joint.passed != len(joint.cases):
+        raise ForkError(f"the PRs together do not pass on {ctx.tag}: {joint}", f"see {DIST / 'all-pytest.log'}")
+    joint_hooks = run_hooks(install.ensure_toolchain(pins), together,
+                            changed_files(together, ctx.tag), mypy_python)
+
+    stock = ctx.fresh("stock", [])
+    found = mutants.for_release(release.version)
+    rows = mutants.differential(
+        ctx.python, stock, together, found,
+        {m.path: mutants.release_tests(release.version, m.path) for m in found}, all_cases,
+        {pr.name: pr.owns for pr in prs}, DIST / "mutants", {**matrix.CPU_ENV, **OFFLINE},
     )
-    with (DIST / "PROOF.txt").open("a") as proof:
-        proof.write("".join(f"hook {line}\n" for line in hooks))
-        proof.write("".join(f"mutant killed by {len(v.killers)} case(s): {v.mutant.name}\n"
-                            for v in verdicts))
-    (DIST / "PR_DESCRIPTION.md").write_text(
-        describe(version, files, modules, outcome, counts, mutants.table(verdicts))
+    mutants.check(rows, [pr.name for pr in prs])
+
+    for proof in proofs:
+        write_pr(ctx, proof, rows)
+    (DIST / "PROOF.txt").write_text(
+        f"vLLM {release.version} sdist {release.sdist.sha256}\n"
+        f"git am {' '.join(p.mail.parent.name + '/' + p.mail.name for p in proofs)}: applied in order\n"
+        f"pytest {' '.join(all_cases)} -m cpu_test: {joint}\n"
+        + "".join(f"hook {line}\n" for line in joint_hooks)
+        + mutants.summary(rows) + "\n"
     )
-    log.step(f"upstream: PR description and proof written to {DIST}")
+    log.step(f"upstream: {len(prs)} PR(s) with descriptions and proof in {DIST}")
     return DIST
 
 
-def prove(pins: Pins, release, repo: Path, series: list[Path], modules: list[str]) -> Outcome:
-    """git am the series onto a fresh worktree of the release and run the tests there."""
-    proof = build_dir() / "upstream" / "proof"
-    env = {**os.environ, **tree.IDENTITY}
-    _worktree(repo, proof, f"v{release.version}", "upstream-proof")
-    applied = tree.git(["am", "--keep-cr", *map(str, series)], proof, env)
-    if applied.returncode != 0:
-        raise ForkError(f"the series does not apply with git am: {applied.stdout.strip()[-300:]}")
-    binaries = fetch.fetch(release.binaries, lambda: install.ensure_toolchain(pins, "cpu"))
-    matrix.add_binaries(proof, binaries, release.version)
-    python = matrix.release_python(pins, release, proof)
-    outcome = run_pytest(
-        python, proof, [*modules, "-m", "cpu_test", "-rs"], DIST / "proof-junit.xml",
-        output=DIST / "proof-pytest.log", extra_env=matrix.CPU_ENV,
-    )
-    log_lines = [
-        f"vLLM {release.version} sdist {release.sdist.sha256}",
-        f"git am {' '.join(p.name for p in series)}: applied",
-        f"pytest {' '.join(modules)} -m cpu_test: {outcome}",
-        *(f"  {case} {status}" for case, status in sorted(outcome.cases.items())),
-    ]
-    (DIST / "PROOF.txt").write_text("\n".join(log_lines) + "\n")
-    if outcome.failed or outcome.errors or not outcome.passed:
-        raise ForkError(f"the tests do not pass on v{release.version} after git am: {outcome}",
-                        f"see {DIST / 'proof-pytest.log'}")
-    return outcome
-
-
-def describe(
-    version: str, files: list[str], modules: list[str], outcome: Outcome,
-    counts: dict[str, tuple[int, int, int]], mutation_table: str,
-) -> str:
-    record = json.loads(matrix.RECORD.read_text())["rows"]
-    table_lines = [
-        "| vLLM | packed branch of `_reshape_attention_kv_cache` | passed | failed | skipped |",
-        "| --- | --- | --- | --- | --- |",
-        *(f"| {v} | {record[v]['line']} | {p} | {f} | {sk} |" for v, (p, f, sk) in counts.items()),
-    ]
-    listed = "\n".join(f"- `{f}`: {summary(f)}" for f in files)
+def validation(ctx: Context, proof: Proof) -> str:
+    cases = "\n".join(f"{case} {status} ({proof.outcome.times.get(case, 0.0):.2f} s)"
+                      for case, status in sorted(proof.outcome.cases.items()))
+    hooks = "\n".join(proof.hooks)
     return f"""\
-## Purpose
-
-Regression tests for packed (cross-layer) KV caches, whose block rows hold one page per
-layer. Two defects of that layout were fixed without a test: #47054 (FlashAttention
-received its pages in the wrong order and crashed with an illegal memory access on
-GPT-OSS under the `OffloadingConnector` with `enable_cross_layers_blocks`; fixed by
-#47314 in 0.26.0) and Triton's per-token-head KV scales, which every packed layer took
-from the same bytes, silently (fixed when 0.26.0 rewrote `_ensure_scale_caches`).
-
-On vLLM {version} packing comes from the resolved `KVCacheLayout`: the block-outermost
-layouts (`BLHNC`, `BLNHC`, e.g. through `VLLM_KV_CACHE_LAYOUT`) pack; the
-`OffloadingConnector` itself asks for the layer-compact `LBHNC`, and
-`enable_cross_layers_blocks` no longer changes the plan. The tests walk that path on
-CPU with vLLM's own code: the planner places a GPT-OSS-shaped hybrid model's layers
-as the layout says (equal and unequal page sizes, padded pages); the v1 and v2 model
-runners' views walk each layer's own page in the layout's physical order, alias the
-allocation at the tensor's offset and write nothing outside the pages; the
-`OffloadingConnector` worker registers packed rows as one block-row tensor, and a
-store and load of rows reads every layer back exactly; where the series has them,
-Triton's cache-write and unified-attention kernels (under `TRITON_INTERPRET=1`) read
-and write exactly each layer's bytes, and each layer's per-token-head scales lie in its
-own page. Not run: the CUDA transfer worker of the CPU offloading spec (a subclass of
-the spec records what it would receive) and the v1 runner's constructor (its own
-`initialize_kv_cache_tensors` runs on a runner object holding only what that method
-reads). `pytest.mark.cpu_test`; no mocks of the code under test.
-
-Files:
-{listed}
-
-## Test Plan
+On a fresh checkout of `{ctx.tag}` with this commit applied (`git am`), CPU only
+(`VLLM_TARGET_DEVICE=cpu`, torch {ctx.release.torch}):
 
 ```
-pytest {' '.join(modules)} -m cpu_test
+pytest {' '.join(proof.pr.cases)}
 ```
 
-Also run, unchanged, against the stock releases below, each from its sdist with the
-compiled extensions of its own wheel, on CPU: {evidence(counts)}
+```
+{cases}
+{proof.outcome} in {proof.seconds:.1f} s of test time
+```
 
-## Test Result
+The pre-commit hooks that run on these files, from that checkout:
 
-On vLLM {version} with this series applied by `git am`: {outcome}. The release's own
-pre-commit hooks for test files pass on the series, run from that tree: ruff check and
-ruff format at the version `.pre-commit-config.yaml` pins, `check_spdx_header`,
-`check_forbidden_imports` and `check_test_tethering`.
+```
+{hooks}
+```
 
-{chr(10).join(table_lines)}
+CI: {proof.job}"""
 
-Mutation check: each breakage below, made by hand in vLLM {version}'s packed-view code
-and applied alone to the tree with this series, fails the cases named.
 
-{mutation_table}
-
-(Modules written for both layout APIs run the same cases through the per-backend API up
-to 0.26 and through `create_kv_cache_views` after the rewrite; the layout-API modules
-skip before it. Further tests of the downstream suite drive the per-backend API that
-the rewrite removed, and its GPU and CPU-engine tests have not run on {version}; they
-are not part of this PR.)
-
----
-<details>
-<summary>Essential Elements of an Effective PR Description Checklist</summary>
-
-- [x] The purpose of the PR.
-- [x] The test plan.
-- [x] The test results.
-- [ ] (Optional) Documentation update: none needed.
-
-The commit is signed off (DCO) by whoever ran `make upstream`, with their git identity.
-</details>
-"""
+def write_pr(ctx: Context, proof: Proof, rows: list[mutants.Row]) -> None:
+    out = proof.mail.parent
+    text = proof.pr.description
+    for marker in MARKERS:
+        if text.count(marker) != 1:
+            raise ForkError(f"{proof.pr.name}/description.md must hold {marker} exactly once",
+                            "see upstream-prs/README.md")
+    text = text.replace("@@VALIDATION@@", validation(ctx, proof))
+    text = text.replace("@@MUTANTS@@", mutants.table(rows, proof.pr.name))
+    (out / "PR_DESCRIPTION.md").write_text(f"# {proof.pr.title}\n\n{text}")
+    (out / "PROOF.txt").write_text(
+        f"vLLM {ctx.release.version} sdist {ctx.release.sdist.sha256}\n"
+        f"git am {proof.mail.name} on a fresh worktree of {ctx.tag}: applied\n"
+        f"lines added: {proof.added}\n"
+        f"pytest {' '.join(proof.pr.cases)}: {proof.outcome} ({proof.seconds:.1f} s)\n"
+        + "".join(f"  {c} {s} {proof.outcome.times.get(c, 0.0):.2f} s\n"
+                  for c, s in sorted(proof.outcome.cases.items()))
+        + "".join(f"hook {line}\n" for line in proof.hooks)
+        + f"job: {proof.job}\n"
+        + mutants.summary(rows, proof.pr.name) + "\n"
+    )

@@ -1,5 +1,7 @@
-"""forkbuild.mutants: each mutant is applied alone, tested, and undone; a survivor or a
-mutant that no longer matches the release's code stops the step."""
+"""forkbuild.mutants: each mutant is applied alone, run against the release's own tests
+and the PRs' cases, and undone; a PR is credited only with what the release's tests miss;
+a survivor nothing kills, a PR that kills nothing new, or a mutant that no longer matches
+the release's code stops the step."""
 
 from __future__ import annotations
 
@@ -24,10 +26,6 @@ from pkg.views import page_view
 def test_second_page():
     assert page_view(list(range(8)), 1, 2) == [1, 3, 5, 7]
 """
-KILLED = mutants.Mutant("offset ignored", "pkg/views.py", "raw[offset::stride]", "raw[::stride]")
-# Equivalent for the one case the test has: it survives.
-SURVIVES = mutants.Mutant("copy instead of view", "pkg/views.py", "return raw[offset::stride]",
-                          "return list(raw[offset::stride])")
 
 
 @pytest.fixture
@@ -49,25 +47,67 @@ def _clean(work: Path) -> bool:
                           capture_output=True, text=True, check=True).stdout == ""
 
 
-def test_a_killed_mutant_names_its_killers_and_the_file_is_restored(worktree, tmp_path):
-    (verdict,) = mutants.kill(Path(sys.executable), worktree, (KILLED,), ["tests/test_views.py"],
-                              tmp_path)
-    assert verdict.killers == ["tests/test_views.py::test_second_page"]
+PR_TEST = """\
+from pkg.views import page_view
+
+def test_pages_of_a_longer_row():
+    assert page_view(list(range(12)), 1, 2) == [1, 3, 5, 7, 9, 11]
+"""
+# Killed by the release's own test: worth nothing to a PR.
+CAUGHT = mutants.Mutant("offset ignored", "pkg/views.py", "raw[offset::stride]", "raw[::stride]")
+# Missed by the release's test (its row has 8 items), killed by the PR's case.
+MISSED = mutants.Mutant("the row cut at 8 items", "pkg/views.py", "raw[offset::stride]",
+                        "raw[offset:8:stride]")
+# Missed by both.
+NOBODY = mutants.Mutant("copy instead of view", "pkg/views.py", "return raw[offset::stride]",
+                        "return list(raw[offset::stride])")
+
+
+def _with_pr(worktree: Path) -> Path:
+    (worktree / "tests" / "test_pr.py").write_text(PR_TEST)
+    env = {**os.environ, **tree.IDENTITY}
+    tree._git_ok(["add", "-A"], worktree, env, "add the PR")
+    tree._git_ok(["commit", "-qm", "pr"], worktree, env, "commit the PR")
+    return worktree
+
+
+def _rows(worktree: Path, tmp_path: Path, found: tuple[mutants.Mutant, ...]) -> list[mutants.Row]:
+    with_pr = _with_pr(worktree)
+    return mutants.differential(
+        Path(sys.executable), worktree, with_pr, found, {"pkg/views.py": ("tests/test_views.py",)},
+        ["tests/test_pr.py::test_pages_of_a_longer_row"],
+        {"01-pages": lambda case: case.startswith("tests/test_pr.py::")}, tmp_path / "results",
+    )
+
+
+def test_the_differential_credits_a_pr_only_with_what_the_release_tests_miss(worktree, tmp_path):
+    caught, missed = _rows(worktree, tmp_path, (CAUGHT, MISSED))
+    assert caught.upstream_killers == ["tests/test_views.py::test_second_page"]
+    assert not caught.survivor
+    assert missed.survivor and missed.by_pr == {"01-pages": ["tests/test_pr.py::test_pages_of_a_longer_row"]}
     assert _clean(worktree)
-    assert "| offset ignored | `pkg/views.py` | 1 of 1 | `test_views.py` (1) |" in mutants.table([verdict])
+    text = mutants.table([caught, missed], "01-pages")
+    assert "| the row cut at 8 items | `pkg/views.py` | no | `test_pages_of_a_longer_row` |" in text
+    assert "offset ignored" not in text.split("Mutants tried")[0]
+    assert "Mutants tried on the code these tests cover: 2" in text and "kill 1 of them" in text
+    with pytest.raises(ForkError, match="only 1 mutant.*survive the release's tests"):
+        mutants.check([caught, missed], ["01-pages"])
 
 
-def test_a_survivor_stops_the_step_with_its_name(worktree, tmp_path):
-    with pytest.raises(ForkError, match="1 of 2 mutant.*survived.*copy instead of view"):
-        mutants.kill(Path(sys.executable), worktree, (KILLED, SURVIVES), ["tests/test_views.py"],
-                     tmp_path)
+def test_a_survivor_nothing_kills_and_an_idle_pr_stop_the_step(worktree, tmp_path):
+    (nobody,) = _rows(worktree, tmp_path, (NOBODY,))
+    assert nobody.survivor and nobody.by_pr == {"01-pages": []}
+    with pytest.raises(ForkError) as err:
+        mutants.check([nobody], ["01-pages"])
+    assert "survive the release's tests and every PR: copy instead of view" in str(err.value)
+    assert "01-pages kill(s) no mutant the release's tests miss" in str(err.value)
     assert _clean(worktree)
 
 
 def test_a_mutant_that_no_longer_matches_is_refused_untouched(worktree, tmp_path):
     stale = mutants.Mutant("stride ignored", "pkg/views.py", "raw[offset::step]", "raw[offset:]")
     with pytest.raises(ForkError, match="matches 0 times in pkg/views.py.*") as refused:
-        mutants.kill(Path(sys.executable), worktree, (stale,), ["tests/test_views.py"], tmp_path)
+        mutants.run_each(Path(sys.executable), worktree, (stale,), ["tests/test_views.py"], tmp_path)
     assert "rewrite the mutant" in str(refused.value)
     assert _clean(worktree)
     with pytest.raises(ForkError, match="no mutants of vLLM 9.9.9"):
@@ -85,7 +125,12 @@ def test_the_newest_release_has_mutants_that_match_its_code_once(fork_pins):
         for mutant in wanted:
             text = tar.extractfile(f"{top}/{mutant.path}").read().decode()
             assert text.count(mutant.original) == 1, mutant.name
-    # The breakages the issue names are all there.
-    names = " ".join(m.name for m in wanted)
-    for kind in ("offset", "layer stride", "block stride", "order", "copied", "connector"):
-        assert kind in names
+    # Breakages of every part of the packed path the PRs cover, each with the release's
+    # own tests of its file named.
+    paths = {m.path for m in wanted}
+    for part in ("kv_cache_interface.py", "worker/utils.py", "kv_cache_planning.py",
+                 "offloading/worker.py", "triton_attn.py"):
+        assert any(p.endswith(part) for p in paths), part
+    for path in paths:
+        assert mutants.release_tests(release.version, path)
+    assert len(wanted) >= mutants.MIN_SURVIVORS

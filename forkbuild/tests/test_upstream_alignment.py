@@ -92,16 +92,6 @@ def test_rebase_moves_every_pin_together(fork_pins):
     assert "0.26.0" not in raw["matrix"]["release"]
 
 
-def test_upstream_series_takes_only_module_level_helpers():
-    files = upstream.with_helpers(["tests/v1/worker/test_packed_kv_cache_offload.py"])
-    assert "tests/v1/worker/offload_e2e_configs.py" in files
-    assert "tests/v1/worker/test_packed_kv_cache_pipeline.py" in files
-    # The layer-views module imports nothing of the fork's at module level.
-    assert upstream.with_helpers(["tests/v1/worker/test_packed_kv_cache_layer_views.py"]) == [
-        "tests/v1/worker/test_packed_kv_cache_layer_views.py"
-    ]
-
-
 def _git_home(tmp_path: Path, config: str | None) -> dict[str, str]:
     """An environment whose only git configuration is CONFIG (None: none at all)."""
     global_config = tmp_path / "gitconfig"
@@ -138,33 +128,104 @@ def test_the_series_is_signed_off_by_whoever_runs_it(tmp_path, monkeypatch):
         upstream.submitter()
 
 
+def test_the_prs_load_in_sending_order_each_whole():
+    prs = upstream.load_prs(upstream.newest(pins.load()).version)
+    assert [pr.name for pr in prs] == sorted(pr.name for pr in prs) and len(prs) >= 2
+    for pr in prs:
+        assert pr.cases and pr.job and pr.patches, pr.name
+        upstream.check_words(pr)  # nothing sent speaks of this repository
+        assert all(marker in pr.description for marker in upstream.MARKERS), pr.name
+        files = {c.split("::", 1)[0] for c in pr.cases}
+        for patch in pr.patches:  # the cases' files are the files the mail changes
+            changed = set(re.findall(r"^diff --git a/(\S+) ", patch.read_text(), re.M))
+            assert files <= changed, (pr.name, files - changed)
+            assert "Signed-off-by:" not in patch.read_text(), "the submitter signs off"
+
+
+def test_a_broken_pr_folder_is_refused_with_what_it_lacks(tmp_path):
+    folder = tmp_path / "upstream-prs"
+    (folder / "01-views").mkdir(parents=True)
+    (folder / "01-views" / "pr.toml").write_text('release = "0.33.0"\ntitle = "[Tests] x"\n')
+    with pytest.raises(ForkError, match="01-views: pr.toml lacks cases, job"):
+        upstream.load_prs("0.33.0", folder)
+    (folder / "01-views" / "pr.toml").write_text('release = "0.33.0"\ntitle = "x"\ncases = ["a"]\n'
+                                                  'job = "v1-others-cpu"\n')
+    with pytest.raises(ForkError, match="01-views: no \\*.patch"):
+        upstream.load_prs("0.33.0", folder)
+    (folder / "01-views" / "0001-x.patch").write_text("Subject: [Tests] x\n\nfor the fork\n")
+    (folder / "01-views" / "description.md").write_text("@@VALIDATION@@ @@MUTANTS@@\n")
+    (pr,) = upstream.load_prs("0.33.0", folder)
+    assert upstream.load_prs("0.34.0", folder) == []
+    with pytest.raises(ForkError, match="0001-x.patch mentions fork"):
+        upstream.check_words(pr)
+
+
+@pytest.mark.parametrize(("marker", "runs"), [
+    (None, True), ("cpu_test", True), ("'cpu_test'", True), ("not cpu_test", False),
+    ("cpu_test and not slow_test", True), ("slow_test", False),
+])
+def test_a_job_runs_cpu_test_cases_only_when_its_marker_selects_them(marker, runs):
+    assert upstream.selects_cpu_test(marker) is runs
+
+
+def test_a_pr_whose_cases_no_cpu_job_collects_is_refused():
+    pr = upstream.PullRequest("01-views", Path("."), "0.33.0", "t",
+                              ("tests/v1/worker/test_attn_utils.py::test_x",), "v1-others-cpu", ())
+    gpu_only = {"tests/v1/worker/test_attn_utils.py": [
+        {"key": "v1-executor-worker", "label": "V1 Executor + Worker", "device": "h200_18gb",
+         "marker": None, "command": "pytest -v -s v1/worker"}]}
+    with pytest.raises(ForkError, match="no CPU job 'v1-others-cpu'.*jobs that run it: v1-executor-worker"):
+        upstream.check_job(pr, gpu_only)
+    negated = {"tests/v1/worker/test_attn_utils.py": [
+        {"key": "v1-others-cpu", "label": "(CPU) V1 Others", "device": "cpu-small",
+         "marker": "not cpu_test", "command": "pytest -m 'not cpu_test' v1/worker"}]}
+    with pytest.raises(ForkError, match="no CPU job"):
+        upstream.check_job(pr, negated)
+
+
+def test_the_mypy_hook_is_read_from_the_release_and_locked(fork_pins, toolchain):
+    config = upstream.release_hook_config(fork_pins)
+    entry, requirements = upstream.mypy_hook(config)
+    assert entry == 'python tools/pre_commit/mypy.py "3.11"'
+    assert requirements[0].startswith("mypy==")
+    lock_text = upstream.hooks_lock_path().read_text()
+    # The lock was made from exactly this hook's requirements (`make lock` remakes it).
+    assert f"inputs-sha256: {upstream.hooks_inputs_digest(requirements)}" in lock_text
+    assert f"\n{requirements[0]} \\\n    --hash=sha256:" in lock_text
+    other = config.replace(requirements[0], "mypy==0.1")
+    assert upstream.mypy_hook(other)[1][0] == "mypy==0.1"
+
+
 @pytest.fixture(scope="module")
 def release_hooks(fork_pins, toolchain, tmp_path_factory) -> Path:
-    """The newest release's tree, unpacked from its sdist, with the series' modules:
-    what its hooks read (their scripts and configuration, ruff's settings and its
-    view of the packages, the Buildkite jobs)."""
+    """The newest release's tree, unpacked from its sdist, with every PR applied in
+    sending order: what its hooks read (their scripts and configuration, ruff's
+    settings and its view of the packages, the Buildkite jobs)."""
     sdist = fetch.fetch(upstream.newest(fork_pins).sdist, lambda: toolchain)
     out = tmp_path_factory.mktemp("release")
     tree._extract_sdist(sdist, out)
-    for rel in series_files(fork_pins):
-        target = out / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(pins.REPO_ROOT / rel, target)
+    for pr in upstream.load_prs(upstream.newest(fork_pins).version):
+        for patch in pr.patches:
+            applied = subprocess.run(["git", "apply", str(patch)], cwd=out, capture_output=True,
+                                     text=True, check=False)
+            assert applied.returncode == 0, (pr.name, applied.stderr)
     return out
 
 
 def series_files(fork_pins) -> list[str]:
-    """What `make upstream` sends: the modules that pass on the newest release (per the
-    version matrix record) and the helpers they import."""
-    version = upstream.newest(fork_pins).version
-    return upstream.with_helpers(upstream.modules_that_run(fork_pins, version))
+    """What the PRs change, all together."""
+    changed: set[str] = set()
+    for pr in upstream.load_prs(upstream.newest(fork_pins).version):
+        for patch in pr.patches:
+            changed |= set(re.findall(r"^diff --git a/(\S+) ", patch.read_text(), re.M))
+    return sorted(changed)
 
 
-def test_the_series_is_what_runs_on_the_newest_release(fork_pins):
-    files = series_files(fork_pins)
-    assert "tests/v1/worker/test_packed_kv_cache_layout_pipeline.py" in files
-    assert "tests/v1/worker/test_packed_kv_cache_layouts.py" in files
-    assert not set(files) & upstream.NOT_FOR_UPSTREAM
+def test_every_pr_case_runs_in_the_cpu_job_it_names(release_hooks, toolchain, fork_pins):
+    for pr in upstream.load_prs(upstream.newest(fork_pins).version):
+        files = sorted({c.split("::", 1)[0] for c in pr.cases})
+        said = upstream.check_job(pr, upstream.collecting_jobs(toolchain, release_hooks, files))
+        assert f"({pr.job}, cpu" in said, said
 
 
 def test_the_release_hooks_pass_on_the_series(release_hooks, toolchain, fork_pins):

@@ -1,0 +1,80 @@
+"""Which of a vLLM release's Buildkite jobs run a test case, read by the release's own
+tethering hook (tools/pre_commit/check_test_tethering.py).
+
+Run by `forkbuild upstream` with the release's Python, in the release tree (the hook
+needs PyYAML and regex, which forkbuild's standard library does not have):
+
+    python release_ci_jobs.py tests/a/test_x.py [...]
+
+prints one JSON object: test file -> the jobs whose commands collect it, each with its
+label, key, device, timeout and the command's `-m` marker expression. The tethering hook
+answers only "some job runs this file" and ignores markers on purpose; a test marked
+`cpu_test` runs in a CPU job only if that job's command selects the marker, which is
+what `forkbuild upstream` checks from this list.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shlex
+import sys
+from pathlib import Path
+
+
+def _load_hook(tree: Path):
+    path = tree / "tools" / "pre_commit" / "check_test_tethering.py"
+    spec = importlib.util.spec_from_file_location("release_tethering", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"{path} is missing: is this a vLLM release tree?")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    return hook
+
+
+def _marker(command: str) -> str | None:
+    """The `-m` expression of a pytest command line (None: no marker filter)."""
+    try:
+        tokens = shlex.split(command)
+    except ValueError:
+        return None
+    for index, token in enumerate(tokens):
+        if token == "-m" and index + 1 < len(tokens) and tokens[index - 1] != "python":
+            return tokens[index + 1]
+        if token.startswith("-m") and len(token) > 2 and not token.startswith("-m="):
+            return token[2:]
+    return None
+
+
+def jobs_running(tree: Path, test_files: list[str]) -> dict[str, list[dict]]:
+    import yaml
+
+    hook = _load_hook(tree)
+    found: dict[str, list[dict]] = {f: [] for f in test_files}
+    for yaml_path in hook._pipeline_yaml_paths():
+        doc = yaml.safe_load(yaml_path.read_text()) or {}
+        if not isinstance(doc, dict):
+            continue
+        for step in hook._iter_job_steps(doc):
+            commands = list(step.get("commands") or [])
+            if step.get("command"):
+                commands.append(step["command"])
+            for command in (c for c in commands if isinstance(c, str)):
+                selections = hook._parse_command(command)
+                for test_file in test_files:
+                    normalized = hook.normalize_test_path(test_file)
+                    if any(s.runs(normalized) for s in selections):
+                        found[test_file].append({
+                            "label": step.get("label", ""),
+                            "key": step.get("key", ""),
+                            "device": step.get("device", ""),
+                            "timeout_in_minutes": step.get("timeout_in_minutes"),
+                            "command": command,
+                            "marker": _marker(command),
+                            "pipeline": str(yaml_path.relative_to(tree)),
+                        })
+    return found
+
+
+if __name__ == "__main__":
+    print(json.dumps(jobs_running(Path.cwd(), sys.argv[1:]), indent=1))
