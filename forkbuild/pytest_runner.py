@@ -25,7 +25,8 @@ class Outcome:
     # Why the run was stopped before it ended (its time limit), "" when it ended itself:
     # then CASES holds only what pytest reported before it was stopped.
     killed: str = ""
-    times: dict[str, float] = field(default_factory=dict)  # case -> seconds, as JUnit says
+    # case -> seconds, as JUnit says; not part of what a run found (equal runs differ in it)
+    times: dict[str, float] = field(default_factory=dict, compare=False)
 
     def count(self, status: str) -> int:
         return sum(1 for s in self.cases.values() if s == status)
