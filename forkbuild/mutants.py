@@ -404,8 +404,10 @@ def summary(rows: list[Row], pr: str | None = None) -> str:
     """PROOF.txt lines: per mutant, the release's tests' verdict and the PRs'."""
     out = []
     for row in rows:
-        if pr is not None and not row.by_pr[pr] and row.survivor:
-            verdict = "NOT killed by this PR"
+        if pr is not None and not row.by_pr[pr]:
+            others = [n for n, c in row.by_pr.items() if c]
+            verdict = (f"not this PR's (killed by {', '.join(others)})" if others
+                       else "killed by no PR")
         elif pr is not None:
             verdict = f"this PR kills it with {len(row.by_pr[pr])} case(s)"
         else:
