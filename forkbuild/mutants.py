@@ -304,8 +304,9 @@ def run_each(python: Path, worktree: Path, mutants: tuple[Mutant, ...], pytest_a
             restore(worktree, mutant)
         outcomes.append(outcome)
         found = killers(outcome)
+        # Raw failures: differential() subtracts what fails unmutated before calling a kill.
         log.step(f"mutants: [{number}/{len(mutants)}] "
-                 + (f"killed by {len(found)} case(s)" if found else "survived"))
+                 + (f"{len(found)} case(s) failed" if found else "no case failed"))
     return outcomes
 
 
