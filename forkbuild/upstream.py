@@ -29,13 +29,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from forkbuild import fetch, install, log, matrix, mutants, tree, uv
+from forkbuild import fetch, install, log, matrix, mutants, patch_status, tree, uv
 from forkbuild.errors import ForkError
 from forkbuild.hashing import digest_of
 from forkbuild.pins import REPO_ROOT, Pins, Release, build_dir, locks_dir
@@ -178,16 +179,11 @@ def hooks_inputs_digest(requirements: list[str]) -> str:
 
 def release_hook_config(pins: Pins) -> str:
     """The newest release's .pre-commit-config.yaml, read from its verified sdist."""
-    import tarfile
-
-    release = newest(pins)
-    sdist = fetch.fetch(release.sdist, lambda: install.ensure_toolchain(pins))
-    with tarfile.open(sdist) as tar:
-        top = tar.getmembers()[0].name.split("/", 1)[0]
-        member = tar.extractfile(f"{top}/.pre-commit-config.yaml")
-        if member is None:
-            raise ForkError(f"{sdist.name} has no .pre-commit-config.yaml")
-        return member.read().decode()
+    sdist = fetch.fetch(newest(pins).sdist, lambda: install.ensure_toolchain(pins))
+    found = patch_status.sdist_files(sdist, frozenset({".pre-commit-config.yaml"}))
+    if not found:
+        raise ForkError(f"{sdist.name} has no .pre-commit-config.yaml")
+    return found[".pre-commit-config.yaml"].decode()
 
 
 def lock_hooks(pins: Pins, config_text: str) -> Path:
@@ -278,7 +274,7 @@ def run_hooks(python: Path, release_tree: Path, files: list[str],
     if mypy_python is not None:
         entry, _ = mypy_hook((release_tree / ".pre-commit-config.yaml").read_text())
         path = f"{mypy_python.parent}{os.pathsep}{os.environ.get('PATH', '')}"
-        hooks.append(("mypy", [*_entry_words(entry), *py_files], {"PATH": path}))
+        hooks.append(("mypy", [*shlex.split(entry), *py_files], {"PATH": path}))
     lines, findings = [], []
     for name, cmd, env in hooks:
         done = subprocess.run(cmd, cwd=release_tree, capture_output=True, text=True, check=False,
@@ -296,11 +292,6 @@ def run_hooks(python: Path, release_tree: Path, files: list[str],
     log.step(f"upstream: the release's hooks pass on {len(files)} file(s) (ruff {wanted}"
              + (", mypy)" if mypy_python else ")"))
     return lines
-
-
-def _entry_words(entry: str) -> list[str]:
-    import shlex
-    return shlex.split(entry)
 
 
 # -- the CPU job -------------------------------------------------------------------------
