@@ -12,13 +12,17 @@ each run, and its bytecode removed both times so that no stale .pyc stands in fo
 
 from __future__ import annotations
 
+import hashlib
+import json
+import shutil
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from forkbuild import log, tree
 from forkbuild.errors import ForkError
-from forkbuild.pytest_runner import Outcome, run_pytest
+from forkbuild.pytest_runner import Outcome, read_junit, run_pytest
 
 
 @dataclass(frozen=True)
@@ -279,35 +283,81 @@ def _drop_bytecode(source: Path) -> None:
 
 
 def killers(outcome: Outcome, baseline: Outcome | None = None) -> list[str]:
-    """The cases that fail (or error) in OUTCOME, and passed in BASELINE when given: a
+    """The cases that fail (or error) in OUTCOME and did not in BASELINE when given: a
     case the unmutated tree already fails on this machine (a model it cannot download, a
-    GPU) kills nothing."""
-    return sorted(c for c, s in outcome.cases.items() if s in ("failed", "error")
-                  and (baseline is None or baseline.cases.get(c) == "passed"))
+    GPU) kills nothing. A failing case BASELINE does not have is a kill: a mutant can
+    rename a case (two enum members made one change a parametrized case's id) or break
+    a module's collection."""
+    broken = ("failed", "error")
+    return sorted(c for c, s in outcome.cases.items()
+                  if s in broken and (baseline is None or baseline.cases.get(c) not in broken))
 
 
 def run_each(python: Path, worktree: Path, mutants: tuple[Mutant, ...], pytest_args: list[str],
-             results: Path, extra_env: dict[str, str] | None = None, what: str = "") -> list[Outcome]:
+             results: Path, extra_env: dict[str, str] | None = None, what: str = "",
+             cache: Path | None = None) -> list[Outcome]:
     """Run PYTEST_ARGS in WORKTREE once per mutant, each applied alone and undone."""
-    results.mkdir(parents=True, exist_ok=True)
     outcomes = []
     for number, mutant in enumerate(mutants, 1):
         log.step(f"mutants: [{number}/{len(mutants)}] {mutant.name} vs {what or worktree.name}")
-        try:
-            apply(worktree, mutant)
-            outcome = run_pytest(
-                python, worktree, pytest_args,
-                results / f"{what or 'run'}-{number}.xml", output=results / f"{what or 'run'}-{number}.log",
-                extra_env=extra_env,
-            )
-        finally:
-            restore(worktree, mutant)
+        outcome = cached_run(python, worktree, pytest_args, results, f"{what or 'run'}-{number}",
+                             extra_env, cache, mutant)
         outcomes.append(outcome)
         found = killers(outcome)
         # Raw failures: differential() subtracts what fails unmutated before calling a kill.
         log.step(f"mutants: [{number}/{len(mutants)}] "
                  + (f"{len(found)} case(s) failed" if found else "no case failed"))
     return outcomes
+
+
+def cached_run(python: Path, worktree: Path, pytest_args: list[str], results: Path, name: str,
+               extra_env: dict[str, str] | None = None, cache: Path | None = None,
+               mutant: Mutant | None = None) -> Outcome:
+    """One pytest run in WORKTREE, with MUTANT applied and undone when given; its report in
+    RESULTS/NAME.{xml,log}. With CACHE, a run already made of the same content (see
+    _run_key) is read back instead: a step of an hour can be taken up again where it
+    stopped, and a changed PR reruns only its own cases."""
+    results.mkdir(parents=True, exist_ok=True)
+    kept = cache / f"{_run_key(python, worktree, mutant, pytest_args, extra_env)}.xml" if cache else None
+    if kept is not None and kept.is_file():
+        shutil.copyfile(kept, results / f"{name}.xml")
+        outcome = read_junit(kept)
+        log.step(f"mutants: {name}: the same run was made before ({kept}): {outcome}")
+        return outcome
+    try:
+        if mutant is not None:
+            apply(worktree, mutant)
+        outcome = run_pytest(python, worktree, pytest_args, results / f"{name}.xml",
+                             output=results / f"{name}.log", extra_env=extra_env)
+    finally:
+        if mutant is not None:
+            restore(worktree, mutant)
+    if kept is not None and not outcome.killed:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(results / f"{name}.xml", kept)
+    return outcome
+
+
+def _run_key(python: Path, worktree: Path, mutant: Mutant | None, pytest_args: list[str],
+             extra_env: dict[str, str] | None) -> str:
+    """What decides a run's result: the interpreter, the worktree's committed content (its
+    tree object: the PRs' mails are re-signed with a new date each time, their content is
+    not), its untracked files' names and sizes (the release's binaries), the mutant, the
+    arguments and the environment given."""
+    head = tree.git(["rev-parse", "HEAD^{tree}"], worktree)
+    if head.returncode != 0:
+        raise ForkError(f"git cannot name the content of {worktree}: {head.stderr.strip()}")
+    changed = tree.git(["status", "--porcelain", "--untracked-files=no"], worktree).stdout.strip()
+    if changed:  # a mutant left behind by a killed run: every result would be wrong
+        raise ForkError(f"{worktree} has changes its commit does not hold: {changed.splitlines()[0]}",
+                        "run the step again: it makes its worktrees afresh")
+    others = tree.git(["ls-files", "--others", "-z"], worktree).stdout.split("\0")
+    untracked = sorted(f"{name}:{(worktree / name).stat().st_size}" for name in others
+                       if name and "__pycache__" not in name and (worktree / name).is_file())
+    parts = [str(python), head.stdout.strip(), untracked,
+             [mutant.path, mutant.original, mutant.mutated] if mutant else None,
+             pytest_args, sorted((extra_env or {}).items())]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
 
 
 @dataclass(frozen=True)
@@ -325,38 +375,68 @@ class Row:
         return not self.upstream_killers
 
 
+def deselect(baseline: Outcome) -> list[str]:
+    """pytest arguments leaving out each case that fails unmutated: it can kill nothing,
+    costs time (a model download refused offline, a CUDA call), and would stop `-x` at a
+    failure that is no kill."""
+    return [arg for case, status in sorted(baseline.cases.items())
+            if status in ("failed", "error") and not case.endswith("::(module)")
+            for arg in ("--deselect", case)]
+
+
+def _upstream_killers(python: Path, stock: Path, mutant: Mutant, tests: list[str],
+                      baseline: Outcome, results: Path, extra_env: dict[str, str] | None,
+                      what: str, cache: Path | None) -> list[str]:
+    """The release's cases that MUTANT makes fail. They run without the cases failing
+    unmutated, up to the first failure (-x): one is a kill. Should a deselection not have
+    matched pytest's node id, -x could stop at an old failure and hide a kill, so such a
+    run is made again whole."""
+    (fast,) = run_each(python, stock, (mutant,), [*tests, *deselect(baseline), "-x"], results,
+                       extra_env, what, cache)
+    found = killers(fast, baseline)
+    if (fast.failed or fast.errors) and not found:
+        log.step(f"mutants: {what} stopped at a case failing unmutated too: run whole")
+        (whole,) = run_each(python, stock, (mutant,), tests, results, extra_env, f"{what}-whole", cache)
+        found = killers(whole, baseline)
+    return found
+
+
 def differential(python: Path, stock: Path, with_prs: Path, mutants: tuple[Mutant, ...],
                  upstream_tests: dict[str, tuple[str, ...]], pr_cases: list[str],
                  owners: dict[str, Callable[[str], bool]], results: Path,
-                 extra_env: dict[str, str] | None = None) -> list[Row]:
+                 extra_env: dict[str, str] | None = None, cache: Path | None = None) -> list[Row]:
     """Every mutant against the release's own tests of the file it changes (STOCK
     worktree, UPSTREAM_TESTS: path -> test files) and against the PRs' cases (WITH_PRS:
     all PRs applied; a case is credited to the PR that OWNS it). Each set of release
-    tests runs once unmutated first: what fails there already is no kill."""
+    tests runs once unmutated first: what fails there already is no kill. When STOCK and
+    WITH_PRS are two worktrees, a mutant's two runs go side by side (two cores)."""
     results.mkdir(parents=True, exist_ok=True)
-    clean = run_pytest(python, with_prs, pr_cases, results / "clean-prs.xml",
-                       output=results / "clean-prs.log", extra_env=extra_env)
+    clean = cached_run(python, with_prs, pr_cases, results, "clean-prs", extra_env, cache)
     if clean.failed or clean.errors or not clean.passed:
         raise ForkError(f"the PRs' cases do not pass unmutated: {clean}", f"see {results / 'clean-prs.log'}")
-    baselines: dict[str, Outcome] = {}
-    for number, path in enumerate(sorted({m.path for m in mutants}), 1):
-        tests = list(upstream_tests[path])
-        baselines[path] = run_pytest(python, stock, tests, results / f"baseline-{number}.xml",
-                                     output=results / f"baseline-{number}.log", extra_env=extra_env)
-        if not baselines[path].passed:
-            raise ForkError(f"no case of the release's own tests of {path} passes unmutated: "
-                            f"{baselines[path]}", f"see {results / f'baseline-{number}.log'}")
-        log.step(f"mutants: the release's tests of {path}, unmutated: {baselines[path]}")
+    baselines: dict[tuple[str, ...], Outcome] = {}
+    for number, tests in enumerate(sorted({upstream_tests[m.path] for m in mutants}), 1):
+        paths = sorted({m.path for m in mutants if upstream_tests[m.path] == tests})
+        baselines[tests] = cached_run(python, stock, list(tests), results, f"baseline-{number}",
+                                      extra_env, cache)
+        if not baselines[tests].passed:
+            raise ForkError(f"no case of the release's own tests of {', '.join(paths)} passes "
+                            f"unmutated: {baselines[tests]}", f"see {results / f'baseline-{number}.log'}")
+        log.step(f"mutants: the release's tests of {', '.join(paths)}, unmutated: {baselines[tests]}")
     rows = []
-    for number, mutant in enumerate(mutants, 1):
-        tests = upstream_tests[mutant.path]
-        (up,) = run_each(python, stock, (mutant,), list(tests), results, extra_env,
-                         f"release-tests-{number}")
-        (mine,) = run_each(python, with_prs, (mutant,), pr_cases, results, extra_env,
-                           f"pr-cases-{number}")
-        failed = killers(mine, clean)
-        rows.append(Row(mutant, tests, killers(up, baselines[mutant.path]),
-                        {name: [c for c in failed if owns(c)] for name, owns in owners.items()}))
+    side_by_side = stock.resolve() != with_prs.resolve()
+    with ThreadPoolExecutor(max_workers=2 if side_by_side else 1) as pool:
+        for number, mutant in enumerate(mutants, 1):
+            tests = upstream_tests[mutant.path]
+            mine = pool.submit(run_each, python, with_prs, (mutant,), pr_cases, results, extra_env,
+                               f"pr-cases-{number}", cache)
+            if not side_by_side:
+                mine.result()
+            up = _upstream_killers(python, stock, mutant, list(tests), baselines[tests], results,
+                                   extra_env, f"release-tests-{number}", cache)
+            failed = killers(mine.result()[0], clean)
+            rows.append(Row(mutant, tests, up,
+                            {name: [c for c in failed if owns(c)] for name, owns in owners.items()}))
     return rows
 
 
@@ -380,21 +460,41 @@ def check(rows: list[Row], pr_names: list[str]) -> None:
 
 
 def table(rows: list[Row], pr: str) -> str:
-    """PR's table for its description: the mutants the release's tests miss and it kills."""
+    """PR's table for its description: the mutants the release's tests miss and it kills,
+    then each of them as a diff, so that a reviewer can apply it and run both again."""
     lines = ["| mutant | file | killed by the release's tests | killed by this PR |",
              "| --- | --- | --- | --- |"]
-    for row in rows:
-        if row.survivor and row.by_pr[pr]:
-            cases = ", ".join(f"`{c.split('::', 1)[1]}`" for c in row.by_pr[pr])
-            lines.append(f"| {row.mutant.name} | `{row.mutant.path}` | no | {cases} |")
+    listed = [row for row in rows if row.survivor and row.by_pr[pr]]
+    for row in listed:
+        lines.append(f"| {row.mutant.name} | `{row.mutant.path}` | no | {_cases(row.by_pr[pr])} |")
     mine = [r for r in rows if r.by_pr[pr] or r.mutant.path in _paths(rows, pr)]
     caught = sum(1 for r in mine if not r.survivor)
+    tests = sorted({t for r in mine for t in r.upstream_tests})
     lines.append("")
     lines.append(f"Mutants tried on the code these tests cover: {len(mine)}, each one change to "
                  f"vLLM's code, applied alone; the release's own tests of that code, as shipped "
-                 f"({', '.join(f'`{t}`' for t in sorted({t for r in mine for t in r.upstream_tests}))}), "
+                 f"({', '.join(f'`{t}`' for t in tests)}), "
                  f"kill {caught} of them. The table lists those they miss and this PR kills.")
+    lines += ["", "<details>", "<summary>The mutants: each replaces the - text by the + text, "
+              "which occurs once in its file</summary>", ""]
+    for row in listed:
+        lines += [f"{row.mutant.name}, in `{row.mutant.path}`:", "", "```diff",
+                  *(f"-{line}" for line in row.mutant.original.strip("\n").splitlines()),
+                  *(f"+{line}" for line in row.mutant.mutated.strip("\n").splitlines()), "```", ""]
+    lines.append("</details>")
     return "\n".join(lines)
+
+
+def _cases(cases: list[str]) -> str:
+    """Failed cases by test function: a parametrized one with how many of its parameter
+    sets failed (a mutant can rename them: two enum members made one)."""
+    counts: dict[str, int] = {}
+    for case in cases:
+        name = case.split("::", 1)[1].split("[", 1)[0]
+        counts[name] = counts.get(name, 0) + 1
+    parametrized = {case.split("::", 1)[1].split("[", 1)[0] for case in cases if "[" in case}
+    return ", ".join(f"`{name}`" + (f" ({n} parameter set{'s' if n > 1 else ''})" if name in parametrized else "")
+                     for name, n in counts.items())
 
 
 def _paths(rows: list[Row], pr: str) -> set[str]:

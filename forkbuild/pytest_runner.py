@@ -67,7 +67,7 @@ def _skip_reason(skipped: ET.Element) -> str:
     return message
 
 
-def _read_junit(junit: Path, killed: str = "") -> Outcome:
+def read_junit(junit: Path, killed: str = "") -> Outcome:
     cases, reasons, times = {}, {}, {}
     for case in ET.parse(junit).getroot().iter("testcase"):
         classname, name = case.get("classname", ""), case.get("name", "")
@@ -276,13 +276,13 @@ def run_pytest(
             f"pytest could not run the tests in {cwd.name} (exit {returncode})",
             f"see {output or 'its output above'}: a collection or import error is not a test result",
         )
-    return _read_junit(junit)
+    return read_junit(junit)
 
 
 def _partial(junit: Path, killed: str) -> Outcome:
     """What a stopped run reported: its JUnit XML if pytest got to write it whole."""
     try:
-        return _read_junit(junit, killed)
+        return read_junit(junit, killed)
     except (OSError, ET.ParseError):  # not written, or cut off by the SIGKILL
         return Outcome({}, killed=killed)
 

@@ -21,6 +21,8 @@ differential mutation check (forkbuild/mutants.py): every mutant runs against th
 release's own tests of the packed path, as shipped, and against the PRs' cases. A
 mutant the release's tests kill says nothing about the PRs; one they miss must be killed
 by some PR, and each PR must kill at least one of them, or it is not worth sending.
+Each run's JUnit XML is kept in build/upstream/runs/, named by what decides its result
+(see mutants._run_key), so a stopped step is taken up again where it stopped.
 Nothing sent refers to the fork or its tooling.
 """
 
@@ -482,6 +484,7 @@ def build(pins: Pins) -> Path:
         ctx.python, stock, together, found,
         {m.path: mutants.release_tests(release.version, m.path) for m in found}, all_cases,
         {pr.name: pr.owns for pr in prs}, DIST / "mutants", {**matrix.CPU_ENV, **OFFLINE},
+        build_dir() / "upstream" / "runs",
     )
     mutants.check(rows, [pr.name for pr in prs])
 

@@ -13,7 +13,7 @@ import pytest
 
 from forkbuild import install, lock, pins, uv
 from forkbuild.errors import ForkError
-from forkbuild.pytest_runner import _read_junit
+from forkbuild.pytest_runner import read_junit
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +127,7 @@ def test_xfails_are_counted_as_xfails(tmp_path):
         '<testcase classname="tests.t" name="d"><skipped type="pytest.xfail" message="known"/></testcase>'
         '</testsuite></testsuites>'
     )
-    outcome = _read_junit(junit)
+    outcome = read_junit(junit)
     assert (outcome.passed, outcome.skipped, outcome.xfailed) == (1, 1, 2)
     assert str(outcome) == "1 passed, 0 failed, 0 errors, 1 skipped, 2 xfailed"
     assert outcome.reasons["tests/t.py::c"] == "xfail: known"

@@ -15,13 +15,19 @@ import pytest
 
 from forkbuild import fetch, mutants, tree
 from forkbuild.errors import ForkError
+from forkbuild.pytest_runner import Outcome
 
 VIEWS = """\
 def page_view(raw, offset, stride):
     return raw[offset::stride]
 """
+# The first case fails unmutated (as a release's case needing a GPU or a download does
+# here): it kills nothing, and it must not stop a run made with -x.
 TEST = """\
 from pkg.views import page_view
+
+def test_needs_what_this_machine_lacks():
+    raise RuntimeError("no GPU")
 
 def test_second_page():
     assert page_view(list(range(8)), 1, 2) == [1, 3, 5, 7]
@@ -64,19 +70,24 @@ NOBODY = mutants.Mutant("copy instead of view", "pkg/views.py", "return raw[offs
 
 
 def _with_pr(worktree: Path) -> Path:
-    (worktree / "tests" / "test_pr.py").write_text(PR_TEST)
+    """A second worktree of the release with the PR committed, as `make upstream` has."""
     env = {**os.environ, **tree.IDENTITY}
-    tree._git_ok(["add", "-A"], worktree, env, "add the PR")
-    tree._git_ok(["commit", "-qm", "pr"], worktree, env, "commit the PR")
-    return worktree
+    with_pr = worktree.parent / "with-pr"
+    if not with_pr.exists():
+        tree._git_ok(["clone", "-q", str(worktree), str(with_pr)], worktree.parent, env, "copy the release")
+        (with_pr / "tests" / "test_pr.py").write_text(PR_TEST)
+        tree._git_ok(["add", "-A"], with_pr, env, "add the PR")
+        tree._git_ok(["commit", "-qm", "pr"], with_pr, env, "commit the PR")
+    return with_pr
 
 
-def _rows(worktree: Path, tmp_path: Path, found: tuple[mutants.Mutant, ...]) -> list[mutants.Row]:
-    with_pr = _with_pr(worktree)
+def _rows(worktree: Path, tmp_path: Path, found: tuple[mutants.Mutant, ...],
+          cache: Path | None = None) -> list[mutants.Row]:
     return mutants.differential(
-        Path(sys.executable), worktree, with_pr, found, {"pkg/views.py": ("tests/test_views.py",)},
-        ["tests/test_pr.py::test_pages_of_a_longer_row"],
+        Path(sys.executable), worktree, _with_pr(worktree), found,
+        {"pkg/views.py": ("tests/test_views.py",)}, ["tests/test_pr.py::test_pages_of_a_longer_row"],
         {"01-pages": lambda case: case.startswith("tests/test_pr.py::")}, tmp_path / "results",
+        cache=cache,
     )
 
 
@@ -90,8 +101,66 @@ def test_the_differential_credits_a_pr_only_with_what_the_release_tests_miss(wor
     assert "| the row cut at 8 items | `pkg/views.py` | no | `test_pages_of_a_longer_row` |" in text
     assert "offset ignored" not in text.split("Mutants tried")[0]
     assert "Mutants tried on the code these tests cover: 2" in text and "kill 1 of them" in text
+    # Each listed mutant as the text it replaces, for a reviewer to apply; not the caught one.
+    assert "```diff\n-raw[offset::stride]\n+raw[offset:8:stride]\n```" in text
+    assert text.count("```diff") == 1
     with pytest.raises(ForkError, match="only 1 mutant.*survive the release's tests"):
         mutants.check([caught, missed], ["01-pages"])
+
+
+def test_a_run_stops_at_its_first_kill_and_never_at_an_old_failure(worktree, tmp_path, monkeypatch):
+    (caught,) = _rows(worktree, tmp_path, (CAUGHT,))
+    fast = (tmp_path / "results" / "release-tests-1-1.log").read_text()
+    assert "1 failed" in fast and "1 deselected" in fast  # -x, and the old failure left out
+    assert caught.upstream_killers == ["tests/test_views.py::test_second_page"]
+    # Were the deselection to miss, -x would stop at the old failure: the run is made
+    # again whole, and the kill is still found.
+    monkeypatch.setattr(mutants, "deselect", lambda baseline: [])
+    (again,) = _rows(worktree, tmp_path, (CAUGHT,))
+    assert again.upstream_killers == ["tests/test_views.py::test_second_page"]
+    assert "2 failed" in (tmp_path / "results" / "release-tests-1-whole-1.log").read_text()
+    assert _clean(worktree)
+
+
+def test_a_run_made_before_is_read_back_and_a_changed_tree_is_run_again(worktree, tmp_path, monkeypatch):
+    cache = tmp_path / "runs"
+    first = _rows(worktree, tmp_path, (CAUGHT, MISSED), cache)
+    made = sorted(cache.glob("*.xml"))
+    assert made
+
+    def no_pytest(*args, **kwargs):
+        raise AssertionError("a run made before ran again")
+
+    monkeypatch.setattr(mutants, "run_pytest", no_pytest)
+    assert _rows(worktree, tmp_path, (CAUGHT, MISSED), cache) == first
+    monkeypatch.undo()
+    # The release changes: nothing made before stands for it.
+    (worktree / "pkg" / "views.py").write_text(VIEWS + "\n")
+    env = {**os.environ, **tree.IDENTITY}
+    tree._git_ok(["commit", "-qam", "release 2"], worktree, env, "change the release")
+    assert _rows(worktree, tmp_path, (CAUGHT, MISSED), cache) == first
+    assert len(list(cache.glob("*.xml"))) > len(made)
+    # A mutant left behind by a stopped run is refused, not measured.
+    (worktree / "pkg" / "views.py").write_text(VIEWS.replace("offset::", "::"))
+    with pytest.raises(ForkError, match="has changes its commit does not hold"):
+        _rows(worktree, tmp_path, (MISSED,), cache)
+
+
+def test_a_failure_counts_as_a_kill_unless_the_unmutated_run_failed_it_too():
+    case = "tests/test_layouts.py::test_views"
+    baseline = Outcome({f"{case}[BLHNC]": "passed", f"{case}[BLNHC]": "passed",
+                        "tests/test_layouts.py::test_download": "failed",
+                        "tests/test_layouts.py::test_gpu": "skipped"})
+    # BLNHC made an alias of BLHNC: the enum has one member fewer, and its case is
+    # renamed (pytest makes ids unique by a suffix); the renamed case failing is a kill.
+    mutated = Outcome({f"{case}[BLHNC0]": "passed", f"{case}[BLHNC1]": "failed",
+                       "tests/test_layouts.py::test_download": "failed",
+                       "tests/test_layouts.py::test_gpu": "skipped"})
+    assert mutants.killers(mutated, baseline) == [f"{case}[BLHNC1]"]
+    assert mutants.killers(Outcome({"tests/test_layouts.py::(module)": "error"}), baseline) == [
+        "tests/test_layouts.py::(module)"]
+    assert mutants.killers(baseline, baseline) == []
+    assert mutants.killers(baseline) == ["tests/test_layouts.py::test_download"]
 
 
 def test_a_survivor_nothing_kills_and_an_idle_pr_stop_the_step(worktree, tmp_path):
