@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -283,14 +285,25 @@ def _drop_bytecode(source: Path) -> None:
 
 
 def killers(outcome: Outcome, baseline: Outcome | None = None) -> list[str]:
-    """The cases that fail (or error) in OUTCOME and did not in BASELINE when given: a
-    case the unmutated tree already fails on this machine (a model it cannot download, a
-    GPU) kills nothing. A failing case BASELINE does not have is a kill: a mutant can
-    rename a case (two enum members made one change a parametrized case's id) or break
-    a module's collection."""
-    broken = ("failed", "error")
-    return sorted(c for c, s in outcome.cases.items()
-                  if s in broken and (baseline is None or baseline.cases.get(c) not in broken))
+    """The cases that fail (or error) in OUTCOME and passed in BASELINE when given: a case
+    the unmutated tree fails or skips on this machine (a model it cannot download, a GPU)
+    kills nothing. A failing case BASELINE does not have is a kill when a case of its test
+    function (or module, for a module that no longer collects) passed there: a mutant can
+    rename a case (two enum members made one change a parametrized case's id)."""
+    if baseline is None:
+        return sorted(c for c, s in outcome.cases.items() if s in ("failed", "error"))
+    passed = {c for c, s in baseline.cases.items() if s == "passed"}
+    functions = {c.split("[", 1)[0] for c in passed}
+    modules = {c.split("::", 1)[0] for c in passed}
+
+    def ran_before(case: str) -> bool:
+        if case in baseline.cases:
+            return case in passed
+        if case.endswith("::(module)"):
+            return case.split("::", 1)[0] in modules
+        return case.split("[", 1)[0] in functions
+
+    return sorted(c for c, s in outcome.cases.items() if s in ("failed", "error") and ran_before(c))
 
 
 def run_each(python: Path, worktree: Path, mutants: tuple[Mutant, ...], pytest_args: list[str],
@@ -312,51 +325,77 @@ def run_each(python: Path, worktree: Path, mutants: tuple[Mutant, ...], pytest_a
 
 def cached_run(python: Path, worktree: Path, pytest_args: list[str], results: Path, name: str,
                extra_env: dict[str, str] | None = None, cache: Path | None = None,
-               mutant: Mutant | None = None) -> Outcome:
+               mutant: Mutant | None = None,
+               keep: Callable[[Outcome], bool] = lambda outcome: True) -> Outcome:
     """One pytest run in WORKTREE, with MUTANT applied and undone when given; its report in
     RESULTS/NAME.{xml,log}. With CACHE, a run already made of the same content (see
-    _run_key) is read back instead: a step of an hour can be taken up again where it
-    stopped, and a changed PR reruns only its own cases."""
+    _run_key) is read back instead, so a step of an hour is taken up again where it
+    stopped, and a changed PR reruns only the runs of the PRs' cases. A run is kept only
+    when it ended by itself and KEEP accepts it (an unmutated run the step rejects is made
+    again next time, not read back)."""
     results.mkdir(parents=True, exist_ok=True)
-    kept = cache / f"{_run_key(python, worktree, mutant, pytest_args, extra_env)}.xml" if cache else None
-    if kept is not None and kept.is_file():
-        shutil.copyfile(kept, results / f"{name}.xml")
-        outcome = read_junit(kept)
-        log.step(f"mutants: {name}: the same run was made before ({kept}): {outcome}")
-        return outcome
+    key = _run_key(python, worktree, mutant, pytest_args, extra_env) if cache else ""
+    if cache is not None and (cache / f"{key}.xml").is_file():
+        try:
+            outcome = read_junit(cache / f"{key}.xml")
+        except ET.ParseError:  # cut off: a miss
+            outcome = None
+        if outcome is not None:
+            for suffix in (".xml", ".log"):
+                if (cache / f"{key}{suffix}").is_file():
+                    shutil.copyfile(cache / f"{key}{suffix}", results / f"{name}{suffix}")
+            log.step(f"mutants: {name}: the same run was made before ({cache / key}.xml): {outcome}")
+            return outcome
+    args = [*pytest_args, "--continue-on-collection-errors"] if mutant else pytest_args
     try:
         if mutant is not None:
             apply(worktree, mutant)
-        outcome = run_pytest(python, worktree, pytest_args, results / f"{name}.xml",
+        outcome = run_pytest(python, worktree, args, results / f"{name}.xml",
                              output=results / f"{name}.log", extra_env=extra_env)
     finally:
         if mutant is not None:
             restore(worktree, mutant)
-    if kept is not None and not outcome.killed:
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(results / f"{name}.xml", kept)
+    if cache is not None and not outcome.killed and keep(outcome):
+        cache.mkdir(parents=True, exist_ok=True)
+        for suffix in (".log", ".xml"):  # the XML last and whole: its presence means kept
+            partial = cache / f"{key}{suffix}.partial"
+            shutil.copyfile(results / f"{name}{suffix}", partial)
+            os.replace(partial, cache / f"{key}{suffix}")
     return outcome
+
+
+# Files a run or a hook leaves in a worktree that decide no result.
+_TOOL_CACHES = ("__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache")
 
 
 def _run_key(python: Path, worktree: Path, mutant: Mutant | None, pytest_args: list[str],
              extra_env: dict[str, str] | None) -> str:
-    """What decides a run's result: the interpreter, the worktree's committed content (its
-    tree object: the PRs' mails are re-signed with a new date each time, their content is
-    not), its untracked files' names and sizes (the release's binaries), the mutant, the
-    arguments and the environment given."""
-    head = tree.git(["rev-parse", "HEAD^{tree}"], worktree)
-    if head.returncode != 0:
-        raise ForkError(f"git cannot name the content of {worktree}: {head.stderr.strip()}")
-    changed = tree.git(["status", "--porcelain", "--untracked-files=no"], worktree).stdout.strip()
+    """What decides a run's result: the interpreter and the packages installed beside it,
+    the worktree's committed content (its tree object: the PRs' mails are re-signed with
+    a new date each time, their content is not), its untracked files' names and sizes
+    (the release's binaries), the mutant, the arguments, the environment given and what
+    of the caller's environment pytest or vLLM read."""
+    def git_out(args: list[str]) -> str:
+        done = tree.git(args, worktree)
+        if done.returncode != 0:
+            raise ForkError(f"git {' '.join(args)} failed in {worktree}: {done.stderr.strip()}",
+                            "run the step again: it makes its worktrees afresh")
+        return done.stdout
+
+    changed = git_out(["status", "--porcelain", "--untracked-files=no"]).strip()
     if changed:  # a mutant left behind by a killed run: every result would be wrong
         raise ForkError(f"{worktree} has changes its commit does not hold: {changed.splitlines()[0]}",
                         "run the step again: it makes its worktrees afresh")
-    others = tree.git(["ls-files", "--others", "-z"], worktree).stdout.split("\0")
-    untracked = sorted(f"{name}:{(worktree / name).stat().st_size}" for name in others
-                       if name and "__pycache__" not in name and (worktree / name).is_file())
-    parts = [str(python), head.stdout.strip(), untracked,
+    untracked = sorted(f"{name}:{(worktree / name).stat().st_size}"
+                       for name in git_out(["ls-files", "--others", "-z"]).split("\0")
+                       if name and not set(Path(name).parts) & set(_TOOL_CACHES)
+                       and (worktree / name).is_file())
+    installed = sorted(p.name for p in python.parent.parent.glob("lib/python*/site-packages/*.dist-info"))
+    callers = sorted((k, v) for k, v in os.environ.items()
+                     if k.startswith(("VLLM_", "PYTEST_", "TORCH", "OMP_", "CUDA_", "HF_")))
+    parts = [str(python), installed, git_out(["rev-parse", "HEAD^{tree}"]).strip(), untracked,
              [mutant.path, mutant.original, mutant.mutated] if mutant else None,
-             pytest_args, sorted((extra_env or {}).items())]
+             pytest_args, sorted((extra_env or {}).items()), callers]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
 
 
@@ -366,7 +405,7 @@ class Row:
 
     mutant: Mutant
     upstream_tests: tuple[str, ...]  # the release's test files of the mutated code
-    upstream_killers: list[str]  # their cases it made fail (that pass unmutated)
+    upstream_killers: list[str]  # their cases it made fail (the first one, under -x)
     by_pr: dict[str, list[str]]  # PR name -> its cases that failed
 
     @property
@@ -411,20 +450,26 @@ def differential(python: Path, stock: Path, with_prs: Path, mutants: tuple[Mutan
     tests runs once unmutated first: what fails there already is no kill. When STOCK and
     WITH_PRS are two worktrees, a mutant's two runs go side by side (two cores)."""
     results.mkdir(parents=True, exist_ok=True)
-    clean = cached_run(python, with_prs, pr_cases, results, "clean-prs", extra_env, cache)
+    side_by_side = stock.resolve() != with_prs.resolve()
+    if side_by_side:
+        # Two runs at once: each gets its share of the cores (torch takes them all
+        # otherwise), and the unmutated runs get the same, so that load cannot make a
+        # mutated run fail where its unmutated one passed.
+        extra_env = {**(extra_env or {}), "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2))}
+    clean = cached_run(python, with_prs, pr_cases, results, "clean-prs", extra_env, cache,
+                       keep=lambda o: o.passed > 0 and not (o.failed or o.errors))
     if clean.failed or clean.errors or not clean.passed:
         raise ForkError(f"the PRs' cases do not pass unmutated: {clean}", f"see {results / 'clean-prs.log'}")
     baselines: dict[tuple[str, ...], Outcome] = {}
     for number, tests in enumerate(sorted({upstream_tests[m.path] for m in mutants}), 1):
         paths = sorted({m.path for m in mutants if upstream_tests[m.path] == tests})
         baselines[tests] = cached_run(python, stock, list(tests), results, f"baseline-{number}",
-                                      extra_env, cache)
+                                      extra_env, cache, keep=lambda o: o.passed > 0)
         if not baselines[tests].passed:
             raise ForkError(f"no case of the release's own tests of {', '.join(paths)} passes "
                             f"unmutated: {baselines[tests]}", f"see {results / f'baseline-{number}.log'}")
         log.step(f"mutants: the release's tests of {', '.join(paths)}, unmutated: {baselines[tests]}")
     rows = []
-    side_by_side = stock.resolve() != with_prs.resolve()
     with ThreadPoolExecutor(max_workers=2 if side_by_side else 1) as pool:
         for number, mutant in enumerate(mutants, 1):
             tests = upstream_tests[mutant.path]
@@ -513,7 +558,7 @@ def summary(rows: list[Row], pr: str | None = None) -> str:
             verdict = f"this PR kills it with {len(row.by_pr[pr])} case(s)"
         else:
             verdict = "; ".join(f"{n}: {len(c)}" for n, c in row.by_pr.items())
-        up = (f"the release's tests kill it ({len(row.upstream_killers)} case(s), e.g. "
-              f"{row.upstream_killers[0]})" if row.upstream_killers else "the release's tests miss it")
+        up = (f"the release's tests kill it (first failing case: {row.upstream_killers[0]})"
+              if row.upstream_killers else "the release's tests miss it")
         out.append(f"mutant {row.mutant.name} [{row.mutant.path}]: {up}; {verdict}")
     return "\n".join(out)

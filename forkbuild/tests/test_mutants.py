@@ -95,6 +95,7 @@ def test_the_differential_credits_a_pr_only_with_what_the_release_tests_miss(wor
     caught, missed = _rows(worktree, tmp_path, (CAUGHT, MISSED))
     assert caught.upstream_killers == ["tests/test_views.py::test_second_page"]
     assert not caught.survivor
+    assert _clean(_with_pr(worktree))
     assert missed.survivor and missed.by_pr == {"01-pages": ["tests/test_pr.py::test_pages_of_a_longer_row"]}
     assert _clean(worktree)
     text = mutants.table([caught, missed], "01-pages")
@@ -133,7 +134,11 @@ def test_a_run_made_before_is_read_back_and_a_changed_tree_is_run_again(worktree
 
     monkeypatch.setattr(mutants, "run_pytest", no_pytest)
     assert _rows(worktree, tmp_path, (CAUGHT, MISSED), cache) == first
+    assert (tmp_path / "results" / "release-tests-1-1.log").is_file()  # the log comes back too
     monkeypatch.undo()
+    # A kept report cut off (a full disk, a kill while copying) is a miss, not an error.
+    made[0].write_text(made[0].read_text()[:40])
+    assert _rows(worktree, tmp_path, (CAUGHT, MISSED), cache) == first
     # The release changes: nothing made before stands for it.
     (worktree / "pkg" / "views.py").write_text(VIEWS + "\n")
     env = {**os.environ, **tree.IDENTITY}
@@ -146,7 +151,7 @@ def test_a_run_made_before_is_read_back_and_a_changed_tree_is_run_again(worktree
         _rows(worktree, tmp_path, (MISSED,), cache)
 
 
-def test_a_failure_counts_as_a_kill_unless_the_unmutated_run_failed_it_too():
+def test_a_kill_is_a_case_that_passed_unmutated_under_its_id_or_a_new_one():
     case = "tests/test_layouts.py::test_views"
     baseline = Outcome({f"{case}[BLHNC]": "passed", f"{case}[BLNHC]": "passed",
                         "tests/test_layouts.py::test_download": "failed",
@@ -157,10 +162,26 @@ def test_a_failure_counts_as_a_kill_unless_the_unmutated_run_failed_it_too():
                        "tests/test_layouts.py::test_download": "failed",
                        "tests/test_layouts.py::test_gpu": "skipped"})
     assert mutants.killers(mutated, baseline) == [f"{case}[BLHNC1]"]
-    assert mutants.killers(Outcome({"tests/test_layouts.py::(module)": "error"}), baseline) == [
-        "tests/test_layouts.py::(module)"]
+    # A module that no longer collects is a kill where its cases passed unmutated.
+    broken = Outcome({"tests/test_layouts.py::(module)": "error", "tests/test_other.py::(module)": "error"})
+    assert mutants.killers(broken, baseline) == ["tests/test_layouts.py::(module)"]
+    # A case skipped unmutated (a GPU case whose skip condition a mutant changed) that
+    # now fails here, or a case of a function nothing of which passed, kills nothing.
+    assert mutants.killers(Outcome({"tests/test_layouts.py::test_gpu": "failed",
+                                    "tests/test_layouts.py::test_download[x]": "failed"}), baseline) == []
     assert mutants.killers(baseline, baseline) == []
     assert mutants.killers(baseline) == ["tests/test_layouts.py::test_download"]
+
+
+def test_one_worktree_for_both_runs_takes_them_in_turn(worktree, tmp_path):
+    with_pr = _with_pr(worktree)
+    (missed,) = mutants.differential(
+        Path(sys.executable), with_pr, with_pr, (MISSED,), {"pkg/views.py": ("tests/test_views.py",)},
+        ["tests/test_pr.py::test_pages_of_a_longer_row"],
+        {"01-pages": lambda case: case.startswith("tests/test_pr.py::")}, tmp_path / "results",
+    )
+    assert missed.survivor and missed.by_pr == {"01-pages": ["tests/test_pr.py::test_pages_of_a_longer_row"]}
+    assert _clean(with_pr)
 
 
 def test_a_survivor_nothing_kills_and_an_idle_pr_stop_the_step(worktree, tmp_path):
