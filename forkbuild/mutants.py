@@ -440,6 +440,14 @@ def _upstream_killers(python: Path, stock: Path, mutant: Mutant, tests: list[str
     return found
 
 
+def _all_pass(outcome: Outcome) -> bool:  # what the PRs' cases must do unmutated
+    return outcome.passed > 0 and not (outcome.failed or outcome.errors)
+
+
+def _some_pass(outcome: Outcome) -> bool:  # what the release's tests must do unmutated here
+    return outcome.passed > 0
+
+
 def differential(python: Path, stock: Path, with_prs: Path, mutants: tuple[Mutant, ...],
                  upstream_tests: dict[str, tuple[str, ...]], pr_cases: list[str],
                  owners: dict[str, Callable[[str], bool]], results: Path,
@@ -457,15 +465,15 @@ def differential(python: Path, stock: Path, with_prs: Path, mutants: tuple[Mutan
         # mutated run fail where its unmutated one passed.
         extra_env = {**(extra_env or {}), "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2))}
     clean = cached_run(python, with_prs, pr_cases, results, "clean-prs", extra_env, cache,
-                       keep=lambda o: o.passed > 0 and not (o.failed or o.errors))
-    if clean.failed or clean.errors or not clean.passed:
+                       keep=_all_pass)
+    if not _all_pass(clean):
         raise ForkError(f"the PRs' cases do not pass unmutated: {clean}", f"see {results / 'clean-prs.log'}")
     baselines: dict[tuple[str, ...], Outcome] = {}
     for number, tests in enumerate(sorted({upstream_tests[m.path] for m in mutants}), 1):
         paths = sorted({m.path for m in mutants if upstream_tests[m.path] == tests})
         baselines[tests] = cached_run(python, stock, list(tests), results, f"baseline-{number}",
-                                      extra_env, cache, keep=lambda o: o.passed > 0)
-        if not baselines[tests].passed:
+                                      extra_env, cache, keep=_some_pass)
+        if not _some_pass(baselines[tests]):
             raise ForkError(f"no case of the release's own tests of {', '.join(paths)} passes "
                             f"unmutated: {baselines[tests]}", f"see {results / f'baseline-{number}.log'}")
         log.step(f"mutants: the release's tests of {', '.join(paths)}, unmutated: {baselines[tests]}")

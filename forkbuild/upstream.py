@@ -379,6 +379,7 @@ class Context:
     python: Path  # the release's venv
     wheel: Path  # the release's binaries
     author: dict[str, str]
+    toolchain: Path  # the fork's venv python: ruff at the release's pin, the hook scripts' runner
 
     @property
     def tag(self) -> str:
@@ -433,7 +434,7 @@ def prove(ctx: Context, pr: PullRequest, mail: Path, mypy_python: Path) -> Proof
         raise ForkError(f"{pr.name}: its cases do not all pass on {ctx.tag} after git am: {outcome}",
                         f"see {out / 'proof-pytest.log'}")
     files = changed_files(work, ctx.tag)
-    hooks = run_hooks(install.ensure_toolchain(ctx.pins), work, files, mypy_python)
+    hooks = run_hooks(ctx.toolchain, work, files, mypy_python)
     tests = [f for f in files if f.startswith("tests/") and f.endswith(".py")]
     job = check_job(pr, collecting_jobs(ctx.python, work, tests))
     seconds = sum(outcome.times.values())
@@ -458,7 +459,7 @@ def build(pins: Pins) -> Path:
     repo = matrix.release_tree(pins, release)
     ctx = Context(pins, release, repo, matrix.release_python(pins, release, repo),
                   fetch.fetch(release.binaries, lambda: install.ensure_toolchain(pins, "cpu")),
-                  author)
+                  author, install.ensure_toolchain(pins))
     mypy_python = hooks_python(pins, repo)
 
     if DIST.exists():
@@ -475,7 +476,7 @@ def build(pins: Pins) -> Path:
                        output=DIST / "all-pytest.log", extra_env={**matrix.CPU_ENV, **OFFLINE})
     if joint.failed or joint.errors or joint.passed != len(joint.cases):
         raise ForkError(f"the PRs together do not pass on {ctx.tag}: {joint}", f"see {DIST / 'all-pytest.log'}")
-    joint_hooks = run_hooks(install.ensure_toolchain(pins), together,
+    joint_hooks = run_hooks(ctx.toolchain, together,
                             changed_files(together, ctx.tag), mypy_python)
 
     stock = ctx.fresh("stock", [])
