@@ -391,8 +391,9 @@ def _run_key(python: Path, worktree: Path, mutant: Mutant | None, pytest_args: l
                        if name and not set(Path(name).parts) & set(_TOOL_CACHES)
                        and (worktree / name).is_file())
     installed = sorted(p.name for p in python.parent.parent.glob("lib/python*/site-packages/*.dist-info"))
-    callers = sorted((k, v) for k, v in os.environ.items()
-                     if k.startswith(("VLLM_", "PYTEST_", "TORCH", "OMP_", "CUDA_", "HF_")))
+    callers = sorted((k, v) for k, v in os.environ.items()  # not the fork's own VLLM_FORK_*
+                     if k.startswith(("VLLM_", "PYTEST_", "TORCH", "OMP_", "CUDA_", "HF_"))
+                     and not k.startswith("VLLM_FORK_"))
     parts = [str(python), installed, git_out(["rev-parse", "HEAD^{tree}"]).strip(), untracked,
              [mutant.path, mutant.original, mutant.mutated] if mutant else None,
              pytest_args, sorted((extra_env or {}).items()), callers]
