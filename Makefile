@@ -7,6 +7,7 @@
 #   ROUTE=cpu|cuda (fetch, install, regression, model, serve, test; default: cuda with a GPU)
 #   serve: PORT (8000) HOST (127.0.0.1) MODEL PRESET CPU_BYTES ARGS (to vllm serve)
 #   matrix: VERSIONS="0.26.0 0.33.0"    rebase: VERSION=x.y.z ACCEPT=1
+#   gpu-bundle: GPU_HOST=FILE (a host's `bash run.sh --inventory`) PART_MIB=N (56)
 # Environment variables, each moving what forkbuild writes:
 #   VLLM_FORK_CACHE  the download cache: verified upstream files, uv and its package cache,
 #                    bytecode (default ~/.cache/vllm-fork; kept by make clean)
@@ -29,7 +30,7 @@ CPU_BYTES ?=
 FORKBUILD := $(PYTHON) -m forkbuild
 ROUTE_OPT := $(if $(ROUTE),--route $(ROUTE))
 
-.PHONY: help fetch tree lock install regression wheel model serve test matrix patch-status upstream rebase nightly clean
+.PHONY: help fetch tree lock install regression wheel model serve test matrix patch-status upstream rebase nightly gpu-bundle clean
 
 help:
 	@sed -n '/^[^#]/q;p' Makefile | sed 's/^# \{0,1\}//'
@@ -86,6 +87,12 @@ upstream:
 rebase:
 	$(if $(VERSION),,$(error give the upstream version: make rebase VERSION=x.y.z))
 	$(FORKBUILD) rebase $(VERSION) $(if $(ACCEPT),--accept)
+
+# The GPU cases for an air-gapped GPU host: dist/gpu-bundle/ (docs/gpu-nightly.md).
+GPU_HOST ?=
+PART_MIB ?=
+gpu-bundle:
+	$(FORKBUILD) gpu-bundle $(if $(GPU_HOST),--host $(GPU_HOST)) $(if $(PART_MIB),--part-mib $(PART_MIB))
 
 # The nightly GPU job (.ci/gpu-nightly); refuses at once on a machine without a GPU.
 nightly:

@@ -106,6 +106,16 @@ def _rebase(args: argparse.Namespace) -> None:
         rebase.trial(pins.load(), args.version)
 
 
+def _gpu_bundle(args: argparse.Namespace) -> str:
+    from pathlib import Path
+
+    from forkbuild import gpu_bundle, pins
+
+    host = Path(args.host) if args.host else None
+    bundle = gpu_bundle.build(pins.load(), host, part_mib=args.part_mib)
+    return f"gpu bundle {bundle.folder}: {bundle.line()}"
+
+
 def _nightly(args: argparse.Namespace) -> str:
     from forkbuild import nightly, pins
 
@@ -156,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     rebase_cmd = add("rebase", _rebase, "try the series on another release (changes nothing without --accept)")
     rebase_cmd.add_argument("version", help="the upstream vLLM version, e.g. 0.26.0")
     rebase_cmd.add_argument("--accept", action="store_true", help="move fork.toml and patches/ to that version")
+    bundle_cmd = add("gpu-bundle", _gpu_bundle, "dist/gpu-bundle/: the GPU cases for an air-gapped "
+                     "GPU host, in parts of at most PART_MIB MiB (run.sh in part 1)")
+    bundle_cmd.add_argument("--host", help="the host's file from `bash run.sh --inventory` "
+                            "(default: fork.toml [gpu_bundle] host, the reference H200)")
+    bundle_cmd.add_argument("--part-mib", type=float, default=None,
+                            help="the largest part, in MiB (default: PART_MIB or fork.toml's)")
     add("nightly", _nightly, "the nightly GPU job: CUDA build, GPU tests, benchmark (needs a GPU)")
     from forkbuild.serve import add_arguments
 

@@ -27,6 +27,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +48,7 @@ class Result:
     jit_modules: int  # FlashInfer modules whose JIT build graph resolved
     gpu_cases: pytest_runner.Outcome
     calls: pytest_runner.Outcome
+    route: tuple[Path, Path, Path]  # the CUDA venv's python, the tree, the driver stub folder
 
     def line(self) -> str:
         return (
@@ -108,54 +110,15 @@ def stub_env(stub: Path) -> dict[str, str]:
     return {"LD_LIBRARY_PATH": ":".join(paths)}
 
 
-# Run in the CUDA venv with the stub: loads each extension the wheel's RECORD lists,
-# from where the install put it (checked against RECORD's sha256 first).
-_LOAD_PROBE = r"""
-import base64, hashlib, importlib.machinery, importlib.util, json, sys, zipfile
-wheel, tree = sys.argv[1], sys.argv[2]
-import torch
-record = {}
-with zipfile.ZipFile(wheel) as whl:
-    name = next(n for n in whl.namelist() if n.endswith(".dist-info/RECORD"))
-    for line in whl.read(name).decode().splitlines():
-        path, digest, _ = line.rsplit(",", 2)
-        record[path] = digest
-tag = importlib.machinery.EXTENSION_SUFFIXES[0]  # e.g. .cpython-311-x86_64-linux-gnu.so
-result = {"loaded": [], "failed": {}, "other_pythons": [], "cuda_available": None, "ops": {},
-          "candidates": 0}
-for path in sorted(p for p in record if p.startswith("vllm/") and p.endswith(".so")):
-    if not (path.endswith(".abi3.so") or path.endswith(tag)):
-        result["other_pythons"].append(path)
-        continue
-    result["candidates"] += 1
-    data = open(f"{tree}/{path}", "rb").read()
-    want = record[path].partition("=")[2]
-    have = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-    if have != want:
-        result["failed"][path] = "differs from the wheel's RECORD"
-        continue
-    module = path[: -len(".so")].split(".")[0].replace("/", ".")
-    try:
-        spec = importlib.util.spec_from_file_location(module, f"{tree}/{path}")
-        spec.loader.exec_module(importlib.util.module_from_spec(spec))
-        result["loaded"].append(path)
-    except Exception as exc:
-        result["failed"][path] = f"{type(exc).__name__}: {exc}"
-result["cuda_available"] = torch.cuda.is_available()
-for op in ("_C_cache_ops.reshape_and_cache_flash", "_vllm_fa2_C.varlen_fwd", "_vllm_fa3_C.fwd"):
-    namespace, name = op.split(".")
-    try:
-        result["ops"][op] = str(getattr(getattr(torch.ops, namespace), name).default._schema)
-    except Exception as exc:
-        result["ops"][op] = None
-print(json.dumps(result))
-"""
-
-
-def load_extensions(python: Path, tree: Path, wheel: Path, stub: Path) -> dict:
+def load_extensions(python: Path, tree: Path, wheel: Path, stub: Path,
+                    only: tuple[str, ...] = (), pythonpath: str = "") -> dict:
+    """forkbuild/load_extensions.py in PYTHON's environment with the stub: every
+    extension of WHEEL (or ONLY those) from TREE, checked against RECORD and loaded."""
+    path = os.pathsep.join(filter(None, [pythonpath, str(REPO_ROOT)]))
     done = subprocess.run(
-        [str(python), "-c", _LOAD_PROBE, str(wheel), str(tree)],
-        cwd=tree, env={**os.environ, **stub_env(stub)}, capture_output=True, text=True, check=False,
+        [str(python), "-m", "forkbuild.load_extensions", str(wheel), str(tree), *only],
+        cwd=tree, env={**os.environ, **stub_env(stub), "PYTHONPATH": path},
+        capture_output=True, text=True, check=False,
     )
     if done.returncode != 0:
         raise ForkError(
@@ -320,25 +283,28 @@ def _part(outcome: pytest_runner.Outcome, modules: tuple[str, ...]) -> pytest_ru
 NO_DEVICE = "needs an NVIDIA GPU"
 
 
-def check_skipped(collected: pytest_runner.Outcome, results: Path) -> None:
+def check_skipped(collected: pytest_runner.Outcome, results: Path, *, where: str = "the CUDA build",
+                  logs: str = "", required: Collection[str] | None = None) -> None:
     """Every GPU case skipped, each for lack of a device: an import error or a missing
-    module would also skip (or error), and would only show on the GPU runner."""
+    module would also skip (or error), and would only show on the GPU runner. Every node
+    id of REQUIRED (default: every one the nightly requires) must be among them."""
+    logs = logs or f"{results / 'cuda-route-tests.log'} and {results / 'cuda-route-serve-gpu.log'}"
     not_skipped = [case for case, status in collected.cases.items() if status != "skipped"]
     if not collected.cases or not_skipped:
         raise ForkError(
-            f"the GPU tests under the CUDA build did not all skip without a GPU: {collected}"
+            f"the GPU tests under {where} did not all skip without a GPU: {collected}"
             + (f", e.g. {not_skipped[0]}" if not_skipped else ""),
-            f"see {results / 'cuda-route-tests.log'} and {results / 'cuda-route-serve-gpu.log'}",
+            f"see {logs}",
         )
     wrong = {case: why for case, why in collected.reasons.items() if not why.startswith(NO_DEVICE)}
     if wrong:
         case, why = next(iter(wrong.items()))
         raise ForkError(
-            f"{len(wrong)} GPU case(s) skipped under the CUDA build for another reason than "
+            f"{len(wrong)} GPU case(s) skipped under {where} for another reason than "
             f"the missing GPU, e.g. {case}: {why}",
             "that reason would skip them on the GPU runner too: fix the import or install",
         )
-    gpu_required.check_collected(collected.cases)
+    gpu_required.check_collected(collected.cases, required)
 
 
 def check(pins: Pins, results: Path) -> Result:
@@ -362,4 +328,4 @@ def check(pins: Pins, results: Path) -> Result:
         raise ForkError(f"the kernel test's calls do not reach the CUDA ops' dispatch: {calls}",
                         f"see {results / 'cuda-route-tests.log'}")
     return Result(len(loaded["loaded"]), loaded["candidates"], len(loaded["other_pythons"]),
-                  jit_modules, collected, calls)
+                  jit_modules, collected, calls, (python, tree, stub))

@@ -42,6 +42,26 @@ FLASHINFER_KERNELS = tuple(
     f"{KERNELS}::test_flashinfer_over_packed_views[{mode}]" for mode in ("prefill", "decode")
 )
 
+# One case's time limit, in seconds: at most a FlashInfer JIT build (a paged decode module
+# for sm80 took 46 s with one job on 2 CPU cores) plus its kernels, or two tiny engines.
+CASE_LIMIT_S = 600
+# The per-case limit, by pytest-timeout, chosen for --forked (pytest-forked 1.7.5 runs
+# each case's setup, call and teardown in a child; the parent waits in
+# pytest_runtest_protocol). pytest-timeout's default timer (timeout_func_only=false)
+# is set in the parent around that wait: its thread method os._exit()s the whole pytest
+# (no JUnit XML at all), its signal method raises in the parent (an INTERNALERROR that
+# ends the session and leaves the child running). With timeout_func_only=true the timer
+# is set in pytest_runtest_call, i.e. in the child, around the test function: the
+# thread method then dumps the stacks and os._exit()s the child alone, which the parent
+# reports as that case's error ("running the test EXITED with status 1", after the dump),
+# and the run goes on. Thread, not signal: a signal handler runs only when the
+# main thread returns to the interpreter, and a hung CUDA call does not; the timer thread
+# needs only the GIL, which torch releases while it waits on the GPU. A hang in a
+# fixture's setup is not covered: the run's limit (RUN_LIMITS_S) is.
+PER_CASE_TIMEOUT = [f"--timeout={CASE_LIMIT_S}", "--timeout-method=thread",
+                    "-o", "timeout_func_only=true"]
+
+
 Capability = tuple[int, int]  # CUDA compute capability (major, minor): 9.0 -> (9, 0)
 
 
@@ -220,11 +240,11 @@ def not_run(required: Iterable[str], outcomes: Iterable[Outcome]) -> list[str]:
     return lines
 
 
-def check_collected(collected: Collection[str]) -> None:
-    """Fail unless every node id a GPU kind requires is among COLLECTED (the GPU cases
-    and forkbuild's tool tests as collected on CPU): a renamed test or parameter id must
-    fail here, not as a 'required but not run' on the GPU runner at night."""
-    missing = sorted(all_required() - set(collected))
+def check_collected(collected: Collection[str], required: Collection[str] | None = None) -> None:
+    """Fail unless every node id a GPU kind requires (or REQUIRED) is among COLLECTED (the
+    GPU cases and forkbuild's tool tests as collected on CPU): a renamed test or parameter
+    id must fail here, not as a 'required but not run' on the GPU runner at night."""
+    missing = sorted(set(all_required() if required is None else required) - set(collected))
     if missing:
         raise ForkError(
             f"{len(missing)} node id(s) that the nightly GPU job requires are not collected: "

@@ -110,6 +110,21 @@ def pinned_lines(text: str) -> dict[str, str]:
     return {normalize(m[1]): m[2] for m in map(_PIN.match, text.splitlines()) if m}
 
 
+def entries(lock_file: Path, names: set[str]) -> str:
+    """The lock's own lines (the pin and its --hash lines) for the packages NAMES
+    (normalized), as a requirements file that `uv pip install --require-hashes` takes."""
+    kept, keep = [], False
+    for line in lock_file.read_text().splitlines():
+        pin = _PIN.match(line)
+        if pin:
+            keep = normalize(pin[1]) in names
+        elif not line.startswith((" ", "\t")):
+            keep = False
+        if keep:
+            kept.append(line)
+    return "".join(f"{line}\n" for line in kept)
+
+
 def normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 

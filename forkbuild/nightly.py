@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from forkbuild import gpu_required, install, lock, log, preflight, pytest_runner
+from forkbuild.gpu_required import PER_CASE_TIMEOUT
 from forkbuild.errors import ForkError
 from forkbuild.pins import REPO_ROOT, Pins, build_dir
 
@@ -26,27 +27,9 @@ BENCHMARK = REPO_ROOT / "benchmarks" / "offload_throughput_gpu.py"
 # with its reports. The install is not limited (forkbuild's own code, which stops on
 # its own errors): INSTALL_BUDGET_S is what the limits leave it (measured: 2.5 min
 # cold on a GPU host), and a test checks that everything fits in the step's timeout.
-# One case: at most a FlashInfer JIT build (a paged decode module for sm80 took 46 s
-# with one job on 2 CPU cores) plus its kernels, or two tiny engines.
-CASE_LIMIT_S = 600
+# CASE_LIMIT_S and PER_CASE_TIMEOUT: forkbuild/gpu_required.py (the GPU bundle uses them too).
 RUN_LIMITS_S = {"gpu-tests": 25 * 60, "serve": 12 * 60, "benchmark": 8 * 60}
 INSTALL_BUDGET_S = 12 * 60
-
-# The per-case limit, by pytest-timeout, chosen for --forked (pytest-forked 1.7.5 runs
-# each case's setup, call and teardown in a child; the parent waits in
-# pytest_runtest_protocol). pytest-timeout's default timer (timeout_func_only=false)
-# is set in the parent around that wait: its thread method os._exit()s the whole pytest
-# (no JUnit XML at all), its signal method raises in the parent (an INTERNALERROR that
-# ends the session and leaves the child running). With timeout_func_only=true the timer
-# is set in pytest_runtest_call, i.e. in the child, around the test function: the
-# thread method then dumps the stacks and os._exit()s the child alone, which the parent
-# reports as that case's error ("running the test EXITED with status 1", after the dump),
-# and the run goes on. Thread, not signal: a signal handler runs only when the
-# main thread returns to the interpreter, and a hung CUDA call does not; the timer thread
-# needs only the GIL, which torch releases while it waits on the GPU. A hang in a
-# fixture's setup is not covered: the run's limit (RUN_LIMITS_S) is.
-PER_CASE_TIMEOUT = [f"--timeout={CASE_LIMIT_S}", "--timeout-method=thread",
-                    "-o", "timeout_func_only=true"]
 
 # What the GPU runs need from the CUDA lock: FlashInfer 0.6.13 JIT-compiles its paged
 # prefill and decode modules with nvcc (nvidia-cuda-nvcc, its cicc in nvidia-nvvm, the

@@ -240,10 +240,11 @@ def run_pytest(
     args: list[str],
     junit: Path,
     *,
-    pythonpath: Path | None = None,
+    pythonpath: Path | str | None = None,  # a str may join several with os.pathsep
     output: Path | None = None,
     extra_env: dict[str, str] | None = None,
     timeout_s: float | None = None,
+    prefix: tuple[str, ...] = (),
 ) -> Outcome:
     """Run pytest with ARGS in CWD (PYTHONPATH first on sys.path); read JUnit XML.
 
@@ -252,10 +253,11 @@ def run_pytest(
     With TIMEOUT_S, the run (and all it started) is stopped after that many seconds and
     the Outcome holds what pytest reported until then, with `killed` saying so and
     naming the case in progress: a hung run must still leave a result to report.
+    PREFIX goes before the interpreter (e.g. `unshare -n`: no network).
     """
     env = {**os.environ, **(extra_env or {}), "PYTHONPATH": str(pythonpath or cwd)}
     junit.unlink(missing_ok=True)
-    cmd = [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}", *args]
+    cmd = [*prefix, str(python), "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}", *args]
     log.step(f"pytest in {cwd.name}: {' '.join(args)}" + (f" (report: {output})" if output else ""))
     with open(output, "w") if output else open(os.devnull) as sink:
         streams = {"stdout": sink if output else None, "stderr": subprocess.STDOUT if output else None}

@@ -4,7 +4,9 @@
 2. without a GPU, the CUDA route (forkbuild/cuda_route.py): installed in build/cuda-route,
    every compiled extension of the CUDA wheel loaded through a driver stub, the GPU tests
    collected under that build and skipped for lack of a device (every case the nightly
-   requires among them), the kernel test's calls up to the real ops' dispatch;
+   requires among them), the kernel test's calls up to the real ops' dispatch; then the
+   GPU bundle (forkbuild/bundle_check.py): the reference host's parts, and a bundle
+   installed offline on a simulated host and checked there the same way;
 3. the CPU suite (fork.toml [tests] suite, under vLLM's own conftest) on the unpatched
    tree, where exactly the regression modules' cases must fail, and on the fork, where
    everything must pass;
@@ -22,6 +24,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from forkbuild import (
+    bundle_check,
     cuda_route,
     install,
     patch_status,
@@ -52,13 +55,14 @@ def run(pins: Pins, route_name: str | None) -> str:
             tools = tools_run.result()
             _report(tools, "forkbuild tool tests", results / "forkbuild.log")
             if cuda_run.exception() is not None and sys.exc_info()[1] is not None:
-                print(f"cuda route without a GPU: error: {cuda_run.exception()}")
+                print(f"cuda route and gpu bundle without a GPU: error: {cuda_run.exception()}")
         cuda = cuda_run.result()
     # What the suites compiled (vLLM's engine, pytest, hypothesis...) for the next clone.
     install.keep_bytecode(pins, route, tree_path)
     print("\npatch status (DEP-3 Applied-Upstream vs the version matrix):")
     patch_status.check(pins, python)
 
+    cuda, bundle = cuda if cuda else (None, None)
     calls = cuda.calls if cuda else pytest_runner.Outcome({})
     # The serve test's GPU case is also among the tool tests' skips: counted once.
     gpu_skipped = len(set(cuda.gpu_cases.cases) - set(tools.cases)) if cuda else 0
@@ -69,6 +73,8 @@ def run(pins: Pins, route_name: str | None) -> str:
     print(f"\nforkbuild tool tests: {tools}")
     print(cuda.line() if cuda else "cuda route without a GPU: not checked (this machine has a GPU: "
           "`make nightly` runs the CUDA route for real)")
+    if bundle:
+        print(bundle.line())
     print(f"fork suite in {tree_path.name}: {suite}")
     summary = f"summary: {passed} passed, {failed} failed, {skipped} skipped, {xfailed} xfailed"
     if failed:
@@ -86,8 +92,10 @@ def _report(outcome: pytest_runner.Outcome, what: str, log: object) -> None:
         print(f"{what}: pytest's report is in {log}")
 
 
-def _check_cuda_route(pins: Pins, results) -> cuda_route.Result | None:
-    """The CUDA route without a GPU; on a GPU host the nightly job runs it for real."""
+def _check_cuda_route(pins: Pins, results) -> tuple[cuda_route.Result, bundle_check.Result] | None:
+    """The CUDA route without a GPU, then the GPU bundle made from it and checked on a
+    simulated host; on a GPU host the nightly job runs the CUDA route for real."""
     if preflight.has_nvidia_gpu():
         return None
-    return cuda_route.check(pins, results)
+    cuda = cuda_route.check(pins, results)
+    return cuda, bundle_check.check(pins, results, cuda.route)

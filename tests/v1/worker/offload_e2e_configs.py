@@ -8,7 +8,9 @@ fails in CPU CI, not on the GPU runner at night.
 """
 
 import json
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from vllm.config import KVTransferConfig
 
@@ -57,6 +59,17 @@ CASES = [
     # model (the CPU tests build its config too).
     OffloadCase("FLASH_ATTN", "v1", tensor_parallel_size=2, tiny_model_heads=(8, 4)),
 ]
+
+
+def tiny_model(case: OffloadCase, folder: Path) -> Path:
+    """The generated tiny GPT-OSS of CASE in FOLDER (one per head count): made
+    there unless FOLDER already holds it."""
+    from tests.v1.worker.tiny_hybrid_model import make_tiny_gpt_oss
+
+    if case.tiny_model_heads is None:
+        return make_tiny_gpt_oss(folder / "tiny-gpt-oss")
+    q, kv = case.tiny_model_heads
+    return make_tiny_gpt_oss(folder / f"tiny-gpt-oss-q{q}-kv{kv}", q, kv)
 
 
 def offload_transfer_config(
@@ -159,3 +172,10 @@ def tiny_gpt_oss_config(path, head_size: int, num_kv_heads: int) -> str:
     }
     (path / "config.json").write_text(json.dumps(config))
     return str(path)
+
+
+if __name__ == "__main__":
+    # python -m tests.v1.worker.offload_e2e_configs FOLDER: every case's tiny model,
+    # made ahead (the GPU bundle carries them to hosts that run the cases offline).
+    for made in sorted({tiny_model(case, Path(sys.argv[1])) for case in CASES}):
+        print(made)

@@ -17,11 +17,14 @@ offload_e2e_configs.py; a CPU test builds each of them. Run with
 ``pytest --forked``.
 
 VLLM_OFFLOAD_E2E_MODEL names a real checkpoint (e.g. openai/gpt-oss-20b) where
-the host has one; by default a tiny GPT-OSS with random weights is generated.
+the host has one; by default a tiny GPT-OSS with random weights is generated
+(``python -m tests.v1.worker.offload_e2e_configs FOLDER`` makes them ahead, for
+VLLM_OFFLOAD_E2E_MODELS=FOLDER).
 """
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,6 +39,7 @@ from tests.v1.worker.offload_e2e_configs import (
     engine_kwargs,
     full_blocks,
     runner_env,
+    tiny_model,
 )
 from tests.v1.worker.offload_round_trip import (
     KV_CACHE_INSPECTION,
@@ -43,7 +47,6 @@ from tests.v1.worker.offload_round_trip import (
     prompt_token_ids,
     run_round_trip,
 )
-from tests.v1.worker.tiny_hybrid_model import make_tiny_gpt_oss
 from vllm.platforms import current_platform
 
 pytestmark = pytest.mark.skipif(
@@ -56,17 +59,15 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def model_for(tmp_path_factory) -> Callable[[OffloadCase], str]:
     """The model of a case: the named checkpoint, or the tiny GPT-OSS with the
-    case's heads, generated once per head count."""
+    case's heads, generated once per head count (in VLLM_OFFLOAD_E2E_MODELS where
+    it names a folder of them made ahead, for hosts without the packages that
+    generate them)."""
     named = os.environ.get("VLLM_OFFLOAD_E2E_MODEL")
-    folder = tmp_path_factory.mktemp("models")
+    made_ahead = os.environ.get("VLLM_OFFLOAD_E2E_MODELS")
+    folder = Path(made_ahead) if made_ahead else tmp_path_factory.mktemp("models")
 
     def model(case: OffloadCase) -> str:
-        if named:
-            return named
-        if case.tiny_model_heads is None:
-            return str(make_tiny_gpt_oss(folder / "tiny-gpt-oss"))
-        q, kv = case.tiny_model_heads
-        return str(make_tiny_gpt_oss(folder / f"tiny-gpt-oss-q{q}-kv{kv}", q, kv))
+        return named or str(tiny_model(case, folder))
 
     return model
 

@@ -1,0 +1,210 @@
+"""`make test`'s check of the GPU bundle without a GPU (forkbuild/gpu_bundle.py).
+
+1. The bundle for the reference host (fork.toml [gpu_bundle] host): its parts and the
+   cases each adds, within the part size;
+2. a simulated host: a fresh venv of the host's Python with only the CUDA lock's torch,
+   triton and NVIDIA packages, described by its own `pip freeze`; its bundle unpacked
+   there by the bundle's own run.sh with the network refused (`unshare -n` where the
+   kernel allows it, and no index either way); then through the driver stub, as the
+   CUDA route check does: every compiled extension of the bundle loads from where it
+   unpacked, the GPU cases are collected and skip only for lack of a device, the kernel
+   calls reach dispatch, and `run.sh OUT` stops at once for want of a GPU;
+3. the same with one package the cases import taken out, which must fail.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from forkbuild import cuda_route, fetch, gpu_bundle, lock, log, pytest_runner, uv
+from forkbuild.errors import ForkError
+from forkbuild.hashing import digest_of
+from forkbuild.pins import REPO_ROOT, Pins, build_dir
+
+HOST_PYTHON = "3.12"  # the reference host's
+# Taken out for the breakage: vLLM's config is pydantic dataclasses, so every GPU test
+# module needs it at import.
+BREAKAGE = "pydantic"
+
+
+def home() -> Path:
+    return build_dir() / "bundle-host"
+
+
+def _offline() -> tuple[str, ...]:
+    """A command prefix that refuses the network (a new network namespace), or nothing
+    where the kernel does not let this user make one."""
+    unshare = shutil.which("unshare")
+    if unshare and subprocess.run([unshare, "-n", "true"], capture_output=True).returncode == 0:
+        return (unshare, "-n")
+    return ()
+
+
+NO_INDEX = {"PIP_NO_INDEX": "1", "UV_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1"}
+
+
+def interpreter(version: str) -> Path:
+    """A working Python VERSION (X.Y) here: on PATH, pyenv's, or the system's (a pyenv
+    shim of a version pyenv does not select fails, so each is asked for its version)."""
+    candidates = [shutil.which(f"python{version}"),
+                  *sorted(map(str, Path.home().glob(f".pyenv/versions/{version}.*/bin/python3"))),
+                  f"/usr/bin/python{version}"]
+    for candidate in filter(None, candidates):
+        done = subprocess.run([candidate, "--version"], capture_output=True, text=True, check=False)
+        if done.returncode == 0 and done.stdout.split()[-1].startswith(f"{version}."):
+            return Path(candidate)
+    raise ForkError(f"no Python {version} here to simulate the GPU host with",
+                    f"install Python {version} (e.g. pyenv install {version}), the reference "
+                    "host's version")
+
+
+def simulated_host(pins: Pins) -> tuple[Path, Path]:
+    """build/bundle-host/venv: the host's Python with the CUDA lock's torch, triton and
+    NVIDIA packages (nvidia-*, cuda-*) and nothing else; and its host file."""
+    lock_file = lock.path("cuda", HOST_PYTHON)
+    names = {n for n in lock.pinned(lock_file)
+             if n in ("torch", "triton") or n.startswith(("nvidia-", "cuda-"))}
+    entries = lock.entries(lock_file, names)
+    venv, stamp = home() / "venv", home() / "venv.stamp"
+    python = venv / "bin" / "python"
+    wanted = digest_of([entries])
+    if not (stamp.is_file() and stamp.read_text().strip() == wanted and python.exists()):
+        log.step(f"bundle check: a simulated GPU host in {venv}: Python {HOST_PYTHON}, "
+                 f"{len(names)} packages of {lock_file.name} (torch, triton, NVIDIA's)")
+        shutil.rmtree(venv, ignore_errors=True)
+        stamp.unlink(missing_ok=True)
+        uv.run(pins, ["venv", "--quiet", "--python", str(interpreter(HOST_PYTHON)), str(venv)],
+               what=f"create a Python {HOST_PYTHON} venv")
+        requirements = home() / "host-packages.txt"
+        requirements.write_text(entries)
+        uv.install(pins, ["install", "--quiet", "--no-deps", "--require-hashes", "--python",
+                          str(python), "-r", str(requirements)],
+                   what="the simulated host's torch, triton and NVIDIA packages")
+        stamp.write_text(wanted + "\n")
+    # Described as a GPU host describes itself: the runner's inventory.
+    done = subprocess.run([str(python), "-m", "forkbuild.bundle_run", "inventory"],
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise ForkError(f"the runner's inventory failed on the simulated host: "
+                        f"{done.stderr.strip()[-400:]}")
+    host_file = home() / "host.txt"
+    host_file.write_text("# The simulated GPU host of forkbuild/bundle_check.py\n" + done.stdout)
+    return python, host_file
+
+
+@dataclass(frozen=True)
+class Result:
+    reference: gpu_bundle.Bundle
+    simulated: gpu_bundle.Bundle
+    extensions: int
+    collected: pytest_runner.Outcome
+    calls: pytest_runner.Outcome
+    breakage: str
+
+    def line(self) -> str:
+        return (f"gpu bundle for {self.reference.manifest['made_for']}: {self.reference.line()}"
+                f"\ngpu bundle on a simulated host (Python {HOST_PYTHON}, torch, triton and "
+                f"NVIDIA's packages only, network refused): "
+                f"{len(self.simulated.parts)} part(s), {self.extensions} compiled extensions "
+                f"load, {len(self.collected.cases)} GPU cases collected and skipped without a "
+                f"device, kernel calls up to dispatch: {self.calls}; without {BREAKAGE}: "
+                f"{self.breakage}")
+
+
+def check(pins: Pins, results: Path, route: tuple[Path, Path, Path]) -> Result:
+    """ROUTE: the CUDA route's python, tree and driver stub folder (cuda_route.check)."""
+    source = gpu_bundle.prepare(pins, results, route)
+    reference = gpu_bundle.build(pins, out=home() / "reference", source=source)
+    python, host_file = simulated_host(pins)
+    # The parts' size matters only for transfers: here one part holds everything.
+    simulated = gpu_bundle.build(pins, host_file, out=home() / "bundle", part_mib=4096,
+                                 source=source)
+    dest = home() / "installed"
+    shutil.rmtree(dest, ignore_errors=True)
+    offline = _offline()
+    env = {**os.environ, **NO_INDEX, "PYTHON": str(python), "FORK_BUNDLE_HOME": str(dest)}
+    log.step(f"bundle check: run.sh --install {dest}"
+             + (" (unshare -n: no network)" if offline else " (no index; unshare unavailable)"))
+    done = subprocess.run([*offline, "bash", str(simulated.folder / "run.sh"), "--install", str(dest)],
+                          env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise ForkError(f"the bundle does not install offline on the simulated host: "
+                        f"{(done.stderr or done.stdout).strip()[-600:]}", f"see {home()}")
+    site = Path(done.stdout.strip().splitlines()[-1].split(os.pathsep)[-1])
+    _refuses_without_gpu(simulated.folder, env)
+    manifest = simulated.manifest
+    extensions = [n for n in manifest["components"] if n.endswith(".so")]
+    wheel = fetch.artifacts_dir() / pins.routes["cuda"].wheel.filename
+    loaded = cuda_route.load_extensions(python, site, wheel, source.stub, tuple(extensions),
+                                        pythonpath=str(site))
+    collected, calls = _cases(pins, python, site, source.stub, results, offline, "bundle-host")
+    required = set(manifest["needs"])
+    cuda_route.check_skipped(collected, results, where="the bundle on the simulated host",
+                             logs=str(results / "bundle-host-tests.log"), required=required)
+    if calls.failed or calls.errors or calls.skipped or not calls.passed:
+        raise ForkError(f"the kernel calls do not reach dispatch from the bundle: {calls}",
+                        f"see {results / 'bundle-host-tests.log'}")
+    breakage = _without(BREAKAGE, pins, python, site, source.stub, results, offline, required)
+    return Result(reference, simulated, len(loaded["loaded"]), collected, calls, breakage)
+
+
+def _refuses_without_gpu(bundle: Path, env: dict[str, str]) -> None:
+    """`run.sh OUT` on this machine: one line, no NVIDIA GPU, nothing run."""
+    out = home() / "run-out"
+    done = subprocess.run(["bash", str(bundle / "run.sh"), str(out)], env=env,
+                          capture_output=True, text=True, check=False)
+    lines = done.stderr.strip().splitlines()
+    if done.returncode == 0 or len(lines) != 1 or "no NVIDIA GPU" not in lines[0] or out.exists():
+        raise ForkError(f"run.sh without a GPU did not stop at once with one line: exit "
+                        f"{done.returncode}, {done.stderr.strip()[-300:]!r}")
+
+
+def _cases(pins: Pins, python: Path, site: Path, stub: Path, results: Path,
+           offline: tuple[str, ...], name: str) -> tuple[pytest_runner.Outcome, pytest_runner.Outcome]:
+    tree = site.parent / "tree"
+    outcome = pytest_runner.run_pytest(
+        python, tree, ["-rfEs", *pins.gpu_tests, *pins.cuda_route_tests],
+        results / f"{name}-tests.xml", pythonpath=os.pathsep.join([str(tree), str(site)]),
+        output=results / f"{name}-tests.log",
+        extra_env={**cuda_route.stub_env(stub), **NO_INDEX}, prefix=offline,
+    )
+    return (cuda_route._part(outcome, pins.gpu_tests), cuda_route._part(outcome, pins.cuda_route_tests))
+
+
+def _without(dist: str, pins: Pins, python: Path, site: Path, stub: Path, results: Path,
+             offline: tuple[str, ...], required: set[str]) -> str:
+    """The check again with DIST's files taken out of a copy of SITE: it must fail."""
+    broken = site.parent / f"site-without-{dist}"
+    shutil.rmtree(broken, ignore_errors=True)
+    shutil.copytree(site, broken, copy_function=os.link)
+    infos = list(broken.glob(f"{dist}-*.dist-info"))
+    if not infos:
+        raise ForkError(f"the bundle carries no {dist} to take out for the breakage check")
+    for line in (infos[0] / "RECORD").read_text().splitlines():
+        (broken / line.split(",")[0]).unlink(missing_ok=True)
+    shutil.rmtree(infos[0], ignore_errors=True)
+    try:
+        collected, calls = _cases(pins, python, broken, stub, results, offline,
+                                  f"bundle-host-without-{dist}")
+        cuda_route.check_skipped(collected, results, where=f"the bundle without {dist}",
+                                 required=required)
+        if calls.passed and not (calls.failed or calls.errors or calls.skipped):
+            raise ForkError(f"the bundle check passes without {dist}, which the cases import",
+                            "the check cannot tell a missing package: fix bundle_check.py")
+        reason = f"the kernel calls: {calls}"
+    except ForkError as exc:
+        if "passes without" in exc.cause:
+            raise
+        log_file = results / f"bundle-host-without-{dist}-tests.log"
+        errors = [line[1:].strip() for line in log_file.read_text().splitlines()
+                  if line.startswith("E ")] if log_file.is_file() else []
+        reason = errors[-1] if errors else exc.cause
+    finally:
+        shutil.rmtree(broken, ignore_errors=True)
+    return f"fails, as it must ({reason[:160]})"
