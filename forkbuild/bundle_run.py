@@ -313,7 +313,8 @@ def run(bundle: Path, out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpus.csv").write_text(gpus)
     kind, required = gpu_required.select(
-        gpu_required.parse_nvidia_smi(gpus, os.environ.get("CUDA_VISIBLE_DEVICES")))
+        gpu_required.parse_nvidia_smi(gpus, os.environ.get("CUDA_VISIBLE_DEVICES")),
+        gpu_required.from_data(manifest["gpu"]))
     dest = home(manifest, bundle)
     install(manifest, bundle, dest, components)
     found = check_vllm(manifest, dest, components)

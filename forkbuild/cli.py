@@ -40,7 +40,7 @@ def _lock(args: argparse.Namespace) -> None:
 def _install(args: argparse.Namespace) -> None:
     from forkbuild import install, pins
 
-    python, _, _ = install.install(pins.load(), args.route)
+    python, _, _ = install.install(pins.load(), args.route, without_gpu=args.without_gpu)
     print(python)
 
 
@@ -123,10 +123,8 @@ def _nightly(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # pip compiled a venv's bytecode at install whatever PYTHONDONTWRITEBYTECODE said; uv
-    # does not (compiling all of it costs ~90 s on 2 cores), so the venv's processes write
-    # it on first import instead. Without this, every torch import in every test and
-    # server costs twice as long, every time (measured: 7.5 s vs 3.9 s).
+    # uv installs no bytecode, so the venv's processes must be free to write it on first
+    # import (docs/setup-and-locks.md, "Bytecode").
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     parser = argparse.ArgumentParser(prog="forkbuild", description=__doc__)
     sub = parser.add_subparsers(dest="step", required=True)
@@ -148,7 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     add("lock", _lock, "locks/ROUTE-pyXY.txt: every route's venv, per Python, pinned with sha256 "
         "(uv pip compile; needs the package index)")
     add("install", _install, "build/venv: the route's lock installed by uv, hash-checked, and an "
-        "editable install of the tree", route=True)
+        "editable install of the tree", route=True).add_argument(
+        "--without-gpu", action="store_true",
+        help="install the cuda route on a machine without a driver, for checking it there "
+        "(make test does, in build/cuda-route); vLLM then finds no platform")
     add("regression", _regression, "the regression tests must fail unpatched and pass patched", route=True)
     add("wheel", _wheel, "a distributable patched CUDA wheel in dist/")
     add("model", _model, "generate the embedded tiny random-weight models", route=True)

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from forkbuild import driver_stub, fetch, gpu_required, lock, log, pytest_runner
+from forkbuild import cuda_toolchain, driver_stub, fetch, gpu_required, lock, log, pytest_runner
 from forkbuild.errors import ForkError
 from forkbuild.pins import REPO_ROOT, Pins, build_dir
 
@@ -61,9 +60,7 @@ class Result:
 
 
 def install_env() -> dict[str, str]:
-    from forkbuild.install import CUDA_WITHOUT_GPU
-
-    return {**os.environ, "VLLM_FORK_BUILD": str(home()), CUDA_WITHOUT_GPU: "1"}
+    return {**os.environ, "VLLM_FORK_BUILD": str(home())}
 
 
 def install_cuda_route(pins: Pins, results: Path) -> tuple[Path, Path]:
@@ -73,7 +70,7 @@ def install_cuda_route(pins: Pins, results: Path) -> tuple[Path, Path]:
     log.step(f"cuda route: forkbuild install --route cuda in {home()} (report: {report})")
     with open(report, "w") as sink:
         done = subprocess.run(
-            [sys.executable, "-m", "forkbuild", "install", "--route", "cuda"],
+            [sys.executable, "-m", "forkbuild", "install", "--route", "cuda", "--without-gpu"],
             cwd=REPO_ROOT, env=install_env(), stdout=sink, stderr=subprocess.STDOUT, check=False,
         )
     if done.returncode != 0:
@@ -140,115 +137,20 @@ def load_extensions(python: Path, tree: Path, wheel: Path, stub: Path,
     return result
 
 
-# Run in the CUDA venv with the nightly's toolchain environment: where FlashInfer's JIT
-# finds its compiler and ninja, and the build files of the paged prefill modules that
-# the kernel test's wrappers ask for (FA2: the prefill wrapper on Ampere and the decode
-# wrapper with tensor cores; FA3: the prefill wrapper on Hopper), sliding and full
-# layers, bf16, head size 64. `ninja -n` checks each build graph without compiling (a
-# module takes about a minute of nvcc on 2 cores); one small CUDA file is compiled and
-# linked as FlashInfer links, with the lock's nvcc, headers and libcudart.
-_JIT_PROBE = r"""
-import json, os, pathlib, shutil, subprocess, sys, torch
-from flashinfer.jit import cpp_ext
-from forkbuild.driver_stub import needed_libraries
-from flashinfer.prefill import gen_batch_prefill_module
-work = sys.argv[1]
-result = {"cuda_home": cpp_ext.get_cuda_path(), "ninja": shutil.which("ninja"),
-          "nvcc": shutil.which("nvcc"), "cuda_version": str(cpp_ext.get_cuda_version()),
-          "modules": {}, "compiled": False, "compile_error": "", "links": []}
-for backend in ("fa2", "fa3"):
-    for sliding in (False, True):
-        spec = gen_batch_prefill_module(backend, torch.bfloat16, torch.bfloat16, torch.bfloat16,
-                                        torch.int32, 64, 64, 0, sliding, False, False)
-        spec.write_ninja()
-        dry = subprocess.run(["ninja", "-n", "-C", str(spec.build_dir)], capture_output=True, text=True)
-        result["modules"][spec.name] = dry.returncode == 0 and "nvcc" in spec.ninja_path.read_text()
-source = os.path.join(work, "probe.cu")
-with open(source, "w") as out:
-    # A runtime call and a driver call (one the wheel's extensions import, so the stub
-    # defines it): the module must need both libraries by soname (gcc links --as-needed
-    # on Debian, so a -lcuda whose symbols are unused would leave no trace).
-    out.write("#include <cuda_runtime.h>\n"
-              "extern \"C\" int cuCtxGetCurrent(void **context);\n"
-              "__global__ void k(float *x) { x[threadIdx.x] += 1; }\n"
-              "extern \"C\" int probe(float *x) { void *c; cuCtxGetCurrent(&c);\n"
-              "  k<<<1, 32>>>(x); return cudaGetLastError(); }\n")
-nvcc = os.path.join(result["cuda_home"], "bin", "nvcc")
-obj, lib = os.path.join(work, "probe.cuda.o"), os.path.join(work, "probe.so")
-steps = ([nvcc, "-c", "-Xcompiler", "-fPIC", "-arch=sm_80", source, "-o", obj],
-         [os.environ.get("CXX", "c++"), "-shared", obj, "-o", lib, "-lcudart", "-lcuda"])
-for step in steps:  # as FlashInfer's build.ninja: nvcc compiles, the C++ compiler links
-    try:
-        built = subprocess.run(step, capture_output=True, text=True)
-    except FileNotFoundError as exc:
-        result["compile_error"] = f"{step[0]} not found: {exc}"
-        break
-    if built.returncode != 0:
-        result["compile_error"] = (built.stderr or built.stdout)[-800:]
-        break
-else:
-    result["compiled"] = True
-    needed = needed_libraries(pathlib.Path(lib))
-    result["links"] = sorted(n for n in needed if n in ("libcudart.so.13", "libcuda.so.1"))
-print(json.dumps(result))
-"""
-
-
 def check_flashinfer_jit(python: Path, stub: Path, results: Path) -> int:
-    """FlashInfer's JIT in the nightly's environment (forkbuild/nightly.py: CUDA_HOME is
+    """FlashInfer's JIT in the nightly's environment (forkbuild/cuda_toolchain.py: CUDA_HOME is
     the lock's toolkit, ninja the venv's, the link names made as on the GPU host, with the
     driver stub standing in for the driver's libcuda.so.1). Returns the modules checked."""
-    from forkbuild import nightly
-
     venv = python.parent.parent
-    nvcc_version = nightly.check_lock_pins(lock.path("cuda", lock.running_python()))
-    nightly.make_link_dir(venv, nvcc_version, stub / driver_stub.SONAME)
-    env = nightly.toolchain_env(venv, nvcc_version)
-    missing = nightly.missing_tools(env, nightly.link_dir(venv))
+    nvcc_version = cuda_toolchain.check_lock_pins(lock.path("cuda", lock.running_python()))
+    cuda_toolchain.make_link_dir(venv, nvcc_version, stub / driver_stub.SONAME)
+    env = cuda_toolchain.toolchain_env(venv, nvcc_version)
+    missing = cuda_toolchain.missing_tools(env, cuda_toolchain.link_dir(venv))
     if missing:
         raise ForkError(f"the CUDA lock's toolchain is incomplete: {', '.join(missing)}",
                         "check the CUDA lock's nvidia-cuda-* and ninja pins")
-    return probe_flashinfer_jit(python, {**env, **stub_env(stub)}, nvcc_version,
+    return cuda_toolchain.probe_flashinfer_jit(python, {**env, **stub_env(stub)}, nvcc_version,
                                 home() / "flashinfer-jit", results / "cuda-route-flashinfer-jit.log")
-
-
-def probe_flashinfer_jit(python: Path, env: dict[str, str], nvcc_version: str, work: Path,
-                         report: Path) -> int:
-    """Run _JIT_PROBE in PYTHON's venv with ENV (the nightly's toolchain_env, plus the
-    driver stub where there is no driver); fail naming what FlashInfer's JIT would miss.
-    The nightly runs it too, on the GPU host before the tests: a host compiler that the
-    lock's nvcc refuses stops it there in seconds, not in the first FlashInfer case."""
-    venv = python.parent.parent
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    done = subprocess.run(
-        [str(python), "-c", _JIT_PROBE, str(work)], cwd=work,
-        # PYTHONPATH: the probe reads the module's sonames with forkbuild.driver_stub.
-        env={**os.environ, **env, "PYTHONPATH": str(REPO_ROOT), "FLASHINFER_WORKSPACE_BASE": str(work),
-             "FLASHINFER_CUDA_ARCH_LIST": "8.0 9.0a"},
-        capture_output=True, text=True, check=False,
-    )
-    report.write_text(done.stdout + done.stderr)
-    if done.returncode != 0:
-        raise ForkError(f"FlashInfer's JIT probe crashed: {done.stderr.strip()[-600:]}",
-                        f"see {report}")
-    found = json.loads(done.stdout.strip().splitlines()[-1])
-    problems = []
-    if Path(found["cuda_home"]) != Path(env["CUDA_HOME"]):
-        problems.append(f"FlashInfer takes CUDA from {found['cuda_home']}, not the lock's")
-    if not found["ninja"] or Path(found["ninja"]).parent != venv / "bin":
-        problems.append(f"ninja resolves to {found['ninja']}, not the venv's")
-    if not found["cuda_version"].startswith(nvcc_version.rsplit(".", 1)[0]):
-        problems.append(f"FlashInfer reads CUDA {found['cuda_version']}, the lock pins {nvcc_version}")
-    problems += [f"no build graph for {name}" for name, ok in found["modules"].items() if not ok]
-    if not found["compiled"]:
-        problems.append(f"the lock's nvcc cannot compile and link: {found['compile_error']}")
-    elif len(found["links"]) != 2:  # the module must need the runtime and the driver by soname
-        problems.append(f"the linked module needs only {found['links']} of libcudart, libcuda")
-    if problems:
-        raise ForkError("FlashInfer's JIT would fail on the GPU runner: " + "; ".join(problems),
-                        f"see {report}")
-    return len(found["modules"])
 
 
 def run_gpu_tests(pins: Pins, python: Path, tree: Path, stub: Path, results: Path
@@ -261,8 +163,10 @@ def run_gpu_tests(pins: Pins, python: Path, tree: Path, stub: Path, results: Pat
         python, tree, ["-rfEs", *pins.gpu_tests, *pins.cuda_route_tests],
         results / "cuda-route-tests.xml", output=results / "cuda-route-tests.log", extra_env=env,
     )
+    # The required cases of forkbuild's own tests (the serve test), from the nightly's table.
+    own = sorted({c.split("::")[0] for c in gpu_required.load().all_required()} - set(pins.gpu_tests))
     serve = pytest_runner.run_pytest(
-        python, REPO_ROOT, ["-rs", gpu_required.SERVE.split("::")[0]],
+        python, REPO_ROOT, ["-rs", *own],
         results / "cuda-route-serve-gpu.xml", pythonpath=REPO_ROOT,
         output=results / "cuda-route-serve-gpu.log", extra_env=env,
     )

@@ -35,7 +35,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tarfile
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
@@ -48,7 +47,7 @@ from forkbuild.load_extensions import record_digest, wheel_record
 from forkbuild.pins import REPO_ROOT, Pins, build_dir, cache_dir
 
 FORMAT = "fork-gpu-bundle-2"
-RUNNER_MODULES = ("__init__", "errors", "log", "pytest_runner", "gpu_required", "fixcheck",
+RUNNER_MODULES = ("__init__", "errors", "log", "pytest_runner", "pytest_progress", "gpu_required", "fixcheck",
                   "bundle_run")
 RUN_SH = REPO_ROOT / "forkbuild" / "bundle_run.sh"
 # The roots a component unpacks into on the host: site/ goes first on PYTHONPATH, tree/
@@ -179,16 +178,26 @@ def trace_imports(pins: Pins, python: Path, tree: Path, stub: Path, report: Path
     return Trace(found["distributions"], tuple(found["tree_files"]))
 
 
-def bundle_settings() -> dict:
+def _table(name: str) -> dict:
     import tomllib
 
     from forkbuild.pins import PINS_FILE
 
     try:
-        return tomllib.loads(PINS_FILE.read_text())["gpu_bundle"]
+        return tomllib.loads(PINS_FILE.read_text())[name]
     except KeyError:
-        raise ForkError(f"{PINS_FILE} has no [gpu_bundle] table",
+        raise ForkError(f"{PINS_FILE} has no [{name}] table",
                         "compare it with the fork's main branch") from None
+
+
+def bundle_settings() -> dict:
+    return _table("gpu_bundle")
+
+
+def gpu_table() -> dict:
+    """fork.toml [gpu]: the nightly's GPU kinds and required cases, with what the bundle
+    holds for each."""
+    return _table("gpu")
 
 
 def _closure(roots: set[str], requires: dict[str, list[str]]) -> set[str]:
@@ -584,7 +593,10 @@ def _assemble(pins: Pins, host: Host, selection: Selection, components: list[Com
     runner_bytes = sum(p.stat().st_size for p in runner.values()) + (64 << 10)  # + manifest
     sizes = {name: archives[name].stat().st_size for name in order}
     parts = pack(sizes, order, limit, runner_bytes)
-    needs = {node: list(need) for node, need in settings["needs"].items()}
+    gpu = settings.get("gpu") or gpu_table()
+    needs = {node: list(c["bundle"]) for node, c in gpu["cases"].items() if "bundle" in c}
+    not_carried = {node: c["not_in_bundle"] for node, c in gpu["cases"].items()
+                   if "bundle" not in c}
     base = list(settings["every_case"])
     unknown = sorted({c for need in [base, *needs.values()] for c in need} - set(by_name))
     if unknown:
@@ -612,7 +624,8 @@ def _assemble(pins: Pins, host: Host, selection: Selection, components: list[Com
             for c in components},
         "every_case": base,
         "needs": needs,
-        "not_carried": settings["not_carried"],
+        "not_carried": not_carried,
+        "gpu": gpu,  # the nightly's table (forkbuild/gpu_required.py), for the runner
         "carried": selection.carried,
         "from_host": selection.from_host,
         "provided_by_host": list(selection.provided),

@@ -3,9 +3,10 @@
 Counting failures is not enough: every GPU case skips itself when the hardware or a
 kernel is missing (FA3 that does not import, one GPU for TP=2), so a broken install on
 a Hopper runner would skip all FA3 and FLASH_ATTN cases and still leave the job green.
-Here each kind lists what it must run; a skip or an absence of one of those fails the
-job with pytest's reason. Standard library only: nightly.py runs on the system python3,
-and `make test` checks on CPU that every node id listed here is collected.
+fork.toml [gpu] says what each kind must run; a skip or an absence of one of those fails
+the job with pytest's reason. Standard library only: nightly.py runs on the system
+python3, and the GPU bundle's runner on a GPU host's (with the table its manifest
+carries); `make test` checks on CPU that every node id of the table is collected.
 """
 
 from __future__ import annotations
@@ -19,45 +20,11 @@ from dataclasses import dataclass
 from forkbuild.errors import ForkError
 from forkbuild.pytest_runner import Outcome
 
-KERNELS = "tests/v1/worker/test_packed_kv_cache_gpu_kernels.py"
-ENGINE = "tests/v1/worker/test_packed_kv_cache_offload_e2e.py"
-SERVE = "forkbuild/tests/test_serve_gpu.py::test_offload_preset_serves_and_reloads"
-
-
-def _fa(version: int) -> str:
-    return f"{KERNELS}::test_flash_attention_over_packed_views[{version}]"
-
-
-def _engine(case_id: str) -> str:
-    """CASE_ID is `OffloadCase.id` of tests/v1/worker/offload_e2e_configs.py."""
-    return f"{ENGINE}::test_offload_reload_matches_baseline[{case_id}]"
-
-
-TRITON_KERNEL = f"{KERNELS}::test_triton_attention_over_packed_views"
-# FlashInfer's paged prefill and decode, required from Ampere on.
-# flashinfer-python 0.6.13 from the package index JIT-compiles these modules on first use
-# (flashinfer-cubin holds other kernels): nvcc and ninja from the CUDA lock, a host
-# compiler from the agent; nightly.py checks that toolchain before the tests start.
-FLASHINFER_KERNELS = tuple(
-    f"{KERNELS}::test_flashinfer_over_packed_views[{mode}]" for mode in ("prefill", "decode")
-)
-
-# One case's time limit, in seconds: at most a FlashInfer JIT build (a paged decode module
-# for sm80 took 46 s with one job on 2 CPU cores) plus its kernels, or two tiny engines.
+# One case's time limit, in seconds: a FlashInfer JIT build plus its kernels, or two
+# tiny engines.
 CASE_LIMIT_S = 600
-# The per-case limit, by pytest-timeout, chosen for --forked (pytest-forked 1.7.5 runs
-# each case's setup, call and teardown in a child; the parent waits in
-# pytest_runtest_protocol). pytest-timeout's default timer (timeout_func_only=false)
-# is set in the parent around that wait: its thread method os._exit()s the whole pytest
-# (no JUnit XML at all), its signal method raises in the parent (an INTERNALERROR that
-# ends the session and leaves the child running). With timeout_func_only=true the timer
-# is set in pytest_runtest_call, i.e. in the child, around the test function: the
-# thread method then dumps the stacks and os._exit()s the child alone, which the parent
-# reports as that case's error ("running the test EXITED with status 1", after the dump),
-# and the run goes on. Thread, not signal: a signal handler runs only when the
-# main thread returns to the interpreter, and a hung CUDA call does not; the timer thread
-# needs only the GIL, which torch releases while it waits on the GPU. A hang in a
-# fixture's setup is not covered: the run's limit (RUN_LIMITS_S) is.
+# pytest-timeout in the forked child, thread method: the hung case alone fails and the run
+# goes on (docs/gpu-nightly.md, "Why the per-case limit is set so").
 PER_CASE_TIMEOUT = [f"--timeout={CASE_LIMIT_S}", "--timeout-method=thread",
                     "-o", "timeout_func_only=true"]
 
@@ -73,41 +40,68 @@ class Kind:
     min_capability: Capability
     cases: tuple[str, ...]  # required with any number of GPUs
     multi_gpu_cases: tuple[str, ...] = ()  # required only with two GPUs or more
+    queues: tuple[tuple[str, int], ...] = ()  # the nightly's agent queues, with their GPU count
 
     def required(self, gpu_count: int) -> tuple[str, ...]:
         return self.cases + (self.multi_gpu_cases if gpu_count >= 2 else ())
 
 
-AMPERE = Kind(
-    "Ampere", (8, 0),
-    (_fa(2), TRITON_KERNEL, *FLASHINFER_KERNELS, _engine("TRITON_ATTN-v1-tp1")),
-)
-# GPT-OSS's attention sinks need FA3, so every FLASH_ATTN engine case (TP=2 included)
-# and the serve test (the preset uses FLASH_ATTN) are Hopper's.
-HOPPER = Kind(
-    "Hopper", (9, 0),
-    AMPERE.cases + (
-        _fa(3),
-        _engine("FLASH_ATTN-v1-tp1"),
-        _engine("FLASH_ATTN-v2-tp1"),
-        _engine("FLASH_ATTN-v1-cpu64-tp1"),
-        SERVE,
-    ),
-    (_engine("FLASH_ATTN-v1-tp2"),),
-)
-# Oldest first: a GPU is of the newest kind whose minimum it reaches (so 10.0 counts as
-# Hopper and must run FA3 too; add a kind here when a newer one needs other cases).
-KINDS: tuple[Kind, ...] = (AMPERE, HOPPER)
+@dataclass(frozen=True)
+class Table:
+    """fork.toml [gpu]: the GPU kinds, oldest first, and every case some kind requires
+    (node id -> its entry: the kind it is required from, its GPU count, what the GPU
+    bundle holds for it)."""
+
+    kinds: tuple[Kind, ...]
+    cases: dict[str, dict]
+
+    def all_required(self) -> set[str]:
+        """Every node id that some GPU kind, with any GPU count, requires."""
+        return set(self.cases)
+
+    def kind_of(self, capability: Capability) -> Kind | None:
+        """A GPU is of the newest kind whose minimum it reaches (so 10.0 counts as Hopper
+        and must run FA3 too; add a kind when a newer one needs other cases)."""
+        fitting = [kind for kind in self.kinds if capability >= kind.min_capability]
+        return fitting[-1] if fitting else None
+
+    def kind(self, name: str) -> Kind:
+        return next(kind for kind in self.kinds if kind.name == name)
 
 
-def all_required() -> set[str]:
-    """Every node id that some GPU kind, with any GPU count, requires."""
-    return {case for kind in KINDS for case in kind.required(gpu_count=2)}
+def _capability(text: str) -> Capability:
+    major, _, minor = text.partition(".")
+    return int(major), int(minor or 0)
 
 
-def kind_of(capability: Capability) -> Kind | None:
-    fitting = [kind for kind in KINDS if capability >= kind.min_capability]
-    return fitting[-1] if fitting else None
+def from_data(data: dict) -> Table:
+    """The Table of fork.toml's [gpu] (as the GPU bundle's manifest also carries it): a
+    case is required from its `kind` on, with two GPUs when its `gpus` is 2."""
+    named = sorted(data["kinds"].items(), key=lambda item: _capability(item[1]["capability"]))
+    order = [name for name, _ in named]
+    unknown = {c["kind"] for c in data["cases"].values()} - set(order)
+    if unknown:
+        raise ForkError(f"fork.toml [gpu] cases name unknown kinds: {', '.join(sorted(unknown))}",
+                        f"use one of {', '.join(order)}")
+    kinds = []
+    for rank, (name, entry) in enumerate(named):
+        due = [(case, c) for case, c in data["cases"].items() if order.index(c["kind"]) <= rank]
+        kinds.append(Kind(
+            name, _capability(entry["capability"]),
+            tuple(case for case, c in due if c.get("gpus", 1) == 1),
+            tuple(case for case, c in due if c.get("gpus", 1) >= 2),
+            tuple(entry["queues"].items()),
+        ))
+    return Table(tuple(kinds), dict(data["cases"]))
+
+
+def load() -> Table:
+    """The table of fork.toml (where fork.toml is: the GPU bundle's runner has its own)."""
+    import tomllib
+
+    from forkbuild.pins import PINS_FILE
+
+    return from_data(tomllib.loads(PINS_FILE.read_text())["gpu"])
 
 
 # What the nightly asks nvidia-smi (with --format=csv): index and uuid to apply
@@ -204,20 +198,23 @@ def parse_nvidia_smi(csv_text: str, cuda_visible_devices: str | None = None) -> 
     return [gpu.capability for gpu in visible]
 
 
-def select(capabilities: list[Capability]) -> tuple[Kind, tuple[str, ...]]:
+def select(capabilities: list[Capability], table: Table | None = None
+           ) -> tuple[Kind, tuple[str, ...]]:
     """The kind of this machine and the cases it must run. With mixed GPUs the weakest
     decides: a case may land on any of them (TP=2 uses two)."""
+    table = table or load()
     if not capabilities:
         raise ForkError("nvidia-smi listed no GPU", "check the driver with `nvidia-smi -L`")
     weakest = min(capabilities)
-    kind = kind_of(weakest)
+    kind = table.kind_of(weakest)
     if kind is None:
-        oldest = KINDS[0]
+        oldest = table.kinds[0]
         raise ForkError(
             f"compute capability {weakest[0]}.{weakest[1]} is older than {oldest.name} "
             f"({oldest.min_capability[0]}.{oldest.min_capability[1]}): the nightly GPU "
             "job has no cases that must run there",
-            "run the job on the Ampere or Hopper queue (.buildkite/fork_nightly_gpu.yaml)",
+            "run the job on one of the queues of fork.toml [gpu] kinds: "
+            + ", ".join(q for kind in table.kinds for q, _ in kind.queues),
         )
     return kind, kind.required(len(capabilities))
 
@@ -244,11 +241,11 @@ def check_collected(collected: Collection[str], required: Collection[str] | None
     """Fail unless every node id a GPU kind requires (or REQUIRED) is among COLLECTED (the
     GPU cases and forkbuild's tool tests as collected on CPU): a renamed test or parameter
     id must fail here, not as a 'required but not run' on the GPU runner at night."""
-    missing = sorted(set(all_required() if required is None else required) - set(collected))
+    missing = sorted(set(load().all_required() if required is None else required) - set(collected))
     if missing:
         raise ForkError(
             f"{len(missing)} node id(s) that the nightly GPU job requires are not collected: "
             + ", ".join(missing),
-            "update the lists in forkbuild/gpu_required.py to the tests' current node ids "
+            "update fork.toml [gpu] cases to the tests' current node ids "
             "(a renamed test or OffloadCase id), or restore the cases",
         )

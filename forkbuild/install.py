@@ -28,7 +28,7 @@ from pathlib import Path
 from forkbuild import bytecode, fetch, fixcheck, lock, log, preflight, tree, uv
 from forkbuild.errors import ForkError
 from forkbuild.hashing import digest_of
-from forkbuild.pins import Pins, Route, build_dir
+from forkbuild.pins import REPO_ROOT, Pins, Route, build_dir
 
 TOOLCHAIN_STAMP = ".forkbuild-toolchain"
 LOCK_RECORD = ".forkbuild-lock"  # in the venv: the lock it holds, e.g. locks/cpu-py311.txt
@@ -47,12 +47,6 @@ def venv_python() -> Path:
     return venv_dir() / "bin" / "python"
 
 
-# Set only by forkbuild/cuda_route.py (`make test`'s CUDA route without a GPU), for the
-# install it runs in a build folder of its own: the CUDA route is installed on a machine
-# without a driver, and the install's probe expects vLLM to find no GPU platform.
-CUDA_WITHOUT_GPU = "FORKBUILD_CUDA_WITHOUT_GPU"
-
-
 def pick_route(pins: Pins, requested: str | None) -> Route:
     name = requested or ("cuda" if preflight.has_nvidia_gpu() else "cpu")
     if name not in pins.routes:
@@ -60,14 +54,11 @@ def pick_route(pins: Pins, requested: str | None) -> Route:
     return pins.routes[name]
 
 
-def cuda_without_gpu() -> bool:
-    return os.environ.get(CUDA_WITHOUT_GPU) == "1"
-
-
-def refuse_without_gpu(route: Route) -> None:
+def refuse_without_gpu(route: Route, without_gpu: bool = False) -> None:
     """A GPU route installed here would take a minute, replace the working CPU venv and
-    then fail on the missing driver: refuse before anything is touched."""
-    if route.target_device != "cuda" or cuda_without_gpu() or preflight.has_nvidia_gpu():
+    then fail on the missing driver: refuse before anything is touched, unless asked for
+    WITHOUT_GPU (the CUDA route check of `make test`, in a build folder of its own)."""
+    if route.target_device != "cuda" or without_gpu or preflight.has_nvidia_gpu():
         return
     raise ForkError(
         f"the {route.name} route needs an NVIDIA GPU and its driver, and this machine has none",
@@ -91,7 +82,7 @@ def venv_matches_lock(python: Path, lock_file: Path, pins: Pins) -> None:
         )
 
 
-def ensure_toolchain(pins: Pins, route_name: str | None = None) -> Path:
+def ensure_toolchain(pins: Pins, route_name: str | None = None, without_gpu: bool = False) -> Path:
     """build/venv with exactly the route's lock for this Python: torch, vLLM's
     requirements, its build requirements and the test runner."""
     preflight.check_all(pins)
@@ -102,7 +93,7 @@ def ensure_toolchain(pins: Pins, route_name: str | None = None) -> Path:
         recorded = Path(record.read_text().strip()).name.split("-py")[0]
         route_name = recorded if recorded in pins.routes else None
     route = pick_route(pins, route_name)
-    refuse_without_gpu(route)
+    refuse_without_gpu(route, without_gpu)
     lock_file = lock.path(route.name, lock.running_python())
     if not lock_file.is_file():
         raise ForkError(f"{lock_file} is missing", "run `make lock` (needs the package index)")
@@ -179,12 +170,15 @@ def precompiled_env(pins: Pins, route: Route, wheel: Path) -> dict[str, str]:
     }
 
 
-def install(pins: Pins, route_name: str | None = None) -> tuple[Path, Path, Route]:
-    """Make sure fetch, tree and the venv are complete; return (python, tree, route)."""
+def install(pins: Pins, route_name: str | None = None, *, without_gpu: bool = False
+            ) -> tuple[Path, Path, Route]:
+    """Make sure fetch, tree and the venv are complete; return (python, tree, route).
+    WITHOUT_GPU: the CUDA route on a machine without a driver, where vLLM finds no
+    platform (the CUDA route check of `make test` only)."""
     route = pick_route(pins, route_name)
     preflight.check_all(pins)
-    refuse_without_gpu(route)
-    python, tree_path = _venv_beside_tree(pins, route)
+    refuse_without_gpu(route, without_gpu)
+    python, tree_path = _venv_beside_tree(pins, route, without_gpu)
     wheel = fetch.fetch(route.wheel, lambda: python)
     lock.check(pins, tree_path)
 
@@ -219,7 +213,7 @@ def install(pins: Pins, route_name: str | None = None) -> tuple[Path, Path, Rout
             )
             adding.result()
         add_missing_extensions(wheel, tree_path)  # any that setup.py named and did not write
-        check_install(python, tree_path, route)
+        check_install(python, tree_path, route, without_gpu)
     finally:
         finish_compiling(compiling)
     keep_bytecode(pins, route, tree_path)
@@ -261,7 +255,7 @@ def holds_editable(tree_path: Path) -> bool:
     return False
 
 
-def _venv_beside_tree(pins: Pins, route: Route) -> tuple[Path, Path]:
+def _venv_beside_tree(pins: Pins, route: Route, without_gpu: bool = False) -> tuple[Path, Path]:
     """The venv and the patched tree, made at the same time: the tree needs only the sdist
     (unpacking it and committing it to git take one core for ~8 s on 2 cores), the venv
     only the lock, so uv fills the venv on the other core meanwhile."""
@@ -282,7 +276,7 @@ def _venv_beside_tree(pins: Pins, route: Route) -> tuple[Path, Path]:
         )
         try:
             try:
-                made.append(ensure_toolchain(pins, route.name))
+                made.append(ensure_toolchain(pins, route.name, without_gpu))
             finally:
                 venv_ready.set()
             return made[0], making_tree.result()
@@ -314,9 +308,8 @@ def editable_config(pins: Pins, route: Route, tree_path: Path) -> Path:
 
 def start_compiling(python: Path, tree_path: Path) -> subprocess.Popen[bytes]:
     """Byte-compile the fresh tree's vLLM package in the background, on the core that the
-    editable install and the import check (one process each) leave idle: otherwise the
-    first `vllm serve` compiles ~2000 modules itself (measured on 2 cores: the first start
-    after an install took 15 s longer than the next; compiling them all takes 9 s)."""
+    editable install and the import check leave idle, rather than in the first `vllm
+    serve` (docs/setup-and-locks.md, "Bytecode")."""
     return subprocess.Popen(
         [str(python), "-m", "compileall", "-q", "-j", "1", str(tree_path / "vllm")],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -383,36 +376,21 @@ def add_missing_extensions(wheel: Path, tree_path: Path, *,
     return added
 
 
-_PROBE = """
-import importlib.metadata, importlib.util, json, vllm
-from vllm.platforms import current_platform
-cpu_kernels = None
-if current_platform.device_type == "cpu":  # the ones this host's ISA loads
-    import torch
-    current_platform.import_kernels()
-    cpu_kernels = hasattr(torch.ops._C, "init_cpu_memory_env")
-# The file `import` would load, read rather than imported: importing it costs ~8 s.
-module = importlib.util.find_spec("vllm.v1.worker.gpu.attn_utils").origin
-print(json.dumps({
-    "vllm": vllm.__file__,
-    "module": module,
-    "version": importlib.metadata.version("vllm"),
-    "platform": type(current_platform).__name__,
-    "device": current_platform.device_type,
-    "source": open(module).read(),
-    "cpu_kernels": cpu_kernels,
-}))
-"""
+def probe_path(tree_path: Path) -> str:
+    """PYTHONPATH of forkbuild/install_probe.py: the tree first (as the tests run: nothing
+    there may shadow the installed metadata), then forkbuild."""
+    return os.pathsep.join([str(tree_path), str(REPO_ROOT)])
 
 
-def check_install(python: Path, tree_path: Path, route: Route) -> dict[str, str]:
+def check_install(python: Path, tree_path: Path, route: Route, without_gpu: bool = False
+                  ) -> dict[str, str]:
     """Ask the venv itself what `import vllm` gives: the tree, the fix, the platform."""
     log.step("install: asking the venv what `import vllm` gives")
     # From inside the tree, with it first on sys.path, as the tests run: nothing there may
     # shadow the installed metadata (vLLM picks its platform from the version string).
     result = subprocess.run(
-        [str(python), "-c", _PROBE], capture_output=True, text=True, cwd=tree_path,
-        env={**os.environ, "PYTHONPATH": str(tree_path)}, check=False,
+        [str(python), "-m", "forkbuild.install_probe"], capture_output=True, text=True,
+        cwd=tree_path, env={**os.environ, "PYTHONPATH": probe_path(tree_path)}, check=False,
     )
     if result.returncode != 0:
         last = (result.stderr.strip().splitlines() or ["no output"])[-1]
@@ -429,9 +407,8 @@ def check_install(python: Path, tree_path: Path, route: Route) -> dict[str, str]
             f"the installed {fixcheck.FUNCTION} is {verdict}, not fixed",
             "check patches/series and rebuild the tree (make tree)",
         )
-    # Without a driver vLLM finds no platform at all (UnspecifiedPlatform, no device);
-    # only the CUDA route's check without a GPU installs there, and expects exactly that.
-    expected_device = "" if cuda_without_gpu() and route.target_device == "cuda" else route.target_device
+    # Without a driver vLLM finds no platform at all (UnspecifiedPlatform, no device).
+    expected_device = "" if without_gpu and route.target_device == "cuda" else route.target_device
     if info["device"] != expected_device:
         raise ForkError(
             f"vLLM detected {info['platform']} (device {info['device']!r}) on the "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -100,56 +101,8 @@ def read_junit(junit: Path, killed: str = "") -> Outcome:
 # gets it too and exits). What still runs GRACE_S later is killed.
 GRACE_S = 30
 
-# A pytest plugin, put on PYTHONPATH for a run with a time limit, that names the case in
-# progress: pytest writes its JUnit XML only at the end, so without it a killed run
-# could not say where it hung. logstart and logfinish run in the main pytest process,
-# also under --forked. Under --forked it also ends each case with what the case started:
-# a case stopped by its own time limit (pytest-timeout exits its forked process) leaves
-# vLLM's engine-core and worker processes behind, holding GPU memory that the next case's
-# memory profiling counts. Each case's processes carry a mark of their own (set in the
-# main process before the fork, inherited by all the case starts); when the case is
-# reported, what still carries it is killed. (Without --forked a fixture may outlive a
-# case, so nothing is killed between cases there.)
-_PROGRESS_MODULE = "_forkbuild_progress"
-_PROGRESS_PLUGIN = """\
-import os, signal, uuid
-
-CASE_MARK = "FORKBUILD_PYTEST_CASE"
-_forked = False
-
-def _write(text):
-    with open(os.environ["FORKBUILD_PYTEST_PROGRESS"], "w") as progress:
-        progress.write(text)
-
-def pytest_configure(config):
-    global _forked
-    _forked = bool(config.getoption("forked", default=False))
-
-def _leftovers(mark):
-    wanted = f"{CASE_MARK}={mark}".encode()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as env:
-                    if wanted in env.read().split(b"\\0"):
-                        yield int(entry)
-            except OSError:
-                continue
-
-def pytest_runtest_logstart(nodeid, location):
-    os.environ[CASE_MARK] = uuid.uuid4().hex
-    _write(nodeid)
-
-def pytest_runtest_logfinish(nodeid, location):
-    mark = os.environ.pop(CASE_MARK, None)
-    if _forked and mark:
-        for pid in _leftovers(mark):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-    _write("")
-"""
+# The plugin that names the case in progress and ends what a forked case started.
+_PROGRESS_MODULE = "_forkbuild_progress"  # forkbuild/pytest_progress.py, copied beside the run
 
 
 # Every process a limited run starts carries this variable with the run's own value, so
@@ -226,7 +179,8 @@ def run_limited(
 
 def _with_progress(cmd: list[str], env: dict[str, str], folder: Path) -> tuple[list[str], Path]:
     """CMD and ENV (changed in place) with the progress plugin; its file."""
-    (folder / f"{_PROGRESS_MODULE}.py").write_text(_PROGRESS_PLUGIN)
+    # A copy, not forkbuild's folder on the path: the run's own `tests` package must win.
+    shutil.copyfile(Path(__file__).with_name("pytest_progress.py"), folder / f"{_PROGRESS_MODULE}.py")
     progress = folder / "running"
     progress.write_text("")
     env["PYTHONPATH"] = f"{folder}{os.pathsep}{env['PYTHONPATH']}"

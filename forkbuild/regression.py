@@ -12,7 +12,7 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from forkbuild import fixcheck, tree
+from forkbuild import fixcheck, install, tree
 from forkbuild.errors import ForkError
 from forkbuild.pins import Pins, build_dir
 from forkbuild.pytest_runner import Outcome, run_pytest
@@ -52,8 +52,8 @@ def make_stock_tree(pins: Pins, fork_tree: Path) -> Path:
 
 def imported_from(python: Path, tree_path: Path) -> Path:
     out = subprocess.run(
-        [str(python), "-c", "import vllm; print(vllm.__file__)"],
-        cwd=tree_path, env={**os.environ, "PYTHONPATH": str(tree_path)},
+        [str(python), "-m", "forkbuild.install_probe", "origin"],
+        cwd=tree_path, env={**os.environ, "PYTHONPATH": install.probe_path(tree_path)},
         capture_output=True, text=True, check=False,
     )
     if out.returncode != 0:

@@ -36,7 +36,7 @@ EMBEDDED_NAME = next(iter(EMBEDDED))
 # the chat curl line. Checked in forkbuild/tests/test_serve.py (the KeyError is real).
 NO_CHAT = {
     "tiny-gpt-oss": (
-        "vLLM 0.25.1 gives every GPT-OSS model its GPT-OSS reasoning parser, which looks up "
+        "vLLM gives every GPT-OSS model its GPT-OSS reasoning parser, which looks up "
         "harmony's token <|end|> in the model's tokenizer, and the tiny GPT-OSS's tokenizer (a "
         "small BPE trained locally) has none of harmony's chat tokens: /v1/chat/completions "
         "answers HTTP 500 (KeyError: '<|end|>'); /v1/completions works"
@@ -194,7 +194,8 @@ def serve(pins: Pins, args: argparse.Namespace) -> None:
     if args.preset and not gpu:
         raise ForkError(
             f"--preset {args.preset} needs an NVIDIA GPU, and this machine has none "
-            "(vLLM 0.25.1 offloads KV blocks to CPU only from CUDA-alike or XPU GPUs)",
+            f"(vLLM {pins.upstream_version} offloads KV blocks to CPU only from CUDA-alike or "
+            "XPU GPUs)",
             "run it on a GPU host, or serve without --preset",
         )
     if args.route == "cuda" and not gpu:

@@ -9,9 +9,9 @@ wheel's RECORD. Every later run checks both again and needs no network and no pi
 uv keeps its downloads in <cache>/uv-cache, outside the clone, so a fresh clone installs
 offline from there; packages it lacks are downloaded then (uv reads its own index
 configuration: UV_DEFAULT_INDEX, UV_INDEX, uv.toml; only the offline editable install
-of the tree passes its own --config-file, so no user uv.toml applies there). Before uv
-downloads a lock's packages, the disk of the cache must have room for those it lacks
-(download_need_gib); a cache that cannot be written is refused before uv runs.
+of the tree passes its own --config-file, so no user uv.toml applies there). A cache
+that cannot be written is refused before uv runs; a disk that fills while uv downloads
+is said in one line, with the folder and the variable that moves it.
 """
 
 from __future__ import annotations
@@ -114,72 +114,6 @@ def env(base: dict[str, str] | None = None) -> dict[str, str]:
     }
 
 
-# What a package takes in uv's cache, which keeps every wheel unpacked (one folder under
-# <cache>/uv-cache/archive-v0 each). Measured on this fork's cache after `make test` (both
-# routes' locks for Python 3.11 installed; `du -sh ~/.cache/vllm-fork/*`: uv-cache 9.1G,
-# artifacts 545M, bytecode 379M, uv 37M): `du -sk` of each archive folder, named by the
-# .dist-info inside it. In MiB, the packages of 50 MiB or more; the 184 others took 3.5 MiB
-# each on average (none 44 MiB or more), counted as OTHER_MIB. In all, cpu-py311.txt took
-# 5.3 GiB (this table says 5.6), cuda-py311.txt 8.6 GiB (8.7), and the CUDA route's packages
-# that the CPU route's lack 3.3 GiB (3.2): that is what `make test`'s CUDA route check adds
-# to the cache `make serve` filled.
-UNPACKED_MIB = {
-    "flashinfer-cubin": 1858, "torch": 1115, "triton": 639, "nvidia-cublas": 570,
-    "nvidia-cudnn-cu13": 472, "tokenspeed-triton": 288, "nvidia-cufft": 275,
-    "nvidia-cusolver": 235, "nvidia-cusparselt-cu13": 223, "nvidia-cuda-nvrtc": 218,
-    "nvidia-nccl-cu13": 209, "nvidia-cutlass-dsl-libs-cu13": 189, "tilelang": 183,
-    "nvidia-cutlass-dsl-libs-base": 178, "llvmlite": 161, "nvidia-cusparse": 156,
-    "opencv-python-headless": 153, "nvidia-nvvm": 134, "nvidia-curand": 129, "xgrammar": 114,
-    "nvidia-cuda-nvcc": 112, "nvidia-nvjitlink": 95, "pynvvideocodec": 85,
-    "flashinfer-python": 84, "nvidia-nvshmem-cu13": 78, "z3-solver": 66, "transformers": 60,
-    "numpy": 59,
-}
-OTHER_MIB = 4
-# Beside the packages: uv's temporary folders while it downloads (each wheel is unpacked
-# in one, then renamed into place), and the bytecode the install keeps in the cache
-# afterwards (forkbuild/bytecode.py; 0.4 GiB for both routes, measured as above).
-MARGIN_GIB = 1.0
-
-
-def _fits_this_python(wheel_metadata: Path) -> bool:
-    """Whether an unpacked wheel (its WHEEL file) is one this interpreter installs."""
-    here = {f"cp{sys.version_info.major}{sys.version_info.minor}", "py3",
-            f"py{sys.version_info.major}{sys.version_info.minor}"}
-    try:
-        tags = [ln.split(":", 1)[1].strip() for ln in wheel_metadata.read_text().splitlines()
-                if ln.startswith("Tag:")]
-    except OSError:
-        return False
-    for tag in tags:
-        python, abi, _ = (tag.split("-") + ["", ""])[:3]
-        if here & set(python.split(".")) or abi == "abi3":
-            return True
-    return False
-
-
-def cached_packages() -> set[tuple[str, str]]:
-    """(name, version) of the wheels uv's cache holds for this Python, read from uv
-    0.13's layout (archive-v0/<id>/<name>-<version>.dist-info; fork.toml pins uv): a
-    layout it does not find counts as an empty cache, which asks for more room, not less."""
-    from forkbuild.lock import normalize  # lock imports this module
-
-    held = set()
-    for dist_info in (uv_cache() / "archive-v0").glob("*/*.dist-info"):
-        name, _, version = dist_info.name[: -len(".dist-info")].rpartition("-")
-        if name and _fits_this_python(dist_info / "WHEEL"):
-            held.add((normalize(name), version.lower()))
-    return held
-
-
-def download_need_gib(lock: Path) -> float:
-    """Room uv's cache needs to download what it lacks of LOCK (UNPACKED_MIB), plus MARGIN_GIB."""
-    from forkbuild.lock import pinned  # lock imports this module
-
-    held = cached_packages()
-    lacking = [name for name, version in pinned(lock).items() if (name, version.lower()) not in held]
-    return sum(UNPACKED_MIB.get(name, OTHER_MIB) for name in lacking) / 1024 + MARGIN_GIB
-
-
 class _Final(ForkError):
     """A uv failure that downloading cannot mend: a hash mismatch, a full or unwritable disk."""
 
@@ -272,7 +206,8 @@ def check_cache_writable() -> None:
 def install(pins: Pins, args: Sequence[str], *, what: str, lock: Path | None = None,
             extra_env: dict[str, str] | None = None) -> None:
     """`uv pip ARGS` (installing WHAT, e.g. "the packages of cpu-py311.txt") from uv's cache
-    alone first; only what the cache lacks is downloaded, once the disk has room for it."""
+    alone first; only what the cache lacks is downloaded (a full disk is said in one line
+    with the folder it hit: _disk_failure)."""
     try:
         run(pins, ["pip", *args, "--offline"], what=f"install {what}", lock=lock, extra_env=extra_env)
         return
@@ -280,8 +215,5 @@ def install(pins: Pins, args: Sequence[str], *, what: str, lock: Path | None = N
         raise
     except ForkError:
         pass
-    if lock is not None:
-        preflight.check_disk(uv_cache(), download_need_gib(lock),
-                             f"downloading what uv's cache lacks of {lock.name}")
     log.step(f"install: downloading what uv's cache lacks for {what}")
     run(pins, ["pip", *args], what=f"install {what}", lock=lock, extra_env=extra_env, stream=True)

@@ -157,7 +157,7 @@ def verify_wheel(path: Path, pins: Pins, official: Path, patches_dir: Path = tre
         only = sorted(set(ours) ^ set(theirs))
         problems.append(f"its METADATA's Requires-Dist/Requires-Python differ from the official "
                         f"wheel's in {len(only)} line(s), e.g. {only[0]!r}")
-        hints.append("the fork must depend on exactly what vllm==0.25.1 depends on: check the tree's "
+        hints.append(f"the fork must depend on exactly what vllm=={pins.upstream_version} depends on: check the tree's "
                      "requirements files against the sdist's")
     if verdict != "fixed":
         problems.append(f"{fixcheck.FUNCTION} is {verdict}")

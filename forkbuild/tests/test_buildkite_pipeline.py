@@ -18,7 +18,7 @@ import jsonschema
 import pytest
 import yaml
 
-from forkbuild import nightly, pins
+from forkbuild import gpu_required, nightly, pins
 from forkbuild.pins import REPO_ROOT
 
 PIPELINE = REPO_ROOT / ".buildkite" / "fork_nightly_gpu.yaml"
@@ -83,12 +83,28 @@ def test_the_schema_refuses_the_test_area_shape(schema, pipeline):
     assert _errors(schema, {**pipeline, "steps": [step]}) != []
 
 
-def test_every_step_targets_a_gpu_queue_with_a_timeout(pipeline):
-    steps = pipeline["steps"]
-    queues = [step["agents"]["queue"] for step in steps]
-    assert len(set(queues)) == len(steps) == 3, queues  # Hopper 1 GPU, Hopper 2 GPUs, Ampere
+def pipeline_queues(pipeline: dict) -> list[str]:
+    return [step["agents"]["queue"] for step in pipeline["steps"]]
+
+
+def table_queues(table: gpu_required.Table) -> set[str]:
+    return {queue for kind in table.kinds for queue, _ in kind.queues}
+
+
+def test_every_step_targets_a_queue_of_the_gpu_table_with_a_timeout(pipeline):
+    """One step for each agent queue of fork.toml [gpu] kinds, and nothing else: a queue
+    added, renamed or dropped there and not here fails."""
+    steps, queues = pipeline["steps"], pipeline_queues(pipeline)
+    assert sorted(queues) == sorted(table_queues(gpu_required.load())), queues
     assert len({step["key"] for step in steps}) == len(steps)
     assert all(step.get("timeout_in_minutes") for step in steps)
+
+
+def test_a_pipeline_left_behind_by_the_table_fails(pipeline):
+    table = gpu_required.load()
+    moved = gpu_required.Table(table.kinds + (gpu_required.Kind(
+        "Blackwell", (10, 0), (), (), (("fork-gpu-blackwell-1", 1),)),), table.cases)
+    assert sorted(pipeline_queues(pipeline)) != sorted(table_queues(moved))
 
 
 def test_every_command_runs_a_file_of_this_repository(pipeline):

@@ -119,22 +119,23 @@ def test_each_part_names_the_cases_it_adds():
     assert cases == {"part-1": [], "part-2": ["k"], "part-3": ["f"]}
 
 
-def test_the_bundles_case_table_is_the_nightlys():
-    """Every case the nightly requires is either carried (with what it needs) or said
-    not to be; a renamed node id or component fails here, on CPU."""
-    settings = gpu_bundle.bundle_settings()
-    needs, apart = set(settings["needs"]), set(settings["not_carried"])
-    assert not needs & apart
-    assert needs | apart == gpu_required.all_required()
-    named = {c for need in [settings["every_case"], *settings["needs"].values()] for c in need}
-    assert named <= set(settings["order"])
+def test_every_required_case_says_what_the_bundle_holds_for_it():
+    """Each case of fork.toml [gpu] is carried (with what it needs, each a component the
+    bundle orders) or said not to be, never both."""
+    settings, gpu = gpu_bundle.bundle_settings(), gpu_bundle.gpu_table()
+    for node, case in gpu["cases"].items():
+        assert ("bundle" in case) != ("not_in_bundle" in case), node
+    named = {c for case in gpu["cases"].values() for c in case.get("bundle", [])}
+    assert named | set(settings["every_case"]) <= set(settings["order"])
 
 
 # --- a small bundle in the real format -------------------------------------------------
 
 SETTINGS = {"order": ["tree", "site-a", "site-b"], "every_case": ["tree", "site-a"],
-            "needs": {"t.py::one": [], "t.py::two": ["site-b"]},
-            "not_carried": {"t.py::three": "not here"}}
+            "gpu": {"kinds": {"Hopper": {"capability": "9.0", "queues": {"q": 1}}},
+                    "cases": {"t.py::one": {"kind": "Hopper", "bundle": []},
+                              "t.py::two": {"kind": "Hopper", "bundle": ["site-b"]},
+                              "t.py::three": {"kind": "Hopper", "not_in_bundle": "not here"}}}}
 
 
 @pytest.fixture
@@ -247,7 +248,10 @@ def test_an_archive_that_writes_outside_or_lacks_its_list_is_refused(tmp_path, m
 
 def test_the_runner_runs_what_the_parts_allow_and_says_why_not_the_rest():
     manifest = {"parts": [{"name": "part-1", "components": ["tree", "site-a"]},
-                          {"name": "part-2", "components": ["site-b"]}], **SETTINGS}
+                          {"name": "part-2", "components": ["site-b"]}],
+                "every_case": SETTINGS["every_case"],
+                "needs": {"t.py::one": [], "t.py::two": ["site-b"]},
+                "not_carried": {"t.py::three": "not here"}}
     runnable, apart = bundle_run.plan(manifest, ("t.py::one", "t.py::two", "t.py::three",
                                                  "t.py::four"), ["tree", "site-a"])
     assert runnable == ["t.py::one"]
@@ -260,7 +264,8 @@ def test_the_runner_runs_what_the_parts_allow_and_says_why_not_the_rest():
 def test_a_runnable_case_that_did_not_pass_fails_the_run(tmp_path, status, code):
     manifest = {"parts": [{"name": "part-1", "components": ["tree"]}]}
     outcome = Outcome({"t.py::one": status} if status else {})
-    result = bundle_run.conclude(manifest, gpu_required.HOPPER, ["t.py::one"], {}, ["tree"],
+    hopper = gpu_required.from_data(SETTINGS["gpu"]).kind("Hopper")
+    result = bundle_run.conclude(manifest, hopper, ["t.py::one"], {}, ["tree"],
                                  outcome, tmp_path)
     assert result == code
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -304,8 +309,9 @@ def test_run_sh_runs_the_cases_the_parts_allow_and_gives_the_nightlys_verdict(
     stand-in vLLM package, carrying the fix, whose platform is CUDA), the plan, the
     forked pytest run with the per-case limit, the reports and the exit status. The
     stand-in cases carry two required node ids: one passes, one fails."""
-    triton, fa3 = gpu_required.TRITON_KERNEL, gpu_required.HOPPER.cases[5]
-    assert fa3.endswith("test_flash_attention_over_packed_views[3]")
+    kernels = "tests/v1/worker/test_packed_kv_cache_gpu_kernels.py"
+    triton = f"{kernels}::test_triton_attention_over_packed_views"
+    fa3, engine = f"{kernels}::test_flash_attention_over_packed_views[3]", "tests/e.py::engine"
     src = tmp_path / "src"
     files = {
         ("tree", "tests/v1/worker/test_packed_kv_cache_gpu_kernels.py"): (
@@ -329,10 +335,13 @@ def test_run_sh_runs_the_cases_the_parts_allow_and_gives_the_nightlys_verdict(
         (src / root / path).write_text(text)
         by_root.setdefault(root, Component(root, root)).add(path, src / root / path)
     components = list(by_root.values())
-    settings = {"order": ["tree", "site"], "every_case": ["tree", "site"],
-                "needs": {triton: [], fa3: [], gpu_required.HOPPER.cases[6]: ["models"]},
-                "not_carried": {}}
-    settings["order"].append("models")
+    settings = {"order": ["tree", "site", "models"], "every_case": ["tree", "site"], "gpu": {
+        "kinds": {"Ampere": {"capability": "8.0", "queues": {"a": 1}},
+                  "Hopper": {"capability": "9.0", "queues": {"h": 1}}},
+        "cases": {triton: {"kind": "Ampere", "bundle": []}, fa3: {"kind": "Hopper", "bundle": []},
+                  engine: {"kind": "Hopper", "bundle": ["models"]},
+                  "tests/e.py::tp2": {"kind": "Hopper", "gpus": 2, "bundle": []},
+                  "tests/f.py::flashinfer": {"kind": "Ampere", "not_in_bundle": "too big"}}}}
     models = Component("models", "models")
     (src / "models").mkdir()
     (src / "models" / "m.bin").write_bytes(os.urandom(250 << 10))
@@ -352,6 +361,6 @@ def test_run_sh_runs_the_cases_the_parts_allow_and_gives_the_nightlys_verdict(
     assert summary["gpu_kind"] == "Hopper" and summary["parts_present"] == ["part-1"]
     assert summary["cases"] == {triton: "passed", fa3: "failed"}
     not_here = summary["not_run_here"]
-    assert not_here[gpu_required.HOPPER.cases[6]] == "needs part-2 (not transferred yet)"
-    assert "not in the bundle" in not_here[gpu_required.FLASHINFER_KERNELS[0]]
+    assert not_here == {engine: "needs part-2 (not transferred yet)",
+                        "tests/f.py::flashinfer": "not in the bundle: too big"}  # no TP=2: 1 GPU
     assert (out / "gpu-tests.xml").is_file() and (out / "gpus.csv").read_text() == SMI_CSV

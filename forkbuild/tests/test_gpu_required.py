@@ -21,14 +21,12 @@ FA3 = f"{KERNELS}::test_flash_attention_over_packed_views[3]"
 TRITON = f"{KERNELS}::test_triton_attention_over_packed_views"
 FLASHINFER = {f"{KERNELS}::test_flashinfer_over_packed_views[{m}]" for m in ("prefill", "decode")}
 SERVE = "forkbuild/tests/test_serve_gpu.py::test_offload_preset_serves_and_reloads"
-# The lists, written out here so that a slip in gpu_required's data shows.
-AMPERE = {FA2, TRITON, *FLASHINFER, f"{ENGINE}[TRITON_ATTN-v1-tp1]"}
-HOPPER = AMPERE | {
-    FA3, f"{ENGINE}[FLASH_ATTN-v1-tp1]", f"{ENGINE}[FLASH_ATTN-v2-tp1]",
-    f"{ENGINE}[FLASH_ATTN-v1-cpu64-tp1]", SERVE,
-}
-TP2 = f"{ENGINE}[FLASH_ATTN-v1-tp2]"
-EVERY_CASE = HOPPER | {TP2}
+# The table of fork.toml [gpu]: what each kind must run comes from there, never retyped.
+TABLE = gpu_required.load()
+AMPERE = set(TABLE.kind("Ampere").required(1))
+HOPPER = set(TABLE.kind("Hopper").required(1))
+(TP2,) = set(TABLE.kind("Hopper").required(2)) - HOPPER
+EVERY_CASE = TABLE.all_required()
 
 # `nvidia-smi --query-gpu=index,uuid,name,compute_cap,memory.total --format=csv`, made up.
 HEADER = "index, uuid, name, compute_cap, memory.total [MiB]\n"
@@ -146,7 +144,7 @@ def test_all_required_cases_run_passes(tmp_path):
     # One H100: the TP=2 case skips, and that is allowed with one GPU.
     statuses = {case: "passed" for case in HOPPER} | {TP2: "skipped"}
     line = _conclude((H100,), statuses, {TP2: "needs 2 GPUs"}, out=tmp_path)
-    assert line == "summary: 10 passed, 0 failed, 1 skipped, 0 xfailed"
+    assert line == f"summary: {len(HOPPER)} passed, 0 failed, 1 skipped, 0 xfailed"
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["gpu_kind"] == "Hopper" and summary["required_not_run"] == []
 
@@ -154,7 +152,8 @@ def test_all_required_cases_run_passes(tmp_path):
 def test_ampere_may_skip_what_only_hopper_runs(tmp_path):
     statuses = {case: "passed" for case in AMPERE}
     statuses |= {case: "skipped" for case in EVERY_CASE - AMPERE}
-    assert _conclude((A100,), statuses, out=tmp_path).endswith("0 failed, 6 skipped, 0 xfailed")
+    skipped = len(EVERY_CASE - AMPERE)
+    assert _conclude((A100,), statuses, out=tmp_path).endswith(f"0 failed, {skipped} skipped, 0 xfailed")
 
 
 def test_a_skipped_required_case_fails_the_job_with_its_reason(tmp_path, capsys):
@@ -166,13 +165,14 @@ def test_a_skipped_required_case_fails_the_job_with_its_reason(tmp_path, capsys)
     statuses = {case: "passed" for case in EVERY_CASE} | {FA3: "skipped"}
     statuses |= {case: "skipped" for case in flash}
     reasons = {FA3: fa3_reason} | {case: sinks_reason for case in flash}
-    with pytest.raises(ForkError, match="on Hopper: 0 failed .*, 5 required case"):
+    with pytest.raises(ForkError, match=f"on Hopper: 0 failed .*, {len(flash | {FA3})} required case"):
         _conclude((H100, H100), statuses, reasons, out=tmp_path)
     printed = capsys.readouterr().out
     assert f"{FA3}: required but skipped: {fa3_reason}" in printed
     assert f"{TP2}: required but skipped: {sinks_reason}" in printed
     not_run = json.loads((tmp_path / "summary.json").read_text())["required_not_run"]
-    assert len(not_run) == 5 and all("required but skipped" in line for line in not_run)
+    assert len(not_run) == len(flash | {FA3})
+    assert all("required but skipped" in line for line in not_run)
 
 
 def test_a_missing_required_case_fails_the_job(tmp_path, capsys):
@@ -194,7 +194,6 @@ def test_failures_and_the_benchmark_still_fail_the_job(tmp_path):
 
 def test_every_required_case_must_be_collected_on_cpu():
     # What testrun checks after collecting the GPU cases (and the tool tests) on CPU.
-    assert gpu_required.all_required() == EVERY_CASE
     gpu_required.check_collected(EVERY_CASE | {f"{ENGINE}[some-new-case]"})
     renamed = (EVERY_CASE - {TP2}) | {f"{ENGINE}[FLASH_ATTN-v1-tp2-renamed]"}
     with pytest.raises(ForkError, match=r"1 node id.* not collected: .*FLASH_ATTN-v1-tp2\]"):
@@ -206,7 +205,8 @@ def test_the_required_serve_case_is_a_test_of_the_serve_module():
     # serve test is forkbuild's own, so a rename of it fails right here too.
     import importlib
 
-    path, _, name = gpu_required.SERVE.partition("::")
+    path, _, name = SERVE.partition("::")
+    assert SERVE in EVERY_CASE
     module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
     assert callable(getattr(module, name, None)), f"{path} has no {name}"
 
@@ -236,7 +236,24 @@ def test_the_docs_say_what_each_gpu_kind_must_run(path):
     found = re.search(r"Ampere \(sm80\) must run (.*?); Hopper \(sm90\) adds (.*?)\. ", text)
     assert found, f"{path} no longer says what Ampere and Hopper must run"
     ampere, hopper = found[1], found[2]
-    hopper_only = _families(gpu_required.HOPPER.required(2)) - _families(gpu_required.AMPERE.cases)
-    assert {w for w in _families(gpu_required.AMPERE.cases) if w not in ampere} == set()
+    hopper_only = _families(TABLE.kind("Hopper").required(2)) - _families(AMPERE)
+    assert {w for w in _families(AMPERE) if w not in ampere} == set()
     assert {w for w in hopper_only if w not in ampere} == hopper_only  # none of Hopper's
     assert {w for w in hopper_only if w not in hopper} == set()
+
+
+def test_a_case_is_required_from_its_kind_on_with_its_gpu_count():
+    table = gpu_required.from_data({
+        "kinds": {"Hopper": {"capability": "9.0", "queues": {"h1": 1, "h2": 2}},
+                  "Ampere": {"capability": "8.0", "queues": {"a1": 1}}},
+        "cases": {"a": {"kind": "Ampere"}, "h": {"kind": "Hopper"},
+                  "tp2": {"kind": "Hopper", "gpus": 2}},
+    })
+    assert [k.name for k in table.kinds] == ["Ampere", "Hopper"]  # by capability
+    assert table.kind("Ampere").required(2) == ("a",)
+    assert table.kind("Hopper").required(1) == ("a", "h")
+    assert table.kind("Hopper").required(2) == ("a", "h", "tp2")
+    assert table.kind_of((10, 0)).name == "Hopper" and table.kind_of((7, 5)) is None
+    assert table.kind("Hopper").queues == (("h1", 1), ("h2", 2))
+    with pytest.raises(ForkError, match="unknown kinds: Blackwell"):
+        gpu_required.from_data({"kinds": {}, "cases": {"b": {"kind": "Blackwell"}}})

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from forkbuild import gpu_required, install, lock, nightly, pytest_runner
+from forkbuild import cuda_toolchain, gpu_required, install, lock, nightly, pytest_runner
 from forkbuild.errors import ForkError
 from forkbuild.pins import REPO_ROOT
 from forkbuild.pytest_runner import Outcome
@@ -56,12 +56,12 @@ def _lock(tmp_path: Path, names: list[str], runtime: str = "13.2.51") -> Path:
 
 
 def test_the_lock_must_pin_the_gpu_toolchain(tmp_path):
-    assert nightly.check_lock_pins(_lock(tmp_path, list(nightly.LOCK_PINS))) == NVCC
-    without = [name for name in nightly.LOCK_PINS if name not in ("ninja", "pytest-timeout")]
+    assert cuda_toolchain.check_lock_pins(_lock(tmp_path, list(cuda_toolchain.LOCK_PINS))) == NVCC
+    without = [name for name in cuda_toolchain.LOCK_PINS if name not in ("ninja", "pytest-timeout")]
     with pytest.raises(ForkError, match=r"cuda-py311\.txt does not pin ninja, pytest-timeout"):
-        nightly.check_lock_pins(_lock(tmp_path, without))
+        cuda_toolchain.check_lock_pins(_lock(tmp_path, without))
     with pytest.raises(ForkError, match=r"cuda-py311\.txt\.gone is missing"):
-        nightly.check_lock_pins(tmp_path / "cuda-py311.txt.gone")
+        cuda_toolchain.check_lock_pins(tmp_path / "cuda-py311.txt.gone")
 
 
 def test_the_locks_nvcc_must_be_of_the_cuda_version_of_its_headers(tmp_path):
@@ -69,14 +69,14 @@ def test_the_locks_nvcc_must_be_of_the_cuda_version_of_its_headers(tmp_path):
     # in CCCL with "CUDA compiler and CUDA toolkit headers are incompatible".
     with pytest.raises(ForkError, match=r"nvidia-cuda-nvcc 13\.2\.86 but nvidia-cuda-runtime "
                                         r"13\.0\.96.*of CUDA 13\.0 in fork\.toml"):
-        nightly.check_lock_pins(_lock(tmp_path, list(nightly.LOCK_PINS), runtime="13.0.96"))
+        cuda_toolchain.check_lock_pins(_lock(tmp_path, list(cuda_toolchain.LOCK_PINS), runtime="13.0.96"))
 
 
 @pytest.mark.parametrize("python", ["3.11", "3.12", "3.13"])
 def test_the_cuda_locks_pin_the_gpu_toolchain(python):
     # What the nightly reads before installing, on the real locks: a lock made without
     # these would fail the GPU job only after minutes of install.
-    assert nightly.check_lock_pins(lock.path("cuda", python)).startswith("13.")
+    assert cuda_toolchain.check_lock_pins(lock.path("cuda", python)).startswith("13.")
 
 
 @pytest.mark.parametrize(
@@ -95,22 +95,22 @@ def test_the_cuda_locks_pin_the_gpu_toolchain(python):
          "CXX-missing"],
 )
 def test_missing_host_compilers(tmp_path, names, env, missing):
-    found = nightly.missing_host_compilers({"PATH": _bin(tmp_path, *names), **env})
+    found = cuda_toolchain.missing_host_compilers({"PATH": _bin(tmp_path, *names), **env})
     assert len(found) == len(missing)
     assert all(line.startswith(start) for line, start in zip(found, missing)), found
 
 
 def test_the_toolchain_check_names_what_is_missing_before_the_install(tmp_path):
-    lock_file = _lock(tmp_path, list(nightly.LOCK_PINS))
+    lock_file = _lock(tmp_path, list(cuda_toolchain.LOCK_PINS))
     with pytest.raises(ForkError) as error:
-        nightly.check_gpu_toolchain(lock_file, {"PATH": _bin(tmp_path, "gcc")})
+        cuda_toolchain.check_gpu_toolchain(lock_file, {"PATH": _bin(tmp_path, "gcc")})
     assert "\n" not in str(error.value)
     assert "c++ (FlashInfer's JIT builds); gcc and g++ (nvcc's host compiler)" in error.value.cause
     assert "apt-get install gcc g++" in error.value.hint
     env = {"PATH": _bin(tmp_path, "gcc", "g++", "c++")}
-    assert nightly.check_gpu_toolchain(lock_file, env) == NVCC
+    assert cuda_toolchain.check_gpu_toolchain(lock_file, env) == NVCC
     with pytest.raises(ForkError, match="does not pin nvidia-cuda-nvcc"):
-        nightly.check_gpu_toolchain(_lock(tmp_path, ["ninja"]), env)
+        cuda_toolchain.check_gpu_toolchain(_lock(tmp_path, ["ninja"]), env)
 
 
 # --- after the install: the toolchain's environment --------------------------------
@@ -133,15 +133,15 @@ def test_the_gpu_runs_get_the_locks_toolkit_and_ninja_first(tmp_path):
     venv = _venv(tmp_path)
     agent = {"PATH": "/usr/local/bin:/usr/bin", "CUDA_HOME": "/usr/local/cuda-12.4",
              "LIBRARY_PATH": "/opt/lib"}
-    env = nightly.toolchain_env(venv, NVCC, agent)
+    env = cuda_toolchain.toolchain_env(venv, NVCC, agent)
     toolkit = install.site_packages(venv) / "nvidia" / "cu13"
     # The lock's toolkit, not the agent's: the nightly tests the CUDA the lock pins.
     assert env["CUDA_HOME"] == str(toolkit)
     assert env["PATH"].split(os.pathsep) == [str(venv / "bin"), str(toolkit / "bin"),
                                              "/usr/local/bin", "/usr/bin"]
     assert shutil.which("ninja", path=env["PATH"]) == str(venv / "bin" / "ninja")
-    assert env["LIBRARY_PATH"].split(os.pathsep) == [str(nightly.link_dir(venv)), "/opt/lib"]
-    assert nightly.toolchain_env(venv, NVCC, {})["PATH"].split(os.pathsep)[2:] == []
+    assert env["LIBRARY_PATH"].split(os.pathsep) == [str(cuda_toolchain.link_dir(venv)), "/opt/lib"]
+    assert cuda_toolchain.toolchain_env(venv, NVCC, {})["PATH"].split(os.pathsep)[2:] == []
 
 
 def test_the_installed_toolchain_is_checked(tmp_path):
@@ -149,10 +149,10 @@ def test_the_installed_toolchain_is_checked(tmp_path):
     libcuda = tmp_path / "driver" / "libcuda.so.1"
     libcuda.parent.mkdir()
     libcuda.write_bytes(b"")
-    nightly.make_link_dir(venv, NVCC, libcuda)
-    env = nightly.toolchain_env(venv, NVCC, {"PATH": ""})
-    links = nightly.link_dir(venv)
-    assert nightly.missing_tools(env, links) == []
+    cuda_toolchain.make_link_dir(venv, NVCC, libcuda)
+    env = cuda_toolchain.toolchain_env(venv, NVCC, {"PATH": ""})
+    links = cuda_toolchain.link_dir(venv)
+    assert cuda_toolchain.missing_tools(env, links) == []
     cudart = Path(env["CUDA_HOME"]) / "lib" / "libcudart.so.13"
     assert (links / "libcudart.so").resolve() == cudart.resolve()
     assert (links / "libcuda.so").resolve() == libcuda.resolve()
@@ -160,11 +160,11 @@ def test_the_installed_toolchain_is_checked(tmp_path):
     (venv / "bin" / "ninja").unlink()
     (Path(env["CUDA_HOME"]) / "bin" / "nvcc").chmod(0o644)
     (Path(env["CUDA_HOME"]) / "lib" / "libcudart.so.13").unlink()  # the link now dangles
-    assert nightly.missing_tools(env, links) == [
+    assert cuda_toolchain.missing_tools(env, links) == [
         "ninja on PATH", str(Path(env["CUDA_HOME"]) / "bin" / "nvcc"), str(links / "libcudart.so"),
     ]
     with pytest.raises(ForkError, match=r"libcuda\.so\.1 is not in the dynamic linker's cache"):
-        nightly.make_link_dir(venv, NVCC, None)
+        cuda_toolchain.make_link_dir(venv, NVCC, None)
 
 
 def test_the_drivers_libcuda_is_read_from_ldconfig():
@@ -174,8 +174,8 @@ def test_the_drivers_libcuda_is_read_from_ldconfig():
         "\tlibcuda.so.1 (libc6) => /usr/lib/i386-linux-gnu/libcuda.so.1\n"
         "\tlibcuda.so.1 (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libcuda.so.1\n"
     )
-    assert nightly.driver_libcuda(cache) == Path("/usr/lib/x86_64-linux-gnu/libcuda.so.1")
-    assert nightly.driver_libcuda("0 libs found in cache\n") is None
+    assert cuda_toolchain.driver_libcuda(cache) == Path("/usr/lib/x86_64-linux-gnu/libcuda.so.1")
+    assert cuda_toolchain.driver_libcuda("0 libs found in cache\n") is None
 
 
 @pytest.mark.skipif(shutil.which("cc") is None or shutil.which("c++") is None,
@@ -209,8 +209,8 @@ def test_flashinfers_link_step_finds_the_libraries_through_the_link_names(tmp_pa
         failed = subprocess.run(link, env=bare, capture_output=True, text=True)
         assert failed.returncode != 0 and "-lcudart" in failed.stderr
 
-    nightly.make_link_dir(venv, NVCC, tmp_path / "driver" / "libcuda.so.1")
-    subprocess.run(link, env={**bare, **nightly.toolchain_env(venv, NVCC, bare)}, check=True)
+    cuda_toolchain.make_link_dir(venv, NVCC, tmp_path / "driver" / "libcuda.so.1")
+    subprocess.run(link, env={**bare, **cuda_toolchain.toolchain_env(venv, NVCC, bare)}, check=True)
     needed = (tmp_path / "module.so").read_bytes()
     assert b"libcudart.so.13" in needed and b"libcuda.so.1" in needed
 
@@ -410,12 +410,12 @@ def fake_job(tmp_path, monkeypatch):
         "0, GPU-0000, NVIDIA H100 80GB HBM3, 9.0, 81559 MiB\n"
         "1, GPU-1111, NVIDIA H100 80GB HBM3, 9.0, 81559 MiB\n"
     ))
-    lock_file = _lock(tmp_path, list(nightly.LOCK_PINS))
+    lock_file = _lock(tmp_path, list(cuda_toolchain.LOCK_PINS))
     monkeypatch.setattr(nightly.lock, "path", lambda route, python: lock_file)
     venv = _venv(tmp_path)
     libcuda = tmp_path / "libcuda.so.1"
     libcuda.write_bytes(b"")
-    monkeypatch.setattr(nightly, "_ldconfig_cache",
+    monkeypatch.setattr(cuda_toolchain, "_ldconfig_cache",
                         lambda: f"\tlibcuda.so.1 (libc6,x86-64) => {libcuda}\n")
     calls: list[tuple] = []
     monkeypatch.setattr(nightly.install, "install", lambda pins, route: (

@@ -30,7 +30,7 @@ def test_ctrl_c_beside_the_venv_does_not_wait_for_the_tree(fork_pins, scratch_sd
     started, raised_at = threading.Event(), []
     monkeypatch.setattr(log, "step", lambda msg: started.set() if msg.startswith("tree: unpacking") else None)
 
-    def interrupted_venv(pins, route_name=None):
+    def interrupted_venv(pins, route_name=None, without_gpu=False):
         assert started.wait(30)
         time.sleep(after)
         raised_at.append(time.monotonic())
