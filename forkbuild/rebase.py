@@ -161,6 +161,16 @@ def trial(pins: Pins, version: str) -> tuple[list[Outcome], dict[str, tuple[str,
              + ", ".join(unsorted) + "; sort their changes before accepting" if unsorted
              else f"every changed file of the #47054 path has a row (changes sorted up to "
                   f"{AUDIT_RELEASE}; review newer hunks of those files by hand)"))
+    # Its second part sorts upstream's fixes up to the release it went through: a fix up to
+    # VERSION without a decision, or a VERSION past that release, is work left before --accept.
+    audit_text = AUDIT_DOC.read_text()
+    pending = unsorted_fixes(audit_text, version)
+    through = audited_through(audit_text)
+    print("backport audit, fixes: "
+          + (f"{len(pending)} fix(es) up to {version} without a decision: " + ", ".join(pending)
+             if pending else f"every fix it lists up to {version} has a decision")
+          + (f"; fixes after {through} are unsorted: sort those up to {version} before accepting"
+             if through is None or versions.release(version) > versions.release(through) else ""))
     return outcomes, found
 
 
@@ -267,6 +277,51 @@ def audited_set(path: Path = AUDIT_FILES) -> list[str]:
 def audit_table_files(text: str) -> set[str]:
     """The files of the audit's tables: rows whose first cell opens with a `vllm/...` code span."""
     return {m[1] for line in text.splitlines() if (m := _AUDIT_ROW.match(line))}
+
+
+FIXES_SECTION = "## After 0.26.0"  # the audit's second part: one table row per upstream fix
+DECISIONS = ("**carry**", "not carried", "flagged")
+_THROUGH = re.compile(r"^Audited through: (\S+)", re.MULTILINE)
+_VERSION = re.compile(r"\b\d+\.\d+\.\d+\b")
+
+
+@dataclass(frozen=True)
+class Fix:
+    name: str  # the row's first cell: the PR or bug report
+    release: versions.Release | None  # the first release that carries it; None: none yet
+    decision: str
+
+
+def audited_fixes(text: str) -> list[Fix]:
+    """The rows of the fixes table (| fix | first release | what | hit? | decision |) in the
+    audit's FIXES_SECTION."""
+    start = text.find("\n" + FIXES_SECTION)
+    if start < 0:
+        return []
+    end = text.find("\n## ", start + 1)
+    fixes = []
+    for line in text[start:end if end > 0 else None].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or len(cells) != 5 or cells[0] in ("fix", "---"):
+            continue
+        found = _VERSION.search(cells[1])
+        fixes.append(Fix(cells[0], versions.release(found[0]) if found else None, cells[4]))
+    return fixes
+
+
+def audited_through(text: str) -> str | None:
+    """The release the audit's fixes are sorted up to (its "Audited through:" line)."""
+    found = _THROUGH.search(text)
+    return found[1] if found else None
+
+
+def unsorted_fixes(text: str, version: str) -> list[str]:
+    """The fixes the audit lists up to VERSION (or in no release yet) without a decision."""
+    wanted = versions.release(version)
+    return [
+        fix.name for fix in audited_fixes(text)
+        if (fix.release is None or fix.release <= wanted) and not fix.decision.startswith(DECISIONS)
+    ]
 
 
 def unsorted_files(old_sdist: Path, new_sdist: Path, audited: list[str], audit_text: str) -> list[str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from forkbuild import fetch, install, pins, rebase
+from forkbuild import fetch, install, pins, rebase, tree
 from forkbuild.errors import ForkError
 
 
@@ -77,3 +77,56 @@ def test_the_audited_set_is_read_from_its_section(tmp_path):
         "[excluded]\nvllm/c.py\n"
     )
     assert rebase.audited_set(listing) == ["vllm/a.py", "vllm/b.py"]
+
+
+# -- The audit's second part: upstream's fixes after 0.26.0, by fix ----------------------
+
+# The fixes issue 28 named: each must have a row of its own.
+NAMED_FIXES = ("#48411", "#47987", "#50696", "#46951", "#49226", "#52170")
+
+
+def test_every_fix_the_audit_lists_has_a_decision():
+    text = rebase.AUDIT_DOC.read_text()
+    fixes = rebase.audited_fixes(text)
+    assert len(fixes) >= 26
+    assert rebase.audited_through(text) == "0.33.0"
+    for named in NAMED_FIXES:
+        assert any(f"[{named}]" in fix.name for fix in fixes), f"{named} has no row"
+    undecided = [fix.name for fix in fixes if not fix.decision.startswith(rebase.DECISIONS)]
+    assert undecided == []
+    assert rebase.unsorted_fixes(text, rebase.audited_through(text)) == []
+
+
+def test_every_carried_fix_is_a_patch_of_the_series():
+    series = [p.name for p in tree.read_series()]
+    carried = [fix for fix in rebase.audited_fixes(rebase.AUDIT_DOC.read_text())
+               if fix.decision.startswith("**carry**")]
+    assert carried
+    for fix in carried:
+        number = fix.decision.split("patch ", 1)[1][:4]
+        assert any(name.startswith(number + "-") for name in series), (fix.name, number)
+
+
+def test_unsorted_fixes_are_the_undecided_ones_up_to_the_release():
+    doc = (
+        "# audit\n\n## The changes\n\n| fix | a | b | c | decision |\n| --- | --- | --- | --- | --- |\n"
+        "| [#1](u) | 0.27.0 | x | y |  |\n\n"  # a table of another section: not read
+        "## After 0.26.0: fixes\n\nAudited through: 0.30.0\n\n"
+        "| fix | first release | what it fixes | hit? | decision |\n| --- | --- | --- | --- | --- |\n"
+        "| [#10](u) | 0.27.0 (by date) | a | yes | **carry**: patch 0005 |\n"
+        "| [#11](u) | 0.28.0 | b | no | not carried, because |\n"
+        "| [#12](u) | 0.28.0 | c | maybe | flagged, not carried |\n"
+        "| [#13](u) | 0.29.0 | d | yes |  |\n"
+        "| bug [#14](u) (open) | none | e | yes | to do |\n"
+        "| [#15](u) | 0.31.0 | f | yes |  |\n\n"
+        "## Redoing the audit\n\n| fix | a | b | c | d |\n"
+    )
+    fixes = rebase.audited_fixes(doc)
+    assert [f.name for f in fixes] == [f"[#{n}](u)" for n in (10, 11, 12, 13)] + [
+        "bug [#14](u) (open)", "[#15](u)"]
+    assert fixes[0].release == (0, 27, 0) and fixes[4].release is None
+    assert rebase.audited_through(doc) == "0.30.0"
+    # Up to the release tried, and the open ones whatever it is.
+    assert rebase.unsorted_fixes(doc, "0.28.0") == ["bug [#14](u) (open)"]
+    assert rebase.unsorted_fixes(doc, "0.29.0") == ["[#13](u)", "bug [#14](u) (open)"]
+    assert rebase.unsorted_fixes(doc, "0.31.0") == ["[#13](u)", "bug [#14](u) (open)", "[#15](u)"]

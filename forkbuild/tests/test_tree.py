@@ -22,6 +22,8 @@ def test_tree_carries_exactly_the_series(fork_pins, scratch_sdist):
     subjects = _git(built, "log", "--format=%s").splitlines()
     assert subjects == [
         "fork: overlay the fork's tests",
+        "kv_connector: no cross-layer KV blocks for per-token-head KV cache dtypes",
+        "offloading: include per-token-head scales in the offloaded page width",
         "triton_reshape_and_cache_flash: take the DiffKV head stride from the cache",
         "offloading: clear surviving requests' transfer jobs in reset_cache",
         "triton_attn: keep per-token-head scale views in a packed layer's page",
@@ -29,17 +31,20 @@ def test_tree_carries_exactly_the_series(fork_pins, scratch_sdist):
         "vLLM 0.25.1 (sdist)",
     ]
     assert _git(built, "describe", "--tags", "--abbrev=0").strip() == "v0.25.1"
-    # The #47054 fix is one line; patch 0002 two, 0003 one, 0004 four (see their headers).
-    diff = _git(built, "diff", "v0.25.1", "HEAD~4", "--", "vllm/")
+    # The #47054 fix is one line; patch 0002 two, 0003 one, 0004 four, 0005 ten, 0006 four
+    # (see their headers).
+    diff = _git(built, "diff", "v0.25.1", "HEAD~6", "--", "vllm/")
     changed = [ln for ln in diff.splitlines() if ln[:1] in "+-" and ln[:3] not in ("+++", "---")]
     assert changed == [
         "-            .view(kv_cache_shape)",
         "+            .view(permuted_kv_cache_shape)",
     ]
     for commits, stat in [
-        (("HEAD~4", "HEAD~3"), "2 insertions(+), 2 deletions(-)"),
-        (("HEAD~3", "HEAD~2"), "1 insertion(+)"),
-        (("HEAD~2", "HEAD~1"), "4 insertions(+), 3 deletions(-)"),
+        (("HEAD~6", "HEAD~5"), "2 insertions(+), 2 deletions(-)"),
+        (("HEAD~5", "HEAD~4"), "1 insertion(+)"),
+        (("HEAD~4", "HEAD~3"), "4 insertions(+), 3 deletions(-)"),
+        (("HEAD~3", "HEAD~2"), "10 insertions(+), 6 deletions(-)"),
+        (("HEAD~2", "HEAD~1"), "4 insertions(+)"),
     ]:
         assert _git(built, "diff", "--stat", *commits).strip().endswith(stat)
     assert _git(built, "status", "--porcelain") == ""

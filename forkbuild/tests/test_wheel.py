@@ -146,7 +146,10 @@ def test_patched_paths_of_the_series(series):
     assert wheel.patched_paths(tree.read_series()) == {
         "vllm/v1/worker/gpu/attn_utils.py", "vllm/v1/attention/backends/triton_attn.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py",
-        "vllm/v1/attention/ops/triton_reshape_and_cache_flash.py"}
+        "vllm/v1/attention/ops/triton_reshape_and_cache_flash.py",
+        "vllm/v1/kv_cache_interface.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/offloading/worker.py",
+        "vllm/v1/worker/kv_connector_model_runner_mixin.py"}
 
 
 def test_equal_wheel_passes_metadata_version_and_patched_files_aside(

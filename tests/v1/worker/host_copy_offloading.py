@@ -103,3 +103,51 @@ class HostCopyOffloadingSpec(CPUOffloadingSpec):
         if self._worker is None:
             self._worker = HostCopyOffloadingWorker(kv_caches, self.num_blocks)
         return self._worker
+
+
+class PageRecordingOffloadingWorker(HostCopyOffloadingWorker):
+    """The host-copy worker that also keeps, per (canonical tensor, host block), the
+    whole device page a store read (``stored``) and the whole device page a load
+    left (``restored``): the pages the attention kernels read, not only the bytes
+    the data references let a transfer move."""
+
+    def __init__(self, kv_caches: CanonicalKVCaches, num_host_blocks: int):
+        super().__init__(kv_caches, num_host_blocks)
+        self.stored: dict[tuple[int, int], torch.Tensor] = {}
+        self.restored: dict[tuple[int, int], torch.Tensor] = {}
+
+    def _pages(self, gpu_spec: GPULoadStoreSpec, host_spec) -> dict:
+        gpu_blocks = [int(b) for b in gpu_spec.block_ids]
+        host_blocks = [int(b) for b in host_spec.block_ids]
+        pages, first = {}, 0
+        for size, refs in zip(gpu_spec.group_sizes, self.group_data_refs):
+            for gpu_block, host_block in zip(
+                gpu_blocks[first : first + size], host_blocks[first : first + size]
+            ):
+                for ref in refs:
+                    rows = self.device_rows[ref.tensor_idx]
+                    pages[(ref.tensor_idx, host_block)] = rows[gpu_block].clone()
+            first += size
+        return pages
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        self.stored.update(self._pages(src_spec, dst_spec))
+        return super().submit_store(job_id, src_spec, dst_spec)
+
+    def submit_load(
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec
+    ) -> bool:
+        done = super().submit_load(job_id, src_spec, dst_spec)
+        self.restored.update(self._pages(dst_spec, src_spec))
+        return done
+
+
+class PageRecordingOffloadingSpec(HostCopyOffloadingSpec):
+    """``HostCopyOffloadingSpec`` with the page-recording worker above."""
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            self._worker = PageRecordingOffloadingWorker(kv_caches, self.num_blocks)
+        return super().get_worker(kv_caches)

@@ -78,15 +78,19 @@ def offload_transfer_config(
     cpu_bytes: int = CPU_BYTES,
     spec_name: str = "CPUOffloadingSpec",
     spec_module_path: str | None = None,
+    cross_layers_blocks: bool = True,
 ) -> KVTransferConfig:
     """The connector configuration of the original report. SPEC_MODULE_PATH names
-    a module holding SPEC_NAME: the connector's extension point for specs."""
+    a module holding SPEC_NAME: the connector's extension point for specs.
+    CROSS_LAYERS_BLOCKS False leaves ``enable_cross_layers_blocks`` out: each
+    layer's pages are offloaded apart (the per-layer path)."""
     extra = {
         "spec_name": spec_name,
-        "enable_cross_layers_blocks": "True",
         "cpu_bytes_to_use": cpu_bytes,
         "eviction_policy": "lru",
     }
+    if cross_layers_blocks:
+        extra["enable_cross_layers_blocks"] = "True"
     if spec_module_path is not None:
         extra["spec_module_path"] = spec_module_path
     if cpu_block_size is not None:
