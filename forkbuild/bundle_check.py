@@ -14,21 +14,22 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from forkbuild import cuda_route, fetch, gpu_bundle, lock, log, pytest_runner, uv
+from forkbuild import bundle_run, cuda_route, fetch, gpu_bundle, lock, log, pytest_runner, uv
 from forkbuild.errors import ForkError
 from forkbuild.hashing import digest_of
 from forkbuild.pins import REPO_ROOT, Pins, build_dir
 
 HOST_PYTHON = "3.12"  # the reference host's
-# Taken out for the breakage: vLLM's config is pydantic dataclasses, so every GPU test
-# module needs it at import.
-BREAKAGE = "pydantic"
+# Taken out for the breakage (distribution, module): fastapi, which vllm.entrypoints
+# imports (vLLM's tests/conftest.py through `from vllm import LLM`, and the engine).
+BREAKAGE = ("fastapi", "fastapi")
 
 
 def home() -> Path:
@@ -106,14 +107,17 @@ class Result:
     collected: pytest_runner.Outcome
     calls: pytest_runner.Outcome
     breakage: str
+    offline: bool  # the network refused (unshare -n), not only no index
 
     def line(self) -> str:
         return (f"gpu bundle for {self.reference.manifest['made_for']}: {self.reference.line()}"
                 f"\ngpu bundle on a simulated host (Python {HOST_PYTHON}, torch, triton and "
-                f"NVIDIA's packages only, network refused): "
+                f"NVIDIA's packages only, "
+                f"{'network refused' if self.offline else 'no index; network not refused'}): "
                 f"{len(self.simulated.parts)} part(s), {self.extensions} compiled extensions "
                 f"load, {len(self.collected.cases)} GPU cases collected and skipped without a "
-                f"device, kernel calls up to dispatch: {self.calls}; without {BREAKAGE}: "
+                f"device, the engine's modules import, kernel calls up to dispatch: {self.calls}; "
+                f"without {BREAKAGE[0]}: "
                 f"{self.breakage}")
 
 
@@ -131,8 +135,9 @@ def check(pins: Pins, results: Path, route: tuple[Path, Path, Path]) -> Result:
     env = {**os.environ, **NO_INDEX, "PYTHON": str(python), "FORK_BUNDLE_HOME": str(dest)}
     log.step(f"bundle check: run.sh --install {dest}"
              + (" (unshare -n: no network)" if offline else " (no index; unshare unavailable)"))
+    # From a folder of its own: run.sh must start the bundle's runner, not this checkout's.
     done = subprocess.run([*offline, "bash", str(simulated.folder / "run.sh"), "--install", str(dest)],
-                          env=env, capture_output=True, text=True, check=False)
+                          env=env, cwd=home(), capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise ForkError(f"the bundle does not install offline on the simulated host: "
                         f"{(done.stderr or done.stdout).strip()[-600:]}", f"see {home()}")
@@ -143,21 +148,16 @@ def check(pins: Pins, results: Path, route: tuple[Path, Path, Path]) -> Result:
     wheel = fetch.artifacts_dir() / pins.routes["cuda"].wheel.filename
     loaded = cuda_route.load_extensions(python, site, wheel, source.stub, tuple(extensions),
                                         pythonpath=str(site))
-    collected, calls = _cases(pins, python, site, source.stub, results, offline, "bundle-host")
-    required = set(manifest["needs"])
-    cuda_route.check_skipped(collected, results, where="the bundle on the simulated host",
-                             logs=str(results / "bundle-host-tests.log"), required=required)
-    if calls.failed or calls.errors or calls.skipped or not calls.passed:
-        raise ForkError(f"the kernel calls do not reach dispatch from the bundle: {calls}",
-                        f"see {results / 'bundle-host-tests.log'}")
-    breakage = _without(BREAKAGE, pins, python, site, source.stub, results, offline, required)
-    return Result(reference, simulated, len(loaded["loaded"]), collected, calls, breakage)
+    collected, calls = verify(pins, python, site, source.stub, results, offline, "bundle-host")
+    breakage = _without(BREAKAGE, pins, python, site, source.stub, results, offline)
+    return Result(reference, simulated, len(loaded["loaded"]), collected, calls, breakage,
+                  bool(offline))
 
 
 def _refuses_without_gpu(bundle: Path, env: dict[str, str]) -> None:
     """`run.sh OUT` on this machine: one line, no NVIDIA GPU, nothing run."""
     out = home() / "run-out"
-    done = subprocess.run(["bash", str(bundle / "run.sh"), str(out)], env=env,
+    done = subprocess.run(["bash", str(bundle / "run.sh"), str(out)], env=env, cwd=home(),
                           capture_output=True, text=True, check=False)
     lines = done.stderr.strip().splitlines()
     if done.returncode == 0 or len(lines) != 1 or "no NVIDIA GPU" not in lines[0] or out.exists():
@@ -165,46 +165,73 @@ def _refuses_without_gpu(bundle: Path, env: dict[str, str]) -> None:
                         f"{done.returncode}, {done.stderr.strip()[-300:]!r}")
 
 
-def _cases(pins: Pins, python: Path, site: Path, stub: Path, results: Path,
+def verify(pins: Pins, python: Path, site: Path, stub: Path, results: Path,
            offline: tuple[str, ...], name: str) -> tuple[pytest_runner.Outcome, pytest_runner.Outcome]:
-    tree = site.parent / "tree"
+    """The GPU modules and the kernel calls run from the unpacked bundle as its runner runs
+    cases (forked, its plugins and limits, offline), with the engine's modules imported at
+    the end (forkbuild/import_trace.py): every GPU case skips only for want of a device,
+    the kernel calls reach dispatch, every engine module imports. Returns (GPU cases,
+    kernel calls); a ForkError says what failed."""
+    tree, report = site.parent / "tree", results / f"{name}-imports.json"
+    report.unlink(missing_ok=True)
+    env = {**bundle_run.case_env(site.parent), **cuda_route.stub_env(stub), **NO_INDEX,
+           "FORKBUILD_TRACE_OUT": str(report),
+           "FORKBUILD_TRACE_IMPORT": ",".join(gpu_bundle.bundle_settings()["engine_modules"])}
     outcome = pytest_runner.run_pytest(
-        python, tree, ["-rfEs", *pins.gpu_tests, *pins.cuda_route_tests],
-        results / f"{name}-tests.xml", pythonpath=os.pathsep.join([str(tree), str(site)]),
-        output=results / f"{name}-tests.log",
-        extra_env={**cuda_route.stub_env(stub), **NO_INDEX}, prefix=offline,
+        python, tree,
+        ["-p", "forkbuild.import_trace", *bundle_run.case_args([*pins.gpu_tests,
+                                                               *pins.cuda_route_tests])],
+        results / f"{name}-tests.xml",
+        pythonpath=os.pathsep.join([str(tree), str(site), str(REPO_ROOT)]),
+        output=results / f"{name}-tests.log", extra_env=env, prefix=offline,
     )
-    return (cuda_route._part(outcome, pins.gpu_tests), cuda_route._part(outcome, pins.cuda_route_tests))
+    logs = str(results / f"{name}-tests.log")
+    failed = json.loads(report.read_text())["import_errors"] if report.is_file() else ["no report"]
+    if failed:
+        raise ForkError(f"the engine's modules do not import from the bundle: {'; '.join(failed)}",
+                        f"see {report}")
+    collected = cuda_route.part_of(outcome, pins.gpu_tests)
+    calls = cuda_route.part_of(outcome, pins.cuda_route_tests)
+    cuda_route.check_skipped(collected, results, where=f"the bundle ({name})", logs=logs,
+                             required=set(gpu_bundle.gpu_table()["cases"]) - _not_carried())
+    if calls.failed or calls.errors or calls.skipped or not calls.passed:
+        raise ForkError(f"the kernel calls do not reach dispatch from the bundle: {calls}",
+                        f"see {logs}")
+    return collected, calls
 
 
-def _without(dist: str, pins: Pins, python: Path, site: Path, stub: Path, results: Path,
-             offline: tuple[str, ...], required: set[str]) -> str:
-    """The check again with DIST's files taken out of a copy of SITE: it must fail."""
-    broken = site.parent / f"site-without-{dist}"
+def _not_carried() -> set[str]:
+    return {n for n, c in gpu_bundle.gpu_table()["cases"].items() if "not_in_bundle" in c}
+
+
+def _without(dist: tuple[str, str], pins: Pins, python: Path, site: Path, stub: Path,
+             results: Path, offline: tuple[str, ...]) -> str:
+    """The check again with DIST's files (name, module) taken out of a copy of SITE: it
+    must fail, naming the module."""
+    name, module = dist
+    broken = site.parent / f"site-without-{name}"
     shutil.rmtree(broken, ignore_errors=True)
     shutil.copytree(site, broken, copy_function=os.link)
-    infos = list(broken.glob(f"{dist}-*.dist-info"))
+    infos = list(broken.glob(f"{name.replace('-', '_')}-*.dist-info"))
     if not infos:
-        raise ForkError(f"the bundle carries no {dist} to take out for the breakage check")
+        raise ForkError(f"the bundle carries no {name} to take out for the breakage check")
     for line in (infos[0] / "RECORD").read_text().splitlines():
         (broken / line.split(",")[0]).unlink(missing_ok=True)
     shutil.rmtree(infos[0], ignore_errors=True)
+    shutil.rmtree(broken / module, ignore_errors=True)
     try:
-        collected, calls = _cases(pins, python, broken, stub, results, offline,
-                                  f"bundle-host-without-{dist}")
-        cuda_route.check_skipped(collected, results, where=f"the bundle without {dist}",
-                                 required=required)
-        if calls.passed and not (calls.failed or calls.errors or calls.skipped):
-            raise ForkError(f"the bundle check passes without {dist}, which the cases import",
-                            "the check cannot tell a missing package: fix bundle_check.py")
-        reason = f"the kernel calls: {calls}"
+        verify(pins, python, broken, stub, results, offline, f"bundle-host-without-{name}")
     except ForkError as exc:
-        if "passes without" in exc.cause:
-            raise
-        log_file = results / f"bundle-host-without-{dist}-tests.log"
+        log_file = results / f"bundle-host-without-{name}-tests.log"
         errors = [line[1:].strip() for line in log_file.read_text().splitlines()
                   if line.startswith("E ")] if log_file.is_file() else []
-        reason = errors[-1] if errors else exc.cause
+        said = [exc.cause, *errors]
+        named = [line for line in said if f"No module named '{module}" in line]
+        if not named:
+            raise ForkError(f"without {name} the bundle check fails for another reason: {exc}",
+                            "the breakage must show the missing package") from None
+        return f"fails, as it must ({named[0][:200]})"
     finally:
         shutil.rmtree(broken, ignore_errors=True)
-    return f"fails, as it must ({reason[:160]})"
+    raise ForkError(f"the bundle check passes without {name}, which the engine cases import",
+                    "the check cannot tell a missing package: fix forkbuild/bundle_check.py")

@@ -19,7 +19,6 @@ a case failed, skipped or never ran.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -33,31 +32,29 @@ from pathlib import Path
 
 from forkbuild import fixcheck, gpu_required, log, pytest_runner
 from forkbuild.errors import ForkError
+from forkbuild.hashing import sha256_file
 
 MANIFEST = "manifest.json"
 RUNNER = str(Path(__file__).resolve().parent.parent)  # where these modules are
-# The GPU cases' run, as the nightly's "gpu-tests" run: stopped with all it started
-# after this many seconds (each case has gpu_required.CASE_LIMIT_S of its own).
-RUN_LIMIT_S = 25 * 60
-# What the cases get besides PYTHONPATH: no hub, no telemetry, the models made ahead.
+# Time limits for a host whose GPU time is counted in minutes: a kernel case takes
+# seconds, an engine case two tiny engines; the bundle carries no JIT build to wait for.
+CASE_LIMIT_S = 240
+RUN_LIMIT_S = 12 * 60
+# What the cases get besides PYTHONPATH: no hub, no telemetry, the models made ahead;
+# pytest loads only the runner's own plugins (not the host's pytest-cov, xdist, ...), and
+# vLLM's conftest does not reach for its GPU-memory helper (tests/utils.py, not carried).
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "DO_NOT_TRACK": "1", "PIP_NO_INDEX": "1"}
+           "DO_NOT_TRACK": "1", "PIP_NO_INDEX": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+           "VLLM_TEST_CLEAN_GPU_MEMORY": "0"}
+PLUGINS = ["-p", "pytest_forked", "-p", "pytest_timeout"]
 SMI = ["nvidia-smi", f"--query-gpu={gpu_required.NVIDIA_SMI_QUERY}", "--format=csv"]
 
 
 def home(manifest: dict, bundle: Path) -> Path:
     """Where the bundle unpacks: FORK_BUNDLE_HOME, else a folder of /tmp named by the
     manifest (so a warm host reuses what an earlier call unpacked)."""
-    base = Path(os.environ.get("FORK_BUNDLE_HOME") or "/tmp/vllm-fork-gpu-bundle")
-    return base / _sha256_file(bundle / MANIFEST)[:16]
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
+    base = Path(os.environ.get("FORK_BUNDLE_HOME") or "/tmp/vllm-fork-gpu-bundle").resolve()
+    return base / sha256_file(bundle / MANIFEST)[:16]
 
 
 def read_manifest(bundle: Path) -> dict:
@@ -122,7 +119,7 @@ def _numbers(version: str) -> tuple[int, ...]:
 
 
 def inventory() -> str:
-    """A host file for `make gpu-bundle HOST=FILE`: Python, torch, GPUs, driver, toolkit
+    """A host file for `make gpu-bundle GPU_HOST=FILE`: Python, torch, GPUs, driver, toolkit
     as comments, then every distribution this python3 has, as `pip freeze` lists them."""
     lines = [f"# python: {platform.python_version()}", f"# executable: {sys.executable}",
              f"# glibc: {'.'.join(platform.libc_ver()[1].split('.')[:2])}"]
@@ -173,7 +170,7 @@ def present(manifest: dict, bundle: Path) -> list[str]:
             if not archive.is_file():
                 raise ForkError(f"{archive} is missing from {part['name']}",
                                 f"transfer {part['name']} again (all of {folder.name}/)")
-            if _sha256_file(archive) != entry["sha256"]:
+            if sha256_file(archive) != entry["sha256"]:
                 raise ForkError(f"{archive} is damaged (its sha256 is not the manifest's)",
                                 f"transfer {part['name']} again")
             components.append(name)
@@ -224,7 +221,7 @@ def install(manifest: dict, bundle: Path, dest: Path, components: list[str]) -> 
         files = _listed(listing)
         bad = [path for path, digest in files.items()
                if not (dest / entry["root"] / path).is_file()
-               or _sha256_file(dest / entry["root"] / path) != digest]
+               or sha256_file(dest / entry["root"] / path) != digest]
         if bad or len(files) != entry["files"]:
             stamp.unlink(missing_ok=True)
             raise ForkError(f"{len(bad) or 'some'} file(s) of {name} in {dest} are not as its "
@@ -232,6 +229,18 @@ def install(manifest: dict, bundle: Path, dest: Path, components: list[str]) -> 
                             f"remove {dest} and run again")
         stamp.write_text(name + "\n")
     log.step(f"bundle: {len(components)} component(s) in {dest}, every file verified")
+
+
+def case_args(nodes: list[str]) -> list[str]:
+    """pytest's arguments for NODES: forked, each case under CASE_LIMIT_S (pytest-timeout
+    in the forked child, as the nightly runs it: docs/gpu-nightly.md)."""
+    limit = [f"--timeout={CASE_LIMIT_S}" if a.startswith("--timeout=") else a
+             for a in gpu_required.PER_CASE_TIMEOUT]
+    return [*PLUGINS, "--forked", "-v", "-rs", *limit, *nodes]
+
+
+def case_env(dest: Path) -> dict[str, str]:
+    return {**OFFLINE, "VLLM_OFFLOAD_E2E_MODELS": str(dest / "models")}
 
 
 def pythonpath(dest: Path) -> str:
@@ -255,17 +264,20 @@ def probe(platform_too: bool) -> dict:
 
 def check_vllm(manifest: dict, dest: Path, components: list[str]) -> dict:
     platform_too = set(manifest["every_case"]) <= set(components)
+    report = dest / "probe.json"  # a file: vLLM logs to stdout
+    report.unlink(missing_ok=True)
     done = subprocess.run(
-        [sys.executable, "-m", "forkbuild.bundle_run", "probe", "1" if platform_too else "0"],
+        [sys.executable, "-m", "forkbuild.bundle_run", "probe", "1" if platform_too else "0",
+         str(report)],
         env={**os.environ, **OFFLINE, "PYTHONPATH": os.pathsep.join([pythonpath(dest), RUNNER])},
         cwd=dest / "tree", capture_output=True, text=True, check=False,
     )
-    if done.returncode != 0:
+    if done.returncode != 0 or not report.is_file():
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise ForkError(f"the bundle's vLLM does not import: {last}",
                         "a package is missing from the bundle or the host's differs: "
                         "make a bundle for this host (bash run.sh --inventory)")
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found = json.loads(report.read_text())
     problems = []
     if not Path(found["vllm"]).resolve().is_relative_to((dest / "site").resolve()):
         problems.append(f"`import vllm` gives {found['vllm']}, not the bundle's")
@@ -325,12 +337,9 @@ def run(bundle: Path, out: Path) -> int:
         print(f"{node}: {why}")
     outcome = pytest_runner.Outcome({})
     if runnable:
-        env = {**OFFLINE, "VLLM_OFFLOAD_E2E_MODELS": str(dest / "models")}
         outcome = pytest_runner.run_pytest(
-            Path(sys.executable), dest / "tree",
-            ["--forked", "-v", "-rs", *gpu_required.PER_CASE_TIMEOUT, *runnable],
-            out / "gpu-tests.xml", pythonpath=pythonpath(dest), extra_env=env,
-            timeout_s=RUN_LIMIT_S,
+            Path(sys.executable), dest / "tree", case_args(runnable), out / "gpu-tests.xml",
+            pythonpath=pythonpath(dest), extra_env=case_env(dest), timeout_s=RUN_LIMIT_S,
         )
     return conclude(manifest, kind, runnable, apart, components, outcome, out)
 
@@ -341,7 +350,8 @@ def conclude(manifest: dict, kind: gpu_required.Kind, runnable: list[str],
     not_run = gpu_required.not_run(runnable, [outcome])
     failed = outcome.failed + outcome.errors
     parts = [p["name"] for p in manifest["parts"] if set(p["components"]) <= set(components)]
-    line = f"{outcome.passed} passed, {failed} failed, {outcome.skipped} skipped"
+    line = (f"{outcome.passed} passed, {failed} failed, {outcome.skipped} skipped, "
+            f"{len(apart)} required not run here")
     summary = {"gpu_kind": kind.name, "parts_present": parts, "cases": outcome.cases,
                "skip_reasons": outcome.reasons, "required_not_run": not_run,
                "killed": outcome.killed, "not_run_here": apart, "junit": "gpu-tests.xml",
@@ -351,6 +361,8 @@ def conclude(manifest: dict, kind: gpu_required.Kind, runnable: list[str],
         print(problem)
     if not runnable:
         line += f" (parts present: {', '.join(parts)}: none of them runs a case yet)"
+    if apart:
+        line += " (listed above; the nightly's verdict needs them too)"
     (out / "summary.txt").write_text(line + "\n")
     print(line, flush=True)
     return 1 if failed or not_run or outcome.killed else 0
@@ -361,19 +373,24 @@ def main(argv: list[str]) -> int:
         if argv[:1] == ["inventory"]:
             print(inventory(), end="")
             return 0
-        if argv[:1] == ["probe"] and len(argv) == 2:
-            print(json.dumps(probe(argv[1] == "1")))
+        if argv[:1] == ["probe"] and len(argv) == 3:
+            Path(argv[2]).write_text(json.dumps(probe(argv[1] == "1")))
             return 0
         if argv[:1] == ["install"] and len(argv) == 3:
-            bundle, dest = Path(argv[1]), Path(argv[2])
+            bundle, dest = Path(argv[1]).resolve(), Path(argv[2]).resolve()
             manifest = read_manifest(bundle)
             install(manifest, bundle, dest, present(manifest, bundle))
             print(pythonpath(dest))
             return 0
         if argv[:1] == ["run"] and len(argv) == 3:
-            return run(Path(argv[1]), Path(argv[2]))
+            # Resolved here: pytest runs in the unpacked tree, not where run.sh was called.
+            return run(Path(argv[1]).resolve(), Path(argv[2]).resolve())
     except ForkError as exc:
         print(f"run.sh: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, tarfile.TarError, EOFError) as exc:  # lzma's errors are OSErrors
+        print(f"run.sh: {type(exc).__name__}: {exc} -- check the disk under FORK_BUNDLE_HOME "
+              "(default /tmp) and transfer the parts again", file=sys.stderr)
         return 2
     print(__doc__, file=sys.stderr)
     return 2

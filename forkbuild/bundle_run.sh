@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The fork's GPU bundle on an air-gapped GPU host (made by `make gpu-bundle`; see
 # docs/gpu-nightly.md, "On an air-gapped GPU host"). Bash and the host's python3, no network.
-#   bash run.sh --inventory     what this host has, as a host file: make gpu-bundle HOST=FILE
+#   bash run.sh --inventory     what this host has, as a host file: make gpu-bundle GPU_HOST=FILE
 #   bash run.sh --install DEST  verify and unpack the parts present into DEST (prints PYTHONPATH)
 #   bash run.sh OUT             verify, unpack and run the GPU cases the parts present allow;
 #                               JUnit XML, summary.json and summary.txt go to OUT

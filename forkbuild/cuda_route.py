@@ -170,13 +170,13 @@ def run_gpu_tests(pins: Pins, python: Path, tree: Path, stub: Path, results: Pat
         results / "cuda-route-serve-gpu.xml", pythonpath=REPO_ROOT,
         output=results / "cuda-route-serve-gpu.log", extra_env=env,
     )
-    calls = _part(in_tree, pins.cuda_route_tests)
-    gpu = _part(in_tree, pins.gpu_tests)
+    calls = part_of(in_tree, pins.cuda_route_tests)
+    gpu = part_of(in_tree, pins.gpu_tests)
     collected = pytest_runner.Outcome({**gpu.cases, **serve.cases}, {**gpu.reasons, **serve.reasons})
     return collected, calls
 
 
-def _part(outcome: pytest_runner.Outcome, modules: tuple[str, ...]) -> pytest_runner.Outcome:
+def part_of(outcome: pytest_runner.Outcome, modules: tuple[str, ...]) -> pytest_runner.Outcome:
     """The cases of OUTCOME in MODULES."""
     cases = {c: s for c, s in outcome.cases.items() if c.split("::")[0] in modules}
     return pytest_runner.Outcome(cases, {c: r for c, r in outcome.reasons.items() if c in cases})

@@ -42,12 +42,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from forkbuild import cuda_route, fetch, fixcheck, lock, log, uv
+from forkbuild.bundle_run import FILE_LIST
 from forkbuild.errors import ForkError
+from forkbuild.hashing import sha256_file
 from forkbuild.load_extensions import record_digest, wheel_record
 from forkbuild.pins import REPO_ROOT, Pins, build_dir, cache_dir
 
 FORMAT = "fork-gpu-bundle-2"
-RUNNER_MODULES = ("__init__", "errors", "log", "pytest_runner", "pytest_progress", "gpu_required", "fixcheck",
+RUNNER_MODULES = ("__init__", "errors", "log", "hashing", "pytest_runner", "pytest_progress",
+                  "gpu_required", "fixcheck",
                   "bundle_run")
 RUN_SH = REPO_ROOT / "forkbuild" / "bundle_run.sh"
 # The roots a component unpacks into on the host: site/ goes first on PYTHONPATH, tree/
@@ -91,7 +94,7 @@ def read_host(path: Path) -> Host:
     with a bare name, or `name @ url`, is a package of unknown version)."""
     if not path.is_file():
         raise ForkError(f"no host file {path}",
-                        "give one made by `bash run.sh --inventory` on the host (HOST=FILE)")
+                        "give one made by `bash run.sh --inventory` on the host (make gpu-bundle GPU_HOST=FILE)")
     python, glibc, packages = None, None, {}
     for number, line in enumerate(path.read_text().splitlines(), 1):
         text = line.strip()
@@ -227,7 +230,14 @@ def select(trace: Trace, host: Host, lock_pins: dict[str, str]) -> Selection:
     torch_family = _closure({"torch"}, requires)
     provided = {"torch", "triton"} | {n for n in torch_family
                                       if n.startswith(("nvidia-", "cuda-"))}
-    harness = _closure({lock.normalize(n) for n in settings["harness"]}, requires) & names.keys()
+    # The runner's own packages are carried whether or not the collection loaded them.
+    roots = {lock.normalize(n) for n in settings["harness"]}
+    missing = sorted(roots - lock_pins.keys())
+    if missing:
+        raise ForkError(f"the CUDA lock does not pin the runner's {', '.join(missing)}",
+                        "add them to fork.toml [toolchain] test and run `make lock`")
+    harness = _closure(roots, requires)
+    names.update({n: n for n in roots - names.keys()})
     carried, from_host = {}, {}
     for name in sorted(names.keys() - provided - {"vllm"}):
         if name not in lock_pins:
@@ -256,7 +266,7 @@ class Component:
 
     def add(self, path: str, source: Path, digest: str | None = None) -> None:
         self.files[path] = source
-        self.digests[path] = digest or _sha256(source)
+        self.digests[path] = digest or sha256_file(source)
 
     @property
     def raw_bytes(self) -> int:
@@ -270,14 +280,6 @@ class Component:
     @property
     def archive_name(self) -> str:
         return f"{self.name.rsplit('/', 1)[-1]}.tar.xz"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _mode(path: Path) -> int:
@@ -301,7 +303,7 @@ def vllm_components(pins: Pins, tree: Path, wheel: Path, loaded: set[str],
     patched = patched_paths(tree_step.read_series())
     python = Component("vllm", SITE)
     extensions, left = [], []
-    unpacked = work / "wheel"
+    generated = work / "dist-info"
     for path, digest in sorted(record.items()):
         if not path.startswith("vllm/") or path.endswith("/") or path in GENERATED:
             continue  # vllm/_version.py: the build's own (the fork's version), added below
@@ -326,11 +328,14 @@ def vllm_components(pins: Pins, tree: Path, wheel: Path, loaded: set[str],
         raise ForkError(f"{version_file} does not give {pins.fork_version}",
                         "rerun the CUDA route's install: rm -r build/cuda-route; make test")
     python.add("vllm/_version.py", version_file)
+    for path in sorted(p for p in patched - record.keys() if p.startswith("vllm/")):
+        if (tree / path).is_file():  # a file the series adds
+            python.add(path, tree / path)
     missing = sorted(loaded - {e.name for e in extensions})
     if missing:
         raise ForkError(f"the cases load {', '.join(missing)}, which the official wheel lacks")
     # The version is what vLLM's platform detection reads (a "cpu" in it means CPU).
-    info = unpacked / f"vllm-{pins.fork_version}.dist-info"
+    info = generated / f"vllm-{pins.fork_version}.dist-info"
     info.mkdir(parents=True, exist_ok=True)
     (info / "METADATA").write_text(
         f"Metadata-Version: 2.1\nName: vllm\nVersion: {pins.fork_version}\n"
@@ -407,9 +412,8 @@ def models_component(python: Path, tree: Path, stub: Path, work: Path) -> Compon
 # --- archives and parts ---------------------------------------------------------------
 
 
-# The first member of every archive: its files' sha256, as `sha256sum` writes them. The
-# manifest vouches for the archive; the list, for each file once unpacked.
-FILE_LIST = "FILES.sha256"
+# The first member of every archive (bundle_run.FILE_LIST): its files' sha256, as
+# `sha256sum` writes them. The manifest vouches for the archive; the list, for each file.
 
 
 def _write_archive(files: list[tuple[str, str, int, str]], out: str) -> int:
@@ -417,18 +421,30 @@ def _write_archive(files: list[tuple[str, str, int, str]], out: str) -> int:
     xz-compressed into OUT (written beside it, then renamed). Runs in a worker process."""
     partial = f"{out}.partial-{os.getpid()}"
     listing = "".join(f"{digest}  {path}\n" for path, _, _, digest in files).encode()
-    with lzma.open(partial, "wb", preset=6) as xz, \
-            tarfile.open(fileobj=xz, mode="w", format=tarfile.GNU_FORMAT) as tar:
-        info = tarfile.TarInfo(FILE_LIST)
-        info.size, info.mode, info.mtime = len(listing), 0o644, 0
-        tar.addfile(info, io.BytesIO(listing))
-        for path, source, mode, _ in files:
-            info = tarfile.TarInfo(path)
-            info.size, info.mode, info.mtime = os.path.getsize(source), mode, 0
-            with open(source, "rb") as handle:
-                tar.addfile(info, handle)
-    os.replace(partial, out)
+    try:
+        with lzma.open(partial, "wb", preset=6) as xz, \
+                tarfile.open(fileobj=xz, mode="w", format=tarfile.GNU_FORMAT) as tar:
+            info = tarfile.TarInfo(FILE_LIST)
+            info.size, info.mode, info.mtime = len(listing), 0o644, 0
+            tar.addfile(info, io.BytesIO(listing))
+            for path, source, mode, _ in files:
+                info = tarfile.TarInfo(path)
+                info.size, info.mode, info.mtime = os.path.getsize(source), mode, 0
+                with open(source, "rb") as handle:
+                    tar.addfile(info, handle)
+        # The archive's own sha256 beside it: a cached archive is reused only if it matches.
+        Path(f"{out}.sha256").write_text(sha256_file(Path(partial)) + "\n")
+        os.replace(partial, out)
+    finally:
+        Path(partial).unlink(missing_ok=True)
     return os.path.getsize(out)
+
+
+def _cached(archive: Path) -> bool:
+    """Whether ARCHIVE is in the cache as it was written (its sha256 file says so)."""
+    recorded = Path(f"{archive}.sha256")
+    return (archive.is_file() and recorded.is_file()
+            and recorded.read_text().strip() == sha256_file(archive))
 
 
 def compress(components: list[Component]) -> dict[str, Path]:
@@ -437,7 +453,7 @@ def compress(components: list[Component]) -> dict[str, Path]:
     store = compressed_cache()
     store.mkdir(parents=True, exist_ok=True)
     archives = {c.name: store / f"{c.key()}.tar.xz" for c in components}
-    todo = [c for c in components if not archives[c.name].is_file()]
+    todo = [c for c in components if not _cached(archives[c.name])]
     if todo:
         mib = sum(c.raw_bytes for c in todo) / 2**20
         log.step(f"gpu bundle: compressing {len(todo)} component(s), {mib:.0f} MiB, with xz "
@@ -619,7 +635,7 @@ def _assemble(pins: Pins, host: Host, selection: Selection, components: list[Com
                   for p in parts],
         "components": {
             c.name: {"archive": f"{where[c.name]}/{c.archive_name}", "root": c.root,
-                     "sha256": _sha256(archives[c.name]), "bytes": sizes[c.name],
+                     "sha256": sha256_file(archives[c.name]), "bytes": sizes[c.name],
                      "files": len(c.files)}
             for c in components},
         "every_case": base,
@@ -635,6 +651,26 @@ def _assemble(pins: Pins, host: Host, selection: Selection, components: list[Com
     }
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
+    try:
+        measured = _write_bundle(partial, runner, components, archives, manifest, parts, limit)
+        old = out.with_name(out.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.exists():
+            out.rename(old)
+        partial.rename(out)  # renames only: OUT is the old bundle or the new one, never half
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    bundle = Bundle(out, measured, cases, manifest)
+    log.step(f"gpu bundle: {out}: {bundle.line()}")
+    return bundle
+
+
+def _write_bundle(partial: Path, runner: dict[str, Path], components: list[Component],
+                  archives: dict[str, Path], manifest: dict, parts: list[Part], limit: int
+                  ) -> list[Part]:
+    """The bundle's files in PARTIAL; the parts as they measure there."""
     for path, source in runner.items():
         (partial / path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, partial / path)
@@ -649,7 +685,7 @@ def _assemble(pins: Pins, host: Host, selection: Selection, components: list[Com
     # What run.sh checks with sha256sum before it starts the runner (the manifest then
     # vouches for every archive and file).
     sums = [*runner, "manifest.json"]
-    (partial / "SHA256SUMS").write_text("".join(f"{_sha256(partial / p)}  {p}\n" for p in sums))
+    (partial / "SHA256SUMS").write_text("".join(f"{sha256_file(partial / p)}  {p}\n" for p in sums))
     loose = [partial / path for path in (*runner, "manifest.json", "SHA256SUMS")]
     measured = []
     for part in parts:
@@ -659,9 +695,4 @@ def _assemble(pins: Pins, host: Host, selection: Selection, components: list[Com
         if total > limit:
             raise ForkError(f"{part.name} is {total / 2**20:.1f} MiB, over {limit / 2**20:.0f} MiB",
                             "raise PART_MIB, or omit files (fork.toml [gpu_bundle] omit)")
-    shutil.rmtree(out, ignore_errors=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial.rename(out)
-    bundle = Bundle(out, measured, cases, manifest)
-    log.step(f"gpu bundle: {out}: {bundle.line()}")
-    return bundle
+    return measured

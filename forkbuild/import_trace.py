@@ -39,7 +39,7 @@ def loaded_files() -> set[Path]:
     files = set()
     for module in list(sys.modules.values()):
         location = getattr(module, "__file__", None)
-        if location:
+        if location and Path(location).is_absolute():  # torch's _ops and _classes are not
             files.add(Path(location).resolve())
     return files
 

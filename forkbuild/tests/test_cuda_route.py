@@ -128,7 +128,7 @@ def test_a_required_case_that_is_not_collected_fails(tmp_path):
 def test_the_check_splits_one_run_by_module():
     outcome = Outcome({"a/x.py::t1": "passed", "a/y.py::t2": "skipped", "a/x.py::t3": "passed"},
                       {"a/y.py::t2": "no GPU"})
-    part = cuda_route._part(outcome, ("a/y.py",))
+    part = cuda_route.part_of(outcome, ("a/y.py",))
     assert part.cases == {"a/y.py::t2": "skipped"} and part.reasons == {"a/y.py::t2": "no GPU"}
 
 
