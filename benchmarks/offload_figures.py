@@ -14,8 +14,12 @@ from typing import Any
 # Per layout run: the connector's byte counters, the GB/s derived from them, and the
 # batch TTFTs cold and on a CPU hit.
 RUN_FIGURES = (
-    "store_bytes", "load_bytes", "store_GBps", "load_GBps",
-    "ttft_cold_batch_s", "ttft_cpu_hit_batch_s",
+    "store_bytes",
+    "load_bytes",
+    "store_GBps",
+    "load_GBps",
+    "ttft_cold_batch_s",
+    "ttft_cpu_hit_batch_s",
 )
 PINNED_COPY_FIGURES = ("h2d_GBps", "d2h_GBps")
 LAYOUTS = 2  # cross-layer (packed) and per-layer
@@ -23,8 +27,10 @@ LAYOUTS = 2  # cross-layer (packed) and per-layer
 
 def _is_positive_number(value: Any) -> bool:
     return (
-        isinstance(value, (int, float)) and not isinstance(value, bool)
-        and math.isfinite(value) and value > 0
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
     )
 
 
@@ -40,12 +46,14 @@ def missing_figures(report: dict[str, Any]) -> list[str]:
         where = f"runs[{index}] ({run.get('layout', 'no layout')})"
         problems += [
             f"{where}.{name}: {run.get(name)!r}"
-            for name in RUN_FIGURES if not _is_positive_number(run.get(name))
+            for name in RUN_FIGURES
+            if not _is_positive_number(run.get(name))
         ]
     pinned = report.get("pinned_copy")
     pinned = pinned if isinstance(pinned, dict) else {}
     problems += [
         f"pinned_copy.{name}: {pinned.get(name)!r}"
-        for name in PINNED_COPY_FIGURES if not _is_positive_number(pinned.get(name))
+        for name in PINNED_COPY_FIGURES
+        if not _is_positive_number(pinned.get(name))
     ]
     return problems

@@ -24,14 +24,18 @@ from pathlib import Path
 
 import torch
 
-from tests.v1.worker.offload_round_trip import counter, empty_gpu_prefix_cache, release_engine
+# Beside this file: Python puts a script's folder first on sys.path.
+from offload_figures import missing_figures
+
+from tests.v1.worker.offload_round_trip import (
+    counter,
+    empty_gpu_prefix_cache,
+    release_engine,
+)
 from tests.v1.worker.tiny_hybrid_model import make_tiny_gpt_oss
 from vllm import LLM, SamplingParams
 from vllm.config import KVTransferConfig
 from vllm.inputs import TokensPrompt
-
-# Beside this file: Python puts a script's folder first on sys.path.
-from offload_figures import missing_figures
 
 PROMPTS = [[(13 * i + j) % 300 + 10 for j in range(2000)] for i in range(8)]
 # A short request decoding beside each batch. LLMEngine records scheduler stats (the
@@ -48,20 +52,31 @@ def timed_batch(llm: LLM, prompts) -> float:
     params = [SamplingParams(max_tokens=FILLER_TOKENS, ignore_eos=True)]
     params += [SamplingParams(max_tokens=1)] * len(prompts)
     outputs = llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p in [FILLER, *prompts]], params, use_tqdm=False
+        [TokensPrompt(prompt_token_ids=p) for p in [FILLER, *prompts]],
+        params,
+        use_tqdm=False,
     )
     return max(o.metrics.first_token_latency for o in outputs[1:])
 
 
 def measure(model: str, cross_layer: bool) -> dict:
     llm = LLM(
-        model=model, dtype="bfloat16", max_model_len=4096, gpu_memory_utilization=0.4,
-        enable_prefix_caching=True, disable_hybrid_kv_cache_manager=False, disable_log_stats=False,
+        model=model,
+        dtype="bfloat16",
+        max_model_len=4096,
+        gpu_memory_utilization=0.4,
+        enable_prefix_caching=True,
+        disable_hybrid_kv_cache_manager=False,
+        disable_log_stats=False,
         kv_transfer_config=KVTransferConfig(
-            kv_connector="OffloadingConnector", kv_role="kv_both",
-            kv_connector_extra_config={"spec_name": "CPUOffloadingSpec",
-                                       "enable_cross_layers_blocks": str(cross_layer),
-                                       "cpu_bytes_to_use": 8 << 30}),
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "spec_name": "CPUOffloadingSpec",
+                "enable_cross_layers_blocks": str(cross_layer),
+                "cpu_bytes_to_use": 8 << 30,
+            },
+        ),
     )
     names = ("store_bytes", "store_time", "load_bytes", "load_time")
     before = {k: counter(f"vllm:kv_offload_{k}") for k in names}
@@ -73,10 +88,16 @@ def measure(model: str, cross_layer: bool) -> dict:
     del llm
     return {
         "layout": "cross-layer (packed)" if cross_layer else "per-layer",
-        "store_bytes": delta["store_bytes"], "load_bytes": delta["load_bytes"],
-        "store_GBps": delta["store_bytes"] / delta["store_time"] / 1e9 if delta["store_time"] else None,
-        "load_GBps": delta["load_bytes"] / delta["load_time"] / 1e9 if delta["load_time"] else None,
-        "ttft_cold_batch_s": cold_s, "ttft_cpu_hit_batch_s": hit_s,
+        "store_bytes": delta["store_bytes"],
+        "load_bytes": delta["load_bytes"],
+        "store_GBps": delta["store_bytes"] / delta["store_time"] / 1e9
+        if delta["store_time"]
+        else None,
+        "load_GBps": delta["load_bytes"] / delta["load_time"] / 1e9
+        if delta["load_time"]
+        else None,
+        "ttft_cold_batch_s": cold_s,
+        "ttft_cpu_hit_batch_s": hit_s,
     }
 
 
@@ -85,14 +106,19 @@ def pinned_copy(num_bytes: int, repeats: int = 5) -> dict:
     device = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
     result = {}
     for name, dst, src in (("h2d", device, host), ("d2h", host, device)):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start, end = (
+            torch.cuda.Event(enable_timing=True),
+            torch.cuda.Event(enable_timing=True),
+        )
         dst.copy_(src, non_blocking=True)  # warm-up
         start.record()
         for _ in range(repeats):
             dst.copy_(src, non_blocking=True)
         end.record()
         torch.cuda.synchronize()
-        result[f"{name}_GBps"] = num_bytes * repeats / (start.elapsed_time(end) / 1e3) / 1e9
+        result[f"{name}_GBps"] = (
+            num_bytes * repeats / (start.elapsed_time(end) / 1e3) / 1e9
+        )
     return result
 
 
@@ -106,7 +132,9 @@ def main() -> None:
     model = args.model or str(make_tiny_gpt_oss(Path(args.out).parent / "tiny-gpt-oss"))
     runs = [measure(model, cross_layer=True), measure(model, cross_layer=False)]
     report = {
-        "gpu": torch.cuda.get_device_name(), "model": model, "runs": runs,
+        "gpu": torch.cuda.get_device_name(),
+        "model": model,
+        "runs": runs,
         "pinned_copy": pinned_copy(int(max(r["store_bytes"] for r in runs)) or 1 << 28),
     }
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
@@ -115,9 +143,9 @@ def main() -> None:
     if missing:
         raise SystemExit(
             "offload_throughput_gpu: these figures are zero or missing, so nothing was "
-            "measured for them: " + "; ".join(missing) + f". The report is in {args.out}; "
-            "check that the engine stored to and loaded from CPU (the connector's "
-            "vllm:kv_offload_* counters)"
+            "measured for them: " + "; ".join(missing) + ". The report is in "
+            f"{args.out}; check that the engine stored to and loaded from CPU (the "
+            "connector's vllm:kv_offload_* counters)"
         )
 
 

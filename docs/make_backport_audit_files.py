@@ -1,19 +1,21 @@
 """Regenerate docs/backport-audit-files.txt: the vllm/ files the CPU engine test runs.
 
-    build/venv/bin/python docs/make_backport_audit_files.py            # trace, then write
-    build/venv/bin/python docs/make_backport_audit_files.py --raw DIR  # keep the raw trace
+    build/venv/bin/python docs/make_backport_audit_files.py            # trace, then
+    write build/venv/bin/python docs/make_backport_audit_files.py --raw DIR  # keep the
+    raw trace
 
-It runs tests/v1/worker/test_packed_kv_cache_offload_cpu_engine.py with pytest inside the
-patched tree (build/vllm-0.25.1), with a sitecustomize.py first on PYTHONPATH. That hook
-installs sys.settrace (and threading.settrace) in every Python process of the run: the
-pytest process and the fresh case process that runs the engine. The hook records each
-function that starts running (one set lookup a call; it returns None, so no line events)
-and, at exit, the files of sys.modules. A file counts as executed when a function of it
-ran: a code object with CO_OPTIMIZED (so not a module or class body), other than a
-comprehension or lambda that a module body runs at import. The executed files, with ADDED,
-are compared between the 0.25.1 and 0.26.0 sdists (forkbuild.rebase.differing_files); the
-audited set is cut from those that differ by the rule of KV_PATH below. About 4 minutes
-on 2 cores (the test with the trace on); --no-trace --raw DIR rewrites from a kept trace.
+It runs tests/v1/worker/test_packed_kv_cache_offload_cpu_engine.py with pytest inside
+the patched tree (build/vllm-0.25.1), with a sitecustomize.py first on PYTHONPATH. That
+hook installs sys.settrace (and threading.settrace) in every Python process of the run:
+the pytest process and the fresh case process that runs the engine. The hook records
+each function that starts running (one set lookup a call; it returns None, so no line
+events) and, at exit, the files of sys.modules. A file counts as executed when a
+function of it ran: a code object with CO_OPTIMIZED (so not a module or class body),
+other than a comprehension or lambda that a module body runs at import. The executed
+files, with ADDED, are compared between the 0.25.1 and 0.26.0 sdists
+(forkbuild.rebase.differing_files); the audited set is cut from those that differ by the
+rule of KV_PATH below. About 4 minutes on 2 cores (the test with the trace on);
+--no-trace --raw DIR rewrites from a kept trace.
 """
 
 from __future__ import annotations
@@ -36,11 +38,12 @@ OUTPUT = REPO / "docs" / "backport-audit-files.txt"
 TEST = "tests/v1/worker/test_packed_kv_cache_offload_cpu_engine.py"
 NEXT = rebase.AUDIT_RELEASE
 
-# The audited set (the rule docs/backport-audit.md states): the executed files that differ
-# and lie on the KV-cache path of the #47054 configuration, that is the code that plans,
-# allocates, views, writes, reads or moves the packed KV cache, or runs the offloading
-# connector. The generic block accounting (v1/core/sched/, kv_cache_manager.py, ...) and
-# everything else that ran and differs is listed as excluded, with a reason in the audit.
+# The audited set (the rule docs/backport-audit.md states): the executed files that
+# differ and lie on the KV-cache path of the #47054 configuration, that is the code that
+# plans, allocates, views, writes, reads or moves the packed KV cache, or runs the
+# offloading connector. The generic block accounting (v1/core/sched/,
+# kv_cache_manager.py, ...) and everything else that ran and differs is listed as
+# excluded, with a reason in the audit.
 KV_PATH = (
     "vllm/distributed/kv_transfer/",
     "vllm/v1/kv_offload/",
@@ -66,7 +69,7 @@ ADDED = {
     "vllm/v1/simple_kv_offload/manager.py": "road: SimpleCPUOffloadConnector",
 }
 
-SITECUSTOMIZE = textwrap.dedent('''
+SITECUSTOMIZE = textwrap.dedent("""
     import atexit, json, os, sys, threading
     _dir = os.environ.get("AUDIT_TRACE_DIR")
     if _dir:
@@ -93,13 +96,14 @@ SITECUSTOMIZE = textwrap.dedent('''
             ran = {}
             for code in list(_ran):
                 ran.setdefault(code.co_filename, []).append(code.co_name)
-            imported = sorted({getattr(m, "__file__", None) or "" for m in list(sys.modules.values())} - {""})
+            imported = sorted({getattr(m, "__file__", None) or ""
+                               for m in list(sys.modules.values())} - {""})
             out = {"argv": sys.argv, "ran": {k: sorted(set(v)) for k, v in ran.items()},
                    "imported": imported}
             with open(os.path.join(_dir, f"{os.getpid()}.json"), "w") as f:
                 json.dump(out, f)
         atexit.register(_dump)
-''')
+""")
 
 
 def trace(raw: Path) -> None:
@@ -110,8 +114,19 @@ def trace(raw: Path) -> None:
     (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
     env = {**os.environ, "PYTHONPATH": str(hook), "AUDIT_TRACE_DIR": str(raw)}
     done = subprocess.run(
-        [str(install.venv_python()), "-m", "pytest", TEST, "-x", "-q", "-p", "no:cacheprovider"],
-        cwd=tree.tree_dir(pins.load()), env=env, check=False,
+        [
+            str(install.venv_python()),
+            "-m",
+            "pytest",
+            TEST,
+            "-x",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+        ],
+        cwd=tree.tree_dir(pins.load()),
+        env=env,
+        check=False,
     )
     if done.returncode != 0:
         sys.exit(f"the test failed (exit {done.returncode}); no file written")
@@ -148,37 +163,50 @@ def write(raw: Path) -> None:
     excluded = sorted(set(differing) - set(audited))
     lines = [
         "# The files the #47054 configuration runs, for docs/backport-audit.md.",
-        "# Produced by docs/make_backport_audit_files.py: a settrace hook in every process of",
+        "# Produced by docs/make_backport_audit_files.py: a settrace hook in every "
+        "process of",
         f"# `pytest {TEST}` in build/vllm-0.25.1",
-        "# (a file is executed when a function of it ran; module and class bodies do not count).",
-        f"# differs: the file is not byte-identical in vllm-{fork_pins.upstream_version}.tar.gz and vllm-{NEXT}.tar.gz.",
-        "# [audited] is read by forkbuild/tests/test_backport_audit.py: every file there that",
+        "# (a file is executed when a function of it ran; module and class bodies do "
+        "not count).",
+        "# differs: the file is not byte-identical in "
+        f"vllm-{fork_pins.upstream_version}.tar.gz and vllm-{NEXT}.tar.gz.",
+        "# [audited] is read by forkbuild/tests/test_backport_audit.py: every file "
+        "there that",
         "# differs must have a row in the audit's file table.",
         "",
-        "[audited]  # executed and differing on the KV-cache path, and the added files below",
+        "[audited]  # executed and differing on the KV-cache path, and the added files "
+        "below",
         *audited,
         "",
         "[added]  # of [audited]: not run by the CPU engine",
         *(f"{f}  # {why}" for f, why in sorted(ADDED.items()) if f in audited),
         "",
-        "[excluded]  # executed and differing, off that path; one-line reasons in the audit",
+        "[excluded]  # executed and differing, off that path; one-line reasons in the "
+        "audit",
         *excluded,
         "",
         f"[executed]  # {len(executed)} files",
         *sorted(executed),
         "",
-        f"[imported-only]  # {len(imported_only)} files imported, no function of them ran",
+        f"[imported-only]  # {len(imported_only)} files imported, no function of them "
+        "ran",
         *sorted(imported_only),
     ]
     OUTPUT.write_text("\n".join(lines) + "\n")
-    print(f"{OUTPUT}: {len(executed)} executed; {len(differing)} differ (with the "
-          f"{len(ADDED)} added files); {len(audited)} audited, {len(excluded)} excluded")
+    print(
+        f"{OUTPUT}: {len(executed)} executed; {len(differing)} differ (with the "
+        f"{len(ADDED)} added files); {len(audited)} audited, {len(excluded)} excluded"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--raw", type=Path, help="keep the raw trace here (default: a temporary folder)")
-    parser.add_argument("--no-trace", action="store_true", help="reuse the trace in --raw")
+    parser.add_argument(
+        "--raw", type=Path, help="keep the raw trace here (default: a temporary folder)"
+    )
+    parser.add_argument(
+        "--no-trace", action="store_true", help="reuse the trace in --raw"
+    )
     args = parser.parse_args()
     if args.no_trace:
         write(args.raw)

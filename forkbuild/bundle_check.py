@@ -21,7 +21,16 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from forkbuild import bundle_run, cuda_route, fetch, gpu_bundle, lock, log, pytest_runner, uv
+from forkbuild import (
+    bundle_run,
+    cuda_route,
+    fetch,
+    gpu_bundle,
+    lock,
+    log,
+    pytest_runner,
+    uv,
+)
 from forkbuild.errors import ForkError
 from forkbuild.hashing import digest_of
 from forkbuild.pins import REPO_ROOT, Pins, build_dir
@@ -40,62 +49,105 @@ def _offline() -> tuple[str, ...]:
     """A command prefix that refuses the network (a new network namespace), or nothing
     where the kernel does not let this user make one."""
     unshare = shutil.which("unshare")
-    if unshare and subprocess.run([unshare, "-n", "true"], capture_output=True).returncode == 0:
+    if (
+        unshare
+        and subprocess.run([unshare, "-n", "true"], capture_output=True).returncode == 0
+    ):
         return (unshare, "-n")
     return ()
 
 
-NO_INDEX = {"PIP_NO_INDEX": "1", "UV_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1"}
+NO_INDEX = {
+    "PIP_NO_INDEX": "1",
+    "UV_OFFLINE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
 
 
 def interpreter(version: str) -> Path:
     """A working Python VERSION (X.Y) here: on PATH, pyenv's, or the system's (a pyenv
     shim of a version pyenv does not select fails, so each is asked for its version)."""
-    candidates = [shutil.which(f"python{version}"),
-                  *sorted(map(str, Path.home().glob(f".pyenv/versions/{version}.*/bin/python3"))),
-                  f"/usr/bin/python{version}"]
+    candidates = [
+        shutil.which(f"python{version}"),
+        *sorted(map(str, Path.home().glob(f".pyenv/versions/{version}.*/bin/python3"))),
+        f"/usr/bin/python{version}",
+    ]
     for candidate in filter(None, candidates):
-        done = subprocess.run([candidate, "--version"], capture_output=True, text=True, check=False)
+        done = subprocess.run(
+            [candidate, "--version"], capture_output=True, text=True, check=False
+        )
         if done.returncode == 0 and done.stdout.split()[-1].startswith(f"{version}."):
             return Path(candidate)
-    raise ForkError(f"no Python {version} here to simulate the GPU host with",
-                    f"install Python {version} (e.g. pyenv install {version}), the reference "
-                    "host's version")
+    raise ForkError(
+        f"no Python {version} here to simulate the GPU host with",
+        f"install Python {version} (e.g. pyenv install {version}), the "
+        "reference "
+        "host's version",
+    )
 
 
 def simulated_host(pins: Pins) -> tuple[Path, Path]:
     """build/bundle-host/venv: the host's Python with the CUDA lock's torch, triton and
     NVIDIA packages (nvidia-*, cuda-*) and nothing else; and its host file."""
     lock_file = lock.path("cuda", HOST_PYTHON)
-    names = {n for n in lock.pinned(lock_file)
-             if n in ("torch", "triton") or n.startswith(("nvidia-", "cuda-"))}
+    names = {
+        n
+        for n in lock.pinned(lock_file)
+        if n in ("torch", "triton") or n.startswith(("nvidia-", "cuda-"))
+    }
     entries = lock.entries(lock_file, names)
     venv, stamp = home() / "venv", home() / "venv.stamp"
     python = venv / "bin" / "python"
     wanted = digest_of([entries])
-    if not (stamp.is_file() and stamp.read_text().strip() == wanted and python.exists()):
-        log.step(f"bundle check: a simulated GPU host in {venv}: Python {HOST_PYTHON}, "
-                 f"{len(names)} packages of {lock_file.name} (torch, triton, NVIDIA's)")
+    if not (
+        stamp.is_file() and stamp.read_text().strip() == wanted and python.exists()
+    ):
+        log.step(
+            f"bundle check: a simulated GPU host in {venv}: Python {HOST_PYTHON}, "
+            f"{len(names)} packages of {lock_file.name} (torch, triton, NVIDIA's)"
+        )
         shutil.rmtree(venv, ignore_errors=True)
         stamp.unlink(missing_ok=True)
-        uv.run(pins, ["venv", "--quiet", "--python", str(interpreter(HOST_PYTHON)), str(venv)],
-               what=f"create a Python {HOST_PYTHON} venv")
+        uv.run(
+            pins,
+            ["venv", "--quiet", "--python", str(interpreter(HOST_PYTHON)), str(venv)],
+            what=f"create a Python {HOST_PYTHON} venv",
+        )
         requirements = home() / "host-packages.txt"
         requirements.write_text(entries)
-        uv.install(pins, ["install", "--quiet", "--no-deps", "--require-hashes", "--python",
-                          str(python), "-r", str(requirements)],
-                   what="the simulated host's torch, triton and NVIDIA packages")
+        uv.install(
+            pins,
+            [
+                "install",
+                "--quiet",
+                "--no-deps",
+                "--require-hashes",
+                "--python",
+                str(python),
+                "-r",
+                str(requirements),
+            ],
+            what="the simulated host's torch, triton and NVIDIA packages",
+        )
         stamp.write_text(wanted + "\n")
     # Described as a GPU host describes itself: the runner's inventory.
-    done = subprocess.run([str(python), "-m", "forkbuild.bundle_run", "inventory"],
-                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-                          capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [str(python), "-m", "forkbuild.bundle_run", "inventory"],
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if done.returncode != 0:
-        raise ForkError(f"the runner's inventory failed on the simulated host: "
-                        f"{done.stderr.strip()[-400:]}")
+        raise ForkError(
+            f"the runner's inventory failed on the simulated host: "
+            f"{done.stderr.strip()[-400:]}"
+        )
     host_file = home() / "host.txt"
-    host_file.write_text("# The simulated GPU host of forkbuild/bundle_check.py\n" + done.stdout)
+    host_file.write_text(
+        "# The simulated GPU host of forkbuild/bundle_check.py\n" + done.stdout
+    )
     return python, host_file
 
 
@@ -110,102 +162,195 @@ class Result:
     offline: bool  # the network refused (unshare -n), not only no index
 
     def line(self) -> str:
-        return (f"gpu bundle for {self.reference.manifest['made_for']}: {self.reference.line()}"
-                f"\ngpu bundle on a simulated host (Python {HOST_PYTHON}, torch, triton and "
-                f"NVIDIA's packages only, "
-                f"{'network refused' if self.offline else 'no index; network not refused'}): "
-                f"{len(self.simulated.parts)} part(s), {self.extensions} compiled extensions "
-                f"load, {len(self.collected.cases)} GPU cases collected and skipped without a "
-                f"device, the engine's modules import, kernel calls up to dispatch: {self.calls}; "
-                f"without {BREAKAGE[0]}: "
-                f"{self.breakage}")
+        network = "network refused" if self.offline else "no index; network not refused"
+        host = (
+            f"Python {HOST_PYTHON}, torch, triton and NVIDIA's packages only, {network}"
+        )
+        found = (
+            f"{len(self.simulated.parts)} part(s), {self.extensions} compiled "
+            f"extensions load, {len(self.collected.cases)} GPU cases collected and "
+            "skipped without a device, the engine's modules import, kernel calls up to "
+            f"dispatch: {self.calls}; without {BREAKAGE[0]}: {self.breakage}"
+        )
+        return (
+            f"gpu bundle for {self.reference.manifest['made_for']}: "
+            f"{self.reference.line()}\n"
+            f"gpu bundle on a simulated host ({host}): {found}"
+        )
 
 
 def check(pins: Pins, results: Path, route: tuple[Path, Path, Path]) -> Result:
-    """ROUTE: the CUDA route's python, tree and driver stub folder (cuda_route.check)."""
+    """ROUTE: the CUDA route's python, tree and driver stub folder
+    (cuda_route.check)."""
     source = gpu_bundle.prepare(pins, results, route)
     reference = gpu_bundle.build(pins, out=home() / "reference", source=source)
     python, host_file = simulated_host(pins)
     # The parts' size matters only for transfers: here one part holds everything.
-    simulated = gpu_bundle.build(pins, host_file, out=home() / "bundle", part_mib=4096,
-                                 source=source)
+    simulated = gpu_bundle.build(
+        pins, host_file, out=home() / "bundle", part_mib=4096, source=source
+    )
     dest = home() / "installed"
     shutil.rmtree(dest, ignore_errors=True)
     offline = _offline()
-    env = {**os.environ, **NO_INDEX, "PYTHON": str(python), "FORK_BUNDLE_HOME": str(dest)}
-    log.step(f"bundle check: run.sh --install {dest}"
-             + (" (unshare -n: no network)" if offline else " (no index; unshare unavailable)"))
-    # From a folder of its own: run.sh must start the bundle's runner, not this checkout's.
-    done = subprocess.run([*offline, "bash", str(simulated.folder / "run.sh"), "--install", str(dest)],
-                          env=env, cwd=home(), capture_output=True, text=True, check=False)
+    env = {
+        **os.environ,
+        **NO_INDEX,
+        "PYTHON": str(python),
+        "FORK_BUNDLE_HOME": str(dest),
+    }
+    log.step(
+        f"bundle check: run.sh --install {dest}"
+        + (
+            " (unshare -n: no network)"
+            if offline
+            else " (no index; unshare unavailable)"
+        )
+    )
+    # From a folder of its own: run.sh must start the bundle's runner, not this
+    # checkout's.
+    done = subprocess.run(
+        [*offline, "bash", str(simulated.folder / "run.sh"), "--install", str(dest)],
+        env=env,
+        cwd=home(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if done.returncode != 0:
-        raise ForkError(f"the bundle does not install offline on the simulated host: "
-                        f"{(done.stderr or done.stdout).strip()[-600:]}", f"see {home()}")
+        raise ForkError(
+            f"the bundle does not install offline on the simulated host: "
+            f"{(done.stderr or done.stdout).strip()[-600:]}",
+            f"see {home()}",
+        )
     site = Path(done.stdout.strip().splitlines()[-1].split(os.pathsep)[-1])
     _refuses_without_gpu(simulated.folder, env)
     manifest = simulated.manifest
     extensions = [n for n in manifest["components"] if n.endswith(".so")]
     wheel = fetch.artifacts_dir() / pins.routes["cuda"].wheel.filename
-    loaded = cuda_route.load_extensions(python, site, wheel, source.stub, tuple(extensions),
-                                        pythonpath=str(site))
-    collected, calls = verify(pins, python, site, source.stub, results, offline, "bundle-host")
+    loaded = cuda_route.load_extensions(
+        python, site, wheel, source.stub, tuple(extensions), pythonpath=str(site)
+    )
+    collected, calls = verify(
+        pins, python, site, source.stub, results, offline, "bundle-host"
+    )
     breakage = _without(BREAKAGE, pins, python, site, source.stub, results, offline)
-    return Result(reference, simulated, len(loaded["loaded"]), collected, calls, breakage,
-                  bool(offline))
+    return Result(
+        reference,
+        simulated,
+        len(loaded["loaded"]),
+        collected,
+        calls,
+        breakage,
+        bool(offline),
+    )
 
 
 def _refuses_without_gpu(bundle: Path, env: dict[str, str]) -> None:
     """`run.sh OUT` on this machine: one line, no NVIDIA GPU, nothing run."""
     out = home() / "run-out"
-    done = subprocess.run(["bash", str(bundle / "run.sh"), str(out)], env=env, cwd=home(),
-                          capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        ["bash", str(bundle / "run.sh"), str(out)],
+        env=env,
+        cwd=home(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     lines = done.stderr.strip().splitlines()
-    if done.returncode == 0 or len(lines) != 1 or "no NVIDIA GPU" not in lines[0] or out.exists():
-        raise ForkError(f"run.sh without a GPU did not stop at once with one line: exit "
-                        f"{done.returncode}, {done.stderr.strip()[-300:]!r}")
+    if (
+        done.returncode == 0
+        or len(lines) != 1
+        or "no NVIDIA GPU" not in lines[0]
+        or out.exists()
+    ):
+        raise ForkError(
+            "run.sh without a GPU did not stop at once with one line: exit "
+            f"{done.returncode}, {done.stderr.strip()[-300:]!r}"
+        )
 
 
-def verify(pins: Pins, python: Path, site: Path, stub: Path, results: Path,
-           offline: tuple[str, ...], name: str) -> tuple[pytest_runner.Outcome, pytest_runner.Outcome]:
-    """The GPU modules and the kernel calls run from the unpacked bundle as its runner runs
-    cases (forked, its plugins and limits, offline), with the engine's modules imported at
-    the end (forkbuild/import_trace.py): every GPU case skips only for want of a device,
-    the kernel calls reach dispatch, every engine module imports. Returns (GPU cases,
-    kernel calls); a ForkError says what failed."""
+def verify(
+    pins: Pins,
+    python: Path,
+    site: Path,
+    stub: Path,
+    results: Path,
+    offline: tuple[str, ...],
+    name: str,
+) -> tuple[pytest_runner.Outcome, pytest_runner.Outcome]:
+    """The GPU modules and the kernel calls run from the unpacked bundle as its runner
+    runs cases (forked, its plugins and limits, offline), with the engine's modules
+    imported at the end (forkbuild/import_trace.py): every GPU case skips only for want
+    of a device, the kernel calls reach dispatch, every engine module imports. Returns
+    (GPU cases, kernel calls); a ForkError says what failed."""
     tree, report = site.parent / "tree", results / f"{name}-imports.json"
     report.unlink(missing_ok=True)
-    env = {**bundle_run.case_env(site.parent), **cuda_route.stub_env(stub), **NO_INDEX,
-           "FORKBUILD_TRACE_OUT": str(report),
-           "FORKBUILD_TRACE_IMPORT": ",".join(gpu_bundle.bundle_settings()["engine_modules"])}
+    env = {
+        **bundle_run.case_env(site.parent),
+        **cuda_route.stub_env(stub),
+        **NO_INDEX,
+        "FORKBUILD_TRACE_OUT": str(report),
+        "FORKBUILD_TRACE_IMPORT": ",".join(
+            gpu_bundle.bundle_settings()["engine_modules"]
+        ),
+    }
     outcome = pytest_runner.run_pytest(
-        python, tree,
-        ["-p", "forkbuild.import_trace", *bundle_run.case_args([*pins.gpu_tests,
-                                                               *pins.cuda_route_tests])],
+        python,
+        tree,
+        [
+            "-p",
+            "forkbuild.import_trace",
+            *bundle_run.case_args([*pins.gpu_tests, *pins.cuda_route_tests]),
+        ],
         results / f"{name}-tests.xml",
         pythonpath=os.pathsep.join([str(tree), str(site), str(REPO_ROOT)]),
-        output=results / f"{name}-tests.log", extra_env=env, prefix=offline,
+        output=results / f"{name}-tests.log",
+        extra_env=env,
+        prefix=offline,
     )
     logs = str(results / f"{name}-tests.log")
-    failed = json.loads(report.read_text())["import_errors"] if report.is_file() else ["no report"]
+    failed = (
+        json.loads(report.read_text())["import_errors"]
+        if report.is_file()
+        else ["no report"]
+    )
     if failed:
-        raise ForkError(f"the engine's modules do not import from the bundle: {'; '.join(failed)}",
-                        f"see {report}")
+        raise ForkError(
+            f"the engine's modules do not import from the bundle: {'; '.join(failed)}",
+            f"see {report}",
+        )
     collected = cuda_route.part_of(outcome, pins.gpu_tests)
     calls = cuda_route.part_of(outcome, pins.cuda_route_tests)
-    cuda_route.check_skipped(collected, results, where=f"the bundle ({name})", logs=logs,
-                             required=set(gpu_bundle.gpu_table()["cases"]) - _not_carried())
+    cuda_route.check_skipped(
+        collected,
+        results,
+        where=f"the bundle ({name})",
+        logs=logs,
+        required=set(gpu_bundle.gpu_table()["cases"]) - _not_carried(),
+    )
     if calls.failed or calls.errors or calls.skipped or not calls.passed:
-        raise ForkError(f"the kernel calls do not reach dispatch from the bundle: {calls}",
-                        f"see {logs}")
+        raise ForkError(
+            f"the kernel calls do not reach dispatch from the bundle: {calls}",
+            f"see {logs}",
+        )
     return collected, calls
 
 
 def _not_carried() -> set[str]:
-    return {n for n, c in gpu_bundle.gpu_table()["cases"].items() if "not_in_bundle" in c}
+    return {
+        n for n, c in gpu_bundle.gpu_table()["cases"].items() if "not_in_bundle" in c
+    }
 
 
-def _without(dist: tuple[str, str], pins: Pins, python: Path, site: Path, stub: Path,
-             results: Path, offline: tuple[str, ...]) -> str:
+def _without(
+    dist: tuple[str, str],
+    pins: Pins,
+    python: Path,
+    site: Path,
+    stub: Path,
+    results: Path,
+    offline: tuple[str, ...],
+) -> str:
     """The check again with DIST's files (name, module) taken out of a copy of SITE: it
     must fail, naming the module."""
     name, module = dist
@@ -214,24 +359,39 @@ def _without(dist: tuple[str, str], pins: Pins, python: Path, site: Path, stub: 
     shutil.copytree(site, broken, copy_function=os.link)
     infos = list(broken.glob(f"{name.replace('-', '_')}-*.dist-info"))
     if not infos:
-        raise ForkError(f"the bundle carries no {name} to take out for the breakage check")
+        raise ForkError(
+            f"the bundle carries no {name} to take out for the breakage check"
+        )
     for line in (infos[0] / "RECORD").read_text().splitlines():
         (broken / line.split(",")[0]).unlink(missing_ok=True)
     shutil.rmtree(infos[0], ignore_errors=True)
     shutil.rmtree(broken / module, ignore_errors=True)
     try:
-        verify(pins, python, broken, stub, results, offline, f"bundle-host-without-{name}")
+        verify(
+            pins, python, broken, stub, results, offline, f"bundle-host-without-{name}"
+        )
     except ForkError as exc:
         log_file = results / f"bundle-host-without-{name}-tests.log"
-        errors = [line[1:].strip() for line in log_file.read_text().splitlines()
-                  if line.startswith("E ")] if log_file.is_file() else []
+        errors = (
+            [
+                line[1:].strip()
+                for line in log_file.read_text().splitlines()
+                if line.startswith("E ")
+            ]
+            if log_file.is_file()
+            else []
+        )
         said = [exc.cause, *errors]
         named = [line for line in said if f"No module named '{module}" in line]
         if not named:
-            raise ForkError(f"without {name} the bundle check fails for another reason: {exc}",
-                            "the breakage must show the missing package") from None
+            raise ForkError(
+                f"without {name} the bundle check fails for another reason: {exc}",
+                "the breakage must show the missing package",
+            ) from None
         return f"fails, as it must ({named[0][:200]})"
     finally:
         shutil.rmtree(broken, ignore_errors=True)
-    raise ForkError(f"the bundle check passes without {name}, which the engine cases import",
-                    "the check cannot tell a missing package: fix forkbuild/bundle_check.py")
+    raise ForkError(
+        f"the bundle check passes without {name}, which the engine cases import",
+        "the check cannot tell a missing package: fix forkbuild/bundle_check.py",
+    )

@@ -3,9 +3,10 @@
 Runs on the host's own `python3` with the standard library and the fork modules that
 ship beside it (run.sh checks them and sets PYTHONPATH), no network:
 
-    python3 -m forkbuild.bundle_run inventory           what this host has, as a host file
-    python3 -m forkbuild.bundle_run install BUNDLE DEST unpack and verify the parts present
-    python3 -m forkbuild.bundle_run run BUNDLE OUT      check, install, run the cases
+    python3 -m forkbuild.bundle_run inventory           what this host has, as a host
+    file python3 -m forkbuild.bundle_run install BUNDLE DEST unpack and verify the parts
+    present python3 -m forkbuild.bundle_run run BUNDLE OUT      check, install, run the
+    cases
 
 `run` stops with one line, before anything runs, on no GPU, another Python, torch or
 triton than the bundle's, or a missing or damaged archive. It then unpacks what the
@@ -41,11 +42,18 @@ RUNNER = str(Path(__file__).resolve().parent.parent)  # where these modules are
 CASE_LIMIT_S = 240
 RUN_LIMIT_S = 12 * 60
 # What the cases get besides PYTHONPATH: no hub, no telemetry, the models made ahead;
-# pytest loads only the runner's own plugins (not the host's pytest-cov, xdist, ...), and
-# vLLM's conftest does not reach for its GPU-memory helper (tests/utils.py, not carried).
-OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "DO_NOT_TRACK": "1", "PIP_NO_INDEX": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
-           "VLLM_TEST_CLEAN_GPU_MEMORY": "0"}
+# pytest loads only the runner's own plugins (not the host's pytest-cov, xdist, ...),
+# and vLLM's conftest does not reach for its GPU-memory helper (tests/utils.py, not
+# carried).
+OFFLINE = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "PIP_NO_INDEX": "1",
+    "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+    "VLLM_TEST_CLEAN_GPU_MEMORY": "0",
+}
 PLUGINS = ["-p", "pytest_forked", "-p", "pytest_timeout"]
 SMI = ["nvidia-smi", f"--query-gpu={gpu_required.NVIDIA_SMI_QUERY}", "--format=csv"]
 
@@ -53,7 +61,9 @@ SMI = ["nvidia-smi", f"--query-gpu={gpu_required.NVIDIA_SMI_QUERY}", "--format=c
 def home(manifest: dict, bundle: Path) -> Path:
     """Where the bundle unpacks: FORK_BUNDLE_HOME, else a folder of /tmp named by the
     manifest (so a warm host reuses what an earlier call unpacked)."""
-    base = Path(os.environ.get("FORK_BUNDLE_HOME") or "/tmp/vllm-fork-gpu-bundle").resolve()
+    base = Path(
+        os.environ.get("FORK_BUNDLE_HOME") or "/tmp/vllm-fork-gpu-bundle"
+    ).resolve()
     return base / sha256_file(bundle / MANIFEST)[:16]
 
 
@@ -61,30 +71,41 @@ def read_manifest(bundle: Path) -> dict:
     try:
         return json.loads((bundle / MANIFEST).read_text())
     except (OSError, ValueError) as exc:
-        raise ForkError(f"{bundle / MANIFEST} cannot be read ({exc})",
-                        "transfer part 1 (run.sh, manifest.json, runner/, part-1/) again") from None
+        raise ForkError(
+            f"{bundle / MANIFEST} cannot be read ({exc})",
+            "transfer part 1 (run.sh, manifest.json, runner/, part-1/) again",
+        ) from None
 
 
-# --- the host ---------------------------------------------------------------------------
+# --- the host -------------------------------------------------------------------------
 
 
 def query_gpus() -> str:
     """nvidia-smi's GPU table, or ForkError when this host has no usable NVIDIA GPU."""
     try:
-        done = subprocess.run(SMI, capture_output=True, text=True, timeout=60, check=False)
+        done = subprocess.run(
+            SMI, capture_output=True, text=True, timeout=60, check=False
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise ForkError(f"no NVIDIA GPU on this host (nvidia-smi: {exc})",
-                        "run the bundle on a GPU host; `bash run.sh --inventory` describes one") from None
+        raise ForkError(
+            f"no NVIDIA GPU on this host (nvidia-smi: {exc})",
+            "run the bundle on a GPU host; `bash run.sh --inventory` describes one",
+        ) from None
     lines = [line for line in done.stdout.splitlines() if line.strip()]
     if done.returncode != 0 or len(lines) < 2:
-        why = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no GPU listed"]
-        raise ForkError(f"no NVIDIA GPU on this host (nvidia-smi: {why[0]})",
-                        "run the bundle on a GPU host with its driver loaded")
+        why = (done.stderr or done.stdout).strip().splitlines()[-1:] or [
+            "no GPU listed"
+        ]
+        raise ForkError(
+            f"no NVIDIA GPU on this host (nvidia-smi: {why[0]})",
+            "run the bundle on a GPU host with its driver loaded",
+        )
     return done.stdout
 
 
 def installed_version(name: str) -> str | None:
-    """NAME's version in this interpreter's own environment (the bundle not on the path)."""
+    """NAME's version in this interpreter's own environment (the bundle not on the
+    path)."""
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
@@ -94,24 +115,32 @@ def installed_version(name: str) -> str | None:
 def check_host(manifest: dict) -> None:
     here = f"{sys.version_info.major}.{sys.version_info.minor}"
     if here != manifest["python"]:
-        raise ForkError(f"this python3 is {platform.python_version()}; the bundle was made for "
-                        f"Python {manifest['python']}",
-                        "run it with that Python (PYTHON=... bash run.sh), or make a bundle for "
-                        "this host: `bash run.sh --inventory > host.txt`, then "
-                        "`make gpu-bundle GPU_HOST=host.txt` on the build machine")
+        raise ForkError(
+            f"this python3 is {platform.python_version()}; the bundle was made for "
+            f"Python {manifest['python']}",
+            "run it with that Python (PYTHON=... bash run.sh), or make a bundle for "
+            "this host: `bash run.sh --inventory > host.txt`, then `make gpu-bundle "
+            "GPU_HOST=host.txt` on the build machine",
+        )
     libc, version = platform.libc_ver()
     if libc != "glibc" or _numbers(version) < _numbers(manifest["glibc"]):
-        raise ForkError(f"this host's C library is {libc or 'unknown'} {version}; the bundle's "
-                        f"packages need glibc {manifest['glibc']} or newer",
-                        "make a bundle for this host: `bash run.sh --inventory > host.txt`, then "
-                        "`make gpu-bundle GPU_HOST=host.txt`")
+        raise ForkError(
+            f"this host's C library is {libc or 'unknown'} {version}; the bundle's "
+            f"packages need glibc {manifest['glibc']} or newer",
+            "make a bundle for this host: `bash run.sh --inventory > host.txt`, then "
+            "`make gpu-bundle GPU_HOST=host.txt`",
+        )
     for name in ("torch", "triton"):
         have, want = installed_version(name), manifest[name]
         public, _, local = (have or "").partition("+")
-        if public != want or (name == "torch" and local not in ("", manifest["cuda_label"])):
-            raise ForkError(f"this host's {name} is {have or 'not installed'}; the bundle needs "
-                            f"{want} (the fork's CUDA lock)",
-                            f"install {name}=={want} in this python3, or use a host that has it")
+        if public != want or (
+            name == "torch" and local not in ("", manifest["cuda_label"])
+        ):
+            raise ForkError(
+                f"this host's {name} is {have or 'not installed'}; the bundle needs "
+                f"{want} (the fork's CUDA lock)",
+                f"install {name}=={want} in this python3, or use a host that has it",
+            )
 
 
 def _numbers(version: str) -> tuple[int, ...]:
@@ -119,35 +148,56 @@ def _numbers(version: str) -> tuple[int, ...]:
 
 
 def inventory() -> str:
-    """A host file for `make gpu-bundle GPU_HOST=FILE`: Python, torch, GPUs, driver, toolkit
-    as comments, then every distribution this python3 has, as `pip freeze` lists them."""
-    lines = [f"# python: {platform.python_version()}", f"# executable: {sys.executable}",
-             f"# glibc: {'.'.join(platform.libc_ver()[1].split('.')[:2])}"]
+    """A host file for `make gpu-bundle GPU_HOST=FILE`: Python, torch, GPUs, driver,
+    toolkit as comments, then every distribution this python3 has, as `pip freeze` lists
+    them."""
+    lines = [
+        f"# python: {platform.python_version()}",
+        f"# executable: {sys.executable}",
+        f"# glibc: {'.'.join(platform.libc_ver()[1].split('.')[:2])}",
+    ]
     try:
         import torch
 
-        lines.append(f"# torch: {torch.__version__} (CUDA {torch.version.cuda}), "
-                     f"sees {torch.cuda.device_count()} GPU(s)")
+        lines.append(
+            f"# torch: {torch.__version__} (CUDA {torch.version.cuda}), "
+            f"sees {torch.cuda.device_count()} GPU(s)"
+        )
     except Exception as exc:  # an inventory reports, it does not fail
         lines.append(f"# torch: does not import ({type(exc).__name__}: {exc})")
     try:
         gpus = query_gpus().strip().splitlines()
         lines += [f"# gpu: {row}" for row in gpus]
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, check=False).stdout.split()
+        driver = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.split()
         lines.append(f"# driver: {driver[0] if driver else 'unknown'}")
     except ForkError as exc:
         lines.append(f"# gpu: none ({exc.cause})")
     nvcc = shutil.which("nvcc")
     if nvcc:
-        release = subprocess.run([nvcc, "--version"], capture_output=True, text=True,
-                                 check=False).stdout.strip().splitlines()
+        release = (
+            subprocess.run(
+                [nvcc, "--version"], capture_output=True, text=True, check=False
+            )
+            .stdout.strip()
+            .splitlines()
+        )
         lines.append(f"# nvcc: {nvcc}: {release[-1] if release else 'unknown'}")
     else:
         lines.append("# nvcc: not on PATH")
-    dists = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions()
-             if d.metadata["Name"]}
-    lines += [f"{name}=={version}" for name, version in sorted(dists.items(), key=lambda i: i[0].lower())]
+    dists = {
+        d.metadata["Name"]: d.version
+        for d in importlib.metadata.distributions()
+        if d.metadata["Name"]
+    }
+    lines += [
+        f"{name}=={version}"
+        for name, version in sorted(dists.items(), key=lambda i: i[0].lower())
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -168,11 +218,15 @@ def present(manifest: dict, bundle: Path) -> list[str]:
             entry = manifest["components"][name]
             archive = bundle / entry["archive"]
             if not archive.is_file():
-                raise ForkError(f"{archive} is missing from {part['name']}",
-                                f"transfer {part['name']} again (all of {folder.name}/)")
+                raise ForkError(
+                    f"{archive} is missing from {part['name']}",
+                    f"transfer {part['name']} again (all of {folder.name}/)",
+                )
             if sha256_file(archive) != entry["sha256"]:
-                raise ForkError(f"{archive} is damaged (its sha256 is not the manifest's)",
-                                f"transfer {part['name']} again")
+                raise ForkError(
+                    f"{archive} is damaged (its sha256 is not the manifest's)",
+                    f"transfer {part['name']} again",
+                )
             components.append(name)
     return components
 
@@ -187,14 +241,19 @@ def _extract(archive: Path, root: Path, listing: Path) -> None:
         for number, member in enumerate(tar):
             if number == 0:
                 if member.name != FILE_LIST or not member.isfile():
-                    raise ForkError(f"{archive.name} does not start with its file list",
-                                    "rebuild the bundle: make gpu-bundle")
+                    raise ForkError(
+                        f"{archive.name} does not start with its file list",
+                        "rebuild the bundle: make gpu-bundle",
+                    )
                 listing.write_bytes(tar.extractfile(member).read())
                 continue
             target = (root / member.name).resolve()
             if not member.isfile() or not target.is_relative_to(root.resolve()):
-                raise ForkError(f"{archive.name} holds {member.name!r}, which is not a plain "
-                                "file inside the bundle", "rebuild the bundle: make gpu-bundle")
+                raise ForkError(
+                    f"{archive.name} holds {member.name!r}, which is not a plain file "
+                    "inside the bundle",
+                    "rebuild the bundle: make gpu-bundle",
+                )
             target.parent.mkdir(parents=True, exist_ok=True)
             with tar.extractfile(member) as src, open(target, "wb") as dst:
                 shutil.copyfileobj(src, dst, 1 << 20)
@@ -203,8 +262,12 @@ def _extract(archive: Path, root: Path, listing: Path) -> None:
 
 def _listed(listing: Path) -> dict[str, str]:
     """Path -> sha256 of a file list (`sha256sum` lines)."""
-    return {path: digest for digest, _, path in
-            (line.partition("  ") for line in listing.read_text().splitlines())}
+    return {
+        path: digest
+        for digest, _, path in (
+            line.partition("  ") for line in listing.read_text().splitlines()
+        )
+    }
 
 
 def install(manifest: dict, bundle: Path, dest: Path, components: list[str]) -> None:
@@ -216,26 +279,37 @@ def install(manifest: dict, bundle: Path, dest: Path, components: list[str]) -> 
         entry = manifest["components"][name]
         stamp, listing = stamps / entry["sha256"], stamps / f"{entry['sha256']}.sha256"
         if not (stamp.exists() and listing.exists()):
-            log.step(f"bundle: unpacking {entry['archive']} ({entry['bytes'] / 2**20:.1f} MiB)")
+            log.step(
+                f"bundle: unpacking {entry['archive']} "
+                f"({entry['bytes'] / 2**20:.1f} MiB)"
+            )
             _extract(bundle / entry["archive"], dest / entry["root"], listing)
         files = _listed(listing)
-        bad = [path for path, digest in files.items()
-               if not (dest / entry["root"] / path).is_file()
-               or sha256_file(dest / entry["root"] / path) != digest]
+        bad = [
+            path
+            for path, digest in files.items()
+            if not (dest / entry["root"] / path).is_file()
+            or sha256_file(dest / entry["root"] / path) != digest
+        ]
         if bad or len(files) != entry["files"]:
             stamp.unlink(missing_ok=True)
-            raise ForkError(f"{len(bad) or 'some'} file(s) of {name} in {dest} are not as its "
-                            f"archive lists them, e.g. {(bad or ['the list'])[0]}",
-                            f"remove {dest} and run again")
+            raise ForkError(
+                f"{len(bad) or 'some'} file(s) of {name} in {dest} are not as its "
+                f"archive lists them, e.g. {(bad or ['the list'])[0]}",
+                f"remove {dest} and run again",
+            )
         stamp.write_text(name + "\n")
     log.step(f"bundle: {len(components)} component(s) in {dest}, every file verified")
 
 
 def case_args(nodes: list[str]) -> list[str]:
-    """pytest's arguments for NODES: forked, each case under CASE_LIMIT_S (pytest-timeout
-    in the forked child, as the nightly runs it: docs/gpu-nightly.md)."""
-    limit = [f"--timeout={CASE_LIMIT_S}" if a.startswith("--timeout=") else a
-             for a in gpu_required.PER_CASE_TIMEOUT]
+    """pytest's arguments for NODES: forked, each case under CASE_LIMIT_S
+    (pytest-timeout in the forked child, as the nightly runs it:
+    docs/gpu-nightly.md)."""
+    limit = [
+        f"--timeout={CASE_LIMIT_S}" if a.startswith("--timeout=") else a
+        for a in gpu_required.PER_CASE_TIMEOUT
+    ]
     return [*PLUGINS, "--forked", "-v", "-rs", *limit, *nodes]
 
 
@@ -248,12 +322,19 @@ def pythonpath(dest: Path) -> str:
 
 
 def probe(platform_too: bool) -> dict:
-    """What `import vllm` gives with the bundle first on sys.path (`probe` subcommand)."""
+    """What `import vllm` gives with the bundle first on sys.path (`probe`
+    subcommand)."""
     import vllm
 
-    module = importlib.util.find_spec(fixcheck.MODULE_PATH[:-3].replace("/", ".")).origin
-    found = {"vllm": vllm.__file__, "version": importlib.metadata.version("vllm"),
-             "verdict": fixcheck.classify(Path(module).read_text()), "module": module}
+    module = importlib.util.find_spec(
+        fixcheck.MODULE_PATH[:-3].replace("/", ".")
+    ).origin
+    found = {
+        "vllm": vllm.__file__,
+        "version": importlib.metadata.version("vllm"),
+        "verdict": fixcheck.classify(Path(module).read_text()),
+        "module": module,
+    }
     if platform_too:  # resolving the CUDA platform loads the cache ops' extension
         from vllm.platforms import current_platform
 
@@ -267,16 +348,31 @@ def check_vllm(manifest: dict, dest: Path, components: list[str]) -> dict:
     report = dest / "probe.json"  # a file: vLLM logs to stdout
     report.unlink(missing_ok=True)
     done = subprocess.run(
-        [sys.executable, "-m", "forkbuild.bundle_run", "probe", "1" if platform_too else "0",
-         str(report)],
-        env={**os.environ, **OFFLINE, "PYTHONPATH": os.pathsep.join([pythonpath(dest), RUNNER])},
-        cwd=dest / "tree", capture_output=True, text=True, check=False,
+        [
+            sys.executable,
+            "-m",
+            "forkbuild.bundle_run",
+            "probe",
+            "1" if platform_too else "0",
+            str(report),
+        ],
+        env={
+            **os.environ,
+            **OFFLINE,
+            "PYTHONPATH": os.pathsep.join([pythonpath(dest), RUNNER]),
+        },
+        cwd=dest / "tree",
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if done.returncode != 0 or not report.is_file():
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise ForkError(f"the bundle's vLLM does not import: {last}",
-                        "a package is missing from the bundle or the host's differs: "
-                        "make a bundle for this host (bash run.sh --inventory)")
+        raise ForkError(
+            f"the bundle's vLLM does not import: {last}",
+            "a package is missing from the bundle or the host's differs: "
+            "make a bundle for this host (bash run.sh --inventory)",
+        )
     found = json.loads(report.read_text())
     problems = []
     if not Path(found["vllm"]).resolve().is_relative_to((dest / "site").resolve()):
@@ -288,19 +384,25 @@ def check_vllm(manifest: dict, dest: Path, components: list[str]) -> dict:
     if platform_too and not found.get("cuda"):
         problems.append(f"vLLM picks {found.get('platform')}, not its CUDA platform")
     if problems:
-        raise ForkError("; ".join(problems), "remove other vLLM installs from PYTHONPATH, "
-                        "or rebuild the bundle")
+        raise ForkError(
+            "; ".join(problems),
+            "remove other vLLM installs from PYTHONPATH, or rebuild the bundle",
+        )
     return found
 
 
 # --- the cases ------------------------------------------------------------------------
 
 
-def plan(manifest: dict, required: tuple[str, ...], components: list[str]
-         ) -> tuple[list[str], dict[str, str]]:
-    """The required cases the parts present allow, and why each other one does not run."""
+def plan(
+    manifest: dict, required: tuple[str, ...], components: list[str]
+) -> tuple[list[str], dict[str, str]]:
+    """The required cases the parts present allow, and why each other one does not
+    run."""
     have = set(components)
-    where = {name: part["name"] for part in manifest["parts"] for name in part["components"]}
+    where = {
+        name: part["name"] for part in manifest["parts"] for name in part["components"]
+    }
     runnable, apart = [], {}
     for node in required:
         if node in manifest["not_carried"]:
@@ -308,7 +410,11 @@ def plan(manifest: dict, required: tuple[str, ...], components: list[str]
         elif node not in manifest["needs"]:
             apart[node] = "not in the bundle: the manifest does not list what it needs"
         else:
-            missing = [c for c in manifest["every_case"] + manifest["needs"][node] if c not in have]
+            missing = [
+                c
+                for c in manifest["every_case"] + manifest["needs"][node]
+                if c not in have
+            ]
             if missing:
                 parts = sorted({where[c] for c in missing})
                 apart[node] = f"needs {', '.join(parts)} (not transferred yet)"
@@ -326,36 +432,61 @@ def run(bundle: Path, out: Path) -> int:
     (out / "gpus.csv").write_text(gpus)
     kind, required = gpu_required.select(
         gpu_required.parse_nvidia_smi(gpus, os.environ.get("CUDA_VISIBLE_DEVICES")),
-        gpu_required.from_data(manifest["gpu"]))
+        gpu_required.from_data(manifest["gpu"]),
+    )
     dest = home(manifest, bundle)
     install(manifest, bundle, dest, components)
     found = check_vllm(manifest, dest, components)
-    log.step(f"bundle: vLLM {found['version']} from {dest / 'site'} carries the fix; "
-             f"{kind.name}: {len(required)} required case(s)")
+    log.step(
+        f"bundle: vLLM {found['version']} from {dest / 'site'} carries the fix; "
+        f"{kind.name}: {len(required)} required case(s)"
+    )
     runnable, apart = plan(manifest, required, components)
     for node, why in apart.items():
         print(f"{node}: {why}")
     outcome = pytest_runner.Outcome({})
     if runnable:
         outcome = pytest_runner.run_pytest(
-            Path(sys.executable), dest / "tree", case_args(runnable), out / "gpu-tests.xml",
-            pythonpath=pythonpath(dest), extra_env=case_env(dest), timeout_s=RUN_LIMIT_S,
+            Path(sys.executable),
+            dest / "tree",
+            case_args(runnable),
+            out / "gpu-tests.xml",
+            pythonpath=pythonpath(dest),
+            extra_env=case_env(dest),
+            timeout_s=RUN_LIMIT_S,
         )
     return conclude(manifest, kind, runnable, apart, components, outcome, out)
 
 
-def conclude(manifest: dict, kind: gpu_required.Kind, runnable: list[str],
-             apart: dict[str, str], components: list[str], outcome: pytest_runner.Outcome,
-             out: Path) -> int:
+def conclude(
+    manifest: dict,
+    kind: gpu_required.Kind,
+    runnable: list[str],
+    apart: dict[str, str],
+    components: list[str],
+    outcome: pytest_runner.Outcome,
+    out: Path,
+) -> int:
     not_run = gpu_required.not_run(runnable, [outcome])
     failed = outcome.failed + outcome.errors
-    parts = [p["name"] for p in manifest["parts"] if set(p["components"]) <= set(components)]
-    line = (f"{outcome.passed} passed, {failed} failed, {outcome.skipped} skipped, "
-            f"{len(apart)} required not run here")
-    summary = {"gpu_kind": kind.name, "parts_present": parts, "cases": outcome.cases,
-               "skip_reasons": outcome.reasons, "required_not_run": not_run,
-               "killed": outcome.killed, "not_run_here": apart, "junit": "gpu-tests.xml",
-               "summary": line}
+    parts = [
+        p["name"] for p in manifest["parts"] if set(p["components"]) <= set(components)
+    ]
+    line = (
+        f"{outcome.passed} passed, {failed} failed, {outcome.skipped} skipped, "
+        f"{len(apart)} required not run here"
+    )
+    summary = {
+        "gpu_kind": kind.name,
+        "parts_present": parts,
+        "cases": outcome.cases,
+        "skip_reasons": outcome.reasons,
+        "required_not_run": not_run,
+        "killed": outcome.killed,
+        "not_run_here": apart,
+        "junit": "gpu-tests.xml",
+        "summary": line,
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     for problem in (*([outcome.killed] if outcome.killed else []), *not_run):
         print(problem)
@@ -383,14 +514,18 @@ def main(argv: list[str]) -> int:
             print(pythonpath(dest))
             return 0
         if argv[:1] == ["run"] and len(argv) == 3:
-            # Resolved here: pytest runs in the unpacked tree, not where run.sh was called.
+            # Resolved here: pytest runs in the unpacked tree, not where run.sh was
+            # called.
             return run(Path(argv[1]).resolve(), Path(argv[2]).resolve())
     except ForkError as exc:
         print(f"run.sh: {exc}", file=sys.stderr)
         return 2
     except (OSError, tarfile.TarError, EOFError) as exc:  # lzma's errors are OSErrors
-        print(f"run.sh: {type(exc).__name__}: {exc} -- check the disk under FORK_BUNDLE_HOME "
-              "(default /tmp) and transfer the parts again", file=sys.stderr)
+        print(
+            f"run.sh: {type(exc).__name__}: {exc} -- check the disk under "
+            "FORK_BUNDLE_HOME (default /tmp) and transfer the parts again",
+            file=sys.stderr,
+        )
         return 2
     print(__doc__, file=sys.stderr)
     return 2

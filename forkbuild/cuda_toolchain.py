@@ -1,9 +1,10 @@
-"""The CUDA lock's toolchain for the GPU runs: what the nightly GPU job and `make test`'s
-CUDA route check both need (forkbuild/nightly.py, forkbuild/cuda_route.py).
+"""The CUDA lock's toolchain for the GPU runs: what the nightly GPU job and `make
+test`'s CUDA route check both need (forkbuild/nightly.py, forkbuild/cuda_route.py).
 
-The lock's pins the GPU runs rest on (nvcc and the CUDA headers of one CUDA version, ninja,
-pytest-timeout), the host compilers an agent must bring, `CUDA_HOME` and the link names
-FlashInfer's JIT links against, and the JIT probe (forkbuild/flashinfer_jit_probe.py).
+The lock's pins the GPU runs rest on (nvcc and the CUDA headers of one CUDA version,
+ninja, pytest-timeout), the host compilers an agent must bring, `CUDA_HOME` and the link
+names FlashInfer's JIT links against, and the JIT probe
+(forkbuild/flashinfer_jit_probe.py).
 """
 
 from __future__ import annotations
@@ -24,9 +25,14 @@ from forkbuild.pins import REPO_ROOT
 # prefill and decode modules with nvcc (nvidia-cuda-nvcc, its cicc in nvidia-nvvm, the
 # headers of nvidia-cuda-crt and nvidia-cuda-runtime) and a bare `ninja` from PATH, and
 # links them against libcudart; pytest-timeout gives PER_CASE_TIMEOUT.
-LOCK_PINS = ("ninja", "nvidia-cuda-nvcc", "nvidia-nvvm", "nvidia-cuda-crt", "nvidia-cuda-runtime",
-             "pytest-timeout")
-
+LOCK_PINS = (
+    "ninja",
+    "nvidia-cuda-nvcc",
+    "nvidia-nvvm",
+    "nvidia-cuda-crt",
+    "nvidia-cuda-runtime",
+    "pytest-timeout",
+)
 
 
 def check_lock_pins(lock_file: Path) -> str:
@@ -38,21 +44,26 @@ def check_lock_pins(lock_file: Path) -> str:
     missing = [name for name in LOCK_PINS if name not in pinned]
     if missing:
         raise ForkError(
-            f"{lock_file.name} does not pin {', '.join(missing)}, which the GPU tests need "
-            "(FlashInfer's JIT builds: nvcc and ninja; the per-case time limit: pytest-timeout)",
-            "add them to fork.toml ([toolchain] test or [routes.cuda] extra) and run `make lock`",
+            f"{lock_file.name} does not pin {', '.join(missing)}, which the GPU tests "
+            "need (FlashInfer's JIT builds: nvcc and ninja; the per-case time limit: "
+            "pytest-timeout)",
+            "add them to fork.toml ([toolchain] test or [routes.cuda] extra) and run "
+            "`make lock`",
         )
     nvcc, runtime = pinned["nvidia-cuda-nvcc"], pinned["nvidia-cuda-runtime"]
-    # FlashInfer's CCCL (cuda/std/__cccl/cuda_toolkit.h) stops every JIT build whose nvcc
-    # is not of the CUDA major.minor of the toolkit headers (cuda_runtime_api.h, from
-    # nvidia-cuda-runtime, which torch pins): "CUDA compiler and CUDA toolkit headers
-    # are incompatible".
+    # FlashInfer's CCCL (cuda/std/__cccl/cuda_toolkit.h) stops every JIT build whose
+    # nvcc is not of the CUDA major.minor of the toolkit headers (cuda_runtime_api.h,
+    # from nvidia-cuda-runtime, which torch pins): "CUDA compiler and CUDA toolkit
+    # headers are incompatible".
     if _major_minor(nvcc) != _major_minor(runtime):
         raise ForkError(
-            f"{lock_file.name} pins nvidia-cuda-nvcc {nvcc} but nvidia-cuda-runtime {runtime}: "
-            "FlashInfer's JIT builds refuse an nvcc of another CUDA version than the headers",
+            f"{lock_file.name} pins nvidia-cuda-nvcc {nvcc} but nvidia-cuda-runtime "
+            f"{runtime}: "
+            "FlashInfer's JIT builds refuse an nvcc of another CUDA version than the "
+            "headers",
             f"pin nvidia-cuda-nvcc, nvidia-nvvm and nvidia-cuda-crt of CUDA "
-            f"{'.'.join(_major_minor(runtime))} in fork.toml [routes.cuda] and run `make lock`",
+            f"{'.'.join(_major_minor(runtime))} in fork.toml [routes.cuda] and run "
+            "`make lock`",
         )
     return nvcc
 
@@ -91,13 +102,15 @@ def missing_host_compilers(env: Mapping[str, str]) -> list[str]:
 
 def check_gpu_toolchain(lock_file: Path, env: Mapping[str, str] = os.environ) -> str:
     """Before the install: the agent's host compilers and the pins of the CUDA lock that
-    the GPU runs need. Returns the lock's nvcc version (which names its toolkit folder)."""
+    the GPU runs need. Returns the lock's nvcc version (which names its toolkit
+    folder)."""
     missing = missing_host_compilers(env)
     if missing:
         raise ForkError(
-            f"the GPU tests need a host compiler that this agent lacks: {'; '.join(missing)}",
-            "install gcc and g++ on the agent (Debian/Ubuntu: apt-get install gcc g++), or "
-            "set CC/CXX; nvcc and ninja come from the CUDA lock",
+            "the GPU tests need a host compiler that this agent lacks: "
+            f"{'; '.join(missing)}",
+            "install gcc and g++ on the agent (Debian/Ubuntu: apt-get install gcc "
+            "g++), or set CC/CXX; nvcc and ninja come from the CUDA lock",
         )
     return check_lock_pins(lock_file)
 
@@ -112,8 +125,9 @@ def cuda_home(venv: Path, nvcc_version: str) -> Path:
 def link_dir(venv: Path) -> Path:
     """Link names for FlashInfer's link step, which runs `c++ ... -L$CUDA_HOME/lib64
     -lcudart -lcuda`: the wheels have lib/ and only libcudart.so.NN, and many drivers
-    install only libcuda.so.1, so `-lcudart` and `-lcuda` find nothing. Here libcudart.so
-    and libcuda.so point at those files (the linked module then needs the same sonames
+    install only libcuda.so.1, so `-lcudart` and `-lcuda` find nothing. Here
+    libcudart.so and libcuda.so point at those files (the linked module then needs the
+    same sonames
     that torch and Triton load). In the venv: it lives and goes with it."""
     return venv / "fork-cuda-links"
 
@@ -125,15 +139,19 @@ def toolchain_env(
 
     CUDA_HOME is the lock's toolkit even where the agent sets its own: FlashInfer takes
     its nvcc, headers and libcudart from CUDA_HOME, and the nightly must test the CUDA
-    the lock pins (the one torch was built for), not whichever toolkit an agent has.
-    The venv's bin/ (ninja) comes first on PATH, then the toolkit's bin/ (nvcc, for tools
+    the lock pins (the one torch was built for), not whichever toolkit an agent has. The
+    venv's bin/ (ninja) comes first on PATH, then the toolkit's bin/ (nvcc, for tools
     that look on PATH); LIBRARY_PATH, which gcc and clang search for -l, the link names.
     """
     home = cuda_home(venv, nvcc_version)
     return {
-        "PATH": os.pathsep.join([str(venv / "bin"), str(home / "bin"), *_entries(base, "PATH")]),
+        "PATH": os.pathsep.join(
+            [str(venv / "bin"), str(home / "bin"), *_entries(base, "PATH")]
+        ),
         "CUDA_HOME": str(home),
-        "LIBRARY_PATH": os.pathsep.join([str(link_dir(venv)), *_entries(base, "LIBRARY_PATH")]),
+        "LIBRARY_PATH": os.pathsep.join(
+            [str(link_dir(venv)), *_entries(base, "LIBRARY_PATH")]
+        ),
     }
 
 
@@ -142,7 +160,8 @@ def _entries(env: Mapping[str, str], name: str) -> list[str]:
 
 
 def driver_libcuda(ldconfig_output: str) -> Path | None:
-    """The driver's libcuda.so.1 for this machine from `ldconfig -p`, as Triton finds it."""
+    """The driver's libcuda.so.1 for this machine from `ldconfig -p`, as Triton finds
+    it."""
     for line in ldconfig_output.splitlines():
         name, _, location = line.strip().partition(" => ")
         if name.startswith("libcuda.so.1 ") and "x86-64" in name:
@@ -151,19 +170,25 @@ def driver_libcuda(ldconfig_output: str) -> Path | None:
 
 
 def _ldconfig_cache() -> str:
-    ldconfig = "/sbin/ldconfig" if Path("/sbin/ldconfig").exists() else shutil.which("ldconfig")
+    ldconfig = (
+        "/sbin/ldconfig"
+        if Path("/sbin/ldconfig").exists()
+        else shutil.which("ldconfig")
+    )
     if ldconfig is None:
         return ""
-    return subprocess.run([ldconfig, "-p"], capture_output=True, text=True, check=False).stdout
+    return subprocess.run(
+        [ldconfig, "-p"], capture_output=True, text=True, check=False
+    ).stdout
 
 
 def make_link_dir(venv: Path, nvcc_version: str, libcuda: Path | None) -> None:
-    """Write link_dir(VENV) afresh: libcudart.so to the lock's runtime, libcuda.so to the
-    driver's LIBCUDA (None: not found)."""
+    """Write link_dir(VENV) afresh: libcudart.so to the lock's runtime, libcuda.so to
+    the driver's LIBCUDA (None: not found)."""
     if libcuda is None:
         raise ForkError(
-            "the driver's libcuda.so.1 is not in the dynamic linker's cache (ldconfig -p): "
-            "Triton and FlashInfer link their kernels' modules against it",
+            "the driver's libcuda.so.1 is not in the dynamic linker's cache (ldconfig "
+            "-p): Triton and FlashInfer link their kernels' modules against it",
             "install the NVIDIA driver's libraries on the agent (or run ldconfig)",
         )
     links = link_dir(venv)
@@ -180,10 +205,13 @@ def missing_tools(env: Mapping[str, str], links: Path) -> list[str]:
     wanted = {
         "ninja on PATH": shutil.which("ninja", path=path) is not None,
         f"{home / 'bin' / 'nvcc'}": os.access(home / "bin" / "nvcc", os.X_OK),
-        f"{home / 'nvvm' / 'bin' / 'cicc'}": os.access(home / "nvvm" / "bin" / "cicc", os.X_OK),
+        f"{home / 'nvvm' / 'bin' / 'cicc'}": os.access(
+            home / "nvvm" / "bin" / "cicc", os.X_OK
+        ),
     }
     for name in ("libcudart.so", "libcuda.so"):
-        wanted[f"{links / name}"] = (links / name).exists()  # False also for a dangling link
+        # False also for a dangling link
+        wanted[f"{links / name}"] = (links / name).exists()
     return [what for what, found in wanted.items() if not found]
 
 
@@ -193,50 +221,81 @@ def prepare_toolchain(venv: Path, nvcc_version: str) -> dict[str, str]:
     make_link_dir(venv, nvcc_version, driver_libcuda(_ldconfig_cache()))
     env = toolchain_env(venv, nvcc_version)
     if os.environ.get("CUDA_HOME", env["CUDA_HOME"]) != env["CUDA_HOME"]:
-        log.step(f"nightly: CUDA_HOME={env['CUDA_HOME']} (the lock's) instead of the agent's "
-                 f"{os.environ['CUDA_HOME']}")
+        log.step(
+            f"nightly: CUDA_HOME={env['CUDA_HOME']} (the lock's) instead of the "
+            "agent's "
+            f"{os.environ['CUDA_HOME']}"
+        )
     missing = missing_tools(env, link_dir(venv))
     if missing:
         raise ForkError(
-            f"the installed CUDA toolchain is incomplete, missing: {', '.join(missing)}",
-            "the venv does not hold what the CUDA lock pins: rerun `make install ROUTE=cuda`",
+            "the installed CUDA toolchain is incomplete, missing: "
+            f"{', '.join(missing)}",
+            "the venv does not hold what the CUDA lock pins: rerun `make install "
+            "ROUTE=cuda`",
         )
     return env
 
 
-def probe_flashinfer_jit(python: Path, env: dict[str, str], nvcc_version: str, work: Path,
-                         report: Path) -> int:
-    """Run forkbuild/flashinfer_jit_probe.py in PYTHON's venv with ENV (the nightly's toolchain_env, plus the
-    driver stub where there is no driver); fail naming what FlashInfer's JIT would miss.
-    The nightly runs it too, on the GPU host before the tests: a host compiler that the
-    lock's nvcc refuses stops it there in seconds, not in the first FlashInfer case."""
+def probe_flashinfer_jit(
+    python: Path, env: dict[str, str], nvcc_version: str, work: Path, report: Path
+) -> int:
+    """Run forkbuild/flashinfer_jit_probe.py in PYTHON's venv with ENV (the nightly's
+    toolchain_env, plus the driver stub where there is no driver); fail naming what
+    FlashInfer's JIT would miss. The nightly runs it too, on the GPU host before the
+    tests: a host compiler that the lock's nvcc refuses stops it there in seconds, not
+    in the first FlashInfer case."""
     venv = python.parent.parent
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     done = subprocess.run(
-        [str(python), "-m", "forkbuild.flashinfer_jit_probe", str(work)], cwd=work,
-        env={**os.environ, **env, "PYTHONPATH": str(REPO_ROOT), "FLASHINFER_WORKSPACE_BASE": str(work),
-             "FLASHINFER_CUDA_ARCH_LIST": "8.0 9.0a"},
-        capture_output=True, text=True, check=False,
+        [str(python), "-m", "forkbuild.flashinfer_jit_probe", str(work)],
+        cwd=work,
+        env={
+            **os.environ,
+            **env,
+            "PYTHONPATH": str(REPO_ROOT),
+            "FLASHINFER_WORKSPACE_BASE": str(work),
+            "FLASHINFER_CUDA_ARCH_LIST": "8.0 9.0a",
+        },
+        capture_output=True,
+        text=True,
+        check=False,
     )
     report.write_text(done.stdout + done.stderr)
     if done.returncode != 0:
-        raise ForkError(f"FlashInfer's JIT probe crashed: {done.stderr.strip()[-600:]}",
-                        f"see {report}")
+        raise ForkError(
+            f"FlashInfer's JIT probe crashed: {done.stderr.strip()[-600:]}",
+            f"see {report}",
+        )
     found = json.loads(done.stdout.strip().splitlines()[-1])
     problems = []
     if Path(found["cuda_home"]) != Path(env["CUDA_HOME"]):
-        problems.append(f"FlashInfer takes CUDA from {found['cuda_home']}, not the lock's")
+        problems.append(
+            f"FlashInfer takes CUDA from {found['cuda_home']}, not the lock's"
+        )
     if not found["ninja"] or Path(found["ninja"]).parent != venv / "bin":
         problems.append(f"ninja resolves to {found['ninja']}, not the venv's")
     if not found["cuda_version"].startswith(nvcc_version.rsplit(".", 1)[0]):
-        problems.append(f"FlashInfer reads CUDA {found['cuda_version']}, the lock pins {nvcc_version}")
-    problems += [f"no build graph for {name}" for name, ok in found["modules"].items() if not ok]
+        problems.append(
+            f"FlashInfer reads CUDA {found['cuda_version']}, the lock pins "
+            f"{nvcc_version}"
+        )
+    problems += [
+        f"no build graph for {name}" for name, ok in found["modules"].items() if not ok
+    ]
     if not found["compiled"]:
-        problems.append(f"the lock's nvcc cannot compile and link: {found['compile_error']}")
-    elif len(found["links"]) != 2:  # the module must need the runtime and the driver by soname
-        problems.append(f"the linked module needs only {found['links']} of libcudart, libcuda")
+        problems.append(
+            f"the lock's nvcc cannot compile and link: {found['compile_error']}"
+        )
+    # the module must need the runtime and the driver by soname
+    elif len(found["links"]) != 2:
+        problems.append(
+            f"the linked module needs only {found['links']} of libcudart, libcuda"
+        )
     if problems:
-        raise ForkError("FlashInfer's JIT would fail on the GPU runner: " + "; ".join(problems),
-                        f"see {report}")
+        raise ForkError(
+            "FlashInfer's JIT would fail on the GPU runner: " + "; ".join(problems),
+            f"see {report}",
+        )
     return len(found["modules"])

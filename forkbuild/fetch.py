@@ -1,4 +1,5 @@
-"""Step 1: get the pinned upstream artifacts by package name with pip, verified by sha256.
+"""Step 1: get the pinned upstream artifacts by package name with pip, verified by
+sha256.
 
 Files land in <cache>/artifacts only after their hash matched, so an interrupted or
 tampered download never looks like a good one; a second run downloads nothing.
@@ -29,23 +30,26 @@ def verify(path: Path, artifact: Artifact) -> None:
     if actual != artifact.sha256:
         path.unlink(missing_ok=True)
         raise ForkError(
-            f"sha256 mismatch for {artifact.filename}: got {actual}, fork.toml pins {artifact.sha256}; "
-            "the file was deleted",
-            "run again to download it afresh; if it mismatches again, do not change the pin "
-            "without checking the upstream release",
+            f"sha256 mismatch for {artifact.filename}: got {actual}, fork.toml pins "
+            f"{artifact.sha256}; the file was deleted",
+            "run again to download it afresh; if it mismatches again, do not change "
+            "the pin without checking the upstream release",
         )
 
 
 PipCommand = Path | str | Sequence[str]
 
 
-def fetch(artifact: Artifact, pip: Callable[[], PipCommand], *, quiet: bool = False) -> Path:
+def fetch(
+    artifact: Artifact, pip: Callable[[], PipCommand], *, quiet: bool = False
+) -> Path:
     """Return the verified local path of ARTIFACT, downloading it with pip if needed.
 
-    PIP gives the pip to download with (an interpreter, or a whole command) and is called
-    only when the file is not cached: a cached file needs no environment at all. The
-    sdist is fetched with --no-build-isolation because pip prepares its metadata, and
-    vLLM's setup.py imports torch: its PIP must be the venv's, which has the toolchain.
+    PIP gives the pip to download with (an interpreter, or a whole command) and is
+    called only when the file is not cached: a cached file needs no environment at all.
+    The sdist is fetched with --no-build-isolation because pip prepares its metadata,
+    and vLLM's setup.py imports torch: its PIP must be the venv's, which has the
+    toolchain.
     """
     clean_partial_downloads()
     target = artifacts_dir() / artifact.filename
@@ -59,7 +63,9 @@ def fetch(artifact: Artifact, pip: Callable[[], PipCommand], *, quiet: bool = Fa
     # One file: the largest pinned one, the CUDA wheel, is 239 MiB (uv's packages are
     # checked apart, by uv.install). Also refuses a cache that cannot be written.
     check_disk(artifacts_dir(), 1, f"downloading {artifact.filename}")
-    log.step(f"fetch: downloading {artifact.requirement} ({artifact.filename}) with pip")
+    log.step(
+        f"fetch: downloading {artifact.requirement} ({artifact.filename}) with pip"
+    )
     with tempfile.TemporaryDirectory(prefix=".download-", dir=artifacts_dir()) as tmp:
         args = ["download", "--no-deps", "--progress-bar", "off", "-d", tmp]
         if artifact.filename.endswith(".whl"):
@@ -67,17 +73,25 @@ def fetch(artifact: Artifact, pip: Callable[[], PipCommand], *, quiet: bool = Fa
         else:
             name = artifact.requirement.split("==")[0]
             args += ["--no-binary", name, "--no-build-isolation"]
-        run_pip(pip(), [*args, artifact.requirement], what=f"download {artifact.requirement}", quiet=quiet)
+        run_pip(
+            pip(),
+            [*args, artifact.requirement],
+            what=f"download {artifact.requirement}",
+            quiet=quiet,
+        )
         got = Path(tmp) / artifact.filename
         if not got.exists():
             saved = ", ".join(sorted(os.listdir(tmp))) or "nothing"
             raise ForkError(
                 f"pip saved {saved}, not the pinned {artifact.filename}",
-                "the index serves different files for this requirement; check fork.toml",
+                "the index serves different files for this requirement; "
+                "check fork.toml",
             )
         verify(got, artifact)
         os.replace(got, target)
-    log.step(f"fetch: {artifact.filename} verified ({target.stat().st_size / 2**20:.0f} MiB)")
+    log.step(
+        f"fetch: {artifact.filename} verified ({target.stat().st_size / 2**20:.0f} MiB)"
+    )
     return target
 
 

@@ -23,7 +23,8 @@ def _is_packing_branch(test: ast.expr) -> bool:
 
 def classify(source: str) -> Verdict:
     """'fixed' when the packed branch views with permuted_kv_cache_shape, 'buggy' when
-    it views with kv_cache_shape, 'unknown' when the code no longer looks like either."""
+    it views with kv_cache_shape, 'unknown' when the code no longer looks like
+    either."""
     try:
         tree = ast.parse(source)
     except SyntaxError:

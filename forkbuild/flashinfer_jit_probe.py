@@ -1,11 +1,12 @@
 """FlashInfer's JIT toolchain checked without compiling its kernels (a probe).
 
-Run in the CUDA venv with the nightly's toolchain environment (forkbuild/cuda_toolchain.py):
+Run in the CUDA venv with the nightly's toolchain environment
+(forkbuild/cuda_toolchain.py):
 
     python -m forkbuild.flashinfer_jit_probe WORK
 
-It reports where FlashInfer's JIT finds CUDA, nvcc and ninja; whether the build graphs of
-the paged prefill modules that the kernel test's wrappers ask for resolve (FA2: the
+It reports where FlashInfer's JIT finds CUDA, nvcc and ninja; whether the build graphs
+of the paged prefill modules that the kernel test's wrappers ask for resolve (FA2: the
 prefill wrapper on Ampere and the decode wrapper with tensor cores; FA3: the prefill
 wrapper on Hopper; sliding and full layers, bf16, head size 64) with `ninja -n`, which
 compiles nothing (a module takes about a minute of nvcc on 2 cores); and whether one
@@ -25,7 +26,8 @@ from pathlib import Path
 from forkbuild.driver_stub import needed_libraries
 
 # A runtime call and a driver call (one the wheel's extensions import, so the stub
-# defines it): gcc links --as-needed on Debian, so an unused -lcuda would leave no trace.
+# defines it): gcc links --as-needed on Debian, so an unused -lcuda would leave no
+# trace.
 PROBE_CU = """#include <cuda_runtime.h>
 extern "C" int cuCtxGetCurrent(void **context);
 __global__ void k(float *x) { x[threadIdx.x] += 1; }
@@ -43,13 +45,29 @@ def build_graphs() -> dict[str, bool]:
     found = {}
     for backend in ("fa2", "fa3"):
         for sliding in (False, True):
-            spec = gen_batch_prefill_module(backend, torch.bfloat16, torch.bfloat16,
-                                            torch.bfloat16, torch.int32, 64, 64, 0, sliding,
-                                            False, False)
+            spec = gen_batch_prefill_module(
+                backend,
+                torch.bfloat16,
+                torch.bfloat16,
+                torch.bfloat16,
+                torch.int32,
+                64,
+                64,
+                0,
+                sliding,
+                False,
+                False,
+            )
             spec.write_ninja()
-            dry = subprocess.run(["ninja", "-n", "-C", str(spec.build_dir)],
-                                 capture_output=True, text=True, check=False)
-            found[spec.name] = dry.returncode == 0 and "nvcc" in spec.ninja_path.read_text()
+            dry = subprocess.run(
+                ["ninja", "-n", "-C", str(spec.build_dir)],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            found[spec.name] = (
+                dry.returncode == 0 and "nvcc" in spec.ninja_path.read_text()
+            )
     return found
 
 
@@ -59,9 +77,18 @@ def compile_and_link(cuda_home: str, work: Path) -> tuple[bool, str, list[str]]:
     source, obj, lib = work / "probe.cu", work / "probe.cuda.o", work / "probe.so"
     source.write_text(PROBE_CU)
     nvcc = os.path.join(cuda_home, "bin", "nvcc")
-    steps = ([nvcc, "-c", "-Xcompiler", "-fPIC", "-arch=sm_80", str(source), "-o", str(obj)],
-             [os.environ.get("CXX", "c++"), "-shared", str(obj), "-o", str(lib), "-lcudart",
-              "-lcuda"])
+    steps = (
+        [nvcc, "-c", "-Xcompiler", "-fPIC", "-arch=sm_80", str(source), "-o", str(obj)],
+        [
+            os.environ.get("CXX", "c++"),
+            "-shared",
+            str(obj),
+            "-o",
+            str(lib),
+            "-lcudart",
+            "-lcuda",
+        ],
+    )
     for step in steps:
         try:
             built = subprocess.run(step, capture_output=True, text=True, check=False)
@@ -77,9 +104,16 @@ def probe(work: Path) -> dict:
 
     cuda_home = cpp_ext.get_cuda_path()
     compiled, error, links = compile_and_link(cuda_home, work)
-    return {"cuda_home": cuda_home, "ninja": shutil.which("ninja"), "nvcc": shutil.which("nvcc"),
-            "cuda_version": str(cpp_ext.get_cuda_version()), "modules": build_graphs(),
-            "compiled": compiled, "compile_error": error, "links": links}
+    return {
+        "cuda_home": cuda_home,
+        "ninja": shutil.which("ninja"),
+        "nvcc": shutil.which("nvcc"),
+        "cuda_version": str(cpp_ext.get_cuda_version()),
+        "modules": build_graphs(),
+        "compiled": compiled,
+        "compile_error": error,
+        "links": links,
+    }
 
 
 def main(argv: list[str]) -> int:

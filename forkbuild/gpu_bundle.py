@@ -49,9 +49,17 @@ from forkbuild.load_extensions import record_digest, wheel_record
 from forkbuild.pins import REPO_ROOT, Pins, build_dir, cache_dir
 
 FORMAT = "fork-gpu-bundle-2"
-RUNNER_MODULES = ("__init__", "errors", "log", "hashing", "pytest_runner", "pytest_progress",
-                  "gpu_required", "fixcheck",
-                  "bundle_run")
+RUNNER_MODULES = (
+    "__init__",
+    "errors",
+    "log",
+    "hashing",
+    "pytest_runner",
+    "pytest_progress",
+    "gpu_required",
+    "fixcheck",
+    "bundle_run",
+)
 RUN_SH = REPO_ROOT / "forkbuild" / "bundle_run.sh"
 # The roots a component unpacks into on the host: site/ goes first on PYTHONPATH, tree/
 # is where pytest runs (the node ids are the tree's), models/ holds the tiny models.
@@ -66,7 +74,7 @@ def compressed_cache() -> Path:
     return cache_dir() / "gpu-bundle"
 
 
-# --- the target host -------------------------------------------------------------------
+# --- the target host ------------------------------------------------------------------
 
 UNKNOWN = None  # a host package whose version the host file does not give
 
@@ -90,11 +98,15 @@ class Host:
 
 
 def read_host(path: Path) -> Host:
-    """A host file: `# python: X.Y.Z`, `# glibc: X.Y`, then `pip freeze` lines (`name==version`; a line
-    with a bare name, or `name @ url`, is a package of unknown version)."""
+    """A host file: `# python: X.Y.Z`, `# glibc: X.Y`, then `pip freeze` lines
+    (`name==version`; a line with a bare name, or `name @ url`, is a package of unknown
+    version)."""
     if not path.is_file():
-        raise ForkError(f"no host file {path}",
-                        "give one made by `bash run.sh --inventory` on the host (make gpu-bundle GPU_HOST=FILE)")
+        raise ForkError(
+            f"no host file {path}",
+            "give one made by `bash run.sh --inventory` on the host (make "
+            "gpu-bundle GPU_HOST=FILE)",
+        )
     python, glibc, packages = None, None, {}
     for number, line in enumerate(path.read_text().splitlines(), 1):
         text = line.strip()
@@ -108,15 +120,21 @@ def read_host(path: Path) -> Host:
             continue
         if not text or text.startswith(("#", "-e ")):
             continue
-        pin = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:==\s*(\S+)|@\s*\S+)?", text)
+        pin = re.fullmatch(
+            r"([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:==\s*(\S+)|@\s*\S+)?", text
+        )
         if pin is None:
-            raise ForkError(f"{path}:{number}: not a `pip freeze` line: {text!r}",
-                            "make the file with `bash run.sh --inventory` on the host")
+            raise ForkError(
+                f"{path}:{number}: not a `pip freeze` line: {text!r}",
+                "make the file with `bash run.sh --inventory` on the host",
+            )
         packages[lock.normalize(pin[1])] = pin[2] or UNKNOWN
     if python is None or glibc is None:
-        raise ForkError(f"{path} does not say the host's Python and C library "
-                        "(`# python: X.Y.Z` and `# glibc: X.Y` lines)",
-                        "make the file with `bash run.sh --inventory` on the host")
+        raise ForkError(
+            f"{path} does not say the host's Python and C library "
+            "(`# python: X.Y.Z` and `# glibc: X.Y` lines)",
+            "make the file with `bash run.sh --inventory` on the host",
+        )
     return Host(python, glibc, packages, path)
 
 
@@ -133,7 +151,11 @@ def check_host_torch(host: Host, lock_pins: dict[str, str]) -> None:
         have, want = host.version(name), lock_pins[name]
         public, _, local = (have or "").partition("+")
         if have is None or public != want or (local and local != label):
-            shown = "none" if lock.normalize(name) not in host.packages else have or "unknown"
+            shown = (
+                "none"
+                if lock.normalize(name) not in host.packages
+                else have or "unknown"
+            )
             raise ForkError(
                 f"the host's {name} is {shown}; the bundle needs {want}"
                 + (f" (+{label} or no label)" if name == "torch" else "")
@@ -151,13 +173,16 @@ class Trace:
     tree_files: tuple[str, ...]
 
 
-def trace_imports(pins: Pins, python: Path, tree: Path, stub: Path, report: Path) -> Trace:
-    """Collect the GPU tests (and the CUDA route's kernel-call test) in the CUDA venv with
-    forkbuild/import_trace.py, importing the engine's modules at the end."""
+def trace_imports(
+    pins: Pins, python: Path, tree: Path, stub: Path, report: Path
+) -> Trace:
+    """Collect the GPU tests (and the CUDA route's kernel-call test) in the CUDA venv
+    with forkbuild/import_trace.py, importing the engine's modules at the end."""
     settings = bundle_settings()
     out = report.with_suffix(".json")
     env = {
-        **os.environ, **cuda_route.stub_env(stub),
+        **os.environ,
+        **cuda_route.stub_env(stub),
         "PYTHONPATH": os.pathsep.join([str(tree), str(REPO_ROOT)]),
         "FORKBUILD_TRACE_OUT": str(out),
         "FORKBUILD_TRACE_BLOCK": ",".join(settings["left_out"].values()),
@@ -166,18 +191,38 @@ def trace_imports(pins: Pins, python: Path, tree: Path, stub: Path, report: Path
     log.step(f"gpu bundle: tracing what the GPU cases import (report: {report})")
     with open(report, "w") as sink:
         done = subprocess.run(
-            [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-q", "--collect-only",
-             "-p", "forkbuild.import_trace", *pins.gpu_tests, *pins.cuda_route_tests],
-            cwd=tree, env=env, stdout=sink, stderr=subprocess.STDOUT, check=False,
+            [
+                str(python),
+                "-m",
+                "pytest",
+                "-p",
+                "no:cacheprovider",
+                "-q",
+                "--collect-only",
+                "-p",
+                "forkbuild.import_trace",
+                *pins.gpu_tests,
+                *pins.cuda_route_tests,
+            ],
+            cwd=tree,
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            check=False,
         )
     if done.returncode != 0 or not out.is_file():
-        raise ForkError(f"collecting the GPU tests to trace their imports failed "
-                        f"(exit {done.returncode})", f"see {report}")
+        raise ForkError(
+            f"collecting the GPU tests to trace their imports failed "
+            f"(exit {done.returncode})",
+            f"see {report}",
+        )
     found = json.loads(out.read_text())
     if found["import_errors"]:
-        raise ForkError("modules the GPU cases import do not import in the CUDA venv: "
-                        + "; ".join(found["import_errors"]),
-                        "fix fork.toml [gpu_bundle] engine_modules or the install")
+        raise ForkError(
+            "modules the GPU cases import do not import in the CUDA venv: "
+            + "; ".join(found["import_errors"]),
+            "fix fork.toml [gpu_bundle] engine_modules or the install",
+        )
     return Trace(found["distributions"], tuple(found["tree_files"]))
 
 
@@ -189,8 +234,10 @@ def _table(name: str) -> dict:
     try:
         return tomllib.loads(PINS_FILE.read_text())[name]
     except KeyError:
-        raise ForkError(f"{PINS_FILE} has no [{name}] table",
-                        "compare it with the fork's main branch") from None
+        raise ForkError(
+            f"{PINS_FILE} has no [{name}] table",
+            "compare it with the fork's main branch",
+        ) from None
 
 
 def bundle_settings() -> dict:
@@ -225,31 +272,46 @@ class Selection:
 def select(trace: Trace, host: Host, lock_pins: dict[str, str]) -> Selection:
     settings = bundle_settings()
     names = {lock.normalize(n): n for n in trace.distributions}
-    requires = {lock.normalize(n): [lock.normalize(r) for r in d["requires"]]
-                for n, d in trace.distributions.items()}
+    requires = {
+        lock.normalize(n): [lock.normalize(r) for r in d["requires"]]
+        for n, d in trace.distributions.items()
+    }
     torch_family = _closure({"torch"}, requires)
-    provided = {"torch", "triton"} | {n for n in torch_family
-                                      if n.startswith(("nvidia-", "cuda-"))}
+    provided = {"torch", "triton"} | {
+        n for n in torch_family if n.startswith(("nvidia-", "cuda-"))
+    }
     # The runner's own packages are carried whether or not the collection loaded them.
     roots = {lock.normalize(n) for n in settings["harness"]}
     missing = sorted(roots - lock_pins.keys())
     if missing:
-        raise ForkError(f"the CUDA lock does not pin the runner's {', '.join(missing)}",
-                        "add them to fork.toml [toolchain] test and run `make lock`")
+        raise ForkError(
+            f"the CUDA lock does not pin the runner's {', '.join(missing)}",
+            "add them to fork.toml [toolchain] test and run `make lock`",
+        )
     harness = _closure(roots, requires)
     names.update({n: n for n in roots - names.keys()})
     carried, from_host = {}, {}
     for name in sorted(names.keys() - provided - {"vllm"}):
         if name not in lock_pins:
-            raise ForkError(f"the GPU cases import {names[name]}, which the CUDA lock does not pin",
-                            "add it to the lock's inputs (fork.toml) or to [gpu_bundle] left_out")
+            raise ForkError(
+                f"the GPU cases import {names[name]}, which the CUDA lock does not pin",
+                "add it to the lock's inputs (fork.toml) or to [gpu_bundle] left_out",
+            )
         have = host.packages.get(name, "absent")
-        if name in harness or have == "absent" or (have is not UNKNOWN and have != lock_pins[name]):
+        if (
+            name in harness
+            or have == "absent"
+            or (have is not UNKNOWN and have != lock_pins[name])
+        ):
             carried[name] = lock_pins[name]
         else:
             from_host[name] = have
-    return Selection(carried, from_host, tuple(sorted(provided & names.keys())),
-                     tuple(sorted(settings["left_out"])))
+    return Selection(
+        carried,
+        from_host,
+        tuple(sorted(provided & names.keys())),
+        tuple(sorted(settings["left_out"])),
+    )
 
 
 # --- components --------------------------------------------------------------------
@@ -274,7 +336,9 @@ class Component:
 
     def key(self) -> str:
         """What the archive's bytes depend on: names, contents and modes, in order."""
-        listing = [(p, self.digests[p], _mode(self.files[p])) for p in sorted(self.files)]
+        listing = [
+            (p, self.digests[p], _mode(self.files[p])) for p in sorted(self.files)
+        ]
         return hashlib.sha256(json.dumps([FORMAT, listing]).encode()).hexdigest()
 
     @property
@@ -291,8 +355,9 @@ def _is_elf(path: Path) -> bool:
         return handle.read(4) == b"\x7fELF"
 
 
-def vllm_components(pins: Pins, tree: Path, wheel: Path, loaded: set[str],
-                    work: Path) -> tuple[Component, list[Component], list[str]]:
+def vllm_components(
+    pins: Pins, tree: Path, wheel: Path, loaded: set[str], work: Path
+) -> tuple[Component, list[Component], list[str]]:
     """vLLM's Python (the official wheel's files under vllm/ with the tree's patched
     ones, and a .dist-info), one component per compiled extension the cases load, and
     the compiled files left out. Every byte from the wheel is held to its RECORD."""
@@ -306,14 +371,17 @@ def vllm_components(pins: Pins, tree: Path, wheel: Path, loaded: set[str],
     generated = work / "dist-info"
     for path, digest in sorted(record.items()):
         if not path.startswith("vllm/") or path.endswith("/") or path in GENERATED:
-            continue  # vllm/_version.py: the build's own (the fork's version), added below
+            # vllm/_version.py: the build's own (the fork's version), added below
+            continue
         source = tree / path
         if path in patched:
             python.add(path, source)
             continue
         if not source.is_file() or record_digest(source.read_bytes()) != digest:
-            raise ForkError(f"{source} is not the official wheel's {path} (its RECORD differs)",
-                            "rerun the CUDA route's install: rm -r build/cuda-route; make test")
+            raise ForkError(
+                f"{source} is not the official wheel's {path} (its RECORD differs)",
+                "rerun the CUDA route's install: rm -r build/cuda-route; make test",
+            )
         if path.endswith(".so") or _is_elf(source):
             if path in loaded:
                 extension = Component(path, SITE)
@@ -325,27 +393,35 @@ def vllm_components(pins: Pins, tree: Path, wheel: Path, loaded: set[str],
         python.add(path, source)
     version_file = tree / "vllm" / "_version.py"
     if pins.fork_version not in version_file.read_text():
-        raise ForkError(f"{version_file} does not give {pins.fork_version}",
-                        "rerun the CUDA route's install: rm -r build/cuda-route; make test")
+        raise ForkError(
+            f"{version_file} does not give {pins.fork_version}",
+            "rerun the CUDA route's install: rm -r build/cuda-route; make test",
+        )
     python.add("vllm/_version.py", version_file)
     for path in sorted(p for p in patched - record.keys() if p.startswith("vllm/")):
         if (tree / path).is_file():  # a file the series adds
             python.add(path, tree / path)
     missing = sorted(loaded - {e.name for e in extensions})
     if missing:
-        raise ForkError(f"the cases load {', '.join(missing)}, which the official wheel lacks")
+        raise ForkError(
+            f"the cases load {', '.join(missing)}, which the official wheel lacks"
+        )
     # The version is what vLLM's platform detection reads (a "cpu" in it means CPU).
     info = generated / f"vllm-{pins.fork_version}.dist-info"
     info.mkdir(parents=True, exist_ok=True)
     (info / "METADATA").write_text(
         f"Metadata-Version: 2.1\nName: vllm\nVersion: {pins.fork_version}\n"
-        f"Summary: vLLM {pins.upstream_version} with the fork's patches (forkbuild gpu-bundle)\n")
+        f"Summary: vLLM {pins.upstream_version} with the fork's patches (forkbuild "
+        "gpu-bundle)\n"
+    )
     (info / "INSTALLER").write_text("forkbuild-gpu-bundle\n")
     for entry in sorted(info.iterdir()):
         python.add(f"{info.name}/{entry.name}", entry)
     fixed = fixcheck.classify((tree / fixcheck.MODULE_PATH).read_text())
     if fixed != "fixed":
-        raise ForkError(f"{tree / fixcheck.MODULE_PATH} is {fixed}, not fixed", "make tree")
+        raise ForkError(
+            f"{tree / fixcheck.MODULE_PATH} is {fixed}, not fixed", "make tree"
+        )
     return python, extensions, left
 
 
@@ -361,18 +437,35 @@ def tree_component(tree: Path, trace: Trace, pins: Pins) -> Component:
     return component
 
 
-def packages_component(pins: Pins, selection: Selection, host: Host, lock_file: Path,
-                       work: Path) -> tuple[Component, list[str]]:
-    """The carried distributions, installed by uv from the lock (hashes required) for the
-    host's Python into a folder of their own; files fork.toml omits are left out."""
+def packages_component(
+    pins: Pins, selection: Selection, host: Host, lock_file: Path, work: Path
+) -> tuple[Component, list[str]]:
+    """The carried distributions, installed by uv from the lock (hashes required) for
+    the host's Python into a folder of their own; files fork.toml omits are left out."""
     target = work / "packages"
     shutil.rmtree(target, ignore_errors=True)
     requirements = work / "packages.txt"
     requirements.write_text(lock.entries(lock_file, set(selection.carried)))
-    uv.install(pins, ["install", "--target", str(target), "--no-deps", "--require-hashes",
-                      "--python-version", host.python, "--python-platform", host.platform, "--only-binary", ":all:",
-                      "--quiet", "-r", str(requirements)],
-               what=f"the {len(selection.carried)} packages the bundle carries")
+    uv.install(
+        pins,
+        [
+            "install",
+            "--target",
+            str(target),
+            "--no-deps",
+            "--require-hashes",
+            "--python-version",
+            host.python,
+            "--python-platform",
+            host.platform,
+            "--only-binary",
+            ":all:",
+            "--quiet",
+            "-r",
+            str(requirements),
+        ],
+        what=f"the {len(selection.carried)} packages the bundle carries",
+    )
     omit = set(bundle_settings().get("omit", ()))
     component, omitted = Component("packages", SITE), []
     for source in sorted(p for p in target.rglob("*") if p.is_file() or p.is_symlink()):
@@ -380,16 +473,21 @@ def packages_component(pins: Pins, selection: Selection, host: Host, lock_file: 
         if "__pycache__" in path.split("/"):
             continue
         if source.is_symlink():
-            raise ForkError(f"{path} of the carried packages is a symbolic link",
-                            "the bundle carries regular files only")
+            raise ForkError(
+                f"{path} of the carried packages is a symbolic link",
+                "the bundle carries regular files only",
+            )
         if path in omit:
             omitted.append(path)
             continue
         component.add(path, source)
     unused = omit - set(omitted)
     if unused:
-        raise ForkError(f"fork.toml [gpu_bundle] omit names files no carried package has: "
-                        f"{', '.join(sorted(unused))}", "remove them from the list")
+        raise ForkError(
+            "fork.toml [gpu_bundle] omit names files no carried package has: "
+            f"{', '.join(sorted(unused))}",
+            "remove them from the list",
+        )
     return component, omitted
 
 
@@ -398,11 +496,16 @@ def models_component(python: Path, tree: Path, stub: Path, work: Path) -> Compon
     folder = work / "models"
     done = subprocess.run(
         [str(python), "-m", "tests.v1.worker.offload_e2e_configs", str(folder)],
-        cwd=tree, env={**os.environ, **cuda_route.stub_env(stub), "PYTHONPATH": str(tree)},
-        capture_output=True, text=True, check=False,
+        cwd=tree,
+        env={**os.environ, **cuda_route.stub_env(stub), "PYTHONPATH": str(tree)},
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if done.returncode != 0:
-        raise ForkError(f"generating the tiny models failed: {done.stderr.strip()[-400:]}")
+        raise ForkError(
+            f"generating the tiny models failed: {done.stderr.strip()[-400:]}"
+        )
     component = Component(MODELS, MODELS)
     for source in sorted(p for p in folder.rglob("*") if p.is_file()):
         component.add(source.relative_to(folder).as_posix(), source)
@@ -413,17 +516,21 @@ def models_component(python: Path, tree: Path, stub: Path, work: Path) -> Compon
 
 
 # The first member of every archive (bundle_run.FILE_LIST): its files' sha256, as
-# `sha256sum` writes them. The manifest vouches for the archive; the list, for each file.
+# `sha256sum` writes them. The manifest vouches for the archive; the list, for each
+# file.
 
 
 def _write_archive(files: list[tuple[str, str, int, str]], out: str) -> int:
     """A deterministic tar of FILES (path, source, mode, sha256) after their list,
-    xz-compressed into OUT (written beside it, then renamed). Runs in a worker process."""
+    xz-compressed into OUT (written beside it, then renamed). Runs in a worker
+    process."""
     partial = f"{out}.partial-{os.getpid()}"
     listing = "".join(f"{digest}  {path}\n" for path, _, _, digest in files).encode()
     try:
-        with lzma.open(partial, "wb", preset=6) as xz, \
-                tarfile.open(fileobj=xz, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        with (
+            lzma.open(partial, "wb", preset=6) as xz,
+            tarfile.open(fileobj=xz, mode="w", format=tarfile.GNU_FORMAT) as tar,
+        ):
             info = tarfile.TarInfo(FILE_LIST)
             info.size, info.mode, info.mtime = len(listing), 0o644, 0
             tar.addfile(info, io.BytesIO(listing))
@@ -432,7 +539,8 @@ def _write_archive(files: list[tuple[str, str, int, str]], out: str) -> int:
                 info.size, info.mode, info.mtime = os.path.getsize(source), mode, 0
                 with open(source, "rb") as handle:
                     tar.addfile(info, handle)
-        # The archive's own sha256 beside it: a cached archive is reused only if it matches.
+        # The archive's own sha256 beside it: a cached archive is reused only if it
+        # matches.
         Path(f"{out}.sha256").write_text(sha256_file(Path(partial)) + "\n")
         os.replace(partial, out)
     finally:
@@ -443,8 +551,11 @@ def _write_archive(files: list[tuple[str, str, int, str]], out: str) -> int:
 def _cached(archive: Path) -> bool:
     """Whether ARCHIVE is in the cache as it was written (its sha256 file says so)."""
     recorded = Path(f"{archive}.sha256")
-    return (archive.is_file() and recorded.is_file()
-            and recorded.read_text().strip() == sha256_file(archive))
+    return (
+        archive.is_file()
+        and recorded.is_file()
+        and recorded.read_text().strip() == sha256_file(archive)
+    )
 
 
 def compress(components: list[Component]) -> dict[str, Path]:
@@ -456,15 +567,26 @@ def compress(components: list[Component]) -> dict[str, Path]:
     todo = [c for c in components if not _cached(archives[c.name])]
     if todo:
         mib = sum(c.raw_bytes for c in todo) / 2**20
-        log.step(f"gpu bundle: compressing {len(todo)} component(s), {mib:.0f} MiB, with xz "
-                 f"({', '.join(c.name for c in todo)}); kept in {store} for the next time")
+        log.step(
+            f"gpu bundle: compressing {len(todo)} component(s), {mib:.0f} MiB, with xz "
+            f"({', '.join(c.name for c in todo)}); kept in {store} for the next time"
+        )
         with ProcessPoolExecutor(max_workers=2) as pool:
-            jobs = {c.name: pool.submit(
-                _write_archive,
-                [(p, str(c.files[p]), _mode(c.files[p]), c.digests[p]) for p in sorted(c.files)],
-                str(archives[c.name])) for c in todo}
+            jobs = {
+                c.name: pool.submit(
+                    _write_archive,
+                    [
+                        (p, str(c.files[p]), _mode(c.files[p]), c.digests[p])
+                        for p in sorted(c.files)
+                    ],
+                    str(archives[c.name]),
+                )
+                for c in todo
+            }
             for name, job in jobs.items():
-                log.step(f"gpu bundle: {name}: {job.result() / 2**20:.1f} MiB compressed")
+                log.step(
+                    f"gpu bundle: {name}: {job.result() / 2**20:.1f} MiB compressed"
+                )
     return archives
 
 
@@ -475,7 +597,9 @@ class Part:
     size: int  # bytes, the runner's files included in part 1
 
 
-def pack(sizes: dict[str, int], order: list[str], limit: int, first_extra: int) -> list[Part]:
+def pack(
+    sizes: dict[str, int], order: list[str], limit: int, first_extra: int
+) -> list[Part]:
     """Components into parts of at most LIMIT bytes, each going to the first part with
     room, in ORDER (part 1 also holds FIRST_EXTRA bytes: the runner and manifest)."""
     filled: list[list[str]] = []
@@ -490,25 +614,36 @@ def pack(sizes: dict[str, int], order: list[str], limit: int, first_extra: int) 
         else:
             start = first_extra if not filled else 0
             if start + size > limit:
-                raise ForkError(f"{name} is {size / 2**20:.1f} MiB compressed, more than a part "
-                                f"of {limit / 2**20:.0f} MiB can hold",
-                                "raise PART_MIB, or omit files of it (fork.toml [gpu_bundle] omit)")
+                raise ForkError(
+                    f"{name} is {size / 2**20:.1f} MiB compressed, more than a part of "
+                    f"{limit / 2**20:.0f} MiB can hold",
+                    "raise PART_MIB, or omit files of it (fork.toml [gpu_bundle] omit)",
+                )
             filled.append([name])
             used.append(start + size)
-    return [Part(f"part-{i + 1}", tuple(names), size)
-            for i, (names, size) in enumerate(zip(filled, used))]
+    return [
+        Part(f"part-{i + 1}", tuple(names), size)
+        for i, (names, size) in enumerate(zip(filled, used))
+    ]
 
 
-def cases_by_part(parts: list[Part], base: list[str], needs: dict[str, list[str]],
-                  components: set[str]) -> dict[str, list[str]]:
+def cases_by_part(
+    parts: list[Part],
+    base: list[str],
+    needs: dict[str, list[str]],
+    components: set[str],
+) -> dict[str, list[str]]:
     """Part name -> the node ids whose needs the parts up to it first meet."""
     have: set[str] = set()
     added = {}
     for part in parts:
         before = {n for n, need in needs.items() if set(base + need) <= have}
         have |= set(part.components)
-        added[part.name] = sorted(n for n, need in needs.items()
-                                  if set(base + need) <= have and n not in before)
+        added[part.name] = sorted(
+            n
+            for n, need in needs.items()
+            if set(base + need) <= have and n not in before
+        )
     return added
 
 
@@ -527,9 +662,11 @@ class Bundle:
             return node.split("::", 1)[1] if "::" in node else node
 
         return "; ".join(
-            f"{p.name} {p.size / 2**20:.1f} MiB ({', '.join(c.rsplit('/', 1)[-1] for c in p.components)})"
+            f"{p.name} {p.size / 2**20:.1f} MiB "
+            f"({', '.join(c.rsplit('/', 1)[-1] for c in p.components)})"
             f": {', '.join(map(short, self.cases[p.name])) or 'no case yet'}"
-            for p in self.parts)
+            for p in self.parts
+        )
 
 
 @dataclass(frozen=True)
@@ -543,7 +680,9 @@ class Source:
     trace: Trace
 
 
-def prepare(pins: Pins, results: Path, route: tuple[Path, Path, Path] | None = None) -> Source:
+def prepare(
+    pins: Pins, results: Path, route: tuple[Path, Path, Path] | None = None
+) -> Source:
     """The CUDA route (installed in build/cuda-route unless ROUTE gives its python, tree
     and stub folder) and the trace of the GPU cases' imports there."""
     if route is None:
@@ -554,48 +693,91 @@ def prepare(pins: Pins, results: Path, route: tuple[Path, Path, Path] | None = N
     return Source(python, tree, stub, trace)
 
 
-def build(pins: Pins, host_file: Path | None = None, out: Path | None = None,
-          part_mib: float | None = None, source: Source | None = None) -> Bundle:
+def build(
+    pins: Pins,
+    host_file: Path | None = None,
+    out: Path | None = None,
+    part_mib: float | None = None,
+    source: Source | None = None,
+) -> Bundle:
     """The bundle for HOST_FILE (default: fork.toml's reference host) in OUT (default
     dist/gpu-bundle), in parts of at most PART_MIB."""
     settings = bundle_settings()
     host = read_host(host_file or REPO_ROOT / settings["host"])
     lock_file = lock.path("cuda", host.python)
     if not lock_file.is_file():
-        raise ForkError(f"the host's Python is {host.python}, which the fork does not lock",
-                        f"the fork supports Python {', '.join(pins.pythons)}")
+        raise ForkError(
+            f"the host's Python is {host.python}, which the fork does not lock",
+            f"the fork supports Python {', '.join(pins.pythons)}",
+        )
     lock_pins = lock.pinned(lock_file)
     check_host_torch(host, lock_pins)
-    limit = int((part_mib or float(os.environ.get("PART_MIB") or settings["part_mib"])) * 2**20)
+    limit = int(
+        (part_mib or float(os.environ.get("PART_MIB") or settings["part_mib"])) * 2**20
+    )
     results = build_dir() / "test-results"
     results.mkdir(parents=True, exist_ok=True)
     source = source or prepare(pins, results)
     selection = select(source.trace, host, lock_pins)
     wheel = fetch.artifacts_dir() / pins.routes["cuda"].wheel.filename
-    loaded = {f for f in source.trace.tree_files if f.startswith("vllm/") and f.endswith(".so")}
-    log.step(f"gpu bundle: for {host.source.name} (Python {host.python}): "
-             f"{len(selection.carried)} packages carried, {len(selection.from_host)} the "
-             f"host's, {', '.join(selection.provided)} the host's by rule; extensions the "
-             f"cases load: {', '.join(sorted(loaded))}")
+    loaded = {
+        f
+        for f in source.trace.tree_files
+        if f.startswith("vllm/") and f.endswith(".so")
+    }
+    log.step(
+        f"gpu bundle: for {host.source.name} (Python {host.python}): "
+        f"{len(selection.carried)} packages carried, {len(selection.from_host)} the "
+        f"host's, {', '.join(selection.provided)} the host's by rule; extensions the "
+        f"cases load: {', '.join(sorted(loaded))}"
+    )
     with tempfile.TemporaryDirectory(prefix=".gpu-bundle-", dir=build_dir()) as tmp:
         work = Path(tmp)
-        vllm_python, extensions, left = vllm_components(pins, source.tree, wheel, loaded, work)
+        vllm_python, extensions, left = vllm_components(
+            pins, source.tree, wheel, loaded, work
+        )
         packages, omitted = packages_component(pins, selection, host, lock_file, work)
-        components = [tree_component(source.tree, source.trace, pins), vllm_python, packages,
-                      *extensions, models_component(source.python, source.tree, source.stub, work)]
+        components = [
+            tree_component(source.tree, source.trace, pins),
+            vllm_python,
+            packages,
+            *extensions,
+            models_component(source.python, source.tree, source.stub, work),
+        ]
         archives = compress(components)
-        return _assemble(pins, host, selection, components, archives, left, omitted,
-                         limit, out or dist_dir())
+        return _assemble(
+            pins,
+            host,
+            selection,
+            components,
+            archives,
+            left,
+            omitted,
+            limit,
+            out or dist_dir(),
+        )
 
 
 def _runner_files() -> dict[str, Path]:
-    files = {f"runner/forkbuild/{m}.py": REPO_ROOT / "forkbuild" / f"{m}.py" for m in RUNNER_MODULES}
+    files = {
+        f"runner/forkbuild/{m}.py": REPO_ROOT / "forkbuild" / f"{m}.py"
+        for m in RUNNER_MODULES
+    }
     return {"run.sh": RUN_SH, **files}
 
 
-def _assemble(pins: Pins, host: Host, selection: Selection, components: list[Component],
-              archives: dict[str, Path], left: list[str], omitted: list[str], limit: int,
-              out: Path, settings: dict | None = None) -> Bundle:
+def _assemble(
+    pins: Pins,
+    host: Host,
+    selection: Selection,
+    components: list[Component],
+    archives: dict[str, Path],
+    left: list[str],
+    omitted: list[str],
+    limit: int,
+    out: Path,
+    settings: dict | None = None,
+) -> Bundle:
     """Write the bundle to OUT (beside it first, then renamed): run.sh, the runner, the
     manifest, SHA256SUMS and the parts' archives. SETTINGS: fork.toml [gpu_bundle]."""
     settings = settings or bundle_settings()
@@ -603,21 +785,34 @@ def _assemble(pins: Pins, host: Host, selection: Selection, components: list[Com
     order = [name for name in settings["order"] if name in by_name]
     unordered = sorted(by_name.keys() - set(order))
     if unordered:
-        raise ForkError(f"fork.toml [gpu_bundle] order does not place {', '.join(unordered)}",
-                        "add them to the order list")
+        raise ForkError(
+            f"fork.toml [gpu_bundle] order does not place {', '.join(unordered)}",
+            "add them to the order list",
+        )
     runner = _runner_files()
-    runner_bytes = sum(p.stat().st_size for p in runner.values()) + (64 << 10)  # + manifest
+    # + manifest
+    runner_bytes = sum(p.stat().st_size for p in runner.values()) + (64 << 10)
     sizes = {name: archives[name].stat().st_size for name in order}
     parts = pack(sizes, order, limit, runner_bytes)
     gpu = settings.get("gpu") or gpu_table()
-    needs = {node: list(c["bundle"]) for node, c in gpu["cases"].items() if "bundle" in c}
-    not_carried = {node: c["not_in_bundle"] for node, c in gpu["cases"].items()
-                   if "bundle" not in c}
+    needs = {
+        node: list(c["bundle"]) for node, c in gpu["cases"].items() if "bundle" in c
+    }
+    not_carried = {
+        node: c["not_in_bundle"]
+        for node, c in gpu["cases"].items()
+        if "bundle" not in c
+    }
     base = list(settings["every_case"])
-    unknown = sorted({c for need in [base, *needs.values()] for c in need} - set(by_name))
+    unknown = sorted(
+        {c for need in [base, *needs.values()] for c in need} - set(by_name)
+    )
     if unknown:
-        raise ForkError(f"fork.toml [gpu_bundle] needs names what the bundle does not hold: "
-                        f"{', '.join(unknown)}", "name components: " + ", ".join(order))
+        raise ForkError(
+            "fork.toml [gpu_bundle] needs names what the bundle does not hold: "
+            f"{', '.join(unknown)}",
+            "name components: " + ", ".join(order),
+        )
     cases = cases_by_part(parts, base, needs, set(by_name))
     where = {name: part.name for part in parts for name in part.components}
     lock_pins = lock.pinned(lock.path("cuda", host.python))
@@ -631,13 +826,20 @@ def _assemble(pins: Pins, host: Host, selection: Selection, components: list[Com
         "triton": lock_pins["triton"],
         "cuda_label": cuda_label(lock_pins),
         "fix": {"module": fixcheck.MODULE_PATH, "function": fixcheck.FUNCTION},
-        "parts": [{"name": p.name, "components": list(p.components), "adds": cases[p.name]}
-                  for p in parts],
+        "parts": [
+            {"name": p.name, "components": list(p.components), "adds": cases[p.name]}
+            for p in parts
+        ],
         "components": {
-            c.name: {"archive": f"{where[c.name]}/{c.archive_name}", "root": c.root,
-                     "sha256": sha256_file(archives[c.name]), "bytes": sizes[c.name],
-                     "files": len(c.files)}
-            for c in components},
+            c.name: {
+                "archive": f"{where[c.name]}/{c.archive_name}",
+                "root": c.root,
+                "sha256": sha256_file(archives[c.name]),
+                "bytes": sizes[c.name],
+                "files": len(c.files),
+            }
+            for c in components
+        },
         "every_case": base,
         "needs": needs,
         "not_carried": not_carried,
@@ -652,13 +854,16 @@ def _assemble(pins: Pins, host: Host, selection: Selection, components: list[Com
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     try:
-        measured = _write_bundle(partial, runner, components, archives, manifest, parts, limit)
+        measured = _write_bundle(
+            partial, runner, components, archives, manifest, parts, limit
+        )
         old = out.with_name(out.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         if out.exists():
             out.rename(old)
-        partial.rename(out)  # renames only: OUT is the old bundle or the new one, never half
+        # renames only: OUT is the old bundle or the new one, never half
+        partial.rename(out)
         shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
@@ -667,9 +872,15 @@ def _assemble(pins: Pins, host: Host, selection: Selection, components: list[Com
     return bundle
 
 
-def _write_bundle(partial: Path, runner: dict[str, Path], components: list[Component],
-                  archives: dict[str, Path], manifest: dict, parts: list[Part], limit: int
-                  ) -> list[Part]:
+def _write_bundle(
+    partial: Path,
+    runner: dict[str, Path],
+    components: list[Component],
+    archives: dict[str, Path],
+    manifest: dict,
+    parts: list[Part],
+    limit: int,
+) -> list[Part]:
     """The bundle's files in PARTIAL; the parts as they measure there."""
     for path, source in runner.items():
         (partial / path).parent.mkdir(parents=True, exist_ok=True)
@@ -681,18 +892,27 @@ def _write_bundle(partial: Path, runner: dict[str, Path], components: list[Compo
             os.link(archives[c.name], target)
         except OSError:
             shutil.copyfile(archives[c.name], target)
-    (partial / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    (partial / "manifest.json").write_text(
+        json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+    )
     # What run.sh checks with sha256sum before it starts the runner (the manifest then
     # vouches for every archive and file).
     sums = [*runner, "manifest.json"]
-    (partial / "SHA256SUMS").write_text("".join(f"{sha256_file(partial / p)}  {p}\n" for p in sums))
+    (partial / "SHA256SUMS").write_text(
+        "".join(f"{sha256_file(partial / p)}  {p}\n" for p in sums)
+    )
     loose = [partial / path for path in (*runner, "manifest.json", "SHA256SUMS")]
     measured = []
     for part in parts:
-        files = [*(partial / part.name).iterdir(), *(loose if part.name == "part-1" else [])]
+        files = [
+            *(partial / part.name).iterdir(),
+            *(loose if part.name == "part-1" else []),
+        ]
         total = sum(f.stat().st_size for f in files)
         measured.append(Part(part.name, part.components, total))
         if total > limit:
-            raise ForkError(f"{part.name} is {total / 2**20:.1f} MiB, over {limit / 2**20:.0f} MiB",
-                            "raise PART_MIB, or omit files (fork.toml [gpu_bundle] omit)")
+            raise ForkError(
+                f"{part.name} is {total / 2**20:.1f} MiB, over {limit / 2**20:.0f} MiB",
+                "raise PART_MIB, or omit files (fork.toml [gpu_bundle] omit)",
+            )
     return measured

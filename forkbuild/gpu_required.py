@@ -23,10 +23,14 @@ from forkbuild.pytest_runner import Outcome
 # One case's time limit, in seconds: a FlashInfer JIT build plus its kernels, or two
 # tiny engines.
 CASE_LIMIT_S = 600
-# pytest-timeout in the forked child, thread method: the hung case alone fails and the run
-# goes on (docs/gpu-nightly.md, "Why the per-case limit is set so").
-PER_CASE_TIMEOUT = [f"--timeout={CASE_LIMIT_S}", "--timeout-method=thread",
-                    "-o", "timeout_func_only=true"]
+# pytest-timeout in the forked child, thread method: the hung case alone fails and the
+# run goes on (docs/gpu-nightly.md, "Why the per-case limit is set so").
+PER_CASE_TIMEOUT = [
+    f"--timeout={CASE_LIMIT_S}",
+    "--timeout-method=thread",
+    "-o",
+    "timeout_func_only=true",
+]
 
 
 Capability = tuple[int, int]  # CUDA compute capability (major, minor): 9.0 -> (9, 0)
@@ -40,7 +44,8 @@ class Kind:
     min_capability: Capability
     cases: tuple[str, ...]  # required with any number of GPUs
     multi_gpu_cases: tuple[str, ...] = ()  # required only with two GPUs or more
-    queues: tuple[tuple[str, int], ...] = ()  # the nightly's agent queues, with their GPU count
+    # the nightly's agent queues, with their GPU count
+    queues: tuple[tuple[str, int], ...] = ()
 
     def required(self, gpu_count: int) -> tuple[str, ...]:
         return self.cases + (self.multi_gpu_cases if gpu_count >= 2 else ())
@@ -60,8 +65,8 @@ class Table:
         return set(self.cases)
 
     def kind_of(self, capability: Capability) -> Kind | None:
-        """A GPU is of the newest kind whose minimum it reaches (so 10.0 counts as Hopper
-        and must run FA3 too; add a kind when a newer one needs other cases)."""
+        """A GPU is of the newest kind whose minimum it reaches (so 10.0 counts as
+        Hopper and must run FA3 too; add a kind when a newer one needs other cases)."""
         fitting = [kind for kind in self.kinds if capability >= kind.min_capability]
         return fitting[-1] if fitting else None
 
@@ -77,26 +82,38 @@ def _capability(text: str) -> Capability:
 def from_data(data: dict) -> Table:
     """The Table of fork.toml's [gpu] (as the GPU bundle's manifest also carries it): a
     case is required from its `kind` on, with two GPUs when its `gpus` is 2."""
-    named = sorted(data["kinds"].items(), key=lambda item: _capability(item[1]["capability"]))
+    named = sorted(
+        data["kinds"].items(), key=lambda item: _capability(item[1]["capability"])
+    )
     order = [name for name, _ in named]
     unknown = {c["kind"] for c in data["cases"].values()} - set(order)
     if unknown:
-        raise ForkError(f"fork.toml [gpu] cases name unknown kinds: {', '.join(sorted(unknown))}",
-                        f"use one of {', '.join(order)}")
+        raise ForkError(
+            f"fork.toml [gpu] cases name unknown kinds: {', '.join(sorted(unknown))}",
+            f"use one of {', '.join(order)}",
+        )
     kinds = []
     for rank, (name, entry) in enumerate(named):
-        due = [(case, c) for case, c in data["cases"].items() if order.index(c["kind"]) <= rank]
-        kinds.append(Kind(
-            name, _capability(entry["capability"]),
-            tuple(case for case, c in due if c.get("gpus", 1) == 1),
-            tuple(case for case, c in due if c.get("gpus", 1) >= 2),
-            tuple(entry["queues"].items()),
-        ))
+        due = [
+            (case, c)
+            for case, c in data["cases"].items()
+            if order.index(c["kind"]) <= rank
+        ]
+        kinds.append(
+            Kind(
+                name,
+                _capability(entry["capability"]),
+                tuple(case for case, c in due if c.get("gpus", 1) == 1),
+                tuple(case for case, c in due if c.get("gpus", 1) >= 2),
+                tuple(entry["queues"].items()),
+            )
+        )
     return Table(tuple(kinds), dict(data["cases"]))
 
 
 def load() -> Table:
-    """The table of fork.toml (where fork.toml is: the GPU bundle's runner has its own)."""
+    """The table of fork.toml (where fork.toml is: the GPU bundle's runner has its
+    own)."""
     import tomllib
 
     from forkbuild.pins import PINS_FILE
@@ -123,9 +140,10 @@ def parse_gpus(csv_text: str) -> list[Gpu]:
     header = [name.strip() for name in rows[0]] if rows else []
     if not {"index", "uuid", "compute_cap"} <= set(header):
         raise ForkError(
-            f"nvidia-smi did not report the GPUs' index, uuid and compute capabilities: "
+            "nvidia-smi did not report the GPUs' index, uuid and compute capabilities: "
             f"{csv_text.strip()!r}",
-            f"check the driver with `nvidia-smi --query-gpu={NVIDIA_SMI_QUERY} --format=csv`",
+            f"check the driver with `nvidia-smi --query-gpu={NVIDIA_SMI_QUERY} "
+            "--format=csv`",
         )
     column = {name: header.index(name) for name in ("index", "uuid", "compute_cap")}
     gpus = []
@@ -133,8 +151,13 @@ def parse_gpus(csv_text: str) -> list[Gpu]:
         if not row:
             continue
         major, _, minor = row[column["compute_cap"]].strip().partition(".")
-        gpus.append(Gpu(int(row[column["index"]]), row[column["uuid"]].strip(),
-                        (int(major), int(minor or 0))))
+        gpus.append(
+            Gpu(
+                int(row[column["index"]]),
+                row[column["uuid"]].strip(),
+                (int(major), int(minor or 0)),
+            )
+        )
     return gpus
 
 
@@ -153,20 +176,21 @@ def _by_index(entry: str, gpus: list[Gpu]) -> Gpu | None:
 
 
 def visible_gpus(gpus: list[Gpu], cuda_visible_devices: str | None) -> list[Gpu]:
-    """The GPUs a CUDA process sees under CUDA_VISIBLE_DEVICES, as torch.cuda.device_count()
-    (which the TP=2 case skips on) counts them: unset, all; a comma-separated list of
-    indices, or of UUIDs or UUID prefixes when it starts with `GPU-`; the list ends at
-    the first entry that names no GPU (so an empty value means none), and a GPU named
-    twice leaves none. Indices are taken as nvidia-smi's, as torch does: CUDA numbers
-    the fastest GPU first unless CUDA_DEVICE_ORDER=PCI_BUS_ID, which only differs on a
-    host with GPUs of different kinds."""
+    """The GPUs a CUDA process sees under CUDA_VISIBLE_DEVICES, as
+    torch.cuda.device_count() (which the TP=2 case skips on) counts them: unset, all; a
+    comma-separated list of indices, or of UUIDs or UUID prefixes when it starts with
+    `GPU-`; the list ends at the first entry that names no GPU (so an empty value means
+    none), and a GPU named twice leaves none. Indices are taken as nvidia-smi's, as
+    torch does: CUDA numbers the fastest GPU first unless CUDA_DEVICE_ORDER=PCI_BUS_ID,
+    which only differs on a host with GPUs of different kinds."""
     if cuda_visible_devices is None:
         return gpus
     if cuda_visible_devices.strip().startswith("MIG-"):
         raise ForkError(
-            f"CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} names MIG instances: the nightly "
-            "GPU job needs whole GPUs (its kinds and TP=2 count GPUs)",
-            "give the agent whole GPUs (indices or GPU- UUIDs), or unset CUDA_VISIBLE_DEVICES",
+            f"CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} names MIG instances: the "
+            "nightly GPU job needs whole GPUs (its kinds and TP=2 count GPUs)",
+            "give the agent whole GPUs (indices or GPU- UUIDs), or unset "
+            "CUDA_VISIBLE_DEVICES",
         )
     by_uuid = cuda_visible_devices.strip().startswith("GPU-")
     chosen: list[Gpu] = []
@@ -183,28 +207,35 @@ def visible_gpus(gpus: list[Gpu], cuda_visible_devices: str | None) -> list[Gpu]
     return chosen
 
 
-def parse_nvidia_smi(csv_text: str, cuda_visible_devices: str | None = None) -> list[Capability]:
+def parse_nvidia_smi(
+    csv_text: str, cuda_visible_devices: str | None = None
+) -> list[Capability]:
     """Compute capabilities, one per GPU that CUDA_VISIBLE_DEVICES (its value, None when
-    unset) exposes, from `nvidia-smi --query-gpu=NVIDIA_SMI_QUERY --format=csv`. An agent
+    unset) exposes, from `nvidia-smi --query-gpu=NVIDIA_SMI_QUERY --format=csv`. An
+    agent
     pinned to one GPU of a larger host must not be asked for the TP=2 case."""
     gpus = parse_gpus(csv_text)
     visible = visible_gpus(gpus, cuda_visible_devices)
     if gpus and not visible:
         raise ForkError(
-            f"CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} leaves none of the {len(gpus)} "
-            "GPU(s) nvidia-smi lists visible",
-            "name the agent's GPUs by index or UUID as gpus.csv lists them, or unset it",
+            f"CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} leaves none of the "
+            f"{len(gpus)} GPU(s) nvidia-smi lists visible",
+            "name the agent's GPUs by index or UUID as gpus.csv lists them, "
+            "or unset it",
         )
     return [gpu.capability for gpu in visible]
 
 
-def select(capabilities: list[Capability], table: Table | None = None
-           ) -> tuple[Kind, tuple[str, ...]]:
+def select(
+    capabilities: list[Capability], table: Table | None = None
+) -> tuple[Kind, tuple[str, ...]]:
     """The kind of this machine and the cases it must run. With mixed GPUs the weakest
     decides: a case may land on any of them (TP=2 uses two)."""
     table = table or load()
     if not capabilities:
-        raise ForkError("nvidia-smi listed no GPU", "check the driver with `nvidia-smi -L`")
+        raise ForkError(
+            "nvidia-smi listed no GPU", "check the driver with `nvidia-smi -L`"
+        )
     weakest = min(capabilities)
     kind = table.kind_of(weakest)
     if kind is None:
@@ -231,21 +262,31 @@ def not_run(required: Iterable[str], outcomes: Iterable[Outcome]) -> list[str]:
     for node in required:
         status = cases.get(node)
         if status is None:
-            lines.append(f"{node}: required but not run (not collected or not reported)")
+            lines.append(
+                f"{node}: required but not run (not collected or not reported)"
+            )
         elif status in ("skipped", "xfailed"):
-            lines.append(f"{node}: required but skipped: {reasons.get(node) or 'no reason given'}")
+            lines.append(
+                f"{node}: required but skipped: "
+                f"{reasons.get(node) or 'no reason given'}"
+            )
     return lines
 
 
-def check_collected(collected: Collection[str], required: Collection[str] | None = None) -> None:
-    """Fail unless every node id a GPU kind requires (or REQUIRED) is among COLLECTED (the
-    GPU cases and forkbuild's tool tests as collected on CPU): a renamed test or parameter
-    id must fail here, not as a 'required but not run' on the GPU runner at night."""
-    missing = sorted(set(load().all_required() if required is None else required) - set(collected))
+def check_collected(
+    collected: Collection[str], required: Collection[str] | None = None
+) -> None:
+    """Fail unless every node id a GPU kind requires (or REQUIRED) is among COLLECTED
+    (the GPU cases and forkbuild's tool tests as collected on CPU): a renamed test or
+    parameter id must fail here, not as a 'required but not run' on the GPU runner at
+    night."""
+    missing = sorted(
+        set(load().all_required() if required is None else required) - set(collected)
+    )
     if missing:
         raise ForkError(
-            f"{len(missing)} node id(s) that the nightly GPU job requires are not collected: "
-            + ", ".join(missing),
+            f"{len(missing)} node id(s) that the nightly GPU job requires are not "
+            "collected: " + ", ".join(missing),
             "update fork.toml [gpu] cases to the tests' current node ids "
             "(a renamed test or OffloadCase id), or restore the cases",
         )

@@ -1,4 +1,5 @@
-"""A pytest plugin that records what a pytest session imported (for forkbuild/gpu_bundle.py).
+"""A pytest plugin that records what a pytest session imported (for
+forkbuild/gpu_bundle.py).
 
 Loaded with `-p forkbuild.import_trace` in the CUDA route's venv, through the driver
 stub, on a `--collect-only` run of the GPU tests: pytest loads its plugins, vLLM's
@@ -8,11 +9,11 @@ what a GPU host must have: the distributions whose files were loaded and the fil
 the run's own folder (the tree) that were.
 
 Settings, from the environment (the bundle step sets them):
-  FORKBUILD_TRACE_OUT     the JSON file to write
-  FORKBUILD_TRACE_BLOCK   comma-separated top-level modules made unimportable first (what
+  FORKBUILD_TRACE_OUT     the JSON file to write FORKBUILD_TRACE_BLOCK   comma-separated
+  top-level modules made unimportable first (what
                           the bundle leaves out): `sys.modules[name] = None` is how
-                          importlib.util.find_spec, and so vLLM's has_flashinfer(), reads
-                          "not installed"
+                          importlib.util.find_spec, and so vLLM's has_flashinfer(),
+                          reads "not installed"
   FORKBUILD_TRACE_IMPORT  comma-separated modules to import at the end of the session
 """
 
@@ -39,7 +40,8 @@ def loaded_files() -> set[Path]:
     files = set()
     for module in list(sys.modules.values()):
         location = getattr(module, "__file__", None)
-        if location and Path(location).is_absolute():  # torch's _ops and _classes are not
+        # torch's _ops and _classes are not
+        if location and Path(location).is_absolute():
             files.add(Path(location).resolve())
     return files
 
@@ -64,18 +66,23 @@ def distributions_of(files: set[Path]) -> dict[str, dict]:
     owners: dict[Path, list[importlib.metadata.Distribution]] = {}
     for dist in importlib.metadata.distributions():
         for entry in dist.files or ():
-            owners.setdefault(Path(str(dist.locate_file(entry))).resolve(), []).append(dist)
+            owners.setdefault(Path(str(dist.locate_file(entry))).resolve(), []).append(
+                dist
+            )
 
     def vendored(dist: importlib.metadata.Distribution) -> bool:
-        metadata = Path(str(dist._path)).resolve() / "METADATA"  # type: ignore[attr-defined]
+        # type: ignore[attr-defined]
+        metadata = Path(str(dist._path)).resolve() / "METADATA"
         return any(other is not dist for other in owners.get(metadata, ()))
 
     found = {}
     for path in files:
         for dist in owners.get(path, ()):
             if not vendored(dist):
-                found[dist.metadata["Name"]] = {"version": dist.version,
-                                                "requires": _requirement_names(dist)}
+                found[dist.metadata["Name"]] = {
+                    "version": dist.version,
+                    "requires": _requirement_names(dist),
+                }
     return found
 
 
@@ -90,9 +97,13 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     root = Path.cwd().resolve()
     report = {
         "distributions": distributions_of(files),
-        "tree_files": sorted(str(f.relative_to(root)) for f in files if f.is_relative_to(root)),
+        "tree_files": sorted(
+            str(f.relative_to(root)) for f in files if f.is_relative_to(root)
+        ),
         "import_errors": failed,
         "collected": len(session.items),
         "exitstatus": int(exitstatus),
     }
-    Path(os.environ["FORKBUILD_TRACE_OUT"]).write_text(json.dumps(report, indent=1) + "\n")
+    Path(os.environ["FORKBUILD_TRACE_OUT"]).write_text(
+        json.dumps(report, indent=1) + "\n"
+    )

@@ -2,11 +2,11 @@
 hash-checked, installed by uv) and an editable, python-only install of the patched tree
 on vLLM's precompiled binaries.
 
-The venv is made beside its place (build/venv.partial) and moved there only when the lock
-is fully installed and verified: a failed or interrupted install leaves no half venv, and
-the next run resumes from uv's cache. VLLM_PRECOMPILED_WHEEL_LOCATION always points at
-the verified local wheel: when it is unset, vLLM 0.25.1's setup.py fetches a nightly
-wheel from the network instead.
+The venv is made beside its place (build/venv.partial) and moved there only when the
+lock is fully installed and verified: a failed or interrupted install leaves no half
+venv, and the next run resumes from uv's cache. VLLM_PRECOMPILED_WHEEL_LOCATION always
+points at the verified local wheel: when it is unset, vLLM 0.25.1's setup.py fetches a
+nightly wheel from the network instead.
 """
 
 from __future__ import annotations
@@ -31,12 +31,15 @@ from forkbuild.hashing import digest_of
 from forkbuild.pins import REPO_ROOT, Pins, Route, build_dir
 
 TOOLCHAIN_STAMP = ".forkbuild-toolchain"
-LOCK_RECORD = ".forkbuild-lock"  # in the venv: the lock it holds, e.g. locks/cpu-py311.txt
+# in the venv: the lock it holds, e.g. locks/cpu-py311.txt
+LOCK_RECORD = ".forkbuild-lock"
 INSTALL_STAMP = ".forkbuild-installed"  # inside the tree: a rebuilt tree drops it
-# In the venv: a fresh id per venv made, part of the tree's install stamp, so that a venv
-# made anew (`rm -r build/venv`, a changed lock) never passes for one holding the tree.
+# In the venv: a fresh id per venv made, part of the tree's install stamp, so that a
+# venv made anew (`rm -r build/venv`, a changed lock) never passes for one holding the
+# tree.
 VENV_ID = ".forkbuild-venv-id"
-EDITABLE_CONFIG = ".forkbuild-uv-editable.toml"  # inside the tree, git-ignored (BUILD_OUTPUTS)
+# inside the tree, git-ignored (BUILD_OUTPUTS)
+EDITABLE_CONFIG = ".forkbuild-uv-editable.toml"
 
 
 def venv_dir() -> Path:
@@ -50,7 +53,9 @@ def venv_python() -> Path:
 def pick_route(pins: Pins, requested: str | None) -> Route:
     name = requested or ("cuda" if preflight.has_nvidia_gpu() else "cpu")
     if name not in pins.routes:
-        raise ForkError(f"unknown route {name!r}", f"use one of {', '.join(pins.routes)}")
+        raise ForkError(
+            f"unknown route {name!r}", f"use one of {', '.join(pins.routes)}"
+        )
     return pins.routes[name]
 
 
@@ -61,16 +66,21 @@ def refuse_without_gpu(route: Route, without_gpu: bool = False) -> None:
     if route.target_device != "cuda" or without_gpu or preflight.has_nvidia_gpu():
         return
     raise ForkError(
-        f"the {route.name} route needs an NVIDIA GPU and its driver, and this machine has none",
+        f"the {route.name} route needs an NVIDIA GPU and its driver, and this machine "
+        "has none",
         "here, install the CPU route (`make install`, the default without a GPU); "
         "`make test` checks the CUDA route's build without a GPU",
     )
 
 
 def venv_matches_lock(python: Path, lock_file: Path, pins: Pins) -> None:
-    """What the venv holds (but the editable vLLM) must be exactly what the lock pins."""
-    out = uv.run(pins, ["pip", "freeze", "--exclude-editable", "--python", str(python)],
-                 what="list the venv's packages")
+    """What the venv holds (but the editable vLLM) must be exactly what the lock
+    pins."""
+    out = uv.run(
+        pins,
+        ["pip", "freeze", "--exclude-editable", "--python", str(python)],
+        what="list the venv's packages",
+    )
     have = lock.pinned_lines(out)
     want = lock.pinned(lock_file)
     if have != want:
@@ -82,42 +92,72 @@ def venv_matches_lock(python: Path, lock_file: Path, pins: Pins) -> None:
         )
 
 
-def ensure_toolchain(pins: Pins, route_name: str | None = None, without_gpu: bool = False) -> Path:
+def ensure_toolchain(
+    pins: Pins, route_name: str | None = None, without_gpu: bool = False
+) -> Path:
     """build/venv with exactly the route's lock for this Python: torch, vLLM's
     requirements, its build requirements and the test runner."""
     preflight.check_all(pins)
     record = venv_dir() / LOCK_RECORD
     if route_name is None and record.is_file():
-        # A step that installs no route's binaries (tree, wheel, rebase...) keeps the venv
-        # it finds rather than rebuilding it for the default route.
+        # A step that installs no route's binaries (tree, wheel, rebase...) keeps the
+        # venv it finds rather than rebuilding it for the default route.
         recorded = Path(record.read_text().strip()).name.split("-py")[0]
         route_name = recorded if recorded in pins.routes else None
     route = pick_route(pins, route_name)
     refuse_without_gpu(route, without_gpu)
     lock_file = lock.path(route.name, lock.running_python())
     if not lock_file.is_file():
-        raise ForkError(f"{lock_file} is missing", "run `make lock` (needs the package index)")
+        raise ForkError(
+            f"{lock_file} is missing", "run `make lock` (needs the package index)"
+        )
     stamp_value = digest_of([sys.version, pins.uv.sha256, lock_file.read_bytes()])
     stamp = venv_dir() / TOOLCHAIN_STAMP
-    if stamp.exists() and stamp.read_text().strip() == stamp_value and venv_python().exists():
+    if (
+        stamp.exists()
+        and stamp.read_text().strip() == stamp_value
+        and venv_python().exists()
+    ):
         log.step(f"install: venv {venv_dir()} holds {lock_file.name}")
         return venv_python()
     preflight.check_disk(build_dir(), 12, "the virtualenv")
     partial, old = build_dir() / "venv.partial", build_dir() / "venv.old"
     shutil.rmtree(partial, ignore_errors=True)
     shutil.rmtree(old, ignore_errors=True)
-    log.step(f"install: creating {venv_dir()} from {lock_file.name} with uv (Python {lock.running_python()})")
+    log.step(
+        f"install: creating {venv_dir()} from {lock_file.name} with uv (Python "
+        f"{lock.running_python()})"
+    )
     try:
-        uv.run(pins, ["venv", "--quiet", "--relocatable", "--python", sys.executable, str(partial)],
-               what="create the venv")
+        uv.run(
+            pins,
+            [
+                "venv",
+                "--quiet",
+                "--relocatable",
+                "--python",
+                sys.executable,
+                str(partial),
+            ],
+            what="create the venv",
+        )
         python = partial / "bin" / "python"
-        uv.install(pins, ["sync", "--require-hashes", "--python", str(python), str(lock_file)],
-                   what=f"the packages of {lock_file.name}", lock=lock_file)
+        uv.install(
+            pins,
+            ["sync", "--require-hashes", "--python", str(python), str(lock_file)],
+            what=f"the packages of {lock_file.name}",
+            lock=lock_file,
+        )
         venv_matches_lock(python, lock_file, pins)
         linked = bytecode.restore(site_packages(partial), venv_bytecode(lock_file))
         if linked:
-            log.step(f"install: {linked} bytecode files of earlier venvs of {lock_file.name} linked in")
-        (partial / LOCK_RECORD).write_text(f"{lock_file.relative_to(lock_file.parent.parent)}\n")
+            log.step(
+                f"install: {linked} bytecode files of earlier venvs of "
+                f"{lock_file.name} linked in"
+            )
+        (partial / LOCK_RECORD).write_text(
+            f"{lock_file.relative_to(lock_file.parent.parent)}\n"
+        )
         (partial / VENV_ID).write_text(uuid.uuid4().hex + "\n")
         (partial / TOOLCHAIN_STAMP).write_text(stamp_value + "\n")
     except KeyboardInterrupt:
@@ -129,14 +169,23 @@ def ensure_toolchain(pins: Pins, route_name: str | None = None, without_gpu: boo
     # never a half-deleted one that still carries its stamp.
     if venv_dir().exists():
         venv_dir().rename(old)
-    partial.rename(venv_dir())  # a relocatable venv: its scripts find their python anywhere
+    # a relocatable venv: its scripts find their python anywhere
+    partial.rename(venv_dir())
     shutil.rmtree(old, ignore_errors=True)
-    log.step(f"install: {venv_dir()} holds exactly {lock_file.name} ({len(lock.pinned(lock_file))} packages)")
+    log.step(
+        f"install: {venv_dir()} holds exactly {lock_file.name} "
+        f"({len(lock.pinned(lock_file))} packages)"
+    )
     return venv_python()
 
 
 def site_packages(venv: Path) -> Path:
-    return venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    return (
+        venv
+        / "lib"
+        / f"python{sys.version_info.major}.{sys.version_info.minor}"
+        / "site-packages"
+    )
 
 
 def venv_bytecode(lock_file: Path) -> Path:
@@ -144,13 +193,18 @@ def venv_bytecode(lock_file: Path) -> Path:
 
 
 def tree_bytecode(pins: Pins) -> Path:
-    return bytecode.store("tree", pins.sdist.sha256, *(p.path.read_bytes() for p in tree.read_series()))
+    return bytecode.store(
+        "tree", pins.sdist.sha256, *(p.path.read_bytes() for p in tree.read_series())
+    )
 
 
 def keep_bytecode(pins: Pins, route: Route, tree_path: Path) -> None:
     """Keep what Python compiled in this venv and tree (the install's check, earlier
     tests and servers) for the next fresh ones (forkbuild/bytecode.py)."""
-    bytecode.keep(site_packages(venv_dir()), venv_bytecode(lock.path(route.name, lock.running_python())))
+    bytecode.keep(
+        site_packages(venv_dir()),
+        venv_bytecode(lock.path(route.name, lock.running_python())),
+    )
     bytecode.keep(tree_path / "vllm", tree_bytecode(pins))
 
 
@@ -170,8 +224,9 @@ def precompiled_env(pins: Pins, route: Route, wheel: Path) -> dict[str, str]:
     }
 
 
-def install(pins: Pins, route_name: str | None = None, *, without_gpu: bool = False
-            ) -> tuple[Path, Path, Route]:
+def install(
+    pins: Pins, route_name: str | None = None, *, without_gpu: bool = False
+) -> tuple[Path, Path, Route]:
     """Make sure fetch, tree and the venv are complete; return (python, tree, route).
     WITHOUT_GPU: the CUDA route on a machine without a driver, where vLLM finds no
     platform (the CUDA route check of `make test` only)."""
@@ -185,11 +240,14 @@ def install(pins: Pins, route_name: str | None = None, *, without_gpu: bool = Fa
     stamp = tree_path / INSTALL_STAMP
     stamp_value = install_stamp(route, tree_path)
     if is_installed(route, tree_path):
-        # Verified by the probe when it was stamped; what may change since is the source.
+        # Verified by the probe when it was stamped; what may change since is the
+        # source.
         verdict = fixcheck.classify((tree_path / fixcheck.MODULE_PATH).read_text())
         if verdict != "fixed":
-            raise ForkError(f"{tree_path / fixcheck.MODULE_PATH} is {verdict}, not fixed",
-                            "rebuild the tree: make tree")
+            raise ForkError(
+                f"{tree_path / fixcheck.MODULE_PATH} is {verdict}, not fixed",
+                "rebuild the tree: make tree",
+            )
         keep_bytecode(pins, route, tree_path)
         log.step("install: the venv and the editable tree are up to date and verified")
         return python, tree_path, route
@@ -201,18 +259,36 @@ def install(pins: Pins, route_name: str | None = None, *, without_gpu: bool = Fa
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="extensions") as pool:
             # The per-ISA kernels setup.py leaves out are unpacked meanwhile (~200 MB on
             # the CPU route); what it unpacks is its own to write.
-            adding = pool.submit(add_missing_extensions, wheel, tree_path,
-                                 leave=left_to_setup_py(tree_path / "setup.py"))
+            adding = pool.submit(
+                add_missing_extensions,
+                wheel,
+                tree_path,
+                leave=left_to_setup_py(tree_path / "setup.py"),
+            )
             uv.run(
                 pins,
-                ["pip", "install", "--quiet", "--config-file", str(editable_config(pins, route, tree_path)),
-                 "--python", str(python), "--no-deps", "--no-build-isolation", "--offline",
-                 "--reinstall-package", "vllm", "-e", str(tree_path)],
+                [
+                    "pip",
+                    "install",
+                    "--quiet",
+                    "--config-file",
+                    str(editable_config(pins, route, tree_path)),
+                    "--python",
+                    str(python),
+                    "--no-deps",
+                    "--no-build-isolation",
+                    "--offline",
+                    "--reinstall-package",
+                    "vllm",
+                    "-e",
+                    str(tree_path),
+                ],
                 what="install the tree in editable mode",
                 extra_env=precompiled_env(pins, route, wheel),
             )
             adding.result()
-        add_missing_extensions(wheel, tree_path)  # any that setup.py named and did not write
+        # any that setup.py named and did not write
+        add_missing_extensions(wheel, tree_path)
         check_install(python, tree_path, route, without_gpu)
     finally:
         finish_compiling(compiling)
@@ -222,11 +298,14 @@ def install(pins: Pins, route_name: str | None = None, *, without_gpu: bool = Fa
 
 
 def is_installed(route: Route, tree_path: Path) -> bool:
-    """The tree was installed into this very venv (the stamp names the venv's id) and the
-    venv still holds it (its editable vLLM points at the tree)."""
+    """The tree was installed into this very venv (the stamp names the venv's id) and
+    the venv still holds it (its editable vLLM points at the tree)."""
     stamp = tree_path / INSTALL_STAMP
-    return (stamp.exists() and stamp.read_text().strip() == install_stamp(route, tree_path)
-            and holds_editable(tree_path))
+    return (
+        stamp.exists()
+        and stamp.read_text().strip() == install_stamp(route, tree_path)
+        and holds_editable(tree_path)
+    )
 
 
 def install_stamp(route: Route, tree_path: Path) -> str:
@@ -234,15 +313,22 @@ def install_stamp(route: Route, tree_path: Path) -> str:
     venv's lock and the venv itself (its id: a venv made anew has another)."""
     venv_id = venv_dir() / VENV_ID
     return digest_of(
-        [route.name, route.wheel.sha256, (tree_path / ".git" / tree.INPUTS_FILE).read_text(),
-         (venv_dir() / TOOLCHAIN_STAMP).read_text(), venv_id.read_text() if venv_id.exists() else ""]
+        [
+            route.name,
+            route.wheel.sha256,
+            (tree_path / ".git" / tree.INPUTS_FILE).read_text(),
+            (venv_dir() / TOOLCHAIN_STAMP).read_text(),
+            venv_id.read_text() if venv_id.exists() else "",
+        ]
     )
 
 
 def holds_editable(tree_path: Path) -> bool:
     """Whether the venv's vLLM is the editable install of TREE_PATH (its metadata, as
     the install wrote it): a cheap look that needs no interpreter."""
-    for direct_url in site_packages(venv_dir()).glob("vllm-*.dist-info/direct_url.json"):
+    for direct_url in site_packages(venv_dir()).glob(
+        "vllm-*.dist-info/direct_url.json"
+    ):
         try:
             info = json.loads(direct_url.read_text())
         except (OSError, ValueError):
@@ -250,15 +336,18 @@ def holds_editable(tree_path: Path) -> bool:
         url = urllib.parse.urlparse(info.get("url", ""))
         if url.scheme != "file" or not info.get("dir_info", {}).get("editable"):
             return False
-        # Resolved on both sides: uv may write the path as given (VLLM_FORK_BUILD may be a link).
+        # Resolved on both sides: uv may write the path as given (VLLM_FORK_BUILD may be
+        # a link).
         return Path(urllib.parse.unquote(url.path)).resolve() == tree_path.resolve()
     return False
 
 
-def _venv_beside_tree(pins: Pins, route: Route, without_gpu: bool = False) -> tuple[Path, Path]:
-    """The venv and the patched tree, made at the same time: the tree needs only the sdist
-    (unpacking it and committing it to git take one core for ~8 s on 2 cores), the venv
-    only the lock, so uv fills the venv on the other core meanwhile."""
+def _venv_beside_tree(
+    pins: Pins, route: Route, without_gpu: bool = False
+) -> tuple[Path, Path]:
+    """The venv and the patched tree, made at the same time: the tree needs only the
+    sdist (unpacking it and committing it to git take one core for ~8 s on 2 cores), the
+    venv only the lock, so uv fills the venv on the other core meanwhile."""
     venv_ready = threading.Event()
     made: list[Path] = []
 
@@ -266,13 +355,17 @@ def _venv_beside_tree(pins: Pins, route: Route, without_gpu: bool = False) -> tu
         # Only a download of the sdist needs pip, and pip comes with the venv.
         venv_ready.wait()
         if not made:
-            raise ForkError("the venv could not be made, so the sdist cannot be downloaded")
+            raise ForkError(
+                "the venv could not be made, so the sdist cannot be downloaded"
+            )
         return made[0]
 
     stop = threading.Event()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tree") as pool:
         making_tree = pool.submit(
-            lambda: tree.build(pins, fetch.fetch(pins.sdist, pip_once_the_venv_exists), stop=stop)
+            lambda: tree.build(
+                pins, fetch.fetch(pins.sdist, pip_once_the_venv_exists), stop=stop
+            )
         )
         try:
             try:
@@ -290,29 +383,33 @@ def _venv_beside_tree(pins: Pins, route: Route, without_gpu: bool = False) -> tu
 def editable_config(pins: Pins, route: Route, tree_path: Path) -> Path:
     """A uv configuration that gives uv the version of the editable vLLM it installs.
 
-    With the version given (uv's `dependency-metadata`), uv does not run vLLM's setup.py a
-    first time just to learn it (`prepare_metadata_for_build_editable`: it imports torch
-    and unpacks the precompiled wheel, ~6 s on 2 cores), only once to build. What is
-    installed still comes from that build; the install's probe reads the version back.
+    With the version given (uv's `dependency-metadata`), uv does not run vLLM's setup.py
+    a first time just to learn it (`prepare_metadata_for_build_editable`: it imports
+    torch and unpacks the precompiled wheel, ~6 s on 2 cores), only once to build. What
+    is installed still comes from that build; the install's probe reads the version
+    back.
     """
     config = tree_path / EDITABLE_CONFIG
     config.write_text(
-        "# Written by forkbuild's install step (forkbuild/install.py: editable_config).\n"
+        "# Written by forkbuild's install step (forkbuild/install.py: "
+        "editable_config).\n"
         "[[dependency-metadata]]\n"
         'name = "vllm"\n'
         f'version = "{_version_label(pins, route)}"\n'
-        "requires-dist = []  # installed with --no-deps: the lock holds the dependencies\n"
+        "requires-dist = []  # installed with --no-deps: the lock holds the "
+        "dependencies\n"
     )
     return config
 
 
 def start_compiling(python: Path, tree_path: Path) -> subprocess.Popen[bytes]:
-    """Byte-compile the fresh tree's vLLM package in the background, on the core that the
-    editable install and the import check leave idle, rather than in the first `vllm
+    """Byte-compile the fresh tree's vLLM package in the background, on the core that
+    the editable install and the import check leave idle, rather than in the first `vllm
     serve` (docs/setup-and-locks.md, "Bytecode")."""
     return subprocess.Popen(
         [str(python), "-m", "compileall", "-q", "-j", "1", str(tree_path / "vllm")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
         env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"},
     )
 
@@ -347,8 +444,9 @@ def named_in(setup_py: Path) -> Callable[[str], bool]:
     return lambda member: f'"{member}"' in text
 
 
-def add_missing_extensions(wheel: Path, tree_path: Path, *,
-                           leave: Callable[[str], bool] = lambda member: False) -> list[str]:
+def add_missing_extensions(
+    wheel: Path, tree_path: Path, *, leave: Callable[[str], bool] = lambda member: False
+) -> list[str]:
     """Copy the wheel's compiled extensions that vLLM's precompiled install left out.
 
     vLLM 0.25.1's setup.py extracts a fixed list of extensions (`_C`, the attention
@@ -363,7 +461,11 @@ def add_missing_extensions(wheel: Path, tree_path: Path, *,
     with zipfile.ZipFile(wheel) as whl:
         for name in whl.namelist():
             target = tree_path / name
-            if not (name.startswith("vllm/") and name.endswith(".so")) or target.exists() or leave(name):
+            if (
+                not (name.startswith("vllm/") and name.endswith(".so"))
+                or target.exists()
+                or leave(name)
+            ):
                 continue
             partial = target.with_name(target.name + ".partial")
             with whl.open(name) as src, open(partial, "wb") as dst:
@@ -371,35 +473,46 @@ def add_missing_extensions(wheel: Path, tree_path: Path, *,
             partial.rename(target)
             added.append(name)
     if added:
-        log.step(f"install: added {len(added)} compiled extension(s) vLLM's setup.py skips: "
-                 + ", ".join(Path(n).name for n in added))
+        log.step(
+            f"install: added {len(added)} compiled extension(s) vLLM's setup.py "
+            "skips: " + ", ".join(Path(n).name for n in added)
+        )
     return added
 
 
 def probe_path(tree_path: Path) -> str:
-    """PYTHONPATH of forkbuild/install_probe.py: the tree first (as the tests run: nothing
-    there may shadow the installed metadata), then forkbuild."""
+    """PYTHONPATH of forkbuild/install_probe.py: the tree first (as the tests run:
+    nothing there may shadow the installed metadata), then forkbuild."""
     return os.pathsep.join([str(tree_path), str(REPO_ROOT)])
 
 
-def check_install(python: Path, tree_path: Path, route: Route, without_gpu: bool = False
-                  ) -> dict[str, str]:
+def check_install(
+    python: Path, tree_path: Path, route: Route, without_gpu: bool = False
+) -> dict[str, str]:
     """Ask the venv itself what `import vllm` gives: the tree, the fix, the platform."""
     log.step("install: asking the venv what `import vllm` gives")
-    # From inside the tree, with it first on sys.path, as the tests run: nothing there may
-    # shadow the installed metadata (vLLM picks its platform from the version string).
+    # From inside the tree, with it first on sys.path, as the tests run: nothing there
+    # may shadow the installed metadata (vLLM picks its platform from the version
+    # string).
     result = subprocess.run(
-        [str(python), "-m", "forkbuild.install_probe"], capture_output=True, text=True,
-        cwd=tree_path, env={**os.environ, "PYTHONPATH": probe_path(tree_path)}, check=False,
+        [str(python), "-m", "forkbuild.install_probe"],
+        capture_output=True,
+        text=True,
+        cwd=tree_path,
+        env={**os.environ, "PYTHONPATH": probe_path(tree_path)},
+        check=False,
     )
     if result.returncode != 0:
         last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        raise ForkError(f"`import vllm` fails in {venv_dir()}: {last}", "run `make install` again")
+        raise ForkError(
+            f"`import vllm` fails in {venv_dir()}: {last}", "run `make install` again"
+        )
     info = json.loads(result.stdout.strip().splitlines()[-1])
     if not Path(info["vllm"]).resolve().is_relative_to(tree_path.resolve()):
         raise ForkError(
             f"`import vllm` resolves to {info['vllm']}, not into {tree_path}",
-            f"remove other vLLM installs from the venv (rm -r {venv_dir()}) and run again",
+            f"remove other vLLM installs from the venv (rm -r {venv_dir()}) and run "
+            "again",
         )
     verdict = fixcheck.classify(info["source"])
     if verdict != "fixed":
@@ -408,7 +521,9 @@ def check_install(python: Path, tree_path: Path, route: Route, without_gpu: bool
             "check patches/series and rebuild the tree (make tree)",
         )
     # Without a driver vLLM finds no platform at all (UnspecifiedPlatform, no device).
-    expected_device = "" if without_gpu and route.target_device == "cuda" else route.target_device
+    expected_device = (
+        "" if without_gpu and route.target_device == "cuda" else route.target_device
+    )
     if info["device"] != expected_device:
         raise ForkError(
             f"vLLM detected {info['platform']} (device {info['device']!r}) on the "
@@ -419,11 +534,11 @@ def check_install(python: Path, tree_path: Path, route: Route, without_gpu: bool
         raise ForkError(
             "vLLM's CPU kernels do not load on this host (torch.ops._C lacks "
             "init_cpu_memory_env): the CPU engine cannot start",
-            f"check that {route.wheel.filename}'s vllm/_C*.so files are in {tree_path / 'vllm'}; "
-            f"rm -r {venv_dir()} and run again",
+            f"check that {route.wheel.filename}'s vllm/_C*.so files are in "
+            f"{tree_path / 'vllm'}; rm -r {venv_dir()} and run again",
         )
     log.step(
-        f"install: verified: vllm {info['version']} from {tree_path}, {info['platform']}, "
-        f"{fixcheck.FUNCTION} carries the fix"
+        f"install: verified: vllm {info['version']} from {tree_path}, "
+        f"{info['platform']}, {fixcheck.FUNCTION} carries the fix"
     )
     return info

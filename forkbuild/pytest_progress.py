@@ -1,18 +1,19 @@
 """A pytest plugin that names the case in progress, for runs with a time limit
 (forkbuild/pytest_runner.py copies it beside the run and loads it with `-p`).
 
-pytest writes its JUnit XML only at the end, so a killed run could not say where it hung:
-the case in progress is written to FORKBUILD_PYTEST_PROGRESS. logstart and logfinish run
-in the main pytest process, also under --forked. Under --forked it also ends each case
-with what the case started: a case stopped by its own time limit leaves vLLM's engine
-cores behind, holding GPU memory that the next case's profiling counts. Each case's
-processes carry a mark of their own (set before the fork, inherited by all the case
-starts); what still carries it when the case is reported is killed. (Without --forked
-a fixture may outlive a case, so nothing is killed between cases there.)
+pytest writes its JUnit XML only at the end, so a killed run could not say where it
+hung: the case in progress is written to FORKBUILD_PYTEST_PROGRESS. logstart and
+logfinish run in the main pytest process, also under --forked. Under --forked it also
+ends each case with what the case started: a case stopped by its own time limit leaves
+vLLM's engine cores behind, holding GPU memory that the next case's profiling counts.
+Each case's processes carry a mark of their own (set before the fork, inherited by all
+the case starts); what still carries it when the case is reported is killed. (Without
+--forked a fixture may outlive a case, so nothing is killed between cases there.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import uuid
@@ -54,8 +55,6 @@ def pytest_runtest_logfinish(nodeid, location) -> None:
     mark = os.environ.pop(CASE_MARK, None)
     if _forked and mark:
         for pid in leftovers(mark):
-            try:
+            with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
     _write("")

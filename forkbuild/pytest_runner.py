@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -19,14 +20,17 @@ from forkbuild.errors import ForkError
 @dataclass(frozen=True)
 class Outcome:
     """Per-case results of one pytest run: node id -> passed | failed | error | skipped
-    | xfailed (JUnit files an xfail as a skip of type pytest.xfail; it is counted apart)."""
+    | xfailed (JUnit files an xfail as a skip of type pytest.xfail; it is counted
+    apart)."""
 
     cases: dict[str, str]
-    reasons: dict[str, str] = field(default_factory=dict)  # skipped case -> pytest's reason
+    # skipped case -> pytest's reason
+    reasons: dict[str, str] = field(default_factory=dict)
     # Why the run was stopped before it ended (its time limit), "" when it ended itself:
     # then CASES holds only what pytest reported before it was stopped.
     killed: str = ""
-    # case -> seconds, as JUnit says; not part of what a run found (equal runs differ in it)
+    # case -> seconds, as JUnit says; not part of what a run found (equal runs differ in
+    # it)
     times: dict[str, float] = field(default_factory=dict, compare=False)
 
     def count(self, status: str) -> int:
@@ -53,7 +57,10 @@ class Outcome:
         return self.count("xfailed")
 
     def __str__(self) -> str:
-        text = f"{self.passed} passed, {self.failed} failed, {self.errors} errors, {self.skipped} skipped"
+        text = (
+            f"{self.passed} passed, {self.failed} failed, {self.errors} errors, "
+            f"{self.skipped} skipped"
+        )
         text += f", {self.xfailed} xfailed" if self.xfailed else ""
         return text + (f"; killed: {self.killed}" if self.killed else "")
 
@@ -62,9 +69,14 @@ def _skip_reason(skipped: ET.Element) -> str:
     message = skipped.get("message", "")
     if skipped.get("type") == "pytest.xfail":
         return f"xfail: {message}"
-    if message == "collection skipped":  # the reason is in the text: (file, line, 'Skipped: …')
+    # the reason is in the text: (file, line, 'Skipped: …')
+    if message == "collection skipped":
         text = skipped.text or ""
-        return text.split("Skipped: ", 1)[-1].rstrip("')\"") if "Skipped: " in text else message
+        return (
+            text.split("Skipped: ", 1)[-1].rstrip("')\"")
+            if "Skipped: " in text
+            else message
+        )
     return message
 
 
@@ -75,15 +87,22 @@ def read_junit(junit: Path, killed: str = "") -> Outcome:
         if not name:  # what pytest writes for the case a Ctrl-C (SIGINT) interrupted
             continue
         if classname:
-            # "pkg.test_mod.TestClass" -> "pkg/test_mod.py::TestClass::name" (test classes
-            # are CamelCase after pytest's python_classes = Test*; modules never are).
+            # "pkg.test_mod.TestClass" -> "pkg/test_mod.py::TestClass::name" (test
+            # classes are CamelCase after pytest's python_classes = Test*; modules never
+            # are).
             parts = classname.split(".")
-            cut = next((i for i, part in enumerate(parts) if part[:4] == "Test"), len(parts))
+            cut = next(
+                (i for i, part in enumerate(parts) if part[:4] == "Test"), len(parts)
+            )
             node = "::".join(["/".join(parts[:cut]) + ".py", *parts[cut:], name])
         else:  # a whole module skipped (or broken) at collection: NAME is the module
             node = f"{name.replace('.', '/')}.py::(module)"
         status = "passed"
-        for child, name in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
+        for child, name in (
+            ("failure", "failed"),
+            ("error", "error"),
+            ("skipped", "skipped"),
+        ):
             found = case.find(child)
             if found is not None:
                 status = name
@@ -102,7 +121,8 @@ def read_junit(junit: Path, killed: str = "") -> Outcome:
 GRACE_S = 30
 
 # The plugin that names the case in progress and ends what a forked case started.
-_PROGRESS_MODULE = "_forkbuild_progress"  # forkbuild/pytest_progress.py, copied beside the run
+# forkbuild/pytest_progress.py, copied beside the run
+_PROGRESS_MODULE = "_forkbuild_progress"
 
 
 # Every process a limited run starts carries this variable with the run's own value, so
@@ -113,10 +133,8 @@ _RUN_MARK = "FORKBUILD_LIMITED_RUN"
 
 
 def _signal_group(pgid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):  # nothing of it is left
         os.killpg(pgid, sig)
-    except ProcessLookupError:  # nothing of it is left
-        pass
 
 
 def marked_processes(token: str) -> list[int]:
@@ -138,10 +156,8 @@ def _kill_all(pgid: int, token: str) -> None:
     """SIGKILL the process group PGID and every process marked with TOKEN."""
     _signal_group(pgid, signal.SIGKILL)
     for pid in marked_processes(token):
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def _stop(proc: subprocess.Popen, token: str) -> None:
@@ -163,8 +179,13 @@ def run_limited(
     them is left when CMD ends, stopped or not, is killed, so that it does not hold the
     GPU for the next run."""
     token = uuid.uuid4().hex
-    proc = subprocess.Popen(cmd, cwd=cwd, env={**env, _RUN_MARK: token}, start_new_session=True,
-                            **popen_args)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env={**env, _RUN_MARK: token},
+        start_new_session=True,
+        **popen_args,
+    )
     try:
         return proc.wait(timeout=timeout_s), False
     except subprocess.TimeoutExpired:
@@ -177,10 +198,16 @@ def run_limited(
         _kill_all(proc.pid, token)
 
 
-def _with_progress(cmd: list[str], env: dict[str, str], folder: Path) -> tuple[list[str], Path]:
+def _with_progress(
+    cmd: list[str], env: dict[str, str], folder: Path
+) -> tuple[list[str], Path]:
     """CMD and ENV (changed in place) with the progress plugin; its file."""
-    # A copy, not forkbuild's folder on the path: the run's own `tests` package must win.
-    shutil.copyfile(Path(__file__).with_name("pytest_progress.py"), folder / f"{_PROGRESS_MODULE}.py")
+    # A copy, not forkbuild's folder on the path: the run's own `tests` package must
+    # win.
+    shutil.copyfile(
+        Path(__file__).with_name("pytest_progress.py"),
+        folder / f"{_PROGRESS_MODULE}.py",
+    )
     progress = folder / "running"
     progress.write_text("")
     env["PYTHONPATH"] = f"{folder}{os.pathsep}{env['PYTHONPATH']}"
@@ -211,26 +238,48 @@ def run_pytest(
     """
     env = {**os.environ, **(extra_env or {}), "PYTHONPATH": str(pythonpath or cwd)}
     junit.unlink(missing_ok=True)
-    cmd = [*prefix, str(python), "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}", *args]
-    log.step(f"pytest in {cwd.name}: {' '.join(args)}" + (f" (report: {output})" if output else ""))
+    cmd = [
+        *prefix,
+        str(python),
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        f"--junitxml={junit}",
+        *args,
+    ]
+    log.step(
+        f"pytest in {cwd.name}: {' '.join(args)}"
+        + (f" (report: {output})" if output else "")
+    )
     with open(output, "w") if output else open(os.devnull) as sink:
-        streams = {"stdout": sink if output else None, "stderr": subprocess.STDOUT if output else None}
+        streams = {
+            "stdout": sink if output else None,
+            "stderr": subprocess.STDOUT if output else None,
+        }
         if timeout_s is None:
             result = subprocess.run(cmd, cwd=cwd, env=env, check=False, **streams)
             returncode, killed = result.returncode, ""
         else:
             with tempfile.TemporaryDirectory(prefix="forkbuild-pytest-") as folder:
                 cmd, progress = _with_progress(cmd, env, Path(folder))
-                returncode, stopped = run_limited(cmd, cwd=cwd, env=env, timeout_s=timeout_s,
-                                                  **streams)
-                killed = _killed_note(timeout_s, progress.read_text().strip()) if stopped else ""
+                returncode, stopped = run_limited(
+                    cmd, cwd=cwd, env=env, timeout_s=timeout_s, **streams
+                )
+                killed = (
+                    _killed_note(timeout_s, progress.read_text().strip())
+                    if stopped
+                    else ""
+                )
     if killed:
         log.step(f"pytest in {cwd.name}: {killed}")
         return _partial(junit, killed)
     if returncode not in (0, 1) or not junit.exists():
         raise ForkError(
             f"pytest could not run the tests in {cwd.name} (exit {returncode})",
-            f"see {output or 'its output above'}: a collection or import error is not a test result",
+            f"see {output or 'its output above'}: a collection or import error is not "
+            "a test result",
         )
     return read_junit(junit)
 
@@ -244,5 +293,9 @@ def _partial(junit: Path, killed: str) -> Outcome:
 
 
 def _killed_note(timeout_s: float, running: str) -> str:
-    where = f"while running {running}" if running else "outside a case (collecting, or in between)"
+    where = (
+        f"while running {running}"
+        if running
+        else ("outside a case (collecting, or in between)")
+    )
     return f"stopped after its time limit of {timeout_s:g} s {where}"

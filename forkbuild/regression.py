@@ -30,34 +30,61 @@ def make_stock_tree(pins: Pins, fork_tree: Path) -> Path:
         shutil.rmtree(stock)
     tree.git(["worktree", "prune"], fork_tree, env)
     made = tree.git(
-        ["worktree", "add", "-q", "--force", "-B", "stock", str(stock), f"v{pins.upstream_version}"],
-        fork_tree, env,
+        [
+            "worktree",
+            "add",
+            "-q",
+            "--force",
+            "-B",
+            "stock",
+            str(stock),
+            f"v{pins.upstream_version}",
+        ],
+        fork_tree,
+        env,
     )
     if made.returncode != 0:
-        raise ForkError(f"could not create the unpatched worktree: {made.stderr.strip()}", "run `make tree`")
-    picked = tree.git(["cherry-pick", "fork"], stock, env)  # the tests overlay: the fork branch's tip
+        raise ForkError(
+            f"could not create the unpatched worktree: {made.stderr.strip()}",
+            "run `make tree`",
+        )
+    # the tests overlay: the fork branch's tip
+    picked = tree.git(["cherry-pick", "fork"], stock, env)
     if picked.returncode != 0:
-        raise ForkError(f"could not add the fork's tests to the unpatched tree: {picked.stderr.strip()}")
-    # The compiled extensions and generated version file are build outputs of the editable
-    # install, untracked in git; the unpatched tree needs the same ones to import alike.
+        raise ForkError(
+            "could not add the fork's tests to the unpatched tree: "
+            f"{picked.stderr.strip()}"
+        )
+    # The compiled extensions and generated version file are build outputs of the
+    # editable install, untracked in git; the unpatched tree needs the same ones to
+    # import alike.
     for built in [*fork_tree.glob("vllm/**/*.so"), fork_tree / "vllm" / "_version.py"]:
         target = stock / built.relative_to(fork_tree)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(built, target)
     verdict = fixcheck.classify((stock / fixcheck.MODULE_PATH).read_text())
     if verdict != "buggy":
-        raise ForkError(f"the unpatched tree's {fixcheck.FUNCTION} reads as {verdict}, expected buggy")
+        raise ForkError(
+            f"the unpatched tree's {fixcheck.FUNCTION} reads as {verdict}, "
+            "expected buggy"
+        )
     return stock
 
 
 def imported_from(python: Path, tree_path: Path) -> Path:
     out = subprocess.run(
         [str(python), "-m", "forkbuild.install_probe", "origin"],
-        cwd=tree_path, env={**os.environ, "PYTHONPATH": install.probe_path(tree_path)},
-        capture_output=True, text=True, check=False,
+        cwd=tree_path,
+        env={**os.environ, "PYTHONPATH": install.probe_path(tree_path)},
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if out.returncode != 0:
-        raise ForkError(f"`import vllm` fails in {tree_path.name}: {out.stderr.strip().splitlines()[-1:]}")
+        raise ForkError(
+            f"`import vllm` fails in {tree_path.name}: "
+            f"{out.stderr.strip().splitlines()[-1:]}"
+        )
     return Path(out.stdout.strip().splitlines()[-1])
 
 
@@ -66,7 +93,9 @@ def _wrong_on_stock(outcome: Outcome, regression: tuple[str, ...]) -> list[str]:
     wrong = []
     for case, status in outcome.cases.items():
         is_regression = case.split("::", 1)[0] in regression
-        if (is_regression and status != "failed") or (not is_regression and status in ("failed", "error")):
+        if (is_regression and status != "failed") or (
+            not is_regression and status in ("failed", "error")
+        ):
             wrong.append(f"{case} {status}")
     return wrong
 
@@ -74,11 +103,15 @@ def _wrong_on_stock(outcome: Outcome, regression: tuple[str, ...]) -> list[str]:
 def _check_imports_from(python: Path, path: Path) -> None:
     origin = imported_from(python, path)
     if not origin.resolve().is_relative_to(path.resolve()):
-        raise ForkError(f"in {path.name}, `import vllm` resolved to {origin}; the check would be void")
+        raise ForkError(
+            f"in {path.name}, `import vllm` resolved to {origin}; the "
+            "check would be void"
+        )
 
 
 def check(pins: Pins, python: Path, fork_tree: Path) -> Outcome:
-    """Run the suite on the unpatched tree and on the fork at once; return the fork's outcome."""
+    """Run the suite on the unpatched tree and on the fork at once; return the fork's
+    outcome."""
     results = build_dir() / "test-results"
     results.mkdir(exist_ok=True)
 
@@ -86,39 +119,62 @@ def check(pins: Pins, python: Path, fork_tree: Path) -> Outcome:
         stock = make_stock_tree(pins, fork_tree)
         _check_imports_from(python, stock)
         return stock, run_pytest(
-            python, stock, list(pins.suite), results / "suite-stock.xml",
+            python,
+            stock,
+            list(pins.suite),
+            results / "suite-stock.xml",
             output=results / "suite-stock.log",
         )
 
-    # Both trees at once (their processes share nothing but the venv): the unpatched run's
-    # report goes to a file, as its failures are expected; the terminal shows the fork's.
-    # On 2 cores this took 62% of running them one after the other (446 s vs 714 s). The
-    # fork's suite, the longer, starts at once; the unpatched tree is made meanwhile.
+    # Both trees at once (their processes share nothing but the venv): the unpatched
+    # run's report goes to a file, as its failures are expected; the terminal shows the
+    # fork's. On 2 cores this took 62% of running them one after the other (446 s vs 714
+    # s). The fork's suite, the longer, starts at once; the unpatched tree is made
+    # meanwhile.
     with ThreadPoolExecutor(1) as pool:
         stock_run = pool.submit(on_stock_tree)
         _check_imports_from(python, fork_tree)
-        on_fork = run_pytest(python, fork_tree, list(pins.suite), results / "suite-fork.xml")
+        on_fork = run_pytest(
+            python, fork_tree, list(pins.suite), results / "suite-fork.xml"
+        )
         stock, on_stock = stock_run.result()
 
     regression = pins.regression_tests
     failing = sorted(c for c, s in on_stock.cases.items() if s == "failed")
-    (results / "regression-cases-failing-on-stock.txt").write_text("\n".join(failing) + "\n")
+    (results / "regression-cases-failing-on-stock.txt").write_text(
+        "\n".join(failing) + "\n"
+    )
     print(f"\nregression proof ({' '.join(pins.suite)}):")
     print(f"  fork  {fork_tree.name:24} {on_fork}")
     print(f"  stock {stock.name:24} {on_stock}")
     for module in regression:
         in_module = [c for c in on_stock.cases if c.startswith(module + "::")]
         failed = [c for c in in_module if on_stock.cases[c] == "failed"]
-        print(f"  {module}: {len(failed)}/{len(in_module)} fail on v{pins.upstream_version}")
-    print(f"  failing cases listed in {results / 'regression-cases-failing-on-stock.txt'}")
+        print(
+            f"  {module}: {len(failed)}/{len(in_module)} fail on "
+            f"v{pins.upstream_version}"
+        )
+    print(
+        f"  failing cases listed in {results / 'regression-cases-failing-on-stock.txt'}"
+    )
 
-    problems = [f"{c} {s} on the fork" for c, s in on_fork.cases.items() if s in ("failed", "error")]
-    problems += [f"{w} on v{pins.upstream_version}" for w in _wrong_on_stock(on_stock, regression)]
-    missing = [m for m in regression if not any(c.startswith(m + "::") for c in on_stock.cases)]
+    problems = [
+        f"{c} {s} on the fork"
+        for c, s in on_fork.cases.items()
+        if s in ("failed", "error")
+    ]
+    problems += [
+        f"{w} on v{pins.upstream_version}"
+        for w in _wrong_on_stock(on_stock, regression)
+    ]
+    missing = [
+        m for m in regression if not any(c.startswith(m + "::") for c in on_stock.cases)
+    ]
     problems += [f"{m} ran no case" for m in missing]
     if problems:
         raise ForkError(
             f"{len(problems)} case(s) break the proof, e.g. {problems[0]}",
-            "a regression case must fail without the fix and pass with it; other cases pass on both",
+            "a regression case must fail without the fix and pass with it; other cases "
+            "pass on both",
         )
     return on_fork

@@ -1,11 +1,11 @@
 """`vllm serve` through the fork.
 
-Without --model it serves the embedded tiny chat model (a random-weight Gemma 2 generated
-locally, no network): its layers alternate sliding-window and full attention, so vLLM plans
-the same two KV cache groups as for GPT-OSS, and its ChatML template answers
-/v1/chat/completions offline (the tiny GPT-OSS the tests use cannot: see NO_CHAT).
-A --model that is neither embedded, nor a local path, nor a hub id is refused at once
-(check_model).
+Without --model it serves the embedded tiny chat model (a random-weight Gemma 2
+generated locally, no network): its layers alternate sliding-window and full attention,
+so vLLM plans the same two KV cache groups as for GPT-OSS, and its ChatML template
+answers /v1/chat/completions offline (the tiny GPT-OSS the tests use cannot: see
+NO_CHAT). A --model that is neither embedded, nor a local path, nor a hub id is refused
+at once (check_model).
 --preset offload-47054 adds the configuration of vLLM issue #47054: cross-layer CPU KV
 offloading on FlashAttention, with prefix caching and the hybrid KV cache manager on.
 """
@@ -25,21 +25,24 @@ from forkbuild import log, preflight
 from forkbuild.errors import ForkError
 from forkbuild.pins import REPO_ROOT, Pins, build_dir
 
-# Models `--model NAME` generates locally (no download), by the generator that makes them;
-# the first is the default. tiny-gpt-oss is the #47054 model of the tests and GPU cases.
+# Models `--model NAME` generates locally (no download), by the generator that makes
+# them; the first is the default. tiny-gpt-oss is the #47054 model of the tests and GPU
+# cases.
 EMBEDDED = {
     "tiny-chat": "tests/v1/worker/tiny_chat_model.py",
     "tiny-gpt-oss": "tests/v1/worker/tiny_hybrid_model.py",
 }
 EMBEDDED_NAME = next(iter(EMBEDDED))
-# Embedded models whose /v1/chat/completions fails, and why: `serve` prints this instead of
-# the chat curl line. Checked in forkbuild/tests/test_serve.py (the KeyError is real).
+# Embedded models whose /v1/chat/completions fails, and why: `serve` prints this instead
+# of the chat curl line. Checked in forkbuild/tests/test_serve.py (the KeyError is
+# real).
 NO_CHAT = {
     "tiny-gpt-oss": (
         "vLLM gives every GPT-OSS model its GPT-OSS reasoning parser, which looks up "
-        "harmony's token <|end|> in the model's tokenizer, and the tiny GPT-OSS's tokenizer (a "
-        "small BPE trained locally) has none of harmony's chat tokens: /v1/chat/completions "
-        "answers HTTP 500 (KeyError: '<|end|>'); /v1/completions works"
+        "harmony's token <|end|> in the model's tokenizer, and the tiny GPT-OSS's "
+        "tokenizer (a small BPE trained locally) has none of harmony's chat tokens: "
+        "/v1/chat/completions answers HTTP 500 (KeyError: '<|end|>'); /v1/completions "
+        "works"
     ),
 }
 DEFAULT_CPU_BYTES = 8 * 2**30
@@ -58,10 +61,12 @@ def offload_47054_args(cpu_bytes: int) -> list[str]:
         },
     }
     return [
-        "--kv-transfer-config", json.dumps(kv_transfer),
+        "--kv-transfer-config",
+        json.dumps(kv_transfer),
         "--enable-prefix-caching",
         "--no-disable-hybrid-kv-cache-manager",
-        "--attention-backend", "FLASH_ATTN",
+        "--attention-backend",
+        "FLASH_ATTN",
     ]
 
 
@@ -69,18 +74,31 @@ PRESETS = {"offload-47054": offload_47054_args}
 
 
 def add_arguments(cmd: argparse.ArgumentParser) -> None:
-    cmd.add_argument("--model", help="model name or path, or an embedded model: "
-                     f"{', '.join(EMBEDDED)} (default: {EMBEDDED_NAME})")
-    cmd.add_argument("--preset", choices=sorted(PRESETS), help="a documented vLLM configuration")
+    cmd.add_argument(
+        "--model",
+        help="model name or path, or an embedded model: "
+        f"{', '.join(EMBEDDED)} (default: {EMBEDDED_NAME})",
+    )
+    cmd.add_argument(
+        "--preset", choices=sorted(PRESETS), help="a documented vLLM configuration"
+    )
     cmd.add_argument("--host", default="127.0.0.1")
     cmd.add_argument("--port", type=int, default=8000)
-    cmd.add_argument("--cpu-bytes", type=int, default=DEFAULT_CPU_BYTES,
-                     help="CPU memory for offloaded KV blocks, with --preset offload-47054")
-    cmd.add_argument("vllm_args", nargs=argparse.REMAINDER,
-                     help="after --: passed to vllm serve unchanged")
+    cmd.add_argument(
+        "--cpu-bytes",
+        type=int,
+        default=DEFAULT_CPU_BYTES,
+        help="CPU memory for offloaded KV blocks, with --preset offload-47054",
+    )
+    cmd.add_argument(
+        "vllm_args",
+        nargs=argparse.REMAINDER,
+        help="after --: passed to vllm serve unchanged",
+    )
 
 
-# A Hugging Face hub id: org/name (the hub's rules: letters, digits, '-', '_', '.', not first).
+# A Hugging Face hub id: org/name (the hub's rules: letters, digits, '-', '_', '.', not
+# first).
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
@@ -100,39 +118,46 @@ def _exists(path: str) -> bool:
 
 
 def check_model(model: str | None) -> None:
-    """Refuse at once (before minutes of install and a hub lookup ending in a traceback) a
+    """Refuse at once (before minutes of install and a hub lookup ending in a traceback)
+    a
     --model that names nothing: served are an embedded model, an existing local path, a
     hub id `org/name`, or a bare name the hub cache already holds.
 
-    A bare name (no '/') that is none of these is refused, although the hub still answers
-    a few such ids (gpt2, bert-base-uncased): those are the hub's old org-less names, which
-    it moved under organizations (gpt2 is openai-community/gpt2) and keeps as redirects, so
-    every hub model has an org/name id to give instead, while a bare name here is far more
-    often a mistyped embedded name (tiny-chta) or a local folder that is not there.
+    A bare name (no '/') that is none of these is refused, although the hub still
+    answers a few such ids (gpt2, bert-base-uncased): those are the hub's old org-less
+    names, which it moved under organizations (gpt2 is openai-community/gpt2) and keeps
+    as redirects, so every hub model has an org/name id to give instead, while a bare
+    name here is far more often a mistyped embedded name (tiny-chta) or a local folder
+    that is not there.
     """
     if model is None or model in EMBEDDED:
         return
     if _exists(model):
         return
     bare = "/" not in model
-    if HUB_ID.fullmatch(model) or (bare and (_hub_cache() / f"models--{model}").is_dir()):
+    if HUB_ID.fullmatch(model) or (
+        bare and (_hub_cache() / f"models--{model}").is_dir()
+    ):
         return
     close = difflib.get_close_matches(model.lower(), EMBEDDED, n=1)
     if bare or close:
         guess = f"; did you mean {close[0]}?" if close else ""
         raise ForkError(
-            f"model {model!r} is neither an embedded model ({', '.join(EMBEDDED)}) nor a local "
-            f"folder{guess}",
+            f"model {model!r} is neither an embedded model ({', '.join(EMBEDDED)}) nor "
+            f"a local folder{guess}",
             "a hub model is named org/name (e.g. openai/gpt-oss-20b; gpt2 is "
             "openai-community/gpt2), a local folder by a path that exists",
         )
-    raise ForkError(f"model {model!r} is not a local path that exists, nor a hub id org/name",
-                    "check the path, or name a hub model org/name (e.g. openai/gpt-oss-20b)")
+    raise ForkError(
+        f"model {model!r} is not a local path that exists, nor a hub id org/name",
+        "check the path, or name a hub model org/name (e.g. openai/gpt-oss-20b)",
+    )
 
 
 def start_tiny_model(python: Path, name: str = EMBEDDED_NAME) -> subprocess.Popen[str]:
     """Start generating embedded model NAME (a no-op when it is current). The generators
-    live with the fork's tests (the same files the tree overlays), so this needs only the
+    live with the fork's tests (the same files the tree overlays), so this needs only
+    the
     venv and can run while the tree is installed."""
     out = build_dir() / "models" / name
     log.step(f"serve: preparing the embedded model {name} in {out}")
@@ -142,7 +167,9 @@ def start_tiny_model(python: Path, name: str = EMBEDDED_NAME) -> subprocess.Pope
         return subprocess.Popen(
             [str(python), str(REPO_ROOT / EMBEDDED[name]), str(out)],
             env={**os.environ, "HF_HUB_OFFLINE": "1"},
-            stdout=report, stderr=subprocess.STDOUT, text=True,
+            stdout=report,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
 
 
@@ -150,8 +177,10 @@ def finish_tiny_model(generating: subprocess.Popen[str]) -> Path:
     out = Path(generating.args[-1])
     if generating.wait() != 0:
         lines = out.with_name(f"{out.name}.log").read_text().strip().splitlines()
-        raise ForkError(f"could not generate the embedded model: {(lines or ['no output'])[-1]}",
-                        f"see {out.with_name(out.name + '.log')}")
+        raise ForkError(
+            f"could not generate the embedded model: {(lines or ['no output'])[-1]}",
+            f"see {out.with_name(out.name + '.log')}",
+        )
     return out
 
 
@@ -169,15 +198,37 @@ def ensure_tiny_model(python: Path, name: str = EMBEDDED_NAME) -> Path:
     return finish_tiny_model(start_tiny_model(python, name))
 
 
-def command(python: Path, model: str, args: argparse.Namespace, embedded: str | None,
-            *, cpu: bool = False) -> list[str]:
+def command(
+    python: Path,
+    model: str,
+    args: argparse.Namespace,
+    embedded: str | None,
+    *,
+    cpu: bool = False,
+) -> list[str]:
     """The `vllm serve` command; EMBEDDED: the embedded model's name, when it is one."""
-    cmd = [str(python.parent / "vllm"), "serve", model, "--host", args.host, "--port", str(args.port)]
+    cmd = [
+        str(python.parent / "vllm"),
+        "serve",
+        model,
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+    ]
     if embedded:
-        cmd += ["--served-model-name", embedded, "--max-model-len", "1024", "--dtype", "bfloat16"]
+        cmd += [
+            "--served-model-name",
+            embedded,
+            "--max-model-len",
+            "1024",
+            "--dtype",
+            "bfloat16",
+        ]
         if cpu:
-            # A random-weight demo gains nothing from the CPU platform's Inductor compile,
-            # which costs ~20 s of every start on 2 cores (measured: 58 s vs 81 s to ready).
+            # A random-weight demo gains nothing from the CPU platform's Inductor
+            # compile, which costs ~20 s of every start on 2 cores (measured: 58 s vs 81
+            # s to ready).
             cmd += ["--enforce-eager"]
     if args.preset:
         cmd += PRESETS[args.preset](args.cpu_bytes)
@@ -194,31 +245,45 @@ def serve(pins: Pins, args: argparse.Namespace) -> None:
     if args.preset and not gpu:
         raise ForkError(
             f"--preset {args.preset} needs an NVIDIA GPU, and this machine has none "
-            f"(vLLM {pins.upstream_version} offloads KV blocks to CPU only from CUDA-alike or "
-            "XPU GPUs)",
+            f"(vLLM {pins.upstream_version} offloads KV blocks to CPU only from "
+            "CUDA-alike or XPU GPUs)",
             "run it on a GPU host, or serve without --preset",
         )
     if args.route == "cuda" and not gpu:
-        raise ForkError("--route cuda needs an NVIDIA GPU, and this machine has none", "use --route cpu")
+        raise ForkError(
+            "--route cuda needs an NVIDIA GPU, and this machine has none",
+            "use --route cpu",
+        )
     preflight.check_port_free(args.host, args.port)
 
     from forkbuild import install
 
     route = install.pick_route(pins, args.route)
-    embedded = (args.model or EMBEDDED_NAME) if args.model in (None, *EMBEDDED) else None
-    generating = start_tiny_model(install.ensure_toolchain(pins, route.name), embedded) if embedded else None
+    embedded = (
+        (args.model or EMBEDDED_NAME) if args.model in (None, *EMBEDDED) else None
+    )
+    generating = (
+        start_tiny_model(install.ensure_toolchain(pins, route.name), embedded)
+        if embedded
+        else None
+    )
     try:
         python, _, route = install.install(pins, route.name)
     except BaseException:
         if generating:
             stop_tiny_model(generating)
         raise
-    model = str(finish_tiny_model(generating)) if generating else os.path.expanduser(args.model)
+    model = (
+        str(finish_tiny_model(generating))
+        if generating
+        else os.path.expanduser(args.model)
+    )
     env = dict(os.environ)
     if embedded:
         env["HF_HUB_OFFLINE"] = "1"
     if route.target_device == "cpu":
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM's default is sized for big hosts
+        # GiB; vLLM's default is sized for big hosts
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         env.update(demo_engine_env(embedded))
     preflight.check_port_free(args.host, args.port)
     cmd = command(python, model, args, embedded, cpu=route.target_device == "cpu")
@@ -232,12 +297,12 @@ def demo_engine_env(embedded: str | None) -> dict[str, str]:
     """The embedded model's CPU engine in the API server's own engine-core process.
 
     On CPU, vLLM 0.25.1 runs its one worker in a process of its own (the multiproc
-    executor, for OpenMP thread binding) unless VLLM_ENABLE_V1_MULTIPROCESSING=0, in which
-    case the worker stays in the engine core process (the `uni` executor). The API server
-    always starts the engine core process itself, so this is one spawned vLLM import less
-    and no OpenMP binding: measured on 2 cores, ready in 36 s instead of 60 s. A demo of a
-    random-weight model loses nothing by it; a real model (not embedded) keeps vLLM's
-    default, and so does a user who sets the variable.
+    executor, for OpenMP thread binding) unless VLLM_ENABLE_V1_MULTIPROCESSING=0, in
+    which case the worker stays in the engine core process (the `uni` executor). The API
+    server always starts the engine core process itself, so this is one spawned vLLM
+    import less and no OpenMP binding: measured on 2 cores, ready in 36 s instead of 60
+    s. A demo of a random-weight model loses nothing by it; a real model (not embedded)
+    keeps vLLM's default, and so does a user who sets the variable.
     """
     if not embedded or "VLLM_ENABLE_V1_MULTIPROCESSING" in os.environ:
         return {}
@@ -245,13 +310,17 @@ def demo_engine_env(embedded: str | None) -> dict[str, str]:
 
 
 def try_lines(host: str, port: int, model: str) -> list[str]:
-    """What `serve` prints to try: a curl line (`try  curl ...`) for the completions and the
-    chat endpoint (the serve test sends both), or, for a model in NO_CHAT, instead of the
-    chat line one that says why there is none."""
+    """What `serve` prints to try: a curl line (`try  curl ...`) for the completions and
+    the chat endpoint (the serve test sends both), or, for a model in NO_CHAT, instead
+    of the chat line one that says why there is none."""
     base = f"curl http://{host}:{port}/v1"
     head = "-H 'Content-Type: application/json'"
     completion = {"model": model, "prompt": "Hello", "max_tokens": 8}
-    chat = {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8}
+    chat = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Hello"}],
+        "max_tokens": 8,
+    }
     lines = [f"try  {base}/completions {head} -d '{json.dumps(completion)}'"]
     if model in NO_CHAT:
         return [*lines, f"no chat line for {model}: {NO_CHAT[model]}"]

@@ -1,21 +1,23 @@
 """`make test`: everything CI runs, after installing everything it needs.
 
-1. forkbuild's own tests (bad input, idempotence, the wheel, serving the embedded model);
-2. without a GPU, the CUDA route (forkbuild/cuda_route.py): installed in build/cuda-route,
-   every compiled extension of the CUDA wheel loaded through a driver stub, the GPU tests
-   collected under that build and skipped for lack of a device (every case the nightly
-   requires among them), the kernel test's calls up to the real ops' dispatch; then the
-   GPU bundle (forkbuild/bundle_check.py): the reference host's parts, and a bundle
-   installed offline on a simulated host and checked there the same way;
+1. forkbuild's own tests (bad input, idempotence, the wheel, serving the embedded
+model);
+2. without a GPU, the CUDA route (forkbuild/cuda_route.py): installed in
+build/cuda-route,
+   every compiled extension of the CUDA wheel loaded through a driver stub, the GPU
+   tests collected under that build and skipped for lack of a device (every case the
+   nightly requires among them), the kernel test's calls up to the real ops' dispatch;
+   then the GPU bundle (forkbuild/bundle_check.py): the reference host's parts, and a
+   bundle installed offline on a simulated host and checked there the same way;
 3. the CPU suite (fork.toml [tests] suite, under vLLM's own conftest) on the unpatched
    tree, where exactly the regression modules' cases must fail, and on the fork, where
    everything must pass;
 4. the patch-status check: every patch's DEP-3 Applied-Upstream confirmed on the
    releases of the version matrix (the matrix itself is the slower `forkbuild matrix`).
-1-3 run at once, as separate pytest processes: alone, each leaves much of a 2-core machine
-idle (CI measured 1.2 busy cores on average when they ran one after the other). The
-terminal shows the fork suite; the others report to files in build/test-results.
-It ends with one plain summary line.
+1-3 run at once, as separate pytest processes: alone, each leaves much of a 2-core
+machine idle (CI measured 1.2 busy cores on average when they ran one after the other).
+The terminal shows the fork suite; the others report to files in build/test-results. It
+ends with one plain summary line.
 """
 
 from __future__ import annotations
@@ -44,20 +46,30 @@ def run(pins: Pins, route_name: str | None) -> str:
 
     with ThreadPoolExecutor(2) as pool:
         tools_run = pool.submit(
-            pytest_runner.run_pytest, python, REPO_ROOT, ["-rfEs", "forkbuild/tests"],
-            results / "forkbuild.xml", pythonpath=REPO_ROOT, output=results / "forkbuild.log",
+            pytest_runner.run_pytest,
+            python,
+            REPO_ROOT,
+            ["-rfEs", "forkbuild/tests"],
+            results / "forkbuild.xml",
+            pythonpath=REPO_ROOT,
+            output=results / "forkbuild.log",
         )
         # Mostly downloads and one-core steps at first: it overlaps the suites well.
         cuda_run = pool.submit(_check_cuda_route, pins, results)
         try:
             suite = regression.check(pins, python, tree_path)
-        finally:  # a broken proof must not hide failing tool tests or a failed CUDA route
+        # a broken proof must not hide failing tool tests or a failed CUDA route
+        finally:
             tools = tools_run.result()
             _report(tools, "forkbuild tool tests", results / "forkbuild.log")
             if cuda_run.exception() is not None and sys.exc_info()[1] is not None:
-                print(f"cuda route and gpu bundle without a GPU: error: {cuda_run.exception()}")
+                print(
+                    "cuda route and gpu bundle without a GPU: error: "
+                    f"{cuda_run.exception()}"
+                )
         cuda = cuda_run.result()
-    # What the suites compiled (vLLM's engine, pytest, hypothesis...) for the next clone.
+    # What the suites compiled (vLLM's engine, pytest, hypothesis...) for the next
+    # clone.
     install.keep_bytecode(pins, route, tree_path)
     print("\npatch status (DEP-3 Applied-Upstream vs the version matrix):")
     patch_status.check(pins, python)
@@ -71,12 +83,19 @@ def run(pins: Pins, route_name: str | None) -> str:
     skipped = tools.skipped + suite.skipped + gpu_skipped
     xfailed = tools.xfailed + suite.xfailed
     print(f"\nforkbuild tool tests: {tools}")
-    print(cuda.line() if cuda else "cuda route without a GPU: not checked (this machine has a GPU: "
-          "`make nightly` runs the CUDA route for real)")
+    print(
+        cuda.line()
+        if cuda
+        else "cuda route without a GPU: not checked (this "
+        "machine has a GPU: `make nightly` runs the CUDA route for real)"
+    )
     if bundle:
         print(bundle.line())
     print(f"fork suite in {tree_path.name}: {suite}")
-    summary = f"summary: {passed} passed, {failed} failed, {skipped} skipped, {xfailed} xfailed"
+    summary = (
+        f"summary: {passed} passed, {failed} failed, {skipped} skipped, "
+        f"{xfailed} xfailed"
+    )
     if failed:
         print(summary)
         raise ForkError(f"{failed} test(s) failed", f"JUnit reports are in {results}")
@@ -85,14 +104,18 @@ def run(pins: Pins, route_name: str | None) -> str:
 
 def _report(outcome: pytest_runner.Outcome, what: str, log: object) -> None:
     """Name the failing cases of a run whose report went to a file."""
-    bad = [case for case, status in outcome.cases.items() if status in ("failed", "error")]
+    bad = [
+        case for case, status in outcome.cases.items() if status in ("failed", "error")
+    ]
     for case in bad:
         print(f"{what}: {outcome.cases[case]}: {case}")
     if bad:
         print(f"{what}: pytest's report is in {log}")
 
 
-def _check_cuda_route(pins: Pins, results) -> tuple[cuda_route.Result, bundle_check.Result] | None:
+def _check_cuda_route(
+    pins: Pins, results
+) -> tuple[cuda_route.Result, bundle_check.Result] | None:
     """The CUDA route without a GPU, then the GPU bundle made from it and checked on a
     simulated host; on a GPU host the nightly job runs the CUDA route for real."""
     if preflight.has_nvidia_gpu():

@@ -51,9 +51,11 @@ def bootstrap_pip() -> list[str]:
             if wheels:
                 return [sys.executable, str(wheels[-1] / "pip")]
     raise ForkError(
-        f"{sys.executable} has neither pip nor ensurepip, which forkbuild needs once to fetch uv",
-        "install your distribution's python3-venv or python3-pip package (Debian/Ubuntu: "
-        "apt install python3-venv), or run with another interpreter: make ... PYTHON=/path/to/python3",
+        f"{sys.executable} has neither pip nor ensurepip, which forkbuild needs once "
+        "to fetch uv",
+        "install your distribution's python3-venv or python3-pip package "
+        "(Debian/Ubuntu: apt install python3-venv), or run with another interpreter: "
+        "make ... PYTHON=/path/to/python3",
     )
 
 
@@ -92,7 +94,9 @@ def binary(pins: Pins) -> Path:
                 dst.write(chunk)
     if sha256_file(partial) != expected:
         partial.unlink()
-        raise ForkError(f"the uv binary extracted from {wheel_path.name} does not match its RECORD")
+        raise ForkError(
+            f"the uv binary extracted from {wheel_path.name} does not match its RECORD"
+        )
     partial.chmod(0o755)
     partial.replace(target)
     log.step(f"uv: {pins.uv.requirement} ready at {target}")
@@ -115,11 +119,13 @@ def env(base: dict[str, str] | None = None) -> dict[str, str]:
 
 
 class _Final(ForkError):
-    """A uv failure that downloading cannot mend: a hash mismatch, a full or unwritable disk."""
+    """A uv failure that downloading cannot mend: a hash mismatch, a full or unwritable
+    disk."""
 
 
 _MISMATCH = re.compile(
-    r"Hash mismatch for `(?P<what>[^`]+)`.*?Expected:\s+sha256:(?P<expected>[0-9a-f]{64})"
+    r"Hash mismatch for "
+    r"`(?P<what>[^`]+)`.*?Expected:\s+sha256:(?P<expected>[0-9a-f]{64})"
     r".*?Computed:\s+sha256:(?P<computed>[0-9a-f]{64})",
     re.DOTALL,
 )
@@ -132,24 +138,33 @@ _UNWRITABLE = {1, 13, 20, 30}  # EPERM, EACCES, ENOTDIR, EROFS
 
 
 def _disk_failure(output: str, what: str) -> ForkError | None:
-    """A full or unwritable disk, said with the folder it hit and the variable that moves it."""
+    """A full or unwritable disk, said with the folder it hit and the variable that
+    moves it."""
     for line in output.splitlines():
         found = _OS_ERROR.search(line)
         if not found or int(found["errno"]) not in {28, *_UNWRITABLE}:
             continue
         named = _PATH.search(line)
         path = Path(named["path"]) if named else uv_cache()
-        folder = next((root for root in (uv_cache(), build_dir()) if path.is_relative_to(root.absolute())),
-                      path)
+        folder = next(
+            (
+                root
+                for root in (uv_cache(), build_dir())
+                if path.is_relative_to(root.absolute())
+            ),
+            path,
+        )
         setting = preflight.setting_for(path)
         if int(found["errno"]) == 28:
             return _Final(
                 f"no space left on the disk of {folder} when uv tried to {what}",
-                f"free disk space there, or set {setting} to a folder on a disk with room; then "
-                "run again (uv keeps what it downloaded)",
+                f"free disk space there, or set {setting} to a folder on a disk with "
+                "room; then run again (uv keeps what it downloaded)",
             )
-        return _Final(f"uv cannot write in {folder} ({found['reason']}) when it tried to {what}",
-                      f"make it writable, or set {setting} to a writable folder")
+        return _Final(
+            f"uv cannot write in {folder} ({found['reason']}) when it tried to {what}",
+            f"make it writable, or set {setting} to a writable folder",
+        )
     return None
 
 
@@ -158,28 +173,42 @@ def _failure(output: str, what: str, lock: Path | None) -> ForkError:
     if found:
         where = f"{lock.name} pins" if lock else "the requirements pin"
         return _Final(
-            f"sha256 mismatch for {found['what']}: the download has {found['computed']}, "
-            f"{where} {found['expected']}; nothing was installed",
-            "run again (the download is not kept); if it mismatches again, do not edit the lock: "
-            "check the package on the index",
+            f"sha256 mismatch for {found['what']}: the download has "
+            f"{found['computed']}, {where} {found['expected']}; nothing was installed",
+            "run again (the download is not kept); if it mismatches again, do not edit "
+            "the lock: check the package on the index",
         )
     disk = _disk_failure(output, what)
     if disk:
         return disk
     lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
     errors = [ln for ln in lines if ln.startswith(("error:", "cause:", "Caused by:"))]
-    return ForkError(f"uv failed to {what}: {' '.join(errors[-2:] or lines[-1:] or ['no output'])}",
-                     "check the network and disk, then run again")
+    return ForkError(
+        f"uv failed to {what}: {' '.join(errors[-2:] or lines[-1:] or ['no output'])}",
+        "check the network and disk, then run again",
+    )
 
 
-def run(pins: Pins, args: Sequence[str], *, what: str, lock: Path | None = None,
-        extra_env: dict[str, str] | None = None, stream: bool = False) -> str:
+def run(
+    pins: Pins,
+    args: Sequence[str],
+    *,
+    what: str,
+    lock: Path | None = None,
+    extra_env: dict[str, str] | None = None,
+    stream: bool = False,
+) -> str:
     """Run `uv ARGS`; return its output. With STREAM its lines are shown as they come
     (long downloads); either way a failure raises with uv's own cause."""
     check_cache_writable()
     cmd = [str(binary(pins)), *args]
-    proc = subprocess.Popen(cmd, env=env({**os.environ, **(extra_env or {})}), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        cmd,
+        env=env({**os.environ, **(extra_env or {})}),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     lines = []
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -203,17 +232,36 @@ def check_cache_writable() -> None:
         _writable.add(uv_cache())
 
 
-def install(pins: Pins, args: Sequence[str], *, what: str, lock: Path | None = None,
-            extra_env: dict[str, str] | None = None) -> None:
-    """`uv pip ARGS` (installing WHAT, e.g. "the packages of cpu-py311.txt") from uv's cache
-    alone first; only what the cache lacks is downloaded (a full disk is said in one line
-    with the folder it hit: _disk_failure)."""
+def install(
+    pins: Pins,
+    args: Sequence[str],
+    *,
+    what: str,
+    lock: Path | None = None,
+    extra_env: dict[str, str] | None = None,
+) -> None:
+    """`uv pip ARGS` (installing WHAT, e.g. "the packages of cpu-py311.txt") from uv's
+    cache alone first; only what the cache lacks is downloaded (a full disk is said in
+    one line with the folder it hit: _disk_failure)."""
     try:
-        run(pins, ["pip", *args, "--offline"], what=f"install {what}", lock=lock, extra_env=extra_env)
+        run(
+            pins,
+            ["pip", *args, "--offline"],
+            what=f"install {what}",
+            lock=lock,
+            extra_env=extra_env,
+        )
         return
     except _Final:
         raise
     except ForkError:
         pass
     log.step(f"install: downloading what uv's cache lacks for {what}")
-    run(pins, ["pip", *args], what=f"install {what}", lock=lock, extra_env=extra_env, stream=True)
+    run(
+        pins,
+        ["pip", *args],
+        what=f"install {what}",
+        lock=lock,
+        extra_env=extra_env,
+        stream=True,
+    )

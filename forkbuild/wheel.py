@@ -49,8 +49,8 @@ def _is_metadata(name: str) -> bool:
 
 
 def patched_paths(patches: list[tree.Patch]) -> set[str]:
-    """Every path a `diff --git` header of the series names (old and new side): the files
-    the fork changes, adds or removes on purpose."""
+    """Every path a `diff --git` header of the series names (old and new side): the
+    files the fork changes, adds or removes on purpose."""
     paths: set[str] = set()
     for patch in patches:
         for line in patch.path.read_text(errors="replace").splitlines():
@@ -66,11 +66,16 @@ def _contents(path: Path) -> dict[str, tuple[str | None, int, int]]:
     read, catch a RECORD that does not describe the bytes next to it."""
     with zipfile.ZipFile(path) as whl:
         infos = [i for i in whl.infolist() if not i.is_dir()]
-        records = [i.filename for i in infos if i.filename.endswith(".dist-info/RECORD")
-                   and i.filename.count("/") == 1]
+        records = [
+            i.filename
+            for i in infos
+            if i.filename.endswith(".dist-info/RECORD") and i.filename.count("/") == 1
+        ]
         if len(records) != 1:
-            raise ForkError(f"{path.name} has {len(records)} .dist-info/RECORD files, expected one",
-                            "rebuild it; a wheel without its RECORD cannot be compared")
+            raise ForkError(
+                f"{path.name} has {len(records)} .dist-info/RECORD files, expected one",
+                "rebuild it; a wheel without its RECORD cannot be compared",
+            )
         hashes = {
             row[0]: row[1] or None
             for row in csv.reader(io.StringIO(whl.read(records[0]).decode()))
@@ -87,7 +92,8 @@ class Comparison:
     missing: list[str]  # in the official wheel, not in the fork's
     differing: list[str]  # in both, not equal, and not changed by the series
     extra: list[str]  # in the fork's wheel only, and not added by the series
-    patched: list[str]  # in both and changed by the series or generated: allowed to differ
+    # in both and changed by the series or generated: allowed to differ
+    patched: list[str]
 
     @property
     def ok(self) -> bool:
@@ -113,91 +119,141 @@ def _some(names: list[str]) -> str:
     return f"{shown}, ... ({len(names) - SHOWN} more)" if len(names) > SHOWN else shown
 
 
-def comparison_problems(result: Comparison, official: Path) -> tuple[list[str], list[str]]:
+def comparison_problems(
+    result: Comparison, official: Path
+) -> tuple[list[str], list[str]]:
     """(problems, what to do) for a comparison that is not ok."""
     problems, hints = [], []
     if result.missing:
-        problems.append(f"{len(result.missing)} file(s) of {official.name} missing: "
-                        f"{_some(result.missing)}")
-        hints.append("package data comes from the files git tracks in the tree (setuptools-scm's "
-                     "file finder): build from a git clone of the tree, as `make wheel` does, and "
-                     "check that `git ls-files` in build/vllm-<version> lists them")
+        problems.append(
+            f"{len(result.missing)} file(s) of {official.name} missing: "
+            f"{_some(result.missing)}"
+        )
+        hints.append(
+            "package data comes from the files git tracks in the tree "
+            "(setuptools-scm's file finder): build from a git clone of the tree, as "
+            "`make wheel` does, and check that `git ls-files` in build/vllm-<version> "
+            "lists them"
+        )
     if result.differing:
-        problems.append(f"{len(result.differing)} file(s) differ from {official.name} although no "
-                        f"patch changes them: {_some(result.differing)}")
-        hints.append("rebuild the tree from the pinned sdist (python3 -m forkbuild tree --force); "
-                     "a change the fork means must be a patch in patches/series")
+        problems.append(
+            f"{len(result.differing)} file(s) differ from {official.name} although no "
+            f"patch changes them: {_some(result.differing)}"
+        )
+        hints.append(
+            "rebuild the tree from the pinned sdist (python3 -m forkbuild tree "
+            "--force); a change the fork means must be a patch in patches/series"
+        )
     if result.extra:
-        problems.append(f"{len(result.extra)} file(s) not in {official.name} and added by no "
-                        f"patch: {_some(result.extra)}")
-        hints.append("they leaked into the package (build outputs, the fork's tests?): only the "
-                     "tree's tracked files belong in it; a file the fork adds must come from a patch")
+        problems.append(
+            f"{len(result.extra)} file(s) not in {official.name} and added "
+            "by no "
+            f"patch: {_some(result.extra)}"
+        )
+        hints.append(
+            "they leaked into the package (build outputs, the fork's tests?): only the "
+            "tree's tracked files belong in it; a file the fork adds must come from a "
+            "patch"
+        )
     return problems, hints
 
 
-def verify_wheel(path: Path, pins: Pins, official: Path, patches_dir: Path = tree.PATCHES_DIR) -> None:
+def verify_wheel(
+    path: Path, pins: Pins, official: Path, patches_dir: Path = tree.PATCHES_DIR
+) -> None:
     """The wheel must carry the fix and the fork's version, and hold the OFFICIAL wheel
     whose binaries it was built on file for file: every file, the same bytes, except the
-    files the patch series changes, vllm/_version.py and the .dist-info metadata; nothing
+    files the patch series changes, vllm/_version.py and the .dist-info metadata;
+    nothing
     else besides the files the series adds."""
     missing = sorted(_compiled(official) - _compiled(path))
-    result = compare_wheels(path, official, patched_paths(tree.read_series(patches_dir)))
+    result = compare_wheels(
+        path, official, patched_paths(tree.read_series(patches_dir))
+    )
     with zipfile.ZipFile(path) as whl:
         names = set(whl.namelist())
         verdict = fixcheck.classify(whl.read(fixcheck.MODULE_PATH).decode())
         metadata = next((n for n in names if n.endswith(".dist-info/METADATA")), None)
-        version = next(
-            (ln.split(":", 1)[1].strip() for ln in whl.read(metadata).decode().splitlines()
-             if ln.startswith("Version:")),
-            None,
-        ) if metadata else None
+        version = (
+            next(
+                (
+                    ln.split(":", 1)[1].strip()
+                    for ln in whl.read(metadata).decode().splitlines()
+                    if ln.startswith("Version:")
+                ),
+                None,
+            )
+            if metadata
+            else None
+        )
     problems, hints = [], []
     ours, theirs = _requirements(path), _requirements(official)
     if ours != theirs:
         only = sorted(set(ours) ^ set(theirs))
-        problems.append(f"its METADATA's Requires-Dist/Requires-Python differ from the official "
-                        f"wheel's in {len(only)} line(s), e.g. {only[0]!r}")
-        hints.append(f"the fork must depend on exactly what vllm=={pins.upstream_version} depends on: check the tree's "
-                     "requirements files against the sdist's")
+        problems.append(
+            "its METADATA's Requires-Dist/Requires-Python differ from the official "
+            f"wheel's in {len(only)} line(s), e.g. {only[0]!r}"
+        )
+        hints.append(
+            f"the fork must depend on exactly what vllm=={pins.upstream_version} "
+            "depends on: check the tree's requirements files against the sdist's"
+        )
     if verdict != "fixed":
         problems.append(f"{fixcheck.FUNCTION} is {verdict}")
     if version != pins.fork_version:
         problems.append(f"version is {version}, expected {pins.fork_version}")
     if missing:
-        problems.append(f"{len(missing)} compiled extension(s) missing, e.g. {missing[0]}")
+        problems.append(
+            f"{len(missing)} compiled extension(s) missing, e.g. {missing[0]}"
+        )
     if not result.ok:
         more, hints = comparison_problems(result, official)
         problems += more
     if problems:
-        raise ForkError(f"{path.name} is not a good fork wheel: {'; '.join(problems)}",
-                        "; ".join(hints) if hints else "rebuild it")
-    log.step(f"wheel: verified {path.name}: version {version}, fix present, "
-             f"{result.compared} files of {official.name} ({len(_compiled(official))} compiled "
-             f"extensions among them) present and equal, {len(result.patched)} changed as the "
-             f"series and the build change them ({', '.join(result.patched)})")
+        raise ForkError(
+            f"{path.name} is not a good fork wheel: {'; '.join(problems)}",
+            "; ".join(hints) if hints else "rebuild it",
+        )
+    log.step(
+        f"wheel: verified {path.name}: version {version}, fix present, "
+        f"{result.compared} files of {official.name} ({len(_compiled(official))} "
+        f"compiled extensions among them) present and equal, {len(result.patched)} "
+        f"changed as the series and the build change them ({', '.join(result.patched)})"
+    )
 
 
 def _requirements(path: Path) -> list[str]:
     """The Requires-Dist and Requires-Python lines of the wheel's METADATA, sorted: what
-    an installer takes from it (the rest of .dist-info names the build, not the needs)."""
+    an installer takes from it (the rest of .dist-info names the build, not the
+    needs)."""
     with zipfile.ZipFile(path) as whl:
         name = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
-        head = whl.read(name).decode().split("\n\n", 1)[0]  # headers end at the first blank line
-    return sorted(line.strip() for line in head.splitlines()
-                  if line.startswith(("Requires-Dist:", "Requires-Python:")))
+        # headers end at the first blank line
+        head = whl.read(name).decode().split("\n\n", 1)[0]
+    return sorted(
+        line.strip()
+        for line in head.splitlines()
+        if line.startswith(("Requires-Dist:", "Requires-Python:"))
+    )
 
 
 def _tag_options(official: Path) -> list[str]:
-    """pip tags a python-only build for the building interpreter (cp311-cp311-linux); the
-    binaries inside are the official wheel's, so bdist_wheel is told the official wheel's
-    tags (cp38-abi3-manylinux_2_28) and the wheel installs wherever that one does. (Built
-    so, it is zipped once: retagging afterwards rewrote all ~400 MB again.)"""
+    """pip tags a python-only build for the building interpreter (cp311-cp311-linux);
+    the binaries inside are the official wheel's, so bdist_wheel is told the official
+    wheel's tags (cp38-abi3-manylinux_2_28) and the wheel installs wherever that one
+    does. (Built so, it is zipped once: retagging afterwards rewrote all ~400 MB
+    again.)"""
     # name-version-python-abi-platform.whl (fork.toml pins the official file name)
     interpreter, abi, platform_tag = official.name.removesuffix(".whl").split("-")[-3:]
     if abi != "abi3":
-        raise ForkError(f"{official.name} is not an abi3 wheel", "the wheel step expects vLLM's abi3 wheel")
-    return [f"-C--build-option=--py-limited-api={interpreter}",
-            f"-C--build-option=--plat-name={platform_tag}"]
+        raise ForkError(
+            f"{official.name} is not an abi3 wheel",
+            "the wheel step expects vLLM's abi3 wheel",
+        )
+    return [
+        f"-C--build-option=--py-limited-api={interpreter}",
+        f"-C--build-option=--plat-name={platform_tag}",
+    ]
 
 
 def build(pins: Pins) -> Path:
@@ -216,13 +272,27 @@ def build(pins: Pins) -> Path:
         cloned = tree.git(["clone", "-q", str(tree_path), str(source)], Path(tmp))
         if cloned.returncode != 0:
             detail = (cloned.stderr or cloned.stdout).strip().splitlines()
-            raise ForkError(f"git could not clone {tree_path}: {detail[-1] if detail else 'no output'}",
-                            "rebuild the tree: make tree")
-        log.step(f"wheel: building {pins.fork_version} on {binaries.name} (takes about a minute)")
+            raise ForkError(
+                f"git could not clone {tree_path}: "
+                f"{detail[-1] if detail else 'no output'}",
+                "rebuild the tree: make tree",
+            )
+        log.step(
+            f"wheel: building {pins.fork_version} on {binaries.name} (takes about "
+            "a minute)"
+        )
         run_pip(
             python,
-            ["wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
-             *_tag_options(binaries), str(source)],
+            [
+                "wheel",
+                "--no-deps",
+                "--no-build-isolation",
+                "-q",
+                "-w",
+                str(out),
+                *_tag_options(binaries),
+                str(source),
+            ],
             what="build the wheel",
             env=install.precompiled_env(pins, route, binaries),
             quiet=True,
@@ -230,8 +300,11 @@ def build(pins: Pins) -> Path:
         built = sorted(out.glob("vllm-*.whl"))
         tags = "-".join(binaries.name.removesuffix(".whl").split("-")[-3:])
         if len(built) != 1 or not built[0].name.endswith(f"-{tags}.whl"):
-            raise ForkError(f"pip wheel produced {[p.name for p in built]}, expected one vllm wheel "
-                            f"tagged {tags}")
+            raise ForkError(
+                f"pip wheel produced {[p.name for p in built]}, expected "
+                "one vllm wheel "
+                f"tagged {tags}"
+            )
         verify_wheel(built[0], pins, binaries)
         dist_dir().mkdir(parents=True, exist_ok=True)
         final = dist_dir() / built[0].name

@@ -1,5 +1,6 @@
-"""The backport audit (docs/backport-audit.md) sorts every change 0.26.0 made to the files
-the #47054 configuration runs: every audited file that differs between the fork's sdist and
+"""The backport audit (docs/backport-audit.md) sorts every change 0.26.0 made to the
+files the #47054 configuration runs: every audited file that differs between the fork's
+sdist and
 0.26.0's has a row in the audit's file table, so a rebase cannot take a change unsorted.
 The check is forkbuild.rebase.unsorted_files, shown to fail on a broken copy."""
 
@@ -17,7 +18,10 @@ from forkbuild.errors import ForkError
 
 def _pip() -> Path:
     if not install.venv_python().exists():
-        pytest.skip("the sdist is not cached and there is no toolchain venv to fetch it: run `make matrix`")
+        pytest.skip(
+            "the sdist is not cached and there is no toolchain venv to fetch "
+            "it: run `make matrix`"
+        )
     return install.venv_python()
 
 
@@ -30,19 +34,25 @@ def _sdist(artifact: pins.Artifact) -> Path:
 
 @pytest.fixture(scope="module")
 def sdists(fork_pins: pins.Pins) -> tuple[Path, Path]:
-    return _sdist(fork_pins.sdist), _sdist(fork_pins.release(rebase.AUDIT_RELEASE).sdist)
+    return _sdist(fork_pins.sdist), _sdist(
+        fork_pins.release(rebase.AUDIT_RELEASE).sdist
+    )
 
 
 def test_every_changed_audited_file_has_a_row_in_the_audit(sdists):
     audited = rebase.audited_set()
-    assert "vllm/distributed/kv_transfer/kv_connector/v1/offloading/worker.py" in audited
+    assert (
+        "vllm/distributed/kv_transfer/kv_connector/v1/offloading/worker.py" in audited
+    )
     assert "vllm/v1/worker/gpu/attn_utils.py" in audited
     assert "vllm/v1/attention/backends/flash_attn.py" in audited  # the GPU path, added
     assert rebase.unsorted_files(*sdists, audited, rebase.AUDIT_DOC.read_text()) == []
 
 
 def test_the_file_table_names_only_audited_files():
-    assert rebase.audit_table_files(rebase.AUDIT_DOC.read_text()) == set(rebase.audited_set())
+    assert rebase.audit_table_files(rebase.AUDIT_DOC.read_text()) == set(
+        rebase.audited_set()
+    )
 
 
 def _sdist_of(path: Path, top: str, files: dict[str, str]) -> Path:
@@ -56,30 +66,59 @@ def _sdist_of(path: Path, top: str, files: dict[str, str]) -> Path:
 
 
 def test_a_changed_file_without_a_row_is_reported(tmp_path):
-    old = _sdist_of(tmp_path / "old.tar.gz", "vllm-1.0.0", {
-        "vllm/a.py": "a = 1\n", "vllm/b.py": "b = 1\n", "vllm/same.py": "s = 1\n", "vllm/gone.py": "g\n",
-    })
-    new = _sdist_of(tmp_path / "new.tar.gz", "vllm-1.1.0", {
-        "vllm/a.py": "a = 2\n", "vllm/b.py": "b = 2\n", "vllm/same.py": "s = 1\n",
-    })
+    old = _sdist_of(
+        tmp_path / "old.tar.gz",
+        "vllm-1.0.0",
+        {
+            "vllm/a.py": "a = 1\n",
+            "vllm/b.py": "b = 1\n",
+            "vllm/same.py": "s = 1\n",
+            "vllm/gone.py": "g\n",
+        },
+    )
+    new = _sdist_of(
+        tmp_path / "new.tar.gz",
+        "vllm-1.1.0",
+        {
+            "vllm/a.py": "a = 2\n",
+            "vllm/b.py": "b = 2\n",
+            "vllm/same.py": "s = 1\n",
+        },
+    )
     audited = ["vllm/a.py", "vllm/b.py", "vllm/same.py", "vllm/gone.py"]
-    assert rebase.differing_files(old, new, audited) == ["vllm/a.py", "vllm/b.py", "vllm/gone.py"]
-    doc = "| file | hunks |\n| --- | --- |\n| `vllm/a.py` | 1 |\n| a.py | 1 |\nsee `vllm/b.py`\n"
+    assert rebase.differing_files(old, new, audited) == [
+        "vllm/a.py",
+        "vllm/b.py",
+        "vllm/gone.py",
+    ]
+    doc = (
+        "| file | hunks |\n| --- | --- |\n| `vllm/a.py` | 1 |\n| a.py | 1 |\nsee "
+        "`vllm/b.py`\n"
+    )
     # b.py is only mentioned in prose and gone.py nowhere: both are unsorted.
-    assert rebase.unsorted_files(old, new, audited, doc) == ["vllm/b.py", "vllm/gone.py"]
-    assert rebase.unsorted_files(old, new, audited, doc + "| `vllm/b.py` | 1 |\n| `vllm/gone.py` | 1 |\n") == []
+    assert rebase.unsorted_files(old, new, audited, doc) == [
+        "vllm/b.py",
+        "vllm/gone.py",
+    ]
+    assert (
+        rebase.unsorted_files(
+            old, new, audited, doc + "| `vllm/b.py` | 1 |\n| `vllm/gone.py` | 1 |\n"
+        )
+        == []
+    )
 
 
 def test_the_audited_set_is_read_from_its_section(tmp_path):
     listing = tmp_path / "files.txt"
     listing.write_text(
-        "# header\n[audited]  # comment\nvllm/a.py\n\nvllm/b.py  # why\n[added]\nvllm/b.py  # why\n"
+        "# header\n[audited]  # comment\nvllm/a.py\n\nvllm/b.py  # "
+        "why\n[added]\nvllm/b.py  # why\n"
         "[excluded]\nvllm/c.py\n"
     )
     assert rebase.audited_set(listing) == ["vllm/a.py", "vllm/b.py"]
 
 
-# -- The audit's second part: upstream's fixes after 0.26.0, by fix ----------------------
+# -- The audit's second part: upstream's fixes after 0.26.0, by fix --------------------
 
 # The fixes issue 28 named: each must have a row of its own.
 NAMED_FIXES = ("#48411", "#47987", "#50696", "#46951", "#49226", "#52170")
@@ -92,15 +131,20 @@ def test_every_fix_the_audit_lists_has_a_decision():
     assert rebase.audited_through(text) == "0.33.0"
     for named in NAMED_FIXES:
         assert any(f"[{named}]" in fix.name for fix in fixes), f"{named} has no row"
-    undecided = [fix.name for fix in fixes if not fix.decision.startswith(rebase.DECISIONS)]
+    undecided = [
+        fix.name for fix in fixes if not fix.decision.startswith(rebase.DECISIONS)
+    ]
     assert undecided == []
     assert rebase.unsorted_fixes(text, rebase.audited_through(text)) == []
 
 
 def test_every_carried_fix_is_a_patch_of_the_series():
     series = [p.name for p in tree.read_series()]
-    carried = [fix for fix in rebase.audited_fixes(rebase.AUDIT_DOC.read_text())
-               if fix.decision.startswith("**carry**")]
+    carried = [
+        fix
+        for fix in rebase.audited_fixes(rebase.AUDIT_DOC.read_text())
+        if fix.decision.startswith("**carry**")
+    ]
     assert carried
     for fix in carried:
         number = fix.decision.split("patch ", 1)[1][:4]
@@ -109,10 +153,12 @@ def test_every_carried_fix_is_a_patch_of_the_series():
 
 def test_unsorted_fixes_are_the_undecided_ones_up_to_the_release():
     doc = (
-        "# audit\n\n## The changes\n\n| fix | a | b | c | decision |\n| --- | --- | --- | --- | --- |\n"
+        "# audit\n\n## The changes\n\n| fix | a | b | c | decision |\n| --- | --- | "
+        "--- | --- | --- |\n"
         "| [#1](u) | 0.27.0 | x | y |  |\n\n"  # a table of another section: not read
         "## After 0.26.0: fixes\n\nAudited through: 0.30.0\n\n"
-        "| fix | first release | what it fixes | hit? | decision |\n| --- | --- | --- | --- | --- |\n"
+        "| fix | first release | what it fixes | hit? | decision |\n| --- | --- | --- "
+        "| --- | --- |\n"
         "| [#10](u) | 0.27.0 (by date) | a | yes | **carry**: patch 0005 |\n"
         "| [#11](u) | 0.28.0 | b | no | not carried, because |\n"
         "| [#12](u) | 0.28.0 | c | maybe | flagged, not carried |\n"
@@ -123,10 +169,16 @@ def test_unsorted_fixes_are_the_undecided_ones_up_to_the_release():
     )
     fixes = rebase.audited_fixes(doc)
     assert [f.name for f in fixes] == [f"[#{n}](u)" for n in (10, 11, 12, 13)] + [
-        "bug [#14](u) (open)", "[#15](u)"]
+        "bug [#14](u) (open)",
+        "[#15](u)",
+    ]
     assert fixes[0].release == (0, 27, 0) and fixes[4].release is None
     assert rebase.audited_through(doc) == "0.30.0"
     # Up to the release tried, and the open ones whatever it is.
     assert rebase.unsorted_fixes(doc, "0.28.0") == ["bug [#14](u) (open)"]
     assert rebase.unsorted_fixes(doc, "0.29.0") == ["[#13](u)", "bug [#14](u) (open)"]
-    assert rebase.unsorted_fixes(doc, "0.31.0") == ["[#13](u)", "bug [#14](u) (open)", "[#15](u)"]
+    assert rebase.unsorted_fixes(doc, "0.31.0") == [
+        "[#13](u)",
+        "bug [#14](u) (open)",
+        "[#15](u)",
+    ]

@@ -23,33 +23,53 @@ from forkbuild.errors import ForkError
 def bare_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Python with the standard library alone: no pip, no packaging."""
     home = tmp_path_factory.mktemp("bare") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(home)], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(home)], check=True
+    )
     python = home / "bin" / "python"
     for module in ("packaging", "pip"):
-        probe = subprocess.run([str(python), "-c", f"import {module}"], capture_output=True, check=False)
+        probe = subprocess.run(
+            [str(python), "-c", f"import {module}"], capture_output=True, check=False
+        )
         assert probe.returncode != 0, f"{module} is importable in {home}"
     return python
 
 
-def _forkbuild(python: Path, *args: str, env: dict[str, str] | None = None, timeout: int = 300):
+def _forkbuild(
+    python: Path, *args: str, env: dict[str, str] | None = None, timeout: int = 300
+):
     return subprocess.run(
-        [str(python), "-m", "forkbuild", *args], cwd=pins.REPO_ROOT, capture_output=True,
-        text=True, timeout=timeout, check=False, env={**os.environ, **(env or {})},
+        [str(python), "-m", "forkbuild", *args],
+        cwd=pins.REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env={**os.environ, **(env or {})},
     )
 
 
 def test_every_forkbuild_module_imports_on_the_standard_library(bare_python):
-    modules = [m.name for m in pkgutil.walk_packages(forkbuild.__path__, "forkbuild.")
-               if not m.name.startswith(("forkbuild.tests", "forkbuild.__main__"))]
+    modules = [
+        m.name
+        for m in pkgutil.walk_packages(forkbuild.__path__, "forkbuild.")
+        if not m.name.startswith(("forkbuild.tests", "forkbuild.__main__"))
+    ]
     code = "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)\n"
-    result = subprocess.run([str(bare_python), "-c", code, *modules], cwd=pins.REPO_ROOT,
-                            capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [str(bare_python), "-c", code, *modules],
+        cwd=pins.REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "forkbuild.cli" in modules and "forkbuild.install" in modules
 
 
 def test_fetch_and_tree_run_on_a_bare_python_and_make_no_venv(bare_python, tmp_path):
-    """With the files cached, `make fetch` and `make tree` need no environment at all."""
+    """With the files cached, `make fetch` and `make tree` need no environment at
+    all."""
     build = tmp_path / "build"
     for step in (["fetch", "--route", "cpu"], ["tree"]):
         result = _forkbuild(bare_python, *step, env={"VLLM_FORK_BUILD": str(build)})
@@ -64,12 +84,21 @@ def other_interpreters() -> list[Path]:
     pyenv builds of the other minor versions, oldest patch release first."""
     supported = pins.load().pythons
     found = []
-    for candidate in [Path("/usr/bin/python3"),
-                      *sorted(Path.home().glob(".pyenv/versions/3.1*/bin/python3"))]:
-        if not candidate.exists() or candidate.resolve() == Path(sys.executable).resolve():
+    for candidate in [
+        Path("/usr/bin/python3"),
+        *sorted(Path.home().glob(".pyenv/versions/3.1*/bin/python3")),
+    ]:
+        if (
+            not candidate.exists()
+            or candidate.resolve() == Path(sys.executable).resolve()
+        ):
             continue
-        version = subprocess.run([str(candidate), "-c", "import sys; print(*sys.version_info[:3])"],
-                                 capture_output=True, text=True, check=False).stdout.split()
+        version = subprocess.run(
+            [str(candidate), "-c", "import sys; print(*sys.version_info[:3])"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.split()
         minor = ".".join(version[:2])
         if minor in supported:
             found.append((tuple(map(int, version)), candidate))
@@ -88,12 +117,16 @@ def test_tree_is_the_same_on_every_interpreter_here(tmp_path):
     if not interpreters:
         pytest.skip("no other supported Python on this machine")
     builds = {python: tmp_path / f"build-{i}" for i, python in enumerate(interpreters)}
-    # `make fetch` (the cached files verified) then `make tree`, as the README runs them.
+    # `make fetch` (the cached files verified) then `make tree`, as the README runs
+    # them.
     steps = "{0} -m forkbuild fetch --route cpu && {0} -m forkbuild tree"
     running = {
         python: subprocess.Popen(
-            ["sh", "-c", steps.format(shlex.quote(str(python)))], cwd=pins.REPO_ROOT, text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            ["sh", "-c", steps.format(shlex.quote(str(python)))],
+            cwd=pins.REPO_ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             env={**os.environ, "VLLM_FORK_BUILD": str(build)},
         )
         for python, build in builds.items()
@@ -103,15 +136,24 @@ def test_tree_is_the_same_on_every_interpreter_here(tmp_path):
         output, _ = process.communicate(timeout=600)
         assert process.returncode == 0, f"{python}: {output[-2000:]}"
         tree = builds[python] / f"vllm-{pins.load().upstream_version}"
-        heads[python] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True,
-                                       text=True, check=True).stdout.strip()
+        heads[python] = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=tree,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     # The running interpreter's tree: the build's own when made from the same inputs.
     made_here = pins.build_dir() / f"vllm-{pins.load().upstream_version}"
     inputs = made_here / ".git" / "forkbuild-inputs"
     theirs = next(iter(builds.values())) / made_here.name / ".git" / "forkbuild-inputs"
     if inputs.exists() and inputs.read_text() == theirs.read_text():
         heads[Path(sys.executable)] = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=made_here, capture_output=True, text=True, check=True
+            ["git", "rev-parse", "HEAD"],
+            cwd=made_here,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.strip()
     assert len(set(heads.values())) == 1, heads
 
@@ -119,25 +161,41 @@ def test_tree_is_the_same_on_every_interpreter_here(tmp_path):
 def test_uv_bootstraps_without_pip_from_ensurepips_wheel(bare_python, tmp_path):
     """An empty cache and a Python without pip: uv arrives through the pip wheel that
     ensurepip bundles, verified (needs the package index, as a cold `make` does)."""
-    code = ("from forkbuild import pins, uv\n"
-            "print(uv.bootstrap_pip()[-1])\n"
-            "print(uv.binary(pins.load()))\n")
-    result = subprocess.run([str(bare_python), "-c", code], cwd=pins.REPO_ROOT, capture_output=True,
-                            text=True, timeout=300, check=False,
-                            env={**os.environ, "VLLM_FORK_CACHE": str(tmp_path / "cache")})
+    code = (
+        "from forkbuild import pins, uv\n"
+        "print(uv.bootstrap_pip()[-1])\n"
+        "print(uv.binary(pins.load()))\n"
+    )
+    result = subprocess.run(
+        [str(bare_python), "-c", code],
+        cwd=pins.REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "VLLM_FORK_CACHE": str(tmp_path / "cache")},
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     via, binary = result.stdout.strip().splitlines()[-2:]
-    # ensurepip's own wheel: bundled with it, or where the distribution keeps it (Debian)
+    # ensurepip's own wheel: bundled with it, or where the distribution keeps it
+    # (Debian)
     kept = sysconfig.get_config_var("WHEEL_PKG_DIR")
     wheel = Path(via).parent  # .../pip-X-py3-none-any.whl/pip
     assert wheel.name.startswith("pip-"), via
     assert wheel.parent.name == "_bundled" or (kept and wheel.parent == Path(kept)), via
     assert Path(binary).is_relative_to(tmp_path / "cache")
-    version = subprocess.run([binary, "--version"], capture_output=True, text=True, check=True)
-    assert version.stdout.split()[:2] == ["uv", pins.load().uv.requirement.split("==")[1]]
+    version = subprocess.run(
+        [binary, "--version"], capture_output=True, text=True, check=True
+    )
+    assert version.stdout.split()[:2] == [
+        "uv",
+        pins.load().uv.requirement.split("==")[1],
+    ]
 
 
-def test_a_python_without_pip_or_ensurepip_gets_one_line_naming_the_package(monkeypatch):
+def test_a_python_without_pip_or_ensurepip_gets_one_line_naming_the_package(
+    monkeypatch,
+):
     monkeypatch.setattr(uv.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ForkError) as err:
         uv.bootstrap_pip()
@@ -147,17 +205,47 @@ def test_a_python_without_pip_or_ensurepip_gets_one_line_naming_the_package(monk
 
 
 def test_help_lists_every_target_variable_and_what_test_runs():
-    text = subprocess.run(["make", "-s", "help", f"PYTHON={sys.executable}"], cwd=pins.REPO_ROOT,
-                          capture_output=True, text=True, check=True).stdout
-    for word in ("make clean", "PORT", "HOST", "PRESET", "MODEL", "ROUTE", "VERSION", "VERSIONS",
-                 "ACCEPT", "ARGS", "CPU_BYTES", "PYTHON", "lock"):
+    text = subprocess.run(
+        ["make", "-s", "help", f"PYTHON={sys.executable}"],
+        cwd=pins.REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for word in (
+        "make clean",
+        "PORT",
+        "HOST",
+        "PRESET",
+        "MODEL",
+        "ROUTE",
+        "VERSION",
+        "VERSIONS",
+        "ACCEPT",
+        "ARGS",
+        "CPU_BYTES",
+        "PYTHON",
+        "lock",
+    ):
         assert word in text, word
-    test_help = " ".join(_forkbuild(Path(sys.executable), "test", "--help").stdout.split())
+    test_help = " ".join(
+        _forkbuild(Path(sys.executable), "test", "--help").stdout.split()
+    )
     assert "GPU tests' clean skip" in test_help and "patch-status" in test_help
     assert "CUDA route without a GPU" in test_help
     assert "--route" in test_help
-    for step in ("tree", "wheel", "lock", "matrix", "patch-status", "upstream", "nightly"):
-        assert "--route" not in _forkbuild(Path(sys.executable), step, "--help").stdout, step
+    for step in (
+        "tree",
+        "wheel",
+        "lock",
+        "matrix",
+        "patch-status",
+        "upstream",
+        "nightly",
+    ):
+        assert (
+            "--route" not in _forkbuild(Path(sys.executable), step, "--help").stdout
+        ), step
     makefile = (pins.REPO_ROOT / "Makefile").read_text()
     readme = (pins.REPO_ROOT / "README.md").read_text()
     assert "~11 min" in makefile and "11 min for all five releases" in readme

@@ -1,9 +1,9 @@
-"""The fork's Buildkite pipelines, .buildkite/fork_nightly_gpu.yaml (the nightly GPU job)
-and .buildkite/fork_ci.yaml (make test on every push and pull request), are pipelines
-Buildkite accepts: checked against Buildkite's own pipeline schema (shipped in the
-buildkite-sdk package, a test tool of fork.toml), plus what the schema cannot know: the
-command files exist here, the artifacts are where the runs write their reports, and the
-CI keeps its download cache where forkbuild reads it."""
+"""The fork's Buildkite pipelines, .buildkite/fork_nightly_gpu.yaml (the nightly GPU
+job) and .buildkite/fork_ci.yaml (make test on every push and pull request), are
+pipelines Buildkite accepts: checked against Buildkite's own pipeline schema (shipped in
+the buildkite-sdk package, a test tool of fork.toml), plus what the schema cannot know:
+the command files exist here, the artifacts are where the runs write their reports, and
+the CI keeps its download cache where forkbuild reads it."""
 
 from __future__ import annotations
 
@@ -26,7 +26,13 @@ CI_PIPELINE = REPO_ROOT / ".buildkite" / "fork_ci.yaml"
 # A cold `make test` takes about 12 minutes on 2 cores; the fork's CI stops a job at 90.
 CI_RUN_MIN, CI_LIMIT_MIN = 12, 90
 # What forkbuild/nightly.py writes into its output folder.
-REPORTS = ("gpus.csv", "gpu-tests.xml", "serve-gpu.xml", "benchmark.json", "summary.json")
+REPORTS = (
+    "gpus.csv",
+    "gpu-tests.xml",
+    "serve-gpu.xml",
+    "benchmark.json",
+    "summary.json",
+)
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +54,13 @@ def ci_pipeline() -> dict:
 
 
 def _errors(schema: dict, instance, definition: str | None = None) -> list[str]:
-    """Schema violations of INSTANCE, against the whole schema or one of its definitions."""
+    """Schema violations of INSTANCE, against the whole schema or one of its
+    definitions."""
     if definition:
-        schema = {"definitions": schema["definitions"], "$ref": f"#/definitions/{definition}"}
+        schema = {
+            "definitions": schema["definitions"],
+            "$ref": f"#/definitions/{definition}",
+        }
     validator = jsonschema.Draft7Validator(schema)
     return [
         f"{'/'.join(map(str, error.absolute_path)) or '(top)'}: {error.message}"
@@ -71,13 +81,20 @@ def test_the_pipeline_is_valid_for_buildkite(schema, pipeline):
         assert _errors(schema, step, "commandStep") == [], step.get("label")
     assert _errors(schema, pipeline) == []
     # The top level admits extra keys in the schema, but Buildkite reads only its own.
-    assert set(pipeline) <= set(schema["properties"]), set(pipeline) - set(schema["properties"])
+    assert set(pipeline) <= set(schema["properties"]), set(pipeline) - set(
+        schema["properties"]
+    )
 
 
 def test_the_schema_refuses_the_test_area_shape(schema, pipeline):
     # The keys of vLLM's test_areas files, which its generator drops, are no step keys.
-    step = dict(pipeline["steps"][0], device="h100", num_devices=1, nightly=True,
-                source_file_dependencies=["fork.toml"])
+    step = dict(
+        pipeline["steps"][0],
+        device="h100",
+        num_devices=1,
+        nightly=True,
+        source_file_dependencies=["fork.toml"],
+    )
     (error,) = _errors(schema, step, "commandStep")
     assert "Additional properties are not allowed" in error
     assert _errors(schema, {**pipeline, "steps": [step]}) != []
@@ -102,8 +119,15 @@ def test_every_step_targets_a_queue_of_the_gpu_table_with_a_timeout(pipeline):
 
 def test_a_pipeline_left_behind_by_the_table_fails(pipeline):
     table = gpu_required.load()
-    moved = gpu_required.Table(table.kinds + (gpu_required.Kind(
-        "Blackwell", (10, 0), (), (), (("fork-gpu-blackwell-1", 1),)),), table.cases)
+    moved = gpu_required.Table(
+        table.kinds
+        + (
+            gpu_required.Kind(
+                "Blackwell", (10, 0), (), (), (("fork-gpu-blackwell-1", 1),)
+            ),
+        ),
+        table.cases,
+    )
     assert sorted(pipeline_queues(pipeline)) != sorted(table_queues(moved))
 
 
@@ -113,7 +137,9 @@ def test_every_command_runs_a_file_of_this_repository(pipeline):
         for command in [commands] if isinstance(commands, str) else commands:
             interpreter, script, *_ = shlex.split(command)
             assert interpreter == "bash", command
-            assert (REPO_ROOT / script).is_file(), f"{step['label']}: {script} is not in the repo"
+            assert (REPO_ROOT / script).is_file(), (
+                f"{step['label']}: {script} is not in the repo"
+            )
 
 
 def test_artifacts_are_the_reports_in_the_nightly_output_folder(pipeline, monkeypatch):
@@ -124,8 +150,8 @@ def test_artifacts_are_the_reports_in_the_nightly_output_folder(pipeline, monkey
         label = step["label"]
         out = PurePosixPath(step.get("env", {}).get("FORK_NIGHTLY_OUT", default))
         assert not out.is_absolute() and out.is_relative_to(default), (label, out)
-        # nightly.py takes a relative FORK_NIGHTLY_OUT from the repository root, which is
-        # where Buildkite resolves artifact_paths.
+        # nightly.py takes a relative FORK_NIGHTLY_OUT from the repository root, which
+        # is where Buildkite resolves artifact_paths.
         monkeypatch.setenv("FORK_NIGHTLY_OUT", str(out))
         assert nightly.out_dir() == REPO_ROOT / out
         patterns = step["artifact_paths"]
@@ -133,10 +159,14 @@ def test_artifacts_are_the_reports_in_the_nightly_output_folder(pipeline, monkey
         for pattern in patterns:
             assert PurePosixPath(pattern).parent == out, (label, pattern)
         for report in REPORTS:
-            assert any(fnmatch.fnmatch(f"{out}/{report}", p) for p in patterns), (label, report)
+            assert any(fnmatch.fnmatch(f"{out}/{report}", p) for p in patterns), (
+                label,
+                report,
+            )
 
 
-# -- the fork's CI on every push and pull request ---------------------------------------------
+# -- the fork's CI on every push and pull request --------------------------------------
+
 
 def _step_kind(step) -> str:
     """The schema definition of STEP's kind (a wait step, else a command step)."""
@@ -154,25 +184,35 @@ def test_the_ci_pipeline_is_valid_for_buildkite(schema, ci_pipeline):
         label = step.get("label") if isinstance(step, dict) else step
         assert _errors(schema, step, _step_kind(step)) == [], label
     assert _errors(schema, ci_pipeline) == []
-    assert set(ci_pipeline) <= set(schema["properties"]), set(ci_pipeline) - set(schema["properties"])
+    assert set(ci_pipeline) <= set(schema["properties"]), set(ci_pipeline) - set(
+        schema["properties"]
+    )
 
 
 def test_the_schema_refuses_a_broken_ci_pipeline(schema, ci_pipeline):
     # The same check on a step with a misspelt key and a timeout that is no number.
-    step = dict(_command_steps(ci_pipeline)[0], artifacts_paths=["build/test-results/*.xml"])
-    assert any("Additional properties" in e for e in _errors(schema, step, "commandStep"))
+    step = dict(
+        _command_steps(ci_pipeline)[0], artifacts_paths=["build/test-results/*.xml"]
+    )
+    assert any(
+        "Additional properties" in e for e in _errors(schema, step, "commandStep")
+    )
     step = dict(_command_steps(ci_pipeline)[0], timeout_in_minutes="forty-five")
     assert _errors(schema, step, "commandStep") != []
     assert _errors(schema, {**ci_pipeline, "steps": [step]}) != []
 
 
 def test_the_ci_pipeline_runs_make_test_on_a_cpu_queue(ci_pipeline, pipeline):
-    (step,) = _command_steps(ci_pipeline)  # one job: make test runs its parts at once itself
+    # one job: make test runs its parts at once itself
+    (step,) = _command_steps(ci_pipeline)
     assert step["command"] == "bash .ci/run"
     run = (REPO_ROOT / ".ci" / "run").read_text()
-    assert re.search(r"^make test$", run, re.M), "bash .ci/run no longer runs `make test`"
+    assert re.search(r"^make test$", run, re.M), (
+        "bash .ci/run no longer runs `make test`"
+    )
     gpu_queues = {s["agents"]["queue"] for s in pipeline["steps"]}
-    assert step["agents"]["queue"] not in gpu_queues  # with a GPU, make test takes the CUDA route
+    # with a GPU, make test takes the CUDA route
+    assert step["agents"]["queue"] not in gpu_queues
     assert "gpu" not in step["agents"]["queue"]
     assert step["key"] not in {s["key"] for s in pipeline["steps"]}
 
@@ -182,22 +222,27 @@ def test_the_ci_timeout_fits_a_cold_run_and_the_ci_limit(ci_pipeline):
     assert 2 * CI_RUN_MIN <= step["timeout_in_minutes"] <= CI_LIMIT_MIN
 
 
-def test_the_ci_keeps_the_download_cache_where_forkbuild_reads_it(ci_pipeline, monkeypatch):
+def test_the_ci_keeps_the_download_cache_where_forkbuild_reads_it(
+    ci_pipeline, monkeypatch
+):
     (step,) = _command_steps(ci_pipeline)
     env = step["env"]
     cache = PurePosixPath(env["VLLM_FORK_CACHE"])
-    # Absolute, so outside the checkout, which Buildkite cleans of ignored files each build.
+    # Absolute, so outside the checkout, which Buildkite cleans of ignored files each
+    # build.
     assert cache.is_absolute(), cache
     monkeypatch.setenv("VLLM_FORK_CACHE", str(cache))
     assert pins.cache_dir() == Path(str(cache))
-    # build/ stays in the checkout: the reports are uploaded from there, and each build is
-    # a fresh clone with a warm cache, as the README's figures are measured.
+    # build/ stays in the checkout: the reports are uploaded from there, and each build
+    # is a fresh clone with a warm cache, as the README's figures are measured.
     assert "VLLM_FORK_BUILD" not in env and "VLLM_FORK_DIST" not in env
 
 
 def test_the_ci_uploads_every_junit_report_of_make_test(ci_pipeline, monkeypatch):
     monkeypatch.delenv("VLLM_FORK_BUILD", raising=False)
-    results = PurePosixPath((pins.build_dir() / "test-results").relative_to(REPO_ROOT).as_posix())
+    results = PurePosixPath(
+        (pins.build_dir() / "test-results").relative_to(REPO_ROOT).as_posix()
+    )
     (step,) = _command_steps(ci_pipeline)
     patterns = step["artifact_paths"]
     patterns = [patterns] if isinstance(patterns, str) else patterns
@@ -211,4 +256,3 @@ def test_the_ci_uploads_every_junit_report_of_make_test(ci_pipeline, monkeypatch
     for report in reports:
         assert any(fnmatch.fnmatch(f"{results}/{report}", p) for p in patterns), report
     assert f"{results}/*.xml" in patterns
-

@@ -13,8 +13,8 @@ from forkbuild import bytecode
 
 
 def _site(root: Path, source: str = "VALUE = 1\n", mtime: int = 1_700_000_000) -> Path:
-    """A site-packages folder with one package, its file dated MTIME (as uv's links and the
-    sdist's files keep theirs)."""
+    """A site-packages folder with one package, its file dated MTIME (as uv's links and
+    the sdist's files keep theirs)."""
     module = root / "pkg" / "mod.py"
     module.parent.mkdir(parents=True)
     (module.parent / "__init__.py").write_text("")
@@ -26,7 +26,9 @@ def _site(root: Path, source: str = "VALUE = 1\n", mtime: int = 1_700_000_000) -
 
 def _import(site: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    subprocess.run([sys.executable, "-c", "import pkg.mod"], cwd=site, env=env, check=True)
+    subprocess.run(
+        [sys.executable, "-c", "import pkg.mod"], cwd=site, env=env, check=True
+    )
 
 
 def _pyc(site: Path) -> Path:
@@ -50,7 +52,9 @@ def test_a_fresh_venv_gets_the_bytecode_and_python_keeps_it(tmp_path):
     assert not list(fresh.rglob("*.partial"))
 
 
-def test_bytecode_of_a_changed_source_is_compiled_afresh_and_the_cache_is_untouched(tmp_path):
+def test_bytecode_of_a_changed_source_is_compiled_afresh_and_the_cache_is_untouched(
+    tmp_path,
+):
     first = _site(tmp_path / "first")
     _import(first)
     kept = tmp_path / "cache"
@@ -62,8 +66,14 @@ def test_bytecode_of_a_changed_source_is_compiled_afresh_and_the_cache_is_untouc
     bytecode.restore(changed, kept)
     _import(changed)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    value = subprocess.run([sys.executable, "-c", "import pkg.mod; print(pkg.mod.VALUE)"],
-                           cwd=changed, env=env, capture_output=True, text=True, check=True)
+    value = subprocess.run(
+        [sys.executable, "-c", "import pkg.mod; print(pkg.mod.VALUE)"],
+        cwd=changed,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert value.stdout.strip() == "22"
     # Python replaced the venv's file by a rename; the cache's file is as it was.
     assert (kept / _pyc(changed).relative_to(changed)).read_bytes() == cached
@@ -76,7 +86,9 @@ def test_restore_leaves_what_exists_and_folders_the_venv_lacks(tmp_path):
     kept = tmp_path / "cache"
     bytecode.keep(first, kept)
     (kept / "gone" / "__pycache__").mkdir(parents=True)
-    (kept / "gone" / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"of a package not installed")
+    (kept / "gone" / "__pycache__" / "x.cpython-311.pyc").write_bytes(
+        b"of a package not installed"
+    )
 
     fresh = _site(tmp_path / "fresh")
     own = fresh / "pkg" / "__pycache__" / _pyc(first).name

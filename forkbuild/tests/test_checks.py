@@ -20,11 +20,18 @@ def released_source(real_sdist) -> str:
 
 def test_fixcheck_tells_released_from_fixed(released_source):
     assert fixcheck.classify(released_source) == "buggy"
-    fixed = released_source.replace(".view(kv_cache_shape)", ".view(permuted_kv_cache_shape)")
+    fixed = released_source.replace(
+        ".view(kv_cache_shape)", ".view(permuted_kv_cache_shape)"
+    )
     assert fixcheck.classify(fixed) == "fixed"
     # Reformatting does not fool it; code that no longer has the branch is "unknown".
-    assert fixcheck.classify(fixed.replace(".view(dtype)\n", ".view(dtype)  # note\n")) == "fixed"
-    assert fixcheck.classify("def _reshape_attention_kv_cache():\n    pass\n") == "unknown"
+    assert (
+        fixcheck.classify(fixed.replace(".view(dtype)\n", ".view(dtype)  # note\n"))
+        == "fixed"
+    )
+    assert (
+        fixcheck.classify("def _reshape_attention_kv_cache():\n    pass\n") == "unknown"
+    )
     assert fixcheck.classify("not python (") == "unknown"
 
 
@@ -46,14 +53,24 @@ def test_no_space_is_refused_before_work(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("variable", ["VLLM_FORK_CACHE", "VLLM_FORK_BUILD"])
-def test_unwritable_cache_or_build_is_refused_with_its_variable(tmp_path, monkeypatch, variable):
-    """A folder that cannot be made or written (here: below a file; a read-only file system
-    in test_uv_cache.py) is refused in one line that names the variable moving it; it
-    raised NotADirectoryError, a traceback, before."""
+def test_unwritable_cache_or_build_is_refused_with_its_variable(
+    tmp_path, monkeypatch, variable
+):
+    """A folder that cannot be made or written (here: below a file; a read-only file
+    system in test_uv_cache.py) is refused in one line that names the variable moving
+    it; it raised NotADirectoryError, a traceback, before."""
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv(variable, str(tmp_path / "a-file" / "folder"))
-    folder = pins.cache_dir() / "artifacts" if variable == "VLLM_FORK_CACHE" else pins.build_dir()
-    with pytest.raises(ForkError, match=r"cannot write in .*a-file/folder.* \(Not a directory\)") as err:
+    folder = (
+        pins.cache_dir() / "artifacts"
+        if variable == "VLLM_FORK_CACHE"
+        else pins.build_dir()
+    )
+    with pytest.raises(
+        ForkError,
+        match=r"cannot write in .*a-file/folder.* \(Not a "
+        r"directory\)",
+    ) as err:
         preflight.check_disk(folder, 1, "the test")
     assert err.value.hint == f"make it writable, or set {variable} to a writable folder"
 
@@ -63,7 +80,9 @@ def test_port_in_use_is_refused():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        with pytest.raises(ForkError, match=f"port {port} on 127.0.0.1 is already in use") as err:
+        with pytest.raises(
+            ForkError, match=f"port {port} on 127.0.0.1 is already in use"
+        ) as err:
             preflight.check_port_free("127.0.0.1", port)
         assert "pass --port N" in err.value.hint
         # Through `make serve` (the Makefile names its variable) the advice is PORT=N.

@@ -16,15 +16,22 @@ def imports(path: Path) -> set[str]:
     """The forkbuild modules PATH imports, anywhere in it."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("forkbuild"):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.startswith("forkbuild")
+        ):
             parts = node.module.split(".")
             if len(parts) > 1:
                 found.add(parts[1])
             else:
                 found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.Import):
-            found.update(a.name.split(".")[1] for a in node.names
-                         if a.name.startswith("forkbuild.") and "." in a.name)
+            found.update(
+                a.name.split(".")[1]
+                for a in node.names
+                if a.name.startswith("forkbuild.") and "." in a.name
+            )
     return found & MODULES.keys()
 
 
@@ -37,7 +44,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
         seen.add(node)
         for target in sorted(graph[node]):
             if target in stack:
-                found.append(stack[stack.index(target):] + [target])
+                found.append(stack[stack.index(target) :] + [target])
             elif target not in seen:
                 walk(target)
         stack.pop()
@@ -72,7 +79,9 @@ def program_arguments(path: Path) -> list[int]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.List) and len(node.elts) > 2:
             flag, following = node.elts[1], node.elts[2]
-            option = isinstance(following, ast.Constant) and str(following.value).startswith("-")
+            option = isinstance(following, ast.Constant) and str(
+                following.value
+            ).startswith("-")
             if isinstance(flag, ast.Constant) and flag.value == "-c" and not option:
                 lines.append(node.lineno)
     return lines
@@ -85,6 +94,8 @@ def test_no_program_is_passed_as_text():
 
 def test_the_program_finder_finds_one(tmp_path):
     path = tmp_path / "m.py"
-    path.write_text('import subprocess\nsubprocess.run([python, "-c", PROBE, "x"])\n'
-                    'subprocess.run([nvcc, "-c", "-Xcompiler", "-fPIC", source])\n')
+    path.write_text(
+        'import subprocess\nsubprocess.run([python, "-c", PROBE, "x"])\n'
+        'subprocess.run([nvcc, "-c", "-Xcompiler", "-fPIC", source])\n'
+    )
     assert program_arguments(path) == [2]

@@ -28,8 +28,13 @@ def test_the_cuda_route_is_refused_at_once_without_a_driver(scratch, step):
     (venv / "marker").write_text("the working CPU venv")
     env = dict(os.environ)
     done = subprocess.run(
-        [sys.executable, "-m", "forkbuild", step, "--route", "cuda"], cwd=REPO_ROOT,
-        env=env, capture_output=True, text=True, timeout=60, check=False,
+        [sys.executable, "-m", "forkbuild", step, "--route", "cuda"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert done.returncode == 1
     lines = done.stderr.strip().splitlines()
@@ -51,19 +56,51 @@ def test_the_stub_defines_every_imported_driver_entry_point(tmp_path):
     # points (and a libc function, which is not the driver's), one none.
     fake = tmp_path / "fake"
     fake.mkdir()
-    (fake / "cuda.c").write_text("int cuInit(void){return 0;}\nint cuMemMap(void){return 0;}\n")
-    subprocess.run(["cc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o",
-                    str(fake / "libcuda.so.1"), str(fake / "cuda.c")], check=True)
+    (fake / "cuda.c").write_text(
+        "int cuInit(void){return 0;}\nint cuMemMap(void){return 0;}\n"
+    )
+    subprocess.run(
+        [
+            "cc",
+            "-shared",
+            "-fPIC",
+            "-Wl,-soname,libcuda.so.1",
+            "-o",
+            str(fake / "libcuda.so.1"),
+            str(fake / "cuda.c"),
+        ],
+        check=True,
+    )
     (fake / "libcuda.so").symlink_to("libcuda.so.1")
     (tmp_path / "ext.c").write_text(
         "#include <string.h>\nint cuInit(void); int cuMemMap(void);\n"
         "int use(const char *s){return cuInit() + cuMemMap() + (int)strlen(s);}\n"
     )
-    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(tree / "vllm" / "sub" / "_ext.abi3.so"),
-                    str(tmp_path / "ext.c"), f"-L{fake}", "-lcuda"], check=True)
+    subprocess.run(
+        [
+            "cc",
+            "-shared",
+            "-fPIC",
+            "-o",
+            str(tree / "vllm" / "sub" / "_ext.abi3.so"),
+            str(tmp_path / "ext.c"),
+            f"-L{fake}",
+            "-lcuda",
+        ],
+        check=True,
+    )
     (tmp_path / "plain.c").write_text("int plain(void){return 1;}\n")
-    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(tree / "vllm" / "_plain.abi3.so"),
-                    str(tmp_path / "plain.c")], check=True)
+    subprocess.run(
+        [
+            "cc",
+            "-shared",
+            "-fPIC",
+            "-o",
+            str(tree / "vllm" / "_plain.abi3.so"),
+            str(tmp_path / "plain.c"),
+        ],
+        check=True,
+    )
 
     library, users, symbols = driver_stub.build(tree, tmp_path / "stub")
 
@@ -71,14 +108,24 @@ def test_the_stub_defines_every_imported_driver_entry_point(tmp_path):
     assert symbols == ["cuInit", "cuMemMap"]
     assert library.name == "libcuda.so.1"
     # The extension loads against the stub (and not without it), and gets "no device".
-    probe = ("import ctypes,sys; lib=ctypes.CDLL(sys.argv[1]); "
-             "print(ctypes.CDLL('libcuda.so.1').cuInit())")
+    probe = (
+        "import ctypes,sys; lib=ctypes.CDLL(sys.argv[1]); "
+        "print(ctypes.CDLL('libcuda.so.1').cuInit())"
+    )
     ext = str(tree / "vllm" / "sub" / "_ext.abi3.so")
-    loaded = subprocess.run([sys.executable, "-c", probe, ext], capture_output=True, text=True,
-                            env={**os.environ, "LD_LIBRARY_PATH": str(library.parent)})
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe, ext],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "LD_LIBRARY_PATH": str(library.parent)},
+    )
     assert loaded.stdout.strip() == str(driver_stub.CUDA_ERROR_NO_DEVICE), loaded.stderr
-    bare = subprocess.run([sys.executable, "-c", probe, ext], capture_output=True, text=True,
-                          env={k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"})
+    bare = subprocess.run(
+        [sys.executable, "-c", probe, ext],
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"},
+    )
     assert bare.returncode != 0 and "libcuda.so.1" in bare.stderr
 
 
@@ -90,13 +137,19 @@ def test_the_stub_source_answers_no_device():
 
 def test_the_stub_comes_first_on_the_library_path(monkeypatch, tmp_path):
     monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/a:/opt/b")
-    assert cuda_route.stub_env(tmp_path)["LD_LIBRARY_PATH"] == f"{tmp_path}:/opt/a:/opt/b"
+    assert (
+        cuda_route.stub_env(tmp_path)["LD_LIBRARY_PATH"] == f"{tmp_path}:/opt/a:/opt/b"
+    )
     monkeypatch.delenv("LD_LIBRARY_PATH")
     assert cuda_route.stub_env(tmp_path)["LD_LIBRARY_PATH"] == str(tmp_path)
 
 
-def _collected(reason: str = "needs an NVIDIA GPU: runs vLLM's CUDA kernels", drop: str = ""):
-    cases = {case: "skipped" for case in gpu_required.load().all_required() if case != drop}
+def _collected(
+    reason: str = "needs an NVIDIA GPU: runs vLLM's CUDA kernels", drop: str = ""
+):
+    cases = {
+        case: "skipped" for case in gpu_required.load().all_required() if case != drop
+    }
     cases["tests/v1/worker/test_x.py::test_more"] = "skipped"
     return Outcome(cases, {case: reason for case in cases})
 
@@ -121,15 +174,20 @@ def test_a_gpu_case_that_did_not_skip_fails(tmp_path):
 
 def test_a_required_case_that_is_not_collected_fails(tmp_path):
     with pytest.raises(ForkError, match="not collected"):
-        cuda_route.check_skipped(_collected(drop=sorted(gpu_required.load().all_required())[0]),
-                                 tmp_path)
+        cuda_route.check_skipped(
+            _collected(drop=sorted(gpu_required.load().all_required())[0]), tmp_path
+        )
 
 
 def test_the_check_splits_one_run_by_module():
-    outcome = Outcome({"a/x.py::t1": "passed", "a/y.py::t2": "skipped", "a/x.py::t3": "passed"},
-                      {"a/y.py::t2": "no GPU"})
+    outcome = Outcome(
+        {"a/x.py::t1": "passed", "a/y.py::t2": "skipped", "a/x.py::t3": "passed"},
+        {"a/y.py::t2": "no GPU"},
+    )
     part = cuda_route.part_of(outcome, ("a/y.py",))
-    assert part.cases == {"a/y.py::t2": "skipped"} and part.reasons == {"a/y.py::t2": "no GPU"}
+    assert part.cases == {"a/y.py::t2": "skipped"} and part.reasons == {
+        "a/y.py::t2": "no GPU"
+    }
 
 
 def test_the_stub_is_nowhere_but_the_checks_folder(fork_pins):

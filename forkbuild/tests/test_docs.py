@@ -1,7 +1,7 @@
 """The README and docs/ hold together: every relative link points at a file of this
 repository, and at a heading of it where the link names one (by GitHub's anchor rules);
-every `make TARGET` they show is a target of the Makefile; the README links every page of
-docs/ and stays a landing page; `make help` names the environment variables forkbuild
+every `make TARGET` they show is a target of the Makefile; the README links every page
+of docs/ and stays a landing page; `make help` names the environment variables forkbuild
 reads and where the logs go. Each check is shown to fail on a broken copy."""
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 from urllib.parse import unquote
 
-
 from forkbuild import pins
 
 REPO_ROOT = pins.REPO_ROOT
@@ -25,12 +24,14 @@ def doc_files(root: Path) -> list[Path]:
     return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
 
 
-# -- Markdown, as far as links, headings and commands need it --------------------------------
+# -- Markdown, as far as links, headings and commands need it --------------------------
 
 _FENCE = re.compile(r"^\s*(`{3,}|~{3,})")
 _CODE_SPAN = re.compile(r"(`+)(.+?)\1")
 _HEADING = re.compile(r"^ {0,3}#{1,6}\s+(.*?)(?:\s+#+)?\s*$")
-_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+(?:\"[^\"]*\"|'[^']*'))?\s*\)")
+_LINK = re.compile(
+    r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+(?:\"[^\"]*\"|'[^']*'))?\s*\)"
+)
 _REFERENCE = re.compile(r"^ {0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s|$)")
 _HTML_TARGET = re.compile(r"""\b(?:href|src)\s*=\s*["']([^"']+)["']""")
 _HTML_ANCHOR = re.compile(r"""<a\s[^>]*\b(?:name|id)\s*=\s*["']([^"']+)["']""")
@@ -44,8 +45,14 @@ def split_fences(text: str) -> tuple[list[tuple[int, str]], list[tuple[int, str]
         opened = _FENCE.match(line)
         if fence is None and opened:
             fence = opened[1]
-        elif fence and opened and opened[1].startswith(fence) and line.strip() == opened[1]:
-            fence = None  # a closing fence: the same character, at least as long, nothing after
+        elif (
+            fence
+            and opened
+            and opened[1].startswith(fence)
+            and line.strip() == opened[1]
+        ):
+            # a closing fence: the same character, at least as long, nothing after
+            fence = None
         else:
             (code if fence else prose).append((number, line))
     return prose, code
@@ -61,7 +68,8 @@ def github_anchor(heading: str) -> str:
 
 
 def anchors(path: Path) -> set[str]:
-    """Every heading id of PATH as GitHub numbers repeats (x, x-1, x-2, ...), plus HTML anchors."""
+    """Every heading id of PATH as GitHub numbers repeats (x, x-1, x-2, ...), plus HTML
+    anchors."""
     prose, _ = split_fences(path.read_text())
     seen: dict[str, int] = {}
     found = set()
@@ -91,7 +99,8 @@ def links(path: Path) -> list[tuple[int, str]]:
 
 
 def broken_links(root: Path) -> list[str]:
-    """'FILE:LINE: TARGET: why' for each relative link of the docs under ROOT that leads nowhere."""
+    """'FILE:LINE: TARGET: why' for each relative link of the docs under ROOT that leads
+    nowhere."""
     problems = []
     for doc in doc_files(root):
         for number, target in links(doc):
@@ -113,31 +122,41 @@ def broken_links(root: Path) -> list[str]:
                 problems.append(f"{where}: no such file")
             elif fragment and dest.suffix == ".md":
                 if unquote(fragment) not in anchors(dest):
-                    problems.append(f"{where}: no heading #{fragment} in {dest.relative_to(root.resolve())}")
+                    problems.append(
+                        f"{where}: no heading #{fragment} in "
+                        f"{dest.relative_to(root.resolve())}"
+                    )
             elif fragment and not re.fullmatch(r"L\d+(-L\d+)?", fragment):
-                problems.append(f"{where}: #{fragment} names no line of a file that is not Markdown")
+                problems.append(
+                    f"{where}: #{fragment} names no line of a file that is not Markdown"
+                )
     return problems
 
 
-# -- make targets ------------------------------------------------------------------------------
+# -- make targets ----------------------------------------------------------------------
 
 _MAKE = re.compile(r"(?<![\w./-])make(?![\w.-])")
 
 
 def makefile_targets(makefile: Path) -> set[str]:
     """The targets the Makefile has rules for (`name:`, not `name :=` assignments)."""
-    return set(re.findall(r"^([A-Za-z0-9][\w.-]*)\s*:(?!=)", makefile.read_text(), re.M))
+    return set(
+        re.findall(r"^([A-Za-z0-9][\w.-]*)\s*:(?!=)", makefile.read_text(), re.M)
+    )
 
 
 def make_targets_named(text: str) -> list[tuple[int, str]]:
     """(line, target) of every `make ...` command in code: inline code and fenced blocks
-    (in prose, "make" is a verb). Options and VAR=value are skipped; `make` alone names none."""
+    (in prose, "make" is a verb). Options and VAR=value are skipped; `make` alone names
+    none."""
     prose, code = split_fences(text)
-    snippets = [(n, span[2]) for n, line in prose for span in _CODE_SPAN.finditer(line)] + code
+    snippets = [
+        (n, span[2]) for n, line in prose for span in _CODE_SPAN.finditer(line)
+    ] + code
     found = []
     for number, snippet in snippets:
         for call in _MAKE.finditer(snippet):
-            rest = snippet[call.end():]
+            rest = snippet[call.end() :]
             try:
                 words = shlex.split(rest, comments=True)
             except ValueError:  # an unbalanced quote in the snippet
@@ -163,22 +182,31 @@ def unknown_make_targets(root: Path) -> list[str]:
     ]
 
 
-# -- the checks on this repository --------------------------------------------------------------
+# -- the checks on this repository -----------------------------------------------------
+
 
 def test_docs_relative_links_lead_to_files_and_headings():
     assert broken_links(REPO_ROOT) == []
 
 
 def test_docs_name_only_make_targets_that_exist():
-    named = {t for doc in doc_files(REPO_ROOT) for _, t in make_targets_named(doc.read_text())}
-    assert {"serve", "test", "wheel", "matrix", "help"} <= named  # the checker sees them
+    named = {
+        t
+        for doc in doc_files(REPO_ROOT)
+        for _, t in make_targets_named(doc.read_text())
+    }
+    # the checker sees them
+    assert {"serve", "test", "wheel", "matrix", "help"} <= named
     assert unknown_make_targets(REPO_ROOT) == []
 
 
 def test_docs_every_page_is_linked_from_the_readme():
     readme = REPO_ROOT / "README.md"
-    linked = {(readme.parent / unquote(t.partition("#")[0])).resolve()
-              for _, t in links(readme) if not _EXTERNAL.match(t)}
+    linked = {
+        (readme.parent / unquote(t.partition("#")[0])).resolve()
+        for _, t in links(readme)
+        if not _EXTERNAL.match(t)
+    }
     pages = sorted((REPO_ROOT / "docs").glob("*.md"))
     assert pages
     assert [p.name for p in pages if p.resolve() not in linked] == []
@@ -186,15 +214,24 @@ def test_docs_every_page_is_linked_from_the_readme():
 
 def test_docs_readme_is_a_landing_page():
     words = len((REPO_ROOT / "README.md").read_text().split())  # as `wc -w` counts
-    assert words <= README_MAX_WORDS, f"README.md has {words} words: move detail to docs/"
+    assert words <= README_MAX_WORDS, (
+        f"README.md has {words} words: move detail to docs/"
+    )
 
 
 def test_make_help_lists_the_environment_and_where_logs_go_as_the_docs_do():
-    text = subprocess.run(["make", "-s", "help", f"PYTHON={sys.executable}"], cwd=REPO_ROOT,
-                          capture_output=True, text=True, check=True).stdout
+    text = subprocess.run(
+        ["make", "-s", "help", f"PYTHON={sys.executable}"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     # Every VLLM_FORK_* variable forkbuild reads, found in its sources.
     source = "".join(p.read_text() for p in (REPO_ROOT / "forkbuild").glob("*.py"))
-    variables = set(re.findall(r"""environ(?:\.get\(|\[)\s*["'](VLLM_FORK_\w+)["']""", source))
+    variables = set(
+        re.findall(r"""environ(?:\.get\(|\[)\s*["'](VLLM_FORK_\w+)["']""", source)
+    )
     assert {"VLLM_FORK_CACHE", "VLLM_FORK_BUILD", "VLLM_FORK_DIST"} <= variables
     files_doc = (REPO_ROOT / "docs" / "files-and-uninstall.md").read_text()
     for variable in variables:
@@ -211,17 +248,25 @@ def test_make_help_lists_the_environment_and_where_logs_go_as_the_docs_do():
     assert len(header) > 10 and text.startswith("\n".join(header) + "\n")
 
 
-# -- the checks fail where they must ------------------------------------------------------------
+# -- the checks fail where they must ---------------------------------------------------
+
 
 def test_github_anchor_rules_for_docs_headings(tmp_path):
-    assert github_anchor("vLLM 0.25.1 + the fix for #47054") == "vllm-0251--the-fix-for-47054"
+    assert (
+        github_anchor("vLLM 0.25.1 + the fix for #47054")
+        == "vllm-0251--the-fix-for-47054"
+    )
     assert github_anchor("What `make test` runs") == "what-make-test-runs"
     assert github_anchor("The fork's CPU test modules") == "the-forks-cpu-test-modules"
-    assert github_anchor("Who is affected: the connectors that reach the packed reshape") == \
-        "who-is-affected-the-connectors-that-reach-the-packed-reshape"
+    assert (
+        github_anchor("Who is affected: the connectors that reach the packed reshape")
+        == "who-is-affected-the-connectors-that-reach-the-packed-reshape"
+    )
     assert github_anchor("Set-up and the [locks](x.md)") == "set-up-and-the-locks"
     page = tmp_path / "page.md"
-    page.write_text("# Title\n\n## Notes\n\n```console\n# not a heading\n```\n\n## Notes ##\n")
+    page.write_text(
+        "# Title\n\n## Notes\n\n```console\n# not a heading\n```\n\n## Notes ##\n"
+    )
     assert anchors(page) == {"title", "notes", "notes-1"}
 
 
@@ -240,15 +285,21 @@ def test_docs_link_check_fails_on_a_broken_link(tmp_path):
     tests_page = root / "docs" / "tests.md"
     lines = tests_page.read_text().count("\n")
     with tests_page.open("a") as page:
-        page.write("\nSee [the missing page](no-such-page.md), [a missing heading]"
-                   "(setup-and-locks.md#no-such-heading), [up and out](../../outside.md),\n"
-                   "and `[code](no-such-file-in-code.md)` which is no link.\n")
+        page.write(
+            "\nSee [the missing page](no-such-page.md), [a missing heading]"
+            "(setup-and-locks.md#no-such-heading), [up and "
+            "out](../../outside.md),\n"
+            "and `[code](no-such-file-in-code.md)` which is no link.\n"
+        )
     (root / "docs" / "affected.md").unlink()  # README.md links it
     new = set(broken_links(root)) - before
     assert f"docs/tests.md:{lines + 2}: no-such-page.md: no such file" in new
     assert any("setup-and-locks.md#no-such-heading: no heading" in p for p in new), new
     assert any("../../outside.md: outside the repository" in p for p in new), new
-    assert any(p.startswith("README.md:") and "docs/affected.md: no such file" in p for p in new), new
+    assert any(
+        p.startswith("README.md:") and "docs/affected.md: no such file" in p
+        for p in new
+    ), new
     assert not any("no-such-file-in-code.md" in p for p in new)
 
 
@@ -256,9 +307,15 @@ def test_docs_make_target_check_fails_on_an_unknown_target(tmp_path):
     root = _copy_docs(tmp_path)
     assert unknown_make_targets(root) == []
     with (root / "README.md").open("a") as readme:
-        readme.write("\nRun `make frobnicate ROUTE=cpu`, or `make` alone, then redraw with\n"
-                     "`python3 docs/make_packed_block_svg.py`; make sure of it.\n\n"
-                     "```console\n$ make -s VERSION=1 lint-all   # no such target\n```\n")
+        readme.write(
+            "\nRun `make frobnicate ROUTE=cpu`, or `make` alone, then redraw "
+            "with\n"
+            "`python3 docs/make_packed_block_svg.py`; make sure of it.\n\n"
+            "```console\n$ make -s VERSION=1 lint-all   # no such "
+            "target\n```\n"
+        )
     found = unknown_make_targets(root)
     assert len(found) == 2, found
-    assert found[0].endswith(": make frobnicate") and found[1].endswith(": make lint-all")
+    assert found[0].endswith(": make frobnicate") and found[1].endswith(
+        ": make lint-all"
+    )

@@ -14,13 +14,17 @@ def _no_pip():
     raise AssertionError("fetch asked for a pip (an environment) for a cached artifact")
 
 
-def test_cached_artifact_is_verified_not_downloaded(fork_pins, scratch_sdist, monkeypatch):
+def test_cached_artifact_is_verified_not_downloaded(
+    fork_pins, scratch_sdist, monkeypatch
+):
     monkeypatch.setattr(fetch, "run_pip", _no_download)
     assert fetch.fetch(fork_pins.sdist, _no_pip) == scratch_sdist
 
 
 @pytest.mark.parametrize("damage", ["tampered", "truncated"])
-def test_bad_artifact_is_deleted_and_refused(fork_pins, scratch_sdist, monkeypatch, damage):
+def test_bad_artifact_is_deleted_and_refused(
+    fork_pins, scratch_sdist, monkeypatch, damage
+):
     monkeypatch.setattr(fetch, "run_pip", _no_download)
     data = scratch_sdist.read_bytes()
     if damage == "tampered":
@@ -28,7 +32,9 @@ def test_bad_artifact_is_deleted_and_refused(fork_pins, scratch_sdist, monkeypat
     else:
         data = data[: len(data) // 2]
     scratch_sdist.write_bytes(data)
-    with pytest.raises(ForkError, match="sha256 mismatch for vllm-0.25.1.tar.gz") as err:
+    with pytest.raises(
+        ForkError, match="sha256 mismatch for vllm-0.25.1.tar.gz"
+    ) as err:
         fetch.fetch(fork_pins.sdist, _no_pip)
     assert "\n" not in str(err.value)
     assert not scratch_sdist.exists()
@@ -42,12 +48,18 @@ def test_interrupted_download_leftovers_are_removed(scratch):
     assert not leftover.exists()
 
 
-def test_unwritable_cache_is_refused_naming_vllm_fork_cache(fork_pins, tmp_path, monkeypatch):
-    """A cold fetch into a cache that cannot be written: one line naming VLLM_FORK_CACHE,
-    before pip runs (it was a NotADirectoryError or PermissionError traceback)."""
+def test_unwritable_cache_is_refused_naming_vllm_fork_cache(
+    fork_pins, tmp_path, monkeypatch
+):
+    """A cold fetch into a cache that cannot be written: one line naming
+    VLLM_FORK_CACHE, before pip runs (it was a NotADirectoryError or PermissionError
+    traceback)."""
     monkeypatch.setattr(fetch, "run_pip", _no_download)
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("VLLM_FORK_CACHE", str(tmp_path / "a-file" / "cache"))
-    with pytest.raises(ForkError, match="cannot write in .*, which downloading vllm-0.25.1.tar.gz needs") as err:
+    with pytest.raises(
+        ForkError,
+        match="cannot write in .*, which downloading vllm-0.25.1.tar.gz needs",
+    ) as err:
         fetch.fetch(fork_pins.sdist, _no_pip)
     assert "VLLM_FORK_CACHE" in err.value.hint and "\n" not in str(err.value)

@@ -23,10 +23,20 @@ from forkbuild.pins import REPO_ROOT
 from forkbuild.pytest_runner import Outcome
 
 NO_GPU = pytest.mark.skipif(preflight.has_nvidia_gpu(), reason="this machine has a GPU")
-LOCK = {"torch": "2.11.0", "triton": "3.6.0", "nvidia-cuda-runtime": "13.0.96",
-        "numpy": "2.3.5", "pydantic": "2.14.4", "pytest": "9.1.1", "pluggy": "1.7.0",
-        "pyyaml": "6.0.3", "msgspec": "0.23.0", "pytest-forked": "1.7.5", "tblib": "3.1.0",
-        "pytest-timeout": "2.4.0"}
+LOCK = {
+    "torch": "2.11.0",
+    "triton": "3.6.0",
+    "nvidia-cuda-runtime": "13.0.96",
+    "numpy": "2.3.5",
+    "pydantic": "2.14.4",
+    "pytest": "9.1.1",
+    "pluggy": "1.7.0",
+    "pyyaml": "6.0.3",
+    "msgspec": "0.23.0",
+    "pytest-forked": "1.7.5",
+    "tblib": "3.1.0",
+    "pytest-timeout": "2.4.0",
+}
 
 
 def _host(tmp_path: Path, text: str) -> Host:
@@ -36,15 +46,34 @@ def _host(tmp_path: Path, text: str) -> Host:
 
 
 def test_a_host_file_gives_python_glibc_and_versions(tmp_path):
-    host = _host(tmp_path, "# python: 3.12.3\n# glibc: 2.39\n# gpu: H200\nNumPy==2.5.2\n"
-                           "pyyaml\nmy_pkg @ file:///x.whl\n-e /src\ntorch==2.11.0+cu130\n")
-    assert (host.python, host.glibc, host.platform) == ("3.12", "2.39", "x86_64-manylinux_2_39")
-    assert host.packages == {"numpy": "2.5.2", "pyyaml": None, "my-pkg": None,
-                             "torch": "2.11.0+cu130"}
+    host = _host(
+        tmp_path,
+        "# python: 3.12.3\n# glibc: 2.39\n# gpu: "
+        "H200\nNumPy==2.5.2\n"
+        "pyyaml\nmy_pkg @ file:///x.whl\n-e "
+        "/src\ntorch==2.11.0+cu130\n",
+    )
+    assert (host.python, host.glibc, host.platform) == (
+        "3.12",
+        "2.39",
+        "x86_64-manylinux_2_39",
+    )
+    assert host.packages == {
+        "numpy": "2.5.2",
+        "pyyaml": None,
+        "my-pkg": None,
+        "torch": "2.11.0+cu130",
+    }
 
 
-@pytest.mark.parametrize("text", ["numpy==1\n", "# python: 3.12.3\nnumpy==1\n",
-                                  "# python: 3.12.3\n# glibc: 2.39\nnot a line!\n"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "numpy==1\n",
+        "# python: 3.12.3\nnumpy==1\n",
+        "# python: 3.12.3\n# glibc: 2.39\nnot a line!\n",
+    ],
+)
 def test_a_bad_host_file_is_refused_with_what_to_do(tmp_path, text):
     with pytest.raises(ForkError, match="inventory"):
         _host(tmp_path, text)
@@ -52,16 +81,29 @@ def test_a_bad_host_file_is_refused_with_what_to_do(tmp_path, text):
 
 def test_the_reference_host_file_is_the_notes_host():
     host = gpu_bundle.read_host(REPO_ROOT / gpu_bundle.bundle_settings()["host"])
-    assert (host.python, host.version("torch"), host.version("triton")) == ("3.12", "2.11.0+cu130", "3.6.0")
+    assert (host.python, host.version("torch"), host.version("triton")) == (
+        "3.12",
+        "2.11.0+cu130",
+        "3.6.0",
+    )
     assert host.version("numpy") == "2.5.2" and host.version("pydantic") is None
     assert "pydantic" not in host.packages and host.packages["pyyaml"] is None
 
 
-@pytest.mark.parametrize("torch, ok", [("2.11.0+cu130", True), ("2.11.0", True),
-                                       ("2.11.0+cu128", False), ("2.10.0+cu130", False),
-                                       (None, False)])
+@pytest.mark.parametrize(
+    "torch, ok",
+    [
+        ("2.11.0+cu130", True),
+        ("2.11.0", True),
+        ("2.11.0+cu128", False),
+        ("2.10.0+cu130", False),
+        (None, False),
+    ],
+)
 def test_only_the_locks_torch_build_is_taken(tmp_path, torch, ok):
-    text = "# python: 3.12.3\n# glibc: 2.39\ntriton==3.6.0\n" + (f"torch=={torch}\n" if torch else "")
+    text = "# python: 3.12.3\n# glibc: 2.39\ntriton==3.6.0\n" + (
+        f"torch=={torch}\n" if torch else ""
+    )
     host = _host(tmp_path, text)
     if ok:
         gpu_bundle.check_host_torch(host, LOCK)
@@ -87,15 +129,27 @@ def _trace(**extra) -> Trace:
 
 
 def test_carried_is_what_the_host_lacks_or_has_at_another_version(tmp_path):
-    host = _host(tmp_path, "# python: 3.12.3\n# glibc: 2.39\nnumpy==2.5.2\npyyaml\npytest==8.0\n"
-                           "pluggy\ntorch==2.11.0\ntriton==3.6.0\n")
+    host = _host(
+        tmp_path,
+        "# python: 3.12.3\n# glibc: "
+        "2.39\nnumpy==2.5.2\npyyaml\npytest==8.0\n"
+        "pluggy\ntorch==2.11.0\ntriton==3.6.0\n",
+    )
     chosen = gpu_bundle.select(_trace(), host, LOCK)
-    # pydantic: absent; numpy: another version; the runner's own packages (pytest and its
-    # pluggy, pytest-forked, pytest-timeout, tblib), whether the collection loaded them or not.
-    assert chosen.carried == {"numpy": "2.3.5", "pydantic": "2.14.4", "pytest": "9.1.1",
-                              "pluggy": "1.7.0", "pytest-forked": "1.7.5",
-                              "pytest-timeout": "2.4.0", "tblib": "3.1.0"}
-    assert chosen.from_host == {"pyyaml": None}  # a bare name: the host's, version unknown
+    # pydantic: absent; numpy: another version; the runner's own packages (pytest and
+    # its pluggy, pytest-forked, pytest-timeout, tblib), whether the collection loaded
+    # them or not.
+    assert chosen.carried == {
+        "numpy": "2.3.5",
+        "pydantic": "2.14.4",
+        "pytest": "9.1.1",
+        "pluggy": "1.7.0",
+        "pytest-forked": "1.7.5",
+        "pytest-timeout": "2.4.0",
+        "tblib": "3.1.0",
+    }
+    # a bare name: the host's, version unknown
+    assert chosen.from_host == {"pyyaml": None}
     assert chosen.provided == ("nvidia-cuda-runtime", "torch", "triton")
 
 
@@ -115,8 +169,11 @@ def test_components_fill_the_first_part_with_room_in_order():
 
 
 def test_each_part_names_the_cases_it_adds():
-    parts = [gpu_bundle.Part("part-1", ("py",), 0), gpu_bundle.Part("part-2", ("c",), 0),
-             gpu_bundle.Part("part-3", ("fa",), 0)]
+    parts = [
+        gpu_bundle.Part("part-1", ("py",), 0),
+        gpu_bundle.Part("part-2", ("c",), 0),
+        gpu_bundle.Part("part-3", ("fa",), 0),
+    ]
     cases = gpu_bundle.cases_by_part(parts, ["py", "c"], {"k": [], "f": ["fa"]}, set())
     assert cases == {"part-1": [], "part-2": ["k"], "part-3": ["f"]}
 
@@ -131,13 +188,20 @@ def test_every_required_case_says_what_the_bundle_holds_for_it():
     assert named | set(settings["every_case"]) <= set(settings["order"])
 
 
-# --- a small bundle in the real format -------------------------------------------------
+# --- a small bundle in the real format ------------------------------------------------
 
-SETTINGS = {"order": ["tree", "site-a", "site-b"], "every_case": ["tree", "site-a"],
-            "gpu": {"kinds": {"Hopper": {"capability": "9.0", "queues": {"q": 1}}},
-                    "cases": {"t.py::one": {"kind": "Hopper", "bundle": []},
-                              "t.py::two": {"kind": "Hopper", "bundle": ["site-b"]},
-                              "t.py::three": {"kind": "Hopper", "not_in_bundle": "not here"}}}}
+SETTINGS = {
+    "order": ["tree", "site-a", "site-b"],
+    "every_case": ["tree", "site-a"],
+    "gpu": {
+        "kinds": {"Hopper": {"capability": "9.0", "queues": {"q": 1}}},
+        "cases": {
+            "t.py::one": {"kind": "Hopper", "bundle": []},
+            "t.py::two": {"kind": "Hopper", "bundle": ["site-b"]},
+            "t.py::three": {"kind": "Hopper", "not_in_bundle": "not here"},
+        },
+    },
+}
 
 
 @pytest.fixture
@@ -145,9 +209,11 @@ def small_bundle(scratch, fork_pins, tmp_path) -> Path:
     src = tmp_path / "src"
     src.mkdir()
     components = []
-    for name, root, files in (("tree", "tree", {"tests/t.py": b"x = 1\n"}),
-                              ("site-a", "site", {"pkg/__init__.py": b"A = 1\n"}),
-                              ("site-b", "site", {"pkg/b.so": os.urandom(3 << 20)})):
+    for name, root, files in (
+        ("tree", "tree", {"tests/t.py": b"x = 1\n"}),
+        ("site-a", "site", {"pkg/__init__.py": b"A = 1\n"}),
+        ("site-b", "site", {"pkg/b.so": os.urandom(3 << 20)}),
+    ):
         component = Component(name, root)
         for path, data in files.items():
             (src / name / path).parent.mkdir(parents=True, exist_ok=True)
@@ -155,25 +221,46 @@ def small_bundle(scratch, fork_pins, tmp_path) -> Path:
             component.add(path, src / name / path)
         components.append(component)
     archives = gpu_bundle.compress(components)
-    host = Host(f"{sys.version_info.major}.{sys.version_info.minor}", "2.17", {}, tmp_path)
+    host = Host(
+        f"{sys.version_info.major}.{sys.version_info.minor}", "2.17", {}, tmp_path
+    )
     selection = Selection({}, {}, (), ())
-    bundle = gpu_bundle._assemble(fork_pins, host, selection, components, archives, [], [],
-                                  int(3.05 * 2**20), tmp_path / "bundle", SETTINGS)
+    bundle = gpu_bundle._assemble(
+        fork_pins,
+        host,
+        selection,
+        components,
+        archives,
+        [],
+        [],
+        int(3.05 * 2**20),
+        tmp_path / "bundle",
+        SETTINGS,
+    )
     assert [p.components for p in bundle.parts] == [("tree", "site-a"), ("site-b",)]
     assert bundle.cases == {"part-1": ["t.py::one"], "part-2": ["t.py::two"]}
     return bundle.folder
 
 
-def _run_sh(bundle: Path, *args: str, cwd: Path | None = None, **env: str
-            ) -> subprocess.CompletedProcess:
-    """run.sh from a folder of its own (default: the bundle's parent), so that the bundle's
-    runner runs, never this checkout's forkbuild."""
-    return subprocess.run(["bash", str(bundle / "run.sh"), *args], cwd=cwd or bundle.parent,
-                          env={**os.environ, "PYTHON": sys.executable, **env},
-                          capture_output=True, text=True, timeout=120, check=False)
+def _run_sh(
+    bundle: Path, *args: str, cwd: Path | None = None, **env: str
+) -> subprocess.CompletedProcess:
+    """run.sh from a folder of its own (default: the bundle's parent), so that the
+    bundle's runner runs, never this checkout's forkbuild."""
+    return subprocess.run(
+        ["bash", str(bundle / "run.sh"), *args],
+        cwd=cwd or bundle.parent,
+        env={**os.environ, "PYTHON": sys.executable, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
-def test_run_sh_unpacks_the_parts_present_and_verifies_every_file(small_bundle, tmp_path):
+def test_run_sh_unpacks_the_parts_present_and_verifies_every_file(
+    small_bundle, tmp_path
+):
     dest = tmp_path / "dest"
     done = _run_sh(small_bundle, "--install", str(dest))
     assert done.returncode == 0, done.stderr
@@ -194,18 +281,25 @@ def test_a_part_not_transferred_yet_only_means_fewer_components(small_bundle, tm
     assert not (tmp_path / "dest" / "site" / "pkg" / "b.so").exists()
 
 
-def test_a_damaged_part_is_named_in_one_line_before_anything_is_unpacked(small_bundle, tmp_path):
+def test_a_damaged_part_is_named_in_one_line_before_anything_is_unpacked(
+    small_bundle, tmp_path
+):
     archive = small_bundle / "part-2" / "site-b.tar.xz"
     archive.write_bytes(archive.read_bytes()[:-10])
     done = _run_sh(small_bundle, "--install", str(tmp_path / "dest"))
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1
-    assert "part-2/site-b.tar.xz is damaged" in lines[0] and "transfer part-2 again" in lines[0]
+    assert (
+        "part-2/site-b.tar.xz is damaged" in lines[0]
+        and "transfer part-2 again" in lines[0]
+    )
     assert not (tmp_path / "dest" / "tree").exists()
 
 
 def test_a_damaged_runner_does_not_run(small_bundle, tmp_path):
-    (small_bundle / "runner" / "forkbuild" / "bundle_run.py").write_text("raise SystemExit(0)\n")
+    (small_bundle / "runner" / "forkbuild" / "bundle_run.py").write_text(
+        "raise SystemExit(0)\n"
+    )
     done = _run_sh(small_bundle, "--install", str(tmp_path / "dest"))
     assert done.returncode == 2 and "part 1 is damaged" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
@@ -237,11 +331,14 @@ def _archive(members: list[tuple[str, bytes]]) -> bytes:
     return lzma.compress(raw.getvalue())
 
 
-@pytest.mark.parametrize("members", [
-    [("FILES.sha256", b""), ("../escape", b"x")],
-    [("FILES.sha256", b""), ("/etc/escape", b"x")],
-    [("tests/t.py", b"no list first")],
-])
+@pytest.mark.parametrize(
+    "members",
+    [
+        [("FILES.sha256", b""), ("../escape", b"x")],
+        [("FILES.sha256", b""), ("/etc/escape", b"x")],
+        [("tests/t.py", b"no list first")],
+    ],
+)
 def test_an_archive_that_writes_outside_or_lacks_its_list_is_refused(tmp_path, members):
     archive = tmp_path / "a.tar.xz"
     archive.write_bytes(_archive(members))
@@ -252,30 +349,44 @@ def test_an_archive_that_writes_outside_or_lacks_its_list_is_refused(tmp_path, m
 
 
 def test_the_runner_runs_what_the_parts_allow_and_says_why_not_the_rest():
-    manifest = {"parts": [{"name": "part-1", "components": ["tree", "site-a"]},
-                          {"name": "part-2", "components": ["site-b"]}],
-                "every_case": SETTINGS["every_case"],
-                "needs": {"t.py::one": [], "t.py::two": ["site-b"]},
-                "not_carried": {"t.py::three": "not here"}}
-    runnable, apart = bundle_run.plan(manifest, ("t.py::one", "t.py::two", "t.py::three",
-                                                 "t.py::four"), ["tree", "site-a"])
+    manifest = {
+        "parts": [
+            {"name": "part-1", "components": ["tree", "site-a"]},
+            {"name": "part-2", "components": ["site-b"]},
+        ],
+        "every_case": SETTINGS["every_case"],
+        "needs": {"t.py::one": [], "t.py::two": ["site-b"]},
+        "not_carried": {"t.py::three": "not here"},
+    }
+    runnable, apart = bundle_run.plan(
+        manifest,
+        ("t.py::one", "t.py::two", "t.py::three", "t.py::four"),
+        ["tree", "site-a"],
+    )
     assert runnable == ["t.py::one"]
-    assert apart == {"t.py::two": "needs part-2 (not transferred yet)",
-                     "t.py::three": "not in the bundle: not here",
-                     "t.py::four": "not in the bundle: the manifest does not list what it needs"}
+    assert apart == {
+        "t.py::two": "needs part-2 (not transferred yet)",
+        "t.py::three": "not in the bundle: not here",
+        "t.py::four": "not in the bundle: the manifest does not list what it needs",
+    }
 
 
-@pytest.mark.parametrize("status, code", [("passed", 0), ("skipped", 1), ("failed", 1), (None, 1)])
+@pytest.mark.parametrize(
+    "status, code", [("passed", 0), ("skipped", 1), ("failed", 1), (None, 1)]
+)
 def test_a_runnable_case_that_did_not_pass_fails_the_run(tmp_path, status, code):
     manifest = {"parts": [{"name": "part-1", "components": ["tree"]}]}
     outcome = Outcome({"t.py::one": status} if status else {})
     hopper = gpu_required.from_data(SETTINGS["gpu"]).kind("Hopper")
-    result = bundle_run.conclude(manifest, hopper, ["t.py::one"], {}, ["tree"],
-                                 outcome, tmp_path)
+    result = bundle_run.conclude(
+        manifest, hopper, ["t.py::one"], {}, ["tree"], outcome, tmp_path
+    )
     assert result == code
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["parts_present"] == ["part-1"]
-    assert (tmp_path / "summary.txt").read_text().startswith(f"{outcome.passed} passed, ")
+    assert (
+        (tmp_path / "summary.txt").read_text().startswith(f"{outcome.passed} passed, ")
+    )
 
 
 def test_lock_entries_are_the_locks_own_lines():
@@ -286,14 +397,16 @@ def test_lock_entries_are_the_locks_own_lines():
 
 # --- run.sh OUT end to end, with a stand-in GPU and a stand-in vLLM ------------------
 
-SMI_CSV = ("index, uuid, name, compute_cap, memory.total [MiB]\n"
-           "0, GPU-0e6d4c6a, NVIDIA H200, 9.0, 143771 MiB\n")
+SMI_CSV = (
+    "index, uuid, name, compute_cap, memory.total [MiB]\n"
+    "0, GPU-0e6d4c6a, NVIDIA H200, 9.0, 143771 MiB\n"
+)
 # What fixcheck reads as the fixed packed branch (the patched function's shape).
-FIXED = '''
+FIXED = """
 def _reshape_attention_kv_cache(packing, raw, permuted_kv_cache_shape):
     if packing is not None:
         return raw.view(permuted_kv_cache_shape)
-'''
+"""
 
 
 @pytest.fixture
@@ -309,18 +422,23 @@ def gpu_host(tmp_path, monkeypatch) -> Path:
 
 
 def test_run_sh_runs_the_cases_the_parts_allow_and_gives_the_nightlys_verdict(
-        scratch, fork_pins, tmp_path, gpu_host):
+    scratch, fork_pins, tmp_path, gpu_host
+):
     """The runner's GPU path on CPU: the host checks, the unpacking, the vLLM probe (a
     stand-in vLLM package, carrying the fix, whose platform is CUDA), the plan, the
     forked pytest run with the per-case limit, the reports and the exit status. The
     stand-in cases carry two required node ids: one passes, one fails."""
     kernels = "tests/v1/worker/test_packed_kv_cache_gpu_kernels.py"
     triton = f"{kernels}::test_triton_attention_over_packed_views"
-    fa3, engine = f"{kernels}::test_flash_attention_over_packed_views[3]", "tests/e.py::engine"
+    fa3, engine = (
+        f"{kernels}::test_flash_attention_over_packed_views[3]",
+        "tests/e.py::engine",
+    )
     src = tmp_path / "src"
     files = {
         ("tree", "tests/v1/worker/test_packed_kv_cache_gpu_kernels.py"): (
-            "import os\n\nimport pytest\n\n\ndef test_triton_attention_over_packed_views(request):\n"
+            "import os\n\nimport pytest\n\n\ndef "
+            "test_triton_attention_over_packed_views(request):\n"
             "    # run as the runner runs cases: forked, with its time limit, offline\n"
             "    assert request.config.option.forked\n"
             "    assert request.config.getini('timeout_func_only') is True\n"
@@ -328,7 +446,9 @@ def test_run_sh_runs_the_cases_the_parts_allow_and_gives_the_nightlys_verdict(
             "    assert os.environ['PYTEST_DISABLE_PLUGIN_AUTOLOAD'] == '1'\n"
             "    assert os.environ['VLLM_OFFLOAD_E2E_MODELS'].endswith('models')\n\n"
             "@pytest.mark.parametrize('fa_version', [3])\n"
-            "def test_flash_attention_over_packed_views(fa_version):\n    assert False\n"),
+            "def test_flash_attention_over_packed_views(fa_version):\n    assert "
+            "False\n"
+        ),
         ("site", "vllm/__init__.py"): "",
         ("site", "vllm/v1/__init__.py"): "",
         ("site", "vllm/v1/worker/__init__.py"): "",
@@ -336,9 +456,11 @@ def test_run_sh_runs_the_cases_the_parts_allow_and_gives_the_nightlys_verdict(
         ("site", "vllm/v1/worker/gpu/attn_utils.py"): FIXED,
         ("site", "vllm/platforms/__init__.py"): (
             "class CudaPlatform:\n    def is_cuda(self):\n        return True\n\n"
-            "current_platform = CudaPlatform()\n"),
+            "current_platform = CudaPlatform()\n"
+        ),
         ("site", f"vllm-{fork_pins.fork_version}.dist-info/METADATA"): (
-            f"Metadata-Version: 2.1\nName: vllm\nVersion: {fork_pins.fork_version}\n"),
+            f"Metadata-Version: 2.1\nName: vllm\nVersion: {fork_pins.fork_version}\n"
+        ),
     }
     by_root: dict[str, Component] = {}
     for (root, path), text in files.items():
@@ -346,35 +468,70 @@ def test_run_sh_runs_the_cases_the_parts_allow_and_gives_the_nightlys_verdict(
         (src / root / path).write_text(text)
         by_root.setdefault(root, Component(root, root)).add(path, src / root / path)
     components = list(by_root.values())
-    settings = {"order": ["tree", "site", "models"], "every_case": ["tree", "site"], "gpu": {
-        "kinds": {"Ampere": {"capability": "8.0", "queues": {"a": 1}},
-                  "Hopper": {"capability": "9.0", "queues": {"h": 1}}},
-        "cases": {triton: {"kind": "Ampere", "bundle": []}, fa3: {"kind": "Hopper", "bundle": []},
-                  engine: {"kind": "Hopper", "bundle": ["models"]},
-                  "tests/e.py::tp2": {"kind": "Hopper", "gpus": 2, "bundle": []},
-                  "tests/f.py::flashinfer": {"kind": "Ampere", "not_in_bundle": "too big"}}}}
+    settings = {
+        "order": ["tree", "site", "models"],
+        "every_case": ["tree", "site"],
+        "gpu": {
+            "kinds": {
+                "Ampere": {"capability": "8.0", "queues": {"a": 1}},
+                "Hopper": {"capability": "9.0", "queues": {"h": 1}},
+            },
+            "cases": {
+                triton: {"kind": "Ampere", "bundle": []},
+                fa3: {"kind": "Hopper", "bundle": []},
+                engine: {"kind": "Hopper", "bundle": ["models"]},
+                "tests/e.py::tp2": {"kind": "Hopper", "gpus": 2, "bundle": []},
+                "tests/f.py::flashinfer": {
+                    "kind": "Ampere",
+                    "not_in_bundle": "too big",
+                },
+            },
+        },
+    }
     models = Component("models", "models")
     (src / "models").mkdir()
     (src / "models" / "m.bin").write_bytes(os.urandom(250 << 10))
     models.add("m.bin", src / "models" / "m.bin")
     components.append(models)
-    host = Host(f"{sys.version_info.major}.{sys.version_info.minor}", "2.17", {}, tmp_path)
-    bundle = gpu_bundle._assemble(fork_pins, host, Selection({}, {}, (), ()), components,
-                                  gpu_bundle.compress(components), [], [], 300 << 10,
-                                  tmp_path / "bundle", settings)
+    host = Host(
+        f"{sys.version_info.major}.{sys.version_info.minor}", "2.17", {}, tmp_path
+    )
+    bundle = gpu_bundle._assemble(
+        fork_pins,
+        host,
+        Selection({}, {}, (), ()),
+        components,
+        gpu_bundle.compress(components),
+        [],
+        [],
+        300 << 10,
+        tmp_path / "bundle",
+        settings,
+    )
     shutil.rmtree(bundle.folder / "part-2")  # the models' part has not arrived
     out = tmp_path / "out"  # given relative, from where run.sh is called
-    done = _run_sh(bundle.folder, "out", cwd=tmp_path,
-                   PATH=f"{gpu_host}{os.pathsep}{os.environ['PATH']}", FORK_BUNDLE_HOME="home")
+    done = _run_sh(
+        bundle.folder,
+        "out",
+        cwd=tmp_path,
+        PATH=f"{gpu_host}{os.pathsep}{os.environ['PATH']}",
+        FORK_BUNDLE_HOME="home",
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stdout.strip().splitlines()[-1] == (
         "1 passed, 1 failed, 0 skipped, 2 required not run here "
-        "(listed above; the nightly's verdict needs them too)")
+        "(listed above; the nightly's verdict needs them too)"
+    )
     assert (tmp_path / "home").is_dir()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["gpu_kind"] == "Hopper" and summary["parts_present"] == ["part-1"]
     assert summary["cases"] == {triton: "passed", fa3: "failed"}
     not_here = summary["not_run_here"]
-    assert not_here == {engine: "needs part-2 (not transferred yet)",
-                        "tests/f.py::flashinfer": "not in the bundle: too big"}  # no TP=2: 1 GPU
-    assert (out / "gpu-tests.xml").is_file() and (out / "gpus.csv").read_text() == SMI_CSV
+    assert not_here == {
+        engine: "needs part-2 (not transferred yet)",
+        # no TP=2: 1 GPU
+        "tests/f.py::flashinfer": "not in the bundle: too big",
+    }
+    assert (out / "gpu-tests.xml").is_file() and (
+        out / "gpus.csv"
+    ).read_text() == SMI_CSV

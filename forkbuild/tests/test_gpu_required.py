@@ -15,11 +15,16 @@ from forkbuild.pins import REPO_ROOT
 from forkbuild.pytest_runner import Outcome
 
 KERNELS = "tests/v1/worker/test_packed_kv_cache_gpu_kernels.py"
-ENGINE = "tests/v1/worker/test_packed_kv_cache_offload_e2e.py::test_offload_reload_matches_baseline"
+ENGINE = (
+    "tests/v1/worker/test_packed_kv_cache_offload_e2e.py"
+    "::test_offload_reload_matches_baseline"
+)
 FA2 = f"{KERNELS}::test_flash_attention_over_packed_views[2]"
 FA3 = f"{KERNELS}::test_flash_attention_over_packed_views[3]"
 TRITON = f"{KERNELS}::test_triton_attention_over_packed_views"
-FLASHINFER = {f"{KERNELS}::test_flashinfer_over_packed_views[{m}]" for m in ("prefill", "decode")}
+FLASHINFER = {
+    f"{KERNELS}::test_flashinfer_over_packed_views[{m}]" for m in ("prefill", "decode")
+}
 SERVE = "forkbuild/tests/test_serve_gpu.py::test_offload_preset_serves_and_reloads"
 # The table of fork.toml [gpu]: what each kind must run comes from there, never retyped.
 TABLE = gpu_required.load()
@@ -28,7 +33,8 @@ HOPPER = set(TABLE.kind("Hopper").required(1))
 (TP2,) = set(TABLE.kind("Hopper").required(2)) - HOPPER
 EVERY_CASE = TABLE.all_required()
 
-# `nvidia-smi --query-gpu=index,uuid,name,compute_cap,memory.total --format=csv`, made up.
+# `nvidia-smi --query-gpu=index,uuid,name,compute_cap,memory.total --format=csv`, made
+# up.
 HEADER = "index, uuid, name, compute_cap, memory.total [MiB]\n"
 H100 = ("NVIDIA H100 80GB HBM3", "9.0", "81559 MiB")
 H200 = ("NVIDIA H200", "9.0", "143771 MiB")
@@ -43,7 +49,9 @@ def uuid(index: int) -> str:
 
 def _csv(*gpus: tuple[str, str, str]) -> str:
     """nvidia-smi's CSV for GPUS, indexed in order."""
-    return HEADER + "".join(f"{i}, {uuid(i)}, {', '.join(gpu)}\n" for i, gpu in enumerate(gpus))
+    return HEADER + "".join(
+        f"{i}, {uuid(i)}, {', '.join(gpu)}\n" for i, gpu in enumerate(gpus)
+    )
 
 
 @pytest.mark.parametrize(
@@ -66,12 +74,21 @@ def test_required_cases_per_kind_and_gpu_count(gpus, kind, required):
 
 
 def test_older_gpus_and_unreadable_nvidia_smi_are_refused():
-    with pytest.raises(ForkError, match=r"compute capability 7\.5 is older than Ampere"):
+    with pytest.raises(
+        ForkError, match=r"compute capability 7\.5 is older than Ampere"
+    ):
         gpu_required.select(gpu_required.parse_nvidia_smi(_csv(T4)))
-    with pytest.raises(ForkError, match="did not report the GPUs' index, uuid and compute cap"):
-        gpu_required.parse_nvidia_smi("Failed to initialize NVML: Driver/library mismatch\n")
-    with pytest.raises(ForkError, match="did not report the GPUs' index, uuid"):  # the old query
-        gpu_required.parse_nvidia_smi("name, compute_cap, memory.total [MiB]\nNVIDIA A10, 8.6, 1 MiB\n")
+    with pytest.raises(
+        ForkError, match="did not report the GPUs' index, uuid and compute cap"
+    ):
+        gpu_required.parse_nvidia_smi(
+            "Failed to initialize NVML: Driver/library mismatch\n"
+        )
+    # the old query
+    with pytest.raises(ForkError, match="did not report the GPUs' index, uuid"):
+        gpu_required.parse_nvidia_smi(
+            "name, compute_cap, memory.total [MiB]\nNVIDIA A10, 8.6, 1 MiB\n"
+        )
     with pytest.raises(ForkError, match="listed no GPU"):
         gpu_required.select(gpu_required.parse_nvidia_smi(HEADER))
 
@@ -103,15 +120,28 @@ def test_cuda_visible_devices_decides_the_gpu_count(visible, gpu_count):
 def test_cuda_visible_devices_picks_the_gpus_whose_kind_counts():
     # A100 at index 0, H100 at 1: the agent that sees only the H100 is a Hopper agent.
     gpus = _csv(A100, H100)
-    assert gpu_required.select(gpu_required.parse_nvidia_smi(gpus, "1"))[0].name == "Hopper"
-    assert gpu_required.select(gpu_required.parse_nvidia_smi(gpus, uuid(0)))[0].name == "Ampere"
+    assert (
+        gpu_required.select(gpu_required.parse_nvidia_smi(gpus, "1"))[0].name
+        == "Hopper"
+    )
+    assert (
+        gpu_required.select(gpu_required.parse_nvidia_smi(gpus, uuid(0)))[0].name
+        == "Ampere"
+    )
 
 
 @pytest.mark.parametrize(
     "visible",
     ["", "7", "-1", "0,0", "GPU-", "GPU-ffff", "GPU-1a5e1c1f-0b0e,GPU-1a5e1c1f-0b0e"],
-    ids=["empty", "unknown-index", "negative", "repeated", "ambiguous-uuid", "unknown-uuid",
-         "repeated-uuid"],
+    ids=[
+        "empty",
+        "unknown-index",
+        "negative",
+        "repeated",
+        "ambiguous-uuid",
+        "unknown-uuid",
+        "repeated-uuid",
+    ],
 )
 def test_cuda_visible_devices_that_hides_every_gpu_is_refused(visible):
     with pytest.raises(ForkError, match=r"leaves none of the 2 GPU\(s\)"):
@@ -119,8 +149,12 @@ def test_cuda_visible_devices_that_hides_every_gpu_is_refused(visible):
 
 
 def test_mig_instances_are_refused():
-    with pytest.raises(ForkError, match="MIG instances: the nightly GPU job needs whole GPUs"):
-        gpu_required.parse_nvidia_smi(_csv(H100), "MIG-4b0c2c7e-2b0f-5a59-8e2c-1d8f3b0c9a11")
+    with pytest.raises(
+        ForkError, match="MIG instances: the nightly GPU job needs whole GPUs"
+    ):
+        gpu_required.parse_nvidia_smi(
+            _csv(H100), "MIG-4b0c2c7e-2b0f-5a59-8e2c-1d8f3b0c9a11"
+        )
 
 
 def _outcomes(statuses: dict[str, str], reasons: dict[str, str] | None = None):
@@ -153,7 +187,9 @@ def test_ampere_may_skip_what_only_hopper_runs(tmp_path):
     statuses = {case: "passed" for case in AMPERE}
     statuses |= {case: "skipped" for case in EVERY_CASE - AMPERE}
     skipped = len(EVERY_CASE - AMPERE)
-    assert _conclude((A100,), statuses, out=tmp_path).endswith(f"0 failed, {skipped} skipped, 0 xfailed")
+    assert _conclude((A100,), statuses, out=tmp_path).endswith(
+        f"0 failed, {skipped} skipped, 0 xfailed"
+    )
 
 
 def test_a_skipped_required_case_fails_the_job_with_its_reason(tmp_path, capsys):
@@ -165,7 +201,9 @@ def test_a_skipped_required_case_fails_the_job_with_its_reason(tmp_path, capsys)
     statuses = {case: "passed" for case in EVERY_CASE} | {FA3: "skipped"}
     statuses |= {case: "skipped" for case in flash}
     reasons = {FA3: fa3_reason} | {case: sinks_reason for case in flash}
-    with pytest.raises(ForkError, match=f"on Hopper: 0 failed .*, {len(flash | {FA3})} required case"):
+    with pytest.raises(
+        ForkError, match=f"on Hopper: 0 failed .*, {len(flash | {FA3})} required case"
+    ):
         _conclude((H100, H100), statuses, reasons, out=tmp_path)
     printed = capsys.readouterr().out
     assert f"{FA3}: required but skipped: {fa3_reason}" in printed
@@ -196,7 +234,11 @@ def test_every_required_case_must_be_collected_on_cpu():
     # What testrun checks after collecting the GPU cases (and the tool tests) on CPU.
     gpu_required.check_collected(EVERY_CASE | {f"{ENGINE}[some-new-case]"})
     renamed = (EVERY_CASE - {TP2}) | {f"{ENGINE}[FLASH_ATTN-v1-tp2-renamed]"}
-    with pytest.raises(ForkError, match=r"1 node id.* not collected: .*FLASH_ATTN-v1-tp2\]"):
+    with pytest.raises(
+        ForkError,
+        match=r"1 node id.* not collected: "
+        r".*FLASH_ATTN-v1-tp2\]",
+    ):
         gpu_required.check_collected(renamed)
 
 
@@ -211,8 +253,8 @@ def test_the_required_serve_case_is_a_test_of_the_serve_module():
     assert callable(getattr(module, name, None)), f"{path} has no {name}"
 
 
-# The word by which the README and the pipeline's header name each required case's family
-# (first match wins: the TP=2 case is also a FLASH_ATTN one).
+# The word by which the README and the pipeline's header name each required case's
+# family (first match wins: the TP=2 case is also a FLASH_ATTN one).
 FAMILIES = (
     ("test_flash_attention_over_packed_views[2]", "FA2"),
     ("test_flash_attention_over_packed_views[3]", "FA3"),
@@ -232,23 +274,35 @@ def _families(cases) -> set[str]:
 @pytest.mark.parametrize("path", ["README.md", ".buildkite/fork_nightly_gpu.yaml"])
 def test_the_docs_say_what_each_gpu_kind_must_run(path):
     # "Ampere (sm80) must run ...; Hopper (sm90) adds ...": the same lists as the code.
-    text = " ".join(line.lstrip("# ") for line in (REPO_ROOT / path).read_text().splitlines())
-    found = re.search(r"Ampere \(sm80\) must run (.*?); Hopper \(sm90\) adds (.*?)\. ", text)
+    text = " ".join(
+        line.lstrip("# ") for line in (REPO_ROOT / path).read_text().splitlines()
+    )
+    found = re.search(
+        r"Ampere \(sm80\) must run (.*?); Hopper \(sm90\) adds (.*?)\. ", text
+    )
     assert found, f"{path} no longer says what Ampere and Hopper must run"
     ampere, hopper = found[1], found[2]
     hopper_only = _families(TABLE.kind("Hopper").required(2)) - _families(AMPERE)
     assert {w for w in _families(AMPERE) if w not in ampere} == set()
-    assert {w for w in hopper_only if w not in ampere} == hopper_only  # none of Hopper's
+    # none of Hopper's
+    assert {w for w in hopper_only if w not in ampere} == hopper_only
     assert {w for w in hopper_only if w not in hopper} == set()
 
 
 def test_a_case_is_required_from_its_kind_on_with_its_gpu_count():
-    table = gpu_required.from_data({
-        "kinds": {"Hopper": {"capability": "9.0", "queues": {"h1": 1, "h2": 2}},
-                  "Ampere": {"capability": "8.0", "queues": {"a1": 1}}},
-        "cases": {"a": {"kind": "Ampere"}, "h": {"kind": "Hopper"},
-                  "tp2": {"kind": "Hopper", "gpus": 2}},
-    })
+    table = gpu_required.from_data(
+        {
+            "kinds": {
+                "Hopper": {"capability": "9.0", "queues": {"h1": 1, "h2": 2}},
+                "Ampere": {"capability": "8.0", "queues": {"a1": 1}},
+            },
+            "cases": {
+                "a": {"kind": "Ampere"},
+                "h": {"kind": "Hopper"},
+                "tp2": {"kind": "Hopper", "gpus": 2},
+            },
+        }
+    )
     assert [k.name for k in table.kinds] == ["Ampere", "Hopper"]  # by capability
     assert table.kind("Ampere").required(2) == ("a",)
     assert table.kind("Hopper").required(1) == ("a", "h")

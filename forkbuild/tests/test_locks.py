@@ -58,14 +58,16 @@ def test_a_changed_input_makes_the_locks_stale(fork_pins, fork_tree, tmp_path):
 def test_a_changed_exclusion_makes_the_route_locks_stale(fork_pins, fork_tree):
     """A dependency left out of a route's lock (fork.toml `exclude`) is an input too."""
     cpu = fork_pins.routes["cpu"]
-    assert "nvidia-cutlass-dsl" in cpu.exclude  # FlashInfer's CUDA compiler, never on CPU
+    # FlashInfer's CUDA compiler, never on CPU
+    assert "nvidia-cutlass-dsl" in cpu.exclude
     locked = lock.pinned(lock.path("cpu", fork_pins.pythons[0]))
     assert "flashinfer-python" in locked
     assert not {lock.normalize(n) for n in cpu.exclude} & set(locked)
     fewer = dataclasses.replace(cpu, exclude=cpu.exclude[1:])
     changed = dataclasses.replace(fork_pins, routes={**fork_pins.routes, "cpu": fewer})
     assert sorted(lock.stale(changed, fork_tree)) == sorted(
-        f"cpu-py{v.replace('.', '')}.txt (its inputs changed)" for v in fork_pins.pythons
+        f"cpu-py{v.replace('.', '')}.txt (its inputs changed)"
+        for v in fork_pins.pythons
     )
 
 
@@ -78,19 +80,24 @@ def test_the_venv_holds_exactly_its_lock():
     lock_file = pins.REPO_ROOT / record.read_text().strip()
     freeze = subprocess.run(
         [sys.executable, "-m", "pip", "freeze", "--all", "--exclude-editable"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert lock.pinned_lines(freeze) == lock.pinned(lock_file)
 
 
 @pytest.fixture
 def scratch_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A throw-away build folder; the download cache (uv and its packages) stays shared."""
+    """A throw-away build folder; the download cache (uv and its packages) stays
+    shared."""
     monkeypatch.setenv("VLLM_FORK_BUILD", str(tmp_path / "build"))
     return tmp_path / "build"
 
 
-def test_a_hash_mismatch_stops_the_install_and_leaves_no_venv(fork_pins, scratch_build, monkeypatch):
+def test_a_hash_mismatch_stops_the_install_and_leaves_no_venv(
+    fork_pins, scratch_build, monkeypatch
+):
     real = lock.pinned(lock.path("cpu", lock.running_python()))
     bad = scratch_build.parent / "locks" / "cpu-py311.txt"
     bad.parent.mkdir()
@@ -110,7 +117,9 @@ def test_a_hash_mismatch_stops_the_install_and_leaves_no_venv(fork_pins, scratch
     assert not (scratch_build / "venv.partial").exists()
 
 
-def test_a_missing_lock_is_refused_with_what_to_do(fork_pins, scratch_build, monkeypatch):
+def test_a_missing_lock_is_refused_with_what_to_do(
+    fork_pins, scratch_build, monkeypatch
+):
     monkeypatch.setattr(lock, "path", lambda route, python: scratch_build / "none.txt")
     with pytest.raises(ForkError, match="none.txt is missing") as err:
         install.ensure_toolchain(fork_pins, "cpu")
@@ -120,12 +129,15 @@ def test_a_missing_lock_is_refused_with_what_to_do(fork_pins, scratch_build, mon
 def test_xfails_are_counted_as_xfails(tmp_path):
     junit = tmp_path / "r.xml"
     junit.write_text(
-        '<testsuites><testsuite>'
+        "<testsuites><testsuite>"
         '<testcase classname="tests.t" name="a"/>'
-        '<testcase classname="tests.t" name="b"><skipped type="pytest.skip" message="no GPU"/></testcase>'
-        '<testcase classname="tests.t" name="c"><skipped type="pytest.xfail" message="known"/></testcase>'
-        '<testcase classname="tests.t" name="d"><skipped type="pytest.xfail" message="known"/></testcase>'
-        '</testsuite></testsuites>'
+        '<testcase classname="tests.t" name="b"><skipped type="pytest.skip" '
+        'message="no GPU"/></testcase>'
+        '<testcase classname="tests.t" name="c"><skipped type="pytest.xfail" '
+        'message="known"/></testcase>'
+        '<testcase classname="tests.t" name="d"><skipped type="pytest.xfail" '
+        'message="known"/></testcase>'
+        "</testsuite></testsuites>"
     )
     outcome = read_junit(junit)
     assert (outcome.passed, outcome.skipped, outcome.xfailed) == (1, 1, 2)
@@ -140,10 +152,25 @@ def test_each_lock_of_this_python_installs_on_its_platform(fork_pins, route, tmp
     one (a dry run: nothing is installed; needs the package index for what uv's cache
     lacks)."""
     lock_file = lock.path(route, lock.running_python())
-    uv.run(fork_pins, ["venv", "--quiet", "--python", sys.executable, str(tmp_path / "venv")],
-           what="create a venv")
-    out = uv.run(fork_pins, [
-        "pip", "sync", "--dry-run", "--require-hashes", "--python", str(tmp_path / "venv" / "bin" / "python"),
-        "--python-platform", fork_pins.lock_platform, str(lock_file),
-    ], what=f"check {lock_file.name}", lock=lock_file)
+    uv.run(
+        fork_pins,
+        ["venv", "--quiet", "--python", sys.executable, str(tmp_path / "venv")],
+        what="create a venv",
+    )
+    out = uv.run(
+        fork_pins,
+        [
+            "pip",
+            "sync",
+            "--dry-run",
+            "--require-hashes",
+            "--python",
+            str(tmp_path / "venv" / "bin" / "python"),
+            "--python-platform",
+            fork_pins.lock_platform,
+            str(lock_file),
+        ],
+        what=f"check {lock_file.name}",
+        lock=lock_file,
+    )
     assert f"Would install {len(lock.pinned(lock_file))} packages" in out

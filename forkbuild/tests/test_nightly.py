@@ -1,8 +1,8 @@
-"""The nightly GPU job's toolchain and time limits, on CPU: the host compilers and lock pins
-checked before the install, the environment the GPU runs get (the lock's CUDA toolkit,
-ninja, the link names FlashInfer's link step needs), and runs stopped at their limit that
-still leave a summary naming the case in progress. Fake venvs and PATHs in tmp_path; the
-limited runs are tiny pytest projects."""
+"""The nightly GPU job's toolchain and time limits, on CPU: the host compilers and lock
+pins checked before the install, the environment the GPU runs get (the lock's CUDA
+toolkit, ninja, the link names FlashInfer's link step needs), and runs stopped at their
+limit that still leave a summary naming the case in progress. Fake venvs and PATHs in
+tmp_path; the limited runs are tiny pytest projects."""
 
 from __future__ import annotations
 
@@ -17,7 +17,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from forkbuild import cuda_toolchain, gpu_required, install, lock, nightly, pytest_runner
+from forkbuild import (
+    cuda_toolchain,
+    gpu_required,
+    install,
+    lock,
+    nightly,
+    pytest_runner,
+)
 from forkbuild.errors import ForkError
 from forkbuild.pins import REPO_ROOT
 from forkbuild.pytest_runner import Outcome
@@ -49,27 +56,48 @@ def _bin(tmp_path: Path, *names: str) -> str:
 def _lock(tmp_path: Path, names: list[str], runtime: str = "13.2.51") -> Path:
     versions = {"nvidia-cuda-nvcc": NVCC, "nvidia-cuda-runtime": runtime}
     lock_file = tmp_path / "cuda-py311.txt"
-    lock_file.write_text("# a lock\n" + "".join(
-        f"{name}=={versions.get(name, '1.0')} \\\n    --hash=sha256:00\n" for name in names
-    ))
+    lock_file.write_text(
+        "# a lock\n"
+        + "".join(
+            f"{name}=={versions.get(name, '1.0')} \\\n    --hash=sha256:00\n"
+            for name in names
+        )
+    )
     return lock_file
 
 
 def test_the_lock_must_pin_the_gpu_toolchain(tmp_path):
-    assert cuda_toolchain.check_lock_pins(_lock(tmp_path, list(cuda_toolchain.LOCK_PINS))) == NVCC
-    without = [name for name in cuda_toolchain.LOCK_PINS if name not in ("ninja", "pytest-timeout")]
-    with pytest.raises(ForkError, match=r"cuda-py311\.txt does not pin ninja, pytest-timeout"):
+    assert (
+        cuda_toolchain.check_lock_pins(_lock(tmp_path, list(cuda_toolchain.LOCK_PINS)))
+        == NVCC
+    )
+    without = [
+        name
+        for name in cuda_toolchain.LOCK_PINS
+        if name not in ("ninja", "pytest-timeout")
+    ]
+    with pytest.raises(
+        ForkError,
+        match=r"cuda-py311\.txt does not pin ninja, "
+        r"pytest-timeout",
+    ):
         cuda_toolchain.check_lock_pins(_lock(tmp_path, without))
     with pytest.raises(ForkError, match=r"cuda-py311\.txt\.gone is missing"):
         cuda_toolchain.check_lock_pins(tmp_path / "cuda-py311.txt.gone")
 
 
 def test_the_locks_nvcc_must_be_of_the_cuda_version_of_its_headers(tmp_path):
-    # nvcc 13.2 with nvidia-cuda-runtime 13.0's headers: every FlashInfer JIT build stops
-    # in CCCL with "CUDA compiler and CUDA toolkit headers are incompatible".
-    with pytest.raises(ForkError, match=r"nvidia-cuda-nvcc 13\.2\.86 but nvidia-cuda-runtime "
-                                        r"13\.0\.96.*of CUDA 13\.0 in fork\.toml"):
-        cuda_toolchain.check_lock_pins(_lock(tmp_path, list(cuda_toolchain.LOCK_PINS), runtime="13.0.96"))
+    # nvcc 13.2 with nvidia-cuda-runtime 13.0's headers: every FlashInfer JIT build
+    # stops in CCCL with "CUDA compiler and CUDA toolkit headers are incompatible".
+    with pytest.raises(
+        ForkError,
+        match=r"nvidia-cuda-nvcc 13\.2\.86 but "
+        r"nvidia-cuda-runtime "
+        r"13\.0\.96.*of CUDA 13\.0 in fork\.toml",
+    ):
+        cuda_toolchain.check_lock_pins(
+            _lock(tmp_path, list(cuda_toolchain.LOCK_PINS), runtime="13.0.96")
+        )
 
 
 @pytest.mark.parametrize("python", ["3.11", "3.12", "3.13"])
@@ -91,11 +119,21 @@ def test_the_cuda_locks_pin_the_gpu_toolchain(python):
         (["gcc", "g++", "c++"], {"CC": "/opt/none/cc"}, ["/opt/none/cc (Triton"]),
         (["gcc", "g++"], {"CXX": "clang++"}, ["clang++ (FlashInfer"]),
     ],
-    ids=["gcc", "clang-by-CC", "ccache", "none", "gcc-only", "clang-no-gcc", "CC-missing",
-         "CXX-missing"],
+    ids=[
+        "gcc",
+        "clang-by-CC",
+        "ccache",
+        "none",
+        "gcc-only",
+        "clang-no-gcc",
+        "CC-missing",
+        "CXX-missing",
+    ],
 )
 def test_missing_host_compilers(tmp_path, names, env, missing):
-    found = cuda_toolchain.missing_host_compilers({"PATH": _bin(tmp_path, *names), **env})
+    found = cuda_toolchain.missing_host_compilers(
+        {"PATH": _bin(tmp_path, *names), **env}
+    )
     assert len(found) == len(missing)
     assert all(line.startswith(start) for line, start in zip(found, missing)), found
 
@@ -105,7 +143,10 @@ def test_the_toolchain_check_names_what_is_missing_before_the_install(tmp_path):
     with pytest.raises(ForkError) as error:
         cuda_toolchain.check_gpu_toolchain(lock_file, {"PATH": _bin(tmp_path, "gcc")})
     assert "\n" not in str(error.value)
-    assert "c++ (FlashInfer's JIT builds); gcc and g++ (nvcc's host compiler)" in error.value.cause
+    assert (
+        "c++ (FlashInfer's JIT builds); gcc and g++ (nvcc's host compiler)"
+        in error.value.cause
+    )
     assert "apt-get install gcc g++" in error.value.hint
     env = {"PATH": _bin(tmp_path, "gcc", "g++", "c++")}
     assert cuda_toolchain.check_gpu_toolchain(lock_file, env) == NVCC
@@ -117,8 +158,9 @@ def test_the_toolchain_check_names_what_is_missing_before_the_install(tmp_path):
 
 
 def _venv(tmp_path: Path) -> Path:
-    """A venv as the CUDA lock fills it: ninja in bin/, the nvidia-cuda-* wheels' toolkit
-    in site-packages/nvidia/cu13 (bin/nvcc, nvvm/bin/cicc, lib/libcudart.so.13: no lib64)."""
+    """A venv as the CUDA lock fills it: ninja in bin/, the nvidia-cuda-* wheels'
+    toolkit in site-packages/nvidia/cu13 (bin/nvcc, nvvm/bin/cicc, lib/libcudart.so.13:
+    no lib64)."""
     venv = tmp_path / "venv"
     _executable(venv / "bin" / "ninja")
     toolkit = install.site_packages(venv) / "nvidia" / "cu13"
@@ -131,17 +173,29 @@ def _venv(tmp_path: Path) -> Path:
 
 def test_the_gpu_runs_get_the_locks_toolkit_and_ninja_first(tmp_path):
     venv = _venv(tmp_path)
-    agent = {"PATH": "/usr/local/bin:/usr/bin", "CUDA_HOME": "/usr/local/cuda-12.4",
-             "LIBRARY_PATH": "/opt/lib"}
+    agent = {
+        "PATH": "/usr/local/bin:/usr/bin",
+        "CUDA_HOME": "/usr/local/cuda-12.4",
+        "LIBRARY_PATH": "/opt/lib",
+    }
     env = cuda_toolchain.toolchain_env(venv, NVCC, agent)
     toolkit = install.site_packages(venv) / "nvidia" / "cu13"
     # The lock's toolkit, not the agent's: the nightly tests the CUDA the lock pins.
     assert env["CUDA_HOME"] == str(toolkit)
-    assert env["PATH"].split(os.pathsep) == [str(venv / "bin"), str(toolkit / "bin"),
-                                             "/usr/local/bin", "/usr/bin"]
+    assert env["PATH"].split(os.pathsep) == [
+        str(venv / "bin"),
+        str(toolkit / "bin"),
+        "/usr/local/bin",
+        "/usr/bin",
+    ]
     assert shutil.which("ninja", path=env["PATH"]) == str(venv / "bin" / "ninja")
-    assert env["LIBRARY_PATH"].split(os.pathsep) == [str(cuda_toolchain.link_dir(venv)), "/opt/lib"]
-    assert cuda_toolchain.toolchain_env(venv, NVCC, {})["PATH"].split(os.pathsep)[2:] == []
+    assert env["LIBRARY_PATH"].split(os.pathsep) == [
+        str(cuda_toolchain.link_dir(venv)),
+        "/opt/lib",
+    ]
+    assert (
+        cuda_toolchain.toolchain_env(venv, NVCC, {})["PATH"].split(os.pathsep)[2:] == []
+    )
 
 
 def test_the_installed_toolchain_is_checked(tmp_path):
@@ -159,11 +213,18 @@ def test_the_installed_toolchain_is_checked(tmp_path):
 
     (venv / "bin" / "ninja").unlink()
     (Path(env["CUDA_HOME"]) / "bin" / "nvcc").chmod(0o644)
-    (Path(env["CUDA_HOME"]) / "lib" / "libcudart.so.13").unlink()  # the link now dangles
+    # the link now dangles
+    (Path(env["CUDA_HOME"]) / "lib" / "libcudart.so.13").unlink()
     assert cuda_toolchain.missing_tools(env, links) == [
-        "ninja on PATH", str(Path(env["CUDA_HOME"]) / "bin" / "nvcc"), str(links / "libcudart.so"),
+        "ninja on PATH",
+        str(Path(env["CUDA_HOME"]) / "bin" / "nvcc"),
+        str(links / "libcudart.so"),
     ]
-    with pytest.raises(ForkError, match=r"libcuda\.so\.1 is not in the dynamic linker's cache"):
+    with pytest.raises(
+        ForkError,
+        match=r"libcuda\.so\.1 is not in the dynamic "
+        r"linker's cache",
+    ):
         cuda_toolchain.make_link_dir(venv, NVCC, None)
 
 
@@ -174,43 +235,89 @@ def test_the_drivers_libcuda_is_read_from_ldconfig():
         "\tlibcuda.so.1 (libc6) => /usr/lib/i386-linux-gnu/libcuda.so.1\n"
         "\tlibcuda.so.1 (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libcuda.so.1\n"
     )
-    assert cuda_toolchain.driver_libcuda(cache) == Path("/usr/lib/x86_64-linux-gnu/libcuda.so.1")
+    assert cuda_toolchain.driver_libcuda(cache) == Path(
+        "/usr/lib/x86_64-linux-gnu/libcuda.so.1"
+    )
     assert cuda_toolchain.driver_libcuda("0 libs found in cache\n") is None
 
 
-@pytest.mark.skipif(shutil.which("cc") is None or shutil.which("c++") is None,
-                    reason="needs a host C and C++ compiler to link")
+@pytest.mark.skipif(
+    shutil.which("cc") is None or shutil.which("c++") is None,
+    reason="needs a host C and C++ compiler to link",
+)
 def test_flashinfers_link_step_finds_the_libraries_through_the_link_names(tmp_path):
     # FlashInfer 0.6.13's ninja rule (flashinfer/jit/cpp_ext.py) links each JIT module
-    # with `$cxx $in -shared -L$cuda_home/lib64 -L$cuda_home/lib64/stubs -lcudart -lcuda`.
-    # The wheels have lib/ and only libcudart.so.13, so it fails; with toolchain_env it
-    # links, and the module needs the soname torch loads. Stand-in libraries here.
+    # with `$cxx $in -shared -L$cuda_home/lib64 -L$cuda_home/lib64/stubs -lcudart
+    # -lcuda`. The wheels have lib/ and only libcudart.so.13, so it fails; with
+    # toolchain_env it links, and the module needs the soname torch loads. Stand-in
+    # libraries here.
     venv = _venv(tmp_path)
     home = install.site_packages(venv) / "nvidia" / "cu13"
     for soname, target, source in (
-        ("libcudart.so.13", home / "lib" / "libcudart.so.13", "int cudaGetDeviceCount(int *n)"),
-        ("libcuda.so.1", tmp_path / "driver" / "libcuda.so.1", "int cuInit(unsigned flags)"),
+        (
+            "libcudart.so.13",
+            home / "lib" / "libcudart.so.13",
+            "int cudaGetDeviceCount(int *n)",
+        ),
+        (
+            "libcuda.so.1",
+            tmp_path / "driver" / "libcuda.so.1",
+            "int cuInit(unsigned flags)",
+        ),
     ):
         target.parent.mkdir(parents=True, exist_ok=True)
         stub = tmp_path / f"{soname}.c"
         stub.write_text(source + " { return 0; }\n")
-        subprocess.run(["cc", "-shared", "-fPIC", f"-Wl,-soname,{soname}", str(stub), "-o",
-                        str(target)], check=True)
+        subprocess.run(
+            [
+                "cc",
+                "-shared",
+                "-fPIC",
+                f"-Wl,-soname,{soname}",
+                str(stub),
+                "-o",
+                str(target),
+            ],
+            check=True,
+        )
     module = tmp_path / "module.cpp"
-    module.write_text('extern "C" int cudaGetDeviceCount(int *);\nextern "C" int cuInit(unsigned);\n'
-                      'int count() { int n; return cudaGetDeviceCount(&n) + cuInit(0); }\n')
-    subprocess.run(["c++", "-fPIC", "-c", str(module), "-o", str(tmp_path / "module.o")], check=True)
-    link = ["c++", str(tmp_path / "module.o"), "-shared", f"-L{home}/lib64", f"-L{home}/lib64/stubs",
-            "-lcudart", "-lcuda", "-o", str(tmp_path / "module.so")]
+    module.write_text(
+        'extern "C" int cudaGetDeviceCount(int *);\nextern "C" int '
+        "cuInit(unsigned);\n"
+        "int count() { int n; return cudaGetDeviceCount(&n) + cuInit(0); "
+        "}\n"
+    )
+    subprocess.run(
+        ["c++", "-fPIC", "-c", str(module), "-o", str(tmp_path / "module.o")],
+        check=True,
+    )
+    link = [
+        "c++",
+        str(tmp_path / "module.o"),
+        "-shared",
+        f"-L{home}/lib64",
+        f"-L{home}/lib64/stubs",
+        "-lcudart",
+        "-lcuda",
+        "-o",
+        str(tmp_path / "module.so"),
+    ]
     bare = {k: v for k, v in os.environ.items() if k != "LIBRARY_PATH"}
-    system_cudart = subprocess.run(["c++", "-print-file-name=libcudart.so"], env=bare,
-                                   capture_output=True, text=True, check=True).stdout.strip()
+    system_cudart = subprocess.run(
+        ["c++", "-print-file-name=libcudart.so"],
+        env=bare,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     if system_cudart == "libcudart.so":  # none where the linker looks by itself
         failed = subprocess.run(link, env=bare, capture_output=True, text=True)
         assert failed.returncode != 0 and "-lcudart" in failed.stderr
 
     cuda_toolchain.make_link_dir(venv, NVCC, tmp_path / "driver" / "libcuda.so.1")
-    subprocess.run(link, env={**bare, **cuda_toolchain.toolchain_env(venv, NVCC, bare)}, check=True)
+    subprocess.run(
+        link, env={**bare, **cuda_toolchain.toolchain_env(venv, NVCC, bare)}, check=True
+    )
     needed = (tmp_path / "module.so").read_bytes()
     assert b"libcudart.so.13" in needed and b"libcuda.so.1" in needed
 
@@ -219,9 +326,14 @@ def test_flashinfers_link_step_finds_the_libraries_through_the_link_names(tmp_pa
 
 
 def test_the_limits_end_the_job_before_buildkite_does():
-    runs = sum(nightly.RUN_LIMITS_S.values()) + len(nightly.RUN_LIMITS_S) * pytest_runner.GRACE_S
+    runs = (
+        sum(nightly.RUN_LIMITS_S.values())
+        + len(nightly.RUN_LIMITS_S) * pytest_runner.GRACE_S
+    )
     for step in yaml.safe_load(PIPELINE.read_text())["steps"]:
-        assert nightly.INSTALL_BUDGET_S + runs < step["timeout_in_minutes"] * 60, step["label"]
+        assert nightly.INSTALL_BUDGET_S + runs < step["timeout_in_minutes"] * 60, step[
+            "label"
+        ]
     # A hung case is reported by its own limit before its run's limit stops the run.
     assert nightly.RUN_LIMITS_S["gpu-tests"] > gpu_required.CASE_LIMIT_S
     assert nightly.RUN_LIMITS_S["serve"] > gpu_required.CASE_LIMIT_S
@@ -263,7 +375,10 @@ def _gone(pid: int, within_s: float = 10) -> bool:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            if (
+                Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                == "Z"
+            ):
                 return True
         except (FileNotFoundError, ProcessLookupError):
             return True
@@ -272,16 +387,23 @@ def _gone(pid: int, within_s: float = 10) -> bool:
 
 
 @pytest.mark.parametrize("forked", [True, False], ids=["forked", "in-process"])
-def test_a_run_stopped_at_its_limit_reports_what_it_finished_and_where_it_hung(tmp_path, forked):
+def test_a_run_stopped_at_its_limit_reports_what_it_finished_and_where_it_hung(
+    tmp_path, forked
+):
     project = _project(tmp_path, SLEEPER)
     pids = tmp_path / "pids"
     started = time.monotonic()
     outcome = pytest_runner.run_pytest(
-        PYTHON, project, [*(["--forked"] if forked else []), "test_cases.py"],
-        tmp_path / "junit.xml", extra_env={"PIDS": str(pids)}, timeout_s=4,
+        PYTHON,
+        project,
+        [*(["--forked"] if forked else []), "test_cases.py"],
+        tmp_path / "junit.xml",
+        extra_env={"PIDS": str(pids)},
+        timeout_s=4,
     )
     assert time.monotonic() - started < 4 + pytest_runner.GRACE_S
-    # SIGINT ended the session as Ctrl-C does: the JUnit XML of what finished was written.
+    # SIGINT ended the session as Ctrl-C does: the JUnit XML of what finished was
+    # written.
     assert outcome.cases == {"test_cases.py::test_a_passes": "passed"}
     assert outcome.killed == (
         "stopped after its time limit of 4 s while running test_cases.py::test_b_hangs"
@@ -294,8 +416,12 @@ def test_what_ignores_the_graceful_stop_is_killed(tmp_path, monkeypatch):
     project = _project(tmp_path, SLEEPER)
     pids = tmp_path / "pids"
     outcome = pytest_runner.run_pytest(
-        PYTHON, project, ["--forked", "test_cases.py"], tmp_path / "junit.xml",
-        extra_env={"PIDS": str(pids), "IGNORE_SIGINT": "1"}, timeout_s=4,
+        PYTHON,
+        project,
+        ["--forked", "test_cases.py"],
+        tmp_path / "junit.xml",
+        extra_env={"PIDS": str(pids), "IGNORE_SIGINT": "1"},
+        timeout_s=4,
     )
     assert outcome.killed.endswith("while running test_cases.py::test_b_hangs")
     assert all(_gone(int(pid)) for pid in pids.read_text().split())
@@ -306,12 +432,23 @@ def test_a_killed_run_still_writes_the_summary_and_fails_the_job(tmp_path, capsy
     # where the run was stopped and as a required case that did not run.
     project = _project(tmp_path, SLEEPER)
     outcome = pytest_runner.run_pytest(
-        PYTHON, project, ["--forked", "test_cases.py"], tmp_path / "junit.xml",
-        extra_env={"PIDS": str(tmp_path / "pids")}, timeout_s=4,
+        PYTHON,
+        project,
+        ["--forked", "test_cases.py"],
+        tmp_path / "junit.xml",
+        extra_env={"PIDS": str(tmp_path / "pids")},
+        timeout_s=4,
     )
-    kind = gpu_required.Kind("Made-up", (8, 0), ("test_cases.py::test_a_passes",
-                                                 "test_cases.py::test_b_hangs"))
-    with pytest.raises(ForkError, match=r"0 failed .*, 1 required case.*, 1 run\(s\) stopped"):
+    kind = gpu_required.Kind(
+        "Made-up",
+        (8, 0),
+        ("test_cases.py::test_a_passes", "test_cases.py::test_b_hangs"),
+    )
+    with pytest.raises(
+        ForkError,
+        match=r"0 failed .*, 1 required case.*, 1 run\(s\) "
+        r"stopped",
+    ):
         nightly.conclude(kind, kind.cases, outcome, Outcome({}), 0, tmp_path)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["killed"] == [
@@ -319,7 +456,8 @@ def test_a_killed_run_still_writes_the_summary_and_fails_the_job(tmp_path, capsy
         "test_cases.py::test_b_hangs"
     ]
     assert summary["required_not_run"] == [
-        "test_cases.py::test_b_hangs: required but not run (not collected or not reported)"
+        "test_cases.py::test_b_hangs: required but not run (not collected or not "
+        "reported)"
     ]
     assert "killed: stopped after" in summary["gpu_tests"]
     printed = capsys.readouterr().out
@@ -329,41 +467,69 @@ def test_a_killed_run_still_writes_the_summary_and_fails_the_job(tmp_path, capsy
 
 def test_a_run_that_ends_in_time_is_unchanged(tmp_path):
     project = _project(tmp_path, "def test_one():\n    pass\n")
-    outcome = pytest_runner.run_pytest(PYTHON, project, ["test_cases.py"], tmp_path / "junit.xml",
-                                       timeout_s=120)
+    outcome = pytest_runner.run_pytest(
+        PYTHON, project, ["test_cases.py"], tmp_path / "junit.xml", timeout_s=120
+    )
     assert outcome == Outcome({"test_cases.py::test_one": "passed"})
 
 
 def test_a_benchmark_stopped_at_its_limit_fails_the_job(tmp_path):
     code, stopped = pytest_runner.run_limited(
-        [sys.executable, "-c", "import time; time.sleep(60)"], cwd=tmp_path,
-        env=dict(os.environ), timeout_s=1,
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        cwd=tmp_path,
+        env=dict(os.environ),
+        timeout_s=1,
     )
     assert stopped and code != 0
     kind = gpu_required.Kind("Made-up", (8, 0), ())
-    with pytest.raises(ForkError, match=r"1 failed \(benchmark exit -?\d+\), 0 required .*, 1 run"):
-        nightly.conclude(kind, (), Outcome({}), Outcome({}), code, tmp_path,
-                         benchmark_killed="stopped after its time limit of 1 s")
+    with pytest.raises(
+        ForkError,
+        match=r"1 failed \(benchmark exit -?\d+\), 0 "
+        r"required .*, 1 run",
+    ):
+        nightly.conclude(
+            kind,
+            (),
+            Outcome({}),
+            Outcome({}),
+            code,
+            tmp_path,
+            benchmark_killed="stopped after its time limit of 1 s",
+        )
     assert json.loads((tmp_path / "summary.json").read_text())["killed"] == [
         "benchmark: stopped after its time limit of 1 s"
     ]
 
 
 def test_a_hung_forked_case_fails_alone_under_the_per_case_limit(tmp_path):
-    # pytest-timeout with PER_CASE_TIMEOUT's options under --forked: the hung case fails,
-    # the next one runs, the run itself ends by itself with its JUnit XML. (With
+    # pytest-timeout with PER_CASE_TIMEOUT's options under --forked: the hung case
+    # fails, the next one runs, the run itself ends by itself with its JUnit XML. (With
     # pytest-timeout's default timeout_func_only=false the whole pytest would exit.)
-    project = _project(tmp_path, "import time\n\ndef test_hangs():\n    time.sleep(60)\n\n"
-                                 "def test_runs_after():\n    pass\n")
-    options = [f"--timeout={2}" if o.startswith("--timeout=") else o for o in nightly.PER_CASE_TIMEOUT]
+    project = _project(
+        tmp_path,
+        "import time\n\ndef test_hangs():\n    "
+        "time.sleep(60)\n\n"
+        "def test_runs_after():\n    pass\n",
+    )
+    options = [
+        f"--timeout={2}" if o.startswith("--timeout=") else o
+        for o in nightly.PER_CASE_TIMEOUT
+    ]
     outcome = pytest_runner.run_pytest(
-        PYTHON, project, ["--forked", *options, "test_cases.py"], tmp_path / "junit.xml",
+        PYTHON,
+        project,
+        ["--forked", *options, "test_cases.py"],
+        tmp_path / "junit.xml",
         timeout_s=60,
     )
     # pytest-forked reports a child that exited as a crash outside the call phase, which
     # JUnit files as an error; the nightly counts errors as failures.
-    assert outcome == Outcome({"test_cases.py::test_hangs": "error",
-                               "test_cases.py::test_runs_after": "passed"})
+    assert outcome == Outcome(
+        {
+            "test_cases.py::test_hangs": "error",
+            "test_cases.py::test_runs_after": "passed",
+        }
+    )
 
 
 def test_what_a_timed_out_case_started_is_ended_before_the_next_case(tmp_path):
@@ -371,27 +537,39 @@ def test_what_a_timed_out_case_started_is_ended_before_the_next_case(tmp_path):
     spawned process, here a sleep in a session of its own); it must be gone when the
     next case starts, not only when the whole run ends."""
     pid_file = tmp_path / "pid"
-    project = _project(tmp_path, (
-        "import os, subprocess, time\n\n"
-        "def test_starts_an_engine_and_hangs():\n"
-        "    engine = subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
-        f"    open({str(pid_file)!r}, 'w').write(str(engine.pid))\n"
-        "    time.sleep(60)\n\n"
-        "def test_next_case_finds_it_gone():\n"
-        f"    pid = int(open({str(pid_file)!r}).read())\n"
-        "    state = open(f'/proc/{pid}/stat').read().split()[2] if os.path.exists(f'/proc/{pid}') else 'gone'\n"
-        "    assert state in ('gone', 'Z'), state\n"
-    ))
-    options = [f"--timeout={2}" if o.startswith("--timeout=") else o for o in nightly.PER_CASE_TIMEOUT]
+    project = _project(
+        tmp_path,
+        (
+            "import os, subprocess, time\n\n"
+            "def test_starts_an_engine_and_hangs():\n"
+            "    engine = subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
+            f"    open({str(pid_file)!r}, 'w').write(str(engine.pid))\n"
+            "    time.sleep(60)\n\n"
+            "def test_next_case_finds_it_gone():\n"
+            f"    pid = int(open({str(pid_file)!r}).read())\n"
+            "    state = open(f'/proc/{pid}/stat').read().split()[2] if "
+            "os.path.exists(f'/proc/{pid}') else 'gone'\n"
+            "    assert state in ('gone', 'Z'), state\n"
+        ),
+    )
+    options = [
+        f"--timeout={2}" if o.startswith("--timeout=") else o
+        for o in nightly.PER_CASE_TIMEOUT
+    ]
     outcome = pytest_runner.run_pytest(
-        PYTHON, project, ["--forked", *options, "test_cases.py"], tmp_path / "junit.xml",
+        PYTHON,
+        project,
+        ["--forked", *options, "test_cases.py"],
+        tmp_path / "junit.xml",
         timeout_s=60,
     )
-    assert outcome.cases == {"test_cases.py::test_starts_an_engine_and_hangs": "error",
-                             "test_cases.py::test_next_case_finds_it_gone": "passed"}
+    assert outcome.cases == {
+        "test_cases.py::test_starts_an_engine_and_hangs": "error",
+        "test_cases.py::test_next_case_finds_it_gone": "passed",
+    }
 
 
-# --- the job's order, with the GPU, the install and the runs faked ---------------------
+# --- the job's order, with the GPU, the install and the runs faked --------------------
 
 
 @pytest.fixture
@@ -405,31 +583,49 @@ def fake_job(tmp_path, monkeypatch):
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(nightly.preflight, "has_nvidia_gpu", lambda: True)
-    monkeypatch.setattr(nightly, "_query_gpus", lambda: (
-        "index, uuid, name, compute_cap, memory.total [MiB]\n"
-        "0, GPU-0000, NVIDIA H100 80GB HBM3, 9.0, 81559 MiB\n"
-        "1, GPU-1111, NVIDIA H100 80GB HBM3, 9.0, 81559 MiB\n"
-    ))
+    monkeypatch.setattr(
+        nightly,
+        "_query_gpus",
+        lambda: (
+            "index, uuid, name, compute_cap, memory.total [MiB]\n"
+            "0, GPU-0000, NVIDIA H100 80GB HBM3, 9.0, 81559 MiB\n"
+            "1, GPU-1111, NVIDIA H100 80GB HBM3, 9.0, 81559 MiB\n"
+        ),
+    )
     lock_file = _lock(tmp_path, list(cuda_toolchain.LOCK_PINS))
     monkeypatch.setattr(nightly.lock, "path", lambda route, python: lock_file)
     venv = _venv(tmp_path)
     libcuda = tmp_path / "libcuda.so.1"
     libcuda.write_bytes(b"")
-    monkeypatch.setattr(cuda_toolchain, "_ldconfig_cache",
-                        lambda: f"\tlibcuda.so.1 (libc6,x86-64) => {libcuda}\n")
+    monkeypatch.setattr(
+        cuda_toolchain,
+        "_ldconfig_cache",
+        lambda: f"\tlibcuda.so.1 (libc6,x86-64) => {libcuda}\n",
+    )
     calls: list[tuple] = []
-    monkeypatch.setattr(nightly.install, "install", lambda pins, route: (
-        calls.append(("install", route)) or (venv / "bin" / "python", tmp_path / "tree", None)
-    ))
-    monkeypatch.setattr(nightly, "check_jit", lambda python, env, nvcc, out: (
-        calls.append(("jit", env["CUDA_HOME"]))
-    ))
-    monkeypatch.setattr(nightly.pytest_runner, "run_pytest", lambda *args, **kwargs: (
-        calls.append(("pytest", args, kwargs)) or Outcome({})
-    ))
-    monkeypatch.setattr(nightly.pytest_runner, "run_limited", lambda cmd, **kwargs: (
-        calls.append(("benchmark", cmd, kwargs)) or (0, False)
-    ))
+    monkeypatch.setattr(
+        nightly.install,
+        "install",
+        lambda pins, route: (
+            calls.append(("install", route))
+            or (venv / "bin" / "python", tmp_path / "tree", None)
+        ),
+    )
+    monkeypatch.setattr(
+        nightly,
+        "check_jit",
+        lambda python, env, nvcc, out: (calls.append(("jit", env["CUDA_HOME"]))),
+    )
+    monkeypatch.setattr(
+        nightly.pytest_runner,
+        "run_pytest",
+        lambda *args, **kwargs: (calls.append(("pytest", args, kwargs)) or Outcome({})),
+    )
+    monkeypatch.setattr(
+        nightly.pytest_runner,
+        "run_limited",
+        lambda cmd, **kwargs: (calls.append(("benchmark", cmd, kwargs)) or (0, False)),
+    )
     pins = type("Pins", (), {"gpu_tests": ("tests/v1/worker/test_gpu.py",)})()
     return pins, calls, venv
 
@@ -438,7 +634,13 @@ def test_the_job_runs_the_gpu_tests_with_the_toolchain_and_the_limits(fake_job):
     pins, calls, venv = fake_job
     with pytest.raises(ForkError, match="required case"):  # the fakes report no case
         nightly.run(pins)
-    assert [call[0] for call in calls] == ["install", "jit", "pytest", "pytest", "benchmark"]
+    assert [call[0] for call in calls] == [
+        "install",
+        "jit",
+        "pytest",
+        "pytest",
+        "benchmark",
+    ]
     (_, (_, _, gpu_args, _), gpu), (_, _, serve), (_, _, bench) = calls[2:]
     assert gpu_args[:3] == ["--forked", "-v", "-rs"]
     assert gpu_args[3:-1] == nightly.PER_CASE_TIMEOUT
@@ -448,7 +650,9 @@ def test_the_job_runs_the_gpu_tests_with_the_toolchain_and_the_limits(fake_job):
         assert kwargs["timeout_s"] == nightly.RUN_LIMITS_S[limit]
     assert bench["env"]["CUDA_HOME"] == home
     assert bench["timeout_s"] == nightly.RUN_LIMITS_S["benchmark"]
-    summary = json.loads((Path(os.environ["FORK_NIGHTLY_OUT"]) / "summary.json").read_text())
+    summary = json.loads(
+        (Path(os.environ["FORK_NIGHTLY_OUT"]) / "summary.json").read_text()
+    )
     # CUDA_VISIBLE_DEVICES=1: one GPU, so the TP=2 case is not among the required.
     assert summary["gpu_kind"] == "Hopper"
     assert not any("tp2" in line for line in summary["required_not_run"])
@@ -462,23 +666,40 @@ def test_a_run_pytest_cannot_carry_out_still_leaves_the_summary(fake_job, monkey
     def gpu_run_breaks(*args, **kwargs):
         calls.append(("pytest", args, kwargs))
         if len(calls) == 3:  # the GPU tests' run (after the install and the JIT probe)
-            raise ForkError("pytest could not run the tests in tree (exit 2)", "see its output")
+            raise ForkError(
+                "pytest could not run the tests in tree (exit 2)", "see its output"
+            )
         return Outcome({})
 
     monkeypatch.setattr(nightly.pytest_runner, "run_pytest", gpu_run_breaks)
     with pytest.raises(ForkError, match="could not run"):
         nightly.run(pins)
-    assert [call[0] for call in calls] == ["install", "jit", "pytest", "pytest", "benchmark"]
-    summary = json.loads((Path(os.environ["FORK_NIGHTLY_OUT"]) / "summary.json").read_text())
+    assert [call[0] for call in calls] == [
+        "install",
+        "jit",
+        "pytest",
+        "pytest",
+        "benchmark",
+    ]
+    summary = json.loads(
+        (Path(os.environ["FORK_NIGHTLY_OUT"]) / "summary.json").read_text()
+    )
     assert summary["killed"] == [
-        "gpu-tests.xml: could not run: pytest could not run the tests in tree (exit 2) -- see its output"
+        "gpu-tests.xml: could not run: pytest could not run the tests in tree (exit 2) "
+        "-- see its output"
     ]
 
 
-def test_a_missing_host_compiler_stops_the_job_before_the_install(fake_job, tmp_path, monkeypatch):
+def test_a_missing_host_compiler_stops_the_job_before_the_install(
+    fake_job, tmp_path, monkeypatch
+):
     pins, calls, _ = fake_job
     (tmp_path / "path" / "g++").unlink()
     (tmp_path / "path" / "c++").unlink()
-    with pytest.raises(ForkError, match=r"lacks: c\+\+ \(FlashInfer's JIT builds\); gcc and g\+\+"):
+    with pytest.raises(
+        ForkError,
+        match=r"lacks: c\+\+ \(FlashInfer's JIT builds\); "
+        r"gcc and g\+\+",
+    ):
         nightly.run(pins)
     assert calls == []

@@ -15,7 +15,8 @@ BENCHMARKS = REPO_ROOT / "benchmarks"
 
 
 def _load() -> ModuleType:
-    # By path: benchmarks/ is no package, and the benchmark script imports torch and vLLM.
+    # By path: benchmarks/ is no package, and the benchmark script imports torch and
+    # vLLM.
     spec = importlib.util.spec_from_file_location(
         "offload_figures", BENCHMARKS / "offload_figures.py"
     )
@@ -29,13 +30,19 @@ figures = _load()
 
 def _run(layout: str) -> dict:
     return {
-        "layout": layout, "store_bytes": 3.0e8, "load_bytes": 3.0e8, "store_GBps": 11.5,
-        "load_GBps": 12.1, "ttft_cold_batch_s": 0.8, "ttft_cpu_hit_batch_s": 0.2,
+        "layout": layout,
+        "store_bytes": 3.0e8,
+        "load_bytes": 3.0e8,
+        "store_GBps": 11.5,
+        "load_GBps": 12.1,
+        "ttft_cold_batch_s": 0.8,
+        "ttft_cpu_hit_batch_s": 0.2,
     }
 
 
 COMPLETE = {
-    "gpu": "NVIDIA H100 80GB HBM3", "model": "tiny-gpt-oss",
+    "gpu": "NVIDIA H100 80GB HBM3",
+    "model": "tiny-gpt-oss",
     "runs": [_run("cross-layer (packed)"), _run("per-layer")],
     "pinned_copy": {"h2d_GBps": 24.0, "d2h_GBps": 25.0},
 }
@@ -45,7 +52,9 @@ def test_a_complete_report_has_no_missing_figure():
     assert figures.missing_figures(COMPLETE) == []
 
 
-@pytest.mark.parametrize("bad", [0, 0.0, None, -1.0, float("nan"), float("inf"), "12", True])
+@pytest.mark.parametrize(
+    "bad", [0, 0.0, None, -1.0, float("nan"), float("inf"), "12", True]
+)
 @pytest.mark.parametrize("name", figures.RUN_FIGURES)
 def test_a_zero_or_invalid_run_figure_is_reported(name, bad):
     report = copy.deepcopy(COMPLETE)
@@ -58,18 +67,23 @@ def test_absent_figures_runs_and_pinned_copy_are_reported():
     del report["runs"][0]["load_GBps"]
     del report["pinned_copy"]["d2h_GBps"]
     assert figures.missing_figures(report) == [
-        "runs[0] (cross-layer (packed)).load_GBps: None", "pinned_copy.d2h_GBps: None",
+        "runs[0] (cross-layer (packed)).load_GBps: None",
+        "pinned_copy.d2h_GBps: None",
     ]
     missing = figures.missing_figures({"gpu": "x"})
     assert missing[0] == "runs: expected 2 layout runs, got None"
     assert missing[1:] == ["pinned_copy.h2d_GBps: None", "pinned_copy.d2h_GBps: None"]
     one_run = copy.deepcopy(COMPLETE)
     one_run["runs"].pop()
-    assert figures.missing_figures(one_run)[0].startswith("runs: expected 2 layout runs")
+    assert figures.missing_figures(one_run)[0].startswith(
+        "runs: expected 2 layout runs"
+    )
 
 
 def test_the_benchmark_exits_non_zero_on_missing_figures():
     # The script needs a GPU to run; its source must at least apply the check.
     source = (BENCHMARKS / "offload_throughput_gpu.py").read_text()
     assert "from offload_figures import missing_figures" in source
-    assert "missing = missing_figures(report)" in source and "raise SystemExit(" in source
+    assert (
+        "missing = missing_figures(report)" in source and "raise SystemExit(" in source
+    )

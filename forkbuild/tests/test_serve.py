@@ -24,7 +24,12 @@ from forkbuild.pins import REPO_ROOT
 def _forkbuild(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "forkbuild", *args],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False, **kwargs,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        **kwargs,
     )
 
 
@@ -34,10 +39,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.skipif(preflight.has_nvidia_gpu(), reason="checks the refusal on a machine without a GPU")
+@pytest.mark.skipif(
+    preflight.has_nvidia_gpu(), reason="checks the refusal on a machine without a GPU"
+)
 def test_gpu_preset_without_gpu_is_refused_at_once():
     start = time.monotonic()
-    result = _forkbuild("serve", "--preset", "offload-47054", "--model", "openai/gpt-oss-20b")
+    result = _forkbuild(
+        "serve", "--preset", "offload-47054", "--model", "openai/gpt-oss-20b"
+    )
     assert result.returncode == 1
     assert time.monotonic() - start < 20
     (line,) = result.stderr.strip().splitlines()
@@ -65,11 +74,17 @@ def test_mistyped_model_is_refused_at_once():
     assert "did you mean tiny-chat?" in line and "org/name" in line
 
 
-@pytest.mark.parametrize("model, close", [
-    ("tiny-chta", "tiny-chat"), ("Tiny-Chat", "tiny-chat"), ("tiny-gptoss", "tiny-gpt-oss"),
-    ("gpt2", None),  # a bare name: the hub's org-less ids are redirects to org/name ones
-    ("./tiny-chat", "tiny-chat"),  # a path that does not exist
-])
+@pytest.mark.parametrize(
+    "model, close",
+    [
+        ("tiny-chta", "tiny-chat"),
+        ("Tiny-Chat", "tiny-chat"),
+        ("tiny-gptoss", "tiny-gpt-oss"),
+        # a bare name: the hub's org-less ids are redirects to org/name ones
+        ("gpt2", None),
+        ("./tiny-chat", "tiny-chat"),  # a path that does not exist
+    ],
+)
 def test_model_that_names_nothing_is_refused(model, close, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.chdir(tmp_path)
@@ -78,7 +93,9 @@ def test_model_that_names_nothing_is_refused(model, close, tmp_path, monkeypatch
     assert (f"did you mean {close}?" in str(err.value)) == bool(close)
     assert "org/name" in err.value.hint and "\n" not in str(err.value)
     for path in ("/no/such/folder", "models/a/b"):
-        with pytest.raises(ForkError, match="is not a local path that exists, nor a hub id"):
+        with pytest.raises(
+            ForkError, match="is not a local path that exists, nor a hub id"
+        ):
             serve.check_model(path)
 
 
@@ -88,27 +105,45 @@ def test_legitimate_models_are_not_refused(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my-model").mkdir()
     (tmp_path / "model.gguf").write_bytes(b"")
-    (tmp_path / "hub" / "models--gpt2").mkdir(parents=True)  # a bare hub id already downloaded
-    for model in (None, *serve.EMBEDDED, "my-model", "./my-model", str(tmp_path / "my-model"),
-                  "~/my-model", "model.gguf", "openai/gpt-oss-20b", "Qwen/Qwen3-0.6B",
-                  "openai-community/gpt2", "gpt2"):
+    # a bare hub id already downloaded
+    (tmp_path / "hub" / "models--gpt2").mkdir(parents=True)
+    for model in (
+        None,
+        *serve.EMBEDDED,
+        "my-model",
+        "./my-model",
+        str(tmp_path / "my-model"),
+        "~/my-model",
+        "model.gguf",
+        "openai/gpt-oss-20b",
+        "Qwen/Qwen3-0.6B",
+        "openai-community/gpt2",
+        "gpt2",
+    ):
         serve.check_model(model)
 
 
 def test_tiny_gpt_oss_gets_no_chat_line_and_the_reason():
     lines = serve.try_lines("127.0.0.1", 8001, "tiny-gpt-oss")
     assert [line.split()[2] for line in lines if line.startswith("try  curl ")] == [
-        "http://127.0.0.1:8001/v1/completions"]
+        "http://127.0.0.1:8001/v1/completions"
+    ]
     (reason,) = [line for line in lines if not line.startswith("try  ")]
-    assert reason.startswith("no chat line for tiny-gpt-oss: ") and "KeyError: '<|end|>'" in reason
-    for model in ("tiny-chat", "openai/gpt-oss-20b"):  # a real GPT-OSS has harmony's tokens
-        assert [line.split()[2].rsplit("/", 1)[1] for line in serve.try_lines("h", 1, model)] == [
-            "completions", "completions"]
+    assert (
+        reason.startswith("no chat line for tiny-gpt-oss: ")
+        and ("KeyError: '<|end|>'") in reason
+    )
+    # a real GPT-OSS has harmony's tokens
+    for model in ("tiny-chat", "openai/gpt-oss-20b"):
+        assert [
+            line.split()[2].rsplit("/", 1)[1] for line in serve.try_lines("h", 1, model)
+        ] == ["completions", "completions"]
 
 
 def test_tiny_gpt_oss_chat_fails_as_the_reason_says():
-    """What NO_CHAT says, checked on vLLM itself: the parser vLLM gives a GPT-OSS model by
-    default cannot be made with the tiny GPT-OSS's tokenizer (every chat request makes one)."""
+    """What NO_CHAT says, checked on vLLM itself: the parser vLLM gives a GPT-OSS model
+    by default cannot be made with the tiny GPT-OSS's tokenizer (every chat request
+    makes one)."""
     model = serve.ensure_tiny_model(Path(sys.executable), "tiny-gpt-oss")
     probe = textwrap.dedent("""
         import json, sys, types
@@ -129,13 +164,22 @@ def test_tiny_gpt_oss_chat_fails_as_the_reason_says():
         else:
             print(name, "made")
     """)
-    result = subprocess.run([sys.executable, "-c", probe, str(model)], capture_output=True, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300, check=False)
-    assert result.stdout.strip().splitlines()[-1:] == ["openai_gptoss KeyError: '<|end|>'"], result.stderr[-2000:]
+    result = subprocess.run(
+        [sys.executable, "-c", probe, str(model)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=300,
+        check=False,
+    )
+    assert result.stdout.strip().splitlines()[-1:] == [
+        "openai_gptoss KeyError: '<|end|>'"
+    ], result.stderr[-2000:]
 
 
 def _printed_requests(log_text: str) -> list[tuple[str, dict]]:
-    """The (url, body) of each `curl` line that `forkbuild serve` printed for the user."""
+    """The (url, body) of each `curl` line that `forkbuild serve` printed for the
+    user."""
     requests = []
     for line in log_text.splitlines():
         if "serve: try  curl " in line:
@@ -146,7 +190,9 @@ def _printed_requests(log_text: str) -> list[tuple[str, dict]]:
 
 def _post(url: str, body: dict) -> dict:
     request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(request, timeout=120) as resp:
         assert resp.status == 200
@@ -157,21 +203,41 @@ def test_embedded_model_answers_a_completion_and_a_chat(tmp_path):
     port = _free_port()
     log = (tmp_path / "serve.log").open("w")
     # The GPU serve test's KV cache check, exercised here on CPU: the worker extension
-    # passed through to vllm serve, and the dev-mode /collective_rpc that calls it by name.
+    # passed through to vllm serve, and the dev-mode /collective_rpc that calls it by
+    # name.
     from tests.v1.worker.offload_round_trip import KV_CACHE_INSPECTION
 
     server = subprocess.Popen(
-        [sys.executable, "-m", "forkbuild", "serve", "--port", str(port), "--",
-         "--worker-extension-cls", KV_CACHE_INSPECTION],
-        cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, "VLLM_SERVER_DEV_MODE": "1",
-             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))},
+        [
+            sys.executable,
+            "-m",
+            "forkbuild",
+            "serve",
+            "--port",
+            str(port),
+            "--",
+            "--worker-extension-cls",
+            KV_CACHE_INSPECTION,
+        ],
+        cwd=REPO_ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={
+            **os.environ,
+            "VLLM_SERVER_DEV_MODE": "1",
+            "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])
+            ),
+        },
     )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
         while True:
-            assert server.poll() is None, f"server exited: {(tmp_path / 'serve.log').read_text()[-3000:]}"
+            assert server.poll() is None, (
+                f"server exited: {(tmp_path / 'serve.log').read_text()[-3000:]}"
+            )
             assert time.monotonic() < deadline, "server not healthy after 300 s"
             try:
                 with urllib.request.urlopen(f"{base}/health", timeout=5) as resp:
@@ -181,19 +247,31 @@ def test_embedded_model_answers_a_completion_and_a_chat(tmp_path):
                 time.sleep(2)
         # The two lines the user is told to try, sent as printed: both endpoints answer.
         printed = _printed_requests((tmp_path / "serve.log").read_text())
-        assert [url for url, _ in printed] == [f"{base}/v1/completions", f"{base}/v1/chat/completions"]
+        assert [url for url, _ in printed] == [
+            f"{base}/v1/completions",
+            f"{base}/v1/chat/completions",
+        ]
         for url, body in printed:
             answer = _post(url, body)
             assert answer["model"] == "tiny-chat"
             assert 1 <= answer["usage"]["completion_tokens"] <= body["max_tokens"]
         # Then in full: eight greedy tokens from each, text and chat message.
-        greedy = {"model": "tiny-chat", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        greedy = {
+            "model": "tiny-chat",
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         text = _post(f"{base}/v1/completions", {**greedy, "prompt": "Hello, world!"})
         assert text["usage"]["completion_tokens"] == 8
-        assert isinstance(text["choices"][0]["text"], str) and text["choices"][0]["text"]
+        assert (
+            isinstance(text["choices"][0]["text"], str) and text["choices"][0]["text"]
+        )
         assert "+fork.1" in text["system_fingerprint"]
-        chat = _post(f"{base}/v1/chat/completions",
-                     {**greedy, "messages": [{"role": "user", "content": "Hello, world!"}]})
+        chat = _post(
+            f"{base}/v1/chat/completions",
+            {**greedy, "messages": [{"role": "user", "content": "Hello, world!"}]},
+        )
         assert chat["usage"]["completion_tokens"] == 8
         assert chat["choices"][0]["message"]["role"] == "assistant"
         assert chat["choices"][0]["message"]["content"]
@@ -203,7 +281,8 @@ def test_embedded_model_answers_a_completion_and_a_chat(tmp_path):
         # the demo's worker ran inside the engine core process (demo_engine_env)
         assert "(Worker pid=" not in (tmp_path / "serve.log").read_text()
         # What the GPU serve test asks its servers, asked here the same way: one report
-        # per worker; the tiny chat model's two groups (sliding, full) per layer, unpacked.
+        # per worker; the tiny chat model's two groups (sliding, full) per layer,
+        # unpacked.
         from forkbuild.tests.test_serve_gpu import _kv_cache_reports
         from tests.v1.worker.offload_round_trip import check_not_packed
 

@@ -3,19 +3,20 @@ KV blocks evicted to CPU and reloaded, next to a server without offloading.
 Runs in the nightly GPU job (.ci/gpu-nightly); skipped elsewhere.
 
 With random weights a greedy token can flip when the batch around a request changes, and
-8 concurrent requests are batched differently by the two servers (eviction, reloads). So the
-texts are compared only for one request sent alone to each server while it is cold; the
-concurrent rounds must answer every request in full, the offload server must have stored and
-loaded KV bytes, and neither log may show an error.
+8 concurrent requests are batched differently by the two servers (eviction, reloads). So
+the texts are compared only for one request sent alone to each server while it is cold;
+the concurrent rounds must answer every request in full, the offload server must have
+stored and loaded KV bytes, and neither log may show an error.
 
-vLLM 0.25.1 logs nothing when it packs the KV cache, and per-layer offloading passes all of
-the above too. So each server's worker reports the KV cache it holds (the worker extension of
-tests/v1/worker/offload_round_trip.py, called through the dev-mode `/collective_rpc`
-endpoint): the offload server's must be packed block rows in HND order, the plain server's
-not packed.
+vLLM 0.25.1 logs nothing when it packs the KV cache, and per-layer offloading passes all
+of the above too. So each server's worker reports the KV cache it holds (the worker
+extension of tests/v1/worker/offload_round_trip.py, called through the dev-mode
+`/collective_rpc` endpoint): the offload server's must be packed block rows in HND
+order, the plain server's not packed.
 
-The servers run one after the other on one GPU: the second starts only once every process of
-the first (API server, engine core, workers) has exited, or its memory profiling would see
+The servers run one after the other on one GPU: the second starts only once every
+process of the first (API server, engine core, workers) has exited, or its memory
+profiling would see
 the first's memory come free and refuse to start."""
 
 from __future__ import annotations
@@ -54,10 +55,18 @@ def _compute_capability() -> float:
 
     try:
         out = subprocess.run(
-            ["nvidia-smi", f"--query-gpu={gpu_required.NVIDIA_SMI_QUERY}", "--format=csv"],
-            capture_output=True, text=True, check=False,
+            [
+                "nvidia-smi",
+                f"--query-gpu={gpu_required.NVIDIA_SMI_QUERY}",
+                "--format=csv",
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
         ).stdout
-        capabilities = gpu_required.parse_nvidia_smi(out, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        capabilities = gpu_required.parse_nvidia_smi(
+            out, os.environ.get("CUDA_VISIBLE_DEVICES")
+        )
     except Exception:  # no GPU, no nvidia-smi or none visible: the other skip decides
         return 0.0
     major, minor = min(capabilities)
@@ -72,34 +81,47 @@ pytestmark = [
     ),
 ]
 
-# A small GPU cache, many distinct long prompts, two rounds: the first round's blocks are
-# evicted from the GPU and the second round must reload them from CPU.
-# vLLM 0.25.1 refuses to start unless one request of --max-model-len fits in the override:
+# A small GPU cache, many distinct long prompts, two rounds: the first round's blocks
+# are evicted from the GPU and the second round must reload them from CPU. vLLM 0.25.1
+# refuses to start unless one request of --max-model-len fits in the override:
 # get_kv_cache_configs (vllm/v1/core/kv_cache_utils.py) sets the available memory to
 # override * _pool_bytes_per_block (2 layers per group x one page) and
-# _check_enough_kv_cache_memory compares it with _max_memory_usage_bytes_from_groups
-# = 2 x page x (blocks of the full group + blocks of the sliding group). Block size 16:
-#   full:    FullAttentionSpec, cdiv(1024, 16) = 64
-#   sliding: SlidingWindowSpec.max_admission_blocks_per_request,
-#            cdiv(min(128 - 1 + max_num_batched_tokens, 1024), 16) + 1 = 65
-#            (every 0.25.1 default max_num_batched_tokens is >= 2048, so the cap is 1024)
-# so the override must be >= 64 + 65 = 129 (96 stops both servers at start-up); we take it.
-# A prompt is 758-799 tokens: ~48 blocks of the full group alone, so 16 prompts need ~770
-# blocks and round 2 must reload most of round 1 from CPU.
-# test_serve_gpu_config.py runs these arguments through the same check on CPU.
+# _check_enough_kv_cache_memory compares it with _max_memory_usage_bytes_from_groups = 2
+# x page x (blocks of the full group + blocks of the sliding group). Block size 16:
+# full:    FullAttentionSpec, cdiv(1024, 16) = 64 sliding:
+# SlidingWindowSpec.max_admission_blocks_per_request, cdiv(min(128 - 1 +
+# max_num_batched_tokens, 1024), 16) + 1 = 65 (every 0.25.1 default
+# max_num_batched_tokens is >= 2048, so the cap is 1024) so the override must be >= 64 +
+# 65 = 129 (96 stops both servers at start-up); we take it. A prompt is 758-799 tokens:
+# ~48 blocks of the full group alone, so 16 prompts need ~770 blocks and round 2 must
+# reload most of round 1 from CPU. test_serve_gpu_config.py runs these arguments through
+# the same check on CPU.
 GPU_BLOCKS = 129
-# --block-size 16 is what FLASH_ATTN picks on CUDA anyway; explicit, the CPU check plans the
-# same blocks (the CPU platform would pick 128). Both servers use the preset's backend, so
-# the cold texts come from the same kernels.
-# --worker-extension-cls adds the KV cache report to the worker's methods (vLLM's hook for
-# collective_rpc; nothing else changes); VLLM_SERVER_DEV_MODE=1 (_server) opens the
-# /collective_rpc endpoint that calls it by name.
-ENGINE_ARGS = ["--num-gpu-blocks-override", str(GPU_BLOCKS), "--block-size", "16",
-               "--max-model-len", "1024", "--gpu-memory-utilization", "0.3",
-               "--max-num-seqs", "8", "--attention-backend", "FLASH_ATTN",
-               "--worker-extension-cls", KV_CACHE_INSPECTION]
+# --block-size 16 is what FLASH_ATTN picks on CUDA anyway; explicit, the CPU check plans
+# the same blocks (the CPU platform would pick 128). Both servers use the preset's
+# backend, so the cold texts come from the same kernels. --worker-extension-cls adds the
+# KV cache report to the worker's methods (vLLM's hook for collective_rpc; nothing else
+# changes); VLLM_SERVER_DEV_MODE=1 (_server) opens the /collective_rpc endpoint that
+# calls it by name.
+ENGINE_ARGS = [
+    "--num-gpu-blocks-override",
+    str(GPU_BLOCKS),
+    "--block-size",
+    "16",
+    "--max-model-len",
+    "1024",
+    "--gpu-memory-utilization",
+    "0.3",
+    "--max-num-seqs",
+    "8",
+    "--attention-backend",
+    "FLASH_ATTN",
+    "--worker-extension-cls",
+    KV_CACHE_INSPECTION,
+]
 OFFLOAD_ARGS = ["--preset", "offload-47054", "--cpu-bytes", str(2 << 30)]
-# Both servers serve the embedded tiny GPT-OSS (the #47054 model), not the default chat model.
+# Both servers serve the embedded tiny GPT-OSS (the #47054 model), not the default chat
+# model.
 MODEL_ARGS = ["--model", "tiny-gpt-oss"]
 PROMPTS = [
     f"Request {i}: "
@@ -116,9 +138,9 @@ KILL_S = 30
 
 
 def _session_table(session: int) -> list[tuple[int, int, str]]:
-    """(pid, process group, 'PID COMMAND') of each live process of SESSION (Linux /proc).
-    Zombies are left out: they hold no memory, and an orphan's zombie lasts until PID 1
-    reaps it, which a container's PID 1 may never do."""
+    """(pid, process group, 'PID COMMAND') of each live process of SESSION (Linux
+    /proc). Zombies are left out: they hold no memory, and an orphan's zombie lasts
+    until PID 1 reaps it, which a container's PID 1 may never do."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -129,10 +151,10 @@ def _session_table(session: int) -> list[tuple[int, int, str]]:
         except OSError:  # exited meanwhile
             continue
         # "PID (COMM) STATE PPID PGRP SESSION ...", and COMM may hold ") ".
-        state, _, pgrp, sid = stat[stat.rindex(")") + 2:].split()[:4]
+        state, _, pgrp, sid = stat[stat.rindex(")") + 2 :].split()[:4]
         if int(sid) == session and state not in ("Z", "X"):
             name = " ".join(command.decode(errors="replace").split())[:200]
-            name = name or stat[stat.index("("):stat.rindex(")") + 1]
+            name = name or stat[stat.index("(") : stat.rindex(")") + 1]
             found.append((int(entry.name), int(pgrp), f"{entry.name} {name}"))
     return found
 
@@ -145,7 +167,8 @@ def session_processes(session: int) -> list[str]:
 def _signal_session(session: int, sig: signal.Signals) -> None:
     """SIG to the process group of SESSION's leader (the server's processes, unless one
     moved to a group of its own), and to each process of the session outside that group:
-    each process gets SIG once, as the old killpg gave it (vLLM's API server, engine core
+    each process gets SIG once, as the old killpg gave it (vLLM's API server, engine
+    core
     and workers handle SIGTERM as a shutdown request)."""
     with suppress(ProcessLookupError):
         os.killpg(session, sig)
@@ -166,10 +189,13 @@ def _wait_session(leader: subprocess.Popen, timeout: float) -> list[str]:
         time.sleep(0.5)
 
 
-def stop_session(leader: subprocess.Popen, stop_s: float = STOP_S, kill_s: float = KILL_S) -> None:
-    """Stop LEADER (started with start_new_session=True) and every process of its session,
-    and return only once none is left: SIGTERM, SIGKILL to whatever is left after STOP_S
-    seconds, and a failure naming the processes still there KILL_S seconds later.
+def stop_session(
+    leader: subprocess.Popen, stop_s: float = STOP_S, kill_s: float = KILL_S
+) -> None:
+    """Stop LEADER (started with start_new_session=True) and every process of its
+    session, and return only once none is left: SIGTERM, SIGKILL to whatever is left
+    after STOP_S seconds, and a failure naming the processes still there KILL_S seconds
+    later.
 
     Waiting for LEADER alone is not enough: the server's engine core and workers are its
     children, may outlive it, and hold GPU memory until they exit; a server started
@@ -178,11 +204,15 @@ def stop_session(leader: subprocess.Popen, stop_s: float = STOP_S, kill_s: float
     _signal_session(leader.pid, signal.SIGTERM)
     left = _wait_session(leader, stop_s)
     if left:
-        print(f"server session {leader.pid}: SIGKILL after {stop_s:.0f} s: {'; '.join(left)}")
+        print(
+            f"server session {leader.pid}: SIGKILL after {stop_s:.0f} s: "
+            f"{'; '.join(left)}"
+        )
         _signal_session(leader.pid, signal.SIGKILL)
         left = _wait_session(leader, kill_s)
     assert not left, (
-        f"processes of the server (session {leader.pid}) still running {stop_s:.0f} s after "
+        f"processes of the server (session {leader.pid}) still running {stop_s:.0f} s "
+        "after "
         f"SIGTERM and {kill_s:.0f} s after SIGKILL: " + "; ".join(left)
     )
 
@@ -198,13 +228,29 @@ def _server(extra: list[str], log_path: Path) -> Iterator[tuple[int, subprocess.
     port = _free_port()
     with open(log_path, "w") as log:
         server = subprocess.Popen(
-            [sys.executable, "-m", "forkbuild", "serve", "--route", "cuda", "--port", str(port),
-             *MODEL_ARGS, *extra, "--", *ENGINE_ARGS],
+            [
+                sys.executable,
+                "-m",
+                "forkbuild",
+                "serve",
+                "--route",
+                "cuda",
+                "--port",
+                str(port),
+                *MODEL_ARGS,
+                *extra,
+                "--",
+                *ENGINE_ARGS,
+            ],
             # Its own session: stop_session waits for every process of the server.
-            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=REPO_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
             env={
                 **os.environ,
-                # Unbuffered, so that the log read before shutdown holds everything so far.
+                # Unbuffered, so that the log read before shutdown holds everything so
+                # far.
                 "PYTHONUNBUFFERED": "1",
                 "VLLM_SERVER_DEV_MODE": "1",  # the /collective_rpc endpoint
                 # The worker imports the extension (ENGINE_ARGS) from the fork's tests.
@@ -219,7 +265,9 @@ def _server(extra: list[str], log_path: Path) -> Iterator[tuple[int, subprocess.
                 assert server.poll() is None, log_path.read_text()[-3000:]
                 assert time.monotonic() < deadline, "server not healthy after 600 s"
                 try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                    with urllib.request.urlopen(
+                        f"http://127.0.0.1:{port}/health", timeout=5
+                    ):
                         break
                 except OSError:
                     time.sleep(2)
@@ -229,10 +277,18 @@ def _server(extra: list[str], log_path: Path) -> Iterator[tuple[int, subprocess.
 
 
 def _complete(port: int, prompt: str) -> dict:
-    body = json.dumps({"model": "tiny-gpt-oss", "prompt": prompt, "max_tokens": MAX_TOKENS,
-                       "temperature": 0, "ignore_eos": True}).encode()
+    body = json.dumps(
+        {
+            "model": "tiny-gpt-oss",
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+    ).encode()
     request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions", data=body,
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=body,
         headers={"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(request, timeout=300) as resp:
@@ -242,7 +298,8 @@ def _complete(port: int, prompt: str) -> dict:
 def _two_rounds(port: int) -> list[dict]:
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda p: _complete(port, p), PROMPTS))  # stores to CPU
-        answers += list(pool.map(lambda p: _complete(port, p), PROMPTS))  # reloads evicted blocks
+        # reloads evicted blocks
+        answers += list(pool.map(lambda p: _complete(port, p), PROMPTS))
     return answers
 
 
@@ -252,7 +309,8 @@ def _kv_cache_reports(port: int) -> list[dict]:
     {"results": [one per worker]}, dicts as they are."""
     body = json.dumps({"method": KV_CACHE_REPORT, "timeout": 60}).encode()
     request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/collective_rpc", data=body,
+        f"http://127.0.0.1:{port}/collective_rpc",
+        data=body,
         headers={"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(request, timeout=120) as resp:
@@ -263,7 +321,9 @@ def _packed_kv_cache() -> PackedKVCache:
     """The packed cache the offload server's worker must hold: the embedded tiny GPT-OSS
     (generated by forkbuild serve under the build folder), served in bfloat16
     (serve.command), with ENGINE_ARGS' block size, backend and block count."""
-    config = json.loads((build_dir() / "models" / MODEL_ARGS[1] / "config.json").read_text())
+    config = json.loads(
+        (build_dir() / "models" / MODEL_ARGS[1] / "config.json").read_text()
+    )
     return PackedKVCache(
         backend="FLASH_ATTN",
         layer_types=tuple(config["layer_types"]),
@@ -282,11 +342,13 @@ def _counter(metrics: str, name: str) -> float:
 
 
 def _offload_bytes(port: int) -> tuple[float, float]:
-    """(loaded, stored) bytes from /metrics; waits briefly, as the last stores finish after
-    the last answer."""
+    """(loaded, stored) bytes from /metrics; waits briefly, as the last stores finish
+    after the last answer."""
     deadline = time.monotonic() + 60
     while True:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{port}/metrics", timeout=10
+        ) as resp:
             metrics = resp.read().decode()
         loaded = _counter(metrics, "vllm:kv_offload_load_bytes")
         stored = _counter(metrics, "vllm:kv_offload_store_bytes")
@@ -306,12 +368,15 @@ def _serve(
             check_packed(report, _packed_kv_cache())
         else:
             check_not_packed(report)
-        alone = _complete(port, PROMPTS[0])["choices"][0]["text"]  # cold, nothing else in flight
+        # cold, nothing else in flight
+        alone = _complete(port, PROMPTS[0])["choices"][0]["text"]
         answers = _two_rounds(port)
         moved = _offload_bytes(port) if offload else (0.0, 0.0)
         assert server.poll() is None, f"server died: {log_path.read_text()[-3000:]}"
         # Read before shutdown: what a stopping server logs is not under test.
-        errors = [line for line in log_path.read_text().splitlines() if ERRORS.search(line)]
+        errors = [
+            line for line in log_path.read_text().splitlines() if ERRORS.search(line)
+        ]
     assert not errors, "\n".join(errors[:20])
     return alone, answers, moved
 

@@ -1,7 +1,8 @@
-"""The engine arguments of test_serve_gpu.py through vLLM's own parser, config and start-up
-KV-cache check, on CPU: an argument vLLM rejects, or a --num-gpu-blocks-override too small for
-one request of --max-model-len, fails here rather than in the nightly GPU job. Also on CPU:
-the helper that waits for every process of one server before the next starts."""
+"""The engine arguments of test_serve_gpu.py through vLLM's own parser, config and
+start-up KV-cache check, on CPU: an argument vLLM rejects, or a
+--num-gpu-blocks-override too small for one request of --max-model-len, fails here
+rather than in the nightly GPU job. Also on CPU: the helper that waits for every process
+of one server before the next starts."""
 
 from __future__ import annotations
 
@@ -16,17 +17,6 @@ from contextlib import suppress
 from pathlib import Path
 
 import pytest
-from vllm.config import VllmConfig, set_current_vllm_config
-from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.entrypoints.openai.cli_args import make_arg_parser
-from vllm.usage.usage_lib import UsageContext
-from vllm.utils.argparse_utils import FlexibleArgumentParser
-from vllm.utils.import_utils import resolve_obj_by_qualname
-from vllm.v1.core.kv_cache_utils import (
-    _use_packed_kv_cache_config,
-    get_kv_cache_configs,
-)
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
 from forkbuild import serve
 from forkbuild.tests import test_serve_gpu
@@ -41,11 +31,24 @@ from forkbuild.tests.test_serve_gpu import (
 from tests.v1.worker.offload_round_trip import KV_CACHE_INSPECTION, KVCacheInspection
 from tests.v1.worker.test_packed_kv_cache_pipeline import layer_specs
 from tests.v1.worker.tiny_hybrid_model import make_tiny_gpt_oss
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.openai.cli_args import make_arg_parser
+from vllm.usage.usage_lib import UsageContext
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.utils.import_utils import resolve_obj_by_qualname
+from vllm.v1.core.kv_cache_utils import (
+    _use_packed_kv_cache_config,
+    get_kv_cache_configs,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
 SERVERS = {"plain": [], "offload": OFFLOAD_ARGS}
-# What the memory profiler would report; with an override vLLM plans override blocks instead.
+# What the memory profiler would report; with an override vLLM plans override blocks
+# instead.
 PROFILED_BYTES = 8 << 30
-# max_num_batched_tokens `vllm serve` defaults to on H100/H200 (EngineArgs.get_batch_defaults).
+# max_num_batched_tokens `vllm serve` defaults to on H100/H200
+# (EngineArgs.get_batch_defaults).
 HOPPER_SERVE_BATCHED_TOKENS = 8192
 REFUSED = "To serve at least one request with the model's max seq len"
 
@@ -57,17 +60,23 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _with_override(args: list[str], blocks: int) -> list[str]:
     at = args.index("--num-gpu-blocks-override") + 1
-    return [*args[:at], str(blocks), *args[at + 1:]]
+    return [*args[:at], str(blocks), *args[at + 1 :]]
 
 
-def _engine_config(model: Path, server: list[str], engine_args: list[str]) -> VllmConfig:
-    """The config `vllm serve` builds from the command forkbuild serve runs in the GPU test."""
+def _engine_config(
+    model: Path, server: list[str], engine_args: list[str]
+) -> VllmConfig:
+    """The config `vllm serve` builds from the command forkbuild serve runs in the GPU
+    test."""
     fork_parser = argparse.ArgumentParser()
     serve.add_arguments(fork_parser)
     fork_args = fork_parser.parse_args([*MODEL_ARGS, *server, "--", *engine_args])
     assert fork_args.model in serve.EMBEDDED  # generated, and served under its name
-    # [vllm, "serve", model, ...]: the embedded model's and the preset's arguments included.
-    argv = serve.command(Path(sys.executable), str(model), fork_args, embedded=fork_args.model)[2:]
+    # [vllm, "serve", model, ...]: the embedded model's and the preset's arguments
+    # included.
+    argv = serve.command(
+        Path(sys.executable), str(model), fork_args, embedded=fork_args.model
+    )[2:]
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
     args.model = args.model_tag  # as the serve subcommand does
     return AsyncEngineArgs.from_cli_args(args).create_engine_config(
@@ -76,10 +85,12 @@ def _engine_config(model: Path, server: list[str], engine_args: list[str]) -> Vl
 
 
 def _plan(config: VllmConfig):
-    """The engine's start-up planning (EngineCore._initialize_kv_caches): the override is
-    applied inside get_kv_cache_configs, before its one-request-fits check."""
+    """The engine's start-up planning (EngineCore._initialize_kv_caches): the override
+    is applied inside get_kv_cache_configs, before its one-request-fits check."""
     with set_current_vllm_config(config):
-        (kv_cache_config,) = get_kv_cache_configs(config, [layer_specs(config)], [PROFILED_BYTES])
+        (kv_cache_config,) = get_kv_cache_configs(
+            config, [layer_specs(config)], [PROFILED_BYTES]
+        )
     return kv_cache_config
 
 
@@ -103,7 +114,8 @@ def test_serve_gpu_args_pass_the_startup_check(server, tiny_model, monkeypatch):
     assert kv_cache_config.num_blocks == GPU_BLOCKS
     specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
     assert sorted(type(spec).__name__ for spec in specs) == [
-        FullAttentionSpec.__name__, SlidingWindowSpec.__name__
+        FullAttentionSpec.__name__,
+        SlidingWindowSpec.__name__,
     ]
     assert _use_packed_kv_cache_config(config, kv_cache_config.kv_cache_groups) == (
         server == "offload"
@@ -126,18 +138,22 @@ def test_serve_gpu_args_pass_the_startup_check(server, tiny_model, monkeypatch):
 def test_too_few_gpu_blocks_are_refused(server, blocks, tiny_model, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
-    config = _engine_config(tiny_model, SERVERS[server], _with_override(ENGINE_ARGS, blocks))
+    config = _engine_config(
+        tiny_model, SERVERS[server], _with_override(ENGINE_ARGS, blocks)
+    )
     assert config.cache_config.num_gpu_blocks_override == blocks
     with pytest.raises(ValueError, match=REFUSED):
         _plan(config)
 
 
-# A server in miniature: a parent that starts a child and sleeps. The child prints "ready"
-# once set up (with "ignore-term": ignoring SIGTERM, as a stuck engine core would), and the
-# parent then prints the child's pid.
+# A server in miniature: a parent that starts a child and sleeps. The child prints
+# "ready" once set up (with "ignore-term": ignoring SIGTERM, as a stuck engine core
+# would), and the parent then prints the child's pid.
 PARENT = textwrap.dedent("""
     import subprocess, sys, time
-    child = subprocess.Popen([sys.executable, "-c", *sys.argv[1:]], stdout=subprocess.PIPE)
+    child = subprocess.Popen(
+        [sys.executable, "-c", *sys.argv[1:]], stdout=subprocess.PIPE
+    )
     assert child.stdout.readline().strip() == b"ready"
     print(child.pid, flush=True)
     time.sleep(300)
@@ -152,9 +168,13 @@ CHILD = textwrap.dedent("""
 
 
 def _start_tree(*child_args: str) -> tuple[subprocess.Popen, int]:
-    """The parent in a session of its own, as _server starts a server; its child's pid."""
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD, *child_args],
-                              stdout=subprocess.PIPE, start_new_session=True)
+    """The parent in a session of its own, as _server starts a server; its child's
+    pid."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, CHILD, *child_args],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
     return parent, int(parent.stdout.readline())
 
 
@@ -207,7 +227,8 @@ def test_stop_session_kills_what_ignores_sigterm(process_trees):
 def test_stop_session_fails_naming_what_is_left(process_trees, monkeypatch):
     parent, child = _start_tree()
     process_trees.append(parent)
-    # Processes no signal ends (e.g. stuck in the GPU driver), simulated: no signal is sent.
+    # Processes no signal ends (e.g. stuck in the GPU driver), simulated: no signal is
+    # sent.
     monkeypatch.setattr(test_serve_gpu, "_signal_session", lambda session, sig: None)
     with pytest.raises(AssertionError) as failure:
         stop_session(parent, stop_s=0.5, kill_s=0.5)

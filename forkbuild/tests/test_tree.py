@@ -31,10 +31,14 @@ def test_tree_carries_exactly_the_series(fork_pins, scratch_sdist):
         "vLLM 0.25.1 (sdist)",
     ]
     assert _git(built, "describe", "--tags", "--abbrev=0").strip() == "v0.25.1"
-    # The #47054 fix is one line; patch 0002 two, 0003 one, 0004 four, 0005 ten, 0006 four
-    # (see their headers).
+    # The #47054 fix is one line; patch 0002 two, 0003 one, 0004 four, 0005 ten, 0006
+    # four (see their headers).
     diff = _git(built, "diff", "v0.25.1", "HEAD~6", "--", "vllm/")
-    changed = [ln for ln in diff.splitlines() if ln[:1] in "+-" and ln[:3] not in ("+++", "---")]
+    changed = [
+        ln
+        for ln in diff.splitlines()
+        if ln[:1] in "+-" and ln[:3] not in ("+++", "---")
+    ]
     assert changed == [
         "-            .view(kv_cache_shape)",
         "+            .view(permuted_kv_cache_shape)",
@@ -49,7 +53,9 @@ def test_tree_carries_exactly_the_series(fork_pins, scratch_sdist):
         assert _git(built, "diff", "--stat", *commits).strip().endswith(stat)
     assert _git(built, "status", "--porcelain") == ""
     # Every file of the release is committed, including ones its own .gitignore matches.
-    assert "vllm/vllm_flash_attn/.gitkeep" in _git(built, "ls-files", "vllm/vllm_flash_attn")
+    assert "vllm/vllm_flash_attn/.gitkeep" in _git(
+        built, "ls-files", "vllm/vllm_flash_attn"
+    )
 
 
 def test_rebuild_with_same_inputs_is_a_no_op(fork_pins, scratch_sdist):
@@ -62,7 +68,10 @@ def test_rebuild_with_same_inputs_is_a_no_op(fork_pins, scratch_sdist):
     assert time.monotonic() - start < 2
     assert again == first and marker.stat().st_mtime_ns == mtime
     # Fixed commit dates: a forced rebuild from the same inputs gives the same commits.
-    assert _git(tree.build(fork_pins, scratch_sdist, force=True), "rev-parse", "HEAD") == head
+    assert (
+        _git(tree.build(fork_pins, scratch_sdist, force=True), "rev-parse", "HEAD")
+        == head
+    )
 
 
 def _patches_copy(tmp: Path) -> Path:
@@ -71,10 +80,16 @@ def _patches_copy(tmp: Path) -> Path:
     return copy
 
 
-def test_patch_that_does_not_apply_stops_and_leaves_no_tree(fork_pins, scratch_sdist, scratch):
+def test_patch_that_does_not_apply_stops_and_leaves_no_tree(
+    fork_pins, scratch_sdist, scratch
+):
     patches = _patches_copy(scratch)
     (patch,) = patches.glob("0001-*.patch")
-    patch.write_text(patch.read_text().replace(" kv_raw_tensor.view(-1, block_stride)", " kv_raw.view(-1)"))
+    patch.write_text(
+        patch.read_text().replace(
+            " kv_raw_tensor.view(-1, block_stride)", " kv_raw.view(-1)"
+        )
+    )
     with pytest.raises(ForkError) as err:
         tree.build(fork_pins, scratch_sdist, patches_dir=patches)
     message = str(err.value)
@@ -90,7 +105,9 @@ def test_series_entry_without_file_is_refused(fork_pins, scratch_sdist, scratch)
         tree.build(fork_pins, scratch_sdist, patches_dir=patches)
 
 
-def test_interrupted_rebuild_keeps_the_previous_tree(fork_pins, scratch_sdist, monkeypatch):
+def test_interrupted_rebuild_keeps_the_previous_tree(
+    fork_pins, scratch_sdist, monkeypatch
+):
     good = tree.build(fork_pins, scratch_sdist)
     head = _git(good, "rev-parse", "HEAD")
 

@@ -22,13 +22,23 @@ def _archive(path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) ->
     return path
 
 
-def _file(name: str, data: bytes = b"x", mode: int = 0o644, uid: int = 4242) -> tuple[tarfile.TarInfo, bytes]:
+def _file(
+    name: str, data: bytes = b"x", mode: int = 0o644, uid: int = 4242
+) -> tuple[tarfile.TarInfo, bytes]:
     info = tarfile.TarInfo(name)
-    info.size, info.mode, info.uid, info.gid, info.uname = len(data), mode, uid, uid, "someone"
+    info.size, info.mode, info.uid, info.gid, info.uname = (
+        len(data),
+        mode,
+        uid,
+        uid,
+        "someone",
+    )
     return info, data
 
 
-def _link(name: str, target: str, kind: bytes = tarfile.SYMTYPE) -> tuple[tarfile.TarInfo, None]:
+def _link(
+    name: str, target: str, kind: bytes = tarfile.SYMTYPE
+) -> tuple[tarfile.TarInfo, None]:
     info = tarfile.TarInfo(name)
     info.type, info.linkname = kind, target
     return info, None
@@ -40,11 +50,19 @@ def no_data_filter(monkeypatch):
 
 
 def test_plain_files_are_unpacked_as_data(no_data_filter, tmp_path):
-    archive = _archive(tmp_path / "a.tar", [_file("pkg/run.sh", b"#!/bin/sh\n", 0o4755),
-                                            _file("pkg/data.txt", b"data", 0o666)])
+    archive = _archive(
+        tmp_path / "a.tar",
+        [
+            _file("pkg/run.sh", b"#!/bin/sh\n", 0o4755),
+            _file("pkg/data.txt", b"data", 0o666),
+        ],
+    )
     with tarfile.open(archive) as tar:
         tree.extract_data(tar, tmp_path / "out")
-    run, data = tmp_path / "out" / "pkg" / "run.sh", tmp_path / "out" / "pkg" / "data.txt"
+    run, data = (
+        tmp_path / "out" / "pkg" / "run.sh",
+        tmp_path / "out" / "pkg" / "data.txt",
+    )
     assert data.read_bytes() == b"data"
     assert run.stat().st_mode & 0o7777 == 0o755  # set-id bit gone, still executable
     assert data.stat().st_mode & 0o7777 == 0o644  # no group or world write
@@ -64,7 +82,8 @@ def test_plain_files_are_unpacked_as_data(no_data_filter, tmp_path):
     ids=["dot-dot", "absolute", "symlink", "hard link", "link chain"],
 )
 def test_what_could_leave_the_folder_is_refused_before_anything_is_written(
-        no_data_filter, tmp_path, members, error):
+    no_data_filter, tmp_path, members, error
+):
     archive = _archive(tmp_path / "a.tar", members)
     out = tmp_path / "out"
     out.mkdir()

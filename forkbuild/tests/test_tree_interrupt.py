@@ -11,7 +11,9 @@ import pytest
 from forkbuild import install, log, tree
 
 
-def test_a_stopped_build_leaves_no_tree_and_the_next_one_cleans_up(fork_pins, scratch_sdist):
+def test_a_stopped_build_leaves_no_tree_and_the_next_one_cleans_up(
+    fork_pins, scratch_sdist
+):
     stop = threading.Event()
     stop.set()
     with pytest.raises(KeyboardInterrupt):
@@ -24,11 +26,18 @@ def test_a_stopped_build_leaves_no_tree_and_the_next_one_cleans_up(fork_pins, sc
 
 
 @pytest.mark.parametrize("after", [0.3, 1.5, 3.0])
-def test_ctrl_c_beside_the_venv_does_not_wait_for_the_tree(fork_pins, scratch_sdist, monkeypatch, after):
-    """KeyboardInterrupt in the venv's step (the main thread) while the tree thread unpacks
-    or commits: _venv_beside_tree returns within a second, with no tree in place."""
+def test_ctrl_c_beside_the_venv_does_not_wait_for_the_tree(
+    fork_pins, scratch_sdist, monkeypatch, after
+):
+    """KeyboardInterrupt in the venv's step (the main thread) while the tree thread
+    unpacks or commits: _venv_beside_tree returns within a second, with no tree in
+    place."""
     started, raised_at = threading.Event(), []
-    monkeypatch.setattr(log, "step", lambda msg: started.set() if msg.startswith("tree: unpacking") else None)
+    monkeypatch.setattr(
+        log,
+        "step",
+        lambda msg: started.set() if msg.startswith("tree: unpacking") else None,
+    )
 
     def interrupted_venv(pins, route_name=None, without_gpu=False):
         assert started.wait(30)
@@ -41,4 +50,5 @@ def test_ctrl_c_beside_the_venv_does_not_wait_for_the_tree(fork_pins, scratch_sd
         install._venv_beside_tree(fork_pins, fork_pins.routes["cpu"])
     assert time.monotonic() - raised_at[0] < 1.0
     final = tree.tree_dir(fork_pins)
-    assert not final.exists() or (final / ".git" / tree.INPUTS_FILE).is_file()  # never half
+    # never half
+    assert not final.exists() or (final / ".git" / tree.INPUTS_FILE).is_file()

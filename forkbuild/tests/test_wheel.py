@@ -1,5 +1,6 @@
-"""The distributable wheel: built on the official CUDA binaries, carries the fix, and holds
-every file of the official wheel with the same content but what the patch series changes."""
+"""The distributable wheel: built on the official CUDA binaries, carries the fix, and
+holds every file of the official wheel with the same content but what the patch series
+changes."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import pytest
 from forkbuild import fetch, fixcheck, tree, wheel
 from forkbuild.errors import ForkError
 
-# Package data that setup.py's package_data globs do not name: it reaches vLLM's wheel only
-# through include_package_data and setuptools-scm's list of git-tracked files.
+# Package data that setup.py's package_data globs do not name: it reaches vLLM's wheel
+# only through include_package_data and setuptools-scm's list of git-tracked files.
 PACKAGE_DATA = [
     "vllm/transformers_utils/chat_templates/template_chatml.jinja",
     "vllm/utils/numa_wrapper.sh",
@@ -53,9 +54,13 @@ def test_wheel_carries_fix_and_version(fork_pins, fork_wheel, official):
 
 
 def test_wheel_equals_official_but_the_series(fork_pins, fork_wheel, official):
-    result = wheel.compare_wheels(fork_wheel, official, wheel.patched_paths(tree.read_series()))
+    result = wheel.compare_wheels(
+        fork_wheel, official, wheel.patched_paths(tree.read_series())
+    )
     assert (result.missing, result.differing, result.extra) == ([], [], [])
-    assert result.patched == sorted([*wheel.GENERATED, *wheel.patched_paths(tree.read_series())])
+    assert result.patched == sorted(
+        [*wheel.GENERATED, *wheel.patched_paths(tree.read_series())]
+    )
     assert result.compared > 4000
 
 
@@ -65,14 +70,17 @@ def test_wheel_without_fix_is_rejected(fork_pins, fork_wheel, official, tmp_path
         for item in src.infolist():
             data = src.read(item)
             if item.filename == fixcheck.MODULE_PATH:
-                data = data.replace(b".view(permuted_kv_cache_shape)", b".view(kv_cache_shape)")
-            # stored, not deflated: the check reads either, and deflating ~400 MB costs ~25 s
+                data = data.replace(
+                    b".view(permuted_kv_cache_shape)", b".view(kv_cache_shape)"
+                )
+            # stored, not deflated: the check reads either, and deflating ~400 MB costs
+            # ~25 s
             dst.writestr(item, data, compress_type=zipfile.ZIP_STORED)
     with pytest.raises(ForkError, match="is buggy"):
         wheel.verify_wheel(doctored, fork_pins, official)
 
 
-# --- the comparison, on small made-up wheels -------------------------------------------
+# --- the comparison, on small made-up wheels ------------------------------------------
 
 FIXED_SOURCE = b"""\
 def _reshape_attention_kv_cache(kv_cache, packing):
@@ -90,21 +98,37 @@ BASE = {
 
 
 def _record_hash(data: bytes) -> str:
-    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    digest = (
+        base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    )
     return f"sha256={digest}"
 
 
-def make_wheel(path: Path, version: str, files: dict[str, bytes], *, lie: dict[str, bytes] | None = None,
-               requires: tuple[str, ...] = ("torch==2.11.0",)) -> Path:
+def make_wheel(
+    path: Path,
+    version: str,
+    files: dict[str, bytes],
+    *,
+    lie: dict[str, bytes] | None = None,
+    requires: tuple[str, ...] = ("torch==2.11.0",),
+) -> Path:
     """A wheel of FILES with its .dist-info; LIE: files whose RECORD states other bytes;
     REQUIRES: its Requires-Dist."""
     info = f"vllm-{version}.dist-info"
     needs = "".join(f"Requires-Dist: {r}\n" for r in requires)
-    metadata = f"Metadata-Version: 2.4\nName: vllm\nVersion: {version}\n{needs}\nA description.\n"
-    files = {**files, f"{info}/METADATA": metadata.encode(),
-             f"{info}/WHEEL": b"Wheel-Version: 1.0\n"}
+    metadata = (
+        f"Metadata-Version: 2.4\nName: vllm\nVersion: {version}\n{needs}\nA "
+        "description.\n"
+    )
+    files = {
+        **files,
+        f"{info}/METADATA": metadata.encode(),
+        f"{info}/WHEEL": b"Wheel-Version: 1.0\n",
+    }
     stated = {**files, **(lie or {})}
-    record = "".join(f"{name},{_record_hash(stated[name])},{len(stated[name])}\n" for name in files)
+    record = "".join(
+        f"{name},{_record_hash(stated[name])},{len(stated[name])}\n" for name in files
+    )
     record += f"{info}/RECORD,,\n"
     with zipfile.ZipFile(path, "w") as whl:
         for name, data in files.items():
@@ -120,9 +144,11 @@ def series(tmp_path):
     patches.mkdir()
     (patches / "0001-change.patch").write_text(
         "Subject: [PATCH] change\n\n---\n"
-        "diff --git a/vllm/patched.py b/vllm/patched.py\n--- a/vllm/patched.py\n+++ b/vllm/patched.py\n"
+        "diff --git a/vllm/patched.py b/vllm/patched.py\n--- a/vllm/patched.py\n+++ "
+        "b/vllm/patched.py\n"
         "@@ -1 +1 @@\n-upstream\n+fork\n"
-        "diff --git a/vllm/added.py b/vllm/added.py\nnew file mode 100644\n--- /dev/null\n"
+        "diff --git a/vllm/added.py b/vllm/added.py\nnew file mode 100644\n--- "
+        "/dev/null\n"
         "+++ b/vllm/added.py\n@@ -0,0 +1 @@\n+new\n"
     )
     (patches / "series").write_text("# one patch\n0001-change.patch\n")
@@ -131,36 +157,55 @@ def series(tmp_path):
 
 @pytest.fixture
 def official_made_up(tmp_path):
-    return make_wheel(tmp_path / "vllm-0.25.1-cp38-abi3-manylinux_2_28_x86_64.whl", "0.25.1", BASE)
+    return make_wheel(
+        tmp_path / "vllm-0.25.1-cp38-abi3-manylinux_2_28_x86_64.whl", "0.25.1", BASE
+    )
 
 
 def fork_made_up(tmp_path: Path, pins, files: dict[str, bytes], **kwargs) -> Path:
     folder = tmp_path / "fork"
     folder.mkdir(exist_ok=True)
-    return make_wheel(folder / f"vllm-{pins.fork_version}-cp38-abi3-manylinux_2_28_x86_64.whl",
-                      pins.fork_version, files, **kwargs)
+    return make_wheel(
+        folder / f"vllm-{pins.fork_version}-cp38-abi3-manylinux_2_28_x86_64.whl",
+        pins.fork_version,
+        files,
+        **kwargs,
+    )
 
 
 def test_patched_paths_of_the_series(series):
-    assert wheel.patched_paths(tree.read_series(series)) == {"vllm/patched.py", "vllm/added.py"}
+    assert wheel.patched_paths(tree.read_series(series)) == {
+        "vllm/patched.py",
+        "vllm/added.py",
+    }
     assert wheel.patched_paths(tree.read_series()) == {
-        "vllm/v1/worker/gpu/attn_utils.py", "vllm/v1/attention/backends/triton_attn.py",
+        "vllm/v1/worker/gpu/attn_utils.py",
+        "vllm/v1/attention/backends/triton_attn.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py",
         "vllm/v1/attention/ops/triton_reshape_and_cache_flash.py",
         "vllm/v1/kv_cache_interface.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/offloading/worker.py",
-        "vllm/v1/worker/kv_connector_model_runner_mixin.py"}
+        "vllm/v1/worker/kv_connector_model_runner_mixin.py",
+    }
 
 
 def test_equal_wheel_passes_metadata_version_and_patched_files_aside(
-        fork_pins, tmp_path, series, official_made_up):
-    files = {**BASE, "vllm/patched.py": b"fork\n", "vllm/added.py": b"new\n",
-             "vllm/_version.py": f"__version__ = '{fork_pins.fork_version}'\n".encode()}
+    fork_pins, tmp_path, series, official_made_up
+):
+    files = {
+        **BASE,
+        "vllm/patched.py": b"fork\n",
+        "vllm/added.py": b"new\n",
+        "vllm/_version.py": f"__version__ = '{fork_pins.fork_version}'\n".encode(),
+    }
     fork = fork_made_up(tmp_path, fork_pins, files)
-    result = wheel.compare_wheels(fork, official_made_up, wheel.patched_paths(tree.read_series(series)))
+    result = wheel.compare_wheels(
+        fork, official_made_up, wheel.patched_paths(tree.read_series(series))
+    )
     assert result.ok, result
     assert result.patched == ["vllm/_version.py", "vllm/patched.py"]
-    assert result.compared == len(BASE) - 2  # the METADATA, WHEEL and RECORD that differ are not compared
+    # the METADATA, WHEEL and RECORD that differ are not compared
+    assert result.compared == len(BASE) - 2
     wheel.verify_wheel(fork, fork_pins, official_made_up, patches_dir=series)
 
 
@@ -171,54 +216,92 @@ def test_missing_package_data_is_named(fork_pins, tmp_path, series, official_mad
         wheel.verify_wheel(fork, fork_pins, official_made_up, patches_dir=series)
     assert error.value.cause.endswith(
         f"2 file(s) of {official_made_up.name} missing: "
-        "vllm/transformers_utils/chat_templates/template_chatml.jinja, vllm/utils/numa_wrapper.sh")
+        "vllm/transformers_utils/chat_templates/template_chatml.jinja, "
+        "vllm/utils/numa_wrapper.sh"
+    )
     assert "git clone of the tree" in error.value.hint
 
 
-def test_patched_file_may_differ_but_not_be_missing(fork_pins, tmp_path, series, official_made_up):
+def test_patched_file_may_differ_but_not_be_missing(
+    fork_pins, tmp_path, series, official_made_up
+):
     files = {n: d for n, d in BASE.items() if n != "vllm/patched.py"}
-    result = wheel.compare_wheels(fork_made_up(tmp_path, fork_pins, files), official_made_up,
-                                  wheel.patched_paths(tree.read_series(series)))
+    result = wheel.compare_wheels(
+        fork_made_up(tmp_path, fork_pins, files),
+        official_made_up,
+        wheel.patched_paths(tree.read_series(series)),
+    )
     assert result.missing == ["vllm/patched.py"]
 
 
 def test_differing_content_is_named(fork_pins, tmp_path, series, official_made_up):
     files = {**BASE, "vllm/utils/numa_wrapper.sh": b"#!/bin/bash\n"}
     fork = fork_made_up(tmp_path, fork_pins, files)
-    with pytest.raises(ForkError, match=r"1 file\(s\) differ from .* although no patch changes them: "
-                       r"vllm/utils/numa_wrapper.sh") as error:
+    with pytest.raises(
+        ForkError,
+        match=r"1 file\(s\) differ from .* although no patch "
+        r"changes them: "
+        r"vllm/utils/numa_wrapper.sh",
+    ) as error:
         wheel.verify_wheel(fork, fork_pins, official_made_up, patches_dir=series)
     assert "patches/series" in error.value.hint
 
 
-def test_record_that_does_not_describe_the_bytes_is_caught(fork_pins, tmp_path, series, official_made_up):
-    files = {**BASE, "vllm/utils/numa_wrapper.sh": b"#!/bin/zsh\n"}  # same size, other bytes
-    fork = fork_made_up(tmp_path, fork_pins, files, lie={"vllm/utils/numa_wrapper.sh": b"#!/bin/sh\n"})
+def test_record_that_does_not_describe_the_bytes_is_caught(
+    fork_pins, tmp_path, series, official_made_up
+):
+    # same size, other bytes
+    files = {**BASE, "vllm/utils/numa_wrapper.sh": b"#!/bin/zsh\n"}
+    fork = fork_made_up(
+        tmp_path, fork_pins, files, lie={"vllm/utils/numa_wrapper.sh": b"#!/bin/sh\n"}
+    )
     result = wheel.compare_wheels(fork, official_made_up, set())
     assert result.differing == ["vllm/utils/numa_wrapper.sh"]
 
 
-def test_files_beyond_the_official_wheel_are_refused(fork_pins, tmp_path, series, official_made_up):
-    files = {**BASE, "tests/v1/worker/test_packed.py": b"", "vllm/_C.abi3.so": b"\x7fELF",
-             "vllm/added.py": b"new\n"}  # the last one the series adds: allowed
+def test_files_beyond_the_official_wheel_are_refused(
+    fork_pins, tmp_path, series, official_made_up
+):
+    files = {
+        **BASE,
+        "tests/v1/worker/test_packed.py": b"",
+        "vllm/_C.abi3.so": b"\x7fELF",
+        "vllm/added.py": b"new\n",
+    }  # the last one the series adds: allowed
     fork = fork_made_up(tmp_path, fork_pins, files)
-    with pytest.raises(ForkError, match=r"2 file\(s\) not in .* and added by no patch: "
-                       r"tests/v1/worker/test_packed.py, vllm/_C.abi3.so"):
+    with pytest.raises(
+        ForkError,
+        match=r"2 file\(s\) not in .* and added by no patch: "
+        r"tests/v1/worker/test_packed.py, vllm/_C.abi3.so",
+    ):
         wheel.verify_wheel(fork, fork_pins, official_made_up, patches_dir=series)
 
 
 def test_many_files_are_counted_and_the_first_few_named(fork_pins, tmp_path, series):
     data = {f"vllm/configs/c{i:02}.json": b"{}" for i in range(12)}
-    official = make_wheel(tmp_path / "vllm-0.25.1-cp38-abi3-manylinux_2_28_x86_64.whl", "0.25.1",
-                          {**BASE, **data})
+    official = make_wheel(
+        tmp_path / "vllm-0.25.1-cp38-abi3-manylinux_2_28_x86_64.whl",
+        "0.25.1",
+        {**BASE, **data},
+    )
     fork = fork_made_up(tmp_path, fork_pins, BASE)
-    with pytest.raises(ForkError, match=r"12 file\(s\) of .* missing: vllm/configs/c00.json, "
-                       r".*vllm/configs/c04.json, \.\.\. \(7 more\)"):
+    with pytest.raises(
+        ForkError,
+        match=r"12 file\(s\) of .* missing: "
+        r"vllm/configs/c00.json, "
+        r".*vllm/configs/c04.json, \.\.\. \(7 more\)",
+    ):
         wheel.verify_wheel(fork, fork_pins, official, patches_dir=series)
 
 
-def test_other_requirements_than_the_official_wheel_are_refused(fork_pins, tmp_path, series, official_made_up):
+def test_other_requirements_than_the_official_wheel_are_refused(
+    fork_pins, tmp_path, series, official_made_up
+):
     files = {**BASE, "vllm/_version.py": b"v\n"}
-    fork = fork_made_up(tmp_path, fork_pins, files, requires=("torch==2.11.0", "extra-package"))
-    with pytest.raises(ForkError, match="Requires-Dist/Requires-Python differ .* 1 line"):
+    fork = fork_made_up(
+        tmp_path, fork_pins, files, requires=("torch==2.11.0", "extra-package")
+    )
+    with pytest.raises(
+        ForkError, match="Requires-Dist/Requires-Python differ .* 1 line"
+    ):
         wheel.verify_wheel(fork, fork_pins, official_made_up, patches_dir=series)

@@ -14,12 +14,12 @@ read with the cache's strides, got wrong K and V, silently. Patch 0004 passes th
 cache's head stride to the kernel (vLLM 0.26.0's change).
 
 The case allocates the cache, for each backend, as vLLM does (the backend's shape
-permuted by its stride order under ``VLLM_KV_CACHE_LAYOUT=HND``; 0.26 names the
-heads first in the logical shape, so the case takes either), runs vLLM's real Triton kernel
-under Triton's interpreter on CPU tensors, and reads every token back through
-the logical view: K and V of every head where the view reads them, nothing else
-written. The same write into an NHD cache is the control (it was right before
-the patch and must stay so). It fails on 0.25.1 and passes with patch 0004.
+permuted by its stride order under ``VLLM_KV_CACHE_LAYOUT=HND``; 0.26 names the heads
+first in the logical shape, so the case takes either), runs vLLM's real Triton kernel
+under Triton's interpreter on CPU tensors, and reads every token back through the
+logical view: K and V of every head where the view reads them, nothing else written. The
+same write into an NHD cache is the control (it was right before the patch and must stay
+so). It fails on 0.25.1 and passes with patch 0004.
 
 The case runs in a fresh interpreter (this file is also the worker script):
 Triton's interpreter switch, vLLM's Triton gate and the KV cache layout are read

@@ -2,11 +2,12 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Every KV cache quantization mode is a member of its own.
 
-``KVQuantMode`` is an ``Enum``: a name given an existing member's value becomes an alias of
-that member. vLLM 0.33.0 gives ``CUSTOM`` (a handler's "the backend manages its kernels")
-the value of ``OCTAVE_K3V4``, so a handler returning ``CUSTOM`` gets Octave handling and an
-Octave cache reads as custom. Strict ``xfail`` while the release has the defect
-(docs/upstream-reports/kv-quant-mode-custom-alias.md); releases without ``CUSTOM`` skip.
+``KVQuantMode`` is an ``Enum``: a name given an existing member's value becomes an alias
+of that member. vLLM 0.33.0 gives ``CUSTOM`` (a handler's "the backend manages its
+kernels") the value of ``OCTAVE_K3V4``, so a handler returning ``CUSTOM`` gets Octave
+handling and an Octave cache reads as custom. Strict ``xfail`` while the release has the
+defect (docs/upstream-reports/kv-quant-mode-custom-alias.md); releases without
+``CUSTOM`` skip.
 """
 
 import pytest

@@ -39,7 +39,6 @@ def _cuda_build_reason() -> str | None:
     try:
         # What CudaPlatform.import_kernels loads on a GPU host: the cache ops.
         import vllm._C_stable_libtorch  # noqa: F401
-
         from vllm.vllm_flash_attn import flash_attn_varlen_func  # noqa: F401
     except ImportError as exc:
         return f"needs vLLM's CUDA build and the driver library (or its stub): {exc}"

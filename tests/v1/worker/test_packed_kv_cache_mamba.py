@@ -209,9 +209,8 @@ def test_planner_packs_hybrid_mamba_model(hybrid_mamba_offload_config):
     strict=True,
     raises=AssertionError,
     reason="vLLM 0.25.1 (and 0.26.0, from reading): the Mamba branch of "
-    "_reshape_kv_cache (v2) and GPUModelRunner._reshape_kv_cache_tensors (v1) "
-    "ignores the packed "
-    "(offset, block_stride): Mamba state views start at offset 0 with a "
+    "_reshape_kv_cache (v2) and GPUModelRunner._reshape_kv_cache_tensors (v1) ignores "
+    "the packed (offset, block_stride): Mamba state views start at offset 0 with a "
     "page-sized block stride and overlap other layers' pages "
     "(docs/upstream-reports/packed-kv-mamba-state-views.md)",
 )

@@ -118,9 +118,8 @@ XFAIL_ZEROING = pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
     reason="vLLM 0.25.1-0.26.0: KVBlockZeroer clears a packed view's whole "
-    "block stride from the view's start (the layer's offset) instead of the "
-    "layer's page (fixed upstream by #50276; "
-    "docs/upstream-reports/packed-kv-block-zeroing.md)",
+    "block stride from the view's start (the layer's offset) instead of the layer's "
+    "page (fixed upstream by #50276; docs/upstream-reports/packed-kv-block-zeroing.md)",
 )
 
 
