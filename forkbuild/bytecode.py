@@ -1,13 +1,10 @@
 """Bytecode that Python compiled in one venv or tree, kept for the next fresh one.
 
-uv installs no bytecode (by design: compiling the lock's ~20,000 modules would take
-longer than the install itself), so the first `import torch` in a fresh venv compiles
-~2,200 modules: measured on 2 cores, the install's `import vllm` check took 26 s in a
-fresh venv and 9 s in the same venv afterwards, and every fresh clone paid it again,
-then again for what `vllm serve` imports. Python writes that bytecode beside the
-sources; forkbuild links each file into the fork's cache under a key of what the
-sources came from (the lock, the sdist) and links it into the next venv or tree made
-from the same sources.
+uv installs no bytecode, so every fresh venv and tree compiled the ~2,200 modules of
+`import vllm` again (what it saves: docs/setup-and-locks.md, "Bytecode"). Python writes
+that bytecode beside the sources; forkbuild links each file into the fork's cache under
+a key of what the sources came from (the lock, the sdist) and links it into the next
+venv or tree made from the same sources.
 
 It is safe by Python's own rule: a .pyc records the mtime and size of its source and is
 recompiled when they differ. uv links the same unpacked files into every venv (same

@@ -253,45 +253,41 @@ def install(
         return python, tree_path, route
     stamp.unlink(missing_ok=True)
     bytecode.restore(tree_path / "vllm", tree_bytecode(pins))
-    compiling = start_compiling(python, tree_path)  # what the restore did not cover
-    try:
-        log.step(f"install: editable install of {tree_path} on {route.wheel.filename}")
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="extensions") as pool:
-            # The per-ISA kernels setup.py leaves out are unpacked meanwhile (~200 MB on
-            # the CPU route); what it unpacks is its own to write.
-            adding = pool.submit(
-                add_missing_extensions,
-                wheel,
-                tree_path,
-                leave=left_to_setup_py(tree_path / "setup.py"),
-            )
-            uv.run(
-                pins,
-                [
-                    "pip",
-                    "install",
-                    "--quiet",
-                    "--config-file",
-                    str(editable_config(pins, route, tree_path)),
-                    "--python",
-                    str(python),
-                    "--no-deps",
-                    "--no-build-isolation",
-                    "--offline",
-                    "--reinstall-package",
-                    "vllm",
-                    "-e",
-                    str(tree_path),
-                ],
-                what="install the tree in editable mode",
-                extra_env=precompiled_env(pins, route, wheel),
-            )
-            adding.result()
-        # any that setup.py named and did not write
-        add_missing_extensions(wheel, tree_path)
-        check_install(python, tree_path, route, without_gpu)
-    finally:
-        finish_compiling(compiling)
+    log.step(f"install: editable install of {tree_path} on {route.wheel.filename}")
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="extensions") as pool:
+        # The per-ISA kernels setup.py leaves out are unpacked meanwhile (~200 MB on
+        # the CPU route); what it unpacks is its own to write.
+        adding = pool.submit(
+            add_missing_extensions,
+            wheel,
+            tree_path,
+            leave=left_to_setup_py(tree_path / "setup.py"),
+        )
+        uv.run(
+            pins,
+            [
+                "pip",
+                "install",
+                "--quiet",
+                "--config-file",
+                str(editable_config(pins, route, tree_path)),
+                "--python",
+                str(python),
+                "--no-deps",
+                "--no-build-isolation",
+                "--offline",
+                "--reinstall-package",
+                "vllm",
+                "-e",
+                str(tree_path),
+            ],
+            what="install the tree in editable mode",
+            extra_env=precompiled_env(pins, route, wheel),
+        )
+        adding.result()
+    # any that setup.py named and did not write
+    add_missing_extensions(wheel, tree_path)
+    check_install(python, tree_path, route, without_gpu)
     keep_bytecode(pins, route, tree_path)
     stamp.write_text(stamp_value + "\n")
     return python, tree_path, route
@@ -400,28 +396,6 @@ def editable_config(pins: Pins, route: Route, tree_path: Path) -> Path:
         "dependencies\n"
     )
     return config
-
-
-def start_compiling(python: Path, tree_path: Path) -> subprocess.Popen[bytes]:
-    """Byte-compile the fresh tree's vLLM package in the background, on the core that
-    the editable install and the import check leave idle, rather than in the first `vllm
-    serve` (docs/setup-and-locks.md, "Bytecode")."""
-    return subprocess.Popen(
-        [str(python), "-m", "compileall", "-q", "-j", "1", str(tree_path / "vllm")],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"},
-    )
-
-
-def finish_compiling(compiling: subprocess.Popen[bytes]) -> None:
-    """Wait for the byte-compilation (an optimization: a module it cannot compile is
-    compiled, or reported, by the import that needs it)."""
-    try:
-        compiling.wait(timeout=300)
-    except subprocess.TimeoutExpired:
-        compiling.kill()
-        compiling.wait()
 
 
 # The CPU build's per-ISA kernels (vllm/_C_AVX2.abi3.so, vllm/_C_AVX512.abi3.so), which

@@ -1,10 +1,13 @@
 """forkbuild's shape: no import circle among its modules (imports inside functions
-count), and no program handed to an interpreter as text (`python -c`): every probe is a
-module run with `-m`, linted and tested like the rest."""
+count), no program handed to an interpreter as text (`python -c`): every probe is a
+module run with `-m`, linted and tested like the rest; and the fork's own code passes
+ruff as vLLM configures it (ruff.toml)."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 from forkbuild.pins import REPO_ROOT
@@ -99,3 +102,17 @@ def test_the_program_finder_finds_one(tmp_path):
         'subprocess.run([nvcc, "-c", "-Xcompiler", "-fPIC", source])\n'
     )
     assert program_arguments(path) == [2]
+
+
+def test_the_forks_code_passes_ruff():
+    """`ruff check` and `ruff format --check` over ruff.toml's files, with the ruff of
+    fork.toml's test tools."""
+    for args in (["check", "--no-cache"], ["format", "--check", "--no-cache"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "ruff", *args],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
