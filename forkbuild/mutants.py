@@ -36,7 +36,9 @@ class Mutant:
 
 
 # The code of the packed KV cache path in vLLM 0.33.0, by what it does.
-_VIEWS = "vllm/v1/kv_cache_interface.py"  # compute_layout_strides, create_kv_cache_views
+_VIEWS = (
+    "vllm/v1/kv_cache_interface.py"  # compute_layout_strides, create_kv_cache_views
+)
 _LAYOUT = "vllm/v1/kv_cache_layout.py"  # KVCacheLayout's stride orders
 _ALLOC = "vllm/v1/worker/utils.py"  # allocate_kv_cache
 _PLANNER = "vllm/v1/core/kv_cache_planning.py"  # packing groups into block rows
@@ -44,7 +46,8 @@ _PLANNER = "vllm/v1/core/kv_cache_planning.py"  # packing groups into block rows
 _OFFLOAD = "vllm/distributed/kv_transfer/kv_connector/v1/offloading/worker.py"
 _TRITON = "vllm/v1/attention/backends/triton_attn.py"  # per-token-head scale views
 
-# A PR set must prove its worth on at least this many breakages the release's tests miss.
+# A PR set must prove its worth on at least this many breakages the release's
+# tests miss.
 MIN_SURVIVORS = 8
 
 # Per release that `make upstream` may target (fork.toml [matrix]'s newest): breakages
@@ -53,144 +56,147 @@ MIN_SURVIVORS = 8
 # they measured nothing a PR adds).
 MUTANTS: dict[str, tuple[Mutant, ...]] = {
     "0.33.0": (
-            Mutant(
-                "a packed block split into kernel blocks (the dense-page guard only rejects "
-                "blocks smaller than a page)",
-                _VIEWS,
-                "        if block_stride != dense_page_size:\n",
-                "        if block_stride < dense_page_size:\n",
-            ),
-                Mutant(
-                "every group split by the first group's kernel block size",
-                _ALLOC,
-                "kernel_block_size = kernel_block_sizes[group_id]",
-                "kernel_block_size = kernel_block_sizes[0]",
-            ),
-                    Mutant(
-                "BLNHC stored heads-before-tokens (an alias of BLHNC)",
-                _LAYOUT,
-                "    BLNHC = (1, 0, 3, 2, 4)",
-                "    BLNHC = (1, 0, 2, 3, 4)",
-            ),
-            Mutant(
-                "views placed from the storage's start, not the backing tensor's",
-                _VIEWS,
-                "storage_offset=raw.storage_offset() + kv_cache_tensor.offset,",
-                "storage_offset=kv_cache_tensor.offset,",
-            ),
-            Mutant(
-                "the next page size of a packed row starts after the unpadded pages",
-                _PLANNER,
-                "spec.page_size_bytes if layout.is_block_outermost else layer_stride",
-                "spec.real_page_size_bytes if layout.is_block_outermost else layer_stride",
-            ),
-            Mutant(
-                "a packed row's pages padded to the block stride alignment "
-                "(the layer-outer block stride taken in a block-outer row)",
-                _PLANNER,
-                "spec.page_size_bytes if layout.is_block_outermost else layer_stride",
-                "padded_page if layout.is_block_outermost else layer_stride",
-            ),
-            Mutant(
-                "an unaligned page takes its padded page as block stride, "
-                "not the packed row",
-                _PLANNER,
-                "if block_stride is None and padded_page != spec.page_size_bytes:",
-                "if padded_page != spec.page_size_bytes:",
-            ),
-            Mutant(
-                "the connector moves one layer's page of a packed row, not the whole row",
-                _OFFLOAD,
-                "[CanonicalKVCacheTensor(packed_tensor, block_stride)]",
-                "[CanonicalKVCacheTensor(packed_tensor, tensor.shape[1])]",
-            ),
-            Mutant(
-                "the registered packed tensor steps by one layer's page, not by the row",
-                _OFFLOAD,
-                "                (block_stride, 1),\n                storage_offset=0,",
-                "                (tensor.shape[1], 1),\n                storage_offset=0,",
-            ),
-            Mutant(
-                "only the first offloaded group references the packed row",
-                _OFFLOAD,
-                "[[CanonicalKVCacheRef(0, block_stride)] for _ in selected_groups]",
-                "[[CanonicalKVCacheRef(0, block_stride)]]",
-            ),
-            Mutant(
-                "per-token-head scales: layer's storage offset ignored (views start at offset 0)",
-                _TRITON,
-                "base_off_f32 = to_f32_units(kv_cache.storage_offset())",
-                "base_off_f32 = 0",
-            ),
-            Mutant(
-                "per-token-head scales: page-sized block stride instead of the packed row's",
-                _TRITON,
-                "block_f32 = to_f32_units(strides[0])",
-                "block_f32 = to_f32_units(nkv * block_size * content)",
-            ),
-            Mutant(
-                "per-token-head scales: head stride assumed NHD (one content row)",
-                _TRITON,
-                "head_f32 = to_f32_units(strides[1])",
-                "head_f32 = to_f32_units(content)",
-            ),
-            Mutant(
-                "per-token-head scales: slot stride assumed HND (one content row)",
-                _TRITON,
-                "slot_f32 = to_f32_units(strides[2])",
-                "slot_f32 = to_f32_units(content)",
-            ),
-            Mutant(
-                "per-token-head scales: K scale view's slot and head strides swapped",
-                _TRITON,
-                "stride=(block_f32, slot_f32, head_f32),\n"
-                "            storage_offset=k_scale_off_f32,",
-                "stride=(block_f32, head_f32, slot_f32),\n"
-                "            storage_offset=k_scale_off_f32,",
-            ),
-            Mutant(
-                "per-token-head scales: K scale placed before the K data, not after it",
-                _TRITON,
-                "k_scale_off_f32 = base_off_f32 + to_f32_units(hs)",
-                "k_scale_off_f32 = base_off_f32",
-            ),
-            Mutant(
-                "per-token-head scales: V scale offset misses the K scale padding",
-                _TRITON,
-                "v_scale_off_f32 = base_off_f32 + to_f32_units(padded_hs + hs)",
-                "v_scale_off_f32 = base_off_f32 + to_f32_units(hs + hs)",
-            ),
-            Mutant(
-                "per-token-head scales: views rebuilt and reset to 1.0 on every call",
-                _TRITON,
-                "        if self._k_scale_cache is not None:\n            return\n",
-                "",
-            ),
-            Mutant(
-                "per-token-head K/V views: split at head_size, ignoring the inline scale",
-                _TRITON,
-                "padded_hs = kv_cache.shape[-1] // 2\n        key_cache, value_cache",
-                "padded_hs = self.head_size\n        key_cache, value_cache",
-            ),
-            Mutant(
-                "fp8_per_token_head K/V views: not retyped to the fp8 dtype",
-                _TRITON,
-                "if self._kv_quant_mode == KVQuantMode.FP8_PER_TOKEN_HEAD:",
-                "if self._kv_quant_mode == KVQuantMode.FP8_PER_TENSOR:",
-            ),
-            Mutant(
-                "int4_per_token_head page: two values per byte not packed (content not halved)",
-                _TRITON,
-                "hs_k, hs_v = hs_k // 2, hs_v // 2",
-                "hs_k, hs_v = hs_k, hs_v",
-            ),
+        Mutant(
+            "a packed block split into kernel blocks (the dense-page guard only "
+            "rejects blocks smaller than a page)",
+            _VIEWS,
+            "        if block_stride != dense_page_size:\n",
+            "        if block_stride < dense_page_size:\n",
+        ),
+        Mutant(
+            "every group split by the first group's kernel block size",
+            _ALLOC,
+            "kernel_block_size = kernel_block_sizes[group_id]",
+            "kernel_block_size = kernel_block_sizes[0]",
+        ),
+        Mutant(
+            "BLNHC stored heads-before-tokens (an alias of BLHNC)",
+            _LAYOUT,
+            "    BLNHC = (1, 0, 3, 2, 4)",
+            "    BLNHC = (1, 0, 2, 3, 4)",
+        ),
+        Mutant(
+            "views placed from the storage's start, not the backing tensor's",
+            _VIEWS,
+            "storage_offset=raw.storage_offset() + kv_cache_tensor.offset,",
+            "storage_offset=kv_cache_tensor.offset,",
+        ),
+        Mutant(
+            "the next page size of a packed row starts after the unpadded pages",
+            _PLANNER,
+            "spec.page_size_bytes if layout.is_block_outermost else layer_stride",
+            "spec.real_page_size_bytes if layout.is_block_outermost else layer_stride",
+        ),
+        Mutant(
+            "a packed row's pages padded to the block stride alignment "
+            "(the layer-outer block stride taken in a block-outer row)",
+            _PLANNER,
+            "spec.page_size_bytes if layout.is_block_outermost else layer_stride",
+            "padded_page if layout.is_block_outermost else layer_stride",
+        ),
+        Mutant(
+            "an unaligned page takes its padded page as block stride, "
+            "not the packed row",
+            _PLANNER,
+            "if block_stride is None and padded_page != spec.page_size_bytes:",
+            "if padded_page != spec.page_size_bytes:",
+        ),
+        Mutant(
+            "the connector moves one layer's page of a packed row, not the whole row",
+            _OFFLOAD,
+            "[CanonicalKVCacheTensor(packed_tensor, block_stride)]",
+            "[CanonicalKVCacheTensor(packed_tensor, tensor.shape[1])]",
+        ),
+        Mutant(
+            "the registered packed tensor steps by one layer's page, not by the row",
+            _OFFLOAD,
+            "                (block_stride, 1),\n                storage_offset=0,",
+            "                (tensor.shape[1], 1),\n                storage_offset=0,",
+        ),
+        Mutant(
+            "only the first offloaded group references the packed row",
+            _OFFLOAD,
+            "[[CanonicalKVCacheRef(0, block_stride)] for _ in selected_groups]",
+            "[[CanonicalKVCacheRef(0, block_stride)]]",
+        ),
+        Mutant(
+            "per-token-head scales: layer's storage offset ignored "
+            "(views start at offset 0)",
+            _TRITON,
+            "base_off_f32 = to_f32_units(kv_cache.storage_offset())",
+            "base_off_f32 = 0",
+        ),
+        Mutant(
+            "per-token-head scales: page-sized block stride "
+            "instead of the packed row's",
+            _TRITON,
+            "block_f32 = to_f32_units(strides[0])",
+            "block_f32 = to_f32_units(nkv * block_size * content)",
+        ),
+        Mutant(
+            "per-token-head scales: head stride assumed NHD (one content row)",
+            _TRITON,
+            "head_f32 = to_f32_units(strides[1])",
+            "head_f32 = to_f32_units(content)",
+        ),
+        Mutant(
+            "per-token-head scales: slot stride assumed HND (one content row)",
+            _TRITON,
+            "slot_f32 = to_f32_units(strides[2])",
+            "slot_f32 = to_f32_units(content)",
+        ),
+        Mutant(
+            "per-token-head scales: K scale view's slot and head strides swapped",
+            _TRITON,
+            "stride=(block_f32, slot_f32, head_f32),\n"
+            "            storage_offset=k_scale_off_f32,",
+            "stride=(block_f32, head_f32, slot_f32),\n"
+            "            storage_offset=k_scale_off_f32,",
+        ),
+        Mutant(
+            "per-token-head scales: K scale placed before the K data, not after it",
+            _TRITON,
+            "k_scale_off_f32 = base_off_f32 + to_f32_units(hs)",
+            "k_scale_off_f32 = base_off_f32",
+        ),
+        Mutant(
+            "per-token-head scales: V scale offset misses the K scale padding",
+            _TRITON,
+            "v_scale_off_f32 = base_off_f32 + to_f32_units(padded_hs + hs)",
+            "v_scale_off_f32 = base_off_f32 + to_f32_units(hs + hs)",
+        ),
+        Mutant(
+            "per-token-head scales: views rebuilt and reset to 1.0 on every call",
+            _TRITON,
+            "        if self._k_scale_cache is not None:\n            return\n",
+            "",
+        ),
+        Mutant(
+            "per-token-head K/V views: split at head_size, ignoring the inline scale",
+            _TRITON,
+            "padded_hs = kv_cache.shape[-1] // 2\n        key_cache, value_cache",
+            "padded_hs = self.head_size\n        key_cache, value_cache",
+        ),
+        Mutant(
+            "fp8_per_token_head K/V views: not retyped to the fp8 dtype",
+            _TRITON,
+            "if self._kv_quant_mode == KVQuantMode.FP8_PER_TOKEN_HEAD:",
+            "if self._kv_quant_mode == KVQuantMode.FP8_PER_TENSOR:",
+        ),
+        Mutant(
+            "int4_per_token_head page: two values per byte not packed "
+            "(content not halved)",
+            _TRITON,
+            "hs_k, hs_v = hs_k // 2, hs_v // 2",
+            "hs_k, hs_v = hs_k, hs_v",
+        ),
     ),
 }
 
-# The release's own tests of each mutated file, as shipped: every file of its tests/ that
-# reaches that code (found by grep for the functions the mutants change) and runs on
-# CPU. They run whole, without a marker filter; a case that fails here unmutated (a
-# model download, a GPU) kills nothing.
+# The release's own tests of each mutated file, as shipped: every file of its
+# tests/ that reaches that code (found by grep for the functions the mutants
+# change) and runs on CPU. They run whole, without a marker filter; a case that
+# fails here unmutated (a model download, a GPU) kills nothing.
 _VIEW_TESTS = (
     "tests/v1/worker/test_attn_utils.py",
     "tests/v1/core/test_contiguous_kv_packing.py",
@@ -251,8 +257,10 @@ def release_tests(version: str, path: str) -> tuple[str, ...]:
     """The release's own test files of the code in PATH, as shipped."""
     for_release(version)
     if path not in RELEASE_TESTS[version]:
-        raise ForkError(f"forkbuild/mutants.py names no release tests of {path} for vLLM {version}",
-                        "grep the release's tests/ for the code the mutant changes and list them")
+        raise ForkError(
+            f"forkbuild/mutants.py names no release tests of {path} for vLLM {version}",
+            "grep the release's tests/ for the code the mutant changes and list them",
+        )
     return RELEASE_TESTS[version][path]
 
 
@@ -262,7 +270,8 @@ def apply(worktree: Path, mutant: Mutant) -> None:
     found = text.count(mutant.original)
     if found != 1:
         raise ForkError(
-            f"mutant '{mutant.name}' matches {found} times in {mutant.path} (once expected): "
+            f"mutant '{mutant.name}' matches {found} times in {mutant.path} "
+            "(once expected): "
             "the release's code is not what the mutant was written against",
             "rewrite the mutant in forkbuild/mutants.py from the release's code",
         )
@@ -273,7 +282,10 @@ def apply(worktree: Path, mutant: Mutant) -> None:
 def restore(worktree: Path, mutant: Mutant) -> None:
     restored = tree.git(["checkout", "--", mutant.path], worktree)
     if restored.returncode != 0:
-        raise ForkError(f"git could not restore {mutant.path} in {worktree}: {restored.stderr.strip()}")
+        raise ForkError(
+            f"git could not restore {mutant.path} in {worktree}: "
+            f"{restored.stderr.strip()}"
+        )
     _drop_bytecode(worktree / mutant.path)
 
 
@@ -285,11 +297,12 @@ def _drop_bytecode(source: Path) -> None:
 
 
 def killers(outcome: Outcome, baseline: Outcome | None = None) -> list[str]:
-    """The cases that fail (or error) in OUTCOME and passed in BASELINE when given: a case
-    the unmutated tree fails or skips on this machine (a model it cannot download, a GPU)
-    kills nothing. A failing case BASELINE does not have is a kill when a case of its test
-    function (or module, for a module that no longer collects) passed there: a mutant can
-    rename a case (two enum members made one change a parametrized case's id)."""
+    """The cases that fail (or error) in OUTCOME and passed in BASELINE when given: a
+    case the unmutated tree fails or skips on this machine (a model it cannot download,
+    a GPU) kills nothing. A failing case BASELINE does not have is a kill when a case of
+    its test function (or module, for a module that no longer collects) passed there: a
+    mutant can rename a case (two enum members made one change a parametrized case's
+    id)."""
     if baseline is None:
         return sorted(c for c, s in outcome.cases.items() if s in ("failed", "error"))
     passed = {c for c, s in baseline.cases.items() if s == "passed"}
@@ -303,36 +316,68 @@ def killers(outcome: Outcome, baseline: Outcome | None = None) -> list[str]:
             return case.split("::", 1)[0] in modules
         return case.split("[", 1)[0] in functions
 
-    return sorted(c for c, s in outcome.cases.items() if s in ("failed", "error") and ran_before(c))
+    return sorted(
+        c
+        for c, s in outcome.cases.items()
+        if s in ("failed", "error") and ran_before(c)
+    )
 
 
-def run_each(python: Path, worktree: Path, mutants: tuple[Mutant, ...], pytest_args: list[str],
-             results: Path, extra_env: dict[str, str] | None = None, what: str = "",
-             cache: Path | None = None) -> list[Outcome]:
+def run_each(
+    python: Path,
+    worktree: Path,
+    mutants: tuple[Mutant, ...],
+    pytest_args: list[str],
+    results: Path,
+    extra_env: dict[str, str] | None = None,
+    what: str = "",
+    cache: Path | None = None,
+) -> list[Outcome]:
     """Run PYTEST_ARGS in WORKTREE once per mutant, each applied alone and undone."""
     outcomes = []
     for number, mutant in enumerate(mutants, 1):
-        log.step(f"mutants: [{number}/{len(mutants)}] {mutant.name} vs {what or worktree.name}")
-        outcome = cached_run(python, worktree, pytest_args, results, f"{what or 'run'}-{number}",
-                             extra_env, cache, mutant)
+        log.step(
+            f"mutants: [{number}/{len(mutants)}] {mutant.name} "
+            f"vs {what or worktree.name}"
+        )
+        outcome = cached_run(
+            python,
+            worktree,
+            pytest_args,
+            results,
+            f"{what or 'run'}-{number}",
+            extra_env,
+            cache,
+            mutant,
+        )
         outcomes.append(outcome)
         found = killers(outcome)
-        # Raw failures: differential() subtracts what fails unmutated before calling a kill.
-        log.step(f"mutants: [{number}/{len(mutants)}] "
-                 + (f"{len(found)} case(s) failed" if found else "no case failed"))
+        # Raw failures: differential() subtracts what fails unmutated before
+        # calling a kill.
+        log.step(
+            f"mutants: [{number}/{len(mutants)}] "
+            + (f"{len(found)} case(s) failed" if found else "no case failed")
+        )
     return outcomes
 
 
-def cached_run(python: Path, worktree: Path, pytest_args: list[str], results: Path, name: str,
-               extra_env: dict[str, str] | None = None, cache: Path | None = None,
-               mutant: Mutant | None = None,
-               keep: Callable[[Outcome], bool] = lambda outcome: True) -> Outcome:
-    """One pytest run in WORKTREE, with MUTANT applied and undone when given; its report in
-    RESULTS/NAME.{xml,log}. With CACHE, a run already made of the same content (see
+def cached_run(
+    python: Path,
+    worktree: Path,
+    pytest_args: list[str],
+    results: Path,
+    name: str,
+    extra_env: dict[str, str] | None = None,
+    cache: Path | None = None,
+    mutant: Mutant | None = None,
+    keep: Callable[[Outcome], bool] = lambda outcome: True,
+) -> Outcome:
+    """One pytest run in WORKTREE, with MUTANT applied and undone when given; its report
+    in RESULTS/NAME.{xml,log}. With CACHE, a run already made of the same content (see
     _run_key) is read back instead, so a step of an hour is taken up again where it
     stopped, and a changed PR reruns only the runs of the PRs' cases. A run is kept only
-    when it ended by itself and KEEP accepts it (an unmutated run the step rejects is made
-    again next time, not read back)."""
+    when it ended by itself and KEEP accepts it (an unmutated run the step rejects is
+    made again next time, not read back)."""
     results.mkdir(parents=True, exist_ok=True)
     key = _run_key(python, worktree, mutant, pytest_args, extra_env) if cache else ""
     if cache is not None and (cache / f"{key}.xml").is_file():
@@ -343,21 +388,35 @@ def cached_run(python: Path, worktree: Path, pytest_args: list[str], results: Pa
         if outcome is not None:
             for suffix in (".xml", ".log"):
                 if (cache / f"{key}{suffix}").is_file():
-                    shutil.copyfile(cache / f"{key}{suffix}", results / f"{name}{suffix}")
-            log.step(f"mutants: {name}: the same run was made before ({cache / key}.xml): {outcome}")
+                    shutil.copyfile(
+                        cache / f"{key}{suffix}", results / f"{name}{suffix}"
+                    )
+            log.step(
+                f"mutants: {name}: the same run was made before "
+                f"({cache / key}.xml): {outcome}"
+            )
             return outcome
     args = [*pytest_args, "--continue-on-collection-errors"] if mutant else pytest_args
     try:
         if mutant is not None:
             apply(worktree, mutant)
-        outcome = run_pytest(python, worktree, args, results / f"{name}.xml",
-                             output=results / f"{name}.log", extra_env=extra_env)
+        outcome = run_pytest(
+            python,
+            worktree,
+            args,
+            results / f"{name}.xml",
+            output=results / f"{name}.log",
+            extra_env=extra_env,
+        )
     finally:
         if mutant is not None:
             restore(worktree, mutant)
     if cache is not None and not outcome.killed and keep(outcome):
         cache.mkdir(parents=True, exist_ok=True)
-        for suffix in (".log", ".xml"):  # the XML last and whole: its presence means kept
+        for suffix in (
+            ".log",
+            ".xml",
+        ):  # the XML last and whole: its presence means kept
             partial = cache / f"{key}{suffix}.partial"
             shutil.copyfile(results / f"{name}{suffix}", partial)
             os.replace(partial, cache / f"{key}{suffix}")
@@ -368,35 +427,62 @@ def cached_run(python: Path, worktree: Path, pytest_args: list[str], results: Pa
 _TOOL_CACHES = ("__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache")
 
 
-def _run_key(python: Path, worktree: Path, mutant: Mutant | None, pytest_args: list[str],
-             extra_env: dict[str, str] | None) -> str:
-    """What decides a run's result: the interpreter and the packages installed beside it,
-    the worktree's committed content (its tree object: the PRs' mails are re-signed with
-    a new date each time, their content is not), its untracked files' names and sizes
-    (the release's binaries), the mutant, the arguments, the environment given and what
-    of the caller's environment pytest or vLLM read."""
+def _run_key(
+    python: Path,
+    worktree: Path,
+    mutant: Mutant | None,
+    pytest_args: list[str],
+    extra_env: dict[str, str] | None,
+) -> str:
+    """What decides a run's result: the interpreter and the packages installed beside
+    it, the worktree's committed content (its tree object: the PRs' mails are re-signed
+    with a new date each time, their content is not), its untracked files' names and
+    sizes (the release's binaries), the mutant, the arguments, the environment given and
+    what of the caller's environment pytest or vLLM read."""
+
     def git_out(args: list[str]) -> str:
         done = tree.git(args, worktree)
         if done.returncode != 0:
-            raise ForkError(f"git {' '.join(args)} failed in {worktree}: {done.stderr.strip()}",
-                            "run the step again: it makes its worktrees afresh")
+            raise ForkError(
+                f"git {' '.join(args)} failed in {worktree}: {done.stderr.strip()}",
+                "run the step again: it makes its worktrees afresh",
+            )
         return done.stdout
 
     changed = git_out(["status", "--porcelain", "--untracked-files=no"]).strip()
     if changed:  # a mutant left behind by a killed run: every result would be wrong
-        raise ForkError(f"{worktree} has changes its commit does not hold: {changed.splitlines()[0]}",
-                        "run the step again: it makes its worktrees afresh")
-    untracked = sorted(f"{name}:{(worktree / name).stat().st_size}"
-                       for name in git_out(["ls-files", "--others", "-z"]).split("\0")
-                       if name and not set(Path(name).parts) & set(_TOOL_CACHES)
-                       and (worktree / name).is_file())
-    installed = sorted(p.name for p in python.parent.parent.glob("lib/python*/site-packages/*.dist-info"))
-    callers = sorted((k, v) for k, v in os.environ.items()  # not the fork's own VLLM_FORK_*
-                     if k.startswith(("VLLM_", "PYTEST_", "TORCH", "OMP_", "CUDA_", "HF_"))
-                     and not k.startswith("VLLM_FORK_"))
-    parts = [str(python), installed, git_out(["rev-parse", "HEAD^{tree}"]).strip(), untracked,
-             [mutant.path, mutant.original, mutant.mutated] if mutant else None,
-             pytest_args, sorted((extra_env or {}).items()), callers]
+        raise ForkError(
+            f"{worktree} has changes its commit does not hold: "
+            f"{changed.splitlines()[0]}",
+            "run the step again: it makes its worktrees afresh",
+        )
+    untracked = sorted(
+        f"{name}:{(worktree / name).stat().st_size}"
+        for name in git_out(["ls-files", "--others", "-z"]).split("\0")
+        if name
+        and not set(Path(name).parts) & set(_TOOL_CACHES)
+        and (worktree / name).is_file()
+    )
+    installed = sorted(
+        p.name
+        for p in python.parent.parent.glob("lib/python*/site-packages/*.dist-info")
+    )
+    callers = sorted(
+        (k, v)
+        for k, v in os.environ.items()  # not the fork's own VLLM_FORK_*
+        if k.startswith(("VLLM_", "PYTEST_", "TORCH", "OMP_", "CUDA_", "HF_"))
+        and not k.startswith("VLLM_FORK_")
+    )
+    parts = [
+        str(python),
+        installed,
+        git_out(["rev-parse", "HEAD^{tree}"]).strip(),
+        untracked,
+        [mutant.path, mutant.original, mutant.mutated] if mutant else None,
+        pytest_args,
+        sorted((extra_env or {}).items()),
+        callers,
+    ]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
 
 
@@ -419,24 +505,45 @@ def deselect(baseline: Outcome) -> list[str]:
     """pytest arguments leaving out each case that fails unmutated: it can kill nothing,
     costs time (a model download refused offline, a CUDA call), and would stop `-x` at a
     failure that is no kill."""
-    return [arg for case, status in sorted(baseline.cases.items())
-            if status in ("failed", "error") and not case.endswith("::(module)")
-            for arg in ("--deselect", case)]
+    return [
+        arg
+        for case, status in sorted(baseline.cases.items())
+        if status in ("failed", "error") and not case.endswith("::(module)")
+        for arg in ("--deselect", case)
+    ]
 
 
-def _upstream_killers(python: Path, stock: Path, mutant: Mutant, tests: list[str],
-                      baseline: Outcome, results: Path, extra_env: dict[str, str] | None,
-                      what: str, cache: Path | None) -> list[str]:
+def _upstream_killers(
+    python: Path,
+    stock: Path,
+    mutant: Mutant,
+    tests: list[str],
+    baseline: Outcome,
+    results: Path,
+    extra_env: dict[str, str] | None,
+    what: str,
+    cache: Path | None,
+) -> list[str]:
     """The release's cases that MUTANT makes fail. They run without the cases failing
-    unmutated, up to the first failure (-x): one is a kill. Should a deselection not have
-    matched pytest's node id, -x could stop at an old failure and hide a kill, so such a
-    run is made again whole."""
-    (fast,) = run_each(python, stock, (mutant,), [*tests, *deselect(baseline), "-x"], results,
-                       extra_env, what, cache)
+    unmutated, up to the first failure (-x): one is a kill. Should a deselection not
+    have matched pytest's node id, -x could stop at an old failure and hide a kill, so
+    such a run is made again whole."""
+    (fast,) = run_each(
+        python,
+        stock,
+        (mutant,),
+        [*tests, *deselect(baseline), "-x"],
+        results,
+        extra_env,
+        what,
+        cache,
+    )
     found = killers(fast, baseline)
     if (fast.failed or fast.errors) and not found:
         log.step(f"mutants: {what} stopped at a case failing unmutated too: run whole")
-        (whole,) = run_each(python, stock, (mutant,), tests, results, extra_env, f"{what}-whole", cache)
+        (whole,) = run_each(
+            python, stock, (mutant,), tests, results, extra_env, f"{what}-whole", cache
+        )
         found = killers(whole, baseline)
     return found
 
@@ -445,14 +552,24 @@ def _all_pass(outcome: Outcome) -> bool:  # what the PRs' cases must do unmutate
     return outcome.passed > 0 and not (outcome.failed or outcome.errors)
 
 
-def _some_pass(outcome: Outcome) -> bool:  # what the release's tests must do unmutated here
+def _some_pass(
+    outcome: Outcome,
+) -> bool:  # what the release's tests must do unmutated here
     return outcome.passed > 0
 
 
-def differential(python: Path, stock: Path, with_prs: Path, mutants: tuple[Mutant, ...],
-                 upstream_tests: dict[str, tuple[str, ...]], pr_cases: list[str],
-                 owners: dict[str, Callable[[str], bool]], results: Path,
-                 extra_env: dict[str, str] | None = None, cache: Path | None = None) -> list[Row]:
+def differential(
+    python: Path,
+    stock: Path,
+    with_prs: Path,
+    mutants: tuple[Mutant, ...],
+    upstream_tests: dict[str, tuple[str, ...]],
+    pr_cases: list[str],
+    owners: dict[str, Callable[[str], bool]],
+    results: Path,
+    extra_env: dict[str, str] | None = None,
+    cache: Path | None = None,
+) -> list[Row]:
     """Every mutant against the release's own tests of the file it changes (STOCK
     worktree, UPSTREAM_TESTS: path -> test files) and against the PRs' cases (WITH_PRS:
     all PRs applied; a case is credited to the PR that OWNS it). Each set of release
@@ -464,77 +581,162 @@ def differential(python: Path, stock: Path, with_prs: Path, mutants: tuple[Mutan
         # Two runs at once: each gets its share of the cores (torch takes them all
         # otherwise), and the unmutated runs get the same, so that load cannot make a
         # mutated run fail where its unmutated one passed.
-        extra_env = {**(extra_env or {}), "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2))}
-    clean = cached_run(python, with_prs, pr_cases, results, "clean-prs", extra_env, cache,
-                       keep=_all_pass)
+        extra_env = {
+            **(extra_env or {}),
+            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2)),
+        }
+    clean = cached_run(
+        python,
+        with_prs,
+        pr_cases,
+        results,
+        "clean-prs",
+        extra_env,
+        cache,
+        keep=_all_pass,
+    )
     if not _all_pass(clean):
-        raise ForkError(f"the PRs' cases do not pass unmutated: {clean}", f"see {results / 'clean-prs.log'}")
+        raise ForkError(
+            f"the PRs' cases do not pass unmutated: {clean}",
+            f"see {results / 'clean-prs.log'}",
+        )
     baselines: dict[tuple[str, ...], Outcome] = {}
-    for number, tests in enumerate(sorted({upstream_tests[m.path] for m in mutants}), 1):
+    for number, tests in enumerate(
+        sorted({upstream_tests[m.path] for m in mutants}), 1
+    ):
         paths = sorted({m.path for m in mutants if upstream_tests[m.path] == tests})
-        baselines[tests] = cached_run(python, stock, list(tests), results, f"baseline-{number}",
-                                      extra_env, cache, keep=_some_pass)
+        baselines[tests] = cached_run(
+            python,
+            stock,
+            list(tests),
+            results,
+            f"baseline-{number}",
+            extra_env,
+            cache,
+            keep=_some_pass,
+        )
         if not _some_pass(baselines[tests]):
-            raise ForkError(f"no case of the release's own tests of {', '.join(paths)} passes "
-                            f"unmutated: {baselines[tests]}", f"see {results / f'baseline-{number}.log'}")
-        log.step(f"mutants: the release's tests of {', '.join(paths)}, unmutated: {baselines[tests]}")
+            raise ForkError(
+                f"no case of the release's own tests of {', '.join(paths)} passes "
+                f"unmutated: {baselines[tests]}",
+                f"see {results / f'baseline-{number}.log'}",
+            )
+        log.step(
+            f"mutants: the release's tests of {', '.join(paths)}, "
+            f"unmutated: {baselines[tests]}"
+        )
     rows = []
     with ThreadPoolExecutor(max_workers=2 if side_by_side else 1) as pool:
         for number, mutant in enumerate(mutants, 1):
             tests = upstream_tests[mutant.path]
-            mine = pool.submit(run_each, python, with_prs, (mutant,), pr_cases, results, extra_env,
-                               f"pr-cases-{number}", cache)
+            mine = pool.submit(
+                run_each,
+                python,
+                with_prs,
+                (mutant,),
+                pr_cases,
+                results,
+                extra_env,
+                f"pr-cases-{number}",
+                cache,
+            )
             if not side_by_side:
                 mine.result()
-            up = _upstream_killers(python, stock, mutant, list(tests), baselines[tests], results,
-                                   extra_env, f"release-tests-{number}", cache)
+            up = _upstream_killers(
+                python,
+                stock,
+                mutant,
+                list(tests),
+                baselines[tests],
+                results,
+                extra_env,
+                f"release-tests-{number}",
+                cache,
+            )
             failed = killers(mine.result()[0], clean)
-            rows.append(Row(mutant, tests, up,
-                            {name: [c for c in failed if owns(c)] for name, owns in owners.items()}))
+            rows.append(
+                Row(
+                    mutant,
+                    tests,
+                    up,
+                    {
+                        name: [c for c in failed if owns(c)]
+                        for name, owns in owners.items()
+                    },
+                )
+            )
     return rows
 
 
 def check(rows: list[Row], pr_names: list[str]) -> None:
-    """Every survivor of the release's tests is killed by some PR, each PR kills at least
-    one survivor, and the survivors are at least MIN_SURVIVORS."""
+    """Every survivor of the release's tests is killed by some PR, each PR kills at
+    least one survivor, and the survivors are at least MIN_SURVIVORS."""
     survivors = [r for r in rows if r.survivor]
     unkilled = [r.mutant.name for r in survivors if not any(r.by_pr.values())]
     idle = [n for n in pr_names if not any(r.by_pr[n] for r in survivors)]
     problems = []
     if unkilled:
-        problems.append(f"{len(unkilled)} mutant(s) survive the release's tests and every PR: "
-                        + "; ".join(unkilled))
+        problems.append(
+            f"{len(unkilled)} mutant(s) survive the release's tests and every PR: "
+            + "; ".join(unkilled)
+        )
     if idle:
-        problems.append(f"{', '.join(idle)} kill(s) no mutant the release's tests miss: not worth sending")
+        problems.append(
+            f"{', '.join(idle)} kill(s) no mutant the release's tests miss: "
+            "not worth sending"
+        )
     if len(survivors) < MIN_SURVIVORS:
-        problems.append(f"only {len(survivors)} mutant(s) survive the release's tests "
-                        f"({MIN_SURVIVORS} wanted across the packed path)")
+        problems.append(
+            f"only {len(survivors)} mutant(s) survive the release's tests "
+            f"({MIN_SURVIVORS} wanted across the packed path)"
+        )
     if problems:
-        raise ForkError("; ".join(problems), "see dist/upstream/mutants/ and forkbuild/mutants.py")
+        raise ForkError(
+            "; ".join(problems), "see dist/upstream/mutants/ and forkbuild/mutants.py"
+        )
 
 
 def table(rows: list[Row], pr: str) -> str:
-    """PR's table for its description: the mutants the release's tests miss and it kills,
-    then each of them as a diff, so that a reviewer can apply it and run both again."""
-    lines = ["| mutant | file | killed by the release's tests | killed by this PR |",
-             "| --- | --- | --- | --- |"]
+    """PR's table for its description: the mutants the release's tests miss and it
+    kills, then each of them as a diff, so that a reviewer can apply it and run both
+    again."""
+    lines = [
+        "| mutant | file | killed by the release's tests | killed by this PR |",
+        "| --- | --- | --- | --- |",
+    ]
     listed = [row for row in rows if row.survivor and row.by_pr[pr]]
     for row in listed:
-        lines.append(f"| {row.mutant.name} | `{row.mutant.path}` | no | {_cases(row.by_pr[pr])} |")
+        lines.append(
+            f"| {row.mutant.name} | `{row.mutant.path}` | no | "
+            f"{_cases(row.by_pr[pr])} |"
+        )
     mine = [r for r in rows if r.by_pr[pr] or r.mutant.path in _paths(rows, pr)]
     caught = sum(1 for r in mine if not r.survivor)
     tests = sorted({t for r in mine for t in r.upstream_tests})
     lines.append("")
-    lines.append(f"Mutants tried on the code these tests cover: {len(mine)}, each one change to "
-                 f"vLLM's code, applied alone; the release's own tests of that code, as shipped "
-                 f"({', '.join(f'`{t}`' for t in tests)}), "
-                 f"kill {caught} of them. The table lists those they miss and this PR kills.")
-    lines += ["", "<details>", "<summary>The mutants: each replaces the - text by the + text, "
-              "which occurs once in its file</summary>", ""]
+    lines.append(
+        f"Mutants tried on the code these tests cover: {len(mine)}, each one change to "
+        f"vLLM's code, applied alone; the release's own tests of that code, as shipped "
+        f"({', '.join(f'`{t}`' for t in tests)}), "
+        f"kill {caught} of them. The table lists those they miss and this PR kills."
+    )
+    lines += [
+        "",
+        "<details>",
+        "<summary>The mutants: each replaces the - text by the + text, "
+        "which occurs once in its file</summary>",
+        "",
+    ]
     for row in listed:
-        lines += [f"{row.mutant.name}, in `{row.mutant.path}`:", "", "```diff",
-                  *(f"-{line}" for line in row.mutant.original.strip("\n").splitlines()),
-                  *(f"+{line}" for line in row.mutant.mutated.strip("\n").splitlines()), "```", ""]
+        lines += [
+            f"{row.mutant.name}, in `{row.mutant.path}`:",
+            "",
+            "```diff",
+            *(f"-{line}" for line in row.mutant.original.strip("\n").splitlines()),
+            *(f"+{line}" for line in row.mutant.mutated.strip("\n").splitlines()),
+            "```",
+            "",
+        ]
     lines.append("</details>")
     return "\n".join(lines)
 
@@ -546,9 +748,18 @@ def _cases(cases: list[str]) -> str:
     for case in cases:
         name = case.split("::", 1)[1].split("[", 1)[0]
         counts[name] = counts.get(name, 0) + 1
-    parametrized = {case.split("::", 1)[1].split("[", 1)[0] for case in cases if "[" in case}
-    return ", ".join(f"`{name}`" + (f" ({n} parameter set{'s' if n > 1 else ''})" if name in parametrized else "")
-                     for name, n in counts.items())
+    parametrized = {
+        case.split("::", 1)[1].split("[", 1)[0] for case in cases if "[" in case
+    }
+    return ", ".join(
+        f"`{name}`"
+        + (
+            f" ({n} parameter set{'s' if n > 1 else ''})"
+            if name in parametrized
+            else ""
+        )
+        for name, n in counts.items()
+    )
 
 
 def _paths(rows: list[Row], pr: str) -> set[str]:
@@ -561,13 +772,20 @@ def summary(rows: list[Row], pr: str | None = None) -> str:
     for row in rows:
         if pr is not None and not row.by_pr[pr]:
             others = [n for n, c in row.by_pr.items() if c]
-            verdict = (f"not this PR's (killed by {', '.join(others)})" if others
-                       else "killed by no PR")
+            verdict = (
+                f"not this PR's (killed by {', '.join(others)})"
+                if others
+                else "killed by no PR"
+            )
         elif pr is not None:
             verdict = f"this PR kills it with {len(row.by_pr[pr])} case(s)"
         else:
             verdict = "; ".join(f"{n}: {len(c)}" for n, c in row.by_pr.items())
-        up = (f"the release's tests kill it (first failing case: {row.upstream_killers[0]})"
-              if row.upstream_killers else "the release's tests miss it")
+        up = (
+            "the release's tests kill it "
+            f"(first failing case: {row.upstream_killers[0]})"
+            if row.upstream_killers
+            else "the release's tests miss it"
+        )
         out.append(f"mutant {row.mutant.name} [{row.mutant.path}]: {up}; {verdict}")
     return "\n".join(out)

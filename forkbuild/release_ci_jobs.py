@@ -64,15 +64,17 @@ def jobs_running(tree: Path, test_files: list[str]) -> dict[str, list[dict]]:
                 for test_file in test_files:
                     normalized = hook.normalize_test_path(test_file)
                     if any(s.runs(normalized) for s in selections):
-                        found[test_file].append({
-                            "label": step.get("label", ""),
-                            "key": step.get("key", ""),
-                            "device": step.get("device", ""),
-                            "timeout_in_minutes": step.get("timeout_in_minutes"),
-                            "command": command,
-                            "marker": _marker(command),
-                            "pipeline": str(yaml_path.relative_to(tree)),
-                        })
+                        found[test_file].append(
+                            {
+                                "label": step.get("label", ""),
+                                "key": step.get("key", ""),
+                                "device": step.get("device", ""),
+                                "timeout_in_minutes": step.get("timeout_in_minutes"),
+                                "command": command,
+                                "marker": _marker(command),
+                                "pipeline": str(yaml_path.relative_to(tree)),
+                            }
+                        )
     return found
 
 

