@@ -9,7 +9,11 @@
    CUDA route check does: every compiled extension of the bundle loads from where it
    unpacked, the GPU cases are collected and skip only for lack of a device, the kernel
    calls reach dispatch, and `run.sh OUT` stops at once for want of a GPU;
-3. the same with one package the cases import taken out, which must fail.
+3. the same with one package the cases import taken out, which must fail;
+4. part 1 alone: the compiled extensions the reference host's part 1 lacks taken out,
+   the runner's stand-ins in their place (forkbuild/bundle_standin.py): the cases part
+   1 adds are collected and skip only for want of a device, and vLLM's CUDA platform
+   and what those cases call import; without the stand-ins that import must fail.
 """
 
 from __future__ import annotations
@@ -39,6 +43,14 @@ HOST_PYTHON = "3.12"  # the reference host's
 # Taken out for the breakage (distribution, module): fastapi, which vllm.entrypoints
 # imports (vLLM's tests/conftest.py through `from vllm import LLM`, and the engine).
 BREAKAGE = ("fastapi", "fastapi")
+# What part 1's case (Triton's cache write and attention) imports while it runs, beside
+# vLLM's CUDA platform, which resolving the platform on a GPU host imports.
+PART_ONE_IMPORTS = (
+    "vllm.platforms.cuda",
+    "vllm.v1.attention.ops.triton_reshape_and_cache_flash",
+    "vllm.v1.attention.ops.triton_unified_attention",
+    "vllm.v1.attention.backends.triton_attn",
+)
 
 
 def home() -> Path:
@@ -159,6 +171,7 @@ class Result:
     collected: pytest_runner.Outcome
     calls: pytest_runner.Outcome
     breakage: str
+    part_one: str
     offline: bool  # the network refused (unshare -n), not only no index
 
     def line(self) -> str:
@@ -170,7 +183,8 @@ class Result:
             f"{len(self.simulated.parts)} part(s), {self.extensions} compiled "
             f"extensions load, {len(self.collected.cases)} GPU cases collected and "
             "skipped without a device, the engine's modules import, kernel calls up to "
-            f"dispatch: {self.calls}; without {BREAKAGE[0]}: {self.breakage}"
+            f"dispatch: {self.calls}; without {BREAKAGE[0]}: {self.breakage}; "
+            f"{self.part_one}"
         )
         return (
             f"gpu bundle for {self.reference.manifest['made_for']}: "
@@ -234,6 +248,7 @@ def check(pins: Pins, results: Path, route: tuple[Path, Path, Path]) -> Result:
         pins, python, site, source.stub, results, offline, "bundle-host"
     )
     breakage = _without(BREAKAGE, pins, python, site, source.stub, results, offline)
+    part_one = _part_one(reference, python, site, source.stub, results, offline)
     return Result(
         reference,
         simulated,
@@ -241,6 +256,7 @@ def check(pins: Pins, results: Path, route: tuple[Path, Path, Path]) -> Result:
         collected,
         calls,
         breakage,
+        part_one,
         bool(offline),
     )
 
@@ -395,3 +411,103 @@ def _without(
         f"the bundle check passes without {name}, which the engine cases import",
         "the check cannot tell a missing package: fix forkbuild/bundle_check.py",
     )
+
+
+def _part_one(
+    reference: gpu_bundle.Bundle,
+    python: Path,
+    site: Path,
+    stub: Path,
+    results: Path,
+    offline: tuple[str, ...],
+) -> str:
+    """Part 1 of the reference bundle alone, on the simulated host: a copy of SITE
+    without the extensions that part lacks, run as the runner runs part 1's cases.
+    Their modules must import with the stand-ins, and must not without them."""
+    first = reference.parts[0]
+    nodes = reference.cases[first.name]
+    if not nodes:
+        raise ForkError(
+            f"{first.name} of the bundle for {reference.manifest['made_for']} adds no "
+            "case",
+            "fork.toml [gpu_bundle] order, every_case and stand_in decide what it adds",
+        )
+    absent = sorted(
+        c
+        for c in reference.manifest["components"]
+        if c.endswith(".so") and c not in first.components
+    )
+    standing_in = bundle_run.stand_ins(reference.manifest, list(first.components))
+    alone = site.parent / "site-part-1"
+    shutil.rmtree(alone, ignore_errors=True)
+    shutil.copytree(site, alone, copy_function=os.link)
+    for name in absent:
+        (alone / name).unlink(missing_ok=True)
+    try:
+        errors = _run_part_one(
+            nodes, standing_in, python, alone, stub, results, offline
+        )
+        if errors:
+            raise ForkError(
+                f"with {first.name} alone, what its cases import does not import: "
+                f"{'; '.join(errors)}",
+                f"see {results / 'bundle-part-1-tests.log'}",
+            )
+        without = _run_part_one(nodes, [], python, alone, stub, results, offline)
+    finally:
+        shutil.rmtree(alone, ignore_errors=True)
+    if not any(m in e for e in without for m in standing_in):
+        raise ForkError(
+            f"{first.name}'s cases import without the stand-ins for "
+            f"{', '.join(standing_in)}: {without or 'no error'}",
+            "fork.toml [gpu_bundle] stand_in names a module that is not needed",
+        )
+    short = ", ".join(n.split("::", 1)[-1] for n in nodes)
+    return (
+        f"{first.name} alone ({', '.join(a.rsplit('/', 1)[-1] for a in absent)} "
+        f"absent): {short} collected, vLLM's CUDA platform imports with a stand-in for "
+        f"{', '.join(standing_in)} and not without"
+    )
+
+
+def _run_part_one(
+    nodes: list[str],
+    standing_in: list[str],
+    python: Path,
+    site: Path,
+    stub: Path,
+    results: Path,
+    offline: tuple[str, ...],
+) -> list[str]:
+    """NODES as the runner runs them with STANDING_IN (each must skip for want of a
+    device); the import errors of PART_ONE_IMPORTS."""
+    name = "bundle-part-1" + ("" if standing_in else "-without-stand-ins")
+    tree, report = site.parent / "tree", results / f"{name}-imports.json"
+    report.unlink(missing_ok=True)
+    outcome = pytest_runner.run_pytest(
+        python,
+        tree,
+        ["-p", "forkbuild.import_trace", *bundle_run.case_args(nodes, standing_in)],
+        results / f"{name}-tests.xml",
+        pythonpath=os.pathsep.join([str(tree), str(site), str(REPO_ROOT)]),
+        output=results / f"{name}-tests.log",
+        extra_env={
+            **bundle_run.case_env(site.parent, standing_in),
+            **cuda_route.stub_env(stub),
+            **NO_INDEX,
+            "FORKBUILD_TRACE_OUT": str(report),
+            "FORKBUILD_TRACE_IMPORT": ",".join(PART_ONE_IMPORTS),
+        },
+        prefix=offline,
+    )
+    if standing_in:
+        cuda_route.check_skipped(
+            outcome,
+            results,
+            where="part 1 of the bundle",
+            logs=str(results / f"{name}-tests.log"),
+            required=nodes,
+        )
+    if not report.is_file():
+        return [f"no report (see {results / f'{name}-tests.log'})"]
+    return json.loads(report.read_text())["import_errors"]

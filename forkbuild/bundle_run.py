@@ -31,7 +31,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-from forkbuild import fixcheck, gpu_required, log, pytest_runner
+from forkbuild import bundle_standin, fixcheck, gpu_required, log, pytest_runner
 from forkbuild.errors import ForkError
 from forkbuild.hashing import sha256_file
 
@@ -302,28 +302,44 @@ def install(manifest: dict, bundle: Path, dest: Path, components: list[str]) -> 
     log.step(f"bundle: {len(components)} component(s) in {dest}, every file verified")
 
 
-def case_args(nodes: list[str]) -> list[str]:
+def stand_ins(manifest: dict, components: list[str]) -> list[str]:
+    """The modules the runner stands in for: those of fork.toml [gpu_bundle] stand_in
+    whose component has not arrived (forkbuild/bundle_standin.py)."""
+    table = manifest.get("stand_in", {})
+    return sorted(table[c] for c in table if c not in components)
+
+
+def case_args(nodes: list[str], standing_in: list[str] = ()) -> list[str]:
     """pytest's arguments for NODES: forked, each case under CASE_LIMIT_S
     (pytest-timeout in the forked child, as the nightly runs it:
-    docs/gpu-nightly.md)."""
+    docs/gpu-nightly.md); with the stand-ins' plugin where modules are stood in for."""
     limit = [
         f"--timeout={CASE_LIMIT_S}" if a.startswith("--timeout=") else a
         for a in gpu_required.PER_CASE_TIMEOUT
     ]
-    return [*PLUGINS, "--forked", "-v", "-rs", *limit, *nodes]
+    standin = ["-p", bundle_standin.__name__] if standing_in else []
+    return [*PLUGINS, *standin, "--forked", "-v", "-rs", *limit, *nodes]
 
 
-def case_env(dest: Path) -> dict[str, str]:
-    return {**OFFLINE, "VLLM_OFFLOAD_E2E_MODELS": str(dest / "models")}
+def case_env(dest: Path, standing_in: list[str] = ()) -> dict[str, str]:
+    env = {**OFFLINE, "VLLM_OFFLOAD_E2E_MODELS": str(dest / "models")}
+    if standing_in:
+        env[bundle_standin.ENV] = ",".join(standing_in)
+    return env
 
 
-def pythonpath(dest: Path) -> str:
-    return os.pathsep.join([str(dest / "tree"), str(dest / "site")])
+def pythonpath(dest: Path, runner: bool = False) -> str:
+    """The cases' path: the tree, the bundle's site, and the runner's own modules where
+    RUNNER (the stand-ins' plugin)."""
+    return os.pathsep.join(
+        [str(dest / "tree"), str(dest / "site"), *([RUNNER] if runner else [])]
+    )
 
 
 def probe(platform_too: bool) -> dict:
     """What `import vllm` gives with the bundle first on sys.path (`probe`
-    subcommand)."""
+    subcommand), with the stand-ins FORK_BUNDLE_STAND_INS names."""
+    standing_in = bundle_standin.install(bundle_standin.from_env())
     import vllm
 
     module = importlib.util.find_spec(
@@ -334,6 +350,7 @@ def probe(platform_too: bool) -> dict:
         "version": importlib.metadata.version("vllm"),
         "verdict": fixcheck.classify(Path(module).read_text()),
         "module": module,
+        "stand_ins": standing_in,
     }
     if platform_too:  # resolving the CUDA platform loads the cache ops' extension
         from vllm.platforms import current_platform
@@ -343,7 +360,9 @@ def probe(platform_too: bool) -> dict:
     return found
 
 
-def check_vllm(manifest: dict, dest: Path, components: list[str]) -> dict:
+def check_vllm(
+    manifest: dict, dest: Path, components: list[str], standing_in: list[str] = ()
+) -> dict:
     platform_too = set(manifest["every_case"]) <= set(components)
     report = dest / "probe.json"  # a file: vLLM logs to stdout
     report.unlink(missing_ok=True)
@@ -358,8 +377,8 @@ def check_vllm(manifest: dict, dest: Path, components: list[str]) -> dict:
         ],
         env={
             **os.environ,
-            **OFFLINE,
-            "PYTHONPATH": os.pathsep.join([pythonpath(dest), RUNNER]),
+            **case_env(dest, standing_in),
+            "PYTHONPATH": pythonpath(dest, runner=True),
         },
         cwd=dest / "tree",
         capture_output=True,
@@ -436,10 +455,12 @@ def run(bundle: Path, out: Path) -> int:
     )
     dest = home(manifest, bundle)
     install(manifest, bundle, dest, components)
-    found = check_vllm(manifest, dest, components)
+    standing_in = stand_ins(manifest, components)
+    found = check_vllm(manifest, dest, components, standing_in)
     log.step(
         f"bundle: vLLM {found['version']} from {dest / 'site'} carries the fix; "
         f"{kind.name}: {len(required)} required case(s)"
+        + (f"; stand-in for {', '.join(standing_in)}" if standing_in else "")
     )
     runnable, apart = plan(manifest, required, components)
     for node, why in apart.items():
@@ -449,13 +470,15 @@ def run(bundle: Path, out: Path) -> int:
         outcome = pytest_runner.run_pytest(
             Path(sys.executable),
             dest / "tree",
-            case_args(runnable),
+            case_args(runnable, standing_in),
             out / "gpu-tests.xml",
-            pythonpath=pythonpath(dest),
-            extra_env=case_env(dest),
+            pythonpath=pythonpath(dest, runner=bool(standing_in)),
+            extra_env=case_env(dest, standing_in),
             timeout_s=RUN_LIMIT_S,
         )
-    return conclude(manifest, kind, runnable, apart, components, outcome, out)
+    return conclude(
+        manifest, kind, runnable, apart, components, outcome, out, standing_in
+    )
 
 
 def conclude(
@@ -466,6 +489,7 @@ def conclude(
     components: list[str],
     outcome: pytest_runner.Outcome,
     out: Path,
+    standing_in: list[str] = (),
 ) -> int:
     not_run = gpu_required.not_run(runnable, [outcome])
     failed = outcome.failed + outcome.errors
@@ -484,6 +508,7 @@ def conclude(
         "required_not_run": not_run,
         "killed": outcome.killed,
         "not_run_here": apart,
+        "stand_ins": list(standing_in),
         "junit": "gpu-tests.xml",
         "summary": line,
     }
@@ -494,6 +519,8 @@ def conclude(
         line += f" (parts present: {', '.join(parts)}: none of them runs a case yet)"
     if apart:
         line += " (listed above; the nightly's verdict needs them too)"
+    if standing_in:
+        line += f" (stand-in for {', '.join(standing_in)} until its part arrives)"
     (out / "summary.txt").write_text(line + "\n")
     print(line, flush=True)
     return 1 if failed or not_run or outcome.killed else 0

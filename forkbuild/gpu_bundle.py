@@ -58,6 +58,7 @@ RUNNER_MODULES = (
     "pytest_progress",
     "gpu_required",
     "fixcheck",
+    "bundle_standin",
     "bundle_run",
 )
 RUN_SH = REPO_ROOT / "forkbuild" / "bundle_run.sh"
@@ -804,8 +805,10 @@ def _assemble(
         if "bundle" not in c
     }
     base = list(settings["every_case"])
+    stand_in = dict(settings.get("stand_in", {}))
     unknown = sorted(
-        {c for need in [base, *needs.values()] for c in need} - set(by_name)
+        {c for need in [base, list(stand_in), *needs.values()] for c in need}
+        - set(by_name)
     )
     if unknown:
         raise ForkError(
@@ -841,6 +844,7 @@ def _assemble(
             for c in components
         },
         "every_case": base,
+        "stand_in": stand_in,
         "needs": needs,
         "not_carried": not_carried,
         "gpu": gpu,  # the nightly's table (forkbuild/gpu_required.py), for the runner

@@ -16,7 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from forkbuild import bundle_run, gpu_bundle, gpu_required, lock, preflight
+from forkbuild import (
+    bundle_run,
+    bundle_standin,
+    gpu_bundle,
+    gpu_required,
+    lock,
+    preflight,
+)
 from forkbuild.errors import ForkError
 from forkbuild.gpu_bundle import Component, Host, Selection, Trace
 from forkbuild.pins import REPO_ROOT
@@ -186,6 +193,41 @@ def test_every_required_case_says_what_the_bundle_holds_for_it():
         assert ("bundle" in case) != ("not_in_bundle" in case), node
     named = {c for case in gpu["cases"].values() for c in case.get("bundle", [])}
     assert named | set(settings["every_case"]) <= set(settings["order"])
+    assert set(settings["stand_in"]) <= set(settings["order"]) - set(
+        settings["every_case"]
+    )
+
+
+def test_part_one_runs_a_kernel_case_on_the_reference_bundles_sizes():
+    """With the sizes the reference bundle measured (docs/gpu-nightly.md), fork.toml's
+    order gives part 1 a kernel case (Triton, with the cache ops stood in for), parts
+    1-2 FA3's, parts 1-3 every kernel case, parts 1-4 the engine cases."""
+    settings, gpu = gpu_bundle.bundle_settings(), gpu_bundle.gpu_table()
+    mib = 2**20
+    sizes = {
+        "tree": 0.1,
+        "vllm": 6.6,
+        "packages": 37.6,
+        "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so": 10.2,
+        "vllm/_qutlass_C.abi3.so": 0.3,
+        "vllm/_C_stable_libtorch.abi3.so": 51.2,
+        "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": 51.2,
+        "vllm/_moe_C_stable_libtorch.abi3.so": 37.7,
+        "models": 12.1,
+    }
+    parts = gpu_bundle.pack(
+        {n: int(v * mib) for n, v in sizes.items()},
+        settings["order"],
+        settings["part_mib"] * mib,
+        first_extra=mib // 4,
+    )
+    needs = {n: c["bundle"] for n, c in gpu["cases"].items() if "bundle" in c}
+    added = gpu_bundle.cases_by_part(parts, settings["every_case"], needs, set(sizes))
+    kernels = "tests/v1/worker/test_packed_kv_cache_gpu_kernels.py::"
+    assert added["part-1"] == [f"{kernels}test_triton_attention_over_packed_views"]
+    assert added["part-2"] == [f"{kernels}test_flash_attention_over_packed_views[3]"]
+    assert added["part-3"] == [f"{kernels}test_flash_attention_over_packed_views[2]"]
+    assert len(parts) == 4 and len(added["part-4"]) == 5
 
 
 # --- a small bundle in the real format ------------------------------------------------
@@ -371,6 +413,28 @@ def test_the_runner_runs_what_the_parts_allow_and_says_why_not_the_rest():
     }
 
 
+def test_the_runner_stands_in_only_for_an_extension_not_transferred_yet(tmp_path):
+    manifest = {"stand_in": {"ext.so": "pkg._ext", "other.so": "pkg._other"}}
+    assert bundle_run.stand_ins(manifest, ["tree", "other.so"]) == ["pkg._ext"]
+    assert bundle_run.stand_ins(manifest, ["ext.so", "other.so"]) == []
+    assert bundle_run.stand_ins({}, []) == []
+    args = bundle_run.case_args(["t.py::one"], ["pkg._ext"])
+    assert args[args.index("forkbuild.bundle_standin") - 1] == "-p"
+    assert "forkbuild.bundle_standin" not in bundle_run.case_args(["t.py::one"])
+    env = bundle_run.case_env(tmp_path, ["pkg._ext", "pkg._other"])
+    assert env[bundle_standin.ENV] == "pkg._ext,pkg._other"
+    assert bundle_standin.ENV not in bundle_run.case_env(tmp_path)
+
+
+def test_a_stand_in_is_an_empty_module_only_where_nothing_was_imported(monkeypatch):
+    monkeypatch.delitem(sys.modules, "fork_test_absent._ext", raising=False)
+    monkeypatch.setitem(sys.modules, "fork_test_present", sys)
+    bundle_standin.install(["fork_test_absent._ext", "fork_test_present"])
+    stood_in = sys.modules.pop("fork_test_absent._ext")
+    assert getattr(stood_in, bundle_standin.MARK) and not hasattr(stood_in, "__file__")
+    assert sys.modules["fork_test_present"] is sys  # a real module is never replaced
+
+
 @pytest.mark.parametrize(
     "status, code", [("passed", 0), ("skipped", 1), ("failed", 1), (None, 1)]
 )
@@ -444,7 +508,10 @@ def test_run_sh_runs_the_cases_the_parts_allow_and_gives_the_nightlys_verdict(
             "    assert request.config.getini('timeout_func_only') is True\n"
             "    assert os.environ['HF_HUB_OFFLINE'] == '1'\n"
             "    assert os.environ['PYTEST_DISABLE_PLUGIN_AUTOLOAD'] == '1'\n"
-            "    assert os.environ['VLLM_OFFLOAD_E2E_MODELS'].endswith('models')\n\n"
+            "    assert os.environ['VLLM_OFFLOAD_E2E_MODELS'].endswith('models')\n"
+            "    # the models' part is absent: its module is the runner's stand-in\n"
+            "    from vllm import _C_models\n"
+            "    assert _C_models.__fork_bundle_stand_in__\n\n"
             "@pytest.mark.parametrize('fa_version', [3])\n"
             "def test_flash_attention_over_packed_views(fa_version):\n    assert "
             "False\n"
@@ -455,6 +522,7 @@ def test_run_sh_runs_the_cases_the_parts_allow_and_gives_the_nightlys_verdict(
         ("site", "vllm/v1/worker/gpu/__init__.py"): "",
         ("site", "vllm/v1/worker/gpu/attn_utils.py"): FIXED,
         ("site", "vllm/platforms/__init__.py"): (
+            "import vllm._C_models  # noqa: F401 (the probe has the stand-in too)\n"
             "class CudaPlatform:\n    def is_cuda(self):\n        return True\n\n"
             "current_platform = CudaPlatform()\n"
         ),
@@ -471,6 +539,7 @@ def test_run_sh_runs_the_cases_the_parts_allow_and_gives_the_nightlys_verdict(
     settings = {
         "order": ["tree", "site", "models"],
         "every_case": ["tree", "site"],
+        "stand_in": {"models": "vllm._C_models"},
         "gpu": {
             "kinds": {
                 "Ampere": {"capability": "8.0", "queues": {"a": 1}},
@@ -520,11 +589,13 @@ def test_run_sh_runs_the_cases_the_parts_allow_and_gives_the_nightlys_verdict(
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stdout.strip().splitlines()[-1] == (
         "1 passed, 1 failed, 0 skipped, 2 required not run here "
-        "(listed above; the nightly's verdict needs them too)"
+        "(listed above; the nightly's verdict needs them too) "
+        "(stand-in for vllm._C_models until its part arrives)"
     )
     assert (tmp_path / "home").is_dir()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["gpu_kind"] == "Hopper" and summary["parts_present"] == ["part-1"]
+    assert summary["stand_ins"] == ["vllm._C_models"]
     assert summary["cases"] == {triton: "passed", fa3: "failed"}
     not_here = summary["not_run_here"]
     assert not_here == {

@@ -4,10 +4,12 @@
 
 The cache is planned, allocated and reshaped on the GPU by vLLM's own code
 (GPT-OSS-like sliding + full groups, OffloadingConnector layout HND,
-``num_kv_heads != block_size``); K/V are written with vLLM's cache-write op and
-read by FlashAttention's paged varlen kernel (FA2, and FA3 on Hopper), by
-Triton unified attention and by FlashInfer's paged prefill and decode (HND, the
-wrappers FlashInferImpl plans), for every layer, called as GPT-OSS's layers call them:
+``num_kv_heads != block_size``); K/V are written with the cache write of the
+backend that reads them (vLLM's CUDA op for FlashAttention and FlashInfer, Triton's
+kernel for TRITON_ATTN) and read by FlashAttention's paged varlen kernel (FA2, and
+FA3 on Hopper), by Triton unified attention and by FlashInfer's paged prefill and
+decode (HND, the wrappers FlashInferImpl plans), for every layer, called as GPT-OSS's
+layers call them:
 the sliding layers with their window, and, where the kernel takes them (FA3,
 Triton; FA2 refuses them), with attention sinks. Each output is compared with
 ``reference_attention`` (checked on CPU against vLLM's Triton kernel in
@@ -156,13 +158,23 @@ def write_kv(*args) -> None:
     ops.reshape_and_cache_flash(*args)
 
 
-def _write_sequences(views, num_blocks):
-    """Write random K/V of every sequence into every layer with vLLM's cache op;
-    return each layer's K/V, queries and sinks, and the block table."""
+def triton_write_kv(*args) -> None:
+    """Triton's cache write on ARGS (write_kv_args()), the kernel and arguments of
+    TritonAttentionImpl.do_kv_cache_update: it needs no compiled vLLM op."""
+    from vllm.v1.attention.ops.triton_reshape_and_cache_flash import (
+        triton_reshape_and_cache_flash,
+    )
+
+    triton_reshape_and_cache_flash(*args)
+
+
+def _write_sequences(views, num_blocks, write=write_kv):
+    """Write random K/V of every sequence into every layer with WRITE; return each
+    layer's K/V, queries and sinks, and the block table."""
     data, block_table, slots = sequence_inputs(views, num_blocks)
     for name, cache in views.items():
         key, value, _, _ = data[name]
-        write_kv(*write_kv_args(key, value, cache, slots))
+        write(*write_kv_args(key, value, cache, slots))
     torch.cuda.synchronize()
     return data, block_table
 
@@ -243,7 +255,7 @@ def test_triton_attention_over_packed_views(packed_caches):
     from vllm.v1.attention.ops.triton_unified_attention import unified_attention
 
     num_blocks, views, windows = packed_caches
-    data, block_table = _write_sequences(views, num_blocks)
+    data, block_table = _write_sequences(views, num_blocks, triton_write_kv)
     cu_seqlens_q, seqused_k = varlen_metadata()
     one = torch.ones(len(SEQ_LENS), NUM_KV_HEADS, dtype=torch.float32, device="cuda")
     for name, cache in views.items():

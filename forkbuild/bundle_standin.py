@@ -1,0 +1,36 @@
+"""Empty modules in place of compiled vLLM extensions a GPU bundle's parts lack yet.
+
+vLLM's CUDA platform imports its cache ops' extension (`vllm._C_stable_libtorch`) for
+one side effect, registering the ops, and that extension is a part of its own. Until
+that part arrives, the bundle's runner imports an empty module in its place (fork.toml
+[gpu_bundle] stand_in) and runs only cases that call none of its ops; a call that
+needs one fails with torch's "no such op" error. Loaded as a pytest plugin (`-p`) and
+by the runner's vLLM probe, before anything imports vLLM; the modules come from
+FORK_BUNDLE_STAND_INS (comma-separated).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+ENV = "FORK_BUNDLE_STAND_INS"
+MARK = "__fork_bundle_stand_in__"
+
+
+def install(names: list[str]) -> list[str]:
+    """Put an empty module under each of NAMES not imported yet; return NAMES."""
+    for name in names:
+        if name not in sys.modules:
+            module = types.ModuleType(name, f"the GPU bundle's stand-in for {name}")
+            setattr(module, MARK, True)
+            sys.modules[name] = module
+    return names
+
+
+def from_env() -> list[str]:
+    return [name for name in os.environ.get(ENV, "").split(",") if name]
+
+
+install(from_env())
