@@ -160,6 +160,46 @@ def _header(pins: Pins, lock_inputs: LockInputs, digest: str) -> str:
     )
 
 
+def resolve(
+    pins: Pins,
+    requirements: str,
+    python: str,
+    name: str,
+    exclude: tuple[str, ...] | list[str] = (),
+) -> str:
+    """uv pip compile of REQUIREMENTS (requirements.in text) for PYTHON on the lock
+    platform, every package with its sha256, EXCLUDE left out; the lock's lines."""
+    locks_dir().mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".lock-", dir=locks_dir()) as tmp:
+        source, out = Path(tmp) / "requirements.in", Path(tmp) / "lock.txt"
+        source.write_text(requirements)
+        excludes = []
+        if exclude:
+            (Path(tmp) / "excludes.txt").write_text("".join(f"{n}\n" for n in exclude))
+            excludes = ["--excludes", str(Path(tmp) / "excludes.txt")]
+        uv.run(
+            pins,
+            [
+                "pip",
+                "compile",
+                str(source),
+                "--generate-hashes",
+                "--no-header",
+                "--no-annotate",
+                "--python-version",
+                python,
+                "--python-platform",
+                pins.lock_platform,
+                *excludes,
+                "--quiet",
+                "-o",
+                str(out),
+            ],
+            what=f"resolve {name}",
+        )
+        return out.read_text()
+
+
 def generate(pins: Pins, tree_path: Path) -> list[Path]:
     """(Re)write every lock whose inputs changed; the others are left as they are."""
     locks_dir().mkdir(exist_ok=True)
@@ -175,42 +215,20 @@ def generate(pins: Pins, tree_path: Path) -> list[Path]:
             log.step(
                 f"lock: resolving {target.name} (route {route.name}, Python {python})"
             )
-            with tempfile.TemporaryDirectory(prefix=".lock-", dir=locks_dir()) as tmp:
-                source = Path(tmp) / "requirements.in"
-                source.write_text(
-                    "".join(f"{r}\n" for r in lock_inputs.requirements)
-                    + f"-r {lock_inputs.tree_file}\n"
-                )
-                out = Path(tmp) / "lock.txt"
-                excludes = []
-                if route.exclude:
-                    (Path(tmp) / "excludes.txt").write_text(
-                        "".join(f"{n}\n" for n in route.exclude)
-                    )
-                    excludes = ["--excludes", str(Path(tmp) / "excludes.txt")]
-                uv.run(
-                    pins,
-                    [
-                        "pip",
-                        "compile",
-                        str(source),
-                        "--generate-hashes",
-                        "--no-header",
-                        "--no-annotate",
-                        "--python-version",
-                        python,
-                        "--python-platform",
-                        pins.lock_platform,
-                        *excludes,
-                        "--quiet",
-                        "-o",
-                        str(out),
-                    ],
-                    what=f"resolve {target.name}",
-                )
-                partial = Path(tmp) / target.name
-                partial.write_text(_header(pins, lock_inputs, digest) + out.read_text())
+            body = resolve(
+                pins,
+                "".join(f"{r}\n" for r in lock_inputs.requirements)
+                + f"-r {lock_inputs.tree_file}\n",
+                python,
+                target.name,
+                route.exclude,
+            )
+            partial = target.with_name(f".{target.name}.partial")
+            try:  # renamed whole: the lock is the old one or the new one
+                partial.write_text(_header(pins, lock_inputs, digest) + body)
                 partial.replace(target)
+            finally:
+                partial.unlink(missing_ok=True)
             log.step(f"lock: wrote {target} ({len(pinned(target))} packages)")
             written.append(target)
     return written

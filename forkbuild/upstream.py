@@ -38,7 +38,17 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from forkbuild import fetch, install, log, matrix, mutants, patch_status, tree, uv
+from forkbuild import (
+    fetch,
+    install,
+    lock,
+    log,
+    matrix,
+    mutants,
+    patch_status,
+    tree,
+    uv,
+)
 from forkbuild.errors import ForkError
 from forkbuild.hashing import digest_of
 from forkbuild.pins import REPO_ROOT, Pins, Release, build_dir, locks_dir
@@ -241,28 +251,8 @@ def lock_hooks(pins: Pins, config_text: str) -> Path:
     if target.is_file() and _HOOKS_DIGEST + digest in target.read_text():
         log.step(f"lock: {target.name} is up to date")
         return target
-    source = build_dir() / "upstream" / "release-hooks.in"
-    source.parent.mkdir(parents=True, exist_ok=True)
-    source.write_text("".join(f"{r}\n" for r in requirements))
-    out = source.with_suffix(".txt")
-    uv.run(
-        pins,
-        [
-            "pip",
-            "compile",
-            str(source),
-            "--generate-hashes",
-            "--no-header",
-            "--no-annotate",
-            "--python-version",
-            "3.11",
-            "--python-platform",
-            pins.lock_platform,
-            "--quiet",
-            "-o",
-            str(out),
-        ],
-        what=f"resolve {target.name}",
+    body = lock.resolve(
+        pins, "".join(f"{r}\n" for r in requirements), "3.11", target.name
     )
     target.write_text(
         f"# {target.name}: the mypy hook of vLLM's .pre-commit-config.yaml\n"
@@ -271,7 +261,7 @@ def lock_hooks(pins: Pins, config_text: str) -> Path:
         f"release of\n"
         f"# fork.toml [matrix]; `make upstream` installs it to run that hook; "
         f"do not edit.\n"
-        f"{_HOOKS_DIGEST}{digest}\n" + out.read_text()
+        f"{_HOOKS_DIGEST}{digest}\n" + body
     )
     log.step(f"lock: wrote {target}")
     return target
