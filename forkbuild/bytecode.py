@@ -69,47 +69,37 @@ def restore(root: Path, kept: Path) -> int:
     """Link the bytecode kept in KEPT into ROOT where ROOT has the source folder and no
     bytecode of its own yet; return how many files were linked. A file that cannot be
     linked is skipped (Python compiles it): the cache is an optimization."""
-    if not kept.is_dir():
-        return 0
-    linked, failed = 0, []
-    for rel in _pyc_files(kept):
-        dest = root / rel
-        if dest.exists() or not dest.parent.parent.is_dir():
-            continue
-        try:
-            dest.parent.mkdir(exist_ok=True)
-            _link(kept / rel, dest)
-        except OSError as exc:
-            failed.append(exc)
-            continue
-        linked += 1
-    _report(failed, f"linked into {root}")
-    return linked
+    return _link_missing(kept, root, f"linked into {root}", source_folder_only=True)
 
 
 def keep(root: Path, kept: Path) -> int:
     """Link into KEPT the bytecode under ROOT that KEPT lacks; return how many files.
     A file that cannot be kept (a full or read-only cache, a .pyc replaced meanwhile)
     is skipped."""
-    added, failed = 0, []
-    for rel in _pyc_files(root):
-        dest = kept / rel
-        if dest.exists():
+    return _link_missing(root, kept, f"kept in {kept}")
+
+
+def _link_missing(
+    src: Path, dst: Path, what: str, source_folder_only: bool = False
+) -> int:
+    """Link each .pyc under SRC (none if SRC is missing) that DST lacks into DST; with
+    SOURCE_FOLDER_ONLY, only where DST has the folder above its __pycache__. Return
+    how many were linked; report (as WHAT) those that could not be."""
+    linked, failed = 0, []
+    for rel in _pyc_files(src):
+        dest = dst / rel
+        if dest.exists() or (source_folder_only and not dest.parent.parent.is_dir()):
             continue
         try:
             dest.parent.mkdir(parents=True, exist_ok=True)
-            _link(root / rel, dest)
+            _link(src / rel, dest)
         except OSError as exc:
             failed.append(exc)
             continue
-        added += 1
-    _report(failed, f"kept in {kept}")
-    return added
-
-
-def _report(failed: list[OSError], what: str) -> None:
+        linked += 1
     if failed:
         log.step(
             f"bytecode: {len(failed)} file(s) could not be {what} ({failed[0]}); "
             "Python compiles them instead"
         )
+    return linked

@@ -70,10 +70,6 @@ class Result:
         )
 
 
-def install_env() -> dict[str, str]:
-    return {**os.environ, "VLLM_FORK_BUILD": str(home())}
-
-
 def install_cuda_route(pins: Pins, results: Path) -> tuple[Path, Path]:
     """Run the install step itself, for the CUDA route, in build/cuda-route: what a GPU
     host runs, minus the GPU. Returns (python, tree)."""
@@ -93,7 +89,7 @@ def install_cuda_route(pins: Pins, results: Path) -> tuple[Path, Path]:
                 "--without-gpu",
             ],
             cwd=REPO_ROOT,
-            env=install_env(),
+            env={**os.environ, "VLLM_FORK_BUILD": str(home())},
             stdout=sink,
             stderr=subprocess.STDOUT,
             check=False,

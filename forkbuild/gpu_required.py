@@ -150,12 +150,11 @@ def parse_gpus(csv_text: str) -> list[Gpu]:
     for row in rows[1:]:
         if not row:
             continue
-        major, _, minor = row[column["compute_cap"]].strip().partition(".")
         gpus.append(
             Gpu(
                 int(row[column["index"]]),
                 row[column["uuid"]].strip(),
-                (int(major), int(minor or 0)),
+                _capability(row[column["compute_cap"]].strip()),
             )
         )
     return gpus

@@ -22,7 +22,7 @@ from forkbuild.hashing import digest_of
 from forkbuild.pins import Pins, Route, locks_dir
 
 FORMAT = "forkbuild-lock-1"
-_DIGEST_LINE = "# inputs-sha256: "
+DIGEST_LINE = "# inputs-sha256: "
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s\\;]+)")
 
 
@@ -86,8 +86,8 @@ def inputs(pins: Pins, route: Route, python: str, tree_path: Path) -> LockInputs
 
 def recorded_digest(lock_file: Path) -> str | None:
     for line in lock_file.read_text().splitlines():
-        if line.startswith(_DIGEST_LINE):
-            return line[len(_DIGEST_LINE) :].strip()
+        if line.startswith(DIGEST_LINE):
+            return line[len(DIGEST_LINE) :].strip()
     return None
 
 
@@ -156,7 +156,7 @@ def _header(pins: Pins, lock_inputs: LockInputs, digest: str) -> str:
         "[toolchain] and "
         f"[routes.{r.name}] and vLLM {pins.upstream_version}'s {r.requirements}; do "
         "not edit.\n"
-        f"{_DIGEST_LINE}{digest}\n"
+        f"{DIGEST_LINE}{digest}\n"
     )
 
 

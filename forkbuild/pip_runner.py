@@ -20,7 +20,6 @@ def run_pip(
     *,
     what: str,
     env: Mapping[str, str] | None = None,
-    cwd: Path | None = None,
     quiet: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """Run `python -m pip ARGS`; on failure raise with pip's last error line.
@@ -35,7 +34,6 @@ def run_pip(
     result = subprocess.run(
         cmd,
         env=dict(env) if env is not None else None,
-        cwd=cwd,
         text=True,
         capture_output=quiet,
         check=False,

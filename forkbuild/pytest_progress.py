@@ -33,9 +33,9 @@ def pytest_configure(config) -> None:
     _forked = bool(config.getoption("forked", default=False))
 
 
-def leftovers(mark: str) -> Iterator[int]:
-    """The other processes whose environment holds CASE_MARK=MARK (Linux /proc)."""
-    wanted = f"{CASE_MARK}={mark}".encode()
+def leftovers(mark: str, variable: str = CASE_MARK) -> Iterator[int]:
+    """The other processes whose environment holds VARIABLE=MARK (Linux /proc)."""
+    wanted = f"{variable}={mark}".encode()
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():
             try:

@@ -13,7 +13,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from forkbuild import log
+from forkbuild import log, pytest_progress
 from forkbuild.errors import ForkError
 
 
@@ -137,25 +137,10 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
-def marked_processes(token: str) -> list[int]:
-    """The live processes whose environment holds _RUN_MARK=TOKEN (Linux /proc)."""
-    mark = f"{_RUN_MARK}={token}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if mark in (entry / "environ").read_bytes().split(b"\0"):
-                found.append(int(entry.name))
-        except OSError:  # gone meanwhile, or another user's
-            continue
-    return found
-
-
 def _kill_all(pgid: int, token: str) -> None:
     """SIGKILL the process group PGID and every process marked with TOKEN."""
     _signal_group(pgid, signal.SIGKILL)
-    for pid in marked_processes(token):
+    for pid in pytest_progress.leftovers(token, _RUN_MARK):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
 

@@ -210,12 +210,8 @@ def extract_data(
                 "run forkbuild with Python 3.11.4 or newer",
             )
         member.mode &= 0o755 if member.isdir() or member.mode & 0o100 else 0o644
-        member.uid, member.gid, member.uname, member.gname = (
-            os.getuid(),
-            os.getgid(),
-            "",
-            "",
-        )
+        member.uid, member.gid = os.getuid(), os.getgid()
+        member.uname = member.gname = ""
     tar.extractall(dest, members=checked())
 
 
@@ -229,21 +225,12 @@ def _apply_patches(
         result = git(["am", "--keep-cr", str(patch.path)], tmp, env, stop)
         if result.returncode != 0:
             output = f"{result.stdout}\n{result.stderr}"
-            hunk = next(
-                (
-                    ln.strip()
-                    for ln in output.splitlines()
-                    if ln.startswith("error: patch failed")
-                ),
-                next(
-                    (
-                        ln.strip()
-                        for ln in output.splitlines()
-                        if ln.startswith("error:")
-                    ),
-                    "no detail",
-                ),
-            )
+            # the failed hunk, else git's first error
+            errors = [
+                ln.strip() for ln in output.splitlines() if ln.startswith("error:")
+            ]
+            failed = [ln for ln in errors if ln.startswith("error: patch failed")]
+            hunk = (failed or errors or ["no detail"])[0]
             raise ForkError(
                 f"patch {patch.name} does not apply to vLLM's sdist: {hunk}",
                 "refresh the patch against the pinned sdist; no tree was changed",

@@ -184,7 +184,6 @@ def check_words(pr: PullRequest, fork_of: str) -> None:
 # applies to test files, beside ruff check, ruff format and mypy.
 HOOK_SCRIPTS = ("check_spdx_header", "check_forbidden_imports", "check_test_tethering")
 HOOKS_LOCK = "release-hooks-py311.txt"
-_HOOKS_DIGEST = "# inputs-sha256: "
 
 
 def pinned_ruff(release_tree: Path) -> str:
@@ -248,7 +247,7 @@ def lock_hooks(pins: Pins, config_text: str) -> Path:
     with its sha256. Rewritten only when the release's hook asks for something else."""
     _, requirements = mypy_hook(config_text)
     target, digest = hooks_lock_path(), hooks_inputs_digest(requirements)
-    if target.is_file() and _HOOKS_DIGEST + digest in target.read_text():
+    if target.is_file() and lock.DIGEST_LINE + digest in target.read_text():
         log.step(f"lock: {target.name} is up to date")
         return target
     body = lock.resolve(
@@ -261,7 +260,7 @@ def lock_hooks(pins: Pins, config_text: str) -> Path:
         f"release of\n"
         f"# fork.toml [matrix]; `make upstream` installs it to run that hook; "
         f"do not edit.\n"
-        f"{_HOOKS_DIGEST}{digest}\n" + body
+        f"{lock.DIGEST_LINE}{digest}\n" + body
     )
     log.step(f"lock: wrote {target}")
     return target
@@ -274,7 +273,7 @@ def hooks_python(pins: Pins, release_tree: Path) -> Path:
     lock_file = hooks_lock_path()
     if (
         not lock_file.is_file()
-        or _HOOKS_DIGEST + hooks_inputs_digest(requirements)
+        or lock.DIGEST_LINE + hooks_inputs_digest(requirements)
         not in lock_file.read_text()
     ):
         raise ForkError(

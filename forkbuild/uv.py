@@ -238,30 +238,16 @@ def install(
     *,
     what: str,
     lock: Path | None = None,
-    extra_env: dict[str, str] | None = None,
 ) -> None:
     """`uv pip ARGS` (installing WHAT, e.g. "the packages of cpu-py311.txt") from uv's
     cache alone first; only what the cache lacks is downloaded (a full disk is said in
     one line with the folder it hit: _disk_failure)."""
     try:
-        run(
-            pins,
-            ["pip", *args, "--offline"],
-            what=f"install {what}",
-            lock=lock,
-            extra_env=extra_env,
-        )
+        run(pins, ["pip", *args, "--offline"], what=f"install {what}", lock=lock)
         return
     except _Final:
         raise
     except ForkError:
         pass
     log.step(f"install: downloading what uv's cache lacks for {what}")
-    run(
-        pins,
-        ["pip", *args],
-        what=f"install {what}",
-        lock=lock,
-        extra_env=extra_env,
-        stream=True,
-    )
+    run(pins, ["pip", *args], what=f"install {what}", lock=lock, stream=True)

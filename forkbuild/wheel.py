@@ -171,20 +171,14 @@ def verify_wheel(
         path, official, patched_paths(tree.read_series(patches_dir))
     )
     with zipfile.ZipFile(path) as whl:
-        names = set(whl.namelist())
         verdict = fixcheck.classify(whl.read(fixcheck.MODULE_PATH).decode())
-        metadata = next((n for n in names if n.endswith(".dist-info/METADATA")), None)
-        version = (
-            next(
-                (
-                    ln.split(":", 1)[1].strip()
-                    for ln in whl.read(metadata).decode().splitlines()
-                    if ln.startswith("Version:")
-                ),
-                None,
-            )
-            if metadata
-            else None
+        version = next(
+            (
+                ln.split(":", 1)[1].strip()
+                for ln in _metadata(whl).splitlines()
+                if ln.startswith("Version:")
+            ),
+            None,
         )
     problems, hints = [], []
     ours, theirs = _requirements(path), _requirements(official)
@@ -227,14 +221,19 @@ def _requirements(path: Path) -> list[str]:
     an installer takes from it (the rest of .dist-info names the build, not the
     needs)."""
     with zipfile.ZipFile(path) as whl:
-        name = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
         # headers end at the first blank line
-        head = whl.read(name).decode().split("\n\n", 1)[0]
+        head = _metadata(whl).split("\n\n", 1)[0]
     return sorted(
         line.strip()
         for line in head.splitlines()
         if line.startswith(("Requires-Dist:", "Requires-Python:"))
     )
+
+
+def _metadata(whl: zipfile.ZipFile) -> str:
+    """The wheel's .dist-info/METADATA (StopIteration where it has none)."""
+    name = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
+    return whl.read(name).decode()
 
 
 def _tag_options(official: Path) -> list[str]:

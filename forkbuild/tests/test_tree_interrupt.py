@@ -30,8 +30,8 @@ def test_ctrl_c_beside_the_venv_does_not_wait_for_the_tree(
     fork_pins, scratch_sdist, monkeypatch, after
 ):
     """KeyboardInterrupt in the venv's step (the main thread) while the tree thread
-    unpacks or commits: _venv_beside_tree returns within a second, with no tree in
-    place."""
+    unpacks or commits: _venv_beside_tree returns without waiting for the tree (8 s
+    and more on 2 cores), and no tree is in place."""
     started, raised_at = threading.Event(), []
     monkeypatch.setattr(
         log,
@@ -48,7 +48,8 @@ def test_ctrl_c_beside_the_venv_does_not_wait_for_the_tree(
     monkeypatch.setattr(install, "ensure_toolchain", interrupted_venv)
     with pytest.raises(KeyboardInterrupt):
         install._venv_beside_tree(fork_pins, fork_pins.routes["cpu"])
-    assert time.monotonic() - raised_at[0] < 1.0
-    final = tree.tree_dir(fork_pins)
-    # never half
-    assert not final.exists() or (final / ".git" / tree.INPUTS_FILE).is_file()
+    # The tree stops at its next file or git command: a second when the machine is
+    # idle, and one git command may take seconds beside CI's other suites. The tree
+    # not in place is what shows it was stopped, not waited for.
+    assert time.monotonic() - raised_at[0] < 10.0
+    assert not tree.tree_dir(fork_pins).exists()
