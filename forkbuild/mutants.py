@@ -33,6 +33,9 @@ class Mutant:
     path: str  # the file in the release tree
     original: str  # text that occurs exactly once in it
     mutated: str
+    # A GPU job that a change to PATH triggers and that would likely catch it (read,
+    # not run: docs/upstream-triggered-jobs.md), or "" where none would.
+    gpu_job: str = ""
 
 
 # The code of the packed KV cache path in vLLM 0.33.0, by what it does.
@@ -68,6 +71,9 @@ MUTANTS: dict[str, tuple[Mutant, ...]] = {
             _ALLOC,
             "kernel_block_size = kernel_block_sizes[group_id]",
             "kernel_block_size = kernel_block_sizes[0]",
+            gpu_job="`v1-executor-worker` "
+            "(`test_gpu_model_runner.py::test_hybrid_attention_mamba_tensor_shapes`: "
+            "a Mamba hybrid whose groups have other kernel block sizes)",
         ),
         Mutant(
             "BLNHC stored heads-before-tokens (an alias of BLHNC)",
@@ -497,8 +503,15 @@ class Row:
 
     @property
     def survivor(self) -> bool:
-        """Missed by the release's own tests: only such a mutant measures a PR."""
+        """Missed by the release's own tests of the mutated code, run here (CPU)."""
         return not self.upstream_killers
+
+    @property
+    def counts(self) -> bool:
+        """Caught by no CI job that a change to the mutated file triggers: missed by the
+        release's tests run here, and by the triggered GPU jobs as read. Only such a
+        mutant measures a PR."""
+        return self.survivor and not self.mutant.gpu_job
 
 
 def deselect(baseline: Outcome) -> list[str]:
@@ -669,26 +682,26 @@ def differential(
 
 
 def check(rows: list[Row], pr_names: list[str]) -> None:
-    """Every survivor of the release's tests is killed by some PR, each PR kills at
-    least one survivor, and the survivors are at least MIN_SURVIVORS."""
-    survivors = [r for r in rows if r.survivor]
+    """Every mutant that no triggered CI job catches (Row.counts) is killed by some PR,
+    each PR kills at least one of them, and they are at least MIN_SURVIVORS."""
+    survivors = [r for r in rows if r.counts]
     unkilled = [r.mutant.name for r in survivors if not any(r.by_pr.values())]
     idle = [n for n in pr_names if not any(r.by_pr[n] for r in survivors)]
     problems = []
     if unkilled:
         problems.append(
-            f"{len(unkilled)} mutant(s) survive the release's tests and every PR: "
+            f"{len(unkilled)} mutant(s) survive the triggered CI jobs and every PR: "
             + "; ".join(unkilled)
         )
     if idle:
         problems.append(
-            f"{', '.join(idle)} kill(s) no mutant the release's tests miss: "
+            f"{', '.join(idle)} kill(s) no mutant the triggered CI jobs miss: "
             "not worth sending"
         )
     if len(survivors) < MIN_SURVIVORS:
         problems.append(
-            f"only {len(survivors)} mutant(s) survive the release's tests "
-            f"({MIN_SURVIVORS} wanted across the packed path)"
+            f"only {len(survivors)} mutant(s) survive the release's tests and the "
+            f"triggered GPU jobs ({MIN_SURVIVORS} wanted across the packed path)"
         )
     if problems:
         raise ForkError(
@@ -697,14 +710,15 @@ def check(rows: list[Row], pr_names: list[str]) -> None:
 
 
 def table(rows: list[Row], pr: str) -> str:
-    """PR's table for its description: the mutants the release's tests miss and it
-    kills, then each of them as a diff, so that a reviewer can apply it and run both
-    again."""
+    """PR's table for its description: the mutants that no CI job a change to the
+    mutated file triggers catches and that it kills, then each of them as a diff, so
+    that a reviewer can apply it and run both again."""
     lines = [
-        "| mutant | file | killed by the release's tests | killed by this PR |",
+        "| mutant | file | caught by a CI job that a change to the file triggers "
+        "| killed by this PR |",
         "| --- | --- | --- | --- |",
     ]
-    listed = [row for row in rows if row.survivor and row.by_pr[pr]]
+    listed = [row for row in rows if row.counts and row.by_pr[pr]]
     for row in listed:
         lines.append(
             f"| {row.mutant.name} | `{row.mutant.path}` | no | "
@@ -712,13 +726,19 @@ def table(rows: list[Row], pr: str) -> str:
         )
     mine = [r for r in rows if r.by_pr[pr] or r.mutant.path in _paths(rows, pr)]
     caught = sum(1 for r in mine if not r.survivor)
+    on_gpu = [r for r in mine if r.survivor and r.mutant.gpu_job]
     tests = sorted({t for r in mine for t in r.upstream_tests})
     lines.append("")
     lines.append(
         f"Mutants tried on the code these tests cover: {len(mine)}, each one change to "
-        f"vLLM's code, applied alone; the release's own tests of that code, as shipped "
-        f"({', '.join(f'`{t}`' for t in tests)}), "
-        f"kill {caught} of them. The table lists those they miss and this PR kills."
+        f"vLLM's code, applied alone. The release's own tests of that code, as shipped "
+        f"({', '.join(f'`{t}`' for t in tests)}), run on CPU, "
+        f"kill {caught} of them. The GPU jobs whose `source_file_dependencies` a "
+        "change to the mutated file triggers were read case by case (which cases "
+        f"execute the mutated line, and would they fail): {len(on_gpu)} of the rest "
+        "would likely be caught there"
+        + "".join(f"; {r.mutant.name}: {r.mutant.gpu_job}" for r in on_gpu)
+        + ". The table lists the others that this PR kills."
     )
     lines += [
         "",
@@ -786,6 +806,11 @@ def summary(rows: list[Row], pr: str | None = None) -> str:
             f"(first failing case: {row.upstream_killers[0]})"
             if row.upstream_killers
             else "the release's tests miss it"
+            + (
+                f"; a triggered GPU job would likely catch it: {row.mutant.gpu_job}"
+                if row.mutant.gpu_job
+                else "; no triggered GPU job executes it (read)"
+            )
         )
         out.append(f"mutant {row.mutant.name} [{row.mutant.path}]: {up}; {verdict}")
     return "\n".join(out)

@@ -5,6 +5,7 @@ longer matches the release's code stops the step."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -275,11 +276,29 @@ def test_a_survivor_nothing_kills_and_an_idle_pr_stop_the_step(worktree, tmp_pat
     assert nobody.survivor and nobody.by_pr == {"01-pages": []}
     with pytest.raises(ForkError) as err:
         mutants.check([nobody], ["01-pages"])
-    assert "survive the release's tests and every PR: copy instead of view" in str(
+    assert "survive the triggered CI jobs and every PR: copy instead of view" in str(
         err.value
     )
-    assert "01-pages kill(s) no mutant the release's tests miss" in str(err.value)
+    assert "01-pages kill(s) no mutant the triggered CI jobs miss" in str(err.value)
     assert _clean(worktree)
+
+
+def test_a_mutant_a_triggered_gpu_job_would_catch_does_not_count(worktree, tmp_path):
+    """Missed on CPU, killed by the PR, but a GPU job that a change to the file
+    triggers would likely catch it (read): it is named beside the table, not in it,
+    and measures no PR."""
+    on_gpu = mutants.Mutant(*dataclasses.astuple(MISSED)[:4], gpu_job="`gpu-job`")
+    (row,) = _rows(worktree, tmp_path, (on_gpu,))
+    assert row.survivor and row.by_pr["01-pages"] and not row.counts
+    text = mutants.table([row], "01-pages")
+    assert "| the row cut at 8 items |" not in text and "```diff" not in text
+    assert "1 of the rest would likely be caught there" in text
+    assert "the row cut at 8 items: `gpu-job`" in text
+    assert "a triggered GPU job would likely catch it: `gpu-job`" in mutants.summary(
+        [row]
+    )
+    with pytest.raises(ForkError, match="01-pages kill.s. no mutant the triggered"):
+        mutants.check([row], ["01-pages"])
 
 
 def test_a_mutant_that_no_longer_matches_is_refused_untouched(worktree, tmp_path):
