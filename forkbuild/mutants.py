@@ -4,7 +4,8 @@ tests of that path (as shipped) and against the PRs' cases. A PR is worth what i
 that the release's tests miss.
 
 Each mutant is one text substitution, written by hand from reading that release's code
-(offset, strides, layout order, view vs copy: the ways #47054-like defects happen). It
+(offset, strides, layout order, view vs copy: the ways #47054-like defects happen),
+applied as a unified diff with `git apply`, the diff the PR descriptions show. It
 must match exactly once; when the release's code changes, the step stops and names the
 mutant to rewrite rather than testing something else. The file is restored by git after
 each run, and its bytecode removed both times so that no stale .pyc stands in for it.
@@ -12,14 +13,16 @@ each run, and its bytecode removed both times so that no stale .pyc stands in fo
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
 import shutil
+import tempfile
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from forkbuild import log, tree
@@ -36,6 +39,26 @@ class Mutant:
     # A GPU job that a change to PATH triggers and that would likely catch it (read,
     # not run: docs/upstream-triggered-jobs.md), or "" where none would.
     gpu_job: str = ""
+
+    def diff(self, text: str) -> str:
+        """The mutant as a unified diff of TEXT (its file in the release), which
+        `git apply` takes: what the tool applies and the PR descriptions show."""
+        found = text.count(self.original)
+        if found != 1:
+            raise ForkError(
+                f"mutant '{self.name}' matches {found} times in {self.path} "
+                "(once expected): "
+                "the release's code is not what the mutant was written against",
+                "rewrite the mutant in forkbuild/mutants.py from the release's code",
+            )
+        return "".join(
+            difflib.unified_diff(
+                text.splitlines(keepends=True),
+                text.replace(self.original, self.mutated).splitlines(keepends=True),
+                f"a/{self.path}",
+                f"b/{self.path}",
+            )
+        )
 
 
 # The code of the packed KV cache path in vLLM 0.33.0, by what it does.
@@ -270,19 +293,23 @@ def release_tests(version: str, path: str) -> tuple[str, ...]:
     return RELEASE_TESTS[version][path]
 
 
-def apply(worktree: Path, mutant: Mutant) -> None:
+def apply(worktree: Path, mutant: Mutant) -> str:
+    """Apply MUTANT's diff to WORKTREE with `git apply`; return the diff."""
     target = worktree / mutant.path
-    text = target.read_text() if target.is_file() else ""
-    found = text.count(mutant.original)
-    if found != 1:
+    diff = mutant.diff(target.read_text() if target.is_file() else "")
+    # Outside the worktree: its untracked files are part of a run's key.
+    with tempfile.NamedTemporaryFile("w", suffix=".diff") as patch:
+        patch.write(diff)
+        patch.flush()
+        done = tree.git(["apply", "--whitespace=nowarn", patch.name], worktree)
+    if done.returncode != 0:
         raise ForkError(
-            f"mutant '{mutant.name}' matches {found} times in {mutant.path} "
-            "(once expected): "
-            "the release's code is not what the mutant was written against",
+            f"git apply refused mutant '{mutant.name}' on {mutant.path}: "
+            f"{done.stderr.strip()}",
             "rewrite the mutant in forkbuild/mutants.py from the release's code",
         )
-    target.write_text(text.replace(mutant.original, mutant.mutated))
     _drop_bytecode(target)
+    return diff
 
 
 def restore(worktree: Path, mutant: Mutant) -> None:
@@ -500,6 +527,9 @@ class Row:
     upstream_tests: tuple[str, ...]  # the release's test files of the mutated code
     upstream_killers: list[str]  # their cases it made fail (the first one, under -x)
     by_pr: dict[str, list[str]]  # PR name -> its cases that failed
+    # The mutant as `git apply` takes it on the release (Mutant.diff): how it is shown,
+    # not part of the result.
+    diff: str = field(default="", compare=False)
 
     @property
     def survivor(self) -> bool:
@@ -676,6 +706,7 @@ def differential(
                         name: [c for c in failed if owns(c)]
                         for name, owns in owners.items()
                     },
+                    mutant.diff((stock / mutant.path).read_text()),
                 )
             )
     return rows
@@ -743,8 +774,8 @@ def table(rows: list[Row], pr: str) -> str:
     lines += [
         "",
         "<details>",
-        "<summary>The mutants: each replaces the - text by the + text, "
-        "which occurs once in its file</summary>",
+        "<summary>The mutants, each as `git apply` takes it on the release "
+        "(what was applied)</summary>",
         "",
     ]
     for row in listed:
@@ -752,8 +783,13 @@ def table(rows: list[Row], pr: str) -> str:
             f"{row.mutant.name}, in `{row.mutant.path}`:",
             "",
             "```diff",
-            *(f"-{line}" for line in row.mutant.original.strip("\n").splitlines()),
-            *(f"+{line}" for line in row.mutant.mutated.strip("\n").splitlines()),
+            *(
+                row.diff.rstrip("\n").splitlines()
+                or (
+                    *(f"-{x}" for x in row.mutant.original.strip("\n").splitlines()),
+                    *(f"+{x}" for x in row.mutant.mutated.strip("\n").splitlines()),
+                )
+            ),
             "```",
             "",
         ]

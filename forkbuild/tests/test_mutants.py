@@ -146,10 +146,16 @@ def test_the_differential_credits_a_pr_only_with_what_the_release_tests_miss(
         "Mutants tried on the code these tests cover: 2" in text
         and "kill 1 of them" in text
     )
-    # Each listed mutant as the text it replaces, for a reviewer to apply; not the
-    # caught one.
-    assert "```diff\n-raw[offset::stride]\n+raw[offset:8:stride]\n```" in text
+    # Each listed mutant as the diff the tool applied, which `git apply` takes on the
+    # release as the description shows it; not the caught one.
     assert text.count("```diff") == 1
+    shown = text.split("```diff\n", 1)[1].split("```", 1)[0]
+    assert shown == missed.diff
+    assert shown.startswith("--- a/pkg/views.py\n+++ b/pkg/views.py\n@@ ")
+    assert "-    return raw[offset::stride]\n+    return raw[offset:8:stride]" in shown
+    (tmp_path / "shown.diff").write_text(shown)
+    applied = tree.git(["apply", "--check", str(tmp_path / "shown.diff")], worktree)
+    assert applied.returncode == 0, applied.stderr
     with pytest.raises(ForkError, match="only 1 mutant.*survive the release's tests"):
         mutants.check([caught, missed], ["01-pages"])
 
