@@ -47,6 +47,8 @@ BREAKAGE = ("fastapi", "fastapi")
 # vLLM's CUDA platform, which resolving the platform on a GPU host imports.
 PART_ONE_IMPORTS = (
     "vllm.platforms.cuda",
+    "vllm._custom_ops",
+    "vllm.vllm_flash_attn",
     "vllm.v1.attention.ops.triton_reshape_and_cache_flash",
     "vllm.v1.attention.ops.triton_unified_attention",
     "vllm.v1.attention.backends.triton_attn",

@@ -322,10 +322,12 @@ def case_args(nodes: list[str], standing_in: list[str] = ()) -> list[str]:
 
 
 def case_env(dest: Path, standing_in: list[str] = ()) -> dict[str, str]:
-    env = {**OFFLINE, "VLLM_OFFLOAD_E2E_MODELS": str(dest / "models")}
-    if standing_in:
-        env[bundle_standin.ENV] = ",".join(standing_in)
-    return env
+    # Always set: a value inherited from the caller never stands in for what arrived.
+    return {
+        **OFFLINE,
+        "VLLM_OFFLOAD_E2E_MODELS": str(dest / "models"),
+        bundle_standin.ENV: ",".join(standing_in),
+    }
 
 
 def pythonpath(dest: Path, runner: bool = False) -> str:
@@ -402,6 +404,11 @@ def check_vllm(
         problems.append(f"{fixcheck.FUNCTION} is {found['verdict']}")
     if platform_too and not found.get("cuda"):
         problems.append(f"vLLM picks {found.get('platform')}, not its CUDA platform")
+    if sorted(found["stand_ins"]) != sorted(standing_in):
+        problems.append(
+            f"the probe stood in for {found['stand_ins'] or 'nothing'}, the runner for "
+            f"{list(standing_in) or 'nothing'}"
+        )
     if problems:
         raise ForkError(
             "; ".join(problems),

@@ -3,8 +3,9 @@
 vLLM's CUDA platform imports its cache ops' extension (`vllm._C_stable_libtorch`) for
 one side effect, registering the ops, and that extension is a part of its own. Until
 that part arrives, the bundle's runner imports an empty module in its place (fork.toml
-[gpu_bundle] stand_in) and runs only cases that call none of its ops; a call that
-needs one fails with torch's "no such op" error. Loaded as a pytest plugin (`-p`) and
+[gpu_bundle] stand_in) and runs only cases read to call none of its ops (a direct call
+fails with torch's "no such op" error; code that first asks hasattr(torch.ops._C, ...)
+would take another path). Loaded as a pytest plugin (`-p`) and
 by the runner's vLLM probe, before anything imports vLLM; the modules come from
 FORK_BUNDLE_STAND_INS (comma-separated).
 """

@@ -51,10 +51,20 @@ class Mutant:
                 "the release's code is not what the mutant was written against",
                 "rewrite the mutant in forkbuild/mutants.py from the release's code",
             )
+        if not text.endswith("\n"):
+            raise ForkError(
+                f"{self.path} does not end with a newline, which a diff of it would "
+                "have to mark",
+                "write the mutant against a file that does, or mark it here",
+            )
+
+        def lines(of: str) -> list[str]:  # on "\n" only, as git reads them
+            return [line + "\n" for line in of.split("\n")[:-1]]
+
         return "".join(
             difflib.unified_diff(
-                text.splitlines(keepends=True),
-                text.replace(self.original, self.mutated).splitlines(keepends=True),
+                lines(text),
+                lines(text.replace(self.original, self.mutated)),
                 f"a/{self.path}",
                 f"b/{self.path}",
             )
@@ -296,9 +306,10 @@ def release_tests(version: str, path: str) -> tuple[str, ...]:
 def apply(worktree: Path, mutant: Mutant) -> str:
     """Apply MUTANT's diff to WORKTREE with `git apply`; return the diff."""
     target = worktree / mutant.path
-    diff = mutant.diff(target.read_text() if target.is_file() else "")
+    # newline="": CRLF stays CRLF in the diff, as in the file git applies it to
+    diff = mutant.diff(target.open(newline="").read() if target.is_file() else "")
     # Outside the worktree: its untracked files are part of a run's key.
-    with tempfile.NamedTemporaryFile("w", suffix=".diff") as patch:
+    with tempfile.NamedTemporaryFile("w", suffix=".diff", newline="") as patch:
         patch.write(diff)
         patch.flush()
         done = tree.git(["apply", "--whitespace=nowarn", patch.name], worktree)
@@ -706,7 +717,7 @@ def differential(
                         name: [c for c in failed if owns(c)]
                         for name, owns in owners.items()
                     },
-                    mutant.diff((stock / mutant.path).read_text()),
+                    mutant.diff((stock / mutant.path).open(newline="").read()),
                 )
             )
     return rows

@@ -225,6 +225,10 @@ def test_part_one_runs_a_kernel_case_on_the_reference_bundles_sizes():
     added = gpu_bundle.cases_by_part(parts, settings["every_case"], needs, set(sizes))
     kernels = "tests/v1/worker/test_packed_kv_cache_gpu_kernels.py::"
     assert added["part-1"] == [f"{kernels}test_triton_attention_over_packed_views"]
+    # FlashAttention's vllm_flash_attn, which the case's fixture imports, needs FA3 (or
+    # FA2) on CUDA: part 1 carries it.
+    fa3 = "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so"
+    assert fa3 in parts[0].components
     assert added["part-2"] == [f"{kernels}test_flash_attention_over_packed_views[3]"]
     assert added["part-3"] == [f"{kernels}test_flash_attention_over_packed_views[2]"]
     assert len(parts) == 4 and len(added["part-4"]) == 5
@@ -423,7 +427,8 @@ def test_the_runner_stands_in_only_for_an_extension_not_transferred_yet(tmp_path
     assert "forkbuild.bundle_standin" not in bundle_run.case_args(["t.py::one"])
     env = bundle_run.case_env(tmp_path, ["pkg._ext", "pkg._other"])
     assert env[bundle_standin.ENV] == "pkg._ext,pkg._other"
-    assert bundle_standin.ENV not in bundle_run.case_env(tmp_path)
+    # set empty, not left out: a value from the caller's environment never applies
+    assert bundle_run.case_env(tmp_path)[bundle_standin.ENV] == ""
 
 
 def test_a_stand_in_is_an_empty_module_only_where_nothing_was_imported(monkeypatch):

@@ -32,7 +32,7 @@ def test_ctrl_c_beside_the_venv_does_not_wait_for_the_tree(
     """KeyboardInterrupt in the venv's step (the main thread) while the tree thread
     unpacks or commits: _venv_beside_tree returns without waiting for the tree (8 s
     and more on 2 cores), and no tree is in place."""
-    started, raised_at = threading.Event(), []
+    started, raised_at, finished_before = threading.Event(), [], []
     monkeypatch.setattr(
         log,
         "step",
@@ -43,6 +43,7 @@ def test_ctrl_c_beside_the_venv_does_not_wait_for_the_tree(
         assert started.wait(30)
         time.sleep(after)
         raised_at.append(time.monotonic())
+        finished_before.append(tree.tree_dir(fork_pins).exists())
         raise KeyboardInterrupt
 
     monkeypatch.setattr(install, "ensure_toolchain", interrupted_venv)
@@ -52,4 +53,5 @@ def test_ctrl_c_beside_the_venv_does_not_wait_for_the_tree(
     # idle, and one git command may take seconds beside CI's other suites. The tree
     # not in place is what shows it was stopped, not waited for.
     assert time.monotonic() - raised_at[0] < 10.0
-    assert not tree.tree_dir(fork_pins).exists()
+    # (a machine that made the whole tree before the interrupt keeps it, whole)
+    assert finished_before[0] or not tree.tree_dir(fork_pins).exists()
