@@ -13,6 +13,7 @@ extensions, which link the NVIDIA driver's library: ``make test`` loads them
 through a stub of it (forkbuild/driver_stub.py, forkbuild/cuda_route.py).
 """
 
+import inspect
 from functools import partial
 
 import pytest
@@ -98,6 +99,27 @@ def test_cache_write_reaches_the_kernel(packed):
         key, value, _, _ = data[name]
         args = write_kv_args(key, value, cache, slots)
         reach_dispatch(partial(write_kv, *args), CACHE_WRITE)
+
+
+def test_triton_cache_write_takes_the_kernel_tests_arguments(packed):
+    """The Triton case writes with write_kv_args() as TritonAttentionImpl passes them:
+    each binds to triton_reshape_and_cache_flash's parameter of that role. (Its launch
+    needs a GPU; test_packed_kv_cache_triton_cpu.py runs it under the interpreter.)"""
+    from vllm.v1.attention.ops.triton_reshape_and_cache_flash import (
+        triton_reshape_and_cache_flash,
+    )
+
+    views, _, data, _, slots = packed
+    name, cache = next(iter(views.items()))
+    key, value, _, _ = data[name]
+    args = write_kv_args(key, value, cache, slots)
+    bound = inspect.signature(triton_reshape_and_cache_flash).bind(*args).arguments
+    key_cache, value_cache = args[2:4]
+    assert bound["key"] is key and bound["value"] is value
+    assert bound["key_cache"] is key_cache and bound["value_cache"] is value_cache
+    assert key_cache.shape == (NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+    assert bound["slot_mapping"] is slots and bound["kv_cache_dtype"] == "auto"
+    assert bound["k_scale"].dtype == bound["v_scale"].dtype == torch.float32
 
 
 @pytest.mark.parametrize("fa_version", [2, 3])
