@@ -301,37 +301,17 @@ def verify(
     imported at the end (forkbuild/import_trace.py): every GPU case skips only for want
     of a device, the kernel calls reach dispatch, every engine module imports. Returns
     (GPU cases, kernel calls); a ForkError says what failed."""
-    tree, report = site.parent / "tree", results / f"{name}-imports.json"
-    report.unlink(missing_ok=True)
-    env = {
-        **bundle_run.case_env(site.parent),
-        **cuda_route.stub_env(stub),
-        **NO_INDEX,
-        "FORKBUILD_TRACE_OUT": str(report),
-        "FORKBUILD_TRACE_IMPORT": ",".join(
-            gpu_bundle.bundle_settings()["engine_modules"]
-        ),
-    }
-    outcome = pytest_runner.run_pytest(
+    outcome, failed = _run_traced(
         python,
-        tree,
-        [
-            "-p",
-            "forkbuild.import_trace",
-            *bundle_run.case_args([*pins.gpu_tests, *pins.cuda_route_tests]),
-        ],
-        results / f"{name}-tests.xml",
-        pythonpath=os.pathsep.join([str(tree), str(site), str(REPO_ROOT)]),
-        output=results / f"{name}-tests.log",
-        extra_env=env,
-        prefix=offline,
+        site,
+        stub,
+        results,
+        offline,
+        name,
+        [*pins.gpu_tests, *pins.cuda_route_tests],
+        gpu_bundle.bundle_settings()["engine_modules"],
     )
-    logs = str(results / f"{name}-tests.log")
-    failed = (
-        json.loads(report.read_text())["import_errors"]
-        if report.is_file()
-        else ["no report"]
-    )
+    logs, report = str(results / f"{name}-tests.log"), results / f"{name}-imports.json"
     if failed:
         raise ForkError(
             f"the engine's modules do not import from the bundle: {'; '.join(failed)}",
@@ -484,6 +464,35 @@ def _run_part_one(
     """NODES as the runner runs them with STANDING_IN (each must skip for want of a
     device); the import errors of PART_ONE_IMPORTS."""
     name = "bundle-part-1" + ("" if standing_in else "-without-stand-ins")
+    outcome, errors = _run_traced(
+        python, site, stub, results, offline, name, nodes, PART_ONE_IMPORTS, standing_in
+    )
+    if standing_in:
+        cuda_route.check_skipped(
+            outcome,
+            results,
+            where="part 1 of the bundle",
+            logs=str(results / f"{name}-tests.log"),
+            required=nodes,
+        )
+    return errors
+
+
+def _run_traced(
+    python: Path,
+    site: Path,
+    stub: Path,
+    results: Path,
+    offline: tuple[str, ...],
+    name: str,
+    nodes: list[str],
+    imports: tuple[str, ...] | list[str],
+    standing_in: list[str] = (),
+) -> tuple[pytest_runner.Outcome, list[str]]:
+    """NODES run from the bundle unpacked at SITE as its runner runs cases (forked, its
+    plugins and limits, offline, STANDING_IN stood in for), through the driver stub,
+    with IMPORTS imported at the end (forkbuild/import_trace.py): the outcome, and the
+    import errors."""
     tree, report = site.parent / "tree", results / f"{name}-imports.json"
     report.unlink(missing_ok=True)
     outcome = pytest_runner.run_pytest(
@@ -498,18 +507,10 @@ def _run_part_one(
             **cuda_route.stub_env(stub),
             **NO_INDEX,
             "FORKBUILD_TRACE_OUT": str(report),
-            "FORKBUILD_TRACE_IMPORT": ",".join(PART_ONE_IMPORTS),
+            "FORKBUILD_TRACE_IMPORT": ",".join(imports),
         },
         prefix=offline,
     )
-    if standing_in:
-        cuda_route.check_skipped(
-            outcome,
-            results,
-            where="part 1 of the bundle",
-            logs=str(results / f"{name}-tests.log"),
-            required=nodes,
-        )
     if not report.is_file():
-        return [f"no report (see {results / f'{name}-tests.log'})"]
-    return json.loads(report.read_text())["import_errors"]
+        return outcome, [f"no report (see {results / f'{name}-tests.log'})"]
+    return outcome, json.loads(report.read_text())["import_errors"]
