@@ -31,6 +31,7 @@ from tests.v1.worker.test_packed_kv_cache_gpu_kernels import (
 )
 from tests.v1.worker.test_packed_kv_cache_layer_views import (
     gpt_oss_like_specs,
+    key_value_views,
     views_per_backend_api,
 )
 
@@ -114,10 +115,14 @@ def test_triton_cache_write_takes_the_kernel_tests_arguments(packed):
     key, value, _, _ = data[name]
     args = write_kv_args(key, value, cache, slots)
     bound = inspect.signature(triton_reshape_and_cache_flash).bind(*args).arguments
-    key_cache, value_cache = args[2:4]
     assert bound["key"] is key and bound["value"] is value
-    assert bound["key_cache"] is key_cache and bound["value_cache"] is value_cache
-    assert key_cache.shape == (NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+    # The layer's own K and V views (not each other's), as TritonAttentionImpl unbinds.
+    for role, view in zip(
+        ("key_cache", "value_cache"), key_value_views(cache, HEAD_SIZE)
+    ):
+        assert bound[role].data_ptr() == view.data_ptr(), role
+        assert bound[role].stride() == view.stride(), role
+        assert bound[role].shape == (NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
     assert bound["slot_mapping"] is slots and bound["kv_cache_dtype"] == "auto"
     assert bound["k_scale"].dtype == bound["v_scale"].dtype == torch.float32
 
