@@ -111,40 +111,18 @@ def simulated_host(pins: Pins) -> tuple[Path, Path]:
         if n in ("torch", "triton") or n.startswith(("nvidia-", "cuda-"))
     }
     entries = lock.entries(lock_file, names)
-    venv, stamp = home() / "venv", home() / "venv.stamp"
-    python = venv / "bin" / "python"
-    wanted = digest_of([entries])
-    if not (
-        stamp.is_file() and stamp.read_text().strip() == wanted and python.exists()
-    ):
-        log.step(
-            f"bundle check: a simulated GPU host in {venv}: Python {HOST_PYTHON}, "
-            f"{len(names)} packages of {lock_file.name} (torch, triton, NVIDIA's)"
-        )
-        shutil.rmtree(venv, ignore_errors=True)
-        stamp.unlink(missing_ok=True)
-        uv.run(
-            pins,
-            ["venv", "--quiet", "--python", str(interpreter(HOST_PYTHON)), str(venv)],
-            what=f"create a Python {HOST_PYTHON} venv",
-        )
-        requirements = home() / "host-packages.txt"
-        requirements.write_text(entries)
-        uv.install(
-            pins,
-            [
-                "install",
-                "--quiet",
-                "--no-deps",
-                "--require-hashes",
-                "--python",
-                str(python),
-                "-r",
-                str(requirements),
-            ],
-            what="the simulated host's torch, triton and NVIDIA packages",
-        )
-        stamp.write_text(wanted + "\n")
+    python = uv.stamped_venv(
+        pins,
+        home() / "venv",
+        interpreter(HOST_PYTHON),
+        entries,
+        digest_of([entries]),
+        f"a simulated GPU host: Python {HOST_PYTHON}, {len(names)} packages of "
+        f"{lock_file.name} (torch, triton, NVIDIA's)",
+        "--quiet",
+        "--no-deps",
+        "--require-hashes",
+    )
     # Described as a GPU host describes itself: the runner's inventory.
     done = subprocess.run(
         [str(python), "-m", "forkbuild.bundle_run", "inventory"],

@@ -131,7 +131,6 @@ def release_python(pins: Pins, release: Release, release_tree_path: Path) -> Pat
             "add its wheels' sha256 to [matrix.torch-sha256]",
         )
     home = matrix_dir() / f"venv-torch-{release.torch}"
-    python = home / "bin" / "python"
     # A stock release is tested on its own requirement ranges (what its users get), not
     # on a lock; its torch is checked against fork.toml's pins all the same.
     torch_line = f"torch=={release.torch} " + " ".join(
@@ -139,32 +138,15 @@ def release_python(pins: Pins, release: Release, release_tree_path: Path) -> Pat
     )
     requirements = [torch_line, *pins.test]
     req_file = release_tree_path / "requirements" / "common.txt"
-    stamp = home / ".forkbuild-venv"
-    value = digest_of([platform.python_version(), *requirements, req_file.read_bytes()])
-    if stamp.exists() and stamp.read_text().strip() == value and python.exists():
-        return python
-    shutil.rmtree(home, ignore_errors=True)
-    log.step(
-        f"matrix: creating {home} for vLLM {release.version} (torch {release.torch})"
+    key = digest_of([platform.python_version(), *requirements, req_file.read_bytes()])
+    return uv.stamped_venv(
+        pins,
+        home,
+        Path(sys.executable),
+        "".join(f"{r}\n" for r in requirements) + f"-r {req_file}\n",
+        key,
+        f"torch {release.torch} and vLLM {release.version}'s requirements",
     )
-    try:
-        uv.run(
-            pins,
-            ["venv", "--quiet", "--python", sys.executable, str(home)],
-            what="create the venv",
-        )
-        listed = home / "requirements.in"
-        listed.write_text("".join(f"{r}\n" for r in requirements) + f"-r {req_file}\n")
-        uv.install(
-            pins,
-            ["install", "--python", str(python), "-r", str(listed)],
-            what=f"torch {release.torch} and vLLM {release.version}'s requirements",
-        )
-    except BaseException:
-        shutil.rmtree(home, ignore_errors=True)
-        raise
-    stamp.write_text(value + "\n")
-    return python
 
 
 # -- running ---------------------------------------------------------------------------

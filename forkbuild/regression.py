@@ -26,35 +26,11 @@ def make_stock_tree(pins: Pins, fork_tree: Path) -> Path:
     """(Re)create the unpatched worktree; cheap, so it is always made afresh."""
     stock = stock_dir(pins)
     env = {**os.environ, **tree.IDENTITY, "GIT_COMMITTER_DATE": "@0 +0000"}
-    if stock.exists():
-        shutil.rmtree(stock)
-    tree.git(["worktree", "prune"], fork_tree, env)
-    made = tree.git(
-        [
-            "worktree",
-            "add",
-            "-q",
-            "--force",
-            "-B",
-            "stock",
-            str(stock),
-            f"v{pins.upstream_version}",
-        ],
-        fork_tree,
-        env,
+    tree.fresh_worktree(
+        fork_tree, stock, f"v{pins.upstream_version}", env, "-B", "stock"
     )
-    if made.returncode != 0:
-        raise ForkError(
-            f"could not create the unpatched worktree: {made.stderr.strip()}",
-            "run `make tree`",
-        )
     # the tests overlay: the fork branch's tip
-    picked = tree.git(["cherry-pick", "fork"], stock, env)
-    if picked.returncode != 0:
-        raise ForkError(
-            "could not add the fork's tests to the unpatched tree: "
-            f"{picked.stderr.strip()}"
-        )
+    tree._git_ok(["cherry-pick", "fork"], stock, env, "add the fork's tests")
     # The compiled extensions and generated version file are build outputs of the
     # editable install, untracked in git; the unpatched tree needs the same ones to
     # import alike.

@@ -20,6 +20,7 @@ import base64
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -251,3 +252,38 @@ def install(
         pass
     log.step(f"install: downloading what uv's cache lacks for {what}")
     run(pins, ["pip", *args], what=f"install {what}", lock=lock, stream=True)
+
+
+def stamped_venv(
+    pins: Pins,
+    home: Path,
+    interpreter: Path,
+    requirements: str,
+    key: str,
+    what: str,
+    *flags: str,
+) -> Path:
+    """HOME's venv of INTERPRETER with REQUIREMENTS (a requirements file's text)
+    installed with `uv pip install FLAGS`; reused while its stamp holds KEY, else made
+    afresh, and removed whole when making it fails."""
+    python = home / "bin" / "python"
+    stamp = home / ".forkbuild-venv"
+    if stamp.is_file() and stamp.read_text().strip() == key and python.exists():
+        return python
+    log.step(f"install: creating {home} for {what}")
+    shutil.rmtree(home, ignore_errors=True)
+    try:
+        run(
+            pins,
+            ["venv", "--quiet", "--python", str(interpreter), str(home)],
+            what=f"create the venv for {what}",
+        )
+        listed = home / "requirements.txt"
+        listed.write_text(requirements)
+        args = ["install", *flags, "--python", str(python), "-r", str(listed)]
+        install(pins, args, what=what)
+    except BaseException:
+        shutil.rmtree(home, ignore_errors=True)
+        raise
+    stamp.write_text(key + "\n")
+    return python
