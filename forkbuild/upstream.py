@@ -3,9 +3,9 @@ of what it adds beyond the tests upstream already has.
 
 The PRs live in upstream-prs/<name>/ (names sort in the order they should be sent): the
 `git format-patch` mail(s) of one commit against the newest release of the version
-matrix (the last of fork.toml [matrix]), pr.toml (the cases it adds, the CPU job that
-runs them) and description.md (the hand-written parts of the release's PR template). For
-each PR, into dist/upstream/<name>/:
+matrix (the last of fork.toml [matrix]), pr.toml (the cases it adds or changes, the CPU
+job that runs them) and description.md (the hand-written parts of the release's PR
+template). For each PR, into dist/upstream/<name>/:
 1. the commit, re-authored and signed off (DCO) by whoever runs the step, as a
    `git format-patch` file;
 2. the proof (PROOF.txt): a fresh worktree of the release, `git am` of that file, the
@@ -281,42 +281,15 @@ def hooks_python(pins: Pins, release_tree: Path) -> Path:
             f"{release_tree.name}'s ({', '.join(requirements)})",
             "run `make lock` to resolve it again",
         )
-    home = build_dir() / "upstream" / "hooks-venv"
-    python = home / "bin" / "python"
-    stamp = home / ".forkbuild-lock"
-    want = digest_of([lock_file.read_bytes()])
-    if stamp.is_file() and stamp.read_text().strip() == want and python.exists():
-        return python
-    shutil.rmtree(home, ignore_errors=True)
-    try:
-        uv.run(
-            pins,
-            [
-                "venv",
-                "--quiet",
-                "--python",
-                str(install.ensure_toolchain(pins)),
-                str(home),
-            ],
-            what="create the venv of the release's mypy hook",
-        )
-        uv.install(
-            pins,
-            [
-                "install",
-                "--python",
-                str(python),
-                "--require-hashes",
-                "-r",
-                str(lock_file),
-            ],
-            what="the release's mypy hook (hash-locked)",
-        )
-    except BaseException:
-        shutil.rmtree(home, ignore_errors=True)
-        raise
-    stamp.write_text(want + "\n")
-    return python
+    return uv.stamped_venv(
+        pins,
+        build_dir() / "upstream" / "hooks-venv",
+        install.ensure_toolchain(pins),
+        lock_file.read_text(),
+        digest_of([lock_file.read_bytes()]),
+        "the release's mypy hook (hash-locked)",
+        "--require-hashes",
+    )
 
 
 def run_hooks(
@@ -368,6 +341,10 @@ def run_hooks(
             for name in HOOK_SCRIPTS
         ),
     ]
+    if any(re.match(r"\.buildkite/.*\.ya?ml$", f) for f in files):
+        # pass_filenames: false; it reads every pipeline file itself
+        step_keys = [str(python), "tools/pre_commit/check_buildkite_step_keys.py"]
+        hooks.append(("check_buildkite_step_keys", step_keys, None))
     if mypy_python is not None:
         entry, _ = mypy_hook((release_tree / ".pre-commit-config.yaml").read_text())
         path = f"{mypy_python.parent}{os.pathsep}{os.environ.get('PATH', '')}"
@@ -471,15 +448,7 @@ def check_job(pr: PullRequest, jobs: dict[str, list[dict]]) -> str:
 
 
 def _worktree(repo: Path, path: Path, tag: str) -> None:
-    env = {**os.environ, **tree.IDENTITY}
-    if path.exists():
-        shutil.rmtree(path)
-    tree.git(["worktree", "prune"], repo, env)
-    made = tree.git(
-        ["worktree", "add", "-q", "--force", "--detach", str(path), tag], repo, env
-    )
-    if made.returncode != 0:
-        raise ForkError(f"could not create a worktree of {tag}: {made.stderr.strip()}")
+    tree.fresh_worktree(repo, path, tag, {**os.environ, **tree.IDENTITY}, "--detach")
 
 
 def apply_mails(work: Path, mails: list[Path], env: dict[str, str]) -> None:

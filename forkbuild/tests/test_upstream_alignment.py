@@ -327,10 +327,17 @@ def test_every_pr_case_runs_in_the_cpu_job_it_names(
 
 
 def test_the_release_hooks_pass_on_the_series(release_hooks, toolchain, fork_pins):
-    lines = upstream.run_hooks(toolchain, release_hooks, series_files(fork_pins))
+    files = series_files(fork_pins)
+    assert ".buildkite/test_areas/misc.yaml" in files  # the PRs' CI lines
+    lines = upstream.run_hooks(toolchain, release_hooks, files)
     assert lines == [
         f"{hook}: passed"
-        for hook in ("ruff check", "ruff format", *upstream.HOOK_SCRIPTS)
+        for hook in (
+            "ruff check",
+            "ruff format",
+            *upstream.HOOK_SCRIPTS,
+            "check_buildkite_step_keys",
+        )
     ]
 
 
@@ -349,6 +356,21 @@ def test_a_hook_finding_stops_the_upstream_step(
     finally:
         bad.unlink()
     assert "fix the test files" in err.value.hint
+
+
+def test_a_pipeline_step_without_a_key_stops_the_upstream_step(
+    release_hooks, toolchain
+):
+    misc = release_hooks / ".buildkite" / "test_areas" / "misc.yaml"
+    kept = misc.read_text()
+    misc.write_text(kept.replace("  key: v1-others-cpu\n", "", 1))
+    try:
+        with pytest.raises(ForkError, match="check_buildkite_step_keys"):
+            upstream.run_hooks(
+                toolchain, release_hooks, [".buildkite/test_areas/misc.yaml"]
+            )
+    finally:
+        misc.write_text(kept)
 
 
 def test_a_ruff_other_than_the_release_pins_is_refused(
