@@ -22,7 +22,7 @@ import json
 import os
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from forkbuild import (
@@ -35,7 +35,7 @@ from forkbuild import (
     pytest_runner,
     uv,
 )
-from forkbuild.errors import ForkError
+from forkbuild.errors import ForkError, run_or_fail
 from forkbuild.hashing import digest_of
 from forkbuild.pins import REPO_ROOT, Pins, build_dir
 
@@ -124,18 +124,11 @@ def simulated_host(pins: Pins) -> tuple[Path, Path]:
         "--require-hashes",
     )
     # Described as a GPU host describes itself: the runner's inventory.
-    done = subprocess.run(
+    done = run_or_fail(
         [str(python), "-m", "forkbuild.bundle_run", "inventory"],
+        "the runner's inventory failed on the simulated host",
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-        capture_output=True,
-        text=True,
-        check=False,
     )
-    if done.returncode != 0:
-        raise ForkError(
-            f"the runner's inventory failed on the simulated host: "
-            f"{done.stderr.strip()[-400:]}"
-        )
     host_file = home() / "host.txt"
     host_file.write_text(
         "# The simulated GPU host of forkbuild/bundle_check.py\n" + done.stdout
@@ -202,20 +195,14 @@ def check(pins: Pins, results: Path, route: tuple[Path, Path, Path]) -> Result:
     )
     # From a folder of its own: run.sh must start the bundle's runner, not this
     # checkout's.
-    done = subprocess.run(
+    done = run_or_fail(
         [*offline, "bash", str(simulated.folder / "run.sh"), "--install", str(dest)],
+        "the bundle does not install offline on the simulated host",
+        f"see {home()}",
+        tail=600,
         env=env,
         cwd=home(),
-        capture_output=True,
-        text=True,
-        check=False,
     )
-    if done.returncode != 0:
-        raise ForkError(
-            f"the bundle does not install offline on the simulated host: "
-            f"{(done.stderr or done.stdout).strip()[-600:]}",
-            f"see {home()}",
-        )
     site = Path(done.stdout.strip().splitlines()[-1].split(os.pathsep)[-1])
     _refuses_without_gpu(simulated.folder, env)
     manifest = simulated.manifest
@@ -224,11 +211,10 @@ def check(pins: Pins, results: Path, route: tuple[Path, Path, Path]) -> Result:
     loaded = cuda_route.load_extensions(
         python, site, wheel, source.stub, tuple(extensions), pythonpath=str(site)
     )
-    collected, calls = verify(
-        pins, python, site, source.stub, results, offline, "bundle-host"
-    )
-    breakage = _without(BREAKAGE, pins, python, site, source.stub, results, offline)
-    part_one = _part_one(reference, python, site, source.stub, results, offline)
+    host = SimHost(python, site, source.stub, results, offline)
+    collected, calls = verify(pins, host, "bundle-host")
+    breakage = _without(BREAKAGE, pins, host)
+    part_one = _part_one(reference, host)
     return Result(
         reference,
         simulated,
@@ -265,14 +251,20 @@ def _refuses_without_gpu(bundle: Path, env: dict[str, str]) -> None:
         )
 
 
+@dataclass(frozen=True)
+class SimHost:
+    """The simulated host: its python, the bundle's site/ unpacked there (its tree/
+    beside it), the driver stub's folder, where reports go, the offline prefix."""
+
+    python: Path
+    site: Path
+    stub: Path
+    results: Path
+    offline: tuple[str, ...]
+
+
 def verify(
-    pins: Pins,
-    python: Path,
-    site: Path,
-    stub: Path,
-    results: Path,
-    offline: tuple[str, ...],
-    name: str,
+    pins: Pins, host: SimHost, name: str
 ) -> tuple[pytest_runner.Outcome, pytest_runner.Outcome]:
     """The GPU modules and the kernel calls run from the unpacked bundle as its runner
     runs cases (forked, its plugins and limits, offline), with the engine's modules
@@ -280,15 +272,12 @@ def verify(
     of a device, the kernel calls reach dispatch, every engine module imports. Returns
     (GPU cases, kernel calls); a ForkError says what failed."""
     outcome, failed = _run_traced(
-        python,
-        site,
-        stub,
-        results,
-        offline,
+        host,
         name,
         [*pins.gpu_tests, *pins.cuda_route_tests],
         gpu_bundle.bundle_settings()["engine_modules"],
     )
+    results = host.results
     logs, report = str(results / f"{name}-tests.log"), results / f"{name}-imports.json"
     if failed:
         raise ForkError(
@@ -318,18 +307,11 @@ def _not_carried() -> set[str]:
     }
 
 
-def _without(
-    dist: tuple[str, str],
-    pins: Pins,
-    python: Path,
-    site: Path,
-    stub: Path,
-    results: Path,
-    offline: tuple[str, ...],
-) -> str:
+def _without(dist: tuple[str, str], pins: Pins, host: SimHost) -> str:
     """The check again with DIST's files (name, module) taken out of a copy of SITE: it
     must fail, naming the module."""
     name, module = dist
+    site, results = host.site, host.results
     broken = site.parent / f"site-without-{name}"
     shutil.rmtree(broken, ignore_errors=True)
     shutil.copytree(site, broken, copy_function=os.link)
@@ -343,9 +325,7 @@ def _without(
     shutil.rmtree(infos[0], ignore_errors=True)
     shutil.rmtree(broken / module, ignore_errors=True)
     try:
-        verify(
-            pins, python, broken, stub, results, offline, f"bundle-host-without-{name}"
-        )
+        verify(pins, replace(host, site=broken), f"bundle-host-without-{name}")
     except ForkError as exc:
         log_file = results / f"bundle-host-without-{name}-tests.log"
         errors = (
@@ -373,14 +353,7 @@ def _without(
     )
 
 
-def _part_one(
-    reference: gpu_bundle.Bundle,
-    python: Path,
-    site: Path,
-    stub: Path,
-    results: Path,
-    offline: tuple[str, ...],
-) -> str:
+def _part_one(reference: gpu_bundle.Bundle, host: SimHost) -> str:
     """Part 1 of the reference bundle alone, on the simulated host: a copy of SITE
     without the extensions that part lacks, run as the runner runs part 1's cases.
     Their modules must import with the stand-ins, and must not without them."""
@@ -398,22 +371,21 @@ def _part_one(
         if c.endswith(".so") and c not in first.components
     )
     standing_in = bundle_run.stand_ins(reference.manifest, list(first.components))
-    alone = site.parent / "site-part-1"
+    alone = host.site.parent / "site-part-1"
     shutil.rmtree(alone, ignore_errors=True)
-    shutil.copytree(site, alone, copy_function=os.link)
+    shutil.copytree(host.site, alone, copy_function=os.link)
+    part = replace(host, site=alone)
     for name in absent:
         (alone / name).unlink(missing_ok=True)
     try:
-        errors = _run_part_one(
-            nodes, standing_in, python, alone, stub, results, offline
-        )
+        errors = _run_part_one(part, nodes, standing_in)
         if errors:
             raise ForkError(
                 f"with {first.name} alone, what its cases import does not import: "
                 f"{'; '.join(errors)}",
-                f"see {results / 'bundle-part-1-tests.log'}",
+                f"see {host.results / 'bundle-part-1-tests.log'}",
             )
-        without = _run_part_one(nodes, [], python, alone, stub, results, offline)
+        without = _run_part_one(part, nodes, [])
     finally:
         shutil.rmtree(alone, ignore_errors=True)
     if not any(m in e for e in without for m in standing_in):
@@ -430,38 +402,24 @@ def _part_one(
     )
 
 
-def _run_part_one(
-    nodes: list[str],
-    standing_in: list[str],
-    python: Path,
-    site: Path,
-    stub: Path,
-    results: Path,
-    offline: tuple[str, ...],
-) -> list[str]:
+def _run_part_one(host: SimHost, nodes: list[str], standing_in: list[str]) -> list[str]:
     """NODES as the runner runs them with STANDING_IN (each must skip for want of a
     device); the import errors of PART_ONE_IMPORTS."""
     name = "bundle-part-1" + ("" if standing_in else "-without-stand-ins")
-    outcome, errors = _run_traced(
-        python, site, stub, results, offline, name, nodes, PART_ONE_IMPORTS, standing_in
-    )
+    outcome, errors = _run_traced(host, name, nodes, PART_ONE_IMPORTS, standing_in)
     if standing_in:
         cuda_route.check_skipped(
             outcome,
-            results,
+            host.results,
             where="part 1 of the bundle",
-            logs=str(results / f"{name}-tests.log"),
+            logs=str(host.results / f"{name}-tests.log"),
             required=nodes,
         )
     return errors
 
 
 def _run_traced(
-    python: Path,
-    site: Path,
-    stub: Path,
-    results: Path,
-    offline: tuple[str, ...],
+    host: SimHost,
     name: str,
     nodes: list[str],
     imports: tuple[str, ...] | list[str],
@@ -471,10 +429,11 @@ def _run_traced(
     plugins and limits, offline, STANDING_IN stood in for), through the driver stub,
     with IMPORTS imported at the end (forkbuild/import_trace.py): the outcome, and the
     import errors."""
+    site, results = host.site, host.results
     tree, report = site.parent / "tree", results / f"{name}-imports.json"
     report.unlink(missing_ok=True)
     outcome = pytest_runner.run_pytest(
-        python,
+        host.python,
         tree,
         ["-p", "forkbuild.import_trace", *bundle_run.case_args(nodes, standing_in)],
         results / f"{name}-tests.xml",
@@ -482,12 +441,12 @@ def _run_traced(
         output=results / f"{name}-tests.log",
         extra_env={
             **bundle_run.case_env(site.parent, standing_in),
-            **cuda_route.stub_env(stub),
+            **cuda_route.stub_env(host.stub),
             **NO_INDEX,
             "FORKBUILD_TRACE_OUT": str(report),
             "FORKBUILD_TRACE_IMPORT": ",".join(imports),
         },
-        prefix=offline,
+        prefix=host.offline,
     )
     if not report.is_file():
         return outcome, [f"no report (see {results / f'{name}-tests.log'})"]

@@ -58,7 +58,7 @@ PLUGINS = ["-p", "pytest_forked", "-p", "pytest_timeout"]
 SMI = ["nvidia-smi", f"--query-gpu={gpu_required.NVIDIA_SMI_QUERY}", "--format=csv"]
 
 
-def home(manifest: dict, bundle: Path) -> Path:
+def home(bundle: Path) -> Path:
     """Where the bundle unpacks: FORK_BUNDLE_HOME, else a folder of /tmp named by the
     manifest (so a warm host reuses what an earlier call unpacked)."""
     base = Path(
@@ -460,7 +460,7 @@ def run(bundle: Path, out: Path) -> int:
         gpu_required.parse_nvidia_smi(gpus, os.environ.get("CUDA_VISIBLE_DEVICES")),
         gpu_required.from_data(manifest["gpu"]),
     )
-    dest = home(manifest, bundle)
+    dest = home(bundle)
     install(manifest, bundle, dest, components)
     standing_in = stand_ins(manifest, components)
     found = check_vllm(manifest, dest, components, standing_in)

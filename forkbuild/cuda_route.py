@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ from forkbuild import (
     log,
     pytest_runner,
 )
-from forkbuild.errors import ForkError
+from forkbuild.errors import ForkError, run_or_fail
 from forkbuild.pins import REPO_ROOT, Pins, build_dir
 
 
@@ -77,26 +76,14 @@ def install_cuda_route(pins: Pins, results: Path) -> tuple[Path, Path]:
     log.step(
         f"cuda route: forkbuild install --route cuda in {home()} (report: {report})"
     )
-    with open(report, "w") as sink:
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "forkbuild",
-                "install",
-                "--route",
-                "cuda",
-                "--without-gpu",
-            ],
-            cwd=REPO_ROOT,
-            env={**os.environ, "VLLM_FORK_BUILD": str(home())},
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            check=False,
-        )
-    if done.returncode != 0:
-        last = (report.read_text().strip().splitlines() or ["no output"])[-1]
-        raise ForkError(f"the CUDA route's install failed: {last}", f"see {report}")
+    run_or_fail(
+        [sys.executable, "-m", "forkbuild", "install", "--route", "cuda"]
+        + ["--without-gpu"],
+        "the CUDA route's install failed",
+        report=report,
+        cwd=REPO_ROOT,
+        env={**os.environ, "VLLM_FORK_BUILD": str(home())},
+    )
     python = home() / "venv" / "bin" / "python"
     tree = home() / f"vllm-{pins.upstream_version}"
     if not (python.exists() and tree.is_dir()):
@@ -109,20 +96,13 @@ def install_cuda_route(pins: Pins, results: Path) -> tuple[Path, Path]:
 def build_driver_stub(python: Path, tree: Path) -> Path:
     """build/cuda-route/driver-stub/libcuda.so.1 for the extensions in TREE."""
     out = home() / "driver-stub"
-    done = subprocess.run(
+    done = run_or_fail(
         [str(python), "-m", "forkbuild.driver_stub", str(tree), str(out)],
+        "could not build the driver stub",
+        "the check needs a C compiler (cc or gcc) and the CUDA venv's pyelftools",
         cwd=REPO_ROOT,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-        capture_output=True,
-        text=True,
-        check=False,
     )
-    if done.returncode != 0:
-        raise ForkError(
-            "could not build the driver stub: "
-            f"{(done.stderr or done.stdout).strip()[-400:]}",
-            "the check needs a C compiler (cc or gcc) and the CUDA venv's pyelftools",
-        )
     log.step(f"cuda route: {done.stdout.strip()}")
     return out
 
@@ -145,19 +125,14 @@ def load_extensions(
     """forkbuild/load_extensions.py in PYTHON's environment with the stub: every
     extension of WHEEL (or ONLY those) from TREE, checked against RECORD and loaded."""
     path = os.pathsep.join(filter(None, [pythonpath, str(REPO_ROOT)]))
-    done = subprocess.run(
+    done = run_or_fail(
         [str(python), "-m", "forkbuild.load_extensions", str(wheel), str(tree), *only],
+        "the CUDA build's extension check crashed",
+        "read the error above: the locked torch or the wheel may not match",
+        tail=600,
         cwd=tree,
         env={**os.environ, **stub_env(stub), "PYTHONPATH": path},
-        capture_output=True,
-        text=True,
-        check=False,
     )
-    if done.returncode != 0:
-        raise ForkError(
-            f"the CUDA build's extension check crashed: {done.stderr.strip()[-600:]}",
-            "read the error above: the locked torch or the wheel may not match",
-        )
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if result["failed"]:
         bad = "; ".join(f"{path}: {why}" for path, why in result["failed"].items())

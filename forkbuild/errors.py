@@ -1,6 +1,12 @@
-"""The one error type the pipeline raises: a one-line cause plus what to do next."""
+"""The one error type the pipeline raises (a one-line cause plus what to do next), and
+the one way it runs a command that must succeed."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
 
 
 class ForkError(Exception):
@@ -14,3 +20,27 @@ class ForkError(Exception):
 
     def __str__(self) -> str:
         return f"{self.cause} -- {self.hint}" if self.hint else self.cause
+
+
+def run_or_fail(
+    cmd: list[str],
+    cause: str,
+    hint: str = "",
+    *,
+    report: Path | None = None,
+    tail: int = 400,
+    **kwargs: Any,
+) -> subprocess.CompletedProcess[str]:
+    """Run CMD (text; its output captured, or written to the file REPORT); when it
+    exits non-zero, raise CAUSE with the end of what it said (REPORT's last line)."""
+    with open(report or os.devnull, "w") as sink:
+        streams = {"stdout": sink, "stderr": subprocess.STDOUT} if report else {}
+        done = subprocess.run(
+            cmd, capture_output=not report, text=True, check=False, **streams, **kwargs
+        )
+    if done.returncode != 0:
+        said = Path(report).read_text() if report else done.stderr or done.stdout
+        end = said.strip().splitlines()[-1:] if report else [said.strip()[-tail:]]
+        hint = hint or (f"see {report}" if report else "")
+        raise ForkError(f"{cause}: {(end or ['no output'])[0]}", hint)
+    return done

@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import threading
 import urllib.parse
@@ -26,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from forkbuild import bytecode, fetch, fixcheck, lock, log, preflight, tree, uv
-from forkbuild.errors import ForkError
+from forkbuild.errors import ForkError, run_or_fail
 from forkbuild.hashing import digest_of
 from forkbuild.pins import REPO_ROOT, Pins, Route, build_dir
 
@@ -121,9 +120,8 @@ def ensure_toolchain(
         log.step(f"install: venv {venv_dir()} holds {lock_file.name}")
         return venv_python()
     preflight.check_disk(build_dir(), 12, "the virtualenv")
-    partial, old = build_dir() / "venv.partial", build_dir() / "venv.old"
+    partial = build_dir() / "venv.partial"
     shutil.rmtree(partial, ignore_errors=True)
-    shutil.rmtree(old, ignore_errors=True)
     log.step(
         f"install: creating {venv_dir()} from {lock_file.name} with uv (Python "
         f"{lock.running_python()})"
@@ -166,12 +164,9 @@ def ensure_toolchain(
         shutil.rmtree(partial, ignore_errors=True)
         raise
     # Renames only: an interruption leaves either the old venv or the new one in place,
-    # never a half-deleted one that still carries its stamp.
-    if venv_dir().exists():
-        venv_dir().rename(old)
-    # a relocatable venv: its scripts find their python anywhere
-    partial.rename(venv_dir())
-    shutil.rmtree(old, ignore_errors=True)
+    # never a half-deleted one that still carries its stamp (a relocatable venv: its
+    # scripts find their python anywhere).
+    tree.swap_into_place(partial, venv_dir())
     log.step(
         f"install: {venv_dir()} holds exactly {lock_file.name} "
         f"({len(lock.pinned(lock_file))} packages)"
@@ -468,19 +463,13 @@ def check_install(
     # From inside the tree, with it first on sys.path, as the tests run: nothing there
     # may shadow the installed metadata (vLLM picks its platform from the version
     # string).
-    result = subprocess.run(
+    result = run_or_fail(
         [str(python), "-m", "forkbuild.install_probe"],
-        capture_output=True,
-        text=True,
+        f"`import vllm` fails in {venv_dir()}",
+        "run `make install` again",
         cwd=tree_path,
         env={**os.environ, "PYTHONPATH": probe_path(tree_path)},
-        check=False,
     )
-    if result.returncode != 0:
-        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        raise ForkError(
-            f"`import vllm` fails in {venv_dir()}: {last}", "run `make install` again"
-        )
     info = json.loads(result.stdout.strip().splitlines()[-1])
     if not Path(info["vllm"]).resolve().is_relative_to(tree_path.resolve()):
         raise ForkError(

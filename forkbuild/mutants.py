@@ -303,8 +303,8 @@ def release_tests(version: str, path: str) -> tuple[str, ...]:
     return RELEASE_TESTS[version][path]
 
 
-def apply(worktree: Path, mutant: Mutant) -> str:
-    """Apply MUTANT's diff to WORKTREE with `git apply`; return the diff."""
+def apply(worktree: Path, mutant: Mutant) -> None:
+    """Apply MUTANT's diff to WORKTREE with `git apply`."""
     target = worktree / mutant.path
     # newline="": CRLF stays CRLF in the diff, as in the file git applies it to
     diff = mutant.diff(target.open(newline="").read() if target.is_file() else "")
@@ -320,7 +320,6 @@ def apply(worktree: Path, mutant: Mutant) -> str:
             "rewrite the mutant in forkbuild/mutants.py from the release's code",
         )
     _drop_bytecode(target)
-    return diff
 
 
 def restore(worktree: Path, mutant: Mutant) -> None:
@@ -367,104 +366,95 @@ def killers(outcome: Outcome, baseline: Outcome | None = None) -> list[str]:
     )
 
 
-def run_each(
-    python: Path,
-    worktree: Path,
-    mutants: tuple[Mutant, ...],
-    pytest_args: list[str],
-    results: Path,
-    extra_env: dict[str, str] | None = None,
-    what: str = "",
-    cache: Path | None = None,
-) -> list[Outcome]:
-    """Run PYTEST_ARGS in WORKTREE once per mutant, each applied alone and undone."""
-    outcomes = []
-    for number, mutant in enumerate(mutants, 1):
-        log.step(
-            f"mutants: [{number}/{len(mutants)}] {mutant.name} "
-            f"vs {what or worktree.name}"
-        )
-        outcome = cached_run(
-            python,
-            worktree,
-            pytest_args,
-            results,
-            f"{what or 'run'}-{number}",
-            extra_env,
-            cache,
-            mutant,
-        )
-        outcomes.append(outcome)
-        found = killers(outcome)
+@dataclass(frozen=True)
+class Runs:
+    """The pytest runs of one differential: PYTHON runs them, each with EXTRA_ENV, its
+    report in RESULTS/NAME.{xml,log}; with CACHE, each is kept there by what decides
+    its result (see _run_key)."""
+
+    python: Path
+    results: Path
+    extra_env: dict[str, str] | None = None
+    cache: Path | None = None
+
+    def mutated(
+        self, worktree: Path, mutant: Mutant, args: list[str], name: str
+    ) -> Outcome:
+        """ARGS in WORKTREE with MUTANT applied alone, and undone."""
+        log.step(f"mutants: {mutant.name} vs {name}")
+        found = killers(outcome := self.run(worktree, args, name, mutant))
         # Raw failures: differential() subtracts what fails unmutated before
         # calling a kill.
         log.step(
-            f"mutants: [{number}/{len(mutants)}] "
+            f"mutants: {name}: "
             + (f"{len(found)} case(s) failed" if found else "no case failed")
         )
-    return outcomes
+        return outcome
 
-
-def cached_run(
-    python: Path,
-    worktree: Path,
-    pytest_args: list[str],
-    results: Path,
-    name: str,
-    extra_env: dict[str, str] | None = None,
-    cache: Path | None = None,
-    mutant: Mutant | None = None,
-    keep: Callable[[Outcome], bool] = lambda outcome: True,
-) -> Outcome:
-    """One pytest run in WORKTREE, with MUTANT applied and undone when given; its report
-    in RESULTS/NAME.{xml,log}. With CACHE, a run already made of the same content (see
-    _run_key) is read back instead, so a step of an hour is taken up again where it
-    stopped, and a changed PR reruns only the runs of the PRs' cases. A run is kept only
-    when it ended by itself and KEEP accepts it (an unmutated run the step rejects is
-    made again next time, not read back)."""
-    results.mkdir(parents=True, exist_ok=True)
-    key = _run_key(python, worktree, mutant, pytest_args, extra_env) if cache else ""
-    if cache is not None and (cache / f"{key}.xml").is_file():
-        try:
-            outcome = read_junit(cache / f"{key}.xml")
-        except ET.ParseError:  # cut off: a miss
-            outcome = None
-        if outcome is not None:
-            for suffix in (".xml", ".log"):
-                if (cache / f"{key}{suffix}").is_file():
-                    shutil.copyfile(
-                        cache / f"{key}{suffix}", results / f"{name}{suffix}"
-                    )
-            log.step(
-                f"mutants: {name}: the same run was made before "
-                f"({cache / key}.xml): {outcome}"
-            )
-            return outcome
-    args = [*pytest_args, "--continue-on-collection-errors"] if mutant else pytest_args
-    try:
-        if mutant is not None:
-            apply(worktree, mutant)
-        outcome = run_pytest(
-            python,
-            worktree,
-            args,
-            results / f"{name}.xml",
-            output=results / f"{name}.log",
-            extra_env=extra_env,
+    def run(
+        self,
+        worktree: Path,
+        pytest_args: list[str],
+        name: str,
+        mutant: Mutant | None = None,
+        keep: Callable[[Outcome], bool] = lambda outcome: True,
+    ) -> Outcome:
+        """One pytest run in WORKTREE, with MUTANT applied and undone when given. With
+        CACHE, a run already made of the same content is read back instead, so a step
+        of an hour is taken up again where it stopped, and a changed PR reruns only the
+        runs of the PRs' cases. A run is kept only when it ended by itself and KEEP
+        accepts it (an unmutated run the step rejects is made again next time, not read
+        back)."""
+        self.results.mkdir(parents=True, exist_ok=True)
+        key = (
+            _run_key(self.python, worktree, mutant, pytest_args, self.extra_env)
+            if self.cache
+            else ""
         )
-    finally:
-        if mutant is not None:
-            restore(worktree, mutant)
-    if cache is not None and not outcome.killed and keep(outcome):
-        cache.mkdir(parents=True, exist_ok=True)
-        for suffix in (
-            ".log",
-            ".xml",
-        ):  # the XML last and whole: its presence means kept
-            partial = cache / f"{key}{suffix}.partial"
-            shutil.copyfile(results / f"{name}{suffix}", partial)
-            os.replace(partial, cache / f"{key}{suffix}")
-    return outcome
+        if self.cache is not None and (self.cache / f"{key}.xml").is_file():
+            try:
+                outcome = read_junit(self.cache / f"{key}.xml")
+            except ET.ParseError:  # cut off: a miss
+                outcome = None
+            if outcome is not None:
+                for suffix in (".xml", ".log"):
+                    if (self.cache / f"{key}{suffix}").is_file():
+                        shutil.copyfile(
+                            self.cache / f"{key}{suffix}",
+                            self.results / f"{name}{suffix}",
+                        )
+                log.step(
+                    f"mutants: {name}: the same run was made before "
+                    f"({self.cache / key}.xml): {outcome}"
+                )
+                return outcome
+        args = (
+            [*pytest_args, "--continue-on-collection-errors"] if mutant else pytest_args
+        )
+        try:
+            if mutant is not None:
+                apply(worktree, mutant)
+            outcome = run_pytest(
+                self.python,
+                worktree,
+                args,
+                self.results / f"{name}.xml",
+                output=self.results / f"{name}.log",
+                extra_env=self.extra_env,
+            )
+        finally:
+            if mutant is not None:
+                restore(worktree, mutant)
+        if self.cache is not None and not outcome.killed and keep(outcome):
+            self.cache.mkdir(parents=True, exist_ok=True)
+            for suffix in (
+                ".log",
+                ".xml",
+            ):  # the XML last and whole: its presence means kept
+                partial = self.cache / f"{key}{suffix}.partial"
+                shutil.copyfile(self.results / f"{name}{suffix}", partial)
+                os.replace(partial, self.cache / f"{key}{suffix}")
+        return outcome
 
 
 # Files a run or a hook leaves in a worktree that decide no result.
@@ -568,37 +558,22 @@ def deselect(baseline: Outcome) -> list[str]:
 
 
 def _upstream_killers(
-    python: Path,
+    runs: Runs,
     stock: Path,
     mutant: Mutant,
     tests: list[str],
     baseline: Outcome,
-    results: Path,
-    extra_env: dict[str, str] | None,
     what: str,
-    cache: Path | None,
 ) -> list[str]:
     """The release's cases that MUTANT makes fail. They run without the cases failing
     unmutated, up to the first failure (-x): one is a kill. Should a deselection not
     have matched pytest's node id, -x could stop at an old failure and hide a kill, so
     such a run is made again whole."""
-    (fast,) = run_each(
-        python,
-        stock,
-        (mutant,),
-        [*tests, *deselect(baseline), "-x"],
-        results,
-        extra_env,
-        what,
-        cache,
-    )
+    fast = runs.mutated(stock, mutant, [*tests, *deselect(baseline), "-x"], what)
     found = killers(fast, baseline)
     if (fast.failed or fast.errors) and not found:
         log.step(f"mutants: {what} stopped at a case failing unmutated too: run whole")
-        (whole,) = run_each(
-            python, stock, (mutant,), tests, results, extra_env, f"{what}-whole", cache
-        )
-        found = killers(whole, baseline)
+        found = killers(runs.mutated(stock, mutant, tests, f"{what}-whole"), baseline)
     return found
 
 
@@ -639,16 +614,8 @@ def differential(
             **(extra_env or {}),
             "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2)),
         }
-    clean = cached_run(
-        python,
-        with_prs,
-        pr_cases,
-        results,
-        "clean-prs",
-        extra_env,
-        cache,
-        keep=_all_pass,
-    )
+    runs = Runs(python, results, extra_env, cache)
+    clean = runs.run(with_prs, pr_cases, "clean-prs", keep=_all_pass)
     if not _all_pass(clean):
         raise ForkError(
             f"the PRs' cases do not pass unmutated: {clean}",
@@ -659,15 +626,8 @@ def differential(
         sorted({upstream_tests[m.path] for m in mutants}), 1
     ):
         paths = sorted({m.path for m in mutants if upstream_tests[m.path] == tests})
-        baselines[tests] = cached_run(
-            python,
-            stock,
-            list(tests),
-            results,
-            f"baseline-{number}",
-            extra_env,
-            cache,
-            keep=_some_pass,
+        baselines[tests] = runs.run(
+            stock, list(tests), f"baseline-{number}", keep=_some_pass
         )
         if not _some_pass(baselines[tests]):
             raise ForkError(
@@ -684,30 +644,19 @@ def differential(
         for number, mutant in enumerate(mutants, 1):
             tests = upstream_tests[mutant.path]
             mine = pool.submit(
-                run_each,
-                python,
-                with_prs,
-                (mutant,),
-                pr_cases,
-                results,
-                extra_env,
-                f"pr-cases-{number}",
-                cache,
+                runs.mutated, with_prs, mutant, pr_cases, f"pr-cases-{number}"
             )
             if not side_by_side:
                 mine.result()
             up = _upstream_killers(
-                python,
+                runs,
                 stock,
                 mutant,
                 list(tests),
                 baselines[tests],
-                results,
-                extra_env,
                 f"release-tests-{number}",
-                cache,
             )
-            failed = killers(mine.result()[0], clean)
+            failed = killers(mine.result(), clean)
             rows.append(
                 Row(
                     mutant,
@@ -794,13 +743,7 @@ def table(rows: list[Row], pr: str) -> str:
             f"{row.mutant.name}, in `{row.mutant.path}`:",
             "",
             "```diff",
-            *(
-                row.diff.rstrip("\n").splitlines()
-                or (
-                    *(f"-{x}" for x in row.mutant.original.strip("\n").splitlines()),
-                    *(f"+{x}" for x in row.mutant.mutated.strip("\n").splitlines()),
-                )
-            ),
+            *row.diff.rstrip("\n").splitlines(),
             "```",
             "",
         ]

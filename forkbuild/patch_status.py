@@ -111,7 +111,7 @@ def try_apply(
     return NEITHER
 
 
-def recorded(pins: Pins, release: Release, modules: tuple[str, ...]) -> str:
+def recorded(release: Release, modules: tuple[str, ...]) -> str:
     """What the matrix record says about the cases of MODULES on RELEASE:
     'fail', 'pass', or why it says nothing."""
     if not matrix.RECORD.exists():
@@ -165,7 +165,7 @@ def check(
             applied = try_apply(
                 patch, sdists[release.version], contents[release.version]
             )
-            record = recorded(pins, release, modules)
+            record = recorded(release, modules)
             if claim is None:
                 ok, meaning = (
                     True,

@@ -36,25 +36,11 @@ class Outcome:
     def count(self, status: str) -> int:
         return sum(1 for s in self.cases.values() if s == status)
 
-    @property
-    def passed(self) -> int:
-        return self.count("passed")
-
-    @property
-    def failed(self) -> int:
-        return self.count("failed")
-
-    @property
-    def errors(self) -> int:
-        return self.count("error")
-
-    @property
-    def skipped(self) -> int:
-        return self.count("skipped")
-
-    @property
-    def xfailed(self) -> int:
-        return self.count("xfailed")
+    passed = property(lambda self: self.count("passed"))
+    failed = property(lambda self: self.count("failed"))
+    errors = property(lambda self: self.count("error"))
+    skipped = property(lambda self: self.count("skipped"))
+    xfailed = property(lambda self: self.count("xfailed"))
 
     def __str__(self) -> str:
         text = (

@@ -262,7 +262,7 @@ def _effect_recorded(pins: Pins, patch: patch_status.PatchInfo, version: str) ->
     modules = pins.regression_by_patch.get(patch.name, ())
     return (
         bool(modules)
-        and patch_status.recorded(pins, pins.release(version), modules) == "pass"
+        and patch_status.recorded(pins.release(version), modules) == "pass"
     )
 
 

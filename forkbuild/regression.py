@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from forkbuild import fixcheck, install, tree
-from forkbuild.errors import ForkError
+from forkbuild.errors import ForkError, run_or_fail
 from forkbuild.pins import Pins, build_dir
 from forkbuild.pytest_runner import Outcome, run_pytest
 
@@ -48,19 +47,12 @@ def make_stock_tree(pins: Pins, fork_tree: Path) -> Path:
 
 
 def imported_from(python: Path, tree_path: Path) -> Path:
-    out = subprocess.run(
+    out = run_or_fail(
         [str(python), "-m", "forkbuild.install_probe", "origin"],
+        f"`import vllm` fails in {tree_path.name}",
         cwd=tree_path,
         env={**os.environ, "PYTHONPATH": install.probe_path(tree_path)},
-        capture_output=True,
-        text=True,
-        check=False,
     )
-    if out.returncode != 0:
-        raise ForkError(
-            f"`import vllm` fails in {tree_path.name}: "
-            f"{out.stderr.strip().splitlines()[-1:]}"
-        )
     return Path(out.stdout.strip().splitlines()[-1])
 
 
@@ -76,7 +68,7 @@ def _wrong_on_stock(outcome: Outcome, regression: tuple[str, ...]) -> list[str]:
     return wrong
 
 
-def _check_imports_from(python: Path, path: Path) -> None:
+def check_imports_from(python: Path, path: Path) -> None:
     origin = imported_from(python, path)
     if not origin.resolve().is_relative_to(path.resolve()):
         raise ForkError(
@@ -93,7 +85,7 @@ def check(pins: Pins, python: Path, fork_tree: Path) -> Outcome:
 
     def on_stock_tree() -> tuple[Path, Outcome]:
         stock = make_stock_tree(pins, fork_tree)
-        _check_imports_from(python, stock)
+        check_imports_from(python, stock)
         return stock, run_pytest(
             python,
             stock,
@@ -109,7 +101,7 @@ def check(pins: Pins, python: Path, fork_tree: Path) -> Outcome:
     # meanwhile.
     with ThreadPoolExecutor(1) as pool:
         stock_run = pool.submit(on_stock_tree)
-        _check_imports_from(python, fork_tree)
+        check_imports_from(python, fork_tree)
         on_fork = run_pytest(
             python, fork_tree, list(pins.suite), results / "suite-fork.xml"
         )

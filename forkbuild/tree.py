@@ -92,13 +92,7 @@ def overlay_files(tests_dir: Path = TESTS_DIR) -> list[Path]:
     )
 
 
-def inputs_digest(
-    pins: Pins,
-    patches: list[Patch],
-    tests_dir: Path = TESTS_DIR,
-    *,
-    overlay: bool = True,
-) -> str:
+def inputs_digest(pins: Pins, patches: list[Patch]) -> str:
     # The identity is part of what the commits are made of.
     parts: list[str | bytes] = [
         "tree-format-2",
@@ -107,9 +101,8 @@ def inputs_digest(
     ]
     for patch in patches:
         parts += [patch.name, patch.path.read_bytes()]
-    if overlay:
-        for path in overlay_files(tests_dir):
-            parts += [str(path.relative_to(tests_dir)), path.read_bytes()]
+    for path in overlay_files():
+        parts += [str(path.relative_to(TESTS_DIR)), path.read_bytes()]
     return digest_of(parts)
 
 
@@ -134,15 +127,16 @@ def git(
 def _git_ok(
     args: list[str],
     cwd: Path,
-    env: dict[str, str],
+    env: dict[str, str] | None,
     what: str,
     stop: threading.Event | None = None,
+    hint: str = "",
 ) -> None:
     result = git(args, cwd, env, stop)
     if result.returncode != 0:
         detail = (result.stderr or result.stdout).strip().splitlines()
         raise ForkError(
-            f"git could not {what}: {detail[-1] if detail else 'no output'}"
+            f"git could not {what}: {detail[-1] if detail else 'no output'}", hint
         )
 
 

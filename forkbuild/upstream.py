@@ -49,7 +49,7 @@ from forkbuild import (
     tree,
     uv,
 )
-from forkbuild.errors import ForkError
+from forkbuild.errors import ForkError, run_or_fail
 from forkbuild.hashing import digest_of
 from forkbuild.pins import REPO_ROOT, Pins, Release, build_dir, locks_dir
 from forkbuild.pytest_runner import Outcome, run_pytest
@@ -388,18 +388,12 @@ def collecting_jobs(
     python: Path, release_tree: Path, files: list[str]
 ) -> dict[str, list[dict]]:
     """The release's Buildkite jobs that collect each test file (release_ci_jobs.py)."""
-    done = subprocess.run(
+    done = run_or_fail(
         [str(python), str(JOBS_SCRIPT), *files],
+        f"could not read {release_tree.name}'s Buildkite jobs",
+        tail=300,
         cwd=release_tree,
-        capture_output=True,
-        text=True,
-        check=False,
     )
-    if done.returncode != 0:
-        raise ForkError(
-            f"could not read {release_tree.name}'s Buildkite jobs: "
-            f"{done.stderr.strip()[-300:]}"
-        )
     return json.loads(done.stdout)
 
 

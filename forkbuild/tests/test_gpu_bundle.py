@@ -181,7 +181,7 @@ def test_each_part_names_the_cases_it_adds():
         gpu_bundle.Part("part-2", ("c",), 0),
         gpu_bundle.Part("part-3", ("fa",), 0),
     ]
-    cases = gpu_bundle.cases_by_part(parts, ["py", "c"], {"k": [], "f": ["fa"]}, set())
+    cases = gpu_bundle.cases_by_part(parts, ["py", "c"], {"k": [], "f": ["fa"]})
     assert cases == {"part-1": [], "part-2": ["k"], "part-3": ["f"]}
 
 
@@ -222,7 +222,7 @@ def test_part_one_runs_a_kernel_case_on_the_reference_bundles_sizes():
         first_extra=mib // 4,
     )
     needs = {n: c["bundle"] for n, c in gpu["cases"].items() if "bundle" in c}
-    added = gpu_bundle.cases_by_part(parts, settings["every_case"], needs, set(sizes))
+    added = gpu_bundle.cases_by_part(parts, settings["every_case"], needs)
     kernels = "tests/v1/worker/test_packed_kv_cache_gpu_kernels.py::"
     assert added["part-1"] == [f"{kernels}test_triton_attention_over_packed_views"]
     # FlashAttention's vllm_flash_attn, which the case's fixture imports, needs FA3 (or

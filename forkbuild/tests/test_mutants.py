@@ -164,7 +164,7 @@ def test_a_run_stops_at_its_first_kill_and_never_at_an_old_failure(
     worktree, tmp_path, monkeypatch
 ):
     (caught,) = _rows(worktree, tmp_path, (CAUGHT,))
-    fast = (tmp_path / "results" / "release-tests-1-1.log").read_text()
+    fast = (tmp_path / "results" / "release-tests-1.log").read_text()
     assert (
         "1 failed" in fast and "1 deselected" in fast
     )  # -x, and the old failure left out
@@ -175,7 +175,7 @@ def test_a_run_stops_at_its_first_kill_and_never_at_an_old_failure(
     (again,) = _rows(worktree, tmp_path, (CAUGHT,))
     assert again.upstream_killers == ["tests/test_views.py::test_second_page"]
     assert (
-        "2 failed" in (tmp_path / "results" / "release-tests-1-whole-1.log").read_text()
+        "2 failed" in (tmp_path / "results" / "release-tests-1-whole.log").read_text()
     )
     assert _clean(worktree)
 
@@ -194,7 +194,7 @@ def test_a_run_made_before_is_read_back_and_a_changed_tree_is_run_again(
     monkeypatch.setattr(mutants, "run_pytest", no_pytest)
     assert _rows(worktree, tmp_path, (CAUGHT, MISSED), cache) == first
     assert (
-        tmp_path / "results" / "release-tests-1-1.log"
+        tmp_path / "results" / "release-tests-1.log"
     ).is_file()  # the log comes back too
     monkeypatch.undo()
     # A kept report cut off (a full disk, a kill while copying) is a miss, not an error.
@@ -312,8 +312,8 @@ def test_a_mutant_that_no_longer_matches_is_refused_untouched(worktree, tmp_path
         "stride ignored", "pkg/views.py", "raw[offset::step]", "raw[offset:]"
     )
     with pytest.raises(ForkError, match="matches 0 times in pkg/views.py.*") as refused:
-        mutants.run_each(
-            Path(sys.executable), worktree, (stale,), ["tests/test_views.py"], tmp_path
+        mutants.Runs(Path(sys.executable), tmp_path).mutated(
+            worktree, stale, ["tests/test_views.py"], "run"
         )
     assert "rewrite the mutant" in str(refused.value)
     assert _clean(worktree)
