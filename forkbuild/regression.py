@@ -26,7 +26,13 @@ def make_stock_tree(pins: Pins, fork_tree: Path) -> Path:
     stock = stock_dir(pins)
     env = {**os.environ, **tree.IDENTITY, "GIT_COMMITTER_DATE": "@0 +0000"}
     tree.fresh_worktree(
-        fork_tree, stock, f"v{pins.upstream_version}", env, "-B", "stock"
+        fork_tree,
+        stock,
+        f"v{pins.upstream_version}",
+        env,
+        "-B",
+        "stock",
+        hint="run `make tree`",
     )
     # the tests overlay: the fork branch's tip
     tree._git_ok(["cherry-pick", "fork"], stock, env, "add the fork's tests")

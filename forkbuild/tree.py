@@ -141,14 +141,14 @@ def _git_ok(
 
 
 def fresh_worktree(
-    repo: Path, path: Path, ref: str, env: dict[str, str], *flags: str
+    repo: Path, path: Path, ref: str, env: dict[str, str], *flags: str, hint: str = ""
 ) -> None:
     """PATH made afresh as a worktree of REPO at REF (FLAGS: `--detach`, `-B name`)."""
     if path.exists():
         shutil.rmtree(path)
     git(["worktree", "prune"], repo, env)
     add = ["worktree", "add", "-q", "--force", *flags, str(path), ref]
-    _git_ok(add, repo, env, f"create a worktree of {ref} (run `make tree`)")
+    _git_ok(add, repo, env, f"create a worktree of {ref}", hint=hint)
 
 
 def _extract_sdist(sdist: Path, dest: Path, stop: threading.Event | None = None) -> int:
