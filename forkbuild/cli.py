@@ -5,130 +5,102 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
-from forkbuild import log
+from forkbuild import (
+    fetch,
+    gpu_bundle,
+    install,
+    lock,
+    log,
+    matrix,
+    nightly,
+    patch_status,
+    pins,
+    rebase,
+    regression,
+    serve,
+    testrun,
+    tree,
+    upstream,
+    wheel,
+)
 from forkbuild.errors import ForkError
+from forkbuild.pins import Pins
 
 
-def _fetch(args: argparse.Namespace) -> None:
-    from forkbuild import fetch, install, pins
-
-    p = pins.load()
-    route = install.pick_route(p, args.route)
+def _sdist(p: Pins) -> Path:
     # pip runs in the venv (the sdist's metadata needs torch), made only if a file is
-    # missing. Any route's venv has pip: downloading the CUDA wheel keeps the venv there
-    # is.
-    fetch.fetch(p.sdist, lambda: install.ensure_toolchain(p))
+    # missing. Any route's venv has pip.
+    return fetch.fetch(p.sdist, lambda: install.ensure_toolchain(p))
+
+
+def _fetch(args: argparse.Namespace, p: Pins) -> None:
+    route = install.pick_route(p, args.route)
+    _sdist(p)
     fetch.fetch(route.wheel, lambda: install.ensure_toolchain(p))
 
 
-def _tree(args: argparse.Namespace) -> None:
-    from forkbuild import fetch, install, pins, tree
-
-    p = pins.load()
-    print(
-        tree.build(
-            p,
-            fetch.fetch(p.sdist, lambda: install.ensure_toolchain(p)),
-            force=args.force,
-        )
-    )
+def _tree(args: argparse.Namespace, p: Pins) -> None:
+    print(tree.build(p, _sdist(p), force=args.force))
 
 
-def _lock(args: argparse.Namespace) -> None:
-    from forkbuild import fetch, install, lock, pins, tree, upstream
-
-    p = pins.load()
-    tree_path = tree.build(p, fetch.fetch(p.sdist, lambda: install.ensure_toolchain(p)))
-    lock.generate(p, tree_path)
+def _lock(args: argparse.Namespace, p: Pins) -> None:
+    lock.generate(p, tree.build(p, _sdist(p)))
     upstream.lock_hooks(p, upstream.release_hook_config(p))
 
 
-def _install(args: argparse.Namespace) -> None:
-    from forkbuild import install, pins
-
-    python, _, _ = install.install(
-        pins.load(), args.route, without_gpu=args.without_gpu
-    )
-    print(python)
+def _install(args: argparse.Namespace, p: Pins) -> None:
+    print(install.install(p, args.route, without_gpu=args.without_gpu)[0])
 
 
-def _regression(args: argparse.Namespace) -> None:
-    from forkbuild import install, pins, regression
-
-    p = pins.load()
+def _regression(args: argparse.Namespace, p: Pins) -> None:
     python, tree_path, _ = install.install(p, args.route)
     regression.check(p, python, tree_path)
 
 
-def _wheel(args: argparse.Namespace) -> None:
-    from forkbuild import pins, wheel
-
-    print(wheel.build(pins.load()))
+def _wheel(args: argparse.Namespace, p: Pins) -> None:
+    print(wheel.build(p))
 
 
-def _model(args: argparse.Namespace) -> None:
-    from forkbuild import install, pins, serve
-
-    p = pins.load()
+def _model(args: argparse.Namespace, p: Pins) -> None:
     python, _, _ = install.install(p, args.route)
     for name in serve.EMBEDDED:
         print(serve.ensure_tiny_model(python, name))
 
 
-def _serve(args: argparse.Namespace) -> None:
-    from forkbuild import pins, serve
-
-    serve.serve(pins.load(), args)
+def _serve(args: argparse.Namespace, p: Pins) -> None:
+    serve.serve(p, args)
 
 
-def _test(args: argparse.Namespace) -> str:
-    from forkbuild import pins, testrun
-
-    return testrun.run(pins.load(), args.route)
+def _test(args: argparse.Namespace, p: Pins) -> str:
+    return testrun.run(p, args.route)
 
 
-def _matrix(args: argparse.Namespace) -> None:
-    from forkbuild import matrix, pins
-
-    matrix.run(pins.load(), args.versions)
+def _matrix(args: argparse.Namespace, p: Pins) -> None:
+    matrix.run(p, args.versions)
 
 
-def _patch_status(args: argparse.Namespace) -> None:
-    from forkbuild import patch_status, pins
-
-    patch_status.check(pins.load())
+def _patch_status(args: argparse.Namespace, p: Pins) -> None:
+    patch_status.check(p)
 
 
-def _upstream(args: argparse.Namespace) -> None:
-    from forkbuild import pins, upstream
-
-    print(upstream.build(pins.load()))
+def _upstream(args: argparse.Namespace, p: Pins) -> None:
+    print(upstream.build(p))
 
 
-def _rebase(args: argparse.Namespace) -> None:
-    from forkbuild import pins, rebase
-
-    if args.accept:
-        rebase.accept(pins.load(), args.version)
-    else:
-        rebase.trial(pins.load(), args.version)
+def _rebase(args: argparse.Namespace, p: Pins) -> None:
+    (rebase.accept if args.accept else rebase.trial)(p, args.version)
 
 
-def _gpu_bundle(args: argparse.Namespace) -> str:
-    from pathlib import Path
-
-    from forkbuild import gpu_bundle, pins
-
+def _gpu_bundle(args: argparse.Namespace, p: Pins) -> str:
     host = Path(args.host) if args.host else None
-    bundle = gpu_bundle.build(pins.load(), host, part_mib=args.part_mib)
+    bundle = gpu_bundle.build(p, host, part_mib=args.part_mib)
     return f"gpu bundle {bundle.folder}: {bundle.line()}"
 
 
-def _nightly(args: argparse.Namespace) -> str:
-    from forkbuild import nightly, pins
-
-    return nightly.run(pins.load())
+def _nightly(args: argparse.Namespace, p: Pins) -> str:
+    return nightly.run(p)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,13 +224,11 @@ def main(argv: list[str] | None = None) -> int:
         _nightly,
         "the nightly GPU job: CUDA build, GPU tests, benchmark (needs a GPU)",
     )
-    from forkbuild.serve import add_arguments
-
-    add_arguments(add("serve", _serve, "vllm serve through the fork", route=True))
+    serve.add_arguments(add("serve", _serve, "vllm serve through the fork", route=True))
 
     args = parser.parse_args(argv)
     try:
-        closing = args.func(args)
+        closing = args.func(args, pins.load())
     except ForkError as exc:
         print(f"forkbuild {args.step}: error: {exc}", file=sys.stderr)
         return 1

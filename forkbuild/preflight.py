@@ -54,11 +54,9 @@ def setting_for(path: Path) -> str:
 
 
 def check_writable(path: Path, what: str) -> None:
-    """PATH exists (made if need be) and a file can be written in it: a read-only or
-    unwritable cache or build folder is refused at once, with the variable that moves
-    it. (It writes a file rather than asking os.access: root passes every permission
-    check,
-    and still cannot write to a read-only file system.)"""
+    """PATH exists (made if need be) and a file can be written in it, else the variable
+    that moves it is named. It writes a file, as root passes os.access and still cannot
+    write to a read-only file system."""
     try:
         path.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".forkbuild-write-test-", dir=path)

@@ -100,11 +100,8 @@ def check(pins: Pins, python: Path, fork_tree: Path) -> Outcome:
             output=results / "suite-stock.log",
         )
 
-    # Both trees at once (their processes share nothing but the venv): the unpatched
-    # run's report goes to a file, as its failures are expected; the terminal shows the
-    # fork's. On 2 cores this took 62% of running them one after the other (446 s vs 714
-    # s). The fork's suite, the longer, starts at once; the unpatched tree is made
-    # meanwhile.
+    # Both trees at once (they share only the venv); the unpatched run's expected
+    # failures go to a file, the terminal shows the fork's.
     with ThreadPoolExecutor(1) as pool:
         stock_run = pool.submit(on_stock_tree)
         check_imports_from(python, fork_tree)

@@ -1,22 +1,13 @@
 """`make test`: everything CI runs, after installing everything it needs.
 
-1. forkbuild's own tests (bad input, idempotence, the wheel, serving the embedded
-model);
-2. without a GPU, the CUDA route (forkbuild/cuda_route.py): installed in
-build/cuda-route,
-   every compiled extension of the CUDA wheel loaded through a driver stub, the GPU
-   tests collected under that build and skipped for lack of a device (every case the
-   nightly requires among them), the kernel test's calls up to the real ops' dispatch;
-   then the GPU bundle (forkbuild/bundle_check.py): the reference host's parts, and a
-   bundle installed offline on a simulated host and checked there the same way;
-3. the CPU suite (fork.toml [tests] suite, under vLLM's own conftest) on the unpatched
-   tree, where exactly the regression modules' cases must fail, and on the fork, where
-   everything must pass;
-4. the patch-status check: every patch's DEP-3 Applied-Upstream confirmed on the
-   releases of the version matrix (the matrix itself is the slower `forkbuild matrix`).
-1-3 run at once, as separate pytest processes: alone, each leaves much of a 2-core
-machine idle (CI measured 1.2 busy cores on average when they ran one after the other).
-The terminal shows the fork suite; the others report to files in build/test-results. It
+1. forkbuild's own tests (bad input, idempotence, the wheel, serving a tiny model);
+2. without a GPU, the CUDA route (forkbuild/cuda_route.py) up to the ops' dispatch, then
+   the GPU bundle checked on a simulated host (forkbuild/bundle_check.py);
+3. the CPU suite on the unpatched tree, where exactly the regression modules' cases must
+   fail, and on the fork, where everything must pass (forkbuild/regression.py);
+4. the patch-status check (every patch's DEP-3 Applied-Upstream on the version matrix).
+1-3 run at once, as separate processes: alone, each leaves much of a 2-core machine
+idle. The terminal shows the fork suite, the others report to build/test-results; it
 ends with one plain summary line.
 """
 
@@ -54,12 +45,10 @@ def run(pins: Pins, route_name: str | None) -> str:
             pythonpath=REPO_ROOT,
             output=results / "forkbuild.log",
         )
-        # Mostly downloads and one-core steps at first: it overlaps the suites well.
         cuda_run = pool.submit(_check_cuda_route, pins, results)
         try:
             suite = regression.check(pins, python, tree_path)
-        # a broken proof must not hide failing tool tests or a failed CUDA route
-        finally:
+        finally:  # a broken proof must not hide failing tool tests or a failed route
             tools = tools_run.result()
             _report(tools, "forkbuild tool tests", results / "forkbuild.log")
             if cuda_run.exception() is not None and sys.exc_info()[1] is not None:
@@ -68,8 +57,7 @@ def run(pins: Pins, route_name: str | None) -> str:
                     f"{cuda_run.exception()}"
                 )
         cuda = cuda_run.result()
-    # What the suites compiled (vLLM's engine, pytest, hypothesis...) for the next
-    # clone.
+    # What the suites compiled, for the next clone.
     install.keep_bytecode(pins, route, tree_path)
     print("\npatch status (DEP-3 Applied-Upstream vs the version matrix):")
     patch_status.check(pins, python)
