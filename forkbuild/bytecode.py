@@ -1,20 +1,15 @@
 """Bytecode that Python compiled in one venv or tree, kept for the next fresh one.
 
 uv installs no bytecode, so every fresh venv and tree compiled the ~2,200 modules of
-`import vllm` again (what it saves: docs/setup-and-locks.md, "Bytecode"). Python writes
-that bytecode beside the sources; forkbuild links each file into the fork's cache under
-a key of what the sources came from (the lock, the sdist) and links it into the next
-venv or tree made from the same sources.
+`import vllm` again (docs/setup-and-locks.md, "Bytecode"). Each .pyc is linked into the
+fork's cache under a key of what the sources came from (the lock, the sdist and
+patches), and from there into the next venv or tree made from the same sources.
 
-It is safe by Python's own rule: a .pyc records the mtime and size of its source and is
-recompiled when they differ. uv links the same unpacked files into every venv (same
-inode, same mtime) and the tree keeps the sdist's mtimes; a file a patch changed has a
-new mtime, so its cached bytecode is ignored and compiled afresh (and the tree's key
-includes the patches, so two trees with different patches never share a file). Python
-replaces a .pyc by renaming a new file over it and never writes into one, so a file
-linked from the cache is never changed through a venv. A missing or unwritable cache
-only costs the compile time. (Where uv copies instead of linking, every venv's files
-get new mtimes and the cache is never used.)
+Safe by Python's own rule: a .pyc records its source's mtime and size and is recompiled
+when they differ (uv links the same files into every venv; the tree keeps the sdist's
+mtimes, a patched file gets a new one). Python renames a new .pyc over an old one, never
+writes into it, so a linked file is never changed through a venv. A missing or
+unwritable cache only costs the compile time.
 """
 
 from __future__ import annotations
@@ -50,13 +45,12 @@ def _pyc_files(root: Path) -> list[Path]:
 
 
 def _link(src: Path, dest: Path) -> None:
-    """DEST becomes SRC's file (a hard link; a copy across file systems), in one
-    rename."""
+    """DEST becomes SRC's file (a hard link; a copy across file systems, or where links
+    are not allowed), in one rename."""
     partial = dest.with_name(f"{dest.name}.{os.getpid()}.partial")
     try:
         try:
             os.link(src, partial)
-        # another file system, or links not allowed: a copy does the same
         except OSError:
             shutil.copy2(src, partial)
         os.replace(partial, dest)
@@ -67,15 +61,12 @@ def _link(src: Path, dest: Path) -> None:
 
 def restore(root: Path, kept: Path) -> int:
     """Link the bytecode kept in KEPT into ROOT where ROOT has the source folder and no
-    bytecode of its own yet; return how many files were linked. A file that cannot be
-    linked is skipped (Python compiles it): the cache is an optimization."""
+    bytecode of its own yet; return how many files were linked."""
     return _link_missing(kept, root, f"linked into {root}", source_folder_only=True)
 
 
 def keep(root: Path, kept: Path) -> int:
-    """Link into KEPT the bytecode under ROOT that KEPT lacks; return how many files.
-    A file that cannot be kept (a full or read-only cache, a .pyc replaced meanwhile)
-    is skipped."""
+    """Link into KEPT the bytecode under ROOT that KEPT lacks; return how many files."""
     return _link_missing(root, kept, f"kept in {kept}")
 
 
@@ -83,8 +74,8 @@ def _link_missing(
     src: Path, dst: Path, what: str, source_folder_only: bool = False
 ) -> int:
     """Link each .pyc under SRC (none if SRC is missing) that DST lacks into DST; with
-    SOURCE_FOLDER_ONLY, only where DST has the folder above its __pycache__. Return
-    how many were linked; report (as WHAT) those that could not be."""
+    SOURCE_FOLDER_ONLY, only where DST has the folder above its __pycache__. Return how
+    many were linked; those that cannot be (a full or read-only cache) are skipped."""
     linked, failed = 0, []
     for rel in _pyc_files(src):
         dest = dst / rel

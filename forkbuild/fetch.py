@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from forkbuild import log
+from forkbuild import log, preflight
 from forkbuild.errors import ForkError
 from forkbuild.hashing import sha256_file
 from forkbuild.pins import Artifact, cache_dir
@@ -43,26 +43,18 @@ PipCommand = Path | str | Sequence[str]
 def fetch(
     artifact: Artifact, pip: Callable[[], PipCommand], *, quiet: bool = False
 ) -> Path:
-    """Return the verified local path of ARTIFACT, downloading it with pip if needed.
-
-    PIP gives the pip to download with (an interpreter, or a whole command) and is
-    called only when the file is not cached: a cached file needs no environment at all.
-    The sdist is fetched with --no-build-isolation because pip prepares its metadata,
-    and vLLM's setup.py imports torch: its PIP must be the venv's, which has the
-    toolchain.
-    """
+    """The verified local path of ARTIFACT, downloaded with PIP() (an interpreter or a
+    whole command, asked for only when not cached). pip prepares an sdist's metadata,
+    and vLLM's setup.py imports torch: its PIP is the venv's (no build isolation)."""
     clean_partial_downloads()
     target = artifacts_dir() / artifact.filename
     if target.exists():
         verify(target, artifact)
         log.step(f"fetch: {artifact.filename} already cached and verified")
         return target
-
-    from forkbuild.preflight import check_disk
-
-    # One file: the largest pinned one, the CUDA wheel, is 239 MiB (uv's packages are
-    # checked apart, by uv.install). Also refuses a cache that cannot be written.
-    check_disk(artifacts_dir(), 1, f"downloading {artifact.filename}")
+    # One file: the largest, the CUDA wheel, is 239 MiB (uv checks its own packages).
+    # Also refuses a cache that cannot be written.
+    preflight.check_disk(artifacts_dir(), 1, f"downloading {artifact.filename}")
     log.step(
         f"fetch: downloading {artifact.requirement} ({artifact.filename}) with pip"
     )
@@ -97,6 +89,5 @@ def fetch(
 
 def clean_partial_downloads() -> None:
     """Remove temporary folders that an interrupted fetch left behind."""
-    if artifacts_dir().is_dir():
-        for stale in artifacts_dir().glob(".download-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+    for stale in artifacts_dir().glob(".download-*"):
+        shutil.rmtree(stale, ignore_errors=True)

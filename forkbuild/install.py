@@ -1,12 +1,9 @@
-"""Step 3: a virtualenv at build/venv holding exactly the route's lock (every package
-hash-checked, installed by uv) and an editable, python-only install of the patched tree
-on vLLM's precompiled binaries.
+"""Step 3: build/venv holding exactly the route's lock (hash-checked, installed by uv)
+and an editable, python-only install of the patched tree on vLLM's precompiled binaries.
 
-The venv is made beside its place (build/venv.partial) and moved there only when the
-lock is fully installed and verified: a failed or interrupted install leaves no half
-venv, and the next run resumes from uv's cache. VLLM_PRECOMPILED_WHEEL_LOCATION always
-points at the verified local wheel: when it is unset, vLLM 0.25.1's setup.py fetches a
-nightly wheel from the network instead.
+The venv is made in build/venv.partial and moved into place only once verified, so a
+failed install leaves no half venv. VLLM_PRECOMPILED_WHEEL_LOCATION always names the
+verified local wheel: unset, vLLM 0.25.1's setup.py fetches a nightly one instead.
 """
 
 from __future__ import annotations
@@ -30,15 +27,12 @@ from forkbuild.hashing import digest_of
 from forkbuild.pins import REPO_ROOT, Pins, Route, build_dir
 
 TOOLCHAIN_STAMP = ".forkbuild-toolchain"
-# in the venv: the lock it holds, e.g. locks/cpu-py311.txt
-LOCK_RECORD = ".forkbuild-lock"
+LOCK_RECORD = ".forkbuild-lock"  # in the venv: the lock it holds (locks/cpu-py311.txt)
 INSTALL_STAMP = ".forkbuild-installed"  # inside the tree: a rebuilt tree drops it
-# In the venv: a fresh id per venv made, part of the tree's install stamp, so that a
-# venv made anew (`rm -r build/venv`, a changed lock) never passes for one holding the
-# tree.
+# In the venv: a fresh id per venv, part of the tree's install stamp, so that a venv
+# made anew never passes for one holding the tree.
 VENV_ID = ".forkbuild-venv-id"
-# inside the tree, git-ignored (BUILD_OUTPUTS)
-EDITABLE_CONFIG = ".forkbuild-uv-editable.toml"
+EDITABLE_CONFIG = ".forkbuild-uv-editable.toml"  # in the tree, git-ignored
 
 
 def venv_dir() -> Path:
@@ -73,8 +67,7 @@ def refuse_without_gpu(route: Route, without_gpu: bool = False) -> None:
 
 
 def venv_matches_lock(python: Path, lock_file: Path, pins: Pins) -> None:
-    """What the venv holds (but the editable vLLM) must be exactly what the lock
-    pins."""
+    """What the venv holds (but the editable vLLM) is exactly what the lock pins."""
     out = uv.run(
         pins,
         ["pip", "freeze", "--exclude-editable", "--python", str(python)],
@@ -126,20 +119,10 @@ def ensure_toolchain(
         f"install: creating {venv_dir()} from {lock_file.name} with uv (Python "
         f"{lock.running_python()})"
     )
+    python = partial / "bin" / "python"
     try:
-        uv.run(
-            pins,
-            [
-                "venv",
-                "--quiet",
-                "--relocatable",
-                "--python",
-                sys.executable,
-                str(partial),
-            ],
-            what="create the venv",
-        )
-        python = partial / "bin" / "python"
+        create = ["venv", "--quiet", "--relocatable", "--python", sys.executable]
+        uv.run(pins, [*create, str(partial)], what="create the venv")
         uv.install(
             pins,
             ["sync", "--require-hashes", "--python", str(python), str(lock_file)],
@@ -163,9 +146,8 @@ def ensure_toolchain(
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    # Renames only: an interruption leaves either the old venv or the new one in place,
-    # never a half-deleted one that still carries its stamp (a relocatable venv: its
-    # scripts find their python anywhere).
+    # Renames only: an interruption leaves the old venv or the new one, never a half
+    # one with its stamp (relocatable: its scripts find their python anywhere).
     tree.swap_into_place(partial, venv_dir())
     log.step(
         f"install: {venv_dir()} holds exactly {lock_file.name} "
@@ -175,12 +157,7 @@ def ensure_toolchain(
 
 
 def site_packages(venv: Path) -> Path:
-    return (
-        venv
-        / "lib"
-        / f"python{sys.version_info.major}.{sys.version_info.minor}"
-        / "site-packages"
-    )
+    return venv / "lib" / f"python{lock.running_python()}" / "site-packages"
 
 
 def venv_bytecode(lock_file: Path) -> Path:
@@ -194,8 +171,8 @@ def tree_bytecode(pins: Pins) -> Path:
 
 
 def keep_bytecode(pins: Pins, route: Route, tree_path: Path) -> None:
-    """Keep what Python compiled in this venv and tree (the install's check, earlier
-    tests and servers) for the next fresh ones (forkbuild/bytecode.py)."""
+    """Keep what Python compiled in this venv and tree for the next fresh ones
+    (forkbuild/bytecode.py)."""
     bytecode.keep(
         site_packages(venv_dir()),
         venv_bytecode(lock.path(route.name, lock.running_python())),
@@ -223,8 +200,7 @@ def install(
     pins: Pins, route_name: str | None = None, *, without_gpu: bool = False
 ) -> tuple[Path, Path, Route]:
     """Make sure fetch, tree and the venv are complete; return (python, tree, route).
-    WITHOUT_GPU: the CUDA route on a machine without a driver, where vLLM finds no
-    platform (the CUDA route check of `make test` only)."""
+    WITHOUT_GPU: the CUDA route without a driver, where vLLM finds no platform."""
     route = pick_route(pins, route_name)
     preflight.check_all(pins)
     refuse_without_gpu(route, without_gpu)
@@ -235,8 +211,7 @@ def install(
     stamp = tree_path / INSTALL_STAMP
     stamp_value = install_stamp(route, tree_path)
     if is_installed(route, tree_path):
-        # Verified by the probe when it was stamped; what may change since is the
-        # source.
+        # Verified by the probe when stamped; what may change since is the source.
         verdict = fixcheck.classify((tree_path / fixcheck.MODULE_PATH).read_text())
         if verdict != "fixed":
             raise ForkError(
@@ -249,33 +224,17 @@ def install(
     stamp.unlink(missing_ok=True)
     bytecode.restore(tree_path / "vllm", tree_bytecode(pins))
     log.step(f"install: editable install of {tree_path} on {route.wheel.filename}")
+    config = editable_config(pins, route, tree_path)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="extensions") as pool:
         # The per-ISA kernels setup.py leaves out are unpacked meanwhile (~200 MB on
         # the CPU route); what it unpacks is its own to write.
-        adding = pool.submit(
-            add_missing_extensions,
-            wheel,
-            tree_path,
-            leave=left_to_setup_py(tree_path / "setup.py"),
-        )
+        leave = left_to_setup_py(tree_path / "setup.py")
+        adding = pool.submit(add_missing_extensions, wheel, tree_path, leave=leave)
         uv.run(
             pins,
-            [
-                "pip",
-                "install",
-                "--quiet",
-                "--config-file",
-                str(editable_config(pins, route, tree_path)),
-                "--python",
-                str(python),
-                "--no-deps",
-                "--no-build-isolation",
-                "--offline",
-                "--reinstall-package",
-                "vllm",
-                "-e",
-                str(tree_path),
-            ],
+            ["pip", "install", "--quiet", "--config-file", str(config)]
+            + ["--python", str(python), "--no-deps", "--no-build-isolation"]
+            + ["--offline", "--reinstall-package", "vllm", "-e", str(tree_path)],
             what="install the tree in editable mode",
             extra_env=precompiled_env(pins, route, wheel),
         )
@@ -300,8 +259,8 @@ def is_installed(route: Route, tree_path: Path) -> bool:
 
 
 def install_stamp(route: Route, tree_path: Path) -> str:
-    """What the tree's install stamp records: the route's wheel, the tree's inputs, the
-    venv's lock and the venv itself (its id: a venv made anew has another)."""
+    """The route's wheel, the tree's inputs, the venv's lock and the venv itself (its
+    id: a venv made anew has another)."""
     venv_id = venv_dir() / VENV_ID
     return digest_of(
         [
@@ -327,8 +286,7 @@ def holds_editable(tree_path: Path) -> bool:
         url = urllib.parse.urlparse(info.get("url", ""))
         if url.scheme != "file" or not info.get("dir_info", {}).get("editable"):
             return False
-        # Resolved on both sides: uv may write the path as given (VLLM_FORK_BUILD may be
-        # a link).
+        # Resolved on both sides: uv may write it as given (VLLM_FORK_BUILD a link).
         return Path(urllib.parse.unquote(url.path)).resolve() == tree_path.resolve()
     return False
 
@@ -337,8 +295,7 @@ def _venv_beside_tree(
     pins: Pins, route: Route, without_gpu: bool = False
 ) -> tuple[Path, Path]:
     """The venv and the patched tree, made at the same time: the tree needs only the
-    sdist (unpacking it and committing it to git take one core for ~8 s on 2 cores), the
-    venv only the lock, so uv fills the venv on the other core meanwhile."""
+    sdist (~8 s on one core), the venv only the lock, so uv fills it on another core."""
     venv_ready = threading.Event()
     made: list[Path] = []
 
@@ -365,21 +322,16 @@ def _venv_beside_tree(
                 venv_ready.set()
             return made[0], making_tree.result()
         except KeyboardInterrupt:
-            # Ctrl-C: the tree step stops at its next file or git command rather than
-            # finish first (leaving this block waits for it).
+            # Ctrl-C: the tree step stops at its next file or git command (leaving this
+            # block waits for it).
             stop.set()
             raise
 
 
 def editable_config(pins: Pins, route: Route, tree_path: Path) -> Path:
-    """A uv configuration that gives uv the version of the editable vLLM it installs.
-
-    With the version given (uv's `dependency-metadata`), uv does not run vLLM's setup.py
-    a first time just to learn it (`prepare_metadata_for_build_editable`: it imports
-    torch and unpacks the precompiled wheel, ~6 s on 2 cores), only once to build. What
-    is installed still comes from that build; the install's probe reads the version
-    back.
-    """
+    """A uv configuration giving the editable vLLM's version (`dependency-metadata`), so
+    uv runs setup.py once to build, not first to learn it (~6 s); the probe reads the
+    installed version back."""
     config = tree_path / EDITABLE_CONFIG
     config.write_text(
         "# Written by forkbuild's install step (forkbuild/install.py: "
@@ -393,8 +345,8 @@ def editable_config(pins: Pins, route: Route, tree_path: Path) -> Path:
     return config
 
 
-# The CPU build's per-ISA kernels (vllm/_C_AVX2.abi3.so, vllm/_C_AVX512.abi3.so), which
-# vLLM 0.25.1's setup.py does not unpack: the only extensions unpacked while it runs.
+# The CPU build's per-ISA kernels, which vLLM 0.25.1's setup.py does not unpack: the
+# only extensions unpacked while it runs.
 PER_ISA_KERNEL = re.compile(r"vllm/_C_[A-Z0-9]+\.abi3\.so")
 
 
@@ -416,16 +368,12 @@ def named_in(setup_py: Path) -> Callable[[str], bool]:
 def add_missing_extensions(
     wheel: Path, tree_path: Path, *, leave: Callable[[str], bool] = lambda member: False
 ) -> list[str]:
-    """Copy the wheel's compiled extensions that vLLM's precompiled install left out.
+    """Copy the wheel's compiled extensions that vLLM's precompiled install left out
+    (each written beside its name, then renamed); LEAVE: those setup.py writes itself.
 
-    vLLM 0.25.1's setup.py extracts a fixed list of extensions (`_C`, the attention
-    kernels, ...), which lacks the CPU build's per-ISA variants `_C_AVX2` and
-    `_C_AVX512`. The CPU platform loads `_C` only where AVX-512 BF16 exists and one of
-    the variants elsewhere, so without them the CPU engine has no kernels on an
-    AVX2-only host (`torch.ops._C` has no `init_cpu_memory_env`). The wheel is the
-    verified one; each file is written beside its final name, then renamed. Members
-    for which LEAVE is true are left alone (setup.py writes them itself).
-    """
+    vLLM 0.25.1's setup.py lacks the CPU build's per-ISA `_C_AVX2` and `_C_AVX512`. The
+    CPU platform loads `_C` only where AVX-512 BF16 exists, so without them an
+    AVX2-only host has no kernels (`torch.ops._C` has no `init_cpu_memory_env`)."""
     added = []
     with zipfile.ZipFile(wheel) as whl:
         for name in whl.namelist():
@@ -460,9 +408,6 @@ def check_install(
 ) -> dict[str, str]:
     """Ask the venv itself what `import vllm` gives: the tree, the fix, the platform."""
     log.step("install: asking the venv what `import vllm` gives")
-    # From inside the tree, with it first on sys.path, as the tests run: nothing there
-    # may shadow the installed metadata (vLLM picks its platform from the version
-    # string).
     result = run_or_fail(
         [str(python), "-m", "forkbuild.install_probe"],
         f"`import vllm` fails in {venv_dir()}",

@@ -1,10 +1,8 @@
-"""What `import vllm` gives in a venv (a probe, for forkbuild/install.py and
-forkbuild/regression.py). Run in the venv, from inside the tree with it first on
-sys.path:
+"""What `import vllm` gives in a venv (a probe for forkbuild/install.py and
+forkbuild/regression.py), run from inside the tree with it first on sys.path:
 
     python -m forkbuild.install_probe           one JSON line: the package, its version,
-                                                the platform vLLM picks, the fixed
-                                                module
+                                                its platform, the fixed module
     python -m forkbuild.install_probe origin    the file `import vllm` loads
 """
 

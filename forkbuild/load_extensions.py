@@ -34,8 +34,7 @@ OPS = (
 
 
 def wheel_record(wheel: Path) -> dict[str, str]:
-    """Path -> RECORD's hash field (`sha256=<urlsafe base64>`) of every file of
-    WHEEL."""
+    """Path -> RECORD's hash field (`sha256=<urlsafe base64>`) of each file of WHEEL."""
     with zipfile.ZipFile(wheel) as whl:
         name = next(n for n in whl.namelist() if n.endswith(".dist-info/RECORD"))
         rows = csv.reader(io.StringIO(whl.read(name).decode()))
@@ -51,11 +50,8 @@ def record_digest(data: bytes) -> str:
 
 
 def loadable_here(path: str) -> bool:
-    """Whether this Python loads the extension PATH (abi3, or tagged for this
-    Python)."""
-    return path.endswith(".abi3.so") or path.endswith(
-        importlib.machinery.EXTENSION_SUFFIXES[0]
-    )
+    """Whether this Python loads the extension PATH (abi3, or tagged for it)."""
+    return path.endswith((".abi3.so", importlib.machinery.EXTENSION_SUFFIXES[0]))
 
 
 def probe(wheel: Path, root: Path, only: list[str]) -> dict:
@@ -66,14 +62,11 @@ def probe(wheel: Path, root: Path, only: list[str]) -> dict:
     wanted = [p for p in compiled if not only or p in only]
     result: dict = {
         "loaded": [],
-        "failed": {},
+        "failed": {p: "not in the wheel's RECORD" for p in only if p not in record},
         "other_pythons": [],
         "candidates": 0,
         "ops": {},
     }
-    result["failed"].update(
-        {p: "not in the wheel's RECORD" for p in only if p not in record}
-    )
     for path in wanted:
         if not loadable_here(path):
             result["other_pythons"].append(path)

@@ -1,11 +1,10 @@
 """`forkbuild lock`: the hash-locked environments, one per route and supported Python.
 
 locks/ROUTE-pyXY.txt pins every package of the route's venv (fork.toml's toolchain, the
-route's extras and vLLM's own requirement file in the tree) with its sha256, resolved by
+route's extras and vLLM's requirement file in the tree) with its sha256, resolved by
 `uv pip compile --generate-hashes` for fork.toml's lock_platform. Each lock records a
-digest of the inputs it was made from; an install refuses a lock whose inputs changed
-since (fork.toml or the tree's requirements), so the venv installed is always the one
-that was locked and tested. Only `forkbuild lock` needs the network.
+digest of its inputs; an install refuses a lock whose inputs changed since, so the venv
+installed is the one locked and tested. Only `forkbuild lock` needs the network.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from __future__ import annotations
 import re
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 from forkbuild import log, uv
@@ -53,34 +51,20 @@ def _requirement_files(tree_path: Path, relative: str) -> list[Path]:
     return files
 
 
-@dataclass(frozen=True)
-class LockInputs:
-    route: Route
-    python: str
-    requirements: tuple[str, ...]  # beside the tree's file
-    tree_file: Path
-
-    def digest(self, pins: Pins, tree_path: Path) -> str:
-        files = _requirement_files(tree_path, self.route.requirements)
-        return digest_of(
-            [
-                FORMAT,
-                self.route.name,
-                self.python,
-                pins.lock_platform,
-                *self.requirements,
-                *(f"exclude {name}" for name in self.route.exclude),
-                *(
-                    f"{f.relative_to(tree_path)}\n".encode() + f.read_bytes()
-                    for f in files
-                ),
-            ]
-        )
-
-
-def inputs(pins: Pins, route: Route, python: str, tree_path: Path) -> LockInputs:
-    return LockInputs(
-        route, python, (*pins.toolchain, *route.extra), tree_path / route.requirements
+def inputs_digest(pins: Pins, route: Route, python: str, tree_path: Path) -> str:
+    """The digest of what the lock of ROUTE for PYTHON is made from."""
+    files = _requirement_files(tree_path, route.requirements)
+    return digest_of(
+        [
+            FORMAT,
+            route.name,
+            python,
+            pins.lock_platform,
+            *pins.toolchain,
+            *route.extra,
+            *(f"exclude {name}" for name in route.exclude),
+            *(f"{f.relative_to(tree_path)}\n".encode() + f.read_bytes() for f in files),
+        ]
     )
 
 
@@ -99,9 +83,9 @@ def stale(pins: Pins, tree_path: Path) -> list[str]:
             lock_file = path(route.name, python)
             if not lock_file.is_file():
                 wrong.append(f"{lock_file.name} (missing)")
-            elif recorded_digest(lock_file) != inputs(
+            elif recorded_digest(lock_file) != inputs_digest(
                 pins, route, python, tree_path
-            ).digest(pins, tree_path):
+            ):
                 wrong.append(f"{lock_file.name} (its inputs changed)")
     return wrong
 
@@ -146,16 +130,13 @@ def normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def _header(pins: Pins, lock_inputs: LockInputs, digest: str) -> str:
-    r = lock_inputs.route
+def _header(pins: Pins, route: Route, python: str, digest: str) -> str:
     return (
-        f"# {path(r.name, lock_inputs.python).name}: the {r.name} route's venv on "
-        "Python "
-        f"{lock_inputs.python} ({pins.lock_platform}), every package with its sha256.\n"
+        f"# {path(route.name, python).name}: the {route.name} route's venv on Python "
+        f"{python} ({pins.lock_platform}), every package with its sha256.\n"
         "# Made by `make lock` (uv pip compile --generate-hashes) from fork.toml "
-        "[toolchain] and "
-        f"[routes.{r.name}] and vLLM {pins.upstream_version}'s {r.requirements}; do "
-        "not edit.\n"
+        f"[toolchain] and [routes.{route.name}] and vLLM {pins.upstream_version}'s "
+        f"{route.requirements}; do not edit.\n"
         f"{DIGEST_LINE}{digest}\n"
     )
 
@@ -179,22 +160,10 @@ def resolve(
             excludes = ["--excludes", str(Path(tmp) / "excludes.txt")]
         uv.run(
             pins,
-            [
-                "pip",
-                "compile",
-                str(source),
-                "--generate-hashes",
-                "--no-header",
-                "--no-annotate",
-                "--python-version",
-                python,
-                "--python-platform",
-                pins.lock_platform,
-                *excludes,
-                "--quiet",
-                "-o",
-                str(out),
-            ],
+            ["pip", "compile", str(source), "--generate-hashes", "--no-header"]
+            + ["--no-annotate", "--python-version", python]
+            + ["--python-platform", pins.lock_platform, *excludes]
+            + ["--quiet", "-o", str(out)],
             what=f"resolve {name}",
         )
         return out.read_text()
@@ -206,8 +175,7 @@ def generate(pins: Pins, tree_path: Path) -> list[Path]:
     written = []
     for route in pins.routes.values():
         for python in pins.pythons:
-            lock_inputs = inputs(pins, route, python, tree_path)
-            digest = lock_inputs.digest(pins, tree_path)
+            digest = inputs_digest(pins, route, python, tree_path)
             target = path(route.name, python)
             if target.is_file() and recorded_digest(target) == digest:
                 log.step(f"lock: {target.name} is up to date")
@@ -215,17 +183,16 @@ def generate(pins: Pins, tree_path: Path) -> list[Path]:
             log.step(
                 f"lock: resolving {target.name} (route {route.name}, Python {python})"
             )
-            body = resolve(
-                pins,
-                "".join(f"{r}\n" for r in lock_inputs.requirements)
-                + f"-r {lock_inputs.tree_file}\n",
-                python,
-                target.name,
-                route.exclude,
-            )
+            wanted = [
+                *pins.toolchain,
+                *route.extra,
+                f"-r {tree_path / route.requirements}",
+            ]
+            requirements = "".join(f"{r}\n" for r in wanted)
+            body = resolve(pins, requirements, python, target.name, route.exclude)
             partial = target.with_name(f".{target.name}.partial")
             try:  # renamed whole: the lock is the old one or the new one
-                partial.write_text(_header(pins, lock_inputs, digest) + body)
+                partial.write_text(_header(pins, route, python, digest) + body)
                 partial.replace(target)
             finally:
                 partial.unlink(missing_ok=True)

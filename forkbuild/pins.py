@@ -77,8 +77,7 @@ class Pins:
         )
 
     def torch_pins(self, version: str) -> dict[str, str]:
-        """sha256 pins of the torch wheels of VERSION (the toolchain's or a
-        release's)."""
+        """sha256 pins of VERSION's torch wheels (the toolchain's or a release's)."""
         prefix = f"torch-{version}-"
         return {k: v for k, v in self.torch_sha256.items() if k.startswith(prefix)}
 
@@ -116,10 +115,7 @@ def load(path: Path = PINS_FILE) -> Pins:
     except tomllib.TOMLDecodeError as exc:
         raise ForkError(f"{path} is not valid TOML: {exc}", "fix the file") from None
     try:
-        artifacts = {
-            key: Artifact(key, a["requirement"], a["filename"], a["sha256"].lower())
-            for key, a in raw["artifacts"].items()
-        }
+        artifacts = {key: _artifact(key, a) for key, a in raw["artifacts"].items()}
         routes = {
             name: Route(
                 name,
@@ -134,7 +130,6 @@ def load(path: Path = PINS_FILE) -> Pins:
         tc = raw["toolchain"]
         matrix = raw.get("matrix", {})
         torch_sha256 = matrix.get("torch-sha256", {})
-        uv = tc["uv"]
         releases = tuple(
             _release(raw, artifacts, tc["torch"], version)
             for version in matrix.get("releases", [])
@@ -146,7 +141,7 @@ def load(path: Path = PINS_FILE) -> Pins:
             machines=tuple(raw["upstream"]["machines"]),
             lock_platform=raw["upstream"]["lock_platform"],
             artifacts=artifacts,
-            uv=Artifact("uv", uv["requirement"], uv["filename"], uv["sha256"].lower()),
+            uv=_artifact("uv", tc["uv"]),
             torch=tc["torch"],
             torch_sha256={k: v.lower() for k, v in torch_sha256.items()},
             build=tuple(tc["build"]),
@@ -167,6 +162,10 @@ def load(path: Path = PINS_FILE) -> Pins:
         ) from None
 
 
+def _artifact(key: str, a: dict) -> Artifact:
+    return Artifact(key, a["requirement"], a["filename"], a["sha256"].lower())
+
+
 def _release(
     raw: dict, artifacts: dict[str, Artifact], torch: str, version: str
 ) -> Release:
@@ -174,18 +173,11 @@ def _release(
     if version == raw["upstream"]["version"]:
         return Release(version, torch, artifacts["sdist"], artifacts["wheel-cpu"])
     entry = raw["matrix"]["release"][version]
-
-    def artifact(key: str) -> Artifact:
-        a = entry[key]
-        return Artifact(
-            f"{key}-{version}", a["requirement"], a["filename"], a["sha256"].lower()
-        )
-
     return Release(
         version,
         entry["torch"],
-        artifact("sdist"),
-        artifact("binaries"),
+        _artifact(f"sdist-{version}", entry["sdist"]),
+        _artifact(f"binaries-{version}", entry["binaries"]),
         entry.get("note", ""),
     )
 
@@ -193,12 +185,10 @@ def _release(
 def cache_dir() -> Path:
     """Downloads live outside the clone so that a fresh clone on the same machine reuses
     them."""
-    base = (
-        os.environ.get("VLLM_FORK_CACHE")
-        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-        / "vllm-fork"
-    )
-    return Path(base)
+    if os.environ.get("VLLM_FORK_CACHE"):
+        return Path(os.environ["VLLM_FORK_CACHE"])
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "vllm-fork"
 
 
 def locks_dir() -> Path:

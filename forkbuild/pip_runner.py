@@ -22,36 +22,21 @@ def run_pip(
     env: Mapping[str, str] | None = None,
     quiet: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """Run `python -m pip ARGS`; on failure raise with pip's last error line.
-
-    With quiet=True the output is captured (for attempts whose failure is expected);
-    otherwise it streams, so that long downloads show pip's own progress.
-    """
-    prefix = (
-        [str(python), "-m", "pip"] if isinstance(python, (str, Path)) else list(python)
-    )
-    cmd = [*prefix, *args]
+    """Run `python -m pip ARGS`; on failure raise with pip's last error line. QUIET
+    captures the output (attempts whose failure is expected); otherwise it streams, so
+    that long downloads show pip's own progress."""
+    pip = [str(python), "-m", "pip"] if isinstance(python, (str, Path)) else python
     result = subprocess.run(
-        cmd,
-        env=dict(env) if env is not None else None,
-        text=True,
-        capture_output=quiet,
-        check=False,
+        [*pip, *args], env=env, text=True, capture_output=quiet, check=False
     )
     if result.returncode != 0:
-        last = (
-            last_error_line(result.stderr or "")
-            if quiet
-            else ("see pip's output above")
-        )
+        last = "see pip's output above"
+        if quiet:
+            lines = [ln.strip() for ln in result.stderr.splitlines() if ln.strip()]
+            errors = [ln for ln in lines if ln.startswith("ERROR")]
+            last = (errors or lines or ["no output"])[-1]
         raise ForkError(
             f"pip failed to {what}: {last}",
             "check the network and disk, then run again",
         )
     return result
-
-
-def last_error_line(stderr: str) -> str:
-    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if ln.startswith("ERROR")]
-    return (errors or lines or ["no output"])[-1]

@@ -5,10 +5,9 @@ tests.
     HEAD~1   one commit per patch          git am of patches/series
     HEAD     "fork: overlay the fork's tests"
 
-`git log` and `git diff v0.25.1` inside the tree therefore show exactly what the fork
-changes. The tree is built in a temporary folder and renamed into place, so a failed or
-interrupted build never leaves a half tree; commit dates are fixed, so the same inputs
-always give the same commits, and an unchanged tree is not rebuilt.
+`git log` and `git diff v0.25.1` in the tree show exactly what the fork changes. It is
+built in a temporary folder and renamed into place (never a half tree), with fixed
+commit dates (the same inputs give the same commits; an unchanged tree is not rebuilt).
 """
 
 from __future__ import annotations
@@ -178,12 +177,9 @@ def extract_data(
     stop: threading.Event | None = None,
 ) -> None:
     """Extract MEMBERS (default: all) of TAR into DEST as plain data: nothing outside
-    DEST, no device files, no set-id bits, owned by whoever runs this (git refuses
-    repositories owned by another user, and as root tarfile would chown to the archive's
-    uids).
-
-    tarfile's "data" filter does exactly this, but only from Python 3.11.4 and 3.12.0:
-    Debian 12's python3 is 3.11.2. There the same rules are applied here first."""
+    DEST, no device files or set-id bits, owned by whoever runs this (git refuses other
+    owners; as root tarfile would chown). tarfile's "data" filter does this, but only
+    from Python 3.11.4, and Debian 12 has 3.11.2: so the same rules are applied here."""
     members = tar.getmembers() if members is None else members
 
     def checked() -> Iterator[tarfile.TarInfo]:  # STOP is looked at before each member
@@ -206,9 +202,8 @@ def extract_data(
                 f"{tar.name}: member {member.name!r} is not a file, folder or link"
             )
         if member.issym() or member.islnk():
-            # Checked one by one, a link made by an earlier member could carry a later
-            # one out of DEST; vLLM's sdists hold no links, so here none is taken at
-            # all.
+            # Checked one by one, a link could carry a later member out of DEST; vLLM's
+            # sdists hold none.
             raise ForkError(
                 f"{tar.name}: member {member.name!r} is a link, which forkbuild does "
                 "not unpack without tarfile's data filter (Python < 3.11.4)",
@@ -229,13 +224,10 @@ def _apply_patches(
     for patch in patches:
         result = git(["am", "--keep-cr", str(patch.path)], tmp, env, stop)
         if result.returncode != 0:
-            output = f"{result.stdout}\n{result.stderr}"
-            # the failed hunk, else git's first error
-            errors = [
-                ln.strip() for ln in output.splitlines() if ln.startswith("error:")
-            ]
+            output = f"{result.stdout}\n{result.stderr}".splitlines()
+            errors = [ln.strip() for ln in output if ln.startswith("error:")]
             failed = [ln for ln in errors if ln.startswith("error: patch failed")]
-            hunk = (failed or errors or ["no detail"])[0]
+            hunk = (failed or errors or ["no detail"])[0]  # else git's first error
             raise ForkError(
                 f"patch {patch.name} does not apply to vLLM's sdist: {hunk}",
                 "refresh the patch against the pinned sdist; no tree was changed",
@@ -287,9 +279,7 @@ def commit_release(
     stop: threading.Event | None = None,
 ) -> dict[str, str]:
     """Unpack SDIST into DEST as a git repository: one commit, tagged v<VERSION>.
-
-    Returns the git environment (identity, the release's date) for further commits.
-    """
+    Returns the git environment (identity, the release's date) for further commits."""
     log.step(f"tree: unpacking {sdist.name}")
     stamp = _extract_sdist(sdist, dest, stop)
     # The sdist's egg-info carries the bare version (no "+cpu"): first on sys.path
@@ -309,13 +299,8 @@ def commit_release(
     # -f: the sdist ships a .gitignore that matches a few of its own files; the commit
     # must hold the release as published, less the generated metadata.
     _git_ok(["add", "-A", "-f", "."], dest, env, "stage the sdist", stop)
-    _git_ok(
-        ["rm", "-r", "-q", "--cached", "--ignore-unmatch", *GENERATED],
-        dest,
-        env,
-        "unstage build metadata",
-        stop,
-    )
+    unstage = ["rm", "-r", "-q", "--cached", "--ignore-unmatch", *GENERATED]
+    _git_ok(unstage, dest, env, "unstage build metadata", stop)
     message = (
         f"vLLM {version} (sdist)\n\n"
         f"{sdist.name}, sha256 {sha256}.\n"
@@ -336,21 +321,14 @@ def overlay_tests(
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, dest)
     _git_ok(["add", "-A", "tests"], tree, env, "stage the fork's tests", stop)
-    _git_ok(
-        ["commit", "-q", "--allow-empty", "-m", "fork: overlay the fork's tests"],
-        tree,
-        env,
-        "commit the fork's tests",
-        stop,
-    )
+    commit = ["commit", "-q", "--allow-empty", "-m", "fork: overlay the fork's tests"]
+    _git_ok(commit, tree, env, "commit the fork's tests", stop)
     log.step(f"tree: overlaid {len(files)} test file(s)")
 
 
 def swap_into_place(new: Path, final: Path) -> None:
+    old = Path(tempfile.mkdtemp(prefix=".tree-old-", dir=final.parent))
     if final.exists():
-        old = Path(tempfile.mkdtemp(prefix=".tree-old-", dir=final.parent))
         os.replace(final, old / final.name)
-        os.replace(new, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(new, final)
+    os.replace(new, final)
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,17 +1,13 @@
 """uv, the fork's one installer, at the version fork.toml pins.
 
-Bootstrap, once per cache: the pinned uv wheel is downloaded by package name with pip --
-the running interpreter's, or, where it has none (python.org, pyenv and Debian builds
-without python3-pip), the pip wheel that its ensurepip bundles -- and checked against
-fork.toml's sha256; its `uv` binary is extracted beside it and checked against the
-wheel's RECORD. Every later run checks both again and needs no network and no pip.
+Bootstrap, once per cache: pip (this interpreter's, else the wheel ensurepip bundles)
+downloads the pinned uv wheel, checked against fork.toml's sha256; its `uv` binary is
+extracted and checked against the wheel's RECORD. Later runs need no network, no pip.
 
 uv keeps its downloads in <cache>/uv-cache, outside the clone, so a fresh clone installs
-offline from there; packages it lacks are downloaded then (uv reads its own index
-configuration: UV_DEFAULT_INDEX, UV_INDEX, uv.toml; only the offline editable install
-of the tree passes its own --config-file, so no user uv.toml applies there). A cache
-that cannot be written is refused before uv runs; a disk that fills while uv downloads
-is said in one line, with the folder and the variable that moves it.
+offline; what it lacks comes from uv's own index configuration (UV_INDEX, uv.toml; the
+tree's offline editable install passes its own --config-file instead). An unwritable
+cache is refused before uv runs; a full disk is said in one line.
 """
 
 from __future__ import annotations
@@ -31,15 +27,14 @@ from pathlib import Path
 from forkbuild import fetch, log, preflight
 from forkbuild.errors import ForkError
 from forkbuild.hashing import sha256_file
+from forkbuild.load_extensions import wheel_record
 from forkbuild.pins import Pins, build_dir, cache_dir
 
 
 def bootstrap_pip() -> list[str]:
-    """A pip command for the one download that comes before uv: this interpreter's pip,
-    else the pip wheel its ensurepip installs from (pip runs from a wheel file): the one
-    bundled with ensurepip, or, where a distribution keeps it apart (Debian's
-    /usr/share/python-wheels), the one in the folder that ensurepip itself reads,
-    sysconfig's WHEEL_PKG_DIR."""
+    """A pip command for the one download before uv: this interpreter's pip, else the
+    pip wheel ensurepip installs from (pip runs from a wheel file): bundled, or where
+    Debian keeps it apart, in sysconfig's WHEEL_PKG_DIR (as ensurepip reads it)."""
     if importlib.util.find_spec("pip") is not None:
         return [sys.executable, "-m", "pip"]
     spec = importlib.util.find_spec("ensurepip")
@@ -60,18 +55,6 @@ def bootstrap_pip() -> list[str]:
     )
 
 
-def _record_sha256(wheel: zipfile.ZipFile, member: str) -> str:
-    """The hex sha256 that the wheel's RECORD gives MEMBER."""
-    record = next(n for n in wheel.namelist() if n.endswith(".dist-info/RECORD"))
-    for line in wheel.read(record).decode().splitlines():
-        name, _, rest = line.partition(",")
-        if name == member:
-            algo, _, b64 = rest.split(",", 1)[0].partition("=")
-            if algo == "sha256":
-                return base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)).hex()
-    raise ForkError(f"{member} has no sha256 in the uv wheel's RECORD")
-
-
 _verified: dict[str, Path] = {}  # per process: the binary is checked once
 
 
@@ -82,25 +65,29 @@ def binary(pins: Pins) -> Path:
     wheel_path = fetch.fetch(pins.uv, bootstrap_pip, quiet=True)
     version = pins.uv.requirement.split("==", 1)[1]
     target = cache_dir() / "uv" / version / "uv"
-    with zipfile.ZipFile(wheel_path) as wheel:
-        member = f"uv-{version}.data/scripts/uv"
-        expected = _record_sha256(wheel, member)
-        if target.exists() and sha256_file(target) == expected:
-            _verified[pins.uv.sha256] = target
-            return target
+    member = f"uv-{version}.data/scripts/uv"
+    algo, _, b64 = wheel_record(wheel_path).get(member, "").partition("=")
+    if algo != "sha256":
+        raise ForkError(f"{member} has no sha256 in the uv wheel's RECORD")
+    expected = base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)).hex()
+    if not (target.exists() and sha256_file(target) == expected):
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name("uv.partial")
-        with wheel.open(member) as src, open(partial, "wb") as dst:
-            while chunk := src.read(1 << 20):
-                dst.write(chunk)
-    if sha256_file(partial) != expected:
-        partial.unlink()
-        raise ForkError(
-            f"the uv binary extracted from {wheel_path.name} does not match its RECORD"
-        )
-    partial.chmod(0o755)
-    partial.replace(target)
-    log.step(f"uv: {pins.uv.requirement} ready at {target}")
+        with (
+            zipfile.ZipFile(wheel_path) as wheel,
+            wheel.open(member) as src,
+            open(partial, "wb") as dst,
+        ):
+            shutil.copyfileobj(src, dst)
+        if sha256_file(partial) != expected:
+            partial.unlink()
+            raise ForkError(
+                f"the uv binary extracted from {wheel_path.name} does not match its "
+                "RECORD"
+            )
+        partial.chmod(0o755)
+        partial.replace(target)
+        log.step(f"uv: {pins.uv.requirement} ready at {target}")
     _verified[pins.uv.sha256] = target
     return target
 
@@ -109,14 +96,7 @@ def uv_cache() -> Path:
     return cache_dir() / "uv-cache"
 
 
-def env(base: dict[str, str] | None = None) -> dict[str, str]:
-    """BASE (default: this process's environment) with uv's settings for the fork."""
-    return {
-        **(os.environ if base is None else base),
-        "UV_CACHE_DIR": str(uv_cache()),
-        "UV_PYTHON_DOWNLOADS": "never",  # venvs use the interpreter forkbuild runs on
-        "UV_NO_PROGRESS": "1",
-    }
+_writable: set[Path] = set()  # per process: the cache is checked once
 
 
 class _Final(ForkError):
@@ -147,14 +127,10 @@ def _disk_failure(output: str, what: str) -> ForkError | None:
             continue
         named = _PATH.search(line)
         path = Path(named["path"]) if named else uv_cache()
-        folder = next(
-            (
-                root
-                for root in (uv_cache(), build_dir())
-                if path.is_relative_to(root.absolute())
-            ),
-            path,
-        )
+        roots = [
+            r for r in (uv_cache(), build_dir()) if path.is_relative_to(r.absolute())
+        ]
+        folder = (roots or [path])[0]
         setting = preflight.setting_for(path)
         if int(found["errno"]) == 28:
             return _Final(
@@ -201,11 +177,20 @@ def run(
 ) -> str:
     """Run `uv ARGS`; return its output. With STREAM its lines are shown as they come
     (long downloads); either way a failure raises with uv's own cause."""
-    check_cache_writable()
-    cmd = [str(binary(pins)), *args]
+    if uv_cache() not in _writable:
+        # uv locks its cache even to read: refuse one it cannot write (naming
+        # VLLM_FORK_CACHE) before uv fails in its own words.
+        preflight.check_writable(uv_cache(), "uv")
+        _writable.add(uv_cache())
     proc = subprocess.Popen(
-        cmd,
-        env=env({**os.environ, **(extra_env or {})}),
+        [str(binary(pins)), *args],
+        env={
+            **os.environ,
+            **(extra_env or {}),
+            "UV_CACHE_DIR": str(uv_cache()),
+            "UV_PYTHON_DOWNLOADS": "never",  # venvs use forkbuild's own interpreter
+            "UV_NO_PROGRESS": "1",
+        },
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -222,17 +207,6 @@ def run(
     return output
 
 
-_writable: set[Path] = set()  # per process: the cache is checked once
-
-
-def check_cache_writable() -> None:
-    """uv cannot run on a cache it cannot write (it locks it even to read): say so, and
-    name VLLM_FORK_CACHE, before uv fails with its own words."""
-    if uv_cache() not in _writable:
-        preflight.check_writable(uv_cache(), "uv")
-        _writable.add(uv_cache())
-
-
 def install(
     pins: Pins,
     args: Sequence[str],
@@ -241,8 +215,7 @@ def install(
     lock: Path | None = None,
 ) -> None:
     """`uv pip ARGS` (installing WHAT, e.g. "the packages of cpu-py311.txt") from uv's
-    cache alone first; only what the cache lacks is downloaded (a full disk is said in
-    one line with the folder it hit: _disk_failure)."""
+    cache alone first; only what the cache lacks is downloaded."""
     try:
         run(pins, ["pip", *args, "--offline"], what=f"install {what}", lock=lock)
         return

@@ -1,21 +1,19 @@
 """A distributable patched wheel for GPU hosts: vllm-<version>+<label>, on the official
-CUDA wheel's binaries, built from a clean clone of the tree (the dev tree holds the CPU
-binaries of the editable install, which must not leak into it).
+CUDA wheel's binaries, built from a clean clone of the tree (the dev tree holds the
+editable install's CPU binaries, which must not leak into it).
 
-A clone, not a `git archive` export: vLLM's package data beyond setup.py's explicit
-`package_data` globs (the fallback chat templates, numa_wrapper.sh, the tuned Mamba and
-Helion configs, READMEs) reaches its wheel through setuptools' `include_package_data`,
-on by default for a pyproject `[project]`, which takes the package files that
-setuptools-scm's file finder lists: the files git tracks. In an export there is no git
-repository, the finder lists nothing, and those ~40 files were silently left out.
+A clone, not a `git archive` export: some of vLLM's package data (chat templates, tuned
+configs: ~40 files) reaches the wheel through `include_package_data`, which takes what
+setuptools-scm lists, the files git tracks: from an export they were silently left out.
 
-verify_wheel holds the result to the official wheel file by file: every file of it, with
-the same content, except what the patch series changes, vllm/_version.py (generated) and
-the .dist-info metadata."""
+verify_wheel holds the result to the official wheel file by file: the same content but
+for what the patch series changes, vllm/_version.py and the .dist-info metadata."""
 
 from __future__ import annotations
 
 import csv
+import email.message
+import email.parser
 import io
 import os
 import re
@@ -60,9 +58,8 @@ def patched_paths(patches: list[tree.Patch]) -> set[str]:
 
 
 def _contents(path: Path) -> dict[str, tuple[str | None, int, int]]:
-    """File name -> (sha256 as RECORD states it, size, CRC-32) for every file of the
-    wheel. RECORD saves inflating ~400 MB; the zip directory's size and CRC, free to
-    read, catch a RECORD that does not describe the bytes next to it."""
+    """File name -> (sha256 as RECORD states it, size, CRC-32) of every file: RECORD
+    saves inflating ~400 MB; the zip's size and CRC catch a RECORD that lies."""
     with zipfile.ZipFile(path) as whl:
         infos = [i for i in whl.infolist() if not i.is_dir()]
         records = [
@@ -91,8 +88,7 @@ class Comparison:
     missing: list[str]  # in the official wheel, not in the fork's
     differing: list[str]  # in both, not equal, and not changed by the series
     extra: list[str]  # in the fork's wheel only, and not added by the series
-    # in both and changed by the series or generated: allowed to differ
-    patched: list[str]
+    patched: list[str]  # in both, changed by the series or generated: may differ
 
     @property
     def ok(self) -> bool:
@@ -145,8 +141,7 @@ def comparison_problems(
         )
     if result.extra:
         problems.append(
-            f"{len(result.extra)} file(s) not in {official.name} and added "
-            "by no "
+            f"{len(result.extra)} file(s) not in {official.name} and added by no "
             f"patch: {_some(result.extra)}"
         )
         hints.append(
@@ -161,24 +156,16 @@ def verify_wheel(
     path: Path, pins: Pins, official: Path, patches_dir: Path = tree.PATCHES_DIR
 ) -> None:
     """The wheel must carry the fix and the fork's version, and hold the OFFICIAL wheel
-    whose binaries it was built on file for file: every file, the same bytes, except the
-    files the patch series changes, vllm/_version.py and the .dist-info metadata;
-    nothing
-    else besides the files the series adds."""
-    missing = sorted(_compiled(official) - _compiled(path))
+    it was built on file for file (module docstring); nothing else besides the files the
+    series adds."""
+    compiled = _compiled(official)
+    missing = sorted(compiled - _compiled(path))
     result = compare_wheels(
         path, official, patched_paths(tree.read_series(patches_dir))
     )
     with zipfile.ZipFile(path) as whl:
         verdict = fixcheck.classify(whl.read(fixcheck.MODULE_PATH).decode())
-        version = next(
-            (
-                ln.split(":", 1)[1].strip()
-                for ln in _metadata(whl).splitlines()
-                if ln.startswith("Version:")
-            ),
-            None,
-        )
+    version = _metadata(path)["Version"]
     problems, hints = [], []
     ours, theirs = _requirements(path), _requirements(official)
     if ours != theirs:
@@ -209,7 +196,7 @@ def verify_wheel(
         )
     log.step(
         f"wheel: verified {path.name}: version {version}, fix present, "
-        f"{result.compared} files of {official.name} ({len(_compiled(official))} "
+        f"{result.compared} files of {official.name} ({len(compiled)} "
         f"compiled extensions among them) present and equal, {len(result.patched)} "
         f"changed as the series and the build change them ({', '.join(result.patched)})"
     )
@@ -217,32 +204,28 @@ def verify_wheel(
 
 def _requirements(path: Path) -> list[str]:
     """The Requires-Dist and Requires-Python lines of the wheel's METADATA, sorted: what
-    an installer takes from it (the rest of .dist-info names the build, not the
-    needs)."""
+    an installer takes (the rest of .dist-info names the build, not the needs)."""
+    needs = ("Requires-Dist", "Requires-Python")
+    return sorted(f"{k}: {v}" for k, v in _metadata(path).items() if k in needs)
+
+
+def _metadata(path: Path) -> email.message.Message:
+    """The headers of the wheel's METADATA (StopIteration where it has none)."""
     with zipfile.ZipFile(path) as whl:
-        # headers end at the first blank line
-        head = _metadata(whl).split("\n\n", 1)[0]
-    return sorted(
-        line.strip()
-        for line in head.splitlines()
-        if line.startswith(("Requires-Dist:", "Requires-Python:"))
-    )
+        name = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
+        return email.parser.HeaderParser().parsestr(whl.read(name).decode())
 
 
-def _metadata(whl: zipfile.ZipFile) -> str:
-    """The wheel's .dist-info/METADATA (StopIteration where it has none)."""
-    name = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
-    return whl.read(name).decode()
+def _tags(wheel: Path) -> list[str]:
+    """[python, abi, platform] of name-version-python-abi-platform.whl."""
+    return wheel.name.removesuffix(".whl").split("-")[-3:]
 
 
 def _tag_options(official: Path) -> list[str]:
-    """pip tags a python-only build for the building interpreter (cp311-cp311-linux);
-    the binaries inside are the official wheel's, so bdist_wheel is told the official
-    wheel's tags (cp38-abi3-manylinux_2_28) and the wheel installs wherever that one
-    does. (Built so, it is zipped once: retagging afterwards rewrote all ~400 MB
-    again.)"""
-    # name-version-python-abi-platform.whl (fork.toml pins the official file name)
-    interpreter, abi, platform_tag = official.name.removesuffix(".whl").split("-")[-3:]
+    """bdist_wheel is told the official wheel's tags (cp38-abi3-manylinux_2_28), whose
+    binaries it holds, not the building interpreter's, so it installs wherever that one
+    does (and is zipped once: retagging afterwards rewrote all ~400 MB)."""
+    interpreter, abi, platform_tag = _tags(official)
     if abi != "abi3":
         raise ForkError(
             f"{official.name} is not an abi3 wheel",
@@ -264,44 +247,28 @@ def build(pins: Pins) -> Path:
     preflight.check_disk(build_dir(), 2, "building the wheel")
     with tempfile.TemporaryDirectory(prefix=".wheel-", dir=build_dir()) as tmp:
         source, out = Path(tmp) / "src", Path(tmp) / "out"
-        # A clone: the tracked files only (no editable install's CPU binaries), in a git
-        # repository, so that setuptools-scm lists the package data as for the official
-        # wheel (see the module's docstring). Local, so the objects are hard links.
+        # A clone, not an export (module docstring); local: the objects are hard links.
         clone = ["clone", "-q", str(tree_path), str(source)]
-        tree._git_ok(
-            clone,
-            Path(tmp),
-            None,
-            f"clone {tree_path}",
-            hint="rebuild the tree: make tree",
-        )
+        hint = "rebuild the tree: make tree"
+        tree._git_ok(clone, Path(tmp), None, f"clone {tree_path}", hint=hint)
         log.step(
             f"wheel: building {pins.fork_version} on {binaries.name} (takes about "
             "a minute)"
         )
         run_pip(
             python,
-            [
-                "wheel",
-                "--no-deps",
-                "--no-build-isolation",
-                "-q",
-                "-w",
-                str(out),
-                *_tag_options(binaries),
-                str(source),
-            ],
+            ["wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out)]
+            + [*_tag_options(binaries), str(source)],
             what="build the wheel",
             env=install.precompiled_env(pins, route, binaries),
             quiet=True,
         )
         built = sorted(out.glob("vllm-*.whl"))
-        tags = "-".join(binaries.name.removesuffix(".whl").split("-")[-3:])
+        tags = "-".join(_tags(binaries))
         if len(built) != 1 or not built[0].name.endswith(f"-{tags}.whl"):
             raise ForkError(
-                f"pip wheel produced {[p.name for p in built]}, expected "
-                "one vllm wheel "
-                f"tagged {tags}"
+                f"pip wheel produced {[p.name for p in built]}, expected one vllm "
+                f"wheel tagged {tags}"
             )
         verify_wheel(built[0], pins, binaries)
         dist_dir().mkdir(parents=True, exist_ok=True)
