@@ -1,24 +1,19 @@
 """The CUDA route checked on a machine without a GPU (part of `make test`).
 
-The nightly GPU job is the only place the CUDA route runs for real, and a GPU is rarely
-at hand. Most of what can break there is not the GPU: the CUDA lock, the editable
-install on the official CUDA wheel, the wheel's compiled extensions against the locked
-torch, the fix in what `import vllm` loads, the GPU tests' collection under the CUDA
-build, and the arguments the kernel test hands to the real ops. This checks all of that
-here:
+The nightly GPU job is the only place the CUDA route runs for real, and most of what can
+break there is not the GPU. This checks here:
 
-1. `forkbuild install --route cuda` in a build folder of its own (build/cuda-route: the
-   CUDA lock hash-checked into its venv, the patched tree, the editable install on the
-   official CUDA wheel, the install's own `import vllm` probe), as a GPU host runs it;
+1. `forkbuild install --route cuda` in build/cuda-route, as a GPU host runs it (the CUDA
+   lock, the patched tree, the editable install on the official CUDA wheel, its own
+   `import vllm` probe);
 2. a stand-in for the driver library, generated from the wheel's own undefined driver
-   symbols (forkbuild/driver_stub.py), under build/cuda-route/driver-stub and on
-   LD_LIBRARY_PATH of this check's processes only;
+   symbols (forkbuild/driver_stub.py), on LD_LIBRARY_PATH of this check's processes;
 3. every compiled extension of the wheel that this Python can load: in the tree byte for
    byte as the wheel's RECORD says, and loaded against the locked torch;
-4. the GPU tests collected under that build, every case skipped for lack of a device
-(with
-   a reason), every node id the nightly requires among them; the kernel test's calls
-   with CPU tensors up to the real ops' dispatch ([tests] cuda_route in fork.toml).
+4. FlashInfer's JIT toolchain (forkbuild/cuda_toolchain.py);
+5. the GPU tests collected under that build, each skipped for lack of a device, every
+   node id the nightly requires among them; the kernel test's calls with CPU tensors up
+   to the real ops' dispatch ([tests] cuda_route in fork.toml).
 It ends in one line: `cuda route without a GPU: ...`.
 """
 
@@ -56,8 +51,7 @@ class Result:
     jit_modules: int  # FlashInfer modules whose JIT build graph resolved
     gpu_cases: pytest_runner.Outcome
     calls: pytest_runner.Outcome
-    # the CUDA venv's python, the tree, the driver stub folder
-    route: tuple[Path, Path, Path]
+    route: tuple[Path, Path, Path]  # the CUDA venv's python, the tree, the driver stub
 
     def line(self) -> str:
         return (
@@ -109,7 +103,7 @@ def build_driver_stub(python: Path, tree: Path) -> Path:
 
 def stub_env(stub: Path) -> dict[str, str]:
     """The environment of this check's processes: the stub found before any other
-    libcuda.so.1 (there is none on a machine without a driver)."""
+    libcuda.so.1."""
     paths = [str(stub), *filter(None, os.environ.get("LD_LIBRARY_PATH", "").split(":"))]
     return {"LD_LIBRARY_PATH": ":".join(paths)}
 
@@ -155,10 +149,8 @@ def load_extensions(
 
 
 def check_flashinfer_jit(python: Path, stub: Path, results: Path) -> int:
-    """FlashInfer's JIT in the nightly's environment (forkbuild/cuda_toolchain.py:
-    CUDA_HOME is the lock's toolkit, ninja the venv's, the link names made as on the GPU
-    host, with the driver stub standing in for the driver's libcuda.so.1). Returns the
-    modules checked."""
+    """FlashInfer's JIT in the nightly's environment (forkbuild/cuda_toolchain.py), the
+    driver stub standing in for libcuda.so.1. Returns the modules checked."""
     venv = python.parent.parent
     nvcc_version = cuda_toolchain.check_lock_pins(
         lock.path("cuda", lock.running_python())
@@ -195,8 +187,7 @@ def run_gpu_tests(
         output=results / "cuda-route-tests.log",
         extra_env=env,
     )
-    # The required cases of forkbuild's own tests (the serve test), from the nightly's
-    # table.
+    # The required cases of forkbuild's own tests (the serve test), from the GPU table.
     own = sorted(
         {c.split("::")[0] for c in gpu_required.load().all_required()}
         - set(pins.gpu_tests)
@@ -228,9 +219,8 @@ def part_of(
     )
 
 
-# How every GPU module words its skip for lack of a device (its skipif reason starts
-# so): anything else (an FA3 that does not import, a missing package) is not "no GPU
-# here".
+# How every GPU module's skipif reason for lack of a device starts: anything else (an
+# FA3 that does not import, a missing package) is not "no GPU here".
 NO_DEVICE = "needs an NVIDIA GPU"
 
 
@@ -248,20 +238,14 @@ def check_skipped(
     logs = logs or (
         f"{results / 'cuda-route-tests.log'} and {results / 'cuda-route-serve-gpu.log'}"
     )
-    not_skipped = [
-        case for case, status in collected.cases.items() if status != "skipped"
-    ]
+    not_skipped = [c for c, status in collected.cases.items() if status != "skipped"]
     if not collected.cases or not_skipped:
         raise ForkError(
             f"the GPU tests under {where} did not all skip without a GPU: {collected}"
             + (f", e.g. {not_skipped[0]}" if not_skipped else ""),
             f"see {logs}",
         )
-    wrong = {
-        case: why
-        for case, why in collected.reasons.items()
-        if not why.startswith(NO_DEVICE)
-    }
+    wrong = {c: r for c, r in collected.reasons.items() if not r.startswith(NO_DEVICE)}
     if wrong:
         case, why = next(iter(wrong.items()))
         raise ForkError(

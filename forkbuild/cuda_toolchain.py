@@ -1,10 +1,7 @@
-"""The CUDA lock's toolchain for the GPU runs: what the nightly GPU job and `make
-test`'s CUDA route check both need (forkbuild/nightly.py, forkbuild/cuda_route.py).
-
-The lock's pins the GPU runs rest on (nvcc and the CUDA headers of one CUDA version,
-ninja, pytest-timeout), the host compilers an agent must bring, `CUDA_HOME` and the link
-names FlashInfer's JIT links against, and the JIT probe
-(forkbuild/flashinfer_jit_probe.py).
+"""The CUDA lock's toolchain for the GPU runs, as the nightly GPU job and `make test`'s
+CUDA route check both need it: the lock's pins (nvcc and the CUDA headers of one CUDA
+version, ninja, pytest-timeout), the host compilers an agent must bring, CUDA_HOME, the
+link names FlashInfer's JIT links against, and the JIT probe (flashinfer_jit_probe.py).
 """
 
 from __future__ import annotations
@@ -58,9 +55,8 @@ def check_lock_pins(lock_file: Path) -> str:
     if _major_minor(nvcc) != _major_minor(runtime):
         raise ForkError(
             f"{lock_file.name} pins nvidia-cuda-nvcc {nvcc} but nvidia-cuda-runtime "
-            f"{runtime}: "
-            "FlashInfer's JIT builds refuse an nvcc of another CUDA version than the "
-            "headers",
+            f"{runtime}: FlashInfer's JIT builds refuse an nvcc of another CUDA "
+            "version than the headers",
             f"pin nvidia-cuda-nvcc, nvidia-nvvm and nvidia-cuda-crt of CUDA "
             f"{'.'.join(_major_minor(runtime))} in fork.toml [routes.cuda] and run "
             "`make lock`",
@@ -123,26 +119,18 @@ def cuda_home(venv: Path, nvcc_version: str) -> Path:
 
 
 def link_dir(venv: Path) -> Path:
-    """Link names for FlashInfer's link step, which runs `c++ ... -L$CUDA_HOME/lib64
-    -lcudart -lcuda`: the wheels have lib/ and only libcudart.so.NN, and many drivers
-    install only libcuda.so.1, so `-lcudart` and `-lcuda` find nothing. Here
-    libcudart.so and libcuda.so point at those files (the linked module then needs the
-    same sonames
-    that torch and Triton load). In the venv: it lives and goes with it."""
+    """Link names for FlashInfer's `c++ ... -lcudart -lcuda`: the wheels have only
+    libcudart.so.NN and many drivers only libcuda.so.1, so libcudart.so and libcuda.so
+    point at those (the sonames torch and Triton load). In the venv, to go with it."""
     return venv / "fork-cuda-links"
 
 
 def toolchain_env(
     venv: Path, nvcc_version: str, base: Mapping[str, str] = os.environ
 ) -> dict[str, str]:
-    """The variables the GPU pytest runs and the benchmark get on top of BASE.
-
-    CUDA_HOME is the lock's toolkit even where the agent sets its own: FlashInfer takes
-    its nvcc, headers and libcudart from CUDA_HOME, and the nightly must test the CUDA
-    the lock pins (the one torch was built for), not whichever toolkit an agent has. The
-    venv's bin/ (ninja) comes first on PATH, then the toolkit's bin/ (nvcc, for tools
-    that look on PATH); LIBRARY_PATH, which gcc and clang search for -l, the link names.
-    """
+    """The variables the GPU runs get on top of BASE. CUDA_HOME is the lock's toolkit
+    even where the agent has its own: FlashInfer takes nvcc, headers and libcudart from
+    it, and the nightly tests the CUDA torch was built for. PATH: ninja's bin/ first."""
     home = cuda_home(venv, nvcc_version)
     return {
         "PATH": os.pathsep.join(
@@ -170,11 +158,8 @@ def driver_libcuda(ldconfig_output: str) -> Path | None:
 
 
 def _ldconfig_cache() -> str:
-    ldconfig = (
-        "/sbin/ldconfig"
-        if Path("/sbin/ldconfig").exists()
-        else shutil.which("ldconfig")
-    )
+    search = os.pathsep.join(["/sbin", os.environ.get("PATH", os.defpath)])
+    ldconfig = shutil.which("ldconfig", path=search)
     if ldconfig is None:
         return ""
     return subprocess.run(
@@ -210,8 +195,7 @@ def missing_tools(env: Mapping[str, str], links: Path) -> list[str]:
         ),
     }
     for name in ("libcudart.so", "libcuda.so"):
-        # False also for a dangling link
-        wanted[f"{links / name}"] = (links / name).exists()
+        wanted[f"{links / name}"] = (links / name).exists()  # False when dangling
     return [what for what, found in wanted.items() if not found]
 
 
@@ -223,8 +207,7 @@ def prepare_toolchain(venv: Path, nvcc_version: str) -> dict[str, str]:
     if os.environ.get("CUDA_HOME", env["CUDA_HOME"]) != env["CUDA_HOME"]:
         log.step(
             f"nightly: CUDA_HOME={env['CUDA_HOME']} (the lock's) instead of the "
-            "agent's "
-            f"{os.environ['CUDA_HOME']}"
+            f"agent's {os.environ['CUDA_HOME']}"
         )
     missing = missing_tools(env, link_dir(venv))
     if missing:
@@ -240,11 +223,9 @@ def prepare_toolchain(venv: Path, nvcc_version: str) -> dict[str, str]:
 def probe_flashinfer_jit(
     python: Path, env: dict[str, str], nvcc_version: str, work: Path, report: Path
 ) -> int:
-    """Run forkbuild/flashinfer_jit_probe.py in PYTHON's venv with ENV (the nightly's
-    toolchain_env, plus the driver stub where there is no driver); fail naming what
-    FlashInfer's JIT would miss. The nightly runs it too, on the GPU host before the
-    tests: a host compiler that the lock's nvcc refuses stops it there in seconds, not
-    in the first FlashInfer case."""
+    """Run forkbuild/flashinfer_jit_probe.py in PYTHON's venv with ENV (toolchain_env,
+    plus the driver stub where there is no driver); fail naming what FlashInfer's JIT
+    would miss: on the GPU host, in seconds rather than in the first FlashInfer case."""
     venv = python.parent.parent
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)

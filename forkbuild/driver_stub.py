@@ -1,17 +1,12 @@
 """A stand-in for the NVIDIA driver's library, for loading the CUDA build without a GPU.
 
-Every compiled extension of the official CUDA wheel that touches the GPU links against
-`libcuda.so.1`, which only the NVIDIA driver installs: on a machine without one, none of
-them loads, so nothing of the CUDA build past `import vllm` can be checked there. This
-module reads which driver entry points those extensions import (their undefined dynamic
-symbols `cu[A-Z]*`) and writes a C file that defines each of them to return
-CUDA_ERROR_NO_DEVICE, built into a `libcuda.so.1` with the host C compiler. Found
-through LD_LIBRARY_PATH, it lets the extensions load against the locked torch; torch
-still sees no GPU (the CUDA runtime finds no usable driver in it:
-`torch.cuda.is_available()` stays False), and a CUDA op called with CPU tensors still
-stops at the dispatcher. The stub is written under build/cuda-route/ and used by
-forkbuild/cuda_route.py alone: never in a wheel, a venv, `make serve` or on a host with
-a GPU.
+The CUDA wheel's GPU extensions link against `libcuda.so.1`, which only the driver
+installs. This reads which driver entry points they import (undefined dynamic symbols
+`cu[A-Z]*`) and builds, with the host C compiler, a `libcuda.so.1` defining each to
+return CUDA_ERROR_NO_DEVICE. Found through LD_LIBRARY_PATH, it lets the extensions load
+against the locked torch while torch still sees no GPU and a CUDA op called with CPU
+tensors stops at the dispatcher. Written under build/cuda-route/ and used by
+forkbuild/cuda_route.py alone: never in a wheel, a venv, `make serve` or on a GPU host.
 
 Run in the CUDA route's venv (pyelftools is in the CUDA lock):
     python -m forkbuild.driver_stub TREE OUT_DIR
@@ -104,24 +99,13 @@ def build(tree: Path, out_dir: Path) -> tuple[Path, list[str], list[str]]:
     source = out_dir / "libcuda_stub.c"
     source.write_text(c_source(sorted(symbols)))
     library = out_dir / SONAME
-    subprocess.run(
-        [
-            compiler,
-            "-shared",
-            "-fPIC",
-            f"-Wl,-soname,{SONAME}",
-            "-o",
-            str(library),
-            str(source),
-        ],
-        check=True,
-    )
+    flags = ["-shared", "-fPIC", f"-Wl,-soname,{SONAME}"]
+    subprocess.run([compiler, *flags, "-o", str(library), str(source)], check=True)
     return library, users, sorted(symbols)
 
 
 def main(argv: list[str]) -> int:
-    tree, out_dir = Path(argv[0]), Path(argv[1])
-    library, users, symbols = build(tree, out_dir)
+    library, users, symbols = build(Path(argv[0]), Path(argv[1]))
     print(
         f"{library}: {len(symbols)} driver entry points, for the {len(users)} "
         "extensions that link the driver library"

@@ -1,17 +1,14 @@
-"""FlashInfer's JIT toolchain checked without compiling its kernels (a probe).
-
-Run in the CUDA venv with the nightly's toolchain environment
-(forkbuild/cuda_toolchain.py):
+"""FlashInfer's JIT toolchain checked without compiling its kernels (a probe). Run in
+the CUDA venv with the nightly's toolchain environment (forkbuild/cuda_toolchain.py):
 
     python -m forkbuild.flashinfer_jit_probe WORK
 
-It reports where FlashInfer's JIT finds CUDA, nvcc and ninja; whether the build graphs
-of the paged prefill modules that the kernel test's wrappers ask for resolve (FA2: the
-prefill wrapper on Ampere and the decode wrapper with tensor cores; FA3: the prefill
-wrapper on Hopper; sliding and full layers, bf16, head size 64) with `ninja -n`, which
-compiles nothing (a module takes about a minute of nvcc on 2 cores); and whether one
-small CUDA file compiles and links as FlashInfer links, needing the runtime and the
-driver library by soname. One JSON line.
+It reports as one JSON line where FlashInfer's JIT finds CUDA, nvcc and ninja; whether
+`ninja -n` (which compiles nothing: a module takes minutes of nvcc) resolves the build
+graphs of the paged prefill modules the kernel test's wrappers ask for (FA2: Ampere's
+prefill and tensor-core decode; FA3: Hopper's prefill; sliding and full layers, bf16,
+head size 64); and whether one small CUDA file compiles and links as FlashInfer links,
+needing the runtime and the driver library by soname.
 """
 
 from __future__ import annotations
@@ -77,17 +74,10 @@ def compile_and_link(cuda_home: str, work: Path) -> tuple[bool, str, list[str]]:
     source, obj, lib = work / "probe.cu", work / "probe.cuda.o", work / "probe.so"
     source.write_text(PROBE_CU)
     nvcc = os.path.join(cuda_home, "bin", "nvcc")
+    cxx = os.environ.get("CXX", "c++")
     steps = (
         [nvcc, "-c", "-Xcompiler", "-fPIC", "-arch=sm_80", str(source), "-o", str(obj)],
-        [
-            os.environ.get("CXX", "c++"),
-            "-shared",
-            str(obj),
-            "-o",
-            str(lib),
-            "-lcudart",
-            "-lcuda",
-        ],
+        [cxx, "-shared", str(obj), "-o", str(lib), "-lcudart", "-lcuda"],
     )
     for step in steps:
         try:

@@ -44,8 +44,7 @@ class Kind:
     min_capability: Capability
     cases: tuple[str, ...]  # required with any number of GPUs
     multi_gpu_cases: tuple[str, ...] = ()  # required only with two GPUs or more
-    # the nightly's agent queues, with their GPU count
-    queues: tuple[tuple[str, int], ...] = ()
+    queues: tuple[tuple[str, int], ...] = ()  # the nightly's agent queues, GPUs each
 
     def required(self, gpu_count: int) -> tuple[str, ...]:
         return self.cases + (self.multi_gpu_cases if gpu_count >= 2 else ())
@@ -112,8 +111,7 @@ def from_data(data: dict) -> Table:
 
 
 def load() -> Table:
-    """The table of fork.toml (where fork.toml is: the GPU bundle's runner has its
-    own)."""
+    """The table of fork.toml (the GPU bundle's runner has a fork.toml of its own)."""
     import tomllib
 
     from forkbuild.pins import PINS_FILE
@@ -145,33 +143,11 @@ def parse_gpus(csv_text: str) -> list[Gpu]:
             f"check the driver with `nvidia-smi --query-gpu={NVIDIA_SMI_QUERY} "
             "--format=csv`",
         )
-    column = {name: header.index(name) for name in ("index", "uuid", "compute_cap")}
-    gpus = []
-    for row in rows[1:]:
-        if not row:
-            continue
-        gpus.append(
-            Gpu(
-                int(row[column["index"]]),
-                row[column["uuid"]].strip(),
-                _capability(row[column["compute_cap"]].strip()),
-            )
-        )
-    return gpus
-
-
-def _by_uuid(entry: str, gpus: list[Gpu]) -> Gpu | None:
-    """The one GPU whose UUID starts with ENTRY (CUDA takes unambiguous prefixes)."""
-    matches = [gpu for gpu in gpus if gpu.uuid.startswith(entry)]
-    return matches[0] if len(matches) == 1 else None
-
-
-def _by_index(entry: str, gpus: list[Gpu]) -> Gpu | None:
-    """The GPU of ENTRY's leading number (CUDA parses it like strtoul: `1gpu` is 1)."""
-    number = re.match(r"\+?(\d+)", entry)
-    if number is None:
-        return None
-    return next((gpu for gpu in gpus if gpu.index == int(number[1])), None)
+    gpus = [dict(zip(header, row)) for row in rows[1:] if row]
+    return [
+        Gpu(int(g["index"]), g["uuid"].strip(), _capability(g["compute_cap"].strip()))
+        for g in gpus
+    ]
 
 
 def visible_gpus(gpus: list[Gpu], cuda_visible_devices: str | None) -> list[Gpu]:
@@ -194,10 +170,12 @@ def visible_gpus(gpus: list[Gpu], cuda_visible_devices: str | None) -> list[Gpu]
     by_uuid = cuda_visible_devices.strip().startswith("GPU-")
     chosen: list[Gpu] = []
     for entry in (part.strip() for part in cuda_visible_devices.split(",")):
-        if by_uuid:
-            gpu = _by_uuid(entry, gpus) if entry.startswith("GPU-") else None
-        else:
-            gpu = _by_index(entry, gpus)
+        if by_uuid:  # CUDA takes unambiguous UUID prefixes
+            found = [g for g in gpus if g.uuid.startswith(entry)]
+            gpu = found[0] if entry.startswith("GPU-") and len(found) == 1 else None
+        else:  # the leading number, parsed as strtoul does (`1gpu` is 1)
+            number = re.match(r"\+?(\d+)", entry)
+            gpu = next((g for g in gpus if number and g.index == int(number[1])), None)
         if gpu is None:
             break
         if gpu in chosen:
@@ -211,8 +189,7 @@ def parse_nvidia_smi(
 ) -> list[Capability]:
     """Compute capabilities, one per GPU that CUDA_VISIBLE_DEVICES (its value, None when
     unset) exposes, from `nvidia-smi --query-gpu=NVIDIA_SMI_QUERY --format=csv`. An
-    agent
-    pinned to one GPU of a larger host must not be asked for the TP=2 case."""
+    agent pinned to one GPU of a larger host must not be asked for the TP=2 case."""
     gpus = parse_gpus(csv_text)
     visible = visible_gpus(gpus, cuda_visible_devices)
     if gpus and not visible:
@@ -276,9 +253,8 @@ def check_collected(
     collected: Collection[str], required: Collection[str] | None = None
 ) -> None:
     """Fail unless every node id a GPU kind requires (or REQUIRED) is among COLLECTED
-    (the GPU cases and forkbuild's tool tests as collected on CPU): a renamed test or
-    parameter id must fail here, not as a 'required but not run' on the GPU runner at
-    night."""
+    (as collected on CPU): a renamed test or parameter id must fail here, not as
+    'required but not run' on the GPU runner at night."""
     missing = sorted(
         set(load().all_required() if required is None else required) - set(collected)
     )

@@ -16,6 +16,7 @@ import shutil
 import sys
 import tempfile
 import zipfile
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,10 +57,8 @@ def fork_test_modules(pins: Pins, tree_path: Path) -> list[str]:
 def release_tree(pins: Pins, release: Release) -> Path:
     """build/matrix/vllm-<version>: the stock release + the fork's tests + its
     binaries."""
-
-    def toolchain() -> Path:  # pip needs torch to read vLLM sdists' metadata
-        return install.ensure_toolchain(pins, "cpu")
-
+    # pip needs torch to read vLLM sdists' metadata
+    toolchain = lambda: install.ensure_toolchain(pins, "cpu")
     sdist = fetch.fetch(release.sdist, toolchain)
     binaries = fetch.fetch(release.binaries, toolchain)
     inputs = [release.sdist.sha256, release.binaries.sha256]
@@ -224,22 +223,21 @@ def run(pins: Pins, versions: list[str] | None = None) -> list[Row]:
 # -- the table and the record ----------------------------------------------------------
 
 
-def _module(case: str) -> str:
-    return case.split("::", 1)[0]
+def _statuses(
+    cases: dict[str, str], modules: tuple[str, ...], inside: bool
+) -> list[str]:
+    """The statuses of the CASES in MODULES (INSIDE) or in none of them."""
+    return [s for c, s in cases.items() if (c.split("::", 1)[0] in modules) == inside]
 
 
-def _counts(outcome: Outcome, modules: tuple[str, ...], inside: bool = True) -> str:
-    cases = [s for c, s in outcome.cases.items() if (_module(c) in modules) == inside]
-    failed = sum(s in ("failed", "error") for s in cases)
-    return (
-        f"{cases.count('passed')} / {failed} / "
-        f"{cases.count('skipped') + cases.count('xfailed')}"
-    )
+def _counts(statuses: list[str]) -> str:
+    failed = sum(s in ("failed", "error") for s in statuses)
+    skipped = statuses.count("skipped") + statuses.count("xfailed")
+    return f"{statuses.count('passed')} / {failed} / {skipped}"
 
 
-def reading(outcome: Outcome, modules: tuple[str, ...]) -> str:
-    """What the cases of one patch's regression MODULES say about a release."""
-    statuses = [s for c, s in outcome.cases.items() if _module(c) in modules]
+def reading(statuses: list[str]) -> str:
+    """What the STATUSES of one patch's regression cases say about a release."""
     bad = sum(s in ("failed", "error") for s in statuses)
     if bad:
         return f"needed ({bad} fail)"
@@ -250,24 +248,17 @@ def _patch_id(name: str) -> str:
     return name.split("-", 1)[0]
 
 
-def _note(pins: Pins, key: str) -> str:
-    return "" if key == FORK_ROW else pins.release(key).note
-
-
-def _sdist_sha(pins: Pins, key: str) -> str:
-    return pins.sdist.sha256 if key == FORK_ROW else pins.release(key).sdist.sha256
-
-
 def write(pins: Pins, rows: list[Row]) -> None:
     record = json.loads(RECORD.read_text()) if RECORD.exists() else {"rows": {}}
     for row in rows:
+        release = None if row.key == FORK_ROW else pins.release(row.key)
         record["rows"][row.key] = {
             "title": row.title,
             "torch": row.torch,
             "binaries": row.binaries,
             "line": row.line,
-            "sdist_sha256": _sdist_sha(pins, row.key),
-            "note": _note(pins, row.key),
+            "sdist_sha256": (release or pins).sdist.sha256,
+            "note": release.note if release else "",
             "cases": dict(sorted(row.outcome.cases.items())),
             "skip_reasons": dict(sorted(row.outcome.reasons.items())),
         }
@@ -275,8 +266,9 @@ def write(pins: Pins, rows: list[Row]) -> None:
     record["rows"] = {k: record["rows"][k] for k in order if k in record["rows"]}
     DOCS.mkdir(exist_ok=True)
     RECORD.write_text(json.dumps(record, indent=1) + "\n")
-    TABLE.write_text(render(pins, record))
-    print(render(pins, record))
+    table = render(pins, record)
+    TABLE.write_text(table)
+    print(table)
     log.step(
         f"matrix: wrote {TABLE.relative_to(REPO_ROOT)} and "
         f"{RECORD.relative_to(REPO_ROOT)}"
@@ -311,14 +303,12 @@ def render(pins: Pins, record: dict) -> str:
         "| --- | --- | --- | --- " + "| --- | --- " * len(patches) + "| --- |",
     ]
     for row in record["rows"].values():
-        outcome = Outcome(row["cases"])
+        per_patch = [_statuses(row["cases"], m, True) for m in patches.values()]
+        others = _statuses(row["cases"], pins.regression_tests, False)
         lines.append(
             f"| {row['title']} | {row['torch']} | `{row['binaries']}` | {row['line']} "
-            + "".join(
-                f"| {_counts(outcome, m)} | {reading(outcome, m)} "
-                for m in patches.values()
-            )
-            + f"| {_counts(outcome, pins.regression_tests, inside=False)} |"
+            + "".join(f"| {_counts(s)} | {reading(s)} " for s in per_patch)
+            + f"| {_counts(others)} |"
         )
     notes = [
         f"- {row['title']}: {row['note']}"
@@ -329,9 +319,6 @@ def render(pins: Pins, record: dict) -> str:
         lines += ["", "## Notes", "", *notes]
     lines += ["", "## Why cases skip (or xfail: pytest reports them as skipped)", ""]
     for row in record["rows"].values():
-        reasons: dict[str, int] = {}
-        for reason in row["skip_reasons"].values():
-            reasons[reason] = reasons.get(reason, 0) + 1
-        for reason, count in sorted(reasons.items()):
+        for reason, count in sorted(Counter(row["skip_reasons"].values()).items()):
             lines.append(f"- {row['title']}: {count} case(s): {reason}")
     return "\n".join(lines) + "\n"

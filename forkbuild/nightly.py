@@ -42,9 +42,6 @@ def out_dir() -> Path:
     )
 
 
-# --- the job -------------------------------------------------------------------------
-
-
 def _query_gpus() -> str:
     return subprocess.run(
         ["nvidia-smi", f"--query-gpu={gpu_required.NVIDIA_SMI_QUERY}", "--format=csv"],
@@ -82,10 +79,11 @@ def run(pins: Pins) -> str:
     python, tree_path, _ = install.install(pins, "cuda")
     env = cuda_toolchain.prepare_toolchain(python.parent.parent, nvcc_version)
     check_jit(python, env, nvcc_version, out)
+    forked = ["--forked", "-v", "-rs", *PER_CASE_TIMEOUT]
     kernels_and_engine = _run_or_note(
         python,
         tree_path,
-        ["--forked", "-v", "-rs", *PER_CASE_TIMEOUT, *pins.gpu_tests],
+        [*forked, *pins.gpu_tests],
         out / "gpu-tests.xml",
         extra_env=env,
         timeout_s=RUN_LIMITS_S["gpu-tests"],
@@ -93,13 +91,7 @@ def run(pins: Pins) -> str:
     serve = _run_or_note(
         python,
         REPO_ROOT,
-        [
-            "--forked",
-            "-v",
-            "-rs",
-            *PER_CASE_TIMEOUT,
-            "forkbuild/tests/test_serve_gpu.py",
-        ],
+        [*forked, "forkbuild/tests/test_serve_gpu.py"],
         out / "serve-gpu.xml",
         pythonpath=REPO_ROOT,
         extra_env=env,
@@ -196,10 +188,9 @@ def conclude(
         print(line)
         raise ForkError(
             f"the nightly GPU job failed on {kind.name}: {failed} failed (benchmark "
-            "exit "
-            f"{benchmark_exit}), {len(not_run)} required case(s) did not run, "
-            f"{len(killed)} "
-            "run(s) stopped at their time limit or could not run (listed above)",
+            f"exit {benchmark_exit}), {len(not_run)} required case(s) did not run, "
+            f"{len(killed)} run(s) stopped at their time limit or could not run "
+            "(listed above)",
             f"reports are in {out} (summary.json, JUnit XML); a skip reason such as an "
             "FA3 import error points at the CUDA install",
         )

@@ -1,18 +1,13 @@
 """`forkbuild patch-status`: is each patch of the series still needed?
 
-A patch's DEP-3 header says where upstream stands; `Applied-Upstream: v0.26.0` claims
-that the change is in 0.26.0 and every later release. The check confirms the claim on
-every release of the version matrix (fork.toml [matrix]):
-
-- before the claimed release the patch is still needed: it applies to that release's
-  sdist, or the matrix record shows the regression cases failing there;
-- from the claimed release on, upstream has the change: the patch reverse-applies to
-  that release's sdist, or, where upstream rewrote the code, the effect is present: the
-  matrix record (docs/version-matrix.json, made by `forkbuild matrix` from the same
-  pinned sdist) shows regression cases running there and none failing.
-
-A claim that cannot be confirmed fails the check. A patch that claims nothing is
-carried; the check still says where it would apply, so a rebase knows what to drop.
+A patch's DEP-3 header `Applied-Upstream: v0.26.0` claims the change is in 0.26.0 and
+every later release. The check confirms it on every release of fork.toml [matrix]:
+before the claimed release the patch applies to that release's sdist, or the matrix
+record (docs/version-matrix.json) shows the regression cases failing there; from it on,
+the patch reverse-applies, or (where upstream rewrote the code) the record shows
+regression cases running there and none failing. A claim not confirmed fails the check;
+a patch that claims nothing is carried, and the check says where it would apply, so a
+rebase knows what to drop.
 """
 
 from __future__ import annotations
@@ -87,9 +82,8 @@ def sdist_files(sdist: Path, names: frozenset[str]) -> dict[str, bytes]:
 def try_apply(
     patch: PatchInfo, sdist: Path, files: dict[str, bytes] | None = None
 ) -> str:
-    """Does PATCH apply to SDIST, reverse-apply, or neither? (Only the files it touches
-    are unpacked, or taken from FILES, read before for several patches; git apply
-    --check changes nothing.)"""
+    """Does PATCH apply to SDIST, reverse-apply, or neither? Only the files it touches
+    are unpacked (or taken from FILES, read once for several patches)."""
     if files is None:
         files = sdist_files(sdist, frozenset(patch.files))
     with tempfile.TemporaryDirectory(prefix="patch-status-") as tmp:
@@ -127,22 +121,38 @@ def recorded(release: Release, modules: tuple[str, ...]) -> str:
     return "pass" if "passed" in statuses else "no regression case ran"
 
 
+def _judge(
+    claim: versions.Release | None, version: str, applied: str, record: str
+) -> tuple[bool, str]:
+    """Whether a patch claiming CLAIM is confirmed on release VERSION, where it
+    APPLIED (try_apply) and the matrix RECORDed (recorded); and what that means."""
+    if claim is None:
+        if applied == REVERSED:
+            return True, "upstream has it: set Applied-Upstream"
+        return True, "carried"
+    if versions.release(version) < claim:
+        ok = applied == APPLIES or record == "fail"
+        return ok, "still needed" if ok else "cannot show it is still needed"
+    if record == "fail":  # upstream's change does not make the tests pass
+        return False, "regression cases fail where upstream should have it"
+    if applied == REVERSED:
+        return True, "upstream has it (reverse-applies)"
+    if record == "pass":
+        return True, "effect present (regression cases pass)"
+    return False, "cannot show upstream has it"
+
+
 def check(
     pins: Pins, python: Path | None = None, patches_dir: Path = tree.PATCHES_DIR
 ) -> list[str]:
     """Confirm every patch's claim; return the report lines. Raises on a claim that
     the releases do not confirm."""
-
-    def pip() -> Path:
-        return python or install.ensure_toolchain(pins)
-
+    pip = lambda: python or install.ensure_toolchain(pins)
     sdists = {r.version: fetch.fetch(r.sdist, pip) for r in pins.releases}
     patches = [read_patch(p.name, p.path) for p in tree.read_series(patches_dir)]
     touched = frozenset(name for patch in patches for name in patch.files)
     # Each sdist read once for all patches (a pass over ~37 MB of gzip costs ~1.5 s).
-    contents = {
-        version: sdist_files(sdist, touched) for version, sdist in sdists.items()
-    }
+    contents = {v: sdist_files(sdist, touched) for v, sdist in sdists.items()}
     lines, problems = [], []
     for patch in patches:
         claim = patch.applied_upstream
@@ -162,43 +172,16 @@ def check(
                 f"{patch.name} claims v{claim}, which is not in the version matrix"
             )
         for release in pins.releases:
-            applied = try_apply(
-                patch, sdists[release.version], contents[release.version]
-            )
+            version = release.version
+            applied = try_apply(patch, sdists[version], contents[version])
             record = recorded(release, modules)
-            if claim is None:
-                ok, meaning = (
-                    True,
-                    (
-                        "upstream has it: set Applied-Upstream"
-                        if applied == REVERSED
-                        else "carried"
-                    ),
-                )
-            elif versions.release(release.version) < claim:
-                ok = applied == APPLIES or record == "fail"
-                meaning = "still needed" if ok else "cannot show it is still needed"
-            elif record == "fail":  # upstream's change does not make the tests pass
-                ok, meaning = (
-                    False,
-                    ("regression cases fail where upstream should have it"),
-                )
-            else:
-                ok = applied == REVERSED or record == "pass"
-                meaning = (
-                    "upstream has it (reverse-applies)"
-                    if applied == REVERSED
-                    else "effect present (regression cases pass)"
-                    if ok
-                    else "cannot show upstream has it"
-                )
+            ok, meaning = _judge(claim, version, applied, record)
             lines.append(
-                f"  {release.version:8} patch {applied:15} matrix: "
-                f"{record:24} -> {meaning}"
+                f"  {version:8} patch {applied:15} matrix: {record:24} -> {meaning}"
             )
             if not ok:
                 problems.append(
-                    f"{patch.name} on {release.version}: {meaning} (patch "
+                    f"{patch.name} on {version}: {meaning} (patch "
                     f"{applied}, matrix: {record})"
                 )
     for line in lines:

@@ -1,18 +1,15 @@
-"""`forkbuild rebase VERSION`: try the patch series on another upstream release.
+"""`forkbuild rebase VERSION`: try the patch series on a newer upstream release.
 
-Without --accept nothing of the fork changes: the release's sdist is downloaded by name
-and hashed, a trial tree is built under build/rebase/vllm-VERSION, and each patch is
-sorted into one of
-    upstream   it reverse-applies: the release has the change; drop it
+Without --accept nothing of the fork changes: the release's sdist and wheels are
+downloaded by name and hashed, and on a trial tree (build/rebase/vllm-VERSION) each
+patch is sorted into one of
+    upstream   the release has the change (it reverse-applies): drop it
     applies    git am takes it as it is (or with a 3-way merge: refreshed)
     conflict   neither; refresh it by hand
-The refreshed series (without the upstreamed patches) is written with git format-patch
-to build/rebase/patches-VERSION/, with the hashes to pin in
-build/rebase/pins-VERSION.toml.
-
-With --accept (after review) the fork moves: the refreshed series replaces patches/ and
-fork.toml gets the new version and the sha256 of the sdist and both wheels, all in one
-step. It refuses while any patch conflicts.
+The refreshed series goes to build/rebase/patches-VERSION/, the hashes to pin to
+build/rebase/pins-VERSION.toml. With --accept (after review; refused while a patch
+conflicts) the series replaces patches/ and fork.toml moves to VERSION and the sha256 of
+its sdist and both wheels, in one step.
 """
 
 from __future__ import annotations
@@ -52,30 +49,26 @@ def download(python: Path, package: str, version: str, binary: bool) -> Path:
     """An upstream file by name, into <cache>/rebase/VERSION; its hash is not known yet.
     pip downloads into a temporary folder beside it, so a failure leaves nothing."""
     dest = cache_dir() / "rebase" / version
-    stem = package.replace("-", "_")
-    kind = ".whl" if binary else ".tar.gz"
+    names = (f"{package.replace('-', '_')}-{version}", f"{package}-{version}")
+    kind, what = (".whl", "wheel") if binary else (".tar.gz", "sdist")
 
     def ours(folder: Path) -> list[Path]:
-        return (
-            [
-                p
-                for p in folder.iterdir()
-                if p.name.startswith((f"{stem}-{version}", f"{package}-{version}"))
-                and p.name.endswith(kind)
-            ]
-            if folder.is_dir()
-            else []
-        )
+        if not folder.is_dir():
+            return []
+        return [
+            p
+            for p in folder.iterdir()
+            if p.name.startswith(names) and p.name.endswith(kind)
+        ]
 
-    if ours(dest):
-        return ours(dest)[0]
+    if cached := ours(dest):
+        return cached[0]
     dest.parent.mkdir(parents=True, exist_ok=True)
     args = ["download", "--no-deps", "--progress-bar", "off"]
-    args += (
-        ["--only-binary", ":all:"]
-        if binary
-        else ["--no-binary", package, "--no-build-isolation"]
-    )
+    if binary:
+        args += ["--only-binary", ":all:"]
+    else:
+        args += ["--no-binary", package, "--no-build-isolation"]
     with tempfile.TemporaryDirectory(prefix=f".{version}-", dir=dest.parent) as tmp:
         try:
             run_pip(
@@ -87,18 +80,14 @@ def download(python: Path, package: str, version: str, binary: bool) -> Path:
         except ForkError as exc:
             if "No matching distribution" in str(exc) or "from versions:" in str(exc):
                 raise ForkError(
-                    f"the package index has no {package} {version} "
-                    f"{'wheel' if binary else 'sdist'}",
+                    f"the package index has no {package} {version} {what}",
                     "check the version against vLLM's releases",
                 ) from None
             raise
         found = ours(Path(tmp))
         if not found:
             saved = sorted(p.name for p in Path(tmp).iterdir())
-            raise ForkError(
-                f"pip saved no {package} {version} "
-                f"{'wheel' if binary else 'sdist'} ({saved})"
-            )
+            raise ForkError(f"pip saved no {package} {version} {what} ({saved})")
         dest.mkdir(exist_ok=True)
         return Path(shutil.move(str(found[0]), dest / found[0].name))
 
@@ -106,11 +95,8 @@ def download(python: Path, package: str, version: str, binary: bool) -> Path:
 def check_newer(pins: Pins, version: str) -> None:
     """A rebase moves the fork forward: VERSION must be a release newer than its base
     (an older one would carry the fix back to releases the fork does not serve)."""
-    wanted, base = (
-        versions.release(version, what="VERSION"),
-        versions.release(pins.upstream_version),
-    )
-    if wanted <= base:
+    base = versions.release(pins.upstream_version)
+    if versions.release(version, what="VERSION") <= base:
         raise ForkError(
             f"VERSION {version} is not newer than the fork's base "
             f"{pins.upstream_version}",
@@ -151,69 +137,52 @@ def trial(
     outcomes = []
     for p in tree.read_series():
         patch = patch_status.read_patch(p.name, p.path)
-        if patch_status.try_apply(patch, files["sdist"]) == patch_status.REVERSED:
+        upstream = (
+            patch_status.try_apply(patch, files["sdist"]) == patch_status.REVERSED
+        )
+        # or upstream rewrote the code and the regression cases pass there
+        if upstream or _effect_recorded(pins, patch, version):
             outcomes.append(Outcome(p.name, "upstream"))
             continue
-        if _effect_recorded(pins, patch, version):
-            # code rewritten, tests pass there
-            outcomes.append(Outcome(p.name, "upstream"))
-            continue
-        plain = tree.git(["am", "--keep-cr", str(p.path)], work, env)
-        if plain.returncode == 0:
-            outcomes.append(Outcome(p.name, "applies"))
-            continue
-        tree.git(["am", "--abort"], work, env)
-        merged = tree.git(["am", "--keep-cr", "-3", str(p.path)], work, env)
-        if merged.returncode == 0:
-            outcomes.append(Outcome(p.name, "refreshed"))
-        else:
+        for extra, status in (([], "applies"), (["-3"], "refreshed")):
+            am = tree.git(["am", "--keep-cr", *extra, str(p.path)], work, env)
+            if am.returncode == 0:
+                break
             tree.git(["am", "--abort"], work, env)
-            outcomes.append(Outcome(p.name, "conflict"))
+        else:
+            status = "conflict"
+        outcomes.append(Outcome(p.name, status))
 
     out = rebase_dir() / f"patches-{version}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
-    kept = tree.git(
-        [
-            "format-patch",
-            "-q",
-            "--no-signature",
-            "--zero-commit",
-            "-o",
-            str(out),
-            f"v{version}..HEAD",
-        ],
-        work,
-        env,
-    )
+    args = ["format-patch", "-q", "--no-signature", "--zero-commit", "-o", str(out)]
+    kept = tree.git([*args, f"v{version}..HEAD"], work, env)
     if kept.returncode != 0:
         raise ForkError(f"git format-patch failed in {work}: {kept.stderr.strip()}")
     (out / "series").write_text(
         "".join(f"{p.name}\n" for p in sorted(out.glob("*.patch")))
     )
-    pins_text = "".join(
-        f'[artifacts.{key}]\nrequirement = "{req}"\nfilename = "{name}"\nsha256 = '
-        f'"{sha}"\n\n'
-        for key, (req, name, sha) in found.items()
+    pins_file = rebase_dir() / f"pins-{version}.toml"
+    pins_file.write_text(
+        "".join(
+            f'[artifacts.{key}]\nrequirement = "{req}"\nfilename = "{name}"\n'
+            f'sha256 = "{sha}"\n\n'
+            for key, (req, name, sha) in found.items()
+        )
     )
-    (rebase_dir() / f"pins-{version}.toml").write_text(pins_text)
 
     print(f"\nvLLM {version} vs the series ({work}):")
     for o in outcomes:
         print(f"  {o.status:10} {o.name}")
-    print(
-        f"refreshed series: {out}\nhashes to pin:    "
-        f"{rebase_dir() / f'pins-{version}.toml'}"
-    )
+    print(f"refreshed series: {out}\nhashes to pin:    {pins_file}")
     for key, (_, name, sha) in found.items():
         print(f"  {key:10} {name}  {sha}")
     # The backport audit sorts the changes of the #47054 path up to AUDIT_RELEASE: a
-    # file of that path that changed in VERSION and has no row there is a change nobody
-    # sorted.
+    # file of that path that changed in VERSION and has no row there is unsorted.
+    audit_text = AUDIT_DOC.read_text()
     base_sdist = fetch.fetch(pins.sdist, lambda: python)
-    unsorted = unsorted_files(
-        base_sdist, files["sdist"], audited_set(), AUDIT_DOC.read_text()
-    )
+    unsorted = unsorted_files(base_sdist, files["sdist"], audited_set(), audit_text)
     print(
         f"backport audit ({AUDIT_DOC.relative_to(PINS_FILE.parent)}): "
         + (
@@ -228,7 +197,6 @@ def trial(
     # Its second part sorts upstream's fixes up to the release it went through: a fix up
     # to VERSION without a decision, or a VERSION past that release, is work left before
     # --accept.
-    audit_text = AUDIT_DOC.read_text()
     pending = unsorted_fixes(audit_text, version)
     through = audited_through(audit_text)
     print(
@@ -340,10 +308,8 @@ def accept(pins: Pins, version: str) -> None:
         shutil.rmtree(staged, ignore_errors=True)
     log.step(
         f"rebase: fork.toml and patches/ now target vLLM {version}; review the "
-        "[matrix] and "
-        "[toolchain] pins (torch) by hand, run `make lock` (the release's "
-        "requirements are the "
-        "locks' inputs), then `make test`"
+        "[matrix] and [toolchain] pins (torch) by hand, run `make lock` (the "
+        "release's requirements are the locks' inputs), then `make test`"
     )
 
 
@@ -365,8 +331,7 @@ def differing_files(old_sdist: Path, new_sdist: Path, names: list[str]) -> list[
 
 
 def audited_set(path: Path = AUDIT_FILES) -> list[str]:
-    """The [audited] section of docs/backport-audit-files.txt: one path a line, #
-    comments."""
+    """The [audited] section of PATH: one path a line, # comments."""
     files, section = [], None
     for line in path.read_text().splitlines():
         line = line.split("#", 1)[0].strip()
@@ -378,8 +343,7 @@ def audited_set(path: Path = AUDIT_FILES) -> list[str]:
 
 
 def audit_table_files(text: str) -> set[str]:
-    """The files of the audit's tables: rows whose first cell opens with a `vllm/...`
-    code span."""
+    """The files of the rows whose first cell opens with a `vllm/...` code span."""
     return {m[1] for line in text.splitlines() if (m := _AUDIT_ROW.match(line))}
 
 
@@ -393,8 +357,7 @@ _VERSION = re.compile(r"\b\d+\.\d+\.\d+\b")
 @dataclass(frozen=True)
 class Fix:
     name: str  # the row's first cell: the PR or bug report
-    # the first release that carries it; None: none yet
-    release: versions.Release | None
+    release: versions.Release | None  # the first release with it; None: none yet
     decision: str
 
 
@@ -424,8 +387,7 @@ def audited_through(text: str) -> str | None:
 
 
 def unsorted_fixes(text: str, version: str) -> list[str]:
-    """The fixes the audit lists up to VERSION (or in no release yet) without a
-    decision."""
+    """The fixes listed up to VERSION (or in no release yet) without a decision."""
     wanted = versions.release(version)
     return [
         fix.name
@@ -441,8 +403,4 @@ def unsorted_files(
     """The files of AUDITED that differ between the two sdists and have no row in the
     audit (AUDIT_TEXT): changes a rebase onto NEW_SDIST would take unsorted."""
     rows = audit_table_files(audit_text)
-    return [
-        name
-        for name in differing_files(old_sdist, new_sdist, audited)
-        if name not in rows
-    ]
+    return [n for n in differing_files(old_sdist, new_sdist, audited) if n not in rows]

@@ -3,9 +3,7 @@
 Without --model it serves the embedded tiny chat model (a random-weight Gemma 2
 generated locally, no network): its layers alternate sliding-window and full attention,
 so vLLM plans the same two KV cache groups as for GPT-OSS, and its ChatML template
-answers /v1/chat/completions offline (the tiny GPT-OSS the tests use cannot: see
-NO_CHAT). A --model that is neither embedded, nor a local path, nor a hub id is refused
-at once (check_model).
+answers /v1/chat/completions offline (the tiny GPT-OSS cannot: see NO_CHAT).
 --preset offload-47054 adds the configuration of vLLM issue #47054: cross-layer CPU KV
 offloading on FlashAttention, with prefix caching and the hybrid KV cache manager on.
 """
@@ -25,17 +23,15 @@ from forkbuild import log, preflight
 from forkbuild.errors import ForkError
 from forkbuild.pins import REPO_ROOT, Pins, build_dir
 
-# Models `--model NAME` generates locally (no download), by the generator that makes
-# them; the first is the default. tiny-gpt-oss is the #47054 model of the tests and GPU
-# cases.
+# Models `--model NAME` generates locally (no download), by their generator; the first
+# is the default. tiny-gpt-oss is the #47054 model of the tests and GPU cases.
 EMBEDDED = {
     "tiny-chat": "tests/v1/worker/tiny_chat_model.py",
     "tiny-gpt-oss": "tests/v1/worker/tiny_hybrid_model.py",
 }
 EMBEDDED_NAME = next(iter(EMBEDDED))
 # Embedded models whose /v1/chat/completions fails, and why: `serve` prints this instead
-# of the chat curl line. Checked in forkbuild/tests/test_serve.py (the KeyError is
-# real).
+# of the chat curl line (forkbuild/tests/test_serve.py checks the KeyError is real).
 NO_CHAT = {
     "tiny-gpt-oss": (
         "vLLM gives every GPT-OSS model its GPT-OSS reasoning parser, which looks up "
@@ -118,21 +114,11 @@ def _exists(path: str) -> bool:
 
 
 def check_model(model: str | None) -> None:
-    """Refuse at once (before minutes of install and a hub lookup ending in a traceback)
-    a
-    --model that names nothing: served are an embedded model, an existing local path, a
-    hub id `org/name`, or a bare name the hub cache already holds.
-
-    A bare name (no '/') that is none of these is refused, although the hub still
-    answers a few such ids (gpt2, bert-base-uncased): those are the hub's old org-less
-    names, which it moved under organizations (gpt2 is openai-community/gpt2) and keeps
-    as redirects, so every hub model has an org/name id to give instead, while a bare
-    name here is far more often a mistyped embedded name (tiny-chta) or a local folder
-    that is not there.
-    """
-    if model is None or model in EMBEDDED:
-        return
-    if _exists(model):
+    """Refuse, before minutes of install and a hub lookup, a --model that names nothing
+    (served: an embedded model, a local path, a hub id org/name, a bare name the hub
+    cache holds). The hub's old bare ids (gpt2) have an org/name too; a bare name here
+    is far more often a mistyped embedded name or a missing local folder."""
+    if model is None or model in EMBEDDED or _exists(model):
         return
     bare = "/" not in model
     if HUB_ID.fullmatch(model) or (
@@ -156,9 +142,8 @@ def check_model(model: str | None) -> None:
 
 def start_tiny_model(python: Path, name: str = EMBEDDED_NAME) -> subprocess.Popen[str]:
     """Start generating embedded model NAME (a no-op when it is current). The generators
-    live with the fork's tests (the same files the tree overlays), so this needs only
-    the
-    venv and can run while the tree is installed."""
+    live with the fork's tests, so this needs only the venv and can run while the tree
+    is installed."""
     out = build_dir() / "models" / name
     log.step(f"serve: preparing the embedded model {name} in {out}")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -176,10 +161,11 @@ def start_tiny_model(python: Path, name: str = EMBEDDED_NAME) -> subprocess.Pope
 def finish_tiny_model(generating: subprocess.Popen[str]) -> Path:
     out = Path(generating.args[-1])
     if generating.wait() != 0:
-        lines = out.with_name(f"{out.name}.log").read_text().strip().splitlines()
+        report = out.with_name(f"{out.name}.log")
+        lines = report.read_text().strip().splitlines()
         raise ForkError(
             f"could not generate the embedded model: {(lines or ['no output'])[-1]}",
-            f"see {out.with_name(out.name + '.log')}",
+            f"see {report}",
         )
     return out
 
@@ -207,35 +193,19 @@ def command(
     cpu: bool = False,
 ) -> list[str]:
     """The `vllm serve` command; EMBEDDED: the embedded model's name, when it is one."""
-    cmd = [
-        str(python.parent / "vllm"),
-        "serve",
-        model,
-        "--host",
-        args.host,
-        "--port",
-        str(args.port),
-    ]
+    cmd = [str(python.parent / "vllm"), "serve", model]
+    cmd += ["--host", args.host, "--port", str(args.port)]
     if embedded:
-        cmd += [
-            "--served-model-name",
-            embedded,
-            "--max-model-len",
-            "1024",
-            "--dtype",
-            "bfloat16",
-        ]
+        cmd += ["--served-model-name", embedded, "--max-model-len", "1024"]
+        cmd += ["--dtype", "bfloat16"]
         if cpu:
             # A random-weight demo gains nothing from the CPU platform's Inductor
-            # compile, which costs ~20 s of every start on 2 cores (measured: 58 s vs 81
-            # s to ready).
+            # compile, which costs seconds of every start.
             cmd += ["--enforce-eager"]
     if args.preset:
         cmd += PRESETS[args.preset](args.cpu_bytes)
-    extra = list(args.vllm_args)
-    if extra[:1] == ["--"]:
-        extra = extra[1:]
-    return cmd + extra
+    extra = args.vllm_args
+    return cmd + list(extra[1:] if extra[:1] == ["--"] else extra)
 
 
 def serve(pins: Pins, args: argparse.Namespace) -> None:
@@ -294,25 +264,17 @@ def serve(pins: Pins, args: argparse.Namespace) -> None:
 
 
 def demo_engine_env(embedded: str | None) -> dict[str, str]:
-    """The embedded model's CPU engine in the API server's own engine-core process.
-
-    On CPU, vLLM 0.25.1 runs its one worker in a process of its own (the multiproc
-    executor, for OpenMP thread binding) unless VLLM_ENABLE_V1_MULTIPROCESSING=0, in
-    which case the worker stays in the engine core process (the `uni` executor). The API
-    server always starts the engine core process itself, so this is one spawned vLLM
-    import less and no OpenMP binding: measured on 2 cores, ready in 36 s instead of 60
-    s. A demo of a random-weight model loses nothing by it; a real model (not embedded)
-    keeps vLLM's default, and so does a user who sets the variable.
-    """
+    """The embedded model's CPU worker in the engine-core process (the `uni` executor,
+    not a process of its own): one vLLM import and OpenMP binding less at start-up. A
+    real model keeps vLLM's default, and so does a user who sets the variable."""
     if not embedded or "VLLM_ENABLE_V1_MULTIPROCESSING" in os.environ:
         return {}
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def try_lines(host: str, port: int, model: str) -> list[str]:
-    """What `serve` prints to try: a curl line (`try  curl ...`) for the completions and
-    the chat endpoint (the serve test sends both), or, for a model in NO_CHAT, instead
-    of the chat line one that says why there is none."""
+    """The `try  curl ...` lines `serve` prints for the completions and chat endpoints
+    (the serve test sends both); for a model in NO_CHAT, why there is no chat line."""
     base = f"curl http://{host}:{port}/v1"
     head = "-H 'Content-Type: application/json'"
     completion = {"model": model, "prompt": "Hello", "max_tokens": 8}
