@@ -5,10 +5,9 @@ that the release's tests miss.
 
 Each mutant is one text substitution, written by hand from reading that release's code
 (offset, strides, layout order, view vs copy: the ways #47054-like defects happen),
-applied as a unified diff with `git apply`, the diff the PR descriptions show. It
-must match exactly once; when the release's code changes, the step stops and names the
-mutant to rewrite rather than testing something else. The file is restored by git after
-each run, and its bytecode removed both times so that no stale .pyc stands in for it.
+applied as the unified diff the PR descriptions show. It must match exactly once: when
+the release's code changes, the step names the mutant to rewrite rather than testing
+something else.
 """
 
 from __future__ import annotations
@@ -82,14 +81,11 @@ _PLANNER = "vllm/v1/core/kv_cache_planning.py"  # packing groups into block rows
 _OFFLOAD = "vllm/distributed/kv_transfer/kv_connector/v1/offloading/worker.py"
 _TRITON = "vllm/v1/attention/backends/triton_attn.py"  # per-token-head scale views
 
-# A PR set must prove its worth on at least this many breakages the release's
-# tests miss.
+# A PR set must prove itself on at least this many breakages the release's tests miss.
 MIN_SURVIVORS = 8
 
 # Per release that `make upstream` may target (fork.toml [matrix]'s newest): breakages
-# that 0.33.0's own tests miss, found by reading the packed path and measured against
-# RELEASE_TESTS (its old mutants of this path, which those tests already kill, are gone:
-# they measured nothing a PR adds).
+# of the packed path that its own tests (RELEASE_TESTS) miss.
 MUTANTS: dict[str, tuple[Mutant, ...]] = {
     "0.33.0": (
         Mutant(
@@ -232,10 +228,9 @@ MUTANTS: dict[str, tuple[Mutant, ...]] = {
     ),
 }
 
-# The release's own tests of each mutated file, as shipped: every file of its
-# tests/ that reaches that code (found by grep for the functions the mutants
-# change) and runs on CPU. They run whole, without a marker filter; a case that
-# fails here unmutated (a model download, a GPU) kills nothing.
+# The release's own tests of each mutated file, as shipped: every file of its tests/
+# that reaches the mutated functions and runs on CPU. They run whole, unfiltered; a case
+# failing here unmutated (a model download, a GPU) kills nothing.
 _VIEW_TESTS = (
     "tests/v1/worker/test_attn_utils.py",
     "tests/v1/core/test_contiguous_kv_packing.py",
@@ -263,9 +258,8 @@ _OFFLOAD_TESTS = (
     "tests/v1/kv_connector/unit/offloading_connector/test_worker_metadata.py",
     "tests/v1/kv_offload/cpu",
 )
-# tests/v1/attention/test_attention_backends.py constructs TritonAttentionImpl too, but
-# none of its cases reaches the scale views on CPU (measured with the functions
-# instrumented), and its 115 GPU cases fail here; it would only cost time.
+# Not tests/v1/attention/test_attention_backends.py: none of its cases reaches the
+# scale views on CPU, and its 115 GPU cases fail here; it would only cost time.
 _SCALE_TESTS = (
     "tests/quantization/test_per_token_kv_cache.py",
     "tests/v1/core/test_kv_cache_utils.py",
@@ -323,12 +317,8 @@ def apply(worktree: Path, mutant: Mutant) -> None:
 
 
 def restore(worktree: Path, mutant: Mutant) -> None:
-    restored = tree.git(["checkout", "--", mutant.path], worktree)
-    if restored.returncode != 0:
-        raise ForkError(
-            f"git could not restore {mutant.path} in {worktree}: "
-            f"{restored.stderr.strip()}"
-        )
+    what = f"restore {mutant.path} in {worktree}"
+    tree._git_ok(["checkout", "--", mutant.path], worktree, None, what)
     _drop_bytecode(worktree / mutant.path)
 
 
@@ -340,14 +330,12 @@ def _drop_bytecode(source: Path) -> None:
 
 
 def killers(outcome: Outcome, baseline: Outcome | None = None) -> list[str]:
-    """The cases that fail (or error) in OUTCOME and passed in BASELINE when given: a
-    case the unmutated tree fails or skips on this machine (a model it cannot download,
-    a GPU) kills nothing. A failing case BASELINE does not have is a kill when a case of
-    its test function (or module, for a module that no longer collects) passed there: a
-    mutant can rename a case (two enum members made one change a parametrized case's
-    id)."""
+    """The cases that fail (or error) in OUTCOME and, with BASELINE, passed there (what
+    fails or skips unmutated kills nothing). A case BASELINE lacks counts when its
+    function (or module, if it no longer collects) passed: a mutant can rename ids."""
+    failed = sorted(c for c, s in outcome.cases.items() if s in ("failed", "error"))
     if baseline is None:
-        return sorted(c for c, s in outcome.cases.items() if s in ("failed", "error"))
+        return failed
     passed = {c for c, s in baseline.cases.items() if s == "passed"}
     functions = {c.split("[", 1)[0] for c in passed}
     modules = {c.split("::", 1)[0] for c in passed}
@@ -359,18 +347,18 @@ def killers(outcome: Outcome, baseline: Outcome | None = None) -> list[str]:
             return case.split("::", 1)[0] in modules
         return case.split("[", 1)[0] in functions
 
-    return sorted(
-        c
-        for c, s in outcome.cases.items()
-        if s in ("failed", "error") and ran_before(c)
-    )
+    return [c for c in failed if ran_before(c)]
+
+
+# Files a run or a hook leaves in a worktree that decide no result.
+_TOOL_CACHES = ("__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache")
 
 
 @dataclass(frozen=True)
 class Runs:
     """The pytest runs of one differential: PYTHON runs them, each with EXTRA_ENV, its
     report in RESULTS/NAME.{xml,log}; with CACHE, each is kept there by what decides
-    its result (see _run_key)."""
+    its result (see _key)."""
 
     python: Path
     results: Path
@@ -382,13 +370,10 @@ class Runs:
     ) -> Outcome:
         """ARGS in WORKTREE with MUTANT applied alone, and undone."""
         log.step(f"mutants: {mutant.name} vs {name}")
-        found = killers(outcome := self.run(worktree, args, name, mutant))
-        # Raw failures: differential() subtracts what fails unmutated before
-        # calling a kill.
-        log.step(
-            f"mutants: {name}: "
-            + (f"{len(found)} case(s) failed" if found else "no case failed")
-        )
+        outcome = self.run(worktree, args, name, mutant)
+        found = killers(outcome)  # raw: differential() subtracts what fails unmutated
+        said = f"{len(found)} case(s) failed" if found else "no case failed"
+        log.step(f"mutants: {name}: {said}")
         return outcome
 
     def run(
@@ -400,44 +385,36 @@ class Runs:
         keep: Callable[[Outcome], bool] = lambda outcome: True,
     ) -> Outcome:
         """One pytest run in WORKTREE, with MUTANT applied and undone when given. With
-        CACHE, a run already made of the same content is read back instead, so a step
-        of an hour is taken up again where it stopped, and a changed PR reruns only the
-        runs of the PRs' cases. A run is kept only when it ended by itself and KEEP
-        accepts it (an unmutated run the step rejects is made again next time, not read
-        back)."""
+        CACHE, a run made before of the same content is read back, so a stopped step
+        resumes where it stopped; a run is kept only when it ended by itself and KEEP
+        accepts it (an unmutated run the step rejects is made again next time)."""
         self.results.mkdir(parents=True, exist_ok=True)
-        key = (
-            _run_key(self.python, worktree, mutant, pytest_args, self.extra_env)
-            if self.cache
-            else ""
-        )
-        if self.cache is not None and (self.cache / f"{key}.xml").is_file():
+        key = ""
+        if self.cache is not None:
+            key = self._key(worktree, mutant, pytest_args)
             try:
                 outcome = read_junit(self.cache / f"{key}.xml")
-            except ET.ParseError:  # cut off: a miss
-                outcome = None
-            if outcome is not None:
+            except (OSError, ET.ParseError):  # none, or cut off: a miss
+                pass
+            else:
                 for suffix in (".xml", ".log"):
-                    if (self.cache / f"{key}{suffix}").is_file():
-                        shutil.copyfile(
-                            self.cache / f"{key}{suffix}",
-                            self.results / f"{name}{suffix}",
-                        )
+                    kept = self.cache / f"{key}{suffix}"
+                    if kept.is_file():
+                        shutil.copyfile(kept, self.results / f"{name}{suffix}")
                 log.step(
                     f"mutants: {name}: the same run was made before "
                     f"({self.cache / key}.xml): {outcome}"
                 )
                 return outcome
-        args = (
-            [*pytest_args, "--continue-on-collection-errors"] if mutant else pytest_args
-        )
+        if mutant is not None:
+            pytest_args = [*pytest_args, "--continue-on-collection-errors"]
         try:
             if mutant is not None:
                 apply(worktree, mutant)
             outcome = run_pytest(
                 self.python,
                 worktree,
-                args,
+                pytest_args,
                 self.results / f"{name}.xml",
                 output=self.results / f"{name}.log",
                 extra_env=self.extra_env,
@@ -447,77 +424,65 @@ class Runs:
                 restore(worktree, mutant)
         if self.cache is not None and not outcome.killed and keep(outcome):
             self.cache.mkdir(parents=True, exist_ok=True)
-            for suffix in (
-                ".log",
-                ".xml",
-            ):  # the XML last and whole: its presence means kept
+            for suffix in (".log", ".xml"):  # the XML last and whole: it means kept
                 partial = self.cache / f"{key}{suffix}.partial"
                 shutil.copyfile(self.results / f"{name}{suffix}", partial)
                 os.replace(partial, self.cache / f"{key}{suffix}")
         return outcome
 
+    def _key(
+        self, worktree: Path, mutant: Mutant | None, pytest_args: list[str]
+    ) -> str:
+        """What decides a run's result: the interpreter and the packages beside it, the
+        worktree's tree object (not its commit: the PRs' mails are re-signed with a new
+        date each time), its untracked files' names and sizes (the release's binaries),
+        the mutant, the arguments, the environment given and what of the caller's
+        pytest or vLLM read."""
 
-# Files a run or a hook leaves in a worktree that decide no result.
-_TOOL_CACHES = ("__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache")
+        def git_out(args: list[str]) -> str:
+            done = tree.git(args, worktree)
+            if done.returncode != 0:
+                raise ForkError(
+                    f"git {' '.join(args)} failed in {worktree}: {done.stderr.strip()}",
+                    "run the step again: it makes its worktrees afresh",
+                )
+            return done.stdout
 
-
-def _run_key(
-    python: Path,
-    worktree: Path,
-    mutant: Mutant | None,
-    pytest_args: list[str],
-    extra_env: dict[str, str] | None,
-) -> str:
-    """What decides a run's result: the interpreter and the packages installed beside
-    it, the worktree's committed content (its tree object: the PRs' mails are re-signed
-    with a new date each time, their content is not), its untracked files' names and
-    sizes (the release's binaries), the mutant, the arguments, the environment given and
-    what of the caller's environment pytest or vLLM read."""
-
-    def git_out(args: list[str]) -> str:
-        done = tree.git(args, worktree)
-        if done.returncode != 0:
+        changed = git_out(["status", "--porcelain", "--untracked-files=no"]).strip()
+        if changed:  # a mutant left behind by a killed run: every result would be wrong
             raise ForkError(
-                f"git {' '.join(args)} failed in {worktree}: {done.stderr.strip()}",
+                f"{worktree} has changes its commit does not hold: "
+                f"{changed.splitlines()[0]}",
                 "run the step again: it makes its worktrees afresh",
             )
-        return done.stdout
-
-    changed = git_out(["status", "--porcelain", "--untracked-files=no"]).strip()
-    if changed:  # a mutant left behind by a killed run: every result would be wrong
-        raise ForkError(
-            f"{worktree} has changes its commit does not hold: "
-            f"{changed.splitlines()[0]}",
-            "run the step again: it makes its worktrees afresh",
+        untracked = sorted(
+            f"{name}:{(worktree / name).stat().st_size}"
+            for name in git_out(["ls-files", "--others", "-z"]).split("\0")
+            if name
+            and not set(Path(name).parts) & set(_TOOL_CACHES)
+            and (worktree / name).is_file()
         )
-    untracked = sorted(
-        f"{name}:{(worktree / name).stat().st_size}"
-        for name in git_out(["ls-files", "--others", "-z"]).split("\0")
-        if name
-        and not set(Path(name).parts) & set(_TOOL_CACHES)
-        and (worktree / name).is_file()
-    )
-    installed = sorted(
-        p.name
-        for p in python.parent.parent.glob("lib/python*/site-packages/*.dist-info")
-    )
-    callers = sorted(
-        (k, v)
-        for k, v in os.environ.items()  # not the fork's own VLLM_FORK_*
-        if k.startswith(("VLLM_", "PYTEST_", "TORCH", "OMP_", "CUDA_", "HF_"))
-        and not k.startswith("VLLM_FORK_")
-    )
-    parts = [
-        str(python),
-        installed,
-        git_out(["rev-parse", "HEAD^{tree}"]).strip(),
-        untracked,
-        [mutant.path, mutant.original, mutant.mutated] if mutant else None,
-        pytest_args,
-        sorted((extra_env or {}).items()),
-        callers,
-    ]
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
+        site = self.python.parent.parent / "lib"
+        installed = sorted(
+            p.name for p in site.glob("python*/site-packages/*.dist-info")
+        )
+        callers = sorted(
+            (k, v)
+            for k, v in os.environ.items()  # not the fork's own VLLM_FORK_*
+            if k.startswith(("VLLM_", "PYTEST_", "TORCH", "OMP_", "CUDA_", "HF_"))
+            and not k.startswith("VLLM_FORK_")
+        )
+        parts = [
+            str(self.python),
+            installed,
+            git_out(["rev-parse", "HEAD^{tree}"]).strip(),
+            untracked,
+            [mutant.path, mutant.original, mutant.mutated] if mutant else None,
+            pytest_args,
+            sorted((self.extra_env or {}).items()),
+            callers,
+        ]
+        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
 
 
 @dataclass(frozen=True)
@@ -528,9 +493,7 @@ class Row:
     upstream_tests: tuple[str, ...]  # the release's test files of the mutated code
     upstream_killers: list[str]  # their cases it made fail (the first one, under -x)
     by_pr: dict[str, list[str]]  # PR name -> its cases that failed
-    # The mutant as `git apply` takes it on the release (Mutant.diff): how it is shown,
-    # not part of the result.
-    diff: str = field(default="", compare=False)
+    diff: str = field(default="", compare=False)  # shown (Mutant.diff), not compared
 
     @property
     def survivor(self) -> bool:
@@ -561,19 +524,19 @@ def _upstream_killers(
     runs: Runs,
     stock: Path,
     mutant: Mutant,
-    tests: list[str],
+    tests: tuple[str, ...],
     baseline: Outcome,
     what: str,
 ) -> list[str]:
-    """The release's cases that MUTANT makes fail. They run without the cases failing
-    unmutated, up to the first failure (-x): one is a kill. Should a deselection not
-    have matched pytest's node id, -x could stop at an old failure and hide a kill, so
-    such a run is made again whole."""
+    """The release's cases that MUTANT makes fail, run without those failing unmutated
+    up to the first failure (-x). Were a deselection to miss pytest's node id, -x could
+    stop at an old failure and hide a kill: such a run is made again whole."""
     fast = runs.mutated(stock, mutant, [*tests, *deselect(baseline), "-x"], what)
     found = killers(fast, baseline)
     if (fast.failed or fast.errors) and not found:
         log.step(f"mutants: {what} stopped at a case failing unmutated too: run whole")
-        found = killers(runs.mutated(stock, mutant, tests, f"{what}-whole"), baseline)
+        whole = runs.mutated(stock, mutant, list(tests), f"{what}-whole")
+        found = killers(whole, baseline)
     return found
 
 
@@ -581,9 +544,7 @@ def _all_pass(outcome: Outcome) -> bool:  # what the PRs' cases must do unmutate
     return outcome.passed > 0 and not (outcome.failed or outcome.errors)
 
 
-def _some_pass(
-    outcome: Outcome,
-) -> bool:  # what the release's tests must do unmutated here
+def _some_pass(outcome: Outcome) -> bool:  # what the release's tests must do unmutated
     return outcome.passed > 0
 
 
@@ -622,23 +583,20 @@ def differential(
             f"see {results / 'clean-prs.log'}",
         )
     baselines: dict[tuple[str, ...], Outcome] = {}
-    for number, tests in enumerate(
-        sorted({upstream_tests[m.path] for m in mutants}), 1
-    ):
+    test_sets = sorted({upstream_tests[m.path] for m in mutants})
+    for number, tests in enumerate(test_sets, 1):
         paths = sorted({m.path for m in mutants if upstream_tests[m.path] == tests})
-        baselines[tests] = runs.run(
-            stock, list(tests), f"baseline-{number}", keep=_some_pass
-        )
-        if not _some_pass(baselines[tests]):
+        baseline = runs.run(stock, list(tests), f"baseline-{number}", keep=_some_pass)
+        if not _some_pass(baseline):
             raise ForkError(
                 f"no case of the release's own tests of {', '.join(paths)} passes "
-                f"unmutated: {baselines[tests]}",
+                f"unmutated: {baseline}",
                 f"see {results / f'baseline-{number}.log'}",
             )
         log.step(
-            f"mutants: the release's tests of {', '.join(paths)}, "
-            f"unmutated: {baselines[tests]}"
+            f"mutants: the release's tests of {', '.join(paths)}, unmutated: {baseline}"
         )
+        baselines[tests] = baseline
     rows = []
     with ThreadPoolExecutor(max_workers=2 if side_by_side else 1) as pool:
         for number, mutant in enumerate(mutants, 1):
@@ -649,26 +607,14 @@ def differential(
             if not side_by_side:
                 mine.result()
             up = _upstream_killers(
-                runs,
-                stock,
-                mutant,
-                list(tests),
-                baselines[tests],
-                f"release-tests-{number}",
+                runs, stock, mutant, tests, baselines[tests], f"release-tests-{number}"
             )
             failed = killers(mine.result(), clean)
-            rows.append(
-                Row(
-                    mutant,
-                    tests,
-                    up,
-                    {
-                        name: [c for c in failed if owns(c)]
-                        for name, owns in owners.items()
-                    },
-                    mutant.diff((stock / mutant.path).open(newline="").read()),
-                )
-            )
+            by_pr = {
+                name: [c for c in failed if owns(c)] for name, owns in owners.items()
+            }
+            diff = mutant.diff((stock / mutant.path).open(newline="").read())
+            rows.append(Row(mutant, tests, up, by_pr, diff))
     return rows
 
 
@@ -715,7 +661,8 @@ def table(rows: list[Row], pr: str) -> str:
             f"| {row.mutant.name} | `{row.mutant.path}` | no | "
             f"{_cases(row.by_pr[pr])} |"
         )
-    mine = [r for r in rows if r.by_pr[pr] or r.mutant.path in _paths(rows, pr)]
+    paths = {r.mutant.path for r in rows if r.by_pr[pr]}
+    mine = [r for r in rows if r.mutant.path in paths]
     caught = sum(1 for r in mine if not r.survivor)
     on_gpu = [r for r in mine if r.survivor and r.mutant.gpu_job]
     tests = sorted({t for r in mine for t in r.upstream_tests})
@@ -755,12 +702,12 @@ def _cases(cases: list[str]) -> str:
     """Failed cases by test function: a parametrized one with how many of its parameter
     sets failed (a mutant can rename them: two enum members made one)."""
     counts: dict[str, int] = {}
+    parametrized = set()
     for case in cases:
         name = case.split("::", 1)[1].split("[", 1)[0]
         counts[name] = counts.get(name, 0) + 1
-    parametrized = {
-        case.split("::", 1)[1].split("[", 1)[0] for case in cases if "[" in case
-    }
+        if "[" in case:
+            parametrized.add(name)
     return ", ".join(
         f"`{name}`"
         + (
@@ -772,35 +719,28 @@ def _cases(cases: list[str]) -> str:
     )
 
 
-def _paths(rows: list[Row], pr: str) -> set[str]:
-    return {r.mutant.path for r in rows if r.by_pr[pr]}
-
-
 def summary(rows: list[Row], pr: str | None = None) -> str:
     """PROOF.txt lines: per mutant, the release's tests' verdict and the PRs'."""
     out = []
     for row in rows:
-        if pr is not None and not row.by_pr[pr]:
-            others = [n for n, c in row.by_pr.items() if c]
-            verdict = (
-                f"not this PR's (killed by {', '.join(others)})"
-                if others
-                else "killed by no PR"
-            )
-        elif pr is not None:
-            verdict = f"this PR kills it with {len(row.by_pr[pr])} case(s)"
-        else:
+        others = [n for n, c in row.by_pr.items() if c]
+        if pr is None:
             verdict = "; ".join(f"{n}: {len(c)}" for n, c in row.by_pr.items())
-        up = (
-            "the release's tests kill it "
-            f"(first failing case: {row.upstream_killers[0]})"
-            if row.upstream_killers
-            else "the release's tests miss it"
-            + (
-                f"; a triggered GPU job would likely catch it: {row.mutant.gpu_job}"
-                if row.mutant.gpu_job
-                else "; no triggered GPU job executes it (read)"
+        elif row.by_pr[pr]:
+            verdict = f"this PR kills it with {len(row.by_pr[pr])} case(s)"
+        elif others:
+            verdict = f"not this PR's (killed by {', '.join(others)})"
+        else:
+            verdict = "killed by no PR"
+        if row.upstream_killers:
+            first = row.upstream_killers[0]
+            up = f"the release's tests kill it (first failing case: {first})"
+        elif row.mutant.gpu_job:
+            up = (
+                "the release's tests miss it; a triggered GPU job would likely catch "
+                f"it: {row.mutant.gpu_job}"
             )
-        )
+        else:
+            up = "the release's tests miss it; no triggered GPU job executes it (read)"
         out.append(f"mutant {row.mutant.name} [{row.mutant.path}]: {up}; {verdict}")
     return "\n".join(out)

@@ -1,16 +1,12 @@
-"""Which of a vLLM release's Buildkite jobs run a test case, read by the release's own
-tethering hook (tools/pre_commit/check_test_tethering.py).
-
-Run by `forkbuild upstream` with the release's Python, in the release tree (the hook
-needs PyYAML and regex, which forkbuild's standard library does not have):
+"""Which of a vLLM release's Buildkite jobs run a test file, read by the release's own
+tethering hook (tools/pre_commit/check_test_tethering.py). Run by `forkbuild upstream`
+in the release tree with the release's Python (the hook needs PyYAML and regex):
 
     python release_ci_jobs.py tests/a/test_x.py [...]
 
-prints one JSON object: test file -> the jobs whose commands collect it, each with its
-label, key, device, timeout and the command's `-m` marker expression. The tethering hook
-answers only "some job runs this file" and ignores markers on purpose; a test marked
-`cpu_test` runs in a CPU job only if that job's command selects the marker, which is
-what `forkbuild upstream` checks from this list.
+prints one JSON object: test file -> the jobs whose commands collect it (label, key,
+device, timeout, the command's `-m` expression). The hook ignores markers; a `cpu_test`
+case runs in a CPU job only if that job's command selects the marker.
 """
 
 from __future__ import annotations
@@ -56,10 +52,8 @@ def jobs_running(tree: Path, test_files: list[str]) -> dict[str, list[dict]]:
         if not isinstance(doc, dict):
             continue
         for step in hook._iter_job_steps(doc):
-            commands = list(step.get("commands") or [])
-            if step.get("command"):
-                commands.append(step["command"])
-            for command in (c for c in commands if isinstance(c, str)):
+            commands = [*(step.get("commands") or []), step.get("command")]
+            for command in (c for c in commands if isinstance(c, str) and c):
                 selections = hook._parse_command(command)
                 for test_file in test_files:
                     normalized = hook.normalize_test_path(test_file)

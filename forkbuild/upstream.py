@@ -1,29 +1,15 @@
 """`forkbuild upstream`: the fork's tests as small vLLM pull requests, each with proof
 of what it adds beyond the tests upstream already has.
 
-The PRs live in upstream-prs/<name>/ (names sort in the order they should be sent): the
-`git format-patch` mail(s) of one commit against the newest release of the version
-matrix (the last of fork.toml [matrix]), pr.toml (the cases it adds or changes, the CPU
-job that runs them) and description.md (the hand-written parts of the release's PR
-template). For each PR, into dist/upstream/<name>/:
-1. the commit, re-authored and signed off (DCO) by whoever runs the step, as a
-   `git format-patch` file;
-2. the proof (PROOF.txt): a fresh worktree of the release, `git am` of that file, the
-   release's own binaries beside it, pytest on the PR's cases (all must pass, on CPU);
-   the release's pre-commit hooks on the files it changes (ruff check and format at the
-   pinned version, the SPDX, forbidden-import and tethering scripts, and mypy as the
-   release's pre-commit runs it, from a hash-locked environment); the Buildkite job that
-   collects the cases, which must be the CPU job pr.toml names, with the `cpu_test`
-   marker selected; the cases' CPU time;
-3. PR_DESCRIPTION.md in the release's .github/PULL_REQUEST_TEMPLATE.md.
-Then all PRs together on one fresh worktree (they must apply in order and pass), and the
-differential mutation check (forkbuild/mutants.py): every mutant runs against the
-release's own tests of the packed path, as shipped, and against the PRs' cases. A
-mutant the release's tests kill says nothing about the PRs; one they miss must be killed
-by some PR, and each PR must kill at least one of them, or it is not worth sending.
-Each run's JUnit XML is kept in build/upstream/runs/, named by what decides its result
-(see mutants._run_key), so a stopped step is taken up again where it stopped.
-Nothing sent refers to the fork or its tooling.
+The PRs live in upstream-prs/<name>/ (see its README.md), against the newest release
+of fork.toml [matrix]. Each is proved alone on a fresh worktree of the release (its
+cases pass on CPU, the release's pre-commit hooks pass on the files it changes, the CPU
+job it names collects its cases with `cpu_test` selected), then all together, then by
+the differential mutation check (forkbuild/mutants.py): every mutant the release's own
+tests miss must be killed by some PR, and each PR must kill one. Each run is kept in
+build/upstream/runs/ by what decides its result, so a stopped step resumes. Into
+dist/upstream/<name>/: the commit signed off (DCO) by whoever runs the step, PROOF.txt
+and PR_DESCRIPTION.md. Nothing sent refers to the fork or its tooling.
 """
 
 from __future__ import annotations
@@ -38,17 +24,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from forkbuild import (
-    fetch,
-    install,
-    lock,
-    log,
-    matrix,
-    mutants,
-    patch_status,
-    tree,
-    uv,
-)
+from forkbuild import fetch, install, lock, log, matrix, mutants, patch_status, tree, uv
 from forkbuild.errors import ForkError, run_or_fail
 from forkbuild.hashing import digest_of
 from forkbuild.pins import REPO_ROOT, Pins, Release, build_dir, locks_dir
@@ -92,9 +68,7 @@ class PullRequest:
 def load_prs(version: str, folder: Path = PRS_DIR) -> list[PullRequest]:
     """The PRs for vLLM VERSION, in sending order; each folder is checked whole."""
     prs = []
-    for sub in (
-        sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
-    ):
+    for sub in sorted(folder.glob("*/")):  # its folders
         meta_file = sub / "pr.toml"
         try:
             meta = tomllib.loads(meta_file.read_text())
@@ -208,12 +182,9 @@ def mypy_hook(config_text: str) -> tuple[str, list[str]]:
     block = re.search(
         r"^\s*- id: mypy\b(.*?)(?=^\s*- id:|\Z)", config_text, re.M | re.S
     )
-    entry = re.search(r"^\s*entry:\s*(.+)$", block[1], re.M) if block else None
-    deps = (
-        re.search(r"^\s*additional_dependencies:\s*\[(.*)\]\s*$", block[1], re.M)
-        if block
-        else None
-    )
+    body = block[1] if block else ""
+    entry = re.search(r"^\s*entry:\s*(.+)$", body, re.M)
+    deps = re.search(r"^\s*additional_dependencies:\s*\[(.*)\]\s*$", body, re.M)
     if not (entry and deps):
         raise ForkError(
             "the release's .pre-commit-config.yaml has no mypy hook with an entry "
@@ -271,11 +242,8 @@ def hooks_python(pins: Pins, release_tree: Path) -> Path:
     release-hooks lock; refused when the release asks for something the lock lacks."""
     _, requirements = mypy_hook((release_tree / ".pre-commit-config.yaml").read_text())
     lock_file = hooks_lock_path()
-    if (
-        not lock_file.is_file()
-        or lock.DIGEST_LINE + hooks_inputs_digest(requirements)
-        not in lock_file.read_text()
-    ):
+    made_for = lock.DIGEST_LINE + hooks_inputs_digest(requirements)
+    if not lock_file.is_file() or made_for not in lock_file.read_text():
         raise ForkError(
             f"{lock_file.name} is missing or was made for another mypy hook than "
             f"{release_tree.name}'s ({', '.join(requirements)})",
@@ -296,51 +264,34 @@ def run_hooks(
     python: Path, release_tree: Path, files: list[str], mypy_python: Path | None = None
 ) -> list[str]:
     """Run the release's pre-commit hooks for FILES from RELEASE_TREE (its ruff
-    configuration, its hook scripts, its Buildkite jobs) with the ruff version it pins,
-    which must be the fork's venv's (hash-locked); with MYPY_PYTHON, also its mypy hook
-    as pre-commit runs it (`entry` with the Python files, that environment first on
-    PATH). Returns one line per hook; raises with every finding."""
-    ruff = python.parent / "ruff"
+    settings, hook scripts and Buildkite jobs) with the ruff it pins, which must be the
+    fork's venv's; with MYPY_PYTHON, its mypy hook too, as pre-commit runs it. Returns
+    one line per hook; raises with every finding."""
+    ruff = str(python.parent / "ruff")
     wanted = pinned_ruff(release_tree)
     have = subprocess.run(
-        [str(ruff), "--version"], capture_output=True, text=True, check=False
+        [ruff, "--version"], capture_output=True, text=True, check=False
     )
     if have.returncode != 0 or have.stdout.split()[-1:] != [wanted]:
         raise ForkError(
             f"{release_tree.name} runs its hooks with ruff {wanted}; "
-            "the fork's venv has "
-            f"{have.stdout.strip() or 'none'}",
+            f"the fork's venv has {have.stdout.strip() or 'none'}",
             f"pin ruff=={wanted} in fork.toml [toolchain] test, then `make lock`",
         )
     # Each hook gets the files its `files`/`types` filter in .pre-commit-config.yaml
     # passes: Python for all but the tethering check, which also reads pipeline YAMLs.
     py_files = [f for f in files if f.endswith(".py")]
     tethered = [
-        f
-        for f in files
-        if (f.startswith("tests/") and f.endswith(".py"))
-        or re.match(r"\.buildkite/.*\.yaml$", f)
+        f for f in files if re.match(r"(tests/.*\.py|\.buildkite/.*\.yaml)$", f)
     ]
     hooks = [
-        ("ruff check", [str(ruff), "check", "--no-cache", *py_files], None),
-        (
-            "ruff format",
-            [str(ruff), "format", "--check", "--no-cache", *py_files],
-            None,
-        ),
-        *(
-            (
-                name,
-                [
-                    str(python),
-                    f"tools/pre_commit/{name}.py",
-                    *(tethered if name == "check_test_tethering" else py_files),
-                ],
-                None,
-            )
-            for name in HOOK_SCRIPTS
-        ),
+        ("ruff check", [ruff, "check", "--no-cache", *py_files], None),
+        ("ruff format", [ruff, "format", "--check", "--no-cache", *py_files], None),
     ]
+    for name in HOOK_SCRIPTS:
+        hook_files = tethered if name == "check_test_tethering" else py_files
+        script = [str(python), f"tools/pre_commit/{name}.py", *hook_files]
+        hooks.append((name, script, None))
     if any(re.match(r"\.buildkite/.*\.ya?ml$", f) for f in files):
         # pass_filenames: false; it reads every pipeline file itself
         step_keys = [str(python), "tools/pre_commit/check_buildkite_step_keys.py"]
@@ -362,10 +313,8 @@ def run_hooks(
         said = (done.stdout + done.stderr).strip()
         lines.append(f"{name}: {'passed' if done.returncode == 0 else 'FAILED'}")
         if done.returncode != 0:
-            findings.append(
-                f"{name}: "
-                f"{said.splitlines()[-1] if said else f'exit {done.returncode}'}"
-            )
+            last = said.splitlines()[-1] if said else f"exit {done.returncode}"
+            findings.append(f"{name}: {last}")
             log.step(f"upstream: hook {name} failed:\n{said}")
     if findings:
         raise ForkError(
@@ -400,9 +349,7 @@ def collecting_jobs(
 def selects_cpu_test(marker: str | None) -> bool:
     """Whether a pytest `-m` expression runs cases marked cpu_test (and nothing else
     distinguishes them): no filter, or one that names cpu_test without negating it."""
-    if marker is None:
-        return True
-    return bool(re.search(r"(?<!not )\bcpu_test\b", marker))
+    return marker is None or bool(re.search(r"(?<!not )\bcpu_test\b", marker))
 
 
 def check_job(pr: PullRequest, jobs: dict[str, list[dict]]) -> str:
@@ -419,15 +366,11 @@ def check_job(pr: PullRequest, jobs: dict[str, list[dict]]) -> str:
             and selects_cpu_test(j["marker"])
         ]
         if not hits:
-            others = (
-                ", ".join(
-                    sorted({j["key"] or j["label"] for j in jobs.get(test_file, [])})
-                )
-                or "none"
-            )
+            others = {j["key"] or j["label"] for j in jobs.get(test_file, [])}
             raise ForkError(
                 f"{pr.name}: no CPU job '{pr.job}' of the release collects "
-                f"{test_file} with cpu_test selected (jobs that run it: {others})",
+                f"{test_file} with cpu_test selected "
+                f"(jobs that run it: {', '.join(sorted(others)) or 'none'})",
                 "mark the cases cpu_test and add the file to that job's commands "
                 "in the PR",
             )
@@ -452,10 +395,10 @@ def apply_mails(work: Path, mails: list[Path], env: dict[str, str]) -> None:
     )
     if applied.returncode != 0:
         tree.git(["am", "--abort"], work, env)
+        said = (applied.stdout + applied.stderr).strip()[-300:]
         raise ForkError(
             f"{', '.join(m.name for m in mails)} do not apply with git am "
-            f"on {work.name}: "
-            f"{(applied.stdout + applied.stderr).strip()[-300:]}",
+            f"on {work.name}: {said}",
             "refresh the PR's patch against the release",
         )
 
@@ -482,8 +425,7 @@ class Context:
     python: Path  # the release's venv
     wheel: Path  # the release's binaries
     author: dict[str, str]
-    # the fork's venv python: ruff at the release's pin, the hook scripts' runner
-    toolchain: Path
+    toolchain: Path  # the fork's venv: ruff at the release's pin, runs the hook scripts
 
     @property
     def tag(self) -> str:
@@ -498,6 +440,24 @@ class Context:
         matrix.add_binaries(work, self.wheel, self.release.version)
         return work
 
+    def cases_pass(
+        self, work: Path, cases: list[str], out: Path, name: str, what: str
+    ) -> Outcome:
+        """CASES in WORK on CPU, offline, reported in OUT as NAME-junit.xml and
+        NAME-pytest.log: every one must pass, or WHAT stops the step."""
+        log_file = out / f"{name}-pytest.log"
+        outcome = run_pytest(
+            self.python,
+            work,
+            [*cases, "-rs"],
+            out / f"{name}-junit.xml",
+            output=log_file,
+            extra_env={**matrix.CPU_ENV, **OFFLINE},
+        )
+        if outcome.failed or outcome.errors or outcome.passed != len(outcome.cases):
+            raise ForkError(f"{what}: {outcome}", f"see {log_file}")
+        return outcome
+
 
 def signed_mail(ctx: Context, pr: PullRequest, out: Path) -> Path:
     """The PR's commit re-authored and signed off by the submitter, as one mail in
@@ -506,27 +466,11 @@ def signed_mail(ctx: Context, pr: PullRequest, out: Path) -> Path:
     work = build_dir() / "upstream" / "sign"
     _worktree(ctx.repo, work, ctx.tag)
     apply_mails(work, list(pr.patches), env)
-    tree._git_ok(
-        ["commit", "-q", "--amend", "--no-edit", "--reset-author", "--signoff"],
-        work,
-        env,
-        "sign off the commit",
-    )
+    amend = ["commit", "-q", "--amend", "--no-edit", "--reset-author", "--signoff"]
+    tree._git_ok(amend, work, env, "sign off the commit")
     out.mkdir(parents=True, exist_ok=True)
-    tree._git_ok(
-        [
-            "format-patch",
-            "-q",
-            "--zero-commit",
-            "--no-signature",
-            "-o",
-            str(out),
-            f"{ctx.tag}..HEAD",
-        ],
-        work,
-        env,
-        "write the PR's patch",
-    )
+    write = ["format-patch", "-q", "--zero-commit", "--no-signature", "-o", str(out)]
+    tree._git_ok([*write, f"{ctx.tag}..HEAD"], work, env, "write the PR's patch")
     (mail,) = sorted(out.glob("*.patch"))
     return mail
 
@@ -548,33 +492,20 @@ class Proof:
 def prove(ctx: Context, pr: PullRequest, mail: Path, mypy_python: Path) -> Proof:
     """PR alone on a fresh worktree: git am, its cases, the hooks, the job."""
     work = ctx.fresh(f"proof-{pr.name}", [mail])
-    out = mail.parent
-    outcome = run_pytest(
-        ctx.python,
-        work,
-        [*pr.cases, "-rs"],
-        out / "proof-junit.xml",
-        output=out / "proof-pytest.log",
-        extra_env={**matrix.CPU_ENV, **OFFLINE},
-    )
-    if outcome.failed or outcome.errors or outcome.passed != len(outcome.cases):
-        raise ForkError(
-            f"{pr.name}: its cases do not all pass on {ctx.tag} after git am: "
-            f"{outcome}",
-            f"see {out / 'proof-pytest.log'}",
-        )
+    what = f"{pr.name}: its cases do not all pass on {ctx.tag} after git am"
+    outcome = ctx.cases_pass(work, list(pr.cases), mail.parent, "proof", what)
     files = changed_files(work, ctx.tag)
     hooks = run_hooks(ctx.toolchain, work, files, mypy_python)
     tests = [f for f in files if f.startswith("tests/") and f.endswith(".py")]
     job = check_job(pr, collecting_jobs(ctx.python, work, tests))
-    seconds = sum(outcome.times.values())
-    if seconds > MAX_CASES_S:
+    proof = Proof(pr, mail, outcome, hooks, job, lines_added(work, ctx.tag))
+    if proof.seconds > MAX_CASES_S:
         raise ForkError(
-            f"{pr.name}: its cases take {seconds:.1f} s on CPU, "
+            f"{pr.name}: its cases take {proof.seconds:.1f} s on CPU, "
             f"over {MAX_CASES_S:.0f} s",
             "make them smaller: the CPU job runs them beside everything else",
         )
-    return Proof(pr, mail, outcome, hooks, job, lines_added(work, ctx.tag))
+    return proof
 
 
 # -- the step --------------------------------------------------------------------------
@@ -615,19 +546,8 @@ def build(pins: Pins) -> Path:
     log.step(f"upstream: all {len(prs)} PRs together on a fresh {ctx.tag}")
     together = ctx.fresh("proof-all", [p.mail for p in proofs])
     all_cases = [c for pr in prs for c in pr.cases]
-    joint = run_pytest(
-        ctx.python,
-        together,
-        [*all_cases, "-rs"],
-        DIST / "all-junit.xml",
-        output=DIST / "all-pytest.log",
-        extra_env={**matrix.CPU_ENV, **OFFLINE},
-    )
-    if joint.failed or joint.errors or joint.passed != len(joint.cases):
-        raise ForkError(
-            f"the PRs together do not pass on {ctx.tag}: {joint}",
-            f"see {DIST / 'all-pytest.log'}",
-        )
+    failing = f"the PRs together do not pass on {ctx.tag}"
+    joint = ctx.cases_pass(together, all_cases, DIST, "all", failing)
     joint_hooks = run_hooks(
         ctx.toolchain, together, changed_files(together, ctx.tag), mypy_python
     )
