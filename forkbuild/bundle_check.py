@@ -1,19 +1,13 @@
 """`make test`'s check of the GPU bundle without a GPU (forkbuild/gpu_bundle.py).
 
-1. The bundle for the reference host (fork.toml [gpu_bundle] host): its parts and the
-   cases each adds, within the part size;
-2. a simulated host: a fresh venv of the host's Python with only the CUDA lock's torch,
-   triton and NVIDIA packages, described by its own `pip freeze`; its bundle unpacked
-   there by the bundle's own run.sh with the network refused (`unshare -n` where the
-   kernel allows it, and no index either way); then through the driver stub, as the
-   CUDA route check does: every compiled extension of the bundle loads from where it
-   unpacked, the GPU cases are collected and skip only for lack of a device, the kernel
-   calls reach dispatch, and `run.sh OUT` stops at once for want of a GPU;
+1. The bundle for the reference host (fork.toml [gpu_bundle] host), in parts that fit;
+2. a simulated host (the host's Python with only the lock's torch, triton and NVIDIA
+   packages): its bundle unpacked by its own run.sh with the network refused, then,
+   through the driver stub, every extension loads, the GPU cases skip only for lack of a
+   device, the kernel calls reach dispatch, and `run.sh OUT` stops for want of a GPU;
 3. the same with one package the cases import taken out, which must fail;
-4. part 1 alone: the compiled extensions the reference host's part 1 lacks taken out,
-   the runner's stand-ins in their place (forkbuild/bundle_standin.py): the cases part
-   1 adds are collected and skip only for want of a device, and vLLM's CUDA platform
-   and what those cases call import; without the stand-ins that import must fail.
+4. part 1 alone, the runner's stand-ins for the extensions it lacks: its cases skip only
+   for want of a device and what they call imports, and not without the stand-ins.
 """
 
 from __future__ import annotations
@@ -95,8 +89,7 @@ def interpreter(version: str) -> Path:
             return Path(candidate)
     raise ForkError(
         f"no Python {version} here to simulate the GPU host with",
-        f"install Python {version} (e.g. pyenv install {version}), the "
-        "reference "
+        f"install Python {version} (e.g. pyenv install {version}), the reference "
         "host's version",
     )
 
@@ -167,8 +160,7 @@ class Result:
 
 
 def check(pins: Pins, results: Path, route: tuple[Path, Path, Path]) -> Result:
-    """ROUTE: the CUDA route's python, tree and driver stub folder
-    (cuda_route.check)."""
+    """ROUTE: the CUDA route's python, tree and stub folder (cuda_route.check)."""
     source = gpu_bundle.prepare(pins, results, route)
     reference = gpu_bundle.build(pins, out=home() / "reference", source=source)
     python, host_file = simulated_host(pins)
@@ -185,14 +177,8 @@ def check(pins: Pins, results: Path, route: tuple[Path, Path, Path]) -> Result:
         "PYTHON": str(python),
         "FORK_BUNDLE_HOME": str(dest),
     }
-    log.step(
-        f"bundle check: run.sh --install {dest}"
-        + (
-            " (unshare -n: no network)"
-            if offline
-            else " (no index; unshare unavailable)"
-        )
-    )
+    network = "unshare -n: no network" if offline else "no index; unshare unavailable"
+    log.step(f"bundle check: run.sh --install {dest} ({network})")
     # From a folder of its own: run.sh must start the bundle's runner, not this
     # checkout's.
     done = run_or_fail(
@@ -205,24 +191,21 @@ def check(pins: Pins, results: Path, route: tuple[Path, Path, Path]) -> Result:
     )
     site = Path(done.stdout.strip().splitlines()[-1].split(os.pathsep)[-1])
     _refuses_without_gpu(simulated.folder, env)
-    manifest = simulated.manifest
-    extensions = [n for n in manifest["components"] if n.endswith(".so")]
+    extensions = [n for n in simulated.manifest["components"] if n.endswith(".so")]
     wheel = fetch.artifacts_dir() / pins.routes["cuda"].wheel.filename
     loaded = cuda_route.load_extensions(
         python, site, wheel, source.stub, tuple(extensions), pythonpath=str(site)
     )
     host = SimHost(python, site, source.stub, results, offline)
     collected, calls = verify(pins, host, "bundle-host")
-    breakage = _without(BREAKAGE, pins, host)
-    part_one = _part_one(reference, host)
     return Result(
         reference,
         simulated,
         len(loaded["loaded"]),
         collected,
         calls,
-        breakage,
-        part_one,
+        _without(BREAKAGE, pins, host),
+        _part_one(reference, host),
         bool(offline),
     )
 
@@ -239,12 +222,8 @@ def _refuses_without_gpu(bundle: Path, env: dict[str, str]) -> None:
         check=False,
     )
     lines = done.stderr.strip().splitlines()
-    if (
-        done.returncode == 0
-        or len(lines) != 1
-        or "no NVIDIA GPU" not in lines[0]
-        or out.exists()
-    ):
+    one_line = len(lines) == 1 and "no NVIDIA GPU" in lines[0]
+    if done.returncode == 0 or not one_line or out.exists():
         raise ForkError(
             "run.sh without a GPU did not stop at once with one line: exit "
             f"{done.returncode}, {done.stderr.strip()[-300:]!r}"
@@ -266,18 +245,16 @@ class SimHost:
 def verify(
     pins: Pins, host: SimHost, name: str
 ) -> tuple[pytest_runner.Outcome, pytest_runner.Outcome]:
-    """The GPU modules and the kernel calls run from the unpacked bundle as its runner
-    runs cases (forked, its plugins and limits, offline), with the engine's modules
-    imported at the end (forkbuild/import_trace.py): every GPU case skips only for want
-    of a device, the kernel calls reach dispatch, every engine module imports. Returns
-    (GPU cases, kernel calls); a ForkError says what failed."""
+    """The GPU cases and kernel calls run from the unpacked bundle as its runner runs
+    them, then the engine's modules imported: each must import, each GPU case skip
+    only for want of a device, the calls reach dispatch. Returns (GPU cases, calls)."""
     outcome, failed = _run_traced(
         host,
         name,
         [*pins.gpu_tests, *pins.cuda_route_tests],
         gpu_bundle.bundle_settings()["engine_modules"],
     )
-    results = host.results
+    results, cases = host.results, gpu_bundle.gpu_table()["cases"]
     logs, report = str(results / f"{name}-tests.log"), results / f"{name}-imports.json"
     if failed:
         raise ForkError(
@@ -291,7 +268,7 @@ def verify(
         results,
         where=f"the bundle ({name})",
         logs=logs,
-        required=set(gpu_bundle.gpu_table()["cases"]) - _not_carried(),
+        required={n for n, c in cases.items() if "not_in_bundle" not in c},
     )
     if calls.failed or calls.errors or calls.skipped or not calls.passed:
         raise ForkError(
@@ -301,20 +278,13 @@ def verify(
     return collected, calls
 
 
-def _not_carried() -> set[str]:
-    return {
-        n for n, c in gpu_bundle.gpu_table()["cases"].items() if "not_in_bundle" in c
-    }
-
-
 def _without(dist: tuple[str, str], pins: Pins, host: SimHost) -> str:
     """The check again with DIST's files (name, module) taken out of a copy of SITE: it
     must fail, naming the module."""
     name, module = dist
-    site, results = host.site, host.results
-    broken = site.parent / f"site-without-{name}"
+    broken = host.site.parent / f"site-without-{name}"
     shutil.rmtree(broken, ignore_errors=True)
-    shutil.copytree(site, broken, copy_function=os.link)
+    shutil.copytree(host.site, broken, copy_function=os.link)
     infos = list(broken.glob(f"{name.replace('-', '_')}-*.dist-info"))
     if not infos:
         raise ForkError(
@@ -327,17 +297,11 @@ def _without(dist: tuple[str, str], pins: Pins, host: SimHost) -> str:
     try:
         verify(pins, replace(host, site=broken), f"bundle-host-without-{name}")
     except ForkError as exc:
-        log_file = results / f"bundle-host-without-{name}-tests.log"
-        errors = (
-            [
-                line[1:].strip()
-                for line in log_file.read_text().splitlines()
-                if line.startswith("E ")
-            ]
-            if log_file.is_file()
-            else []
-        )
-        said = [exc.cause, *errors]
+        log_file = host.results / f"bundle-host-without-{name}-tests.log"
+        said = [exc.cause]
+        if log_file.is_file():
+            lines = log_file.read_text().splitlines()
+            said += [line[1:].strip() for line in lines if line.startswith("E ")]
         named = [line for line in said if f"No module named '{module}" in line]
         if not named:
             raise ForkError(
@@ -425,10 +389,9 @@ def _run_traced(
     imports: tuple[str, ...] | list[str],
     standing_in: list[str] = (),
 ) -> tuple[pytest_runner.Outcome, list[str]]:
-    """NODES run from the bundle unpacked at SITE as its runner runs cases (forked, its
-    plugins and limits, offline, STANDING_IN stood in for), through the driver stub,
-    with IMPORTS imported at the end (forkbuild/import_trace.py): the outcome, and the
-    import errors."""
+    """NODES run from the bundle unpacked at SITE as its runner runs cases (STANDING_IN
+    stood in for), through the driver stub, with IMPORTS imported at the end
+    (forkbuild/import_trace.py): the outcome, and the import errors."""
     site, results = host.site, host.results
     tree, report = site.parent / "tree", results / f"{name}-imports.json"
     report.unlink(missing_ok=True)

@@ -3,19 +3,18 @@
 Runs on the host's own `python3` with the standard library and the fork modules that
 ship beside it (run.sh checks them and sets PYTHONPATH), no network:
 
-    python3 -m forkbuild.bundle_run inventory           what this host has, as a host
-    file python3 -m forkbuild.bundle_run install BUNDLE DEST unpack and verify the parts
-    present python3 -m forkbuild.bundle_run run BUNDLE OUT      check, install, run the
-    cases
+    python3 -m forkbuild.bundle_run inventory             this host, as a host file
+    python3 -m forkbuild.bundle_run install BUNDLE DEST   unpack and verify the parts
+    python3 -m forkbuild.bundle_run run BUNDLE OUT        check, install, run the cases
 
 `run` stops with one line, before anything runs, on no GPU, another Python, torch or
 triton than the bundle's, or a missing or damaged archive. It then unpacks what the
 parts present hold (a part not yet transferred only means fewer cases), verifies every
 file by sha256, checks that the patched vLLM imports from the bundle and carries the
-fix, and runs, forked and each under a time limit, the cases that this GPU kind must run
-(forkbuild/gpu_required.py, the nightly's table) and that the parts present allow. It
-writes gpu-tests.xml, summary.json and summary.txt to OUT and exits non-zero when such
-a case failed, skipped or never ran.
+fix, and runs, forked and each under a time limit, the cases this GPU kind must run
+(forkbuild/gpu_required.py) that the parts present allow. It writes gpu-tests.xml,
+summary.json and summary.txt to OUT and exits non-zero when such a case failed, skipped
+or never ran.
 """
 
 from __future__ import annotations
@@ -36,15 +35,15 @@ from forkbuild.errors import ForkError
 from forkbuild.hashing import sha256_file
 
 MANIFEST = "manifest.json"
+FILE_LIST = "FILES.sha256"  # every archive's first member (forkbuild/gpu_bundle.py)
 RUNNER = str(Path(__file__).resolve().parent.parent)  # where these modules are
-# Time limits for a host whose GPU time is counted in minutes: a kernel case takes
-# seconds, an engine case two tiny engines; the bundle carries no JIT build to wait for.
+# For a host whose GPU time is counted in minutes: a kernel case takes seconds, an
+# engine case two tiny engines; the bundle carries no JIT build to wait for.
 CASE_LIMIT_S = 240
 RUN_LIMIT_S = 12 * 60
-# What the cases get besides PYTHONPATH: no hub, no telemetry, the models made ahead;
-# pytest loads only the runner's own plugins (not the host's pytest-cov, xdist, ...),
-# and vLLM's conftest does not reach for its GPU-memory helper (tests/utils.py, not
-# carried).
+# No hub, no telemetry; pytest loads only the runner's plugins (not the host's
+# pytest-cov, xdist, ...), and vLLM's conftest does not reach for its GPU-memory helper
+# (tests/utils.py, not carried).
 OFFLINE = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
@@ -61,10 +60,8 @@ SMI = ["nvidia-smi", f"--query-gpu={gpu_required.NVIDIA_SMI_QUERY}", "--format=c
 def home(bundle: Path) -> Path:
     """Where the bundle unpacks: FORK_BUNDLE_HOME, else a folder of /tmp named by the
     manifest (so a warm host reuses what an earlier call unpacked)."""
-    base = Path(
-        os.environ.get("FORK_BUNDLE_HOME") or "/tmp/vllm-fork-gpu-bundle"
-    ).resolve()
-    return base / sha256_file(bundle / MANIFEST)[:16]
+    base = os.environ.get("FORK_BUNDLE_HOME") or "/tmp/vllm-fork-gpu-bundle"
+    return Path(base).resolve() / sha256_file(bundle / MANIFEST)[:16]
 
 
 def read_manifest(bundle: Path) -> dict:
@@ -93,23 +90,12 @@ def query_gpus() -> str:
         ) from None
     lines = [line for line in done.stdout.splitlines() if line.strip()]
     if done.returncode != 0 or len(lines) < 2:
-        why = (done.stderr or done.stdout).strip().splitlines()[-1:] or [
-            "no GPU listed"
-        ]
+        said = (done.stderr or done.stdout).strip().splitlines() or ["no GPU listed"]
         raise ForkError(
-            f"no NVIDIA GPU on this host (nvidia-smi: {why[0]})",
+            f"no NVIDIA GPU on this host (nvidia-smi: {said[-1]})",
             "run the bundle on a GPU host with its driver loaded",
         )
     return done.stdout
-
-
-def installed_version(name: str) -> str | None:
-    """NAME's version in this interpreter's own environment (the bundle not on the
-    path)."""
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def check_host(manifest: dict) -> None:
@@ -131,7 +117,11 @@ def check_host(manifest: dict) -> None:
             "`make gpu-bundle GPU_HOST=host.txt`",
         )
     for name in ("torch", "triton"):
-        have, want = installed_version(name), manifest[name]
+        try:  # this interpreter's own environment: the bundle is not on its path
+            have = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            have = None
+        want = manifest[name]
         public, _, local = (have or "").partition("+")
         if public != want or (
             name == "torch" and local not in ("", manifest["cuda_label"])
@@ -145,6 +135,11 @@ def check_host(manifest: dict) -> None:
 
 def _numbers(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in version.split(".") if part.isdigit())
+
+
+def _output(*command: str) -> str:
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    return done.stdout.strip()
 
 
 def inventory() -> str:
@@ -168,24 +163,15 @@ def inventory() -> str:
     try:
         gpus = query_gpus().strip().splitlines()
         lines += [f"# gpu: {row}" for row in gpus]
-        driver = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout.split()
-        lines.append(f"# driver: {driver[0] if driver else 'unknown'}")
+        driver = _output(
+            "nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"
+        )
+        lines.append(f"# driver: {driver.split()[0] if driver else 'unknown'}")
     except ForkError as exc:
         lines.append(f"# gpu: none ({exc.cause})")
     nvcc = shutil.which("nvcc")
     if nvcc:
-        release = (
-            subprocess.run(
-                [nvcc, "--version"], capture_output=True, text=True, check=False
-            )
-            .stdout.strip()
-            .splitlines()
-        )
+        release = _output(nvcc, "--version").splitlines()
         lines.append(f"# nvcc: {nvcc}: {release[-1] if release else 'unknown'}")
     else:
         lines.append("# nvcc: not on PATH")
@@ -231,9 +217,6 @@ def present(manifest: dict, bundle: Path) -> list[str]:
     return components
 
 
-FILE_LIST = "FILES.sha256"  # every archive's first member (forkbuild/gpu_bundle.py)
-
-
 def _extract(archive: Path, root: Path, listing: Path) -> None:
     """Unpack ARCHIVE into ROOT (regular files only, every path inside ROOT); its file
     list goes to LISTING."""
@@ -260,16 +243,6 @@ def _extract(archive: Path, root: Path, listing: Path) -> None:
             target.chmod(member.mode & 0o755 | 0o644)
 
 
-def _listed(listing: Path) -> dict[str, str]:
-    """Path -> sha256 of a file list (`sha256sum` lines)."""
-    return {
-        path: digest
-        for digest, _, path in (
-            line.partition("  ") for line in listing.read_text().splitlines()
-        )
-    }
-
-
 def install(manifest: dict, bundle: Path, dest: Path, components: list[str]) -> None:
     """Unpack COMPONENTS into DEST (those unpacked before, by their stamp, are not
     unpacked again), then hold every file of each to its archive's file list."""
@@ -278,18 +251,19 @@ def install(manifest: dict, bundle: Path, dest: Path, components: list[str]) -> 
     for name in components:
         entry = manifest["components"][name]
         stamp, listing = stamps / entry["sha256"], stamps / f"{entry['sha256']}.sha256"
+        root = dest / entry["root"]
         if not (stamp.exists() and listing.exists()):
             log.step(
                 f"bundle: unpacking {entry['archive']} "
                 f"({entry['bytes'] / 2**20:.1f} MiB)"
             )
-            _extract(bundle / entry["archive"], dest / entry["root"], listing)
-        files = _listed(listing)
+            _extract(bundle / entry["archive"], root, listing)
+        lines = (line.partition("  ") for line in listing.read_text().splitlines())
+        files = {path: digest for digest, _, path in lines}  # `sha256sum` lines
         bad = [
             path
             for path, digest in files.items()
-            if not (dest / entry["root"] / path).is_file()
-            or sha256_file(dest / entry["root"] / path) != digest
+            if not (root / path).is_file() or sha256_file(root / path) != digest
         ]
         if bad or len(files) != entry["files"]:
             stamp.unlink(missing_ok=True)
@@ -368,15 +342,9 @@ def check_vllm(
     platform_too = set(manifest["every_case"]) <= set(components)
     report = dest / "probe.json"  # a file: vLLM logs to stdout
     report.unlink(missing_ok=True)
+    flag = "1" if platform_too else "0"
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "forkbuild.bundle_run",
-            "probe",
-            "1" if platform_too else "0",
-            str(report),
-        ],
+        [sys.executable, "-m", "forkbuild.bundle_run", "probe", flag, str(report)],
         env={
             **os.environ,
             **case_env(dest, standing_in),
@@ -548,8 +516,7 @@ def main(argv: list[str]) -> int:
             print(pythonpath(dest))
             return 0
         if argv[:1] == ["run"] and len(argv) == 3:
-            # Resolved here: pytest runs in the unpacked tree, not where run.sh was
-            # called.
+            # Resolved here: pytest runs in the unpacked tree, not where run.sh ran.
             return run(Path(argv[1]).resolve(), Path(argv[2]).resolve())
     except ForkError as exc:
         print(f"run.sh: {exc}", file=sys.stderr)

@@ -1,13 +1,11 @@
 """Empty modules in place of compiled vLLM extensions a GPU bundle's parts lack yet.
 
-vLLM's CUDA platform imports its cache ops' extension (`vllm._C_stable_libtorch`) for
-one side effect, registering the ops, and that extension is a part of its own. Until
-that part arrives, the bundle's runner imports an empty module in its place (fork.toml
-[gpu_bundle] stand_in) and runs only cases read to call none of its ops (a direct call
-fails with torch's "no such op" error; code that first asks hasattr(torch.ops._C, ...)
-would take another path). Loaded as a pytest plugin (`-p`) and
-by the runner's vLLM probe, before anything imports vLLM; the modules come from
-FORK_BUNDLE_STAND_INS (comma-separated).
+vLLM's CUDA platform imports its cache ops' extension (`vllm._C_stable_libtorch`) only
+to register the ops, and that extension is a part of its own. Until that part arrives,
+the runner imports an empty module in its place (fork.toml [gpu_bundle] stand_in) and
+runs only cases read to call none of its ops (docs/gpu-nightly.md). Loaded as a pytest
+plugin (`-p`) and by the runner's vLLM probe, before anything imports vLLM; the modules
+come from FORK_BUNDLE_STAND_INS (comma-separated).
 """
 
 from __future__ import annotations

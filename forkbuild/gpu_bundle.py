@@ -1,28 +1,16 @@
 """`make gpu-bundle`: the GPU cases for an air-gapped GPU host, in parts it can take.
 
-A GPU host without network (docs/gpu-nightly.md, "On an air-gapped GPU host") has its
-own torch and triton, which must be the CUDA lock's, and some of what vLLM needs. The
-bundle brings the rest, computed, not listed by hand:
+The host (docs/gpu-nightly.md, "On an air-gapped GPU host") keeps its own torch and
+triton, which must be the CUDA lock's. The bundle brings the rest, computed from what
+the GPU cases import (forkbuild/import_trace.py), not listed by hand: the distributions
+the host lacks or has at another version, vLLM's official wheel with the tree's patched
+files, the compiled extensions the cases load, the tree's test files and tiny models.
 
-1. what the GPU cases import, traced in the CUDA route's venv through the driver stub
-   (forkbuild/import_trace.py on a collection of the GPU tests, plus the modules the
-   cases import only while they run): distributions, the tree's test files, and the
-   compiled extensions vLLM loads;
-2. of those distributions, the ones the host lacks or has at a version the lock does not
-   pin (a host file line without a version counts as present), plus the runner's own
-   packages; each installed by uv from the lock, hash-checked (`--require-hashes`),
-   into a folder of its own; torch, triton and the NVIDIA packages torch requires stay
-   the host's;
-3. vLLM: every file of the official CUDA wheel under vllm/ but its compiled code, with
-   the patched files from the tree (the official wheel plus the fix), and of its
-   compiled extensions the ones the cases load, each held to the wheel's RECORD;
-4. the tiny models the engine cases use, generated here.
-
-Each component is a deterministic tar, compressed with xz once and kept in the fork's
-cache by content. Components fill parts of at most PART_MIB in the order of
-fork.toml [gpu_bundle] (first fit), so that the parts a host has received tell which
-cases it can run; the manifest gives every archive's and every file's sha256, and the
-cases each part adds. The runner (forkbuild/bundle_run.py, run.sh) is part 1.
+Each component is a deterministic tar, compressed with xz once and cached by content.
+Components fill parts of at most PART_MIB in fork.toml [gpu_bundle] order (first fit),
+so that the parts a host has received tell which cases it can run; the manifest gives
+every archive's sha256 and the cases each part adds. The runner
+(forkbuild/bundle_run.py, run.sh) is part 1.
 """
 
 from __future__ import annotations
@@ -36,16 +24,19 @@ import re
 import shutil
 import tarfile
 import tempfile
+import tomllib
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from forkbuild import cuda_route, fetch, fixcheck, lock, log, tree, uv
+from forkbuild import cuda_route, fetch, fixcheck, lock, log, uv
 from forkbuild.bundle_run import FILE_LIST
 from forkbuild.errors import ForkError, run_or_fail
 from forkbuild.hashing import sha256_file
 from forkbuild.load_extensions import record_digest, wheel_record
-from forkbuild.pins import REPO_ROOT, Pins, build_dir, cache_dir
+from forkbuild.pins import PINS_FILE, REPO_ROOT, Pins, build_dir, cache_dir
+from forkbuild.tree import GENERATED, read_series, swap_into_place
+from forkbuild.wheel import patched_paths
 
 FORMAT = "fork-gpu-bundle-2"
 RUNNER_MODULES = (
@@ -60,7 +51,6 @@ RUNNER_MODULES = (
     "bundle_standin",
     "bundle_run",
 )
-RUN_SH = REPO_ROOT / "forkbuild" / "bundle_run.sh"
 # The roots a component unpacks into on the host: site/ goes first on PYTHONPATH, tree/
 # is where pytest runs (the node ids are the tree's), models/ holds the tiny models.
 SITE, TREE, MODELS = "site", "tree", "models"
@@ -70,13 +60,7 @@ def dist_dir() -> Path:
     return Path(os.environ.get("VLLM_FORK_DIST") or REPO_ROOT / "dist") / "gpu-bundle"
 
 
-def compressed_cache() -> Path:
-    return cache_dir() / "gpu-bundle"
-
-
 # --- the target host ------------------------------------------------------------------
-
-UNKNOWN = None  # a host package whose version the host file does not give
 
 
 @dataclass(frozen=True)
@@ -85,7 +69,7 @@ class Host:
 
     python: str
     glibc: str  # "2.39": which manylinux wheels it runs
-    packages: dict[str, str | None]  # normalized name -> version (UNKNOWN: not given)
+    packages: dict[str, str | None]  # normalized name -> version (None: not given)
     source: Path
 
     @property
@@ -128,7 +112,7 @@ def read_host(path: Path) -> Host:
                 f"{path}:{number}: not a `pip freeze` line: {text!r}",
                 "make the file with `bash run.sh --inventory` on the host",
             )
-        packages[lock.normalize(pin[1])] = pin[2] or UNKNOWN
+        packages[lock.normalize(pin[1])] = pin[2]
     if python is None or glibc is None:
         raise ForkError(
             f"{path} does not say the host's Python and C library "
@@ -151,11 +135,7 @@ def check_host_torch(host: Host, lock_pins: dict[str, str]) -> None:
         have, want = host.version(name), lock_pins[name]
         public, _, local = (have or "").partition("+")
         if have is None or public != want or (local and local != label):
-            shown = (
-                "none"
-                if lock.normalize(name) not in host.packages
-                else have or "unknown"
-            )
+            shown = host.packages.get(lock.normalize(name), "none") or "unknown"
             raise ForkError(
                 f"the host's {name} is {shown}; the bundle needs {want}"
                 + (f" (+{label} or no label)" if name == "torch" else "")
@@ -211,10 +191,6 @@ def trace_imports(
 
 
 def _table(name: str) -> dict:
-    import tomllib
-
-    from forkbuild.pins import PINS_FILE
-
     try:
         return tomllib.loads(PINS_FILE.read_text())[name]
     except KeyError:
@@ -229,8 +205,7 @@ def bundle_settings() -> dict:
 
 
 def gpu_table() -> dict:
-    """fork.toml [gpu]: the nightly's GPU kinds and required cases, with what the bundle
-    holds for each."""
+    """fork.toml [gpu]: the nightly's GPU kinds and required cases, and the bundle's."""
     return _table("gpu")
 
 
@@ -285,7 +260,7 @@ def select(trace: Trace, host: Host, lock_pins: dict[str, str]) -> Selection:
         if (
             name in harness
             or have == "absent"
-            or (have is not UNKNOWN and have != lock_pins[name])
+            or (have is not None and have != lock_pins[name])
         ):
             carried[name] = lock_pins[name]
         else:
@@ -310,19 +285,20 @@ class Component:
     files: dict[str, Path] = field(default_factory=dict)  # path in the root -> source
     digests: dict[str, str] = field(default_factory=dict)  # path -> sha256 (hex)
 
-    def add(self, path: str, source: Path, digest: str | None = None) -> None:
+    def add(self, path: str, source: Path) -> None:
         self.files[path] = source
-        self.digests[path] = digest or sha256_file(source)
+        self.digests[path] = sha256_file(source)
 
-    @property
-    def raw_bytes(self) -> int:
-        return sum(source.stat().st_size for source in self.files.values())
+    def members(self) -> list[tuple[str, str, int, str]]:
+        """(path, source, mode, sha256) of each file, in the archive's order."""
+        return [
+            (p, str(s), _mode(s), self.digests[p])
+            for p, s in sorted(self.files.items())
+        ]
 
     def key(self) -> str:
         """What the archive's bytes depend on: names, contents and modes, in order."""
-        listing = [
-            (p, self.digests[p], _mode(self.files[p])) for p in sorted(self.files)
-        ]
+        listing = [(path, digest, mode) for path, _, mode, digest in self.members()]
         return hashlib.sha256(json.dumps([FORMAT, listing]).encode()).hexdigest()
 
     @property
@@ -334,25 +310,16 @@ def _mode(path: Path) -> int:
     return 0o755 if os.access(path, os.X_OK) else 0o644
 
 
-def _is_elf(path: Path) -> bool:
-    with open(path, "rb") as handle:
-        return handle.read(4) == b"\x7fELF"
-
-
 def vllm_components(
     pins: Pins, tree: Path, wheel: Path, loaded: set[str], work: Path
 ) -> tuple[Component, list[Component], list[str]]:
     """vLLM's Python (the official wheel's files under vllm/ with the tree's patched
     ones, and a .dist-info), one component per compiled extension the cases load, and
     the compiled files left out. Every byte from the wheel is held to its RECORD."""
-    from forkbuild import tree as tree_step
-    from forkbuild.wheel import GENERATED, patched_paths
-
     record = wheel_record(wheel)
-    patched = patched_paths(tree_step.read_series())
+    patched = patched_paths(read_series())
     python = Component("vllm", SITE)
     extensions, left = [], []
-    generated = work / "dist-info"
     for path, digest in sorted(record.items()):
         if not path.startswith("vllm/") or path.endswith("/") or path in GENERATED:
             # vllm/_version.py: the build's own (the fork's version), added below
@@ -361,12 +328,13 @@ def vllm_components(
         if path in patched:
             python.add(path, source)
             continue
-        if not source.is_file() or record_digest(source.read_bytes()) != digest:
+        data = source.read_bytes() if source.is_file() else None
+        if data is None or record_digest(data) != digest:
             raise ForkError(
                 f"{source} is not the official wheel's {path} (its RECORD differs)",
                 "rerun the CUDA route's install: rm -r build/cuda-route; make test",
             )
-        if path.endswith(".so") or _is_elf(source):
+        if path.endswith(".so") or data.startswith(b"\x7fELF"):
             if path in loaded:
                 extension = Component(path, SITE)
                 extension.add(path, source)
@@ -391,7 +359,7 @@ def vllm_components(
             f"the cases load {', '.join(missing)}, which the official wheel lacks"
         )
     # The version is what vLLM's platform detection reads (a "cpu" in it means CPU).
-    info = generated / f"vllm-{pins.fork_version}.dist-info"
+    info = work / "dist-info" / f"vllm-{pins.fork_version}.dist-info"
     info.mkdir(parents=True, exist_ok=True)
     (info / "METADATA").write_text(
         f"Metadata-Version: 2.1\nName: vllm\nVersion: {pins.fork_version}\n"
@@ -414,7 +382,7 @@ def tree_component(tree: Path, trace: Trace, pins: Pins) -> Component:
     vLLM's conftest and what it imports) and pyproject.toml (pytest's settings)."""
     component = Component("tree", TREE)
     wanted = {f for f in trace.tree_files if f.startswith("tests/")}
-    wanted |= {m for m in (*pins.gpu_tests, *pins.cuda_route_tests)}
+    wanted |= {*pins.gpu_tests, *pins.cuda_route_tests}
     for path in sorted(wanted | {"pyproject.toml"}):
         if path.endswith(".py") or path == "pyproject.toml":
             component.add(path, tree / path)
@@ -427,7 +395,6 @@ def packages_component(
     """The carried distributions, installed by uv from the lock (hashes required) for
     the host's Python into a folder of their own; files fork.toml omits are left out."""
     target = work / "packages"
-    shutil.rmtree(target, ignore_errors=True)
     requirements = work / "packages.txt"
     requirements.write_text(lock.entries(lock_file, set(selection.carried)))
     uv.install(
@@ -493,15 +460,11 @@ def models_component(python: Path, tree: Path, stub: Path, work: Path) -> Compon
 # --- archives and parts ---------------------------------------------------------------
 
 
-# The first member of every archive (bundle_run.FILE_LIST): its files' sha256, as
-# `sha256sum` writes them. The manifest vouches for the archive; the list, for each
-# file.
-
-
 def _write_archive(files: list[tuple[str, str, int, str]], out: str) -> int:
-    """A deterministic tar of FILES (path, source, mode, sha256) after their list,
-    xz-compressed into OUT (written beside it, then renamed). Runs in a worker
-    process."""
+    """A deterministic tar of FILES (path, source, mode, sha256), xz-compressed into OUT
+    in a worker process. Its first member, FILE_LIST, gives each file's sha256 as
+    `sha256sum` writes them: the manifest vouches for the archive, the list for each
+    file."""
     partial = f"{out}.partial-{os.getpid()}"
     listing = "".join(f"{digest}  {path}\n" for path, _, _, digest in files).encode()
     try:
@@ -517,8 +480,7 @@ def _write_archive(files: list[tuple[str, str, int, str]], out: str) -> int:
                 info.size, info.mode, info.mtime = os.path.getsize(source), mode, 0
                 with open(source, "rb") as handle:
                     tar.addfile(info, handle)
-        # The archive's own sha256 beside it: a cached archive is reused only if it
-        # matches.
+        # A cached archive is reused only if it matches its sha256 beside it.
         Path(f"{out}.sha256").write_text(sha256_file(Path(partial)) + "\n")
         os.replace(partial, out)
     finally:
@@ -539,26 +501,19 @@ def _cached(archive: Path) -> bool:
 def compress(components: list[Component]) -> dict[str, Path]:
     """Each component's archive, from the cache when the same content was compressed
     before; the others xz-compressed side by side (xz is slow: minutes for the lot)."""
-    store = compressed_cache()
+    store = cache_dir() / "gpu-bundle"
     store.mkdir(parents=True, exist_ok=True)
     archives = {c.name: store / f"{c.key()}.tar.xz" for c in components}
     todo = [c for c in components if not _cached(archives[c.name])]
     if todo:
-        mib = sum(c.raw_bytes for c in todo) / 2**20
+        mib = sum(f.stat().st_size for c in todo for f in c.files.values()) / 2**20
         log.step(
             f"gpu bundle: compressing {len(todo)} component(s), {mib:.0f} MiB, with xz "
             f"({', '.join(c.name for c in todo)}); kept in {store} for the next time"
         )
         with ProcessPoolExecutor(max_workers=2) as pool:
             jobs = {
-                c.name: pool.submit(
-                    _write_archive,
-                    [
-                        (p, str(c.files[p]), _mode(c.files[p]), c.digests[p])
-                        for p in sorted(c.files)
-                    ],
-                    str(archives[c.name]),
-                )
+                c.name: pool.submit(_write_archive, c.members(), str(archives[c.name]))
                 for c in todo
             }
             for name, job in jobs.items():
@@ -610,15 +565,13 @@ def cases_by_part(
 ) -> dict[str, list[str]]:
     """Part name -> the node ids whose needs the parts up to it first meet."""
     have: set[str] = set()
+    met: set[str] = set()
     added = {}
     for part in parts:
-        before = {n for n, need in needs.items() if set(base + need) <= have}
         have |= set(part.components)
-        added[part.name] = sorted(
-            n
-            for n, need in needs.items()
-            if set(base + need) <= have and n not in before
-        )
+        now = {n for n, need in needs.items() if set(base + need) <= have}
+        added[part.name] = sorted(now - met)
+        met = now
     return added
 
 
@@ -733,14 +686,6 @@ def build(
         )
 
 
-def _runner_files() -> dict[str, Path]:
-    files = {
-        f"runner/forkbuild/{m}.py": REPO_ROOT / "forkbuild" / f"{m}.py"
-        for m in RUNNER_MODULES
-    }
-    return {"run.sh": RUN_SH, **files}
-
-
 def _assemble(
     pins: Pins,
     host: Host,
@@ -764,20 +709,20 @@ def _assemble(
             f"fork.toml [gpu_bundle] order does not place {', '.join(unordered)}",
             "add them to the order list",
         )
-    runner = _runner_files()
-    # + manifest
+    runner = {"run.sh": REPO_ROOT / "forkbuild" / "bundle_run.sh"}
+    for m in RUNNER_MODULES:
+        runner[f"runner/forkbuild/{m}.py"] = REPO_ROOT / "forkbuild" / f"{m}.py"
+    # 64 KiB for the manifest
     runner_bytes = sum(p.stat().st_size for p in runner.values()) + (64 << 10)
     sizes = {name: archives[name].stat().st_size for name in order}
     parts = pack(sizes, order, limit, runner_bytes)
     gpu = settings.get("gpu") or gpu_table()
-    needs = {
-        node: list(c["bundle"]) for node, c in gpu["cases"].items() if "bundle" in c
-    }
-    not_carried = {
-        node: c["not_in_bundle"]
-        for node, c in gpu["cases"].items()
-        if "bundle" not in c
-    }
+    needs, not_carried = {}, {}
+    for node, case in gpu["cases"].items():
+        if "bundle" in case:
+            needs[node] = list(case["bundle"])
+        else:
+            not_carried[node] = case["not_in_bundle"]
     base = list(settings["every_case"])
     stand_in = dict(settings.get("stand_in", {}))
     unknown = sorted(
@@ -832,11 +777,9 @@ def _assemble(
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     try:
-        measured = _write_bundle(
-            partial, runner, components, archives, manifest, parts, limit
-        )
+        measured = _write_bundle(partial, runner, archives, manifest, parts, limit)
         out.parent.mkdir(parents=True, exist_ok=True)
-        tree.swap_into_place(partial, out)  # OUT is the old bundle or the new one
+        swap_into_place(partial, out)  # OUT is the old bundle or the new one
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     bundle = Bundle(out, measured, cases, manifest)
@@ -847,7 +790,6 @@ def _assemble(
 def _write_bundle(
     partial: Path,
     runner: dict[str, Path],
-    components: list[Component],
     archives: dict[str, Path],
     manifest: dict,
     parts: list[Part],
@@ -857,29 +799,28 @@ def _write_bundle(
     for path, source in runner.items():
         (partial / path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, partial / path)
-    for c in components:
-        target = partial / manifest["components"][c.name]["archive"]
+    for name, entry in manifest["components"].items():
+        target = partial / entry["archive"]
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
-            os.link(archives[c.name], target)
+            os.link(archives[name], target)
         except OSError:
-            shutil.copyfile(archives[c.name], target)
+            shutil.copyfile(archives[name], target)
     (partial / "manifest.json").write_text(
         json.dumps(manifest, indent=1, sort_keys=True) + "\n"
     )
     # What run.sh checks with sha256sum before it starts the runner (the manifest then
     # vouches for every archive and file).
-    sums = [*runner, "manifest.json"]
+    loose = [*runner, "manifest.json"]
     (partial / "SHA256SUMS").write_text(
-        "".join(f"{sha256_file(partial / p)}  {p}\n" for p in sums)
+        "".join(f"{sha256_file(partial / p)}  {p}\n" for p in loose)
     )
-    loose = [partial / path for path in (*runner, "manifest.json", "SHA256SUMS")]
+    loose.append("SHA256SUMS")
     measured = []
     for part in parts:
-        files = [
-            *(partial / part.name).iterdir(),
-            *(loose if part.name == "part-1" else []),
-        ]
+        files = [*(partial / part.name).iterdir()]
+        if part.name == "part-1":
+            files += [partial / path for path in loose]
         total = sum(f.stat().st_size for f in files)
         measured.append(Part(part.name, part.components, total))
         if total > limit:

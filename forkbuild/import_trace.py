@@ -1,19 +1,14 @@
-"""A pytest plugin that records what a pytest session imported (for
-forkbuild/gpu_bundle.py).
+"""A pytest plugin (`-p forkbuild.import_trace`) that records what a session imported:
+the distributions and the run folder's (the tree's) files a GPU host must have, for
+forkbuild/gpu_bundle.py. At the end it imports the modules the cases import only while
+they run (inside functions, in the engine's processes).
 
-Loaded with `-p forkbuild.import_trace` in the CUDA route's venv, through the driver
-stub, on a `--collect-only` run of the GPU tests: pytest loads its plugins, vLLM's
-conftest and every test module, then this plugin imports the modules the cases import
-only while they run (inside functions, in the engine's processes). What it writes is
-what a GPU host must have: the distributions whose files were loaded and the files of
-the run's own folder (the tree) that were.
-
-Settings, from the environment (the bundle step sets them):
-  FORKBUILD_TRACE_OUT     the JSON file to write FORKBUILD_TRACE_BLOCK   comma-separated
-  top-level modules made unimportable first (what
-                          the bundle leaves out): `sys.modules[name] = None` is how
-                          importlib.util.find_spec, and so vLLM's has_flashinfer(),
-                          reads "not installed"
+Settings, from the environment:
+  FORKBUILD_TRACE_OUT     the JSON file to write
+  FORKBUILD_TRACE_BLOCK   comma-separated top-level modules made unimportable first
+                          (what the bundle leaves out) by `sys.modules[name] = None`,
+                          which find_spec, and so vLLM's has_flashinfer(), reads as
+                          "not installed"
   FORKBUILD_TRACE_IMPORT  comma-separated modules to import at the end of the session
 """
 
@@ -40,7 +35,7 @@ def loaded_files() -> set[Path]:
     files = set()
     for module in list(sys.modules.values()):
         location = getattr(module, "__file__", None)
-        # torch's _ops and _classes are not
+        # torch's _ops and _classes have a relative __file__
         if location and Path(location).is_absolute():
             files.add(Path(location).resolve())
     return files
@@ -71,8 +66,7 @@ def distributions_of(files: set[Path]) -> dict[str, dict]:
             )
 
     def vendored(dist: importlib.metadata.Distribution) -> bool:
-        # type: ignore[attr-defined]
-        metadata = Path(str(dist._path)).resolve() / "METADATA"
+        metadata = Path(str(dist._path)).resolve() / "METADATA"  # type: ignore[attr-defined]
         return any(other is not dist for other in owners.get(metadata, ()))
 
     found = {}
