@@ -367,6 +367,43 @@ def test_the_inventory_is_a_host_file_the_bundle_step_reads(small_bundle, tmp_pa
     assert host.version("pytest") is not None
 
 
+# What nvidia-smi (both of the runner's queries) and nvcc print on an H200 host; as
+# executables on PATH they stand in for the GPU host's own, which only it has.
+FAKE_SMI = """#!/bin/sh
+case "$*" in
+  *noheader*) printf '570.124.06\n570.124.06\n' ;;
+  *) echo "index, uuid, name, compute_cap, memory.total [MiB]"
+     echo "0, GPU-8c3e1f2a, NVIDIA H200, 9.0, 143771 MiB"
+     echo "1, GPU-5b07d9e4, NVIDIA H200, 9.0, 143771 MiB" ;;
+esac
+"""
+FAKE_NVCC = """#!/bin/sh
+echo "nvcc: NVIDIA (R) Cuda compiler driver"
+echo "Cuda compilation tools, release 13.0, V13.0.88"
+echo "Build cuda_13.0.r13.0/compiler.36424714_0"
+"""
+
+
+def test_the_inventory_of_a_gpu_host_names_its_gpus_driver_and_nvcc(
+    tmp_path, monkeypatch
+):
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for name, text in (("nvidia-smi", FAKE_SMI), ("nvcc", FAKE_NVCC)):
+        (tools / name).write_text(text)
+        (tools / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    text = bundle_run.inventory()
+    lines = text.splitlines()
+    assert "# gpu: 0, GPU-8c3e1f2a, NVIDIA H200, 9.0, 143771 MiB" in lines
+    assert "# gpu: 1, GPU-5b07d9e4, NVIDIA H200, 9.0, 143771 MiB" in lines
+    assert "# driver: 570.124.06" in lines and "570.124.06" not in lines  # once
+    assert f"# nvcc: {tools / 'nvcc'}: Build cuda_13.0.r13.0/compiler.36424714_0" in (
+        lines
+    )
+    assert _host(tmp_path, text).version("pytest") is not None
+
+
 def _archive(members: list[tuple[str, bytes]]) -> bytes:
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w") as tar:

@@ -242,6 +242,16 @@ def test_the_drivers_libcuda_is_read_from_ldconfig():
 
 
 @pytest.mark.skipif(
+    not os.access("/sbin/ldconfig", os.X_OK), reason="no /sbin/ldconfig here"
+)
+def test_ldconfig_is_found_in_sbin_off_path(tmp_path, monkeypatch):
+    # An agent's PATH often lacks /sbin, where Debian and Ubuntu keep ldconfig.
+    monkeypatch.setenv("PATH", str(tmp_path))
+    cache = cuda_toolchain._ldconfig_cache()
+    assert "libs found in cache" in cache and "libc.so.6" in cache
+
+
+@pytest.mark.skipif(
     shutil.which("cc") is None or shutil.which("c++") is None,
     reason="needs a host C and C++ compiler to link",
 )
