@@ -40,7 +40,9 @@ def run_or_fail(
         )
     if done.returncode != 0:
         said = Path(report).read_text() if report else done.stderr or done.stdout
-        end = said.strip().splitlines()[-1:] if report else [said.strip()[-tail:]]
+        said = said.strip()
+        # A crash's traceback is the useful part of captured output; a report has it.
+        end = said.splitlines()[-1] if report and said else said[-tail:]
         hint = hint or (f"see {report}" if report else "")
-        raise ForkError(f"{cause}: {(end or ['no output'])[0]}", hint)
+        raise ForkError(f"{cause}: {end or 'no output'}", hint)
     return done

@@ -285,9 +285,9 @@ class Component:
     files: dict[str, Path] = field(default_factory=dict)  # path in the root -> source
     digests: dict[str, str] = field(default_factory=dict)  # path -> sha256 (hex)
 
-    def add(self, path: str, source: Path) -> None:
+    def add(self, path: str, source: Path, digest: str | None = None) -> None:
         self.files[path] = source
-        self.digests[path] = sha256_file(source)
+        self.digests[path] = digest or sha256_file(source)
 
     def members(self) -> list[tuple[str, str, int, str]]:
         """(path, source, mode, sha256) of each file, in the archive's order."""
@@ -334,15 +334,16 @@ def vllm_components(
                 f"{source} is not the official wheel's {path} (its RECORD differs)",
                 "rerun the CUDA route's install: rm -r build/cuda-route; make test",
             )
+        read = hashlib.sha256(data).hexdigest()  # not read from disk a second time
         if path.endswith(".so") or data.startswith(b"\x7fELF"):
             if path in loaded:
                 extension = Component(path, SITE)
-                extension.add(path, source)
+                extension.add(path, source, read)
                 extensions.append(extension)
             else:
                 left.append(path)
             continue
-        python.add(path, source)
+        python.add(path, source, read)
     version_file = tree / "vllm" / "_version.py"
     if pins.fork_version not in version_file.read_text():
         raise ForkError(

@@ -60,12 +60,16 @@ def inputs_digest(pins: Pins, route: Route, python: str, tree_path: Path) -> str
             route.name,
             python,
             pins.lock_platform,
-            *pins.toolchain,
-            *route.extra,
+            *_wanted(pins, route),
             *(f"exclude {name}" for name in route.exclude),
             *(f"{f.relative_to(tree_path)}\n".encode() + f.read_bytes() for f in files),
         ]
     )
+
+
+def _wanted(pins: Pins, route: Route) -> list[str]:
+    """The requirements a lock resolves besides the tree's own file."""
+    return [*pins.toolchain, *route.extra]
 
 
 def recorded_digest(lock_file: Path) -> str | None:
@@ -183,11 +187,7 @@ def generate(pins: Pins, tree_path: Path) -> list[Path]:
             log.step(
                 f"lock: resolving {target.name} (route {route.name}, Python {python})"
             )
-            wanted = [
-                *pins.toolchain,
-                *route.extra,
-                f"-r {tree_path / route.requirements}",
-            ]
+            wanted = [*_wanted(pins, route), f"-r {tree_path / route.requirements}"]
             requirements = "".join(f"{r}\n" for r in wanted)
             body = resolve(pins, requirements, python, target.name, route.exclude)
             partial = target.with_name(f".{target.name}.partial")

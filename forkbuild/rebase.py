@@ -135,11 +135,12 @@ def trial(
     work.mkdir()
     env = tree.commit_release(work, files["sdist"], version, found["sdist"][2])
     outcomes = []
-    for p in tree.read_series():
-        patch = patch_status.read_patch(p.name, p.path)
-        upstream = (
-            patch_status.try_apply(patch, files["sdist"]) == patch_status.REVERSED
-        )
+    series = [(p, patch_status.read_patch(p.name, p.path)) for p in tree.read_series()]
+    touched = frozenset(f for _, patch in series for f in patch.files)
+    contents = patch_status.sdist_files(files["sdist"], touched)
+    for p, patch in series:
+        applied = patch_status.try_apply(patch, files["sdist"], contents)
+        upstream = applied == patch_status.REVERSED
         # or upstream rewrote the code and the regression cases pass there
         if upstream or _effect_recorded(pins, patch, version):
             outcomes.append(Outcome(p.name, "upstream"))

@@ -12,7 +12,6 @@ cache is refused before uv runs; a full disk is said in one line.
 
 from __future__ import annotations
 
-import base64
 import importlib.util
 import os
 import re
@@ -26,8 +25,7 @@ from pathlib import Path
 
 from forkbuild import fetch, log, preflight
 from forkbuild.errors import ForkError
-from forkbuild.hashing import sha256_file
-from forkbuild.load_extensions import wheel_record
+from forkbuild.load_extensions import record_digest, wheel_record
 from forkbuild.pins import Pins, build_dir, cache_dir
 
 
@@ -66,11 +64,10 @@ def binary(pins: Pins) -> Path:
     version = pins.uv.requirement.split("==", 1)[1]
     target = cache_dir() / "uv" / version / "uv"
     member = f"uv-{version}.data/scripts/uv"
-    algo, _, b64 = wheel_record(wheel_path).get(member, "").partition("=")
-    if algo != "sha256":
+    expected = wheel_record(wheel_path).get(member, "")
+    if not expected.startswith("sha256="):
         raise ForkError(f"{member} has no sha256 in the uv wheel's RECORD")
-    expected = base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)).hex()
-    if not (target.exists() and sha256_file(target) == expected):
+    if not (target.exists() and record_digest(target.read_bytes()) == expected):
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name("uv.partial")
         with (
@@ -79,7 +76,7 @@ def binary(pins: Pins) -> Path:
             open(partial, "wb") as dst,
         ):
             shutil.copyfileobj(src, dst)
-        if sha256_file(partial) != expected:
+        if record_digest(partial.read_bytes()) != expected:
             partial.unlink()
             raise ForkError(
                 f"the uv binary extracted from {wheel_path.name} does not match its "

@@ -29,3 +29,12 @@ def test_failure_with_a_report_says_its_last_line_and_where_it_is(tmp_path):
         run_or_fail(SAYS, "it broke", report=report)
     assert report.read_text().split() == ["out", "first", "last"]
     assert (err.value.cause, err.value.hint) == ("it broke: last", f"see {report}")
+
+
+def test_a_silent_failure_says_so(tmp_path):
+    for report in (None, tmp_path / "run.log"):
+        with pytest.raises(ForkError) as err:
+            run_or_fail(
+                [sys.executable, "-c", "raise SystemExit(3)"], "it broke", report=report
+            )
+        assert err.value.cause == "it broke: no output"
