@@ -13,9 +13,9 @@ events) and, at exit, the files of sys.modules. A file counts as executed when a
 function of it ran: a code object with CO_OPTIMIZED (so not a module or class body),
 other than a comprehension or lambda that a module body runs at import. The executed
 files, with ADDED, are compared between the 0.25.1 and 0.26.0 sdists
-(forkbuild.rebase.differing_files); the audited set is cut from those that differ by the
-rule of KV_PATH below. About 4 minutes on 2 cores (the test with the trace on);
---no-trace --raw DIR rewrites from a kept trace.
+(forkbuild.upstream.rebase.differing_files); the audited set is cut from those that
+differ by the rule of KV_PATH below. About 4 minutes on 2 cores (the test with the
+trace on); --no-trace --raw DIR rewrites from a kept trace.
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from forkbuild import fetch, install, pins, rebase, tree  # noqa: E402
+from forkbuild.core import pins  # noqa: E402
+from forkbuild.setup import fetch, install, tree  # noqa: E402
+from forkbuild.upstream import rebase  # noqa: E402
 
 OUTPUT = REPO / "docs" / "backport-audit-files.txt"
 TEST = "tests/v1/worker/test_packed_kv_cache_offload_cpu_engine.py"

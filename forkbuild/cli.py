@@ -7,26 +7,16 @@ import os
 import sys
 from pathlib import Path
 
-from forkbuild import (
-    fetch,
-    gpu_bundle,
-    install,
-    lock,
-    log,
-    matrix,
-    nightly,
-    patch_status,
-    pins,
-    rebase,
-    regression,
-    serve,
-    testrun,
-    tree,
-    upstream,
-    wheel,
-)
-from forkbuild.errors import ForkError
-from forkbuild.pins import Pins
+from forkbuild.checks import matrix, patch_status, regression, testrun
+from forkbuild.core import log, pins
+from forkbuild.core.errors import ForkError
+from forkbuild.core.pins import Pins
+from forkbuild.gpu import nightly
+from forkbuild.gpu.bundle import build as gpu_bundle
+from forkbuild.serve import server as serve
+from forkbuild.setup import fetch, install, lock, tree, wheel
+from forkbuild.upstream import prs as upstream
+from forkbuild.upstream import rebase
 
 
 def _sdist(p: Pins) -> Path:

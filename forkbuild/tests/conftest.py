@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from forkbuild import fetch, pins
+from forkbuild.core import pins
+from forkbuild.setup import fetch
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,8 @@
 files the #47054 configuration runs: every audited file that differs between the fork's
 sdist and
 0.26.0's has a row in the audit's file table, so a rebase cannot take a change unsorted.
-The check is forkbuild.rebase.unsorted_files, shown to fail on a broken copy."""
+The check is forkbuild.upstream.rebase.unsorted_files, shown to fail on a broken
+copy."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from forkbuild import fetch, install, pins, rebase, tree
-from forkbuild.errors import ForkError
+from forkbuild.core import pins
+from forkbuild.core.errors import ForkError
+from forkbuild.setup import fetch, install, tree
+from forkbuild.upstream import rebase
 
 
 def _pip() -> Path:

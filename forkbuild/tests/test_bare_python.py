@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 import forkbuild
-from forkbuild import pins, uv
-from forkbuild.errors import ForkError
+from forkbuild.core import pins
+from forkbuild.core.errors import ForkError
+from forkbuild.setup import uv
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,7 @@ def test_every_forkbuild_module_imports_on_the_standard_library(bare_python):
         check=False,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "forkbuild.cli" in modules and "forkbuild.install" in modules
+    assert "forkbuild.cli" in modules and "forkbuild.setup.install" in modules
 
 
 def test_fetch_and_tree_run_on_a_bare_python_and_make_no_venv(bare_python, tmp_path):

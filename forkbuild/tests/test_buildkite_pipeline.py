@@ -18,14 +18,16 @@ import jsonschema
 import pytest
 import yaml
 
-from forkbuild import gpu_required, nightly, pins
-from forkbuild.pins import REPO_ROOT
+from forkbuild.core import pins
+from forkbuild.core.pins import REPO_ROOT
+from forkbuild.gpu import nightly
+from forkbuild.gpu import required as gpu_required
 
 PIPELINE = REPO_ROOT / ".buildkite" / "fork_nightly_gpu.yaml"
 CI_PIPELINE = REPO_ROOT / ".buildkite" / "fork_ci.yaml"
 # A cold `make test` takes about 12 minutes on 2 cores; the fork's CI stops a job at 90.
 CI_RUN_MIN, CI_LIMIT_MIN = 12, 90
-# What forkbuild/nightly.py writes into its output folder.
+# What forkbuild/gpu/nightly.py writes into its output folder.
 REPORTS = (
     "gpus.csv",
     "gpu-tests.xml",
@@ -249,7 +251,7 @@ def test_the_ci_uploads_every_junit_report_of_make_test(ci_pipeline, monkeypatch
     assert all(PurePosixPath(p).parent == results for p in patterns), patterns
     # The JUnit files the modules of `make test` write into build/test-results.
     reports = set()
-    for module in ("testrun", "regression", "cuda_route"):
+    for module in ("checks/testrun", "checks/regression", "gpu/cuda_route"):
         source = (REPO_ROOT / "forkbuild" / f"{module}.py").read_text()
         reports |= set(re.findall(r"""results\s*/\s*["']([\w.-]+\.xml)["']""", source))
     assert {"forkbuild.xml", "suite-fork.xml", "suite-stock.xml"} <= reports, reports

@@ -1,5 +1,5 @@
-"""forkbuild.bytecode: what Python compiled in one venv reaches the next fresh venv made
-from the same files, and Python itself still decides whether it is used."""
+"""forkbuild.setup.bytecode: what Python compiled in one venv reaches the next fresh
+venv made from the same files, and Python itself still decides whether it is used."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from forkbuild import bytecode
+from forkbuild.setup import bytecode
 
 
 def _site(root: Path, source: str = "VALUE = 1\n", mtime: int = 1_700_000_000) -> Path:

@@ -8,8 +8,8 @@ import tarfile
 
 import pytest
 
-from forkbuild import fixcheck, pins, preflight
-from forkbuild.errors import ForkError
+from forkbuild.core import fixcheck, pins, preflight
+from forkbuild.core.errors import ForkError
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
-"""forkbuild's shape: no import circle among its modules (imports inside functions
-count), no program handed to an interpreter as text (`python -c`): every probe is a
-module run with `-m`, linted and tested like the rest; and the fork's own code passes
-ruff as vLLM configures it (ruff.toml)."""
+"""forkbuild's shape: areas that import only the core and the areas below them, never
+a sibling's private names; no import circle among its modules (imports inside
+functions count); no program handed to an interpreter as text (`python -c`): every
+probe is a module run with `-m`, linted and tested like the rest; no function over 60
+lines; and the fork's own code passes ruff as vLLM configures it (ruff.toml)."""
 
 from __future__ import annotations
 
@@ -10,32 +11,80 @@ import subprocess
 import sys
 from pathlib import Path
 
-from forkbuild.pins import REPO_ROOT
+import pytest
 
-MODULES = {p.stem: p for p in (REPO_ROOT / "forkbuild").glob("*.py")}
+from forkbuild.core.pins import REPO_ROOT
+
+PACKAGE = REPO_ROOT / "forkbuild"
+# Each area may import the core, its own modules and the areas of a lower rank; areas
+# of one rank are siblings and import nothing of each other.
+RANK = {"core": 0, "setup": 1, "serve": 2, "gpu": 2, "checks": 3, "upstream": 4}
+TOP = {"cli", "__main__", "__init__"}  # the command line sits above every area
+LONGEST_FUNCTION = 60
 
 
-def imports(path: Path) -> set[str]:
-    """The forkbuild modules PATH imports, anywhere in it."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if (
-            isinstance(node, ast.ImportFrom)
-            and node.module
-            and node.module.startswith("forkbuild")
+def _dotted(path: Path) -> str:
+    parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_dotted(p): p for p in PACKAGE.rglob("*.py") if "tests" not in p.parts}
+
+
+def imports(path: Path) -> dict[str, set[str]]:
+    """The forkbuild modules PATH imports, anywhere in it, each with the names it takes
+    from that module (a module imported whole: the attributes read off it)."""
+    tree = ast.parse(path.read_text())
+    found: dict[str, set[str]] = {}
+    aliases: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+            "forkbuild"
         ):
-            parts = node.module.split(".")
-            if len(parts) > 1:
-                found.add(parts[1])
-            else:
-                found.update(alias.name for alias in node.names)
+            for alias in node.names:
+                whole = f"{node.module}.{alias.name}"
+                if whole in MODULES:  # `from forkbuild.setup import tree`
+                    found.setdefault(whole, set())
+                    aliases[alias.asname or alias.name] = whole
+                else:
+                    found.setdefault(node.module, set()).add(alias.name)
         elif isinstance(node, ast.Import):
-            found.update(
-                a.name.split(".")[1]
-                for a in node.names
-                if a.name.startswith("forkbuild.") and "." in a.name
+            for alias in node.names:
+                if alias.name.startswith("forkbuild"):
+                    found.setdefault(alias.name, set())
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+        ):
+            found[aliases[node.value.id]].add(node.attr)
+    return {m: names for m, names in found.items() if m in MODULES}
+
+
+def area(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def crossings(graph: dict[str, dict[str, set[str]]]) -> list[str]:
+    """Every import of GRAPH that its areas' ranks forbid, and every private name one
+    module takes from another."""
+    bad = []
+    for module, targets in sorted(graph.items()):
+        mine = area(module)
+        for target, names in sorted(targets.items()):
+            theirs = area(target)
+            private = sorted(
+                n for n in names if n.startswith("_") and not n.endswith("__")
             )
-    return found & MODULES.keys()
+            if private and target != module:
+                bad.append(f"{module} takes {target}'s private {', '.join(private)}")
+            if mine in TOP or mine == theirs or theirs == "core":
+                continue
+            if theirs in TOP or RANK.get(theirs, 9) >= RANK.get(mine, -1):
+                bad.append(f"{module} ({mine}) imports {target} ({theirs})")
+    return bad
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -58,8 +107,35 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def test_every_area_imports_only_the_core_and_the_areas_below_it():
+    assert crossings({m: imports(p) for m, p in MODULES.items()}) == []
+    assert set(RANK) == {area(m) for m in MODULES} - TOP
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "problem"),
+    [
+        ("forkbuild.core.x", "from forkbuild.setup import tree\n", "imports"),
+        ("forkbuild.gpu.x", "from forkbuild.serve import server\n", "imports"),
+        ("forkbuild.setup.x", "from forkbuild.checks.matrix import run\n", "imports"),
+        ("forkbuild.setup.x", "from forkbuild.cli import main\n", "imports"),
+        (
+            "forkbuild.checks.x",
+            "from forkbuild.setup import tree\ntree._git_ok()\n",
+            "private",
+        ),
+        ("forkbuild.gpu.x", "from forkbuild.setup.tree import _git_ok\n", "private"),
+    ],
+)
+def test_the_area_check_finds_a_forbidden_import(tmp_path, module, source, problem):
+    path = tmp_path / "x.py"
+    path.write_text(source)
+    (found,) = crossings({module: imports(path)})
+    assert problem in found
+
+
 def test_forkbuild_has_no_import_circle():
-    graph = {name: imports(path) - {name} for name, path in MODULES.items()}
+    graph = {m: set(imports(p)) - {m} for m, p in MODULES.items()}
     assert circles(graph) == []
 
 
@@ -67,11 +143,34 @@ def test_the_circle_finder_finds_one_hidden_in_a_function(tmp_path):
     a, b = tmp_path / "a.py", tmp_path / "b.py"
     a.write_text("from forkbuild import b\n")
     b.write_text("def f():\n    from forkbuild.a import x\n")
-    MODULES.update(a=a, b=b)
+    MODULES.update({"forkbuild.a": a, "forkbuild.b": b})
     try:
-        assert circles({"a": imports(a), "b": imports(b)}) == [["a", "b", "a"]]
+        graph = {"forkbuild.a": set(imports(a)), "forkbuild.b": set(imports(b))}
+        assert circles(graph) == [["forkbuild.a", "forkbuild.b", "forkbuild.a"]]
     finally:
-        del MODULES["a"], MODULES["b"]
+        del MODULES["forkbuild.a"], MODULES["forkbuild.b"]
+
+
+def long_functions(path: Path) -> list[str]:
+    """The functions of PATH longer than LONGEST_FUNCTION lines, with their length."""
+    return [
+        f"{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno - node.lineno + 1 > LONGEST_FUNCTION
+    ]
+
+
+def test_no_function_is_over_60_lines():
+    tests = sorted((PACKAGE / "tests").glob("*.py"))
+    found = {str(p): long_functions(p) for p in [*MODULES.values(), *tests]}
+    assert {path: names for path, names in found.items() if names} == {}
+
+
+def test_the_length_check_finds_a_long_function(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("def f():\n" + "    x = 1\n" * LONGEST_FUNCTION)
+    assert long_functions(path) == [f"f ({LONGEST_FUNCTION + 1} lines)"]
 
 
 def program_arguments(path: Path) -> list[int]:

@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from forkbuild import cuda_route, driver_stub, gpu_required, preflight
-from forkbuild.errors import ForkError
-from forkbuild.pins import REPO_ROOT
-from forkbuild.pytest_runner import Outcome
+from forkbuild.core import preflight
+from forkbuild.core.errors import ForkError
+from forkbuild.core.pins import REPO_ROOT
+from forkbuild.core.pytest_runner import Outcome
+from forkbuild.gpu import cuda_route, driver_stub
+from forkbuild.gpu import required as gpu_required
 
 NO_GPU = pytest.mark.skipif(preflight.has_nvidia_gpu(), reason="this machine has a GPU")
 

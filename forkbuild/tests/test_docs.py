@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from urllib.parse import unquote
 
-from forkbuild import pins
+from forkbuild.core import pins
 
 REPO_ROOT = pins.REPO_ROOT
 README_MAX_WORDS = 1800  # a landing page; the rest lives in docs/
@@ -228,7 +228,7 @@ def test_make_help_lists_the_environment_and_where_logs_go_as_the_docs_do():
         check=True,
     ).stdout
     # Every VLLM_FORK_* variable forkbuild reads, found in its sources.
-    source = "".join(p.read_text() for p in (REPO_ROOT / "forkbuild").glob("*.py"))
+    source = "".join(p.read_text() for p in (REPO_ROOT / "forkbuild").rglob("*.py"))
     variables = set(
         re.findall(r"""environ(?:\.get\(|\[)\s*["'](VLLM_FORK_\w+)["']""", source)
     )

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from forkbuild import fetch
-from forkbuild.errors import ForkError
+from forkbuild.core.errors import ForkError
+from forkbuild.setup import fetch
 
 
 def _no_download(*args, **kwargs):

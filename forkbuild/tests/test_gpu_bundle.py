@@ -16,18 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from forkbuild import (
-    bundle_run,
-    bundle_standin,
-    gpu_bundle,
-    gpu_required,
-    lock,
-    preflight,
-)
-from forkbuild.errors import ForkError
-from forkbuild.gpu_bundle import Component, Host, Selection, Trace
-from forkbuild.pins import REPO_ROOT
-from forkbuild.pytest_runner import Outcome
+from forkbuild.core import preflight
+from forkbuild.core.errors import ForkError
+from forkbuild.core.pins import REPO_ROOT
+from forkbuild.core.pytest_runner import Outcome
+from forkbuild.gpu import required as gpu_required
+from forkbuild.gpu.bundle import build as gpu_bundle
+from forkbuild.gpu.bundle import runner as bundle_run
+from forkbuild.gpu.bundle import standin as bundle_standin
+from forkbuild.gpu.bundle.build import Component, Host, Selection, Trace
+from forkbuild.setup import lock
 
 NO_GPU = pytest.mark.skipif(preflight.has_nvidia_gpu(), reason="this machine has a GPU")
 LOCK = {
@@ -343,7 +341,7 @@ def test_a_damaged_part_is_named_in_one_line_before_anything_is_unpacked(
 
 
 def test_a_damaged_runner_does_not_run(small_bundle, tmp_path):
-    (small_bundle / "runner" / "forkbuild" / "bundle_run.py").write_text(
+    (small_bundle / "runner" / "forkbuild" / "gpu" / "bundle" / "runner.py").write_text(
         "raise SystemExit(0)\n"
     )
     done = _run_sh(small_bundle, "--install", str(tmp_path / "dest"))
@@ -460,8 +458,8 @@ def test_the_runner_stands_in_only_for_an_extension_not_transferred_yet(tmp_path
     assert bundle_run.stand_ins(manifest, ["ext.so", "other.so"]) == []
     assert bundle_run.stand_ins({}, []) == []
     args = bundle_run.case_args(["t.py::one"], ["pkg._ext"])
-    assert args[args.index("forkbuild.bundle_standin") - 1] == "-p"
-    assert "forkbuild.bundle_standin" not in bundle_run.case_args(["t.py::one"])
+    assert args[args.index("forkbuild.gpu.bundle.standin") - 1] == "-p"
+    assert "forkbuild.gpu.bundle.standin" not in bundle_run.case_args(["t.py::one"])
     env = bundle_run.case_env(tmp_path, ["pkg._ext", "pkg._other"])
     assert env[bundle_standin.ENV] == "pkg._ext,pkg._other"
     # set empty, not left out: a value from the caller's environment never applies

@@ -9,10 +9,11 @@ import re
 
 import pytest
 
-from forkbuild import gpu_required, nightly
-from forkbuild.errors import ForkError
-from forkbuild.pins import REPO_ROOT
-from forkbuild.pytest_runner import Outcome
+from forkbuild.core.errors import ForkError
+from forkbuild.core.pins import REPO_ROOT
+from forkbuild.core.pytest_runner import Outcome
+from forkbuild.gpu import nightly
+from forkbuild.gpu import required as gpu_required
 
 KERNELS = "tests/v1/worker/test_packed_kv_cache_gpu_kernels.py"
 ENGINE = (

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from forkbuild import fetch, install
-from forkbuild.errors import ForkError
+from forkbuild.core.errors import ForkError
+from forkbuild.setup import fetch, install
 
 
 def _wheel(path: Path, members: dict[str, bytes]) -> Path:
@@ -89,7 +89,7 @@ def test_leaves_what_setup_py_unpacks_itself(tmp_path):
 def test_the_real_setup_py_unpacks_the_base_kernels_only(fork_pins, tmp_path):
     # 0.25.1's list: _C and its helpers, not the per-ISA variants (the reason for the
     # step).
-    from forkbuild import tree as fork_tree
+    from forkbuild.setup import tree as fork_tree
 
     setup_py = fork_tree.tree_dir(fork_pins) / "setup.py"
     if not setup_py.exists():
@@ -114,8 +114,8 @@ def test_the_editable_install_is_told_the_version_it_builds(fork_pins, tmp_path)
 
 
 def _stub_steps(monkeypatch, tmp_path, toolchain):
-    from forkbuild import fetch as fetch_step
-    from forkbuild import tree as tree_step
+    from forkbuild.setup import fetch as fetch_step
+    from forkbuild.setup import tree as tree_step
 
     calls = []
 

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from forkbuild import install
+from forkbuild.setup import install
 
 
 def _site(build: Path) -> Path:
@@ -116,7 +116,7 @@ def test_the_venvs_forkbuild_makes_carry_an_id():
     install that `make test` ran first)."""
     import pytest
 
-    from forkbuild.pins import build_dir
+    from forkbuild.core.pins import build_dir
 
     venv = build_dir() / "venv"
     if not (venv / install.TOOLCHAIN_STAMP).exists():

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from forkbuild import install, lock, pins, uv
-from forkbuild.errors import ForkError
-from forkbuild.pytest_runner import read_junit
+from forkbuild.core import pins
+from forkbuild.core.errors import ForkError
+from forkbuild.core.pytest_runner import read_junit
+from forkbuild.setup import install, lock, uv
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
-"""forkbuild.mutants: each mutant is applied alone, run against the release's own
-tests and the PRs' cases, and undone; a PR is credited only with what the release's
-tests miss; a survivor nothing kills, a PR that kills nothing new, or a mutant that no
-longer matches the release's code stops the step."""
+"""forkbuild.upstream.mutants: each mutant is applied alone, run against the
+release's own tests and the PRs' cases, and undone; a PR is credited only with what the
+release's tests miss; a survivor nothing kills, a PR that kills nothing new, or a mutant
+that no longer matches the release's code stops the step."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from forkbuild import fetch, mutants, tree
-from forkbuild.errors import ForkError
-from forkbuild.pytest_runner import Outcome
+from forkbuild.core.errors import ForkError
+from forkbuild.core.pytest_runner import Outcome
+from forkbuild.setup import fetch, tree
+from forkbuild.upstream import mutants
 
 VIEWS = """\
 def page_view(raw, offset, stride):
@@ -45,7 +46,7 @@ def worktree(tmp_path: Path) -> Path:
     (work / "tests" / "test_views.py").write_text(TEST)
     env = {**os.environ, **tree.IDENTITY}
     for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "release"]):
-        tree._git_ok(args, work, env, "make the fake release")
+        tree.git_ok(args, work, env, "make the fake release")
     return work
 
 
@@ -94,15 +95,15 @@ def _with_pr(worktree: Path) -> Path:
     env = {**os.environ, **tree.IDENTITY}
     with_pr = worktree.parent / "with-pr"
     if not with_pr.exists():
-        tree._git_ok(
+        tree.git_ok(
             ["clone", "-q", str(worktree), str(with_pr)],
             worktree.parent,
             env,
             "copy the release",
         )
         (with_pr / "tests" / "test_pr.py").write_text(PR_TEST)
-        tree._git_ok(["add", "-A"], with_pr, env, "add the PR")
-        tree._git_ok(["commit", "-qm", "pr"], with_pr, env, "commit the PR")
+        tree.git_ok(["add", "-A"], with_pr, env, "add the PR")
+        tree.git_ok(["commit", "-qm", "pr"], with_pr, env, "commit the PR")
     return with_pr
 
 
@@ -203,7 +204,7 @@ def test_a_run_made_before_is_read_back_and_a_changed_tree_is_run_again(
     # The release changes: nothing made before stands for it.
     (worktree / "pkg" / "views.py").write_text(VIEWS + "\n")
     env = {**os.environ, **tree.IDENTITY}
-    tree._git_ok(["commit", "-qam", "release 2"], worktree, env, "change the release")
+    tree.git_ok(["commit", "-qam", "release 2"], worktree, env, "change the release")
     assert _rows(worktree, tmp_path, (CAUGHT, MISSED), cache) == first
     assert len(list(cache.glob("*.xml"))) > len(made)
     # A mutant left behind by a stopped run is refused, not measured.

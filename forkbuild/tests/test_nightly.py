@@ -17,17 +17,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from forkbuild import (
-    cuda_toolchain,
-    gpu_required,
-    install,
-    lock,
-    nightly,
-    pytest_runner,
-)
-from forkbuild.errors import ForkError
-from forkbuild.pins import REPO_ROOT
-from forkbuild.pytest_runner import Outcome
+from forkbuild.core import pytest_runner
+from forkbuild.core.errors import ForkError
+from forkbuild.core.pins import REPO_ROOT
+from forkbuild.core.pytest_runner import Outcome
+from forkbuild.gpu import cuda_toolchain, nightly
+from forkbuild.gpu import required as gpu_required
+from forkbuild.setup import install, lock
 
 NVCC = "13.2.86"
 PIPELINE = REPO_ROOT / ".buildkite" / "fork_nightly_gpu.yaml"

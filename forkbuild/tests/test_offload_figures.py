@@ -9,7 +9,7 @@ from types import ModuleType
 
 import pytest
 
-from forkbuild.pins import REPO_ROOT
+from forkbuild.core.pins import REPO_ROOT
 
 BENCHMARKS = REPO_ROOT / "benchmarks"
 

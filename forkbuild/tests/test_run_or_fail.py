@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from forkbuild.errors import ForkError, run_or_fail
+from forkbuild.core.errors import ForkError, run_or_fail
 
 SAYS = [sys.executable, "-c", "import sys; print('out'); sys.exit('first\\nlast')"]
 

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from forkbuild import preflight, serve
-from forkbuild.errors import ForkError
-from forkbuild.pins import REPO_ROOT
+from forkbuild.core import preflight
+from forkbuild.core.errors import ForkError
+from forkbuild.core.pins import REPO_ROOT
+from forkbuild.serve import server as serve
 
 
 def _forkbuild(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:

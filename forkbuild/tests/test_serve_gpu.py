@@ -37,8 +37,8 @@ from pathlib import Path
 
 import pytest
 
-from forkbuild import preflight
-from forkbuild.pins import REPO_ROOT, build_dir
+from forkbuild.core import preflight
+from forkbuild.core.pins import REPO_ROOT, build_dir
 from tests.v1.worker.offload_round_trip import (
     KV_CACHE_INSPECTION,
     KV_CACHE_REPORT,
@@ -51,7 +51,7 @@ from tests.v1.worker.offload_round_trip import (
 def _compute_capability() -> float:
     """The weakest compute capability among the GPUs this process sees (as the nightly
     counts them: CUDA_VISIBLE_DEVICES applies), 0.0 without nvidia-smi or a GPU."""
-    from forkbuild import gpu_required
+    from forkbuild.gpu import required as gpu_required
 
     try:
         out = subprocess.run(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from forkbuild import serve
+from forkbuild.serve import server as serve
 from forkbuild.tests import test_serve_gpu
 from forkbuild.tests.test_serve_gpu import (
     ENGINE_ARGS,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from forkbuild import tree
-from forkbuild.errors import ForkError
+from forkbuild.core.errors import ForkError
+from forkbuild.setup import tree
 
 
 def _git(tree_path: Path, *args: str) -> str:

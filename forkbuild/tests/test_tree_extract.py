@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from forkbuild import tree
-from forkbuild.errors import ForkError
+from forkbuild.core.errors import ForkError
+from forkbuild.setup import tree
 
 
 def _archive(path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> Path:

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from forkbuild import install, log, tree
+from forkbuild.core import log
+from forkbuild.setup import install, tree
 
 
 def test_a_stopped_build_leaves_no_tree_and_the_next_one_cleans_up(

@@ -12,8 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from forkbuild import fetch, install, patch_status, pins, rebase, tree, upstream
-from forkbuild.errors import ForkError
+from forkbuild.checks import patch_status
+from forkbuild.core import pins
+from forkbuild.core.errors import ForkError
+from forkbuild.setup import fetch, install, tree
+from forkbuild.upstream import prs as upstream
+from forkbuild.upstream import rebase
 
 PATCH = next(p for p in tree.read_series())
 

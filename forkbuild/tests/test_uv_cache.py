@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from forkbuild import lock, uv
-from forkbuild.errors import ForkError
-from forkbuild.pins import REPO_ROOT
+from forkbuild.core.errors import ForkError
+from forkbuild.core.pins import REPO_ROOT
+from forkbuild.setup import lock, uv
 
 
 @pytest.fixture
@@ -148,8 +148,9 @@ def test_read_only_cache_is_refused_naming_vllm_fork_cache(tmp_path, cache_is):
         mounts = f"mount --bind {real} {ro} && mount -o remount,bind,ro {ro}"
     script = textwrap.dedent("""
         import sys
-        from forkbuild import pins, uv
-        from forkbuild.errors import ForkError
+        from forkbuild.core import pins
+        from forkbuild.setup import uv
+        from forkbuild.core.errors import ForkError
         try:
             uv.run(pins.load(), ["pip", "freeze", "--python", sys.executable],
                    what="list packages")
@@ -170,7 +171,7 @@ def test_real_uv_out_of_space_is_said_in_one_line(tmp_path):
     real = Path(
         os.environ.get("VLLM_FORK_CACHE") or Path.home() / ".cache" / "vllm-fork"
     )
-    from forkbuild import pins
+    from forkbuild.core import pins
 
     p = pins.load()
     version = p.uv.requirement.split("==", 1)[1]
@@ -186,8 +187,9 @@ def test_real_uv_out_of_space_is_said_in_one_line(tmp_path):
         f"{small}/uv/{version}/"
     )
     script = textwrap.dedent(f"""
-        from forkbuild import pins, uv
-        from forkbuild.errors import ForkError
+        from forkbuild.core import pins
+        from forkbuild.setup import uv
+        from forkbuild.core.errors import ForkError
         p = pins.load()
         uv.run(p, ["venv", "--quiet", "--python", {sys.executable!r},
                    {str(tmp_path / "venv")!r}], what="make a venv")

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from forkbuild import fetch, fixcheck, tree, wheel
-from forkbuild.errors import ForkError
+from forkbuild.core import fixcheck
+from forkbuild.core.errors import ForkError
+from forkbuild.setup import fetch, tree, wheel
 
 # Package data that setup.py's package_data globs do not name: it reaches vLLM's wheel
 # only through include_package_data and setuptools-scm's list of git-tracked files.

@@ -10,7 +10,7 @@ parses every one of them, and then the dispatcher refuses the CPU tensors, the f
 point that only a GPU gets past. A wrong keyword, a missing argument or a wrong type
 stops earlier, as the breakage cases show. Needs the CUDA build's compiled
 extensions, which link the NVIDIA driver's library: ``make test`` loads them
-through a stub of it (forkbuild/driver_stub.py, forkbuild/cuda_route.py).
+through a stub of it (forkbuild/gpu/driver_stub.py, forkbuild/gpu/cuda_route.py).
 """
 
 import inspect

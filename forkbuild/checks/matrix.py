@@ -1,0 +1,326 @@
+"""`forkbuild matrix`: the fork's CPU suite on stock upstream releases and on the fork.
+
+For each release of fork.toml [matrix]: its sdist (pinned) becomes a git tree under
+build/matrix/vllm-<version> with the fork's tests on top and the compiled extensions of
+its own binary wheel (pinned) beside its Python code; the suite runs there on a venv
+with the torch that release pins (the fork's venv when it is the fork's torch). The
+result is a table in docs/version-matrix.md and the per-case record
+docs/version-matrix.json that the patch-status check reads.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import sys
+import tempfile
+import zipfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from forkbuild.checks import regression
+from forkbuild.core import fixcheck, log
+from forkbuild.core.errors import ForkError
+from forkbuild.core.hashing import digest_of
+from forkbuild.core.pins import REPO_ROOT, Pins, Release, build_dir
+from forkbuild.core.pytest_runner import Outcome, run_pytest
+from forkbuild.setup import fetch, install, tree, uv
+
+DOCS = REPO_ROOT / "docs"
+TABLE = DOCS / "version-matrix.md"
+RECORD = DOCS / "version-matrix.json"
+FORK_ROW = "fork"  # the record's key for the patched tree
+# vLLM picks its CPU platform from this (the borrowed CUDA extensions of 0.33.0 would
+# otherwise make it look for a GPU).
+CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu"}
+
+
+def matrix_dir() -> Path:
+    return build_dir() / "matrix"
+
+
+def fork_test_modules(pins: Pins, tree_path: Path) -> list[str]:
+    """The fork's CPU test modules (tests/v1/worker/test_*.py that are not GPU-only),
+    as overlaid on TREE_PATH."""
+    modules = [
+        str(Path("tests") / p.relative_to(tree.TESTS_DIR))
+        for p in tree.overlay_files()
+        if p.name.startswith("test_") and p.suffix == ".py"
+    ]
+    not_cpu = (*pins.gpu_tests, *pins.cuda_route_tests)
+    return [m for m in modules if m not in not_cpu and (tree_path / m).is_file()]
+
+
+# -- trees -----------------------------------------------------------------------------
+
+
+def release_tree(pins: Pins, release: Release) -> Path:
+    """build/matrix/vllm-<version>: the stock release + the fork's tests + its
+    binaries."""
+    # pip needs torch to read vLLM sdists' metadata
+    toolchain = lambda: install.ensure_toolchain(pins, "cpu")
+    sdist = fetch.fetch(release.sdist, toolchain)
+    binaries = fetch.fetch(release.binaries, toolchain)
+    inputs = [release.sdist.sha256, release.binaries.sha256]
+    for path in tree.overlay_files():
+        inputs += [str(path.relative_to(tree.TESTS_DIR)), path.read_bytes()]
+    digest = digest_of(["matrix-tree-1", *inputs])
+    final = matrix_dir() / f"vllm-{release.version}"
+    marker = final / ".git" / tree.INPUTS_FILE
+    if marker.exists() and marker.read_text().strip() == digest:
+        log.step(f"matrix: {final} is up to date")
+        return final
+    matrix_dir().mkdir(parents=True, exist_ok=True)
+    for stale in matrix_dir().glob(".tree-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tree-new-", dir=matrix_dir()))
+    try:
+        env = tree.commit_release(tmp, sdist, release.version, release.sdist.sha256)
+        tree.overlay_tests(tmp, env)
+        add_binaries(tmp, binaries, release.version)
+        (tmp / ".git" / tree.INPUTS_FILE).write_text(digest + "\n")
+        tree.swap_into_place(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.step(f"matrix: {final} built")
+    return final
+
+
+def add_binaries(dest: Path, wheel: Path, version: str) -> None:
+    """What the wheel has beside the sdist's sources (compiled extensions, vendored
+    kernels' Python), plus version metadata naming the CPU platform."""
+    added = 0
+    with zipfile.ZipFile(wheel) as zf:
+        for name in zf.namelist():
+            if (
+                name.startswith("vllm/")
+                and not name.endswith("/")
+                and not (dest / name).exists()
+            ):
+                zf.extract(name, dest)
+                added += 1
+    label = f"{version}+cpu"
+    (dest / "vllm" / "_version.py").write_text(
+        f"__version__ = version = {label!r}\n__version_tuple__ = version_tuple = "
+        f"{(*map(int, version.split('.')), 'cpu')!r}\n"
+    )
+    # First on sys.path, this metadata wins over whatever vLLM the venv has installed.
+    meta = dest / "vllm.egg-info"
+    meta.mkdir()
+    (meta / "PKG-INFO").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {label}\n"
+    )
+    log.step(f"matrix: {added} file(s) from {wheel.name} added beside the sources")
+
+
+# -- environments ----------------------------------------------------------------------
+
+
+def release_python(pins: Pins, release: Release, release_tree_path: Path) -> Path:
+    """The fork's venv for releases on the fork's torch; else a venv per torch version
+    with that release's own requirements."""
+    if release.torch == pins.torch:
+        python, _, _ = install.install(pins, "cpu")
+        return python
+    if not pins.torch_pins(release.torch):
+        raise ForkError(
+            f"vLLM {release.version} needs torch {release.torch}, which fork.toml does "
+            "not pin",
+            "add its wheels' sha256 to [matrix.torch-sha256]",
+        )
+    home = matrix_dir() / f"venv-torch-{release.torch}"
+    # A stock release is tested on its own requirement ranges (what its users get), not
+    # on a lock; its torch is checked against fork.toml's pins all the same.
+    torch_line = f"torch=={release.torch} " + " ".join(
+        f"--hash=sha256:{sha}" for sha in pins.torch_pins(release.torch).values()
+    )
+    requirements = [torch_line, *pins.test]
+    req_file = release_tree_path / "requirements" / "common.txt"
+    key = digest_of([platform.python_version(), *requirements, req_file.read_bytes()])
+    return uv.stamped_venv(
+        pins,
+        home,
+        Path(sys.executable),
+        "".join(f"{r}\n" for r in requirements) + f"-r {req_file}\n",
+        key,
+        f"torch {release.torch} and vLLM {release.version}'s requirements",
+    )
+
+
+# -- running ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Row:
+    key: str  # a release version, or FORK_ROW
+    title: str
+    torch: str
+    binaries: str
+    line: str  # what the #47054 code reads as there
+    outcome: Outcome
+
+
+def read_line(tree_path: Path) -> str:
+    module = tree_path / fixcheck.MODULE_PATH
+    source = module.read_text() if module.exists() else ""
+    verdict = fixcheck.classify(source)
+    if verdict == "unknown" and fixcheck.FUNCTION not in source:
+        return "removed (layout rewrite)"
+    return verdict
+
+
+def run_tree(pins: Pins, python: Path, tree_path: Path, name: str) -> Outcome:
+    regression.check_imports_from(python, tree_path)
+    results = build_dir() / "test-results"
+    results.mkdir(parents=True, exist_ok=True)
+    return run_pytest(
+        python,
+        tree_path,
+        [*fork_test_modules(pins, tree_path), "-m", "cpu_test"],
+        results / f"matrix-{name}.xml",
+        output=results / f"matrix-{name}.log",
+        extra_env=CPU_ENV,
+    )
+
+
+def run(pins: Pins, versions: list[str] | None = None) -> list[Row]:
+    wanted = [pins.release(v) for v in versions] if versions else list(pins.releases)
+    rows = []
+    for index, release in enumerate(wanted, 1):
+        log.step(f"matrix: [{index}/{len(wanted)}] vLLM {release.version}")
+        path = release_tree(pins, release)
+        python = release_python(pins, release, path)
+        outcome = run_tree(pins, python, path, release.version)
+        rows.append(
+            Row(
+                release.version,
+                release.version,
+                release.torch,
+                release.binaries.filename,
+                read_line(path),
+                outcome,
+            )
+        )
+        log.step(f"matrix: vLLM {release.version}: {outcome}")
+    if not versions or pins.upstream_version in versions:
+        python, fork_tree, _ = install.install(pins, "cpu")
+        outcome = run_tree(pins, python, fork_tree, FORK_ROW)
+        rows.append(
+            Row(
+                FORK_ROW,
+                f"{pins.upstream_version} + patches/ (the fork)",
+                pins.torch,
+                pins.routes["cpu"].wheel.filename,
+                read_line(fork_tree),
+                outcome,
+            )
+        )
+    write(pins, rows)
+    return rows
+
+
+# -- the table and the record ----------------------------------------------------------
+
+
+def _statuses(
+    cases: dict[str, str], modules: tuple[str, ...], inside: bool
+) -> list[str]:
+    """The statuses of the CASES in MODULES (INSIDE) or in none of them."""
+    return [s for c, s in cases.items() if (c.split("::", 1)[0] in modules) == inside]
+
+
+def _counts(statuses: list[str]) -> str:
+    failed = sum(s in ("failed", "error") for s in statuses)
+    skipped = statuses.count("skipped") + statuses.count("xfailed")
+    return f"{statuses.count('passed')} / {failed} / {skipped}"
+
+
+def reading(statuses: list[str]) -> str:
+    """What the STATUSES of one patch's regression cases say about a release."""
+    bad = sum(s in ("failed", "error") for s in statuses)
+    if bad:
+        return f"needed ({bad} fail)"
+    return "has the fix" if "passed" in statuses else "not testable"
+
+
+def _patch_id(name: str) -> str:
+    return name.split("-", 1)[0]
+
+
+def write(pins: Pins, rows: list[Row]) -> None:
+    record = json.loads(RECORD.read_text()) if RECORD.exists() else {"rows": {}}
+    for row in rows:
+        release = None if row.key == FORK_ROW else pins.release(row.key)
+        record["rows"][row.key] = {
+            "title": row.title,
+            "torch": row.torch,
+            "binaries": row.binaries,
+            "line": row.line,
+            "sdist_sha256": (release or pins).sdist.sha256,
+            "note": release.note if release else "",
+            "cases": dict(sorted(row.outcome.cases.items())),
+            "skip_reasons": dict(sorted(row.outcome.reasons.items())),
+        }
+    order = [r.version for r in pins.releases] + [FORK_ROW]
+    record["rows"] = {k: record["rows"][k] for k in order if k in record["rows"]}
+    DOCS.mkdir(exist_ok=True)
+    RECORD.write_text(json.dumps(record, indent=1) + "\n")
+    table = render(pins, record)
+    TABLE.write_text(table)
+    print(table)
+    log.step(
+        f"matrix: wrote {TABLE.relative_to(REPO_ROOT)} and "
+        f"{RECORD.relative_to(REPO_ROOT)}"
+    )
+
+
+def render(pins: Pins, record: dict) -> str:
+    patches = pins.regression_by_patch
+    lines = [
+        "# Version matrix: the fork's CPU suite on stock vLLM releases",
+        "",
+        "Made by `python3 -m forkbuild matrix` (about 15 minutes on 2 cores); do not "
+        "edit by hand.",
+        "Each release runs from its pinned sdist with the compiled extensions of its "
+        "pinned",
+        "binary wheel, on the torch it pins; the fork's test modules are the same "
+        "everywhere.",
+        "Per patch, its regression modules (fork.toml [tests.regression]): passed / "
+        "failed",
+        "(incl. errors) / skipped, and what they say: the release still needs the "
+        "patch, or",
+        "has the fix. The last column counts every other fork case. Patches:",
+        "",
+        *(f"- {_patch_id(name)}: `patches/{name}`" for name in patches),
+        "",
+        "| release | torch | compiled extensions from | packed branch of "
+        "`_reshape_attention_kv_cache` "
+        + "".join(
+            f"| patch {_patch_id(n)} cases | patch {_patch_id(n)} " for n in patches
+        )
+        + "| other fork cases |",
+        "| --- | --- | --- | --- " + "| --- | --- " * len(patches) + "| --- |",
+    ]
+    for row in record["rows"].values():
+        per_patch = [_statuses(row["cases"], m, True) for m in patches.values()]
+        others = _statuses(row["cases"], pins.regression_tests, False)
+        lines.append(
+            f"| {row['title']} | {row['torch']} | `{row['binaries']}` | {row['line']} "
+            + "".join(f"| {_counts(s)} | {reading(s)} " for s in per_patch)
+            + f"| {_counts(others)} |"
+        )
+    notes = [
+        f"- {row['title']}: {row['note']}"
+        for row in record["rows"].values()
+        if row.get("note")
+    ]
+    if notes:
+        lines += ["", "## Notes", "", *notes]
+    lines += ["", "## Why cases skip (or xfail: pytest reports them as skipped)", ""]
+    for row in record["rows"].values():
+        for reason, count in sorted(Counter(row["skip_reasons"].values()).items()):
+            lines.append(f"- {row['title']}: {count} case(s): {reason}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,198 @@
+"""`forkbuild patch-status`: is each patch of the series still needed?
+
+A patch's DEP-3 header `Applied-Upstream: v0.26.0` claims the change is in 0.26.0 and
+every later release. The check confirms it on every release of fork.toml [matrix]:
+before the claimed release the patch applies to that release's sdist, or the matrix
+record (docs/version-matrix.json) shows the regression cases failing there; from it on,
+the patch reverse-applies, or (where upstream rewrote the code) the record shows
+regression cases running there and none failing. A claim not confirmed fails the check;
+a patch that claims nothing is carried, and the check says where it would apply, so a
+rebase knows what to drop.
+"""
+
+from __future__ import annotations
+
+import email
+import json
+import subprocess
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from forkbuild.checks import matrix, versions
+from forkbuild.core import log
+from forkbuild.core.errors import ForkError
+from forkbuild.core.pins import Pins, Release
+from forkbuild.setup import fetch, install, tree
+
+APPLIES, REVERSED, NEITHER = "applies", "reverse-applies", "neither"
+
+
+@dataclass(frozen=True)
+class PatchInfo:
+    name: str
+    path: Path
+    fields: dict[str, str]  # DEP-3 fields
+    files: tuple[str, ...]  # paths the diff touches
+
+    @property
+    def applied_upstream(self) -> versions.Release | None:
+        value = self.fields.get("Applied-Upstream", "").strip()
+        if not value or value.lower() in ("no", "not-needed"):
+            return None
+        try:
+            return versions.release(value.split(",")[0].split()[0].lstrip("v"))
+        except ForkError:
+            raise ForkError(
+                f"{self.name}: Applied-Upstream {value!r} names no release",
+                "write it as `Applied-Upstream: v<version>` (DEP-3), or leave it out",
+            ) from None
+
+
+def read_patch(name: str, path: Path) -> PatchInfo:
+    """The DEP-3 fields of a `git format-patch` mail: `Key: value` lines of the body,
+    before the `---` that starts the diffstat."""
+    message = email.message_from_bytes(path.read_bytes())
+    body = message.get_payload(decode=True).decode("utf-8", "replace")
+    fields: dict[str, str] = {}
+    for line in body.split("\n---\n", 1)[0].splitlines():
+        key, sep, value = line.partition(": ")
+        if sep and key.replace("-", "").isalnum() and " " not in key:
+            fields[key] = value.strip()
+    files = tuple(
+        line.split(" b/", 1)[1]
+        for line in body.splitlines()
+        if line.startswith("diff --git a/")
+    )
+    if not files:
+        raise ForkError(f"{name} has no diff", "regenerate it with git format-patch")
+    return PatchInfo(name, path, fields, files)
+
+
+def sdist_files(sdist: Path, names: frozenset[str]) -> dict[str, bytes]:
+    """The files NAMES (paths inside the release) of SDIST, read in one pass."""
+    found = {}
+    with tarfile.open(sdist) as tar:
+        for member in tar:
+            inner = member.name.split("/", 1)[-1]
+            if inner in names and member.isfile():
+                found[inner] = tar.extractfile(member).read()
+    return found
+
+
+def try_apply(
+    patch: PatchInfo, sdist: Path, files: dict[str, bytes] | None = None
+) -> str:
+    """Does PATCH apply to SDIST, reverse-apply, or neither? Only the files it touches
+    are unpacked (or taken from FILES, read once for several patches)."""
+    if files is None:
+        files = sdist_files(sdist, frozenset(patch.files))
+    with tempfile.TemporaryDirectory(prefix="patch-status-") as tmp:
+        for inner in patch.files:
+            if inner in files:
+                target = Path(tmp) / inner
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(files[inner])
+        for args, verdict in ((["--check"], APPLIES), (["--check", "-R"], REVERSED)):
+            done = subprocess.run(
+                ["git", "apply", *args, str(patch.path.resolve())],
+                cwd=tmp,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if done.returncode == 0:
+                return verdict
+    return NEITHER
+
+
+def recorded(release: Release, modules: tuple[str, ...]) -> str:
+    """What the matrix record says about the cases of MODULES on RELEASE:
+    'fail', 'pass', or why it says nothing."""
+    if not matrix.RECORD.exists():
+        return "no matrix record"
+    row = json.loads(matrix.RECORD.read_text())["rows"].get(release.version)
+    if row is None:
+        return "not in the matrix record"
+    if row["sdist_sha256"] != release.sdist.sha256:
+        return "matrix record is of another sdist"
+    statuses = [s for c, s in row["cases"].items() if c.split("::", 1)[0] in modules]
+    if any(s in ("failed", "error") for s in statuses):
+        return "fail"
+    return "pass" if "passed" in statuses else "no regression case ran"
+
+
+def _judge(
+    claim: versions.Release | None, version: str, applied: str, record: str
+) -> tuple[bool, str]:
+    """Whether a patch claiming CLAIM is confirmed on release VERSION, where it
+    APPLIED (try_apply) and the matrix RECORDed (recorded); and what that means."""
+    if claim is None:
+        if applied == REVERSED:
+            return True, "upstream has it: set Applied-Upstream"
+        return True, "carried"
+    if versions.release(version) < claim:
+        ok = applied == APPLIES or record == "fail"
+        return ok, "still needed" if ok else "cannot show it is still needed"
+    if record == "fail":  # upstream's change does not make the tests pass
+        return False, "regression cases fail where upstream should have it"
+    if applied == REVERSED:
+        return True, "upstream has it (reverse-applies)"
+    if record == "pass":
+        return True, "effect present (regression cases pass)"
+    return False, "cannot show upstream has it"
+
+
+def check(
+    pins: Pins, python: Path | None = None, patches_dir: Path = tree.PATCHES_DIR
+) -> list[str]:
+    """Confirm every patch's claim; return the report lines. Raises on a claim that
+    the releases do not confirm."""
+    pip = lambda: python or install.ensure_toolchain(pins)
+    sdists = {r.version: fetch.fetch(r.sdist, pip) for r in pins.releases}
+    patches = [read_patch(p.name, p.path) for p in tree.read_series(patches_dir)]
+    touched = frozenset(name for patch in patches for name in patch.files)
+    # Each sdist read once for all patches (a pass over ~37 MB of gzip costs ~1.5 s).
+    contents = {v: sdist_files(sdist, touched) for v, sdist in sdists.items()}
+    lines, problems = [], []
+    for patch in patches:
+        claim = patch.applied_upstream
+        modules = pins.regression_by_patch.get(patch.name)
+        if not modules:
+            raise ForkError(
+                f"{patch.name} has no regression modules in fork.toml "
+                "[tests.regression]",
+                "every patch needs a test that fails without it: name its module there",
+            )
+        lines.append(
+            f"{patch.name}: Applied-Upstream "
+            f"{patch.fields.get('Applied-Upstream', '(none)')}"
+        )
+        if claim is not None and str(claim) not in {r.version for r in pins.releases}:
+            problems.append(
+                f"{patch.name} claims v{claim}, which is not in the version matrix"
+            )
+        for release in pins.releases:
+            version = release.version
+            applied = try_apply(patch, sdists[version], contents[version])
+            record = recorded(release, modules)
+            ok, meaning = _judge(claim, version, applied, record)
+            lines.append(
+                f"  {version:8} patch {applied:15} matrix: {record:24} -> {meaning}"
+            )
+            if not ok:
+                problems.append(
+                    f"{patch.name} on {version}: {meaning} (patch "
+                    f"{applied}, matrix: {record})"
+                )
+    for line in lines:
+        print(line)
+    if problems:
+        raise ForkError(
+            f"{len(problems)} patch header claim(s) not confirmed, e.g. {problems[0]}",
+            "fix the DEP-3 header, or rerun `python3 -m forkbuild matrix` if the "
+            "record is stale",
+        )
+    log.step("patch-status: every Applied-Upstream claim confirmed")
+    return lines

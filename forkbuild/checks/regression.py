@@ -1,0 +1,152 @@
+"""Prove the regression tests: they must fail on unpatched vLLM and pass on the fork.
+
+The unpatched tree is a git worktree of the fork's tree at v<version> with the fork's
+tests cherry-picked on top, sharing the fork's venv: only the patch series differs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from forkbuild.core import fixcheck
+from forkbuild.core.errors import ForkError, run_or_fail
+from forkbuild.core.pins import Pins, build_dir
+from forkbuild.core.pytest_runner import Outcome, run_pytest
+from forkbuild.setup import install, tree
+
+
+def stock_dir(pins: Pins) -> Path:
+    return build_dir() / f"vllm-{pins.upstream_version}-stock"
+
+
+def make_stock_tree(pins: Pins, fork_tree: Path) -> Path:
+    """(Re)create the unpatched worktree; cheap, so it is always made afresh."""
+    stock = stock_dir(pins)
+    env = {**os.environ, **tree.IDENTITY, "GIT_COMMITTER_DATE": "@0 +0000"}
+    tree.fresh_worktree(
+        fork_tree,
+        stock,
+        f"v{pins.upstream_version}",
+        env,
+        "-B",
+        "stock",
+        hint="run `make tree`",
+    )
+    # the tests overlay: the fork branch's tip
+    tree.git_ok(["cherry-pick", "fork"], stock, env, "add the fork's tests")
+    # The compiled extensions and generated version file are build outputs of the
+    # editable install, untracked in git; the unpatched tree needs the same ones to
+    # import alike.
+    for built in [*fork_tree.glob("vllm/**/*.so"), fork_tree / "vllm" / "_version.py"]:
+        target = stock / built.relative_to(fork_tree)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(built, target)
+    verdict = fixcheck.classify((stock / fixcheck.MODULE_PATH).read_text())
+    if verdict != "buggy":
+        raise ForkError(
+            f"the unpatched tree's {fixcheck.FUNCTION} reads as {verdict}, "
+            "expected buggy"
+        )
+    return stock
+
+
+def imported_from(python: Path, tree_path: Path) -> Path:
+    out = run_or_fail(
+        [str(python), "-m", "forkbuild.setup.install_probe", "origin"],
+        f"`import vllm` fails in {tree_path.name}",
+        cwd=tree_path,
+        env={**os.environ, "PYTHONPATH": install.probe_path(tree_path)},
+    )
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def _wrong_on_stock(outcome: Outcome, regression: tuple[str, ...]) -> list[str]:
+    """Regression cases must fail (an error is no proof); every other case must not."""
+    wrong = []
+    for case, status in outcome.cases.items():
+        is_regression = case.split("::", 1)[0] in regression
+        if (is_regression and status != "failed") or (
+            not is_regression and status in ("failed", "error")
+        ):
+            wrong.append(f"{case} {status}")
+    return wrong
+
+
+def check_imports_from(python: Path, path: Path) -> None:
+    origin = imported_from(python, path)
+    if not origin.resolve().is_relative_to(path.resolve()):
+        raise ForkError(
+            f"in {path.name}, `import vllm` resolved to {origin}; the "
+            "check would be void"
+        )
+
+
+def check(pins: Pins, python: Path, fork_tree: Path) -> Outcome:
+    """Run the suite on the unpatched tree and on the fork at once; return the fork's
+    outcome."""
+    results = build_dir() / "test-results"
+    results.mkdir(exist_ok=True)
+
+    def on_stock_tree() -> tuple[Path, Outcome]:
+        stock = make_stock_tree(pins, fork_tree)
+        check_imports_from(python, stock)
+        return stock, run_pytest(
+            python,
+            stock,
+            list(pins.suite),
+            results / "suite-stock.xml",
+            output=results / "suite-stock.log",
+        )
+
+    # Both trees at once (they share only the venv); the unpatched run's expected
+    # failures go to a file, the terminal shows the fork's.
+    with ThreadPoolExecutor(1) as pool:
+        stock_run = pool.submit(on_stock_tree)
+        check_imports_from(python, fork_tree)
+        on_fork = run_pytest(
+            python, fork_tree, list(pins.suite), results / "suite-fork.xml"
+        )
+        stock, on_stock = stock_run.result()
+
+    regression = pins.regression_tests
+    failing = sorted(c for c, s in on_stock.cases.items() if s == "failed")
+    (results / "regression-cases-failing-on-stock.txt").write_text(
+        "\n".join(failing) + "\n"
+    )
+    print(f"\nregression proof ({' '.join(pins.suite)}):")
+    print(f"  fork  {fork_tree.name:24} {on_fork}")
+    print(f"  stock {stock.name:24} {on_stock}")
+    for module in regression:
+        in_module = [c for c in on_stock.cases if c.startswith(module + "::")]
+        failed = [c for c in in_module if on_stock.cases[c] == "failed"]
+        print(
+            f"  {module}: {len(failed)}/{len(in_module)} fail on "
+            f"v{pins.upstream_version}"
+        )
+    print(
+        f"  failing cases listed in {results / 'regression-cases-failing-on-stock.txt'}"
+    )
+
+    problems = [
+        f"{c} {s} on the fork"
+        for c, s in on_fork.cases.items()
+        if s in ("failed", "error")
+    ]
+    problems += [
+        f"{w} on v{pins.upstream_version}"
+        for w in _wrong_on_stock(on_stock, regression)
+    ]
+    missing = [
+        m for m in regression if not any(c.startswith(m + "::") for c in on_stock.cases)
+    ]
+    problems += [f"{m} ran no case" for m in missing]
+    if problems:
+        raise ForkError(
+            f"{len(problems)} case(s) break the proof, e.g. {problems[0]}",
+            "a regression case must fail without the fix and pass with it; other cases "
+            "pass on both",
+        )
+    return on_fork

@@ -1,0 +1,109 @@
+"""`make test`: everything CI runs, after installing everything it needs.
+
+1. forkbuild's own tests (bad input, idempotence, the wheel, serving a tiny model);
+2. without a GPU, the CUDA route (forkbuild/gpu/cuda_route.py) up to the ops'
+   dispatch, then the GPU bundle checked on a simulated host
+   (forkbuild/gpu/bundle/check.py);
+3. the CPU suite on the unpatched tree, where exactly the regression modules' cases must
+   fail, and on the fork, where everything must pass (forkbuild/checks/regression.py);
+4. the patch-status check (every patch's DEP-3 Applied-Upstream on the version matrix).
+1-3 run at once, as separate processes: alone, each leaves much of a 2-core machine
+idle. The terminal shows the fork suite, the others report to build/test-results; it
+ends with one plain summary line.
+"""
+
+from __future__ import annotations
+
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+from forkbuild.checks import patch_status, regression
+from forkbuild.core import preflight, pytest_runner
+from forkbuild.core.errors import ForkError
+from forkbuild.core.pins import REPO_ROOT, Pins, build_dir
+from forkbuild.gpu import cuda_route
+from forkbuild.gpu.bundle import check as bundle_check
+from forkbuild.setup import install
+
+
+def run(pins: Pins, route_name: str | None) -> str:
+    """Run everything; return the plain summary line (the caller prints it last)."""
+    python, tree_path, route = install.install(pins, route_name)
+    results = build_dir() / "test-results"
+    results.mkdir(parents=True, exist_ok=True)
+
+    with ThreadPoolExecutor(2) as pool:
+        tools_run = pool.submit(
+            pytest_runner.run_pytest,
+            python,
+            REPO_ROOT,
+            ["-rfEs", "forkbuild/tests"],
+            results / "forkbuild.xml",
+            pythonpath=REPO_ROOT,
+            output=results / "forkbuild.core.log",
+        )
+        cuda_run = pool.submit(_check_cuda_route, pins, results)
+        try:
+            suite = regression.check(pins, python, tree_path)
+        finally:  # a broken proof must not hide failing tool tests or a failed route
+            tools = tools_run.result()
+            _report(tools, "forkbuild tool tests", results / "forkbuild.core.log")
+            if cuda_run.exception() is not None and sys.exc_info()[1] is not None:
+                print(
+                    "cuda route and gpu bundle without a GPU: error: "
+                    f"{cuda_run.exception()}"
+                )
+        cuda = cuda_run.result()
+    # What the suites compiled, for the next clone.
+    install.keep_bytecode(pins, route, tree_path)
+    print("\npatch status (DEP-3 Applied-Upstream vs the version matrix):")
+    patch_status.check(pins, python)
+
+    cuda, bundle = cuda if cuda else (None, None)
+    calls = cuda.calls if cuda else pytest_runner.Outcome({})
+    # The serve test's GPU case is also among the tool tests' skips: counted once.
+    gpu_skipped = len(set(cuda.gpu_cases.cases) - set(tools.cases)) if cuda else 0
+    passed = tools.passed + suite.passed + calls.passed
+    failed = tools.failed + tools.errors + suite.failed + suite.errors
+    skipped = tools.skipped + suite.skipped + gpu_skipped
+    xfailed = tools.xfailed + suite.xfailed
+    print(f"\nforkbuild tool tests: {tools}")
+    print(
+        cuda.line()
+        if cuda
+        else "cuda route without a GPU: not checked (this "
+        "machine has a GPU: `make nightly` runs the CUDA route for real)"
+    )
+    if bundle:
+        print(bundle.line())
+    print(f"fork suite in {tree_path.name}: {suite}")
+    summary = (
+        f"summary: {passed} passed, {failed} failed, {skipped} skipped, "
+        f"{xfailed} xfailed"
+    )
+    if failed:
+        print(summary)
+        raise ForkError(f"{failed} test(s) failed", f"JUnit reports are in {results}")
+    return summary
+
+
+def _report(outcome: pytest_runner.Outcome, what: str, log: object) -> None:
+    """Name the failing cases of a run whose report went to a file."""
+    bad = [
+        case for case, status in outcome.cases.items() if status in ("failed", "error")
+    ]
+    for case in bad:
+        print(f"{what}: {outcome.cases[case]}: {case}")
+    if bad:
+        print(f"{what}: pytest's report is in {log}")
+
+
+def _check_cuda_route(
+    pins: Pins, results
+) -> tuple[cuda_route.Result, bundle_check.Result] | None:
+    """The CUDA route without a GPU, then the GPU bundle made from it and checked on a
+    simulated host; on a GPU host the nightly job runs the CUDA route for real."""
+    if preflight.has_nvidia_gpu():
+        return None
+    cuda = cuda_route.check(pins, results)
+    return cuda, bundle_check.check(pins, results, cuda.route)

@@ -1,0 +1,272 @@
+"""Run pytest in a tree and read its per-case results from JUnit XML."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import uuid
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from forkbuild.core import log, pytest_progress
+from forkbuild.core.errors import ForkError
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Per-case results of one pytest run: node id -> passed | failed | error | skipped
+    | xfailed (JUnit files an xfail as a skip of type pytest.xfail; it is counted
+    apart)."""
+
+    cases: dict[str, str]
+    # skipped case -> pytest's reason
+    reasons: dict[str, str] = field(default_factory=dict)
+    # Why the run was stopped before it ended (its time limit), "" when it ended itself:
+    # then CASES holds only what pytest reported before it was stopped.
+    killed: str = ""
+    # case -> seconds, as JUnit says; not part of what a run found (equal runs differ in
+    # it)
+    times: dict[str, float] = field(default_factory=dict, compare=False)
+
+    def count(self, status: str) -> int:
+        return sum(1 for s in self.cases.values() if s == status)
+
+    passed = property(lambda self: self.count("passed"))
+    failed = property(lambda self: self.count("failed"))
+    errors = property(lambda self: self.count("error"))
+    skipped = property(lambda self: self.count("skipped"))
+    xfailed = property(lambda self: self.count("xfailed"))
+
+    def __str__(self) -> str:
+        text = (
+            f"{self.passed} passed, {self.failed} failed, {self.errors} errors, "
+            f"{self.skipped} skipped"
+        )
+        text += f", {self.xfailed} xfailed" if self.xfailed else ""
+        return text + (f"; killed: {self.killed}" if self.killed else "")
+
+
+def _skip_reason(skipped: ET.Element) -> str:
+    message = skipped.get("message", "")
+    if skipped.get("type") == "pytest.xfail":
+        return f"xfail: {message}"
+    # the reason is in the text: (file, line, 'Skipped: …')
+    if message == "collection skipped":
+        text = skipped.text or ""
+        return (
+            text.split("Skipped: ", 1)[-1].rstrip("')\"")
+            if "Skipped: " in text
+            else message
+        )
+    return message
+
+
+def read_junit(junit: Path, killed: str = "") -> Outcome:
+    cases, reasons, times = {}, {}, {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        classname, name = case.get("classname", ""), case.get("name", "")
+        if not name:  # what pytest writes for the case a Ctrl-C (SIGINT) interrupted
+            continue
+        if classname:
+            # "pkg.test_mod.TestClass" -> "pkg/test_mod.py::TestClass::name" (test
+            # classes are CamelCase after pytest's python_classes = Test*; modules never
+            # are).
+            parts = classname.split(".")
+            cut = next(
+                (i for i, part in enumerate(parts) if part[:4] == "Test"), len(parts)
+            )
+            node = "::".join(["/".join(parts[:cut]) + ".py", *parts[cut:], name])
+        else:  # a whole module skipped (or broken) at collection: NAME is the module
+            node = f"{name.replace('.', '/')}.py::(module)"
+        status = "passed"
+        for child, name in (
+            ("failure", "failed"),
+            ("error", "error"),
+            ("skipped", "skipped"),
+        ):
+            found = case.find(child)
+            if found is not None:
+                status = name
+                if name == "skipped":  # pytest reports an xfail as a skip of that type
+                    reasons[node] = _skip_reason(found)
+                    if found.get("type") == "pytest.xfail":
+                        status = "xfailed"
+        cases[node] = status
+        times[node] = float(case.get("time") or 0.0)
+    return Outcome(cases, reasons, killed, times)
+
+
+# After its time limit, a run gets SIGINT first: pytest then ends the session as on
+# Ctrl-C and still writes the JUnit XML of every case it finished (a forked case's child
+# gets it too and exits). What still runs GRACE_S later is killed.
+GRACE_S = 30
+
+# The plugin that names the case in progress and ends what a forked case started.
+# forkbuild/core/pytest_progress.py, copied beside the run
+_PROGRESS_MODULE = "_forkbuild_progress"
+
+
+# Every process a limited run starts carries this variable with the run's own value, so
+# that what escaped its process group (a `vllm serve` in a session of its own, as the
+# serve test starts it) is found and killed too: /proc/PID/environ keeps the environment
+# a process was started with.
+_RUN_MARK = "FORKBUILD_LIMITED_RUN"
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # nothing of it is left
+        os.killpg(pgid, sig)
+
+
+def _kill_all(pgid: int, token: str) -> None:
+    """SIGKILL the process group PGID and every process marked with TOKEN."""
+    _signal_group(pgid, signal.SIGKILL)
+    for pid in pytest_progress.leftovers(token, _RUN_MARK):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _stop(proc: subprocess.Popen, token: str) -> None:
+    """SIGINT to PROC's process group; after GRACE_S, SIGKILL to what is left of it."""
+    _signal_group(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=GRACE_S)
+    except subprocess.TimeoutExpired:
+        _kill_all(proc.pid, token)
+        proc.wait()
+
+
+def run_limited(
+    cmd: list[str], *, cwd: Path, env: dict[str, str], timeout_s: float, **popen_args
+) -> tuple[int, bool]:
+    """Run CMD in a session of its own; stop it with all it started after TIMEOUT_S.
+    Return (exit status, whether it was stopped). What hangs is often not pytest but
+    what it started: a forked case, vLLM's engine cores, a `vllm serve`. Whatever of
+    them is left when CMD ends, stopped or not, is killed, so that it does not hold the
+    GPU for the next run."""
+    token = uuid.uuid4().hex
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env={**env, _RUN_MARK: token},
+        start_new_session=True,
+        **popen_args,
+    )
+    try:
+        return proc.wait(timeout=timeout_s), False
+    except subprocess.TimeoutExpired:
+        _stop(proc, token)
+        return proc.returncode, True
+    except BaseException:  # Ctrl-C of forkbuild no longer reaches the new session
+        _stop(proc, token)
+        raise
+    finally:
+        _kill_all(proc.pid, token)
+
+
+def _with_progress(
+    cmd: list[str], env: dict[str, str], folder: Path
+) -> tuple[list[str], Path]:
+    """CMD and ENV (changed in place) with the progress plugin; its file."""
+    # A copy, not forkbuild's folder on the path: the run's own `tests` package must
+    # win.
+    shutil.copyfile(
+        Path(__file__).with_name("pytest_progress.py"),
+        folder / f"{_PROGRESS_MODULE}.py",
+    )
+    progress = folder / "running"
+    progress.write_text("")
+    env["PYTHONPATH"] = f"{folder}{os.pathsep}{env['PYTHONPATH']}"
+    env["FORKBUILD_PYTEST_PROGRESS"] = str(progress)
+    return [*cmd, "-p", _PROGRESS_MODULE], progress
+
+
+def run_pytest(
+    python: Path,
+    cwd: Path,
+    args: list[str],
+    junit: Path,
+    *,
+    pythonpath: Path | str | None = None,  # a str may join several with os.pathsep
+    output: Path | None = None,
+    extra_env: dict[str, str] | None = None,
+    timeout_s: float | None = None,
+    prefix: tuple[str, ...] = (),
+) -> Outcome:
+    """Run pytest with ARGS in CWD (PYTHONPATH first on sys.path); read JUnit XML.
+
+    With OUTPUT, pytest's report goes to that file instead of the terminal: used for the
+    unpatched run, whose expected failures must not read as the run's result.
+    With TIMEOUT_S, the run (and all it started) is stopped after that many seconds and
+    the Outcome holds what pytest reported until then, with `killed` saying so and
+    naming the case in progress: a hung run must still leave a result to report.
+    PREFIX goes before the interpreter (e.g. `unshare -n`: no network).
+    """
+    env = {**os.environ, **(extra_env or {}), "PYTHONPATH": str(pythonpath or cwd)}
+    junit.unlink(missing_ok=True)
+    cmd = [
+        *prefix,
+        str(python),
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        f"--junitxml={junit}",
+        *args,
+    ]
+    log.step(
+        f"pytest in {cwd.name}: {' '.join(args)}"
+        + (f" (report: {output})" if output else "")
+    )
+    with open(output, "w") if output else open(os.devnull) as sink:
+        streams = {
+            "stdout": sink if output else None,
+            "stderr": subprocess.STDOUT if output else None,
+        }
+        if timeout_s is None:
+            result = subprocess.run(cmd, cwd=cwd, env=env, check=False, **streams)
+            returncode, killed = result.returncode, ""
+        else:
+            with tempfile.TemporaryDirectory(prefix="forkbuild-pytest-") as folder:
+                cmd, progress = _with_progress(cmd, env, Path(folder))
+                returncode, stopped = run_limited(
+                    cmd, cwd=cwd, env=env, timeout_s=timeout_s, **streams
+                )
+                killed = (
+                    _killed_note(timeout_s, progress.read_text().strip())
+                    if stopped
+                    else ""
+                )
+    if killed:
+        log.step(f"pytest in {cwd.name}: {killed}")
+        return _partial(junit, killed)
+    if returncode not in (0, 1) or not junit.exists():
+        raise ForkError(
+            f"pytest could not run the tests in {cwd.name} (exit {returncode})",
+            f"see {output or 'its output above'}: a collection or import error is not "
+            "a test result",
+        )
+    return read_junit(junit)
+
+
+def _partial(junit: Path, killed: str) -> Outcome:
+    """What a stopped run reported: its JUnit XML if pytest got to write it whole."""
+    try:
+        return read_junit(junit, killed)
+    except (OSError, ET.ParseError):  # not written, or cut off by the SIGKILL
+        return Outcome({}, killed=killed)
+
+
+def _killed_note(timeout_s: float, running: str) -> str:
+    where = (
+        f"while running {running}"
+        if running
+        else ("outside a case (collecting, or in between)")
+    )
+    return f"stopped after its time limit of {timeout_s:g} s {where}"

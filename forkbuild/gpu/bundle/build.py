@@ -1,0 +1,838 @@
+"""`make gpu-bundle`: the GPU cases for an air-gapped GPU host, in parts it can take.
+
+The host (docs/gpu-nightly.md, "On an air-gapped GPU host") keeps its own torch and
+triton, which must be the CUDA lock's. The bundle brings the rest, computed from what
+the GPU cases import (forkbuild/gpu/bundle/import_trace.py), not listed by hand: the
+distributions the host lacks or has at another version, vLLM's official wheel with the
+tree's patched files, the compiled extensions the cases load, the tree's test files and
+tiny models.
+Each component is a deterministic tar, compressed with xz once and cached by content.
+Components fill parts of at most PART_MIB in fork.toml [gpu_bundle] order (first fit),
+so that the parts a host has received tell which cases it can run; the manifest gives
+every archive's sha256 and the cases each part adds. The runner
+(forkbuild/gpu/bundle/runner.py, run.sh) is part 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import lzma
+import os
+import re
+import shutil
+import tarfile
+import tempfile
+import tomllib
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from forkbuild.core import fixcheck, log
+from forkbuild.core.errors import ForkError, run_or_fail
+from forkbuild.core.hashing import sha256_file
+from forkbuild.core.pins import PINS_FILE, REPO_ROOT, Pins, build_dir, cache_dir
+from forkbuild.gpu import cuda_route
+from forkbuild.gpu.bundle.runner import FILE_LIST
+from forkbuild.setup import fetch, lock, uv
+from forkbuild.setup.load_extensions import record_digest, wheel_record
+from forkbuild.setup.tree import GENERATED, read_series, swap_into_place
+from forkbuild.setup.wheel import patched_paths
+
+FORMAT = "fork-gpu-bundle-2"
+RUNNER_MODULES = (  # the runner's modules, standard library only, paths in forkbuild/
+    "__init__",
+    "core/__init__",
+    "core/errors",
+    "core/log",
+    "core/hashing",
+    "core/pytest_runner",
+    "core/pytest_progress",
+    "core/fixcheck",
+    "gpu/__init__",
+    "gpu/required",
+    "gpu/bundle/__init__",
+    "gpu/bundle/standin",
+    "gpu/bundle/runner",
+)
+# The roots a component unpacks into on the host: site/ goes first on PYTHONPATH, tree/
+# is where pytest runs (the node ids are the tree's), models/ holds the tiny models.
+SITE, TREE, MODELS = "site", "tree", "models"
+
+
+def dist_dir() -> Path:
+    return Path(os.environ.get("VLLM_FORK_DIST") or REPO_ROOT / "dist") / "gpu-bundle"
+
+
+# --- the target host ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Host:
+    """A GPU host as `run.sh --inventory` describes it: Python X.Y, and its packages."""
+
+    python: str
+    glibc: str  # "2.39": which manylinux wheels it runs
+    packages: dict[str, str | None]  # normalized name -> version (None: not given)
+    source: Path
+
+    @property
+    def platform(self) -> str:
+        """uv's --python-platform for the host's wheels: x86_64-manylinux_2_39."""
+        return f"x86_64-manylinux_{self.glibc.replace('.', '_')}"
+
+    def version(self, name: str) -> str | None:
+        return self.packages.get(lock.normalize(name))
+
+
+def read_host(path: Path) -> Host:
+    """A host file: `# python: X.Y.Z`, `# glibc: X.Y`, then `pip freeze` lines
+    (`name==version`; a line with a bare name, or `name @ url`, is a package of unknown
+    version)."""
+    if not path.is_file():
+        raise ForkError(
+            f"no host file {path}",
+            "give one made by `bash run.sh --inventory` on the host (make "
+            "gpu-bundle GPU_HOST=FILE)",
+        )
+    python, glibc, packages = None, None, {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        text = line.strip()
+        found = re.fullmatch(r"#\s*python:\s*(\d+)\.(\d+)(\.\S+)?", text)
+        if found:
+            python = f"{found[1]}.{found[2]}"
+            continue
+        found = re.fullmatch(r"#\s*glibc:\s*(\d+\.\d+)", text)
+        if found:
+            glibc = found[1]
+            continue
+        if not text or text.startswith(("#", "-e ")):
+            continue
+        pin = re.fullmatch(
+            r"([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:==\s*(\S+)|@\s*\S+)?", text
+        )
+        if pin is None:
+            raise ForkError(
+                f"{path}:{number}: not a `pip freeze` line: {text!r}",
+                "make the file with `bash run.sh --inventory` on the host",
+            )
+        packages[lock.normalize(pin[1])] = pin[2]
+    if python is None or glibc is None:
+        raise ForkError(
+            f"{path} does not say the host's Python and C library "
+            "(`# python: X.Y.Z` and `# glibc: X.Y` lines)",
+            "make the file with `bash run.sh --inventory` on the host",
+        )
+    return Host(python, glibc, packages, path)
+
+
+def cuda_label(lock_pins: dict[str, str]) -> str:
+    """The local version label of the lock's torch build: CUDA 13.0 -> cu130."""
+    major, minor, *_ = lock_pins["nvidia-cuda-runtime"].split(".")
+    return f"cu{major}{minor}"
+
+
+def check_host_torch(host: Host, lock_pins: dict[str, str]) -> None:
+    """The host's torch and triton must be the lock's (torch's CUDA build included)."""
+    label = cuda_label(lock_pins)
+    for name in ("torch", "triton"):
+        have, want = host.version(name), lock_pins[name]
+        public, _, local = (have or "").partition("+")
+        if have is None or public != want or (local and local != label):
+            shown = host.packages.get(lock.normalize(name), "none") or "unknown"
+            raise ForkError(
+                f"the host's {name} is {shown}; the bundle needs {want}"
+                + (f" (+{label} or no label)" if name == "torch" else "")
+                + ", the CUDA lock's, which the fork's CUDA wheel was built against",
+                f"install {name}=={want} on the host, or run the nightly there instead",
+            )
+
+
+# --- what the cases import ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Trace:
+    distributions: dict[str, dict]  # name -> {"version", "requires"}
+    tree_files: tuple[str, ...]
+
+
+def trace_imports(
+    pins: Pins, python: Path, tree: Path, stub: Path, report: Path
+) -> Trace:
+    """Collect the GPU tests (and the CUDA route's kernel-call test) in the CUDA venv
+    with forkbuild/gpu/bundle/import_trace.py, importing the engine's modules at the
+    end."""
+    settings = bundle_settings()
+    out = report.with_suffix(".json")
+    env = {
+        **os.environ,
+        **cuda_route.stub_env(stub),
+        "PYTHONPATH": os.pathsep.join([str(tree), str(REPO_ROOT)]),
+        "FORKBUILD_TRACE_OUT": str(out),
+        "FORKBUILD_TRACE_BLOCK": ",".join(settings["left_out"].values()),
+        "FORKBUILD_TRACE_IMPORT": ",".join(settings["engine_modules"]),
+    }
+    log.step(f"gpu bundle: tracing what the GPU cases import (report: {report})")
+    run_or_fail(
+        [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-q"]
+        + ["--collect-only", "-p", "forkbuild.gpu.bundle.import_trace"]
+        + [*pins.gpu_tests, *pins.cuda_route_tests],
+        "collecting the GPU tests to trace their imports failed",
+        report=report,
+        cwd=tree,
+        env=env,
+    )
+    if not out.is_file():
+        raise ForkError("the import trace wrote no report", f"see {report}")
+    found = json.loads(out.read_text())
+    if found["import_errors"]:
+        raise ForkError(
+            "modules the GPU cases import do not import in the CUDA venv: "
+            + "; ".join(found["import_errors"]),
+            "fix fork.toml [gpu_bundle] engine_modules or the install",
+        )
+    return Trace(found["distributions"], tuple(found["tree_files"]))
+
+
+def _table(name: str) -> dict:
+    try:
+        return tomllib.loads(PINS_FILE.read_text())[name]
+    except KeyError:
+        raise ForkError(
+            f"{PINS_FILE} has no [{name}] table",
+            "compare it with the fork's main branch",
+        ) from None
+
+
+def bundle_settings() -> dict:
+    return _table("gpu_bundle")
+
+
+def gpu_table() -> dict:
+    """fork.toml [gpu]: the nightly's GPU kinds and required cases, and the bundle's."""
+    return _table("gpu")
+
+
+def _closure(roots: set[str], requires: dict[str, list[str]]) -> set[str]:
+    """ROOTS and every name they require, transitively (normalized names)."""
+    seen, todo = set(), list(roots)
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += requires.get(name, [])
+    return seen
+
+
+@dataclass(frozen=True)
+class Selection:
+    carried: dict[str, str]  # normalized name -> the lock's version
+    from_host: dict[str, str | None]  # used as the host has them
+    provided: tuple[str, ...]  # torch, triton and torch's NVIDIA packages: the host's
+    left_out: tuple[str, ...]  # imported here, not needed (fork.toml)
+
+
+def select(trace: Trace, host: Host, lock_pins: dict[str, str]) -> Selection:
+    settings = bundle_settings()
+    names = {lock.normalize(n): n for n in trace.distributions}
+    requires = {
+        lock.normalize(n): [lock.normalize(r) for r in d["requires"]]
+        for n, d in trace.distributions.items()
+    }
+    torch_family = _closure({"torch"}, requires)
+    provided = {"torch", "triton"} | {
+        n for n in torch_family if n.startswith(("nvidia-", "cuda-"))
+    }
+    # The runner's own packages are carried whether or not the collection loaded them.
+    roots = {lock.normalize(n) for n in settings["harness"]}
+    missing = sorted(roots - lock_pins.keys())
+    if missing:
+        raise ForkError(
+            f"the CUDA lock does not pin the runner's {', '.join(missing)}",
+            "add them to fork.toml [toolchain] test and run `make lock`",
+        )
+    harness = _closure(roots, requires)
+    names.update({n: n for n in roots - names.keys()})
+    carried, from_host = {}, {}
+    for name in sorted(names.keys() - provided - {"vllm"}):
+        if name not in lock_pins:
+            raise ForkError(
+                f"the GPU cases import {names[name]}, which the CUDA lock does not pin",
+                "add it to the lock's inputs (fork.toml) or to [gpu_bundle] left_out",
+            )
+        have = host.packages.get(name, "absent")
+        if (
+            name in harness
+            or have == "absent"
+            or (have is not None and have != lock_pins[name])
+        ):
+            carried[name] = lock_pins[name]
+        else:
+            from_host[name] = have
+    return Selection(
+        carried,
+        from_host,
+        tuple(sorted(provided & names.keys())),
+        tuple(sorted(settings["left_out"])),
+    )
+
+
+# --- components --------------------------------------------------------------------
+
+
+@dataclass
+class Component:
+    """Files bound for one root on the host, packed into one archive."""
+
+    name: str
+    root: str  # SITE, TREE or MODELS
+    files: dict[str, Path] = field(default_factory=dict)  # path in the root -> source
+    digests: dict[str, str] = field(default_factory=dict)  # path -> sha256 (hex)
+
+    def add(self, path: str, source: Path, digest: str | None = None) -> None:
+        self.files[path] = source
+        self.digests[path] = digest or sha256_file(source)
+
+    def members(self) -> list[tuple[str, str, int, str]]:
+        """(path, source, mode, sha256) of each file, in the archive's order."""
+        return [
+            (p, str(s), _mode(s), self.digests[p])
+            for p, s in sorted(self.files.items())
+        ]
+
+    def key(self) -> str:
+        """What the archive's bytes depend on: names, contents and modes, in order."""
+        listing = [(path, digest, mode) for path, _, mode, digest in self.members()]
+        return hashlib.sha256(json.dumps([FORMAT, listing]).encode()).hexdigest()
+
+    @property
+    def archive_name(self) -> str:
+        return f"{self.name.rsplit('/', 1)[-1]}.tar.xz"
+
+
+def _mode(path: Path) -> int:
+    return 0o755 if os.access(path, os.X_OK) else 0o644
+
+
+def vllm_components(
+    pins: Pins, tree: Path, wheel: Path, loaded: set[str], work: Path
+) -> tuple[Component, list[Component], list[str]]:
+    """vLLM's Python (the official wheel's files under vllm/ with the tree's patched
+    ones, and a .dist-info), one component per compiled extension the cases load, and
+    the compiled files left out. Every byte from the wheel is held to its RECORD."""
+    record = wheel_record(wheel)
+    patched = patched_paths(read_series())
+    python = Component("vllm", SITE)
+    extensions, left = [], []
+    for path, digest in sorted(record.items()):
+        if not path.startswith("vllm/") or path.endswith("/") or path in GENERATED:
+            # vllm/_version.py: the build's own (the fork's version), added below
+            continue
+        source = tree / path
+        if path in patched:
+            python.add(path, source)
+            continue
+        data = source.read_bytes() if source.is_file() else None
+        if data is None or record_digest(data) != digest:
+            raise ForkError(
+                f"{source} is not the official wheel's {path} (its RECORD differs)",
+                "rerun the CUDA route's install: rm -r build/cuda-route; make test",
+            )
+        read = hashlib.sha256(data).hexdigest()  # not read from disk a second time
+        if path.endswith(".so") or data.startswith(b"\x7fELF"):
+            if path in loaded:
+                extension = Component(path, SITE)
+                extension.add(path, source, read)
+                extensions.append(extension)
+            else:
+                left.append(path)
+            continue
+        python.add(path, source, read)
+    version_file = tree / "vllm" / "_version.py"
+    if pins.fork_version not in version_file.read_text():
+        raise ForkError(
+            f"{version_file} does not give {pins.fork_version}",
+            "rerun the CUDA route's install: rm -r build/cuda-route; make test",
+        )
+    python.add("vllm/_version.py", version_file)
+    for path in sorted(p for p in patched - record.keys() if p.startswith("vllm/")):
+        if (tree / path).is_file():  # a file the series adds
+            python.add(path, tree / path)
+    missing = sorted(loaded - {e.name for e in extensions})
+    if missing:
+        raise ForkError(
+            f"the cases load {', '.join(missing)}, which the official wheel lacks"
+        )
+    # The version is what vLLM's platform detection reads (a "cpu" in it means CPU).
+    info = work / "dist-info" / f"vllm-{pins.fork_version}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {pins.fork_version}\n"
+        f"Summary: vLLM {pins.upstream_version} with the fork's patches (forkbuild "
+        "gpu-bundle)\n"
+    )
+    (info / "INSTALLER").write_text("forkbuild-gpu-bundle\n")
+    for entry in sorted(info.iterdir()):
+        python.add(f"{info.name}/{entry.name}", entry)
+    fixed = fixcheck.classify((tree / fixcheck.MODULE_PATH).read_text())
+    if fixed != "fixed":
+        raise ForkError(
+            f"{tree / fixcheck.MODULE_PATH} is {fixed}, not fixed", "make tree"
+        )
+    return python, extensions, left
+
+
+def tree_component(tree: Path, trace: Trace, pins: Pins) -> Component:
+    """The tree's test files the collection loaded (the fork's GPU tests and helpers,
+    vLLM's conftest and what it imports) and pyproject.toml (pytest's settings)."""
+    component = Component("tree", TREE)
+    wanted = {f for f in trace.tree_files if f.startswith("tests/")}
+    wanted |= {*pins.gpu_tests, *pins.cuda_route_tests}
+    for path in sorted(wanted | {"pyproject.toml"}):
+        if path.endswith(".py") or path == "pyproject.toml":
+            component.add(path, tree / path)
+    return component
+
+
+def packages_component(
+    pins: Pins, selection: Selection, host: Host, lock_file: Path, work: Path
+) -> tuple[Component, list[str]]:
+    """The carried distributions, installed by uv from the lock (hashes required) for
+    the host's Python into a folder of their own; files fork.toml omits are left out."""
+    target = work / "packages"
+    requirements = work / "packages.txt"
+    requirements.write_text(lock.entries(lock_file, set(selection.carried)))
+    uv.install(
+        pins,
+        [
+            "install",
+            "--target",
+            str(target),
+            "--no-deps",
+            "--require-hashes",
+            "--python-version",
+            host.python,
+            "--python-platform",
+            host.platform,
+            "--only-binary",
+            ":all:",
+            "--quiet",
+            "-r",
+            str(requirements),
+        ],
+        what=f"the {len(selection.carried)} packages the bundle carries",
+    )
+    omit = set(bundle_settings().get("omit", ()))
+    component, omitted = Component("packages", SITE), []
+    for source in sorted(p for p in target.rglob("*") if p.is_file() or p.is_symlink()):
+        path = source.relative_to(target).as_posix()
+        if "__pycache__" in path.split("/"):
+            continue
+        if source.is_symlink():
+            raise ForkError(
+                f"{path} of the carried packages is a symbolic link",
+                "the bundle carries regular files only",
+            )
+        if path in omit:
+            omitted.append(path)
+            continue
+        component.add(path, source)
+    unused = omit - set(omitted)
+    if unused:
+        raise ForkError(
+            "fork.toml [gpu_bundle] omit names files no carried package has: "
+            f"{', '.join(sorted(unused))}",
+            "remove them from the list",
+        )
+    return component, omitted
+
+
+def models_component(python: Path, tree: Path, stub: Path, work: Path) -> Component:
+    """Every engine case's tiny GPT-OSS, generated by the tests' own helper."""
+    folder = work / "models"
+    run_or_fail(
+        [str(python), "-m", "tests.v1.worker.offload_e2e_configs", str(folder)],
+        "generating the tiny models failed",
+        cwd=tree,
+        env={**os.environ, **cuda_route.stub_env(stub), "PYTHONPATH": str(tree)},
+    )
+    component = Component(MODELS, MODELS)
+    for source in sorted(p for p in folder.rglob("*") if p.is_file()):
+        component.add(source.relative_to(folder).as_posix(), source)
+    return component
+
+
+# --- archives and parts ---------------------------------------------------------------
+
+
+def _write_archive(files: list[tuple[str, str, int, str]], out: str) -> int:
+    """A deterministic tar of FILES (path, source, mode, sha256), xz-compressed into OUT
+    in a worker process. Its first member, FILE_LIST, gives each file's sha256 as
+    `sha256sum` writes them: the manifest vouches for the archive, the list for each
+    file."""
+    partial = f"{out}.partial-{os.getpid()}"
+    listing = "".join(f"{digest}  {path}\n" for path, _, _, digest in files).encode()
+    try:
+        with (
+            lzma.open(partial, "wb", preset=6) as xz,
+            tarfile.open(fileobj=xz, mode="w", format=tarfile.GNU_FORMAT) as tar,
+        ):
+            info = tarfile.TarInfo(FILE_LIST)
+            info.size, info.mode, info.mtime = len(listing), 0o644, 0
+            tar.addfile(info, io.BytesIO(listing))
+            for path, source, mode, _ in files:
+                info = tarfile.TarInfo(path)
+                info.size, info.mode, info.mtime = os.path.getsize(source), mode, 0
+                with open(source, "rb") as handle:
+                    tar.addfile(info, handle)
+        # A cached archive is reused only if it matches its sha256 beside it.
+        Path(f"{out}.sha256").write_text(sha256_file(Path(partial)) + "\n")
+        os.replace(partial, out)
+    finally:
+        Path(partial).unlink(missing_ok=True)
+    return os.path.getsize(out)
+
+
+def _cached(archive: Path) -> bool:
+    """Whether ARCHIVE is in the cache as it was written (its sha256 file says so)."""
+    recorded = Path(f"{archive}.sha256")
+    return (
+        archive.is_file()
+        and recorded.is_file()
+        and recorded.read_text().strip() == sha256_file(archive)
+    )
+
+
+def compress(components: list[Component]) -> dict[str, Path]:
+    """Each component's archive, from the cache when the same content was compressed
+    before; the others xz-compressed side by side (xz is slow: minutes for the lot)."""
+    store = cache_dir() / "gpu-bundle"
+    store.mkdir(parents=True, exist_ok=True)
+    archives = {c.name: store / f"{c.key()}.tar.xz" for c in components}
+    todo = [c for c in components if not _cached(archives[c.name])]
+    if todo:
+        mib = sum(f.stat().st_size for c in todo for f in c.files.values()) / 2**20
+        log.step(
+            f"gpu bundle: compressing {len(todo)} component(s), {mib:.0f} MiB, with xz "
+            f"({', '.join(c.name for c in todo)}); kept in {store} for the next time"
+        )
+        with ProcessPoolExecutor(max_workers=2) as pool:
+            jobs = {
+                c.name: pool.submit(_write_archive, c.members(), str(archives[c.name]))
+                for c in todo
+            }
+            for name, job in jobs.items():
+                log.step(
+                    f"gpu bundle: {name}: {job.result() / 2**20:.1f} MiB compressed"
+                )
+    return archives
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    components: tuple[str, ...]
+    size: int  # bytes, the runner's files included in part 1
+
+
+def pack(
+    sizes: dict[str, int], order: list[str], limit: int, first_extra: int
+) -> list[Part]:
+    """Components into parts of at most LIMIT bytes, each going to the first part with
+    room, in ORDER (part 1 also holds FIRST_EXTRA bytes: the runner and manifest)."""
+    filled: list[list[str]] = []
+    used: list[int] = []
+    for name in order:
+        size = sizes[name]
+        for index, room in enumerate(used):
+            if room + size <= limit:
+                filled[index].append(name)
+                used[index] += size
+                break
+        else:
+            start = first_extra if not filled else 0
+            if start + size > limit:
+                raise ForkError(
+                    f"{name} is {size / 2**20:.1f} MiB compressed, more than a part of "
+                    f"{limit / 2**20:.0f} MiB can hold",
+                    "raise PART_MIB, or omit files of it (fork.toml [gpu_bundle] omit)",
+                )
+            filled.append([name])
+            used.append(start + size)
+    return [
+        Part(f"part-{i + 1}", tuple(names), size)
+        for i, (names, size) in enumerate(zip(filled, used))
+    ]
+
+
+def cases_by_part(
+    parts: list[Part], base: list[str], needs: dict[str, list[str]]
+) -> dict[str, list[str]]:
+    """Part name -> the node ids whose needs the parts up to it first meet."""
+    have: set[str] = set()
+    met: set[str] = set()
+    added = {}
+    for part in parts:
+        have |= set(part.components)
+        now = {n for n, need in needs.items() if set(base + need) <= have}
+        added[part.name] = sorted(now - met)
+        met = now
+    return added
+
+
+# --- the step -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bundle:
+    folder: Path
+    parts: list[Part]
+    cases: dict[str, list[str]]
+    manifest: dict
+
+    def line(self) -> str:
+        def short(node: str) -> str:
+            return node.split("::", 1)[1] if "::" in node else node
+
+        return "; ".join(
+            f"{p.name} {p.size / 2**20:.1f} MiB "
+            f"({', '.join(c.rsplit('/', 1)[-1] for c in p.components)})"
+            f": {', '.join(map(short, self.cases[p.name])) or 'no case yet'}"
+            for p in self.parts
+        )
+
+
+@dataclass(frozen=True)
+class Source:
+    """What every bundle is made from: the CUDA route's venv, tree and driver stub, and
+    what the GPU cases import there."""
+
+    python: Path
+    tree: Path
+    stub: Path  # the folder of the driver stub
+    trace: Trace
+
+
+def prepare(
+    pins: Pins, results: Path, route: tuple[Path, Path, Path] | None = None
+) -> Source:
+    """The CUDA route (installed in build/cuda-route unless ROUTE gives its python, tree
+    and stub folder) and the trace of the GPU cases' imports there."""
+    if route is None:
+        python, tree = cuda_route.install_cuda_route(pins, results)
+        route = (python, tree, cuda_route.build_driver_stub(python, tree))
+    python, tree, stub = route
+    trace = trace_imports(pins, python, tree, stub, results / "gpu-bundle-trace.log")
+    return Source(python, tree, stub, trace)
+
+
+def build(
+    pins: Pins,
+    host_file: Path | None = None,
+    out: Path | None = None,
+    part_mib: float | None = None,
+    source: Source | None = None,
+) -> Bundle:
+    """The bundle for HOST_FILE (default: fork.toml's reference host) in OUT (default
+    dist/gpu-bundle), in parts of at most PART_MIB."""
+    settings = bundle_settings()
+    host = read_host(host_file or REPO_ROOT / settings["host"])
+    lock_file = lock.path("cuda", host.python)
+    if not lock_file.is_file():
+        raise ForkError(
+            f"the host's Python is {host.python}, which the fork does not lock",
+            f"the fork supports Python {', '.join(pins.pythons)}",
+        )
+    lock_pins = lock.pinned(lock_file)
+    check_host_torch(host, lock_pins)
+    limit = int(
+        (part_mib or float(os.environ.get("PART_MIB") or settings["part_mib"])) * 2**20
+    )
+    results = build_dir() / "test-results"
+    results.mkdir(parents=True, exist_ok=True)
+    source = source or prepare(pins, results)
+    selection = select(source.trace, host, lock_pins)
+    wheel = fetch.artifacts_dir() / pins.routes["cuda"].wheel.filename
+    loaded = {
+        f
+        for f in source.trace.tree_files
+        if f.startswith("vllm/") and f.endswith(".so")
+    }
+    log.step(
+        f"gpu bundle: for {host.source.name} (Python {host.python}): "
+        f"{len(selection.carried)} packages carried, {len(selection.from_host)} the "
+        f"host's, {', '.join(selection.provided)} the host's by rule; extensions the "
+        f"cases load: {', '.join(sorted(loaded))}"
+    )
+    with tempfile.TemporaryDirectory(prefix=".gpu-bundle-", dir=build_dir()) as tmp:
+        work = Path(tmp)
+        vllm_python, extensions, left = vllm_components(
+            pins, source.tree, wheel, loaded, work
+        )
+        packages, omitted = packages_component(pins, selection, host, lock_file, work)
+        components = [
+            tree_component(source.tree, source.trace, pins),
+            vllm_python,
+            packages,
+            *extensions,
+            models_component(source.python, source.tree, source.stub, work),
+        ]
+        archives = compress(components)
+        return _assemble(
+            pins,
+            host,
+            selection,
+            components,
+            archives,
+            left,
+            omitted,
+            limit,
+            out or dist_dir(),
+        )
+
+
+def _assemble(
+    pins: Pins,
+    host: Host,
+    selection: Selection,
+    components: list[Component],
+    archives: dict[str, Path],
+    left: list[str],
+    omitted: list[str],
+    limit: int,
+    out: Path,
+    settings: dict | None = None,
+) -> Bundle:
+    """Write the bundle to OUT (beside it first, then renamed): run.sh, the runner, the
+    manifest, SHA256SUMS and the parts' archives. SETTINGS: fork.toml [gpu_bundle]."""
+    settings = settings or bundle_settings()
+    by_name = {c.name: c for c in components}
+    order = [name for name in settings["order"] if name in by_name]
+    unordered = sorted(by_name.keys() - set(order))
+    if unordered:
+        raise ForkError(
+            f"fork.toml [gpu_bundle] order does not place {', '.join(unordered)}",
+            "add them to the order list",
+        )
+    runner = {"run.sh": REPO_ROOT / "forkbuild" / "gpu" / "bundle" / "run.sh"}
+    for m in RUNNER_MODULES:
+        runner[f"runner/forkbuild/{m}.py"] = REPO_ROOT / "forkbuild" / f"{m}.py"
+    # 64 KiB for the manifest
+    runner_bytes = sum(p.stat().st_size for p in runner.values()) + (64 << 10)
+    sizes = {name: archives[name].stat().st_size for name in order}
+    parts = pack(sizes, order, limit, runner_bytes)
+    gpu = settings.get("gpu") or gpu_table()
+    needs, not_carried = {}, {}
+    for node, case in gpu["cases"].items():
+        if "bundle" in case:
+            needs[node] = list(case["bundle"])
+        else:
+            not_carried[node] = case["not_in_bundle"]
+    base = list(settings["every_case"])
+    stand_in = dict(settings.get("stand_in", {}))
+    unknown = sorted(
+        {c for need in [base, list(stand_in), *needs.values()] for c in need}
+        - set(by_name)
+    )
+    if unknown:
+        raise ForkError(
+            "fork.toml [gpu_bundle] needs names what the bundle does not hold: "
+            f"{', '.join(unknown)}",
+            "name components: " + ", ".join(order),
+        )
+    cases = cases_by_part(parts, base, needs)
+    where = {name: part.name for part in parts for name in part.components}
+    lock_pins = lock.pinned(lock.path("cuda", host.python))
+    manifest = {
+        "format": FORMAT,
+        "fork_version": pins.fork_version,
+        "made_for": host.source.name,
+        "python": host.python,
+        "glibc": host.glibc,
+        "torch": lock_pins["torch"],
+        "triton": lock_pins["triton"],
+        "cuda_label": cuda_label(lock_pins),
+        "fix": {"module": fixcheck.MODULE_PATH, "function": fixcheck.FUNCTION},
+        "parts": [
+            {"name": p.name, "components": list(p.components), "adds": cases[p.name]}
+            for p in parts
+        ],
+        "components": {
+            c.name: {
+                "archive": f"{where[c.name]}/{c.archive_name}",
+                "root": c.root,
+                "sha256": sha256_file(archives[c.name]),
+                "bytes": sizes[c.name],
+                "files": len(c.files),
+            }
+            for c in components
+        },
+        "every_case": base,
+        "stand_in": stand_in,
+        "needs": needs,
+        "not_carried": not_carried,
+        "gpu": gpu,  # the nightly's table (forkbuild/gpu/required.py), for the runner
+        "carried": selection.carried,
+        "from_host": selection.from_host,
+        "provided_by_host": list(selection.provided),
+        "left_out": list(selection.left_out),
+        "compiled_left_out": left,
+        "omitted": omitted,
+    }
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        measured = _write_bundle(partial, runner, archives, manifest, parts, limit)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        swap_into_place(partial, out)  # OUT is the old bundle or the new one
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    bundle = Bundle(out, measured, cases, manifest)
+    log.step(f"gpu bundle: {out}: {bundle.line()}")
+    return bundle
+
+
+def _write_bundle(
+    partial: Path,
+    runner: dict[str, Path],
+    archives: dict[str, Path],
+    manifest: dict,
+    parts: list[Part],
+    limit: int,
+) -> list[Part]:
+    """The bundle's files in PARTIAL; the parts as they measure there."""
+    for path, source in runner.items():
+        (partial / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, partial / path)
+    for name, entry in manifest["components"].items():
+        target = partial / entry["archive"]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(archives[name], target)
+        except OSError:
+            shutil.copyfile(archives[name], target)
+    (partial / "manifest.json").write_text(
+        json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+    )
+    # What run.sh checks with sha256sum before it starts the runner (the manifest then
+    # vouches for every archive and file).
+    loose = [*runner, "manifest.json"]
+    (partial / "SHA256SUMS").write_text(
+        "".join(f"{sha256_file(partial / p)}  {p}\n" for p in loose)
+    )
+    loose.append("SHA256SUMS")
+    measured = []
+    for part in parts:
+        files = [*(partial / part.name).iterdir()]
+        if part.name == "part-1":
+            files += [partial / path for path in loose]
+        total = sum(f.stat().st_size for f in files)
+        measured.append(Part(part.name, part.components, total))
+        if total > limit:
+            raise ForkError(
+                f"{part.name} is {total / 2**20:.1f} MiB, over {limit / 2**20:.0f} MiB",
+                "raise PART_MIB, or omit files (fork.toml [gpu_bundle] omit)",
+            )
+    return measured

@@ -1,0 +1,415 @@
+"""`make test`'s check of the GPU bundle without a GPU (forkbuild/gpu/bundle/build.py).
+
+1. The bundle for the reference host (fork.toml [gpu_bundle] host), in parts that fit;
+2. a simulated host (the host's Python with only the lock's torch, triton and NVIDIA
+   packages): its bundle unpacked by its own run.sh with the network refused, then,
+   through the driver stub, every extension loads, the GPU cases skip only for lack of a
+   device, the kernel calls reach dispatch, and `run.sh OUT` stops for want of a GPU;
+3. the same with one package the cases import taken out, which must fail;
+4. part 1 alone, the runner's stand-ins for the extensions it lacks: its cases skip only
+   for want of a device and what they call imports, and not without the stand-ins.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from forkbuild.core import log, pytest_runner
+from forkbuild.core.errors import ForkError, run_or_fail
+from forkbuild.core.hashing import digest_of
+from forkbuild.core.pins import REPO_ROOT, Pins, build_dir
+from forkbuild.gpu import cuda_route
+from forkbuild.gpu.bundle import build as gpu_bundle
+from forkbuild.gpu.bundle import runner as bundle_run
+from forkbuild.setup import fetch, lock, uv
+
+HOST_PYTHON = "3.12"  # the reference host's
+# Taken out for the breakage (distribution, module): fastapi, which vllm.entrypoints
+# imports (vLLM's tests/conftest.py through `from vllm import LLM`, and the engine).
+BREAKAGE = ("fastapi", "fastapi")
+# What part 1's case (Triton's cache write and attention) imports while it runs, beside
+# vLLM's CUDA platform, which resolving the platform on a GPU host imports.
+PART_ONE_IMPORTS = (
+    "vllm.platforms.cuda",
+    "vllm._custom_ops",
+    "vllm.vllm_flash_attn",
+    "vllm.v1.attention.ops.triton_reshape_and_cache_flash",
+    "vllm.v1.attention.ops.triton_unified_attention",
+    "vllm.v1.attention.backends.triton_attn",
+)
+
+
+def home() -> Path:
+    return build_dir() / "bundle-host"
+
+
+def _offline() -> tuple[str, ...]:
+    """A command prefix that refuses the network (a new network namespace), or nothing
+    where the kernel does not let this user make one."""
+    unshare = shutil.which("unshare")
+    if (
+        unshare
+        and subprocess.run([unshare, "-n", "true"], capture_output=True).returncode == 0
+    ):
+        return (unshare, "-n")
+    return ()
+
+
+NO_INDEX = {
+    "PIP_NO_INDEX": "1",
+    "UV_OFFLINE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+
+
+def interpreter(version: str) -> Path:
+    """A working Python VERSION (X.Y) here: on PATH, pyenv's, or the system's (a pyenv
+    shim of a version pyenv does not select fails, so each is asked for its version)."""
+    candidates = [
+        shutil.which(f"python{version}"),
+        *sorted(map(str, Path.home().glob(f".pyenv/versions/{version}.*/bin/python3"))),
+        f"/usr/bin/python{version}",
+    ]
+    for candidate in filter(None, candidates):
+        done = subprocess.run(
+            [candidate, "--version"], capture_output=True, text=True, check=False
+        )
+        if done.returncode == 0 and done.stdout.split()[-1].startswith(f"{version}."):
+            return Path(candidate)
+    raise ForkError(
+        f"no Python {version} here to simulate the GPU host with",
+        f"install Python {version} (e.g. pyenv install {version}), the reference "
+        "host's version",
+    )
+
+
+def simulated_host(pins: Pins) -> tuple[Path, Path]:
+    """build/bundle-host/venv: the host's Python with the CUDA lock's torch, triton and
+    NVIDIA packages (nvidia-*, cuda-*) and nothing else; and its host file."""
+    lock_file = lock.path("cuda", HOST_PYTHON)
+    names = {
+        n
+        for n in lock.pinned(lock_file)
+        if n in ("torch", "triton") or n.startswith(("nvidia-", "cuda-"))
+    }
+    entries = lock.entries(lock_file, names)
+    python = uv.stamped_venv(
+        pins,
+        home() / "venv",
+        interpreter(HOST_PYTHON),
+        entries,
+        digest_of([entries]),
+        f"a simulated GPU host: Python {HOST_PYTHON}, {len(names)} packages of "
+        f"{lock_file.name} (torch, triton, NVIDIA's)",
+        "--quiet",
+        "--no-deps",
+        "--require-hashes",
+    )
+    # Described as a GPU host describes itself: the runner's inventory.
+    done = run_or_fail(
+        [str(python), "-m", "forkbuild.gpu.bundle.runner", "inventory"],
+        "the runner's inventory failed on the simulated host",
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    host_file = home() / "host.txt"
+    host_file.write_text(
+        "# The simulated GPU host of forkbuild/gpu/bundle/check.py\n" + done.stdout
+    )
+    return python, host_file
+
+
+@dataclass(frozen=True)
+class Result:
+    reference: gpu_bundle.Bundle
+    simulated: gpu_bundle.Bundle
+    extensions: int
+    collected: pytest_runner.Outcome
+    calls: pytest_runner.Outcome
+    breakage: str
+    part_one: str
+    offline: bool  # the network refused (unshare -n), not only no index
+
+    def line(self) -> str:
+        network = "network refused" if self.offline else "no index; network not refused"
+        host = (
+            f"Python {HOST_PYTHON}, torch, triton and NVIDIA's packages only, {network}"
+        )
+        found = (
+            f"{len(self.simulated.parts)} part(s), {self.extensions} compiled "
+            f"extensions load, {len(self.collected.cases)} GPU cases collected and "
+            "skipped without a device, the engine's modules import, kernel calls up to "
+            f"dispatch: {self.calls}; without {BREAKAGE[0]}: {self.breakage}; "
+            f"{self.part_one}"
+        )
+        return (
+            f"gpu bundle for {self.reference.manifest['made_for']}: "
+            f"{self.reference.line()}\n"
+            f"gpu bundle on a simulated host ({host}): {found}"
+        )
+
+
+def check(pins: Pins, results: Path, route: tuple[Path, Path, Path]) -> Result:
+    """ROUTE: the CUDA route's python, tree and stub folder (cuda_route.check)."""
+    source = gpu_bundle.prepare(pins, results, route)
+    reference = gpu_bundle.build(pins, out=home() / "reference", source=source)
+    python, host_file = simulated_host(pins)
+    # The parts' size matters only for transfers: here one part holds everything.
+    simulated = gpu_bundle.build(
+        pins, host_file, out=home() / "bundle", part_mib=4096, source=source
+    )
+    dest = home() / "installed"
+    shutil.rmtree(dest, ignore_errors=True)
+    offline = _offline()
+    env = {
+        **os.environ,
+        **NO_INDEX,
+        "PYTHON": str(python),
+        "FORK_BUNDLE_HOME": str(dest),
+    }
+    network = "unshare -n: no network" if offline else "no index; unshare unavailable"
+    log.step(f"bundle check: run.sh --install {dest} ({network})")
+    # From a folder of its own: run.sh must start the bundle's runner, not this
+    # checkout's.
+    done = run_or_fail(
+        [*offline, "bash", str(simulated.folder / "run.sh"), "--install", str(dest)],
+        "the bundle does not install offline on the simulated host",
+        f"see {home()}",
+        tail=600,
+        env=env,
+        cwd=home(),
+    )
+    site = Path(done.stdout.strip().splitlines()[-1].split(os.pathsep)[-1])
+    _refuses_without_gpu(simulated.folder, env)
+    extensions = [n for n in simulated.manifest["components"] if n.endswith(".so")]
+    wheel = fetch.artifacts_dir() / pins.routes["cuda"].wheel.filename
+    loaded = cuda_route.load_extensions(
+        python, site, wheel, source.stub, tuple(extensions), pythonpath=str(site)
+    )
+    host = SimHost(python, site, source.stub, results, offline)
+    collected, calls = verify(pins, host, "bundle-host")
+    return Result(
+        reference,
+        simulated,
+        len(loaded["loaded"]),
+        collected,
+        calls,
+        _without(BREAKAGE, pins, host),
+        _part_one(reference, host),
+        bool(offline),
+    )
+
+
+def _refuses_without_gpu(bundle: Path, env: dict[str, str]) -> None:
+    """`run.sh OUT` on this machine: one line, no NVIDIA GPU, nothing run."""
+    out = home() / "run-out"
+    done = subprocess.run(
+        ["bash", str(bundle / "run.sh"), str(out)],
+        env=env,
+        cwd=home(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    lines = done.stderr.strip().splitlines()
+    one_line = len(lines) == 1 and "no NVIDIA GPU" in lines[0]
+    if done.returncode == 0 or not one_line or out.exists():
+        raise ForkError(
+            "run.sh without a GPU did not stop at once with one line: exit "
+            f"{done.returncode}, {done.stderr.strip()[-300:]!r}"
+        )
+
+
+@dataclass(frozen=True)
+class SimHost:
+    """The simulated host: its python, the bundle's site/ unpacked there (its tree/
+    beside it), the driver stub's folder, where reports go, the offline prefix."""
+
+    python: Path
+    site: Path
+    stub: Path
+    results: Path
+    offline: tuple[str, ...]
+
+
+def verify(
+    pins: Pins, host: SimHost, name: str
+) -> tuple[pytest_runner.Outcome, pytest_runner.Outcome]:
+    """The GPU cases and kernel calls run from the unpacked bundle as its runner runs
+    them, then the engine's modules imported: each must import, each GPU case skip
+    only for want of a device, the calls reach dispatch. Returns (GPU cases, calls)."""
+    outcome, failed = _run_traced(
+        host,
+        name,
+        [*pins.gpu_tests, *pins.cuda_route_tests],
+        gpu_bundle.bundle_settings()["engine_modules"],
+    )
+    results, cases = host.results, gpu_bundle.gpu_table()["cases"]
+    logs, report = str(results / f"{name}-tests.log"), results / f"{name}-imports.json"
+    if failed:
+        raise ForkError(
+            f"the engine's modules do not import from the bundle: {'; '.join(failed)}",
+            f"see {report}",
+        )
+    collected = cuda_route.part_of(outcome, pins.gpu_tests)
+    calls = cuda_route.part_of(outcome, pins.cuda_route_tests)
+    cuda_route.check_skipped(
+        collected,
+        results,
+        where=f"the bundle ({name})",
+        logs=logs,
+        required={n for n, c in cases.items() if "not_in_bundle" not in c},
+    )
+    if calls.failed or calls.errors or calls.skipped or not calls.passed:
+        raise ForkError(
+            f"the kernel calls do not reach dispatch from the bundle: {calls}",
+            f"see {logs}",
+        )
+    return collected, calls
+
+
+def _without(dist: tuple[str, str], pins: Pins, host: SimHost) -> str:
+    """The check again with DIST's files (name, module) taken out of a copy of SITE: it
+    must fail, naming the module."""
+    name, module = dist
+    broken = host.site.parent / f"site-without-{name}"
+    shutil.rmtree(broken, ignore_errors=True)
+    shutil.copytree(host.site, broken, copy_function=os.link)
+    infos = list(broken.glob(f"{name.replace('-', '_')}-*.dist-info"))
+    if not infos:
+        raise ForkError(
+            f"the bundle carries no {name} to take out for the breakage check"
+        )
+    for line in (infos[0] / "RECORD").read_text().splitlines():
+        (broken / line.split(",")[0]).unlink(missing_ok=True)
+    shutil.rmtree(infos[0], ignore_errors=True)
+    shutil.rmtree(broken / module, ignore_errors=True)
+    try:
+        verify(pins, replace(host, site=broken), f"bundle-host-without-{name}")
+    except ForkError as exc:
+        log_file = host.results / f"bundle-host-without-{name}-tests.log"
+        said = [exc.cause]
+        if log_file.is_file():
+            lines = log_file.read_text().splitlines()
+            said += [line[1:].strip() for line in lines if line.startswith("E ")]
+        named = [line for line in said if f"No module named '{module}" in line]
+        if not named:
+            raise ForkError(
+                f"without {name} the bundle check fails for another reason: {exc}",
+                "the breakage must show the missing package",
+            ) from None
+        return f"fails, as it must ({named[0][:200]})"
+    finally:
+        shutil.rmtree(broken, ignore_errors=True)
+    raise ForkError(
+        f"the bundle check passes without {name}, which the engine cases import",
+        "the check cannot tell a missing package: fix forkbuild/gpu/bundle/check.py",
+    )
+
+
+def _part_one(reference: gpu_bundle.Bundle, host: SimHost) -> str:
+    """Part 1 of the reference bundle alone, on the simulated host: a copy of SITE
+    without the extensions that part lacks, run as the runner runs part 1's cases.
+    Their modules must import with the stand-ins, and must not without them."""
+    first = reference.parts[0]
+    nodes = reference.cases[first.name]
+    if not nodes:
+        raise ForkError(
+            f"{first.name} of the bundle for {reference.manifest['made_for']} adds no "
+            "case",
+            "fork.toml [gpu_bundle] order, every_case and stand_in decide what it adds",
+        )
+    absent = sorted(
+        c
+        for c in reference.manifest["components"]
+        if c.endswith(".so") and c not in first.components
+    )
+    standing_in = bundle_run.stand_ins(reference.manifest, list(first.components))
+    alone = host.site.parent / "site-part-1"
+    shutil.rmtree(alone, ignore_errors=True)
+    shutil.copytree(host.site, alone, copy_function=os.link)
+    part = replace(host, site=alone)
+    for name in absent:
+        (alone / name).unlink(missing_ok=True)
+    try:
+        errors = _run_part_one(part, nodes, standing_in)
+        if errors:
+            raise ForkError(
+                f"with {first.name} alone, what its cases import does not import: "
+                f"{'; '.join(errors)}",
+                f"see {host.results / 'bundle-part-1-tests.log'}",
+            )
+        without = _run_part_one(part, nodes, [])
+    finally:
+        shutil.rmtree(alone, ignore_errors=True)
+    if not any(m in e for e in without for m in standing_in):
+        raise ForkError(
+            f"{first.name}'s cases import without the stand-ins for "
+            f"{', '.join(standing_in)}: {without or 'no error'}",
+            "fork.toml [gpu_bundle] stand_in names a module that is not needed",
+        )
+    short = ", ".join(n.split("::", 1)[-1] for n in nodes)
+    return (
+        f"{first.name} alone ({', '.join(a.rsplit('/', 1)[-1] for a in absent)} "
+        f"absent): {short} collected, vLLM's CUDA platform imports with a stand-in for "
+        f"{', '.join(standing_in)} and not without"
+    )
+
+
+def _run_part_one(host: SimHost, nodes: list[str], standing_in: list[str]) -> list[str]:
+    """NODES as the runner runs them with STANDING_IN (each must skip for want of a
+    device); the import errors of PART_ONE_IMPORTS."""
+    name = "bundle-part-1" + ("" if standing_in else "-without-stand-ins")
+    outcome, errors = _run_traced(host, name, nodes, PART_ONE_IMPORTS, standing_in)
+    if standing_in:
+        cuda_route.check_skipped(
+            outcome,
+            host.results,
+            where="part 1 of the bundle",
+            logs=str(host.results / f"{name}-tests.log"),
+            required=nodes,
+        )
+    return errors
+
+
+def _run_traced(
+    host: SimHost,
+    name: str,
+    nodes: list[str],
+    imports: tuple[str, ...] | list[str],
+    standing_in: list[str] = (),
+) -> tuple[pytest_runner.Outcome, list[str]]:
+    """NODES run from the bundle unpacked at SITE as its runner runs cases (STANDING_IN
+    stood in for), through the driver stub, with IMPORTS imported at the end
+    (forkbuild/gpu/bundle/import_trace.py): the outcome, and the import errors."""
+    site, results = host.site, host.results
+    tree, report = site.parent / "tree", results / f"{name}-imports.json"
+    report.unlink(missing_ok=True)
+    outcome = pytest_runner.run_pytest(
+        host.python,
+        tree,
+        [
+            "-p",
+            "forkbuild.gpu.bundle.import_trace",
+            *bundle_run.case_args(nodes, standing_in),
+        ],
+        results / f"{name}-tests.xml",
+        pythonpath=os.pathsep.join([str(tree), str(site), str(REPO_ROOT)]),
+        output=results / f"{name}-tests.log",
+        extra_env={
+            **bundle_run.case_env(site.parent, standing_in),
+            **cuda_route.stub_env(host.stub),
+            **NO_INDEX,
+            "FORKBUILD_TRACE_OUT": str(report),
+            "FORKBUILD_TRACE_IMPORT": ",".join(imports),
+        },
+        prefix=host.offline,
+    )
+    if not report.is_file():
+        return outcome, [f"no report (see {results / f'{name}-tests.log'})"]
+    return outcome, json.loads(report.read_text())["import_errors"]

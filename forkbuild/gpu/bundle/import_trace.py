@@ -1,0 +1,103 @@
+"""A pytest plugin (`-p forkbuild.gpu.bundle.import_trace`) that records what a
+session imported: the distributions and the run folder's (the tree's) files a GPU host
+must have, for forkbuild/gpu/bundle/build.py. At the end it imports the modules the
+cases import only while they run (inside functions, in the engine's processes).
+
+Settings, from the environment:
+  FORKBUILD_TRACE_OUT     the JSON file to write
+  FORKBUILD_TRACE_BLOCK   comma-separated top-level modules made unimportable first
+                          (what the bundle leaves out) by `sys.modules[name] = None`,
+                          which find_spec, and so vLLM's has_flashinfer(), reads as
+                          "not installed"
+  FORKBUILD_TRACE_IMPORT  comma-separated modules to import at the end of the session
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def _names(variable: str) -> list[str]:
+    return [name for name in os.environ.get(variable, "").split(",") if name]
+
+
+for _blocked in _names("FORKBUILD_TRACE_BLOCK"):
+    sys.modules[_blocked] = None  # type: ignore[assignment]
+
+
+def loaded_files() -> set[Path]:
+    """The resolved files of every module loaded now (sources and extensions)."""
+    files = set()
+    for module in list(sys.modules.values()):
+        location = getattr(module, "__file__", None)
+        # torch's _ops and _classes have a relative __file__
+        if location and Path(location).is_absolute():
+            files.add(Path(location).resolve())
+    return files
+
+
+def _requirement_names(dist: importlib.metadata.Distribution) -> list[str]:
+    """The names DIST requires here (markers evaluated, extras not taken), as
+    installers read them, with the venv's own `packaging`."""
+    from packaging.requirements import Requirement
+
+    names = []
+    for text in dist.requires or ():
+        requirement = Requirement(text)
+        if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+            names.append(requirement.name)
+    return names
+
+
+def distributions_of(files: set[Path]) -> dict[str, dict]:
+    """Every installed distribution holding one of FILES (by its RECORD): name ->
+    {"version", "requires"}. A distribution vendored inside another (its own metadata
+    listed in that one's RECORD, as setuptools/_vendor's are) counts as that one."""
+    owners: dict[Path, list[importlib.metadata.Distribution]] = {}
+    for dist in importlib.metadata.distributions():
+        for entry in dist.files or ():
+            owners.setdefault(Path(str(dist.locate_file(entry))).resolve(), []).append(
+                dist
+            )
+
+    def vendored(dist: importlib.metadata.Distribution) -> bool:
+        metadata = Path(str(dist._path)).resolve() / "METADATA"  # type: ignore[attr-defined]
+        return any(other is not dist for other in owners.get(metadata, ()))
+
+    found = {}
+    for path in files:
+        for dist in owners.get(path, ()):
+            if not vendored(dist):
+                found[dist.metadata["Name"]] = {
+                    "version": dist.version,
+                    "requires": _requirement_names(dist),
+                }
+    return found
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    failed = []
+    for name in _names("FORKBUILD_TRACE_IMPORT"):
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # reported, not raised: the caller names them all
+            failed.append(f"{name}: {type(exc).__name__}: {exc}")
+    files = loaded_files()
+    root = Path.cwd().resolve()
+    report = {
+        "distributions": distributions_of(files),
+        "tree_files": sorted(
+            str(f.relative_to(root)) for f in files if f.is_relative_to(root)
+        ),
+        "import_errors": failed,
+        "collected": len(session.items),
+        "exitstatus": int(exitstatus),
+    }
+    Path(os.environ["FORKBUILD_TRACE_OUT"]).write_text(
+        json.dumps(report, indent=1) + "\n"
+    )

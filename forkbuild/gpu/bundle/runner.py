@@ -1,0 +1,547 @@
+"""The GPU bundle's runner, on the GPU host (forkbuild/gpu/bundle/build.py makes it).
+
+Runs on the host's own `python3` with the standard library and the fork modules that
+ship beside it (run.sh checks them and sets PYTHONPATH), no network:
+
+    python3 -m forkbuild.gpu.bundle.runner inventory            this host, as host file
+    python3 -m forkbuild.gpu.bundle.runner install BUNDLE DEST  unpack, verify the parts
+    python3 -m forkbuild.gpu.bundle.runner run BUNDLE OUT       check, install, run
+
+`run` stops with one line, before anything runs, on no GPU, another Python, torch or
+triton than the bundle's, or a missing or damaged archive. It then unpacks what the
+parts present hold (a part not yet transferred only means fewer cases), verifies every
+file by sha256, checks that the patched vLLM imports from the bundle and carries the
+fix, and runs, forked and each under a time limit, the cases this GPU kind must run
+(forkbuild/gpu/required.py) that the parts present allow. It writes gpu-tests.xml,
+summary.json and summary.txt to OUT and exits non-zero when such a case failed, skipped
+or never ran.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+from forkbuild.core import fixcheck, log, pytest_runner
+from forkbuild.core.errors import ForkError
+from forkbuild.core.hashing import sha256_file
+from forkbuild.gpu import required as gpu_required
+from forkbuild.gpu.bundle import standin as bundle_standin
+
+MANIFEST = "manifest.json"
+FILE_LIST = (
+    "FILES.sha256"  # every archive's first member (forkbuild/gpu/bundle/build.py)
+)
+RUNNER = str(Path(__file__).resolve().parents[3])  # where these modules are
+# For a host whose GPU time is counted in minutes: a kernel case takes seconds, an
+# engine case two tiny engines; the bundle carries no JIT build to wait for.
+CASE_LIMIT_S = 240
+RUN_LIMIT_S = 12 * 60
+# No hub, no telemetry; pytest loads only the runner's plugins (not the host's
+# pytest-cov, xdist, ...), and vLLM's conftest does not reach for its GPU-memory helper
+# (tests/utils.py, not carried).
+OFFLINE = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "PIP_NO_INDEX": "1",
+    "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+    "VLLM_TEST_CLEAN_GPU_MEMORY": "0",
+}
+PLUGINS = ["-p", "pytest_forked", "-p", "pytest_timeout"]
+SMI = ["nvidia-smi", f"--query-gpu={gpu_required.NVIDIA_SMI_QUERY}", "--format=csv"]
+
+
+def home(bundle: Path) -> Path:
+    """Where the bundle unpacks: FORK_BUNDLE_HOME, else a folder of /tmp named by the
+    manifest (so a warm host reuses what an earlier call unpacked)."""
+    base = os.environ.get("FORK_BUNDLE_HOME") or "/tmp/vllm-fork-gpu-bundle"
+    return Path(base).resolve() / sha256_file(bundle / MANIFEST)[:16]
+
+
+def read_manifest(bundle: Path) -> dict:
+    try:
+        return json.loads((bundle / MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        raise ForkError(
+            f"{bundle / MANIFEST} cannot be read ({exc})",
+            "transfer part 1 (run.sh, manifest.json, runner/, part-1/) again",
+        ) from None
+
+
+# --- the host -------------------------------------------------------------------------
+
+
+def query_gpus() -> str:
+    """nvidia-smi's GPU table, or ForkError when this host has no usable NVIDIA GPU."""
+    try:
+        done = subprocess.run(
+            SMI, capture_output=True, text=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ForkError(
+            f"no NVIDIA GPU on this host (nvidia-smi: {exc})",
+            "run the bundle on a GPU host; `bash run.sh --inventory` describes one",
+        ) from None
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    if done.returncode != 0 or len(lines) < 2:
+        said = (done.stderr or done.stdout).strip().splitlines() or ["no GPU listed"]
+        raise ForkError(
+            f"no NVIDIA GPU on this host (nvidia-smi: {said[-1]})",
+            "run the bundle on a GPU host with its driver loaded",
+        )
+    return done.stdout
+
+
+def check_host(manifest: dict) -> None:
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if here != manifest["python"]:
+        raise ForkError(
+            f"this python3 is {platform.python_version()}; the bundle was made for "
+            f"Python {manifest['python']}",
+            "run it with that Python (PYTHON=... bash run.sh), or make a bundle for "
+            "this host: `bash run.sh --inventory > host.txt`, then `make gpu-bundle "
+            "GPU_HOST=host.txt` on the build machine",
+        )
+    libc, version = platform.libc_ver()
+    if libc != "glibc" or _numbers(version) < _numbers(manifest["glibc"]):
+        raise ForkError(
+            f"this host's C library is {libc or 'unknown'} {version}; the bundle's "
+            f"packages need glibc {manifest['glibc']} or newer",
+            "make a bundle for this host: `bash run.sh --inventory > host.txt`, then "
+            "`make gpu-bundle GPU_HOST=host.txt`",
+        )
+    for name in ("torch", "triton"):
+        try:  # this interpreter's own environment: the bundle is not on its path
+            have = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            have = None
+        want = manifest[name]
+        public, _, local = (have or "").partition("+")
+        if public != want or (
+            name == "torch" and local not in ("", manifest["cuda_label"])
+        ):
+            raise ForkError(
+                f"this host's {name} is {have or 'not installed'}; the bundle needs "
+                f"{want} (the fork's CUDA lock)",
+                f"install {name}=={want} in this python3, or use a host that has it",
+            )
+
+
+def _numbers(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split(".") if part.isdigit())
+
+
+def _output(*command: str) -> str:
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    return done.stdout.strip()
+
+
+def inventory() -> str:
+    """A host file for `make gpu-bundle GPU_HOST=FILE`: Python, torch, GPUs, driver,
+    toolkit as comments, then every distribution this python3 has, as `pip freeze` lists
+    them."""
+    lines = [
+        f"# python: {platform.python_version()}",
+        f"# executable: {sys.executable}",
+        f"# glibc: {'.'.join(platform.libc_ver()[1].split('.')[:2])}",
+    ]
+    try:
+        import torch
+
+        lines.append(
+            f"# torch: {torch.__version__} (CUDA {torch.version.cuda}), "
+            f"sees {torch.cuda.device_count()} GPU(s)"
+        )
+    except Exception as exc:  # an inventory reports, it does not fail
+        lines.append(f"# torch: does not import ({type(exc).__name__}: {exc})")
+    try:
+        gpus = query_gpus().strip().splitlines()
+        lines += [f"# gpu: {row}" for row in gpus]
+        driver = _output(
+            "nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"
+        )
+        lines.append(f"# driver: {driver.split()[0] if driver else 'unknown'}")
+    except ForkError as exc:
+        lines.append(f"# gpu: none ({exc.cause})")
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        release = _output(nvcc, "--version").splitlines()
+        lines.append(f"# nvcc: {nvcc}: {release[-1] if release else 'unknown'}")
+    else:
+        lines.append("# nvcc: not on PATH")
+    dists = {
+        d.metadata["Name"]: d.version
+        for d in importlib.metadata.distributions()
+        if d.metadata["Name"]
+    }
+    lines += [
+        f"{name}=={version}"
+        for name, version in sorted(dists.items(), key=lambda i: i[0].lower())
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# --- the parts ------------------------------------------------------------------------
+
+
+def present(manifest: dict, bundle: Path) -> list[str]:
+    """The components whose part has arrived, every archive checked by sha256. Part 1
+    must be whole; a later part's folder that is there must hold good archives."""
+    components = []
+    for part in manifest["parts"]:
+        folder = bundle / part["name"]
+        if not folder.is_dir():
+            if part["name"] == "part-1":
+                raise ForkError(f"{folder} is missing", "transfer part 1 again")
+            continue
+        for name in part["components"]:
+            entry = manifest["components"][name]
+            archive = bundle / entry["archive"]
+            if not archive.is_file():
+                raise ForkError(
+                    f"{archive} is missing from {part['name']}",
+                    f"transfer {part['name']} again (all of {folder.name}/)",
+                )
+            if sha256_file(archive) != entry["sha256"]:
+                raise ForkError(
+                    f"{archive} is damaged (its sha256 is not the manifest's)",
+                    f"transfer {part['name']} again",
+                )
+            components.append(name)
+    return components
+
+
+def _extract(archive: Path, root: Path, listing: Path) -> None:
+    """Unpack ARCHIVE into ROOT (regular files only, every path inside ROOT); its file
+    list goes to LISTING."""
+    with tarfile.open(archive, "r:xz") as tar:
+        for number, member in enumerate(tar):
+            if number == 0:
+                if member.name != FILE_LIST or not member.isfile():
+                    raise ForkError(
+                        f"{archive.name} does not start with its file list",
+                        "rebuild the bundle: make gpu-bundle",
+                    )
+                listing.write_bytes(tar.extractfile(member).read())
+                continue
+            target = (root / member.name).resolve()
+            if not member.isfile() or not target.is_relative_to(root.resolve()):
+                raise ForkError(
+                    f"{archive.name} holds {member.name!r}, which is not a plain file "
+                    "inside the bundle",
+                    "rebuild the bundle: make gpu-bundle",
+                )
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tar.extractfile(member) as src, open(target, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+            target.chmod(member.mode & 0o755 | 0o644)
+
+
+def install(manifest: dict, bundle: Path, dest: Path, components: list[str]) -> None:
+    """Unpack COMPONENTS into DEST (those unpacked before, by their stamp, are not
+    unpacked again), then hold every file of each to its archive's file list."""
+    stamps = dest / ".unpacked"
+    stamps.mkdir(parents=True, exist_ok=True)
+    for name in components:
+        entry = manifest["components"][name]
+        stamp, listing = stamps / entry["sha256"], stamps / f"{entry['sha256']}.sha256"
+        root = dest / entry["root"]
+        if not (stamp.exists() and listing.exists()):
+            log.step(
+                f"bundle: unpacking {entry['archive']} "
+                f"({entry['bytes'] / 2**20:.1f} MiB)"
+            )
+            _extract(bundle / entry["archive"], root, listing)
+        lines = (line.partition("  ") for line in listing.read_text().splitlines())
+        files = {path: digest for digest, _, path in lines}  # `sha256sum` lines
+        bad = [
+            path
+            for path, digest in files.items()
+            if not (root / path).is_file() or sha256_file(root / path) != digest
+        ]
+        if bad or len(files) != entry["files"]:
+            stamp.unlink(missing_ok=True)
+            raise ForkError(
+                f"{len(bad) or 'some'} file(s) of {name} in {dest} are not as its "
+                f"archive lists them, e.g. {(bad or ['the list'])[0]}",
+                f"remove {dest} and run again",
+            )
+        stamp.write_text(name + "\n")
+    log.step(f"bundle: {len(components)} component(s) in {dest}, every file verified")
+
+
+def stand_ins(manifest: dict, components: list[str]) -> list[str]:
+    """The modules the runner stands in for: those of fork.toml [gpu_bundle] stand_in
+    whose component has not arrived (forkbuild/gpu/bundle/standin.py)."""
+    table = manifest.get("stand_in", {})
+    return sorted(table[c] for c in table if c not in components)
+
+
+def case_args(nodes: list[str], standing_in: list[str] = ()) -> list[str]:
+    """pytest's arguments for NODES: forked, each case under CASE_LIMIT_S
+    (pytest-timeout in the forked child, as the nightly runs it:
+    docs/gpu-nightly.md); with the stand-ins' plugin where modules are stood in for."""
+    limit = [
+        f"--timeout={CASE_LIMIT_S}" if a.startswith("--timeout=") else a
+        for a in gpu_required.PER_CASE_TIMEOUT
+    ]
+    standin = ["-p", bundle_standin.__name__] if standing_in else []
+    return [*PLUGINS, *standin, "--forked", "-v", "-rs", *limit, *nodes]
+
+
+def case_env(dest: Path, standing_in: list[str] = ()) -> dict[str, str]:
+    # Always set: a value inherited from the caller never stands in for what arrived.
+    return {
+        **OFFLINE,
+        "VLLM_OFFLOAD_E2E_MODELS": str(dest / "models"),
+        bundle_standin.ENV: ",".join(standing_in),
+    }
+
+
+def pythonpath(dest: Path, runner: bool = False) -> str:
+    """The cases' path: the tree, the bundle's site, and the runner's own modules where
+    RUNNER (the stand-ins' plugin)."""
+    return os.pathsep.join(
+        [str(dest / "tree"), str(dest / "site"), *([RUNNER] if runner else [])]
+    )
+
+
+def probe(platform_too: bool) -> dict:
+    """What `import vllm` gives with the bundle first on sys.path (`probe`
+    subcommand), with the stand-ins FORK_BUNDLE_STAND_INS names."""
+    standing_in = bundle_standin.install(bundle_standin.from_env())
+    import vllm
+
+    module = importlib.util.find_spec(
+        fixcheck.MODULE_PATH[:-3].replace("/", ".")
+    ).origin
+    found = {
+        "vllm": vllm.__file__,
+        "version": importlib.metadata.version("vllm"),
+        "verdict": fixcheck.classify(Path(module).read_text()),
+        "module": module,
+        "stand_ins": standing_in,
+    }
+    if platform_too:  # resolving the CUDA platform loads the cache ops' extension
+        from vllm.platforms import current_platform
+
+        found["platform"] = type(current_platform).__name__
+        found["cuda"] = current_platform.is_cuda()
+    return found
+
+
+def check_vllm(
+    manifest: dict, dest: Path, components: list[str], standing_in: list[str] = ()
+) -> dict:
+    platform_too = set(manifest["every_case"]) <= set(components)
+    report = dest / "probe.json"  # a file: vLLM logs to stdout
+    report.unlink(missing_ok=True)
+    flag = "1" if platform_too else "0"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "forkbuild.gpu.bundle.runner",
+            "probe",
+            flag,
+            str(report),
+        ],
+        env={
+            **os.environ,
+            **case_env(dest, standing_in),
+            "PYTHONPATH": pythonpath(dest, runner=True),
+        },
+        cwd=dest / "tree",
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0 or not report.is_file():
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ForkError(
+            f"the bundle's vLLM does not import: {last}",
+            "a package is missing from the bundle or the host's differs: "
+            "make a bundle for this host (bash run.sh --inventory)",
+        )
+    found = json.loads(report.read_text())
+    problems = []
+    if not Path(found["vllm"]).resolve().is_relative_to((dest / "site").resolve()):
+        problems.append(f"`import vllm` gives {found['vllm']}, not the bundle's")
+    if found["version"] != manifest["fork_version"]:
+        problems.append(f"vLLM's version is {found['version']}")
+    if found["verdict"] != "fixed":
+        problems.append(f"{fixcheck.FUNCTION} is {found['verdict']}")
+    if platform_too and not found.get("cuda"):
+        problems.append(f"vLLM picks {found.get('platform')}, not its CUDA platform")
+    if sorted(found["stand_ins"]) != sorted(standing_in):
+        problems.append(
+            f"the probe stood in for {found['stand_ins'] or 'nothing'}, the runner for "
+            f"{list(standing_in) or 'nothing'}"
+        )
+    if problems:
+        raise ForkError(
+            "; ".join(problems),
+            "remove other vLLM installs from PYTHONPATH, or rebuild the bundle",
+        )
+    return found
+
+
+# --- the cases ------------------------------------------------------------------------
+
+
+def plan(
+    manifest: dict, required: tuple[str, ...], components: list[str]
+) -> tuple[list[str], dict[str, str]]:
+    """The required cases the parts present allow, and why each other one does not
+    run."""
+    have = set(components)
+    where = {
+        name: part["name"] for part in manifest["parts"] for name in part["components"]
+    }
+    runnable, apart = [], {}
+    for node in required:
+        if node in manifest["not_carried"]:
+            apart[node] = f"not in the bundle: {manifest['not_carried'][node]}"
+        elif node not in manifest["needs"]:
+            apart[node] = "not in the bundle: the manifest does not list what it needs"
+        else:
+            missing = [
+                c
+                for c in manifest["every_case"] + manifest["needs"][node]
+                if c not in have
+            ]
+            if missing:
+                parts = sorted({where[c] for c in missing})
+                apart[node] = f"needs {', '.join(parts)} (not transferred yet)"
+            else:
+                runnable.append(node)
+    return runnable, apart
+
+
+def run(bundle: Path, out: Path) -> int:
+    manifest = read_manifest(bundle)
+    gpus = query_gpus()  # before anything else: without a GPU there is nothing to do
+    check_host(manifest)
+    components = present(manifest, bundle)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpus.csv").write_text(gpus)
+    kind, required = gpu_required.select(
+        gpu_required.parse_nvidia_smi(gpus, os.environ.get("CUDA_VISIBLE_DEVICES")),
+        gpu_required.from_data(manifest["gpu"]),
+    )
+    dest = home(bundle)
+    install(manifest, bundle, dest, components)
+    standing_in = stand_ins(manifest, components)
+    found = check_vllm(manifest, dest, components, standing_in)
+    log.step(
+        f"bundle: vLLM {found['version']} from {dest / 'site'} carries the fix; "
+        f"{kind.name}: {len(required)} required case(s)"
+        + (f"; stand-in for {', '.join(standing_in)}" if standing_in else "")
+    )
+    runnable, apart = plan(manifest, required, components)
+    for node, why in apart.items():
+        print(f"{node}: {why}")
+    outcome = pytest_runner.Outcome({})
+    if runnable:
+        outcome = pytest_runner.run_pytest(
+            Path(sys.executable),
+            dest / "tree",
+            case_args(runnable, standing_in),
+            out / "gpu-tests.xml",
+            pythonpath=pythonpath(dest, runner=bool(standing_in)),
+            extra_env=case_env(dest, standing_in),
+            timeout_s=RUN_LIMIT_S,
+        )
+    return conclude(
+        manifest, kind, runnable, apart, components, outcome, out, standing_in
+    )
+
+
+def conclude(
+    manifest: dict,
+    kind: gpu_required.Kind,
+    runnable: list[str],
+    apart: dict[str, str],
+    components: list[str],
+    outcome: pytest_runner.Outcome,
+    out: Path,
+    standing_in: list[str] = (),
+) -> int:
+    not_run = gpu_required.not_run(runnable, [outcome])
+    failed = outcome.failed + outcome.errors
+    parts = [
+        p["name"] for p in manifest["parts"] if set(p["components"]) <= set(components)
+    ]
+    line = (
+        f"{outcome.passed} passed, {failed} failed, {outcome.skipped} skipped, "
+        f"{len(apart)} required not run here"
+    )
+    summary = {
+        "gpu_kind": kind.name,
+        "parts_present": parts,
+        "cases": outcome.cases,
+        "skip_reasons": outcome.reasons,
+        "required_not_run": not_run,
+        "killed": outcome.killed,
+        "not_run_here": apart,
+        "stand_ins": list(standing_in),
+        "junit": "gpu-tests.xml",
+        "summary": line,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    for problem in (*([outcome.killed] if outcome.killed else []), *not_run):
+        print(problem)
+    if not runnable:
+        line += f" (parts present: {', '.join(parts)}: none of them runs a case yet)"
+    if apart:
+        line += " (listed above; the nightly's verdict needs them too)"
+    if standing_in:
+        line += f" (stand-in for {', '.join(standing_in)} until its part arrives)"
+    (out / "summary.txt").write_text(line + "\n")
+    print(line, flush=True)
+    return 1 if failed or not_run or outcome.killed else 0
+
+
+def main(argv: list[str]) -> int:
+    try:
+        if argv[:1] == ["inventory"]:
+            print(inventory(), end="")
+            return 0
+        if argv[:1] == ["probe"] and len(argv) == 3:
+            Path(argv[2]).write_text(json.dumps(probe(argv[1] == "1")))
+            return 0
+        if argv[:1] == ["install"] and len(argv) == 3:
+            bundle, dest = Path(argv[1]).resolve(), Path(argv[2]).resolve()
+            manifest = read_manifest(bundle)
+            install(manifest, bundle, dest, present(manifest, bundle))
+            print(pythonpath(dest))
+            return 0
+        if argv[:1] == ["run"] and len(argv) == 3:
+            # Resolved here: pytest runs in the unpacked tree, not where run.sh ran.
+            return run(Path(argv[1]).resolve(), Path(argv[2]).resolve())
+    except ForkError as exc:
+        print(f"run.sh: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, tarfile.TarError, EOFError) as exc:  # lzma's errors are OSErrors
+        print(
+            f"run.sh: {type(exc).__name__}: {exc} -- check the disk under "
+            "FORK_BUNDLE_HOME (default /tmp) and transfer the parts again",
+            file=sys.stderr,
+        )
+        return 2
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,298 @@
+"""The CUDA route checked on a machine without a GPU (part of `make test`).
+
+The nightly GPU job is the only place the CUDA route runs for real, and most of what can
+break there is not the GPU. This checks here:
+
+1. `forkbuild install --route cuda` in build/cuda-route, as a GPU host runs it (the CUDA
+   lock, the patched tree, the editable install on the official CUDA wheel, its own
+   `import vllm` probe);
+2. a stand-in for the driver library, generated from the wheel's own undefined driver
+   symbols (forkbuild/gpu/driver_stub.py), on LD_LIBRARY_PATH of this check's processes;
+3. every compiled extension of the wheel that this Python can load: in the tree byte for
+   byte as the wheel's RECORD says, and loaded against the locked torch;
+4. FlashInfer's JIT toolchain (forkbuild/gpu/cuda_toolchain.py);
+5. the GPU tests collected under that build, each skipped for lack of a device, every
+   node id the nightly requires among them; the kernel test's calls with CPU tensors up
+   to the real ops' dispatch ([tests] cuda_route in fork.toml).
+It ends in one line: `cuda route without a GPU: ...`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+from forkbuild.core import log, pytest_runner
+from forkbuild.core.errors import ForkError, run_or_fail
+from forkbuild.core.pins import REPO_ROOT, Pins, build_dir
+from forkbuild.gpu import cuda_toolchain, driver_stub
+from forkbuild.gpu import required as gpu_required
+from forkbuild.setup import fetch, lock
+
+
+def home() -> Path:
+    return build_dir() / "cuda-route"
+
+
+@dataclass(frozen=True)
+class Result:
+    extensions_loaded: int
+    extensions: int
+    other_pythons: int  # the wheel's extensions built for other Python versions
+    jit_modules: int  # FlashInfer modules whose JIT build graph resolved
+    gpu_cases: pytest_runner.Outcome
+    calls: pytest_runner.Outcome
+    route: tuple[Path, Path, Path]  # the CUDA venv's python, the tree, the driver stub
+
+    def line(self) -> str:
+        return (
+            f"cuda route without a GPU: {self.extensions_loaded} of {self.extensions} "
+            f"compiled extensions load ({self.other_pythons} more are for other "
+            f"Pythons), FlashInfer's JIT on the lock's nvcc ({self.jit_modules} module "
+            f"build graphs), {len(self.gpu_cases.cases)} GPU cases collected and "
+            f"skipped without a device, kernel calls up to dispatch: {self.calls}"
+        )
+
+
+def install_cuda_route(pins: Pins, results: Path) -> tuple[Path, Path]:
+    """Run the install step itself, for the CUDA route, in build/cuda-route: what a GPU
+    host runs, minus the GPU. Returns (python, tree)."""
+    report = results / "cuda-route-install.log"
+    log.step(
+        f"cuda route: forkbuild install --route cuda in {home()} (report: {report})"
+    )
+    run_or_fail(
+        [sys.executable, "-m", "forkbuild", "install", "--route", "cuda"]
+        + ["--without-gpu"],
+        "the CUDA route's install failed",
+        report=report,
+        cwd=REPO_ROOT,
+        env={**os.environ, "VLLM_FORK_BUILD": str(home())},
+    )
+    python = home() / "venv" / "bin" / "python"
+    tree = home() / f"vllm-{pins.upstream_version}"
+    if not (python.exists() and tree.is_dir()):
+        raise ForkError(
+            f"the CUDA route's install left no {python} or {tree}", f"see {report}"
+        )
+    return python, tree
+
+
+def build_driver_stub(python: Path, tree: Path) -> Path:
+    """build/cuda-route/driver-stub/libcuda.so.1 for the extensions in TREE."""
+    out = home() / "driver-stub"
+    done = run_or_fail(
+        [str(python), "-m", "forkbuild.gpu.driver_stub", str(tree), str(out)],
+        "could not build the driver stub",
+        "the check needs a C compiler (cc or gcc) and the CUDA venv's pyelftools",
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    log.step(f"cuda route: {done.stdout.strip()}")
+    return out
+
+
+def stub_env(stub: Path) -> dict[str, str]:
+    """The environment of this check's processes: the stub found before any other
+    libcuda.so.1."""
+    paths = [str(stub), *filter(None, os.environ.get("LD_LIBRARY_PATH", "").split(":"))]
+    return {"LD_LIBRARY_PATH": ":".join(paths)}
+
+
+def load_extensions(
+    python: Path,
+    tree: Path,
+    wheel: Path,
+    stub: Path,
+    only: tuple[str, ...] = (),
+    pythonpath: str = "",
+) -> dict:
+    """forkbuild/setup/load_extensions.py in PYTHON's environment with the stub: every
+    extension of WHEEL (or ONLY those) from TREE, checked against RECORD and loaded."""
+    path = os.pathsep.join(filter(None, [pythonpath, str(REPO_ROOT)]))
+    done = run_or_fail(
+        [
+            str(python),
+            "-m",
+            "forkbuild.setup.load_extensions",
+            str(wheel),
+            str(tree),
+            *only,
+        ],
+        "the CUDA build's extension check crashed",
+        "read the error above: the locked torch or the wheel may not match",
+        tail=600,
+        cwd=tree,
+        env={**os.environ, **stub_env(stub), "PYTHONPATH": path},
+    )
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if result["failed"]:
+        bad = "; ".join(f"{path}: {why}" for path, why in result["failed"].items())
+        raise ForkError(
+            f"compiled extensions of the CUDA wheel do not load: {bad}",
+            "the locked torch must be the one the wheel was built against",
+        )
+    if result["cuda_available"]:
+        raise ForkError(
+            "torch reports a GPU through the driver stub",
+            "the stub must answer every driver call with CUDA_ERROR_NO_DEVICE",
+        )
+    missing = [op for op, schema in result["ops"].items() if not schema]
+    if missing:
+        raise ForkError(
+            f"the CUDA build registers no {', '.join(missing)}",
+            "the kernel test calls these ops: check the wheel's extensions",
+        )
+    return result
+
+
+def check_flashinfer_jit(python: Path, stub: Path, results: Path) -> int:
+    """FlashInfer's JIT in the nightly's environment (forkbuild/gpu/cuda_toolchain.py),
+    the driver stub standing in for libcuda.so.1. Returns the modules checked."""
+    venv = python.parent.parent
+    nvcc_version = cuda_toolchain.check_lock_pins(
+        lock.path("cuda", lock.running_python())
+    )
+    cuda_toolchain.make_link_dir(venv, nvcc_version, stub / driver_stub.SONAME)
+    env = cuda_toolchain.toolchain_env(venv, nvcc_version)
+    missing = cuda_toolchain.missing_tools(env, cuda_toolchain.link_dir(venv))
+    if missing:
+        raise ForkError(
+            f"the CUDA lock's toolchain is incomplete: {', '.join(missing)}",
+            "check the CUDA lock's nvidia-cuda-* and ninja pins",
+        )
+    return cuda_toolchain.probe_flashinfer_jit(
+        python,
+        {**env, **stub_env(stub)},
+        nvcc_version,
+        home() / "flashinfer-jit",
+        results / "cuda-route-flashinfer-jit.log",
+    )
+
+
+def run_gpu_tests(
+    pins: Pins, python: Path, tree: Path, stub: Path, results: Path
+) -> tuple[pytest_runner.Outcome, pytest_runner.Outcome]:
+    """The GPU tests and the serve test collected under the CUDA build (each case must
+    skip for lack of a device, with a reason), and the kernel-call module (must pass).
+    The GPU modules and the kernel calls share one pytest run (one vLLM import less)."""
+    env = stub_env(stub)
+    in_tree = pytest_runner.run_pytest(
+        python,
+        tree,
+        ["-rfEs", *pins.gpu_tests, *pins.cuda_route_tests],
+        results / "cuda-route-tests.xml",
+        output=results / "cuda-route-tests.log",
+        extra_env=env,
+    )
+    # The required cases of forkbuild's own tests (the serve test), from the GPU table.
+    own = sorted(
+        {c.split("::")[0] for c in gpu_required.load().all_required()}
+        - set(pins.gpu_tests)
+    )
+    serve = pytest_runner.run_pytest(
+        python,
+        REPO_ROOT,
+        ["-rs", *own],
+        results / "cuda-route-serve-gpu.xml",
+        pythonpath=REPO_ROOT,
+        output=results / "cuda-route-serve-gpu.log",
+        extra_env=env,
+    )
+    calls = part_of(in_tree, pins.cuda_route_tests)
+    gpu = part_of(in_tree, pins.gpu_tests)
+    collected = pytest_runner.Outcome(
+        {**gpu.cases, **serve.cases}, {**gpu.reasons, **serve.reasons}
+    )
+    return collected, calls
+
+
+def part_of(
+    outcome: pytest_runner.Outcome, modules: tuple[str, ...]
+) -> pytest_runner.Outcome:
+    """The cases of OUTCOME in MODULES."""
+    cases = {c: s for c, s in outcome.cases.items() if c.split("::")[0] in modules}
+    return pytest_runner.Outcome(
+        cases, {c: r for c, r in outcome.reasons.items() if c in cases}
+    )
+
+
+# How every GPU module's skipif reason for lack of a device starts: anything else (an
+# FA3 that does not import, a missing package) is not "no GPU here".
+NO_DEVICE = "needs an NVIDIA GPU"
+
+
+def check_skipped(
+    collected: pytest_runner.Outcome,
+    results: Path,
+    *,
+    where: str = "the CUDA build",
+    logs: str = "",
+    required: Collection[str] | None = None,
+) -> None:
+    """Every GPU case skipped, each for lack of a device: an import error or a missing
+    module would also skip (or error), and would only show on the GPU runner. Every node
+    id of REQUIRED (default: every one the nightly requires) must be among them."""
+    logs = logs or (
+        f"{results / 'cuda-route-tests.log'} and {results / 'cuda-route-serve-gpu.log'}"
+    )
+    not_skipped = [c for c, status in collected.cases.items() if status != "skipped"]
+    if not collected.cases or not_skipped:
+        raise ForkError(
+            f"the GPU tests under {where} did not all skip without a GPU: {collected}"
+            + (f", e.g. {not_skipped[0]}" if not_skipped else ""),
+            f"see {logs}",
+        )
+    wrong = {c: r for c, r in collected.reasons.items() if not r.startswith(NO_DEVICE)}
+    if wrong:
+        case, why = next(iter(wrong.items()))
+        raise ForkError(
+            f"{len(wrong)} GPU case(s) skipped under {where} for another reason than "
+            f"the missing GPU, e.g. {case}: {why}",
+            "that reason would skip them on the GPU runner too: fix the import or "
+            "install",
+        )
+    gpu_required.check_collected(collected.cases, required)
+
+
+def check(pins: Pins, results: Path) -> Result:
+    from forkbuild.core import preflight
+
+    if preflight.has_nvidia_gpu():  # the stub is for machines without a driver only
+        raise ForkError(
+            "this machine has a GPU: the CUDA route runs for real there",
+            "run `make nightly`",
+        )
+    python, tree = install_cuda_route(pins, results)
+    wheel = fetch.artifacts_dir() / pins.routes["cuda"].wheel.filename
+    stub = build_driver_stub(python, tree)
+    loaded = load_extensions(python, tree, wheel, stub)
+    log.step(
+        f"cuda route: {len(loaded['loaded'])} compiled extensions load against the "
+        "locked torch through the driver stub"
+    )
+    jit_modules = check_flashinfer_jit(python, stub, results)
+    log.step(
+        f"cuda route: FlashInfer's JIT finds the lock's nvcc and ninja; {jit_modules} "
+        "paged prefill build graphs resolve, a CUDA file compiles and links"
+    )
+    collected, calls = run_gpu_tests(pins, python, tree, stub, results)
+    check_skipped(collected, results)
+    if calls.failed or calls.errors or calls.skipped or not calls.passed:
+        raise ForkError(
+            f"the kernel test's calls do not reach the CUDA ops' dispatch: {calls}",
+            f"see {results / 'cuda-route-tests.log'}",
+        )
+    return Result(
+        len(loaded["loaded"]),
+        loaded["candidates"],
+        len(loaded["other_pythons"]),
+        jit_modules,
+        collected,
+        calls,
+        (python, tree, stub),
+    )

@@ -1,0 +1,284 @@
+"""The CUDA lock's toolchain for the GPU runs, as the nightly GPU job and `make test`'s
+CUDA route check both need it: the lock's pins (nvcc and the CUDA headers of one CUDA
+version, ninja, pytest-timeout), the host compilers an agent must bring, CUDA_HOME, the
+link names FlashInfer's JIT links against, and the JIT probe (flashinfer_jit_probe.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+
+from forkbuild.core import log
+from forkbuild.core.errors import ForkError
+from forkbuild.core.pins import REPO_ROOT
+from forkbuild.setup import install, lock
+
+# What the GPU runs need from the CUDA lock: FlashInfer 0.6.13 JIT-compiles its paged
+# prefill and decode modules with nvcc (nvidia-cuda-nvcc, its cicc in nvidia-nvvm, the
+# headers of nvidia-cuda-crt and nvidia-cuda-runtime) and a bare `ninja` from PATH, and
+# links them against libcudart; pytest-timeout gives PER_CASE_TIMEOUT.
+LOCK_PINS = (
+    "ninja",
+    "nvidia-cuda-nvcc",
+    "nvidia-nvvm",
+    "nvidia-cuda-crt",
+    "nvidia-cuda-runtime",
+    "pytest-timeout",
+)
+
+
+def check_lock_pins(lock_file: Path) -> str:
+    """Fail unless LOCK_FILE pins every package of LOCK_PINS; return nvcc's version.
+    Read from the lock before minutes of install, not found missing after it."""
+    if not lock_file.is_file():
+        raise ForkError(f"{lock_file} is missing", "run `make lock` and commit locks/")
+    pinned = lock.pinned(lock_file)
+    missing = [name for name in LOCK_PINS if name not in pinned]
+    if missing:
+        raise ForkError(
+            f"{lock_file.name} does not pin {', '.join(missing)}, which the GPU tests "
+            "need (FlashInfer's JIT builds: nvcc and ninja; the per-case time limit: "
+            "pytest-timeout)",
+            "add them to fork.toml ([toolchain] test or [routes.cuda] extra) and run "
+            "`make lock`",
+        )
+    nvcc, runtime = pinned["nvidia-cuda-nvcc"], pinned["nvidia-cuda-runtime"]
+    # FlashInfer's CCCL (cuda/std/__cccl/cuda_toolkit.h) stops every JIT build whose
+    # nvcc is not of the CUDA major.minor of the toolkit headers (cuda_runtime_api.h,
+    # from nvidia-cuda-runtime, which torch pins): "CUDA compiler and CUDA toolkit
+    # headers are incompatible".
+    if _major_minor(nvcc) != _major_minor(runtime):
+        raise ForkError(
+            f"{lock_file.name} pins nvidia-cuda-nvcc {nvcc} but nvidia-cuda-runtime "
+            f"{runtime}: FlashInfer's JIT builds refuse an nvcc of another CUDA "
+            "version than the headers",
+            f"pin nvidia-cuda-nvcc, nvidia-nvvm and nvidia-cuda-crt of CUDA "
+            f"{'.'.join(_major_minor(runtime))} in fork.toml [routes.cuda] and run "
+            "`make lock`",
+        )
+    return nvcc
+
+
+def _major_minor(version: str) -> tuple[str, str]:
+    major, minor, *_ = version.split(".") + ["0"]
+    return major, minor
+
+
+def _resolves(command: str | None, path: str) -> bool:
+    """Whether COMMAND (a name, a path, or a command line such as `ccache gcc`) is an
+    executable on PATH."""
+    words = shlex.split(command) if command else []
+    return bool(words) and shutil.which(words[0], path=path) is not None
+
+
+def missing_host_compilers(env: Mapping[str, str]) -> list[str]:
+    """The host compilers the GPU runs need and ENV lacks, each with who needs it. The
+    CUDA lock brings nvcc and ninja, not these."""
+    path, cc = env.get("PATH", ""), env.get("CC")
+    missing = []
+    # Triton 3.6 builds each kernel's launcher with $CC, else gcc, else clang (not cc).
+    triton_cc = [cc] if cc else ["gcc", "clang"]
+    if not any(_resolves(compiler, path) for compiler in triton_cc):
+        missing.append(f"{' or '.join(triton_cc)} (Triton's kernel launchers)")
+    # FlashInfer's ninja files compile its .cpp sources and link every module with $CXX.
+    cxx = env.get("CXX") or "c++"
+    if not _resolves(cxx, path):
+        missing.append(f"{cxx} (FlashInfer's JIT builds)")
+    # nvcc's host compiler: FlashInfer passes -ccbin $CC when CC is set; else nvcc runs
+    # gcc from PATH on C++ (g++'s compiler proper, which gcc alone lacks).
+    if not cc and not (_resolves("gcc", path) and _resolves("g++", path)):
+        missing.append("gcc and g++ (nvcc's host compiler)")
+    return missing
+
+
+def check_gpu_toolchain(lock_file: Path, env: Mapping[str, str] = os.environ) -> str:
+    """Before the install: the agent's host compilers and the pins of the CUDA lock that
+    the GPU runs need. Returns the lock's nvcc version (which names its toolkit
+    folder)."""
+    missing = missing_host_compilers(env)
+    if missing:
+        raise ForkError(
+            "the GPU tests need a host compiler that this agent lacks: "
+            f"{'; '.join(missing)}",
+            "install gcc and g++ on the agent (Debian/Ubuntu: apt-get install gcc "
+            "g++), or set CC/CXX; nvcc and ninja come from the CUDA lock",
+        )
+    return check_lock_pins(lock_file)
+
+
+def cuda_home(venv: Path, nvcc_version: str) -> Path:
+    """Where the lock's nvidia-cuda-* wheels put the toolkit: site-packages/nvidia/cuNN
+    with bin/nvcc, nvvm/bin/cicc, include/, and lib/libcudart.so.NN (no lib64, and no
+    unversioned libcudart.so: see link_dir)."""
+    return install.site_packages(venv) / "nvidia" / f"cu{nvcc_version.split('.')[0]}"
+
+
+def link_dir(venv: Path) -> Path:
+    """Link names for FlashInfer's `c++ ... -lcudart -lcuda`: the wheels have only
+    libcudart.so.NN and many drivers only libcuda.so.1, so libcudart.so and libcuda.so
+    point at those (the sonames torch and Triton load). In the venv, to go with it."""
+    return venv / "fork-cuda-links"
+
+
+def toolchain_env(
+    venv: Path, nvcc_version: str, base: Mapping[str, str] = os.environ
+) -> dict[str, str]:
+    """The variables the GPU runs get on top of BASE. CUDA_HOME is the lock's toolkit
+    even where the agent has its own: FlashInfer takes nvcc, headers and libcudart from
+    it, and the nightly tests the CUDA torch was built for. PATH: ninja's bin/ first."""
+    home = cuda_home(venv, nvcc_version)
+    return {
+        "PATH": os.pathsep.join(
+            [str(venv / "bin"), str(home / "bin"), *_entries(base, "PATH")]
+        ),
+        "CUDA_HOME": str(home),
+        "LIBRARY_PATH": os.pathsep.join(
+            [str(link_dir(venv)), *_entries(base, "LIBRARY_PATH")]
+        ),
+    }
+
+
+def _entries(env: Mapping[str, str], name: str) -> list[str]:
+    return [entry for entry in env.get(name, "").split(os.pathsep) if entry]
+
+
+def driver_libcuda(ldconfig_output: str) -> Path | None:
+    """The driver's libcuda.so.1 for this machine from `ldconfig -p`, as Triton finds
+    it."""
+    for line in ldconfig_output.splitlines():
+        name, _, location = line.strip().partition(" => ")
+        if name.startswith("libcuda.so.1 ") and "x86-64" in name:
+            return Path(location.strip())
+    return None
+
+
+def _ldconfig_cache() -> str:
+    search = os.pathsep.join(["/sbin", os.environ.get("PATH", os.defpath)])
+    ldconfig = shutil.which("ldconfig", path=search)
+    if ldconfig is None:
+        return ""
+    return subprocess.run(
+        [ldconfig, "-p"], capture_output=True, text=True, check=False
+    ).stdout
+
+
+def make_link_dir(venv: Path, nvcc_version: str, libcuda: Path | None) -> None:
+    """Write link_dir(VENV) afresh: libcudart.so to the lock's runtime, libcuda.so to
+    the driver's LIBCUDA (None: not found)."""
+    if libcuda is None:
+        raise ForkError(
+            "the driver's libcuda.so.1 is not in the dynamic linker's cache (ldconfig "
+            "-p): Triton and FlashInfer link their kernels' modules against it",
+            "install the NVIDIA driver's libraries on the agent (or run ldconfig)",
+        )
+    links = link_dir(venv)
+    shutil.rmtree(links, ignore_errors=True)
+    links.mkdir(parents=True)
+    cudart = f"libcudart.so.{nvcc_version.split('.')[0]}"
+    (links / "libcudart.so").symlink_to(cuda_home(venv, nvcc_version) / "lib" / cudart)
+    (links / "libcuda.so").symlink_to(libcuda)
+
+
+def missing_tools(env: Mapping[str, str], links: Path) -> list[str]:
+    """What of the installed toolchain ENV (toolchain_env) and LINKS (link_dir) lack."""
+    home, path = Path(env["CUDA_HOME"]), env["PATH"]
+    wanted = {
+        "ninja on PATH": shutil.which("ninja", path=path) is not None,
+        f"{home / 'bin' / 'nvcc'}": os.access(home / "bin" / "nvcc", os.X_OK),
+        f"{home / 'nvvm' / 'bin' / 'cicc'}": os.access(
+            home / "nvvm" / "bin" / "cicc", os.X_OK
+        ),
+    }
+    for name in ("libcudart.so", "libcuda.so"):
+        wanted[f"{links / name}"] = (links / name).exists()  # False when dangling
+    return [what for what, found in wanted.items() if not found]
+
+
+def prepare_toolchain(venv: Path, nvcc_version: str) -> dict[str, str]:
+    """After the install: the link names, then check that nvcc, cicc, ninja and the
+    libraries resolve in toolchain_env; return that environment."""
+    make_link_dir(venv, nvcc_version, driver_libcuda(_ldconfig_cache()))
+    env = toolchain_env(venv, nvcc_version)
+    if os.environ.get("CUDA_HOME", env["CUDA_HOME"]) != env["CUDA_HOME"]:
+        log.step(
+            f"nightly: CUDA_HOME={env['CUDA_HOME']} (the lock's) instead of the "
+            f"agent's {os.environ['CUDA_HOME']}"
+        )
+    missing = missing_tools(env, link_dir(venv))
+    if missing:
+        raise ForkError(
+            "the installed CUDA toolchain is incomplete, missing: "
+            f"{', '.join(missing)}",
+            "the venv does not hold what the CUDA lock pins: rerun `make install "
+            "ROUTE=cuda`",
+        )
+    return env
+
+
+def probe_flashinfer_jit(
+    python: Path, env: dict[str, str], nvcc_version: str, work: Path, report: Path
+) -> int:
+    """Run forkbuild/gpu/flashinfer_jit_probe.py in PYTHON's venv with ENV
+    (toolchain_env, plus the driver stub where there is no driver); fail naming what
+    FlashInfer's JIT would miss: on the GPU host, in seconds rather than in the first
+    FlashInfer case."""
+    venv = python.parent.parent
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    done = subprocess.run(
+        [str(python), "-m", "forkbuild.gpu.flashinfer_jit_probe", str(work)],
+        cwd=work,
+        env={
+            **os.environ,
+            **env,
+            "PYTHONPATH": str(REPO_ROOT),
+            "FLASHINFER_WORKSPACE_BASE": str(work),
+            "FLASHINFER_CUDA_ARCH_LIST": "8.0 9.0a",
+        },
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    report.write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise ForkError(
+            f"FlashInfer's JIT probe crashed: {done.stderr.strip()[-600:]}",
+            f"see {report}",
+        )
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    problems = []
+    if Path(found["cuda_home"]) != Path(env["CUDA_HOME"]):
+        problems.append(
+            f"FlashInfer takes CUDA from {found['cuda_home']}, not the lock's"
+        )
+    if not found["ninja"] or Path(found["ninja"]).parent != venv / "bin":
+        problems.append(f"ninja resolves to {found['ninja']}, not the venv's")
+    if not found["cuda_version"].startswith(nvcc_version.rsplit(".", 1)[0]):
+        problems.append(
+            f"FlashInfer reads CUDA {found['cuda_version']}, the lock pins "
+            f"{nvcc_version}"
+        )
+    problems += [
+        f"no build graph for {name}" for name, ok in found["modules"].items() if not ok
+    ]
+    if not found["compiled"]:
+        problems.append(
+            f"the lock's nvcc cannot compile and link: {found['compile_error']}"
+        )
+    # the module must need the runtime and the driver by soname
+    elif len(found["links"]) != 2:
+        problems.append(
+            f"the linked module needs only {found['links']} of libcudart, libcuda"
+        )
+    if problems:
+        raise ForkError(
+            "FlashInfer's JIT would fail on the GPU runner: " + "; ".join(problems),
+            f"see {report}",
+        )
+    return len(found["modules"])

@@ -1,0 +1,116 @@
+"""FlashInfer's JIT toolchain checked without compiling its kernels (a probe). Run in
+the CUDA venv with the nightly's toolchain environment
+(forkbuild/gpu/cuda_toolchain.py):
+
+    python -m forkbuild.gpu.flashinfer_jit_probe WORK
+
+It reports as one JSON line where FlashInfer's JIT finds CUDA, nvcc and ninja; whether
+`ninja -n` (which compiles nothing: a module takes minutes of nvcc) resolves the build
+graphs of the paged prefill modules the kernel test's wrappers ask for (FA2: Ampere's
+prefill and tensor-core decode; FA3: Hopper's prefill; sliding and full layers, bf16,
+head size 64); and whether one small CUDA file compiles and links as FlashInfer links,
+needing the runtime and the driver library by soname.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from forkbuild.gpu.driver_stub import needed_libraries
+
+# A runtime call and a driver call (one the wheel's extensions import, so the stub
+# defines it): gcc links --as-needed on Debian, so an unused -lcuda would leave no
+# trace.
+PROBE_CU = """#include <cuda_runtime.h>
+extern "C" int cuCtxGetCurrent(void **context);
+__global__ void k(float *x) { x[threadIdx.x] += 1; }
+extern "C" int probe(float *x) { void *c; cuCtxGetCurrent(&c);
+  k<<<1, 32>>>(x); return cudaGetLastError(); }
+"""
+LINKED = ("libcudart.so.13", "libcuda.so.1")
+
+
+def build_graphs() -> dict[str, bool]:
+    """Module name -> whether its ninja build graph resolves and runs nvcc."""
+    import torch
+    from flashinfer.prefill import gen_batch_prefill_module
+
+    found = {}
+    for backend in ("fa2", "fa3"):
+        for sliding in (False, True):
+            spec = gen_batch_prefill_module(
+                backend,
+                torch.bfloat16,
+                torch.bfloat16,
+                torch.bfloat16,
+                torch.int32,
+                64,
+                64,
+                0,
+                sliding,
+                False,
+                False,
+            )
+            spec.write_ninja()
+            dry = subprocess.run(
+                ["ninja", "-n", "-C", str(spec.build_dir)],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            found[spec.name] = (
+                dry.returncode == 0 and "nvcc" in spec.ninja_path.read_text()
+            )
+    return found
+
+
+def compile_and_link(cuda_home: str, work: Path) -> tuple[bool, str, list[str]]:
+    """(compiled, error, the sonames it needs of LINKED), as FlashInfer's build.ninja
+    does it: nvcc compiles, the C++ compiler links."""
+    source, obj, lib = work / "probe.cu", work / "probe.cuda.o", work / "probe.so"
+    source.write_text(PROBE_CU)
+    nvcc = os.path.join(cuda_home, "bin", "nvcc")
+    cxx = os.environ.get("CXX", "c++")
+    steps = (
+        [nvcc, "-c", "-Xcompiler", "-fPIC", "-arch=sm_80", str(source), "-o", str(obj)],
+        [cxx, "-shared", str(obj), "-o", str(lib), "-lcudart", "-lcuda"],
+    )
+    for step in steps:
+        try:
+            built = subprocess.run(step, capture_output=True, text=True, check=False)
+        except FileNotFoundError as exc:
+            return False, f"{step[0]} not found: {exc}", []
+        if built.returncode != 0:
+            return False, (built.stderr or built.stdout)[-800:], []
+    return True, "", sorted(n for n in needed_libraries(lib) if n in LINKED)
+
+
+def probe(work: Path) -> dict:
+    from flashinfer.jit import cpp_ext
+
+    cuda_home = cpp_ext.get_cuda_path()
+    compiled, error, links = compile_and_link(cuda_home, work)
+    return {
+        "cuda_home": cuda_home,
+        "ninja": shutil.which("ninja"),
+        "nvcc": shutil.which("nvcc"),
+        "cuda_version": str(cpp_ext.get_cuda_version()),
+        "modules": build_graphs(),
+        "compiled": compiled,
+        "compile_error": error,
+        "links": links,
+    }
+
+
+def main(argv: list[str]) -> int:
+    print(json.dumps(probe(Path(argv[0]))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

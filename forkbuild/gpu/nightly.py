@@ -1,0 +1,192 @@
+"""The nightly GPU job: build the fork on the CUDA route, run the GPU tests (each case
+in its own process: a kernel crash fails one case, not the job), the serve-level test
+and the offload benchmark; JUnit XML and JSON land in one folder for the pipeline.
+A case that this GPU kind must run (forkbuild/gpu/required.py) and that skipped or is
+absent fails the job like a failure: a skip is how a missing kernel shows."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from forkbuild.core import log, preflight, pytest_runner
+from forkbuild.core.errors import ForkError
+from forkbuild.core.pins import REPO_ROOT, Pins, build_dir
+from forkbuild.gpu import cuda_toolchain
+from forkbuild.gpu import required as gpu_required
+from forkbuild.gpu.required import PER_CASE_TIMEOUT
+from forkbuild.setup import install, lock
+
+BENCHMARK = REPO_ROOT / "benchmarks" / "offload_throughput_gpu.py"
+
+# Time limits, in seconds: each run stops before Buildkite's 60-minute step limit, so
+# the job always ends with its reports; INSTALL_BUDGET_S is what they leave the install
+# (a test checks the sum). Per case: gpu_required.CASE_LIMIT_S (docs/gpu-nightly.md).
+RUN_LIMITS_S = {"gpu-tests": 25 * 60, "serve": 12 * 60, "benchmark": 8 * 60}
+INSTALL_BUDGET_S = 12 * 60
+
+
+def out_dir() -> Path:
+    """FORK_NIGHTLY_OUT, a relative one taken from the repository root (where the
+    pipeline's artifact_paths are), so that pytest and the benchmark, which run in the
+    tree, write to the same place."""
+    return REPO_ROOT / (
+        os.environ.get("FORK_NIGHTLY_OUT") or build_dir() / "gpu-nightly"
+    )
+
+
+def _query_gpus() -> str:
+    return subprocess.run(
+        ["nvidia-smi", f"--query-gpu={gpu_required.NVIDIA_SMI_QUERY}", "--format=csv"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
+
+
+def run(pins: Pins) -> str:
+    # Before minutes of CUDA install: without a GPU there is nothing to run.
+    if not preflight.has_nvidia_gpu():
+        raise ForkError(
+            "no NVIDIA GPU on this machine: the nightly GPU job needs one (Ampere runs "
+            "the FA2, Triton and FlashInfer cases; Hopper adds FA3 and the FLASH_ATTN "
+            "engine cases)",
+            "run it on the GPU runner; on CPU, `make test` covers what runs without a "
+            "GPU",
+        )
+    out = out_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    gpus = _query_gpus()
+    (out / "gpus.csv").write_text(gpus)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    shown = "unset" if visible is None else repr(visible)
+    log.step(f"nightly: GPUs (CUDA_VISIBLE_DEVICES {shown})\n{gpus}")
+    # Before the install too: a GPU older than every kind has nothing it must run, and
+    # an agent without a host compiler cannot build FlashInfer's kernels.
+    kind, required = gpu_required.select(gpu_required.parse_nvidia_smi(gpus, visible))
+    log.step(f"nightly: {kind.name}, {len(required)} case(s) that must run")
+    nvcc_version = cuda_toolchain.check_gpu_toolchain(
+        lock.path("cuda", lock.running_python())
+    )
+
+    python, tree_path, _ = install.install(pins, "cuda")
+    env = cuda_toolchain.prepare_toolchain(python.parent.parent, nvcc_version)
+    check_jit(python, env, nvcc_version, out)
+    forked = ["--forked", "-v", "-rs", *PER_CASE_TIMEOUT]
+    kernels_and_engine = _run_or_note(
+        python,
+        tree_path,
+        [*forked, *pins.gpu_tests],
+        out / "gpu-tests.xml",
+        extra_env=env,
+        timeout_s=RUN_LIMITS_S["gpu-tests"],
+    )
+    serve = _run_or_note(
+        python,
+        REPO_ROOT,
+        [*forked, "forkbuild/tests/test_serve_gpu.py"],
+        out / "serve-gpu.xml",
+        pythonpath=REPO_ROOT,
+        extra_env=env,
+        timeout_s=RUN_LIMITS_S["serve"],
+    )
+    log.step("nightly: offload benchmark")
+    bench_exit, bench_stopped = pytest_runner.run_limited(
+        [str(python), str(BENCHMARK), "--out", str(out / "benchmark.json")],
+        cwd=tree_path,
+        env={**os.environ, **env, "PYTHONPATH": str(tree_path)},
+        timeout_s=RUN_LIMITS_S["benchmark"],
+    )
+    bench_killed = f"stopped after its time limit of {RUN_LIMITS_S['benchmark']} s"
+    return conclude(
+        kind,
+        required,
+        kernels_and_engine,
+        serve,
+        bench_exit,
+        out,
+        benchmark_killed=bench_killed if bench_stopped else "",
+    )
+
+
+def check_jit(python: Path, env: dict[str, str], nvcc_version: str, out: Path) -> None:
+    """FlashInfer's JIT toolchain on this agent, in seconds, before the tests: the same
+    probe as `make test`'s CUDA route check (forkbuild/gpu/cuda_route.py), here with the
+    agent's own driver and host compiler."""
+    modules = cuda_toolchain.probe_flashinfer_jit(
+        python, env, nvcc_version, out / "flashinfer-jit", out / "flashinfer-jit.log"
+    )
+    log.step(
+        f"nightly: FlashInfer's JIT finds the lock's nvcc and ninja ({modules} module "
+        "build graphs), and a CUDA file compiles and links on this agent"
+    )
+
+
+def _run_or_note(*args, **kwargs) -> pytest_runner.Outcome:
+    """run_pytest, but a run that pytest could not carry out (a collection error, an
+    internal error: exit status 2 to 5) becomes an outcome that says so, so that the
+    later runs still happen and summary.json still names what went wrong."""
+    try:
+        return pytest_runner.run_pytest(*args, **kwargs)
+    except ForkError as exc:
+        log.step(f"nightly: {exc}")
+        return pytest_runner.Outcome({}, killed=f"could not run: {exc}")
+
+
+def conclude(
+    kind: gpu_required.Kind,
+    required: tuple[str, ...],
+    gpu_tests: pytest_runner.Outcome,
+    serve: pytest_runner.Outcome,
+    benchmark_exit: int,
+    out: Path,
+    *,
+    benchmark_killed: str = "",
+) -> str:
+    """Write summary.json; return the summary line, or fail on a failure, a benchmark
+    that exited non-zero, a run stopped at its time limit, or a case KIND requires that
+    skipped or never ran (a stopped run's unfinished cases among them)."""
+    outcomes = (gpu_tests, serve)
+    not_run = gpu_required.not_run(required, outcomes)
+    failed = sum(o.failed + o.errors for o in outcomes) + (benchmark_exit != 0)
+    killed = [
+        f"{name}: {note}"
+        for name, note in (
+            ("gpu-tests.xml", gpu_tests.killed),
+            ("serve-gpu.xml", serve.killed),
+            ("benchmark", benchmark_killed),
+        )
+        if note
+    ]
+    summary = {
+        "gpu_kind": kind.name,
+        "gpu_tests": str(gpu_tests),
+        "serve": str(serve),
+        "benchmark_exit": benchmark_exit,
+        "required_not_run": not_run,
+        "killed": killed,
+        "junit": ["gpu-tests.xml", "serve-gpu.xml"],
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    passed = sum(o.passed for o in outcomes)
+    skipped = sum(o.skipped for o in outcomes)
+    xfailed = sum(o.xfailed for o in outcomes)
+    line = (
+        f"summary: {passed} passed, {failed} failed, {skipped} skipped, {xfailed} "
+        "xfailed"
+    )
+    if failed or not_run or killed:
+        for problem in (*killed, *not_run):
+            print(problem)
+        print(line)
+        raise ForkError(
+            f"the nightly GPU job failed on {kind.name}: {failed} failed (benchmark "
+            f"exit {benchmark_exit}), {len(not_run)} required case(s) did not run, "
+            f"{len(killed)} run(s) stopped at their time limit or could not run "
+            "(listed above)",
+            f"reports are in {out} (summary.json, JUnit XML); a skip reason such as an "
+            "FA3 import error points at the CUDA install",
+        )
+    return line

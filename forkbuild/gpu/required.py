@@ -1,0 +1,267 @@
+"""The GPU cases the nightly job must run, per GPU kind and GPU count.
+
+Counting failures is not enough: every GPU case skips itself when the hardware or a
+kernel is missing (FA3 that does not import, one GPU for TP=2), so a broken install on
+a Hopper runner would skip all FA3 and FLASH_ATTN cases and still leave the job green.
+fork.toml [gpu] says what each kind must run; a skip or an absence of one of those fails
+the job with pytest's reason. Standard library only: nightly.py runs on the system
+python3, and the GPU bundle's runner on a GPU host's (with the table its manifest
+carries); `make test` checks on CPU that every node id of the table is collected.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+
+from forkbuild.core.errors import ForkError
+from forkbuild.core.pytest_runner import Outcome
+
+# One case's time limit, in seconds: a FlashInfer JIT build plus its kernels, or two
+# tiny engines.
+CASE_LIMIT_S = 600
+# pytest-timeout in the forked child, thread method: the hung case alone fails and the
+# run goes on (docs/gpu-nightly.md, "Why the per-case limit is set so").
+PER_CASE_TIMEOUT = [
+    f"--timeout={CASE_LIMIT_S}",
+    "--timeout-method=thread",
+    "-o",
+    "timeout_func_only=true",
+]
+
+
+Capability = tuple[int, int]  # CUDA compute capability (major, minor): 9.0 -> (9, 0)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A GPU generation: from which compute capability, and what it must run."""
+
+    name: str
+    min_capability: Capability
+    cases: tuple[str, ...]  # required with any number of GPUs
+    multi_gpu_cases: tuple[str, ...] = ()  # required only with two GPUs or more
+    queues: tuple[tuple[str, int], ...] = ()  # the nightly's agent queues, GPUs each
+
+    def required(self, gpu_count: int) -> tuple[str, ...]:
+        return self.cases + (self.multi_gpu_cases if gpu_count >= 2 else ())
+
+
+@dataclass(frozen=True)
+class Table:
+    """fork.toml [gpu]: the GPU kinds, oldest first, and every case some kind requires
+    (node id -> its entry: the kind it is required from, its GPU count, what the GPU
+    bundle holds for it)."""
+
+    kinds: tuple[Kind, ...]
+    cases: dict[str, dict]
+
+    def all_required(self) -> set[str]:
+        """Every node id that some GPU kind, with any GPU count, requires."""
+        return set(self.cases)
+
+    def kind_of(self, capability: Capability) -> Kind | None:
+        """A GPU is of the newest kind whose minimum it reaches (so 10.0 counts as
+        Hopper and must run FA3 too; add a kind when a newer one needs other cases)."""
+        fitting = [kind for kind in self.kinds if capability >= kind.min_capability]
+        return fitting[-1] if fitting else None
+
+    def kind(self, name: str) -> Kind:
+        return next(kind for kind in self.kinds if kind.name == name)
+
+
+def _capability(text: str) -> Capability:
+    major, _, minor = text.partition(".")
+    return int(major), int(minor or 0)
+
+
+def from_data(data: dict) -> Table:
+    """The Table of fork.toml's [gpu] (as the GPU bundle's manifest also carries it): a
+    case is required from its `kind` on, with two GPUs when its `gpus` is 2."""
+    named = sorted(
+        data["kinds"].items(), key=lambda item: _capability(item[1]["capability"])
+    )
+    order = [name for name, _ in named]
+    unknown = {c["kind"] for c in data["cases"].values()} - set(order)
+    if unknown:
+        raise ForkError(
+            f"fork.toml [gpu] cases name unknown kinds: {', '.join(sorted(unknown))}",
+            f"use one of {', '.join(order)}",
+        )
+    kinds = []
+    for rank, (name, entry) in enumerate(named):
+        due = [
+            (case, c)
+            for case, c in data["cases"].items()
+            if order.index(c["kind"]) <= rank
+        ]
+        kinds.append(
+            Kind(
+                name,
+                _capability(entry["capability"]),
+                tuple(case for case, c in due if c.get("gpus", 1) == 1),
+                tuple(case for case, c in due if c.get("gpus", 1) >= 2),
+                tuple(entry["queues"].items()),
+            )
+        )
+    return Table(tuple(kinds), dict(data["cases"]))
+
+
+def load() -> Table:
+    """The table of fork.toml (the GPU bundle's runner has a fork.toml of its own)."""
+    import tomllib
+
+    from forkbuild.core.pins import PINS_FILE
+
+    return from_data(tomllib.loads(PINS_FILE.read_text())["gpu"])
+
+
+# What the nightly asks nvidia-smi (with --format=csv): index and uuid to apply
+# CUDA_VISIBLE_DEVICES, compute_cap to choose the kind; name and memory for the record.
+NVIDIA_SMI_QUERY = "index,uuid,name,compute_cap,memory.total"
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int  # nvidia-smi's index (PCI bus order)
+    uuid: str  # GPU-xxxxxxxx-...
+    capability: Capability
+
+
+def parse_gpus(csv_text: str) -> list[Gpu]:
+    """Every GPU of `nvidia-smi --query-gpu=NVIDIA_SMI_QUERY --format=csv` (with its
+    header line), whatever CUDA_VISIBLE_DEVICES says."""
+    rows = list(csv.reader(io.StringIO(csv_text), skipinitialspace=True))
+    header = [name.strip() for name in rows[0]] if rows else []
+    if not {"index", "uuid", "compute_cap"} <= set(header):
+        raise ForkError(
+            "nvidia-smi did not report the GPUs' index, uuid and compute capabilities: "
+            f"{csv_text.strip()!r}",
+            f"check the driver with `nvidia-smi --query-gpu={NVIDIA_SMI_QUERY} "
+            "--format=csv`",
+        )
+    gpus = [dict(zip(header, row)) for row in rows[1:] if row]
+    return [
+        Gpu(int(g["index"]), g["uuid"].strip(), _capability(g["compute_cap"].strip()))
+        for g in gpus
+    ]
+
+
+def visible_gpus(gpus: list[Gpu], cuda_visible_devices: str | None) -> list[Gpu]:
+    """The GPUs a CUDA process sees under CUDA_VISIBLE_DEVICES, as
+    torch.cuda.device_count() (which the TP=2 case skips on) counts them: unset, all; a
+    comma-separated list of indices, or of UUIDs or UUID prefixes when it starts with
+    `GPU-`; the list ends at the first entry that names no GPU (so an empty value means
+    none), and a GPU named twice leaves none. Indices are taken as nvidia-smi's, as
+    torch does: CUDA numbers the fastest GPU first unless CUDA_DEVICE_ORDER=PCI_BUS_ID,
+    which only differs on a host with GPUs of different kinds."""
+    if cuda_visible_devices is None:
+        return gpus
+    if cuda_visible_devices.strip().startswith("MIG-"):
+        raise ForkError(
+            f"CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} names MIG instances: the "
+            "nightly GPU job needs whole GPUs (its kinds and TP=2 count GPUs)",
+            "give the agent whole GPUs (indices or GPU- UUIDs), or unset "
+            "CUDA_VISIBLE_DEVICES",
+        )
+    by_uuid = cuda_visible_devices.strip().startswith("GPU-")
+    chosen: list[Gpu] = []
+    for entry in (part.strip() for part in cuda_visible_devices.split(",")):
+        if by_uuid:  # CUDA takes unambiguous UUID prefixes
+            found = [g for g in gpus if g.uuid.startswith(entry)]
+            gpu = found[0] if entry.startswith("GPU-") and len(found) == 1 else None
+        else:  # the leading number, parsed as strtoul does (`1gpu` is 1)
+            number = re.match(r"\+?(\d+)", entry)
+            gpu = next((g for g in gpus if number and g.index == int(number[1])), None)
+        if gpu is None:
+            break
+        if gpu in chosen:
+            return []
+        chosen.append(gpu)
+    return chosen
+
+
+def parse_nvidia_smi(
+    csv_text: str, cuda_visible_devices: str | None = None
+) -> list[Capability]:
+    """Compute capabilities, one per GPU that CUDA_VISIBLE_DEVICES (its value, None when
+    unset) exposes, from `nvidia-smi --query-gpu=NVIDIA_SMI_QUERY --format=csv`. An
+    agent pinned to one GPU of a larger host must not be asked for the TP=2 case."""
+    gpus = parse_gpus(csv_text)
+    visible = visible_gpus(gpus, cuda_visible_devices)
+    if gpus and not visible:
+        raise ForkError(
+            f"CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} leaves none of the "
+            f"{len(gpus)} GPU(s) nvidia-smi lists visible",
+            "name the agent's GPUs by index or UUID as gpus.csv lists them, "
+            "or unset it",
+        )
+    return [gpu.capability for gpu in visible]
+
+
+def select(
+    capabilities: list[Capability], table: Table | None = None
+) -> tuple[Kind, tuple[str, ...]]:
+    """The kind of this machine and the cases it must run. With mixed GPUs the weakest
+    decides: a case may land on any of them (TP=2 uses two)."""
+    table = table or load()
+    if not capabilities:
+        raise ForkError(
+            "nvidia-smi listed no GPU", "check the driver with `nvidia-smi -L`"
+        )
+    weakest = min(capabilities)
+    kind = table.kind_of(weakest)
+    if kind is None:
+        oldest = table.kinds[0]
+        raise ForkError(
+            f"compute capability {weakest[0]}.{weakest[1]} is older than {oldest.name} "
+            f"({oldest.min_capability[0]}.{oldest.min_capability[1]}): the nightly GPU "
+            "job has no cases that must run there",
+            "run the job on one of the queues of fork.toml [gpu] kinds: "
+            + ", ".join(q for kind in table.kinds for q, _ in kind.queues),
+        )
+    return kind, kind.required(len(capabilities))
+
+
+def not_run(required: Iterable[str], outcomes: Iterable[Outcome]) -> list[str]:
+    """One line per required case that was skipped (with pytest's reason) or never
+    reported. Failures and errors are not listed: the job counts those already."""
+    cases: dict[str, str] = {}
+    reasons: dict[str, str] = {}
+    for outcome in outcomes:
+        cases.update(outcome.cases)
+        reasons.update(outcome.reasons)
+    lines = []
+    for node in required:
+        status = cases.get(node)
+        if status is None:
+            lines.append(
+                f"{node}: required but not run (not collected or not reported)"
+            )
+        elif status in ("skipped", "xfailed"):
+            lines.append(
+                f"{node}: required but skipped: "
+                f"{reasons.get(node) or 'no reason given'}"
+            )
+    return lines
+
+
+def check_collected(
+    collected: Collection[str], required: Collection[str] | None = None
+) -> None:
+    """Fail unless every node id a GPU kind requires (or REQUIRED) is among COLLECTED
+    (as collected on CPU): a renamed test or parameter id must fail here, not as
+    'required but not run' on the GPU runner at night."""
+    missing = sorted(
+        set(load().all_required() if required is None else required) - set(collected)
+    )
+    if missing:
+        raise ForkError(
+            f"{len(missing)} node id(s) that the nightly GPU job requires are not "
+            "collected: " + ", ".join(missing),
+            "update fork.toml [gpu] cases to the tests' current node ids "
+            "(a renamed test or OffloadCase id), or restore the cases",
+        )

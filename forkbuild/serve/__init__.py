@@ -1,0 +1,1 @@
+"""`make serve`: vllm serve through the fork, with the embedded tiny models."""

@@ -1,0 +1,96 @@
+"""Bytecode that Python compiled in one venv or tree, kept for the next fresh one.
+
+uv installs no bytecode, so every fresh venv and tree compiled the ~2,200 modules of
+`import vllm` again (docs/setup-and-locks.md, "Bytecode"). Each .pyc is linked into the
+fork's cache under a key of what the sources came from (the lock, the sdist and
+patches), and from there into the next venv or tree made from the same sources.
+
+Safe by Python's own rule: a .pyc records its source's mtime and size and is recompiled
+when they differ (uv links the same files into every venv; the tree keeps the sdist's
+mtimes, a patched file gets a new one). Python renames a new .pyc over an old one, never
+writes into it, so a linked file is never changed through a venv. A missing or
+unwritable cache only costs the compile time.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from forkbuild.core import log
+from forkbuild.core.hashing import digest_of
+from forkbuild.core.pins import cache_dir
+
+PYCACHE = "__pycache__"
+
+
+def store(kind: str, *sources: str | bytes) -> Path:
+    """The cache folder for bytecode of KIND ("venv", "tree") made from SOURCES, for
+    this interpreter (bytecode is specific to the Python version)."""
+    return cache_dir() / "bytecode" / f"{kind}-{digest_of([sys.version, *sources])}"
+
+
+def _pyc_files(root: Path) -> list[Path]:
+    """Every .pyc in a __pycache__ folder under ROOT, relative to ROOT."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        if os.path.basename(folder) == PYCACHE:
+            dirs.clear()
+            found += [
+                Path(folder, f).relative_to(root) for f in files if f.endswith(".pyc")
+            ]
+    return found
+
+
+def _link(src: Path, dest: Path) -> None:
+    """DEST becomes SRC's file (a hard link; a copy across file systems, or where links
+    are not allowed), in one rename."""
+    partial = dest.with_name(f"{dest.name}.{os.getpid()}.partial")
+    try:
+        try:
+            os.link(src, partial)
+        except OSError:
+            shutil.copy2(src, partial)
+        os.replace(partial, dest)
+    except OSError:
+        partial.unlink(missing_ok=True)
+        raise
+
+
+def restore(root: Path, kept: Path) -> int:
+    """Link the bytecode kept in KEPT into ROOT where ROOT has the source folder and no
+    bytecode of its own yet; return how many files were linked."""
+    return _link_missing(kept, root, f"linked into {root}", source_folder_only=True)
+
+
+def keep(root: Path, kept: Path) -> int:
+    """Link into KEPT the bytecode under ROOT that KEPT lacks; return how many files."""
+    return _link_missing(root, kept, f"kept in {kept}")
+
+
+def _link_missing(
+    src: Path, dst: Path, what: str, source_folder_only: bool = False
+) -> int:
+    """Link each .pyc under SRC (none if SRC is missing) that DST lacks into DST; with
+    SOURCE_FOLDER_ONLY, only where DST has the folder above its __pycache__. Return how
+    many were linked; those that cannot be (a full or read-only cache) are skipped."""
+    linked, failed = 0, []
+    for rel in _pyc_files(src):
+        dest = dst / rel
+        if dest.exists() or (source_folder_only and not dest.parent.parent.is_dir()):
+            continue
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            _link(src / rel, dest)
+        except OSError as exc:
+            failed.append(exc)
+            continue
+        linked += 1
+    if failed:
+        log.step(
+            f"bytecode: {len(failed)} file(s) could not be {what} ({failed[0]}); "
+            "Python compiles them instead"
+        )
+    return linked

@@ -1,0 +1,93 @@
+"""Step 1: get the pinned upstream artifacts by package name with pip, verified by
+sha256.
+
+Files land in <cache>/artifacts only after their hash matched, so an interrupted or
+tampered download never looks like a good one; a second run downloads nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from forkbuild.core import log, preflight
+from forkbuild.core.errors import ForkError
+from forkbuild.core.hashing import sha256_file
+from forkbuild.core.pins import Artifact, cache_dir
+from forkbuild.setup.pip_runner import run_pip
+
+
+def artifacts_dir() -> Path:
+    return cache_dir() / "artifacts"
+
+
+def verify(path: Path, artifact: Artifact) -> None:
+    """Check a file against its pin; a mismatching file is deleted, never kept."""
+    actual = sha256_file(path)
+    if actual != artifact.sha256:
+        path.unlink(missing_ok=True)
+        raise ForkError(
+            f"sha256 mismatch for {artifact.filename}: got {actual}, fork.toml pins "
+            f"{artifact.sha256}; the file was deleted",
+            "run again to download it afresh; if it mismatches again, do not change "
+            "the pin without checking the upstream release",
+        )
+
+
+PipCommand = Path | str | Sequence[str]
+
+
+def fetch(
+    artifact: Artifact, pip: Callable[[], PipCommand], *, quiet: bool = False
+) -> Path:
+    """The verified local path of ARTIFACT, downloaded with PIP() (an interpreter or a
+    whole command, asked for only when not cached). pip prepares an sdist's metadata,
+    and vLLM's setup.py imports torch: its PIP is the venv's (no build isolation)."""
+    clean_partial_downloads()
+    target = artifacts_dir() / artifact.filename
+    if target.exists():
+        verify(target, artifact)
+        log.step(f"fetch: {artifact.filename} already cached and verified")
+        return target
+    # One file: the largest, the CUDA wheel, is 239 MiB (uv checks its own packages).
+    # Also refuses a cache that cannot be written.
+    preflight.check_disk(artifacts_dir(), 1, f"downloading {artifact.filename}")
+    log.step(
+        f"fetch: downloading {artifact.requirement} ({artifact.filename}) with pip"
+    )
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=artifacts_dir()) as tmp:
+        args = ["download", "--no-deps", "--progress-bar", "off", "-d", tmp]
+        if artifact.filename.endswith(".whl"):
+            args += ["--only-binary", ":all:"]
+        else:
+            name = artifact.requirement.split("==")[0]
+            args += ["--no-binary", name, "--no-build-isolation"]
+        run_pip(
+            pip(),
+            [*args, artifact.requirement],
+            what=f"download {artifact.requirement}",
+            quiet=quiet,
+        )
+        got = Path(tmp) / artifact.filename
+        if not got.exists():
+            saved = ", ".join(sorted(os.listdir(tmp))) or "nothing"
+            raise ForkError(
+                f"pip saved {saved}, not the pinned {artifact.filename}",
+                "the index serves different files for this requirement; "
+                "check fork.toml",
+            )
+        verify(got, artifact)
+        os.replace(got, target)
+    log.step(
+        f"fetch: {artifact.filename} verified ({target.stat().st_size / 2**20:.0f} MiB)"
+    )
+    return target
+
+
+def clean_partial_downloads() -> None:
+    """Remove temporary folders that an interrupted fetch left behind."""
+    for stale in artifacts_dir().glob(".download-*"):
+        shutil.rmtree(stale, ignore_errors=True)

@@ -1,0 +1,453 @@
+"""Step 3: build/venv holding exactly the route's lock (hash-checked, installed by uv)
+and an editable, python-only install of the patched tree on vLLM's precompiled binaries.
+
+The venv is made in build/venv.partial and moved into place only once verified, so a
+failed install leaves no half venv. VLLM_PRECOMPILED_WHEEL_LOCATION always names the
+verified local wheel: unset, vLLM 0.25.1's setup.py fetches a nightly one instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+import threading
+import urllib.parse
+import uuid
+import zipfile
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from forkbuild.core import fixcheck, log, preflight
+from forkbuild.core.errors import ForkError, run_or_fail
+from forkbuild.core.hashing import digest_of
+from forkbuild.core.pins import REPO_ROOT, Pins, Route, build_dir
+from forkbuild.setup import bytecode, fetch, lock, tree, uv
+
+TOOLCHAIN_STAMP = ".forkbuild-toolchain"
+LOCK_RECORD = ".forkbuild-lock"  # in the venv: the lock it holds (locks/cpu-py311.txt)
+INSTALL_STAMP = ".forkbuild-installed"  # inside the tree: a rebuilt tree drops it
+# In the venv: a fresh id per venv, part of the tree's install stamp, so that a venv
+# made anew never passes for one holding the tree.
+VENV_ID = ".forkbuild-venv-id"
+EDITABLE_CONFIG = ".forkbuild-uv-editable.toml"  # in the tree, git-ignored
+
+
+def venv_dir() -> Path:
+    return build_dir() / "venv"
+
+
+def venv_python() -> Path:
+    return venv_dir() / "bin" / "python"
+
+
+def pick_route(pins: Pins, requested: str | None) -> Route:
+    name = requested or ("cuda" if preflight.has_nvidia_gpu() else "cpu")
+    if name not in pins.routes:
+        raise ForkError(
+            f"unknown route {name!r}", f"use one of {', '.join(pins.routes)}"
+        )
+    return pins.routes[name]
+
+
+def refuse_without_gpu(route: Route, without_gpu: bool = False) -> None:
+    """A GPU route installed here would take a minute, replace the working CPU venv and
+    then fail on the missing driver: refuse before anything is touched, unless asked for
+    WITHOUT_GPU (the CUDA route check of `make test`, in a build folder of its own)."""
+    if route.target_device != "cuda" or without_gpu or preflight.has_nvidia_gpu():
+        return
+    raise ForkError(
+        f"the {route.name} route needs an NVIDIA GPU and its driver, and this machine "
+        "has none",
+        "here, install the CPU route (`make install`, the default without a GPU); "
+        "`make test` checks the CUDA route's build without a GPU",
+    )
+
+
+def venv_matches_lock(python: Path, lock_file: Path, pins: Pins) -> None:
+    """What the venv holds (but the editable vLLM) is exactly what the lock pins."""
+    out = uv.run(
+        pins,
+        ["pip", "freeze", "--exclude-editable", "--python", str(python)],
+        what="list the venv's packages",
+    )
+    have = lock.pinned_lines(out)
+    want = lock.pinned(lock_file)
+    if have != want:
+        diff = sorted(set(have.items()) ^ set(want.items()))
+        raise ForkError(
+            f"the venv differs from {lock_file.name} in {len(diff)} package(s), e.g. "
+            f"{'=='.join(diff[0])}",
+            f"rm -r {venv_dir()} and run again",
+        )
+
+
+def ensure_toolchain(
+    pins: Pins, route_name: str | None = None, without_gpu: bool = False
+) -> Path:
+    """build/venv with exactly the route's lock for this Python: torch, vLLM's
+    requirements, its build requirements and the test runner."""
+    preflight.check_all(pins)
+    record = venv_dir() / LOCK_RECORD
+    if route_name is None and record.is_file():
+        # A step that installs no route's binaries (tree, wheel, rebase...) keeps the
+        # venv it finds rather than rebuilding it for the default route.
+        recorded = Path(record.read_text().strip()).name.split("-py")[0]
+        route_name = recorded if recorded in pins.routes else None
+    route = pick_route(pins, route_name)
+    refuse_without_gpu(route, without_gpu)
+    lock_file = lock.path(route.name, lock.running_python())
+    if not lock_file.is_file():
+        raise ForkError(
+            f"{lock_file} is missing", "run `make lock` (needs the package index)"
+        )
+    stamp_value = digest_of([sys.version, pins.uv.sha256, lock_file.read_bytes()])
+    stamp = venv_dir() / TOOLCHAIN_STAMP
+    if (
+        stamp.exists()
+        and stamp.read_text().strip() == stamp_value
+        and venv_python().exists()
+    ):
+        log.step(f"install: venv {venv_dir()} holds {lock_file.name}")
+        return venv_python()
+    preflight.check_disk(build_dir(), 12, "the virtualenv")
+    partial = build_dir() / "venv.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    log.step(
+        f"install: creating {venv_dir()} from {lock_file.name} with uv (Python "
+        f"{lock.running_python()})"
+    )
+    python = partial / "bin" / "python"
+    try:
+        create = ["venv", "--quiet", "--relocatable", "--python", sys.executable]
+        uv.run(pins, [*create, str(partial)], what="create the venv")
+        uv.install(
+            pins,
+            ["sync", "--require-hashes", "--python", str(python), str(lock_file)],
+            what=f"the packages of {lock_file.name}",
+            lock=lock_file,
+        )
+        venv_matches_lock(python, lock_file, pins)
+        linked = bytecode.restore(site_packages(partial), venv_bytecode(lock_file))
+        if linked:
+            log.step(
+                f"install: {linked} bytecode files of earlier venvs of "
+                f"{lock_file.name} linked in"
+            )
+        (partial / LOCK_RECORD).write_text(
+            f"{lock_file.relative_to(lock_file.parent.parent)}\n"
+        )
+        (partial / VENV_ID).write_text(uuid.uuid4().hex + "\n")
+        (partial / TOOLCHAIN_STAMP).write_text(stamp_value + "\n")
+    except KeyboardInterrupt:
+        raise  # Ctrl-C: venv.partial is left to the next run, which removes it first
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    # Renames only: an interruption leaves the old venv or the new one, never a half
+    # one with its stamp (relocatable: its scripts find their python anywhere).
+    tree.swap_into_place(partial, venv_dir())
+    log.step(
+        f"install: {venv_dir()} holds exactly {lock_file.name} "
+        f"({len(lock.pinned(lock_file))} packages)"
+    )
+    return venv_python()
+
+
+def site_packages(venv: Path) -> Path:
+    return venv / "lib" / f"python{lock.running_python()}" / "site-packages"
+
+
+def venv_bytecode(lock_file: Path) -> Path:
+    return bytecode.store("venv", lock_file.read_bytes())
+
+
+def tree_bytecode(pins: Pins) -> Path:
+    return bytecode.store(
+        "tree", pins.sdist.sha256, *(p.path.read_bytes() for p in tree.read_series())
+    )
+
+
+def keep_bytecode(pins: Pins, route: Route, tree_path: Path) -> None:
+    """Keep what Python compiled in this venv and tree for the next fresh ones
+    (forkbuild/setup/bytecode.py)."""
+    bytecode.keep(
+        site_packages(venv_dir()),
+        venv_bytecode(lock.path(route.name, lock.running_python())),
+    )
+    bytecode.keep(tree_path / "vllm", tree_bytecode(pins))
+
+
+def _version_label(pins: Pins, route: Route) -> str:
+    # vLLM picks the CPU platform only when its version contains "cpu".
+    suffix = ".cpu" if route.target_device == "cpu" else ""
+    return f"{pins.fork_version}{suffix}"
+
+
+def precompiled_env(pins: Pins, route: Route, wheel: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "VLLM_TARGET_DEVICE": route.target_device,
+        "VLLM_USE_PRECOMPILED": "1",
+        "VLLM_PRECOMPILED_WHEEL_LOCATION": str(wheel),
+        "VLLM_VERSION_OVERRIDE": _version_label(pins, route),
+    }
+
+
+def install(
+    pins: Pins, route_name: str | None = None, *, without_gpu: bool = False
+) -> tuple[Path, Path, Route]:
+    """Make sure fetch, tree and the venv are complete; return (python, tree, route).
+    WITHOUT_GPU: the CUDA route without a driver, where vLLM finds no platform."""
+    route = pick_route(pins, route_name)
+    preflight.check_all(pins)
+    refuse_without_gpu(route, without_gpu)
+    python, tree_path = _venv_beside_tree(pins, route, without_gpu)
+    wheel = fetch.fetch(route.wheel, lambda: python)
+    lock.check(pins, tree_path)
+
+    stamp = tree_path / INSTALL_STAMP
+    stamp_value = install_stamp(route, tree_path)
+    if is_installed(route, tree_path):
+        # Verified by the probe when stamped; what may change since is the source.
+        verdict = fixcheck.classify((tree_path / fixcheck.MODULE_PATH).read_text())
+        if verdict != "fixed":
+            raise ForkError(
+                f"{tree_path / fixcheck.MODULE_PATH} is {verdict}, not fixed",
+                "rebuild the tree: make tree",
+            )
+        keep_bytecode(pins, route, tree_path)
+        log.step("install: the venv and the editable tree are up to date and verified")
+        return python, tree_path, route
+    stamp.unlink(missing_ok=True)
+    bytecode.restore(tree_path / "vllm", tree_bytecode(pins))
+    log.step(f"install: editable install of {tree_path} on {route.wheel.filename}")
+    config = editable_config(pins, route, tree_path)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="extensions") as pool:
+        # The per-ISA kernels setup.py leaves out are unpacked meanwhile (~200 MB on
+        # the CPU route); what it unpacks is its own to write.
+        leave = left_to_setup_py(tree_path / "setup.py")
+        adding = pool.submit(add_missing_extensions, wheel, tree_path, leave=leave)
+        uv.run(
+            pins,
+            ["pip", "install", "--quiet", "--config-file", str(config)]
+            + ["--python", str(python), "--no-deps", "--no-build-isolation"]
+            + ["--offline", "--reinstall-package", "vllm", "-e", str(tree_path)],
+            what="install the tree in editable mode",
+            extra_env=precompiled_env(pins, route, wheel),
+        )
+        adding.result()
+    # any that setup.py named and did not write
+    add_missing_extensions(wheel, tree_path)
+    check_install(python, tree_path, route, without_gpu)
+    keep_bytecode(pins, route, tree_path)
+    stamp.write_text(stamp_value + "\n")
+    return python, tree_path, route
+
+
+def is_installed(route: Route, tree_path: Path) -> bool:
+    """The tree was installed into this very venv (the stamp names the venv's id) and
+    the venv still holds it (its editable vLLM points at the tree)."""
+    stamp = tree_path / INSTALL_STAMP
+    return (
+        stamp.exists()
+        and stamp.read_text().strip() == install_stamp(route, tree_path)
+        and holds_editable(tree_path)
+    )
+
+
+def install_stamp(route: Route, tree_path: Path) -> str:
+    """The route's wheel, the tree's inputs, the venv's lock and the venv itself (its
+    id: a venv made anew has another)."""
+    venv_id = venv_dir() / VENV_ID
+    return digest_of(
+        [
+            route.name,
+            route.wheel.sha256,
+            (tree_path / ".git" / tree.INPUTS_FILE).read_text(),
+            (venv_dir() / TOOLCHAIN_STAMP).read_text(),
+            venv_id.read_text() if venv_id.exists() else "",
+        ]
+    )
+
+
+def holds_editable(tree_path: Path) -> bool:
+    """Whether the venv's vLLM is the editable install of TREE_PATH (its metadata, as
+    the install wrote it): a cheap look that needs no interpreter."""
+    for direct_url in site_packages(venv_dir()).glob(
+        "vllm-*.dist-info/direct_url.json"
+    ):
+        try:
+            info = json.loads(direct_url.read_text())
+        except (OSError, ValueError):
+            return False
+        url = urllib.parse.urlparse(info.get("url", ""))
+        if url.scheme != "file" or not info.get("dir_info", {}).get("editable"):
+            return False
+        # Resolved on both sides: uv may write it as given (VLLM_FORK_BUILD a link).
+        return Path(urllib.parse.unquote(url.path)).resolve() == tree_path.resolve()
+    return False
+
+
+def _venv_beside_tree(
+    pins: Pins, route: Route, without_gpu: bool = False
+) -> tuple[Path, Path]:
+    """The venv and the patched tree, made at the same time: the tree needs only the
+    sdist (~8 s on one core), the venv only the lock, so uv fills it on another core."""
+    venv_ready = threading.Event()
+    made: list[Path] = []
+
+    def pip_once_the_venv_exists() -> Path:
+        # Only a download of the sdist needs pip, and pip comes with the venv.
+        venv_ready.wait()
+        if not made:
+            raise ForkError(
+                "the venv could not be made, so the sdist cannot be downloaded"
+            )
+        return made[0]
+
+    stop = threading.Event()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tree") as pool:
+        making_tree = pool.submit(
+            lambda: tree.build(
+                pins, fetch.fetch(pins.sdist, pip_once_the_venv_exists), stop=stop
+            )
+        )
+        try:
+            try:
+                made.append(ensure_toolchain(pins, route.name, without_gpu))
+            finally:
+                venv_ready.set()
+            return made[0], making_tree.result()
+        except KeyboardInterrupt:
+            # Ctrl-C: the tree step stops at its next file or git command (leaving this
+            # block waits for it).
+            stop.set()
+            raise
+
+
+def editable_config(pins: Pins, route: Route, tree_path: Path) -> Path:
+    """A uv configuration giving the editable vLLM's version (`dependency-metadata`), so
+    uv runs setup.py once to build, not first to learn it (~6 s); the probe reads the
+    installed version back."""
+    config = tree_path / EDITABLE_CONFIG
+    config.write_text(
+        "# Written by forkbuild's install step (forkbuild/setup/install.py: "
+        "editable_config).\n"
+        "[[dependency-metadata]]\n"
+        'name = "vllm"\n'
+        f'version = "{_version_label(pins, route)}"\n'
+        "requires-dist = []  # installed with --no-deps: the lock holds the "
+        "dependencies\n"
+    )
+    return config
+
+
+# The CPU build's per-ISA kernels, which vLLM 0.25.1's setup.py does not unpack: the
+# only extensions unpacked while it runs.
+PER_ISA_KERNEL = re.compile(r"vllm/_C_[A-Z0-9]+\.abi3\.so")
+
+
+def left_to_setup_py(setup_py: Path) -> Callable[[str], bool]:
+    """The wheel members that the unpacking beside setup.py leaves alone: all but the
+    per-ISA kernels it does not name. (setup.py also unpacks members by pattern, the
+    Rust extensions and DeepGEMM's, so "not named" alone would race it on those.)"""
+    named = named_in(setup_py)
+    return lambda member: not PER_ISA_KERNEL.fullmatch(member) or named(member)
+
+
+def named_in(setup_py: Path) -> Callable[[str], bool]:
+    """Whether setup.py names a wheel member (in quotes): vLLM's precompiled install
+    unpacks exactly the members its setup.py lists."""
+    text = setup_py.read_text()
+    return lambda member: f'"{member}"' in text
+
+
+def add_missing_extensions(
+    wheel: Path, tree_path: Path, *, leave: Callable[[str], bool] = lambda member: False
+) -> list[str]:
+    """Copy the wheel's compiled extensions that vLLM's precompiled install left out
+    (each written beside its name, then renamed); LEAVE: those setup.py writes itself.
+
+    vLLM 0.25.1's setup.py lacks the CPU build's per-ISA `_C_AVX2` and `_C_AVX512`. The
+    CPU platform loads `_C` only where AVX-512 BF16 exists, so without them an
+    AVX2-only host has no kernels (`torch.ops._C` has no `init_cpu_memory_env`)."""
+    added = []
+    with zipfile.ZipFile(wheel) as whl:
+        for name in whl.namelist():
+            target = tree_path / name
+            if (
+                not (name.startswith("vllm/") and name.endswith(".so"))
+                or target.exists()
+                or leave(name)
+            ):
+                continue
+            partial = target.with_name(target.name + ".partial")
+            with whl.open(name) as src, open(partial, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            partial.rename(target)
+            added.append(name)
+    if added:
+        log.step(
+            f"install: added {len(added)} compiled extension(s) vLLM's setup.py "
+            "skips: " + ", ".join(Path(n).name for n in added)
+        )
+    return added
+
+
+def probe_path(tree_path: Path) -> str:
+    """PYTHONPATH of forkbuild/setup/install_probe.py: the tree first (as the tests run:
+    nothing there may shadow the installed metadata), then forkbuild."""
+    return os.pathsep.join([str(tree_path), str(REPO_ROOT)])
+
+
+def check_install(
+    python: Path, tree_path: Path, route: Route, without_gpu: bool = False
+) -> dict[str, str]:
+    """Ask the venv itself what `import vllm` gives: the tree, the fix, the platform."""
+    log.step("install: asking the venv what `import vllm` gives")
+    result = run_or_fail(
+        [str(python), "-m", "forkbuild.setup.install_probe"],
+        f"`import vllm` fails in {venv_dir()}",
+        "run `make install` again",
+        cwd=tree_path,
+        env={**os.environ, "PYTHONPATH": probe_path(tree_path)},
+    )
+    info = json.loads(result.stdout.strip().splitlines()[-1])
+    if not Path(info["vllm"]).resolve().is_relative_to(tree_path.resolve()):
+        raise ForkError(
+            f"`import vllm` resolves to {info['vllm']}, not into {tree_path}",
+            f"remove other vLLM installs from the venv (rm -r {venv_dir()}) and run "
+            "again",
+        )
+    verdict = fixcheck.classify(info["source"])
+    if verdict != "fixed":
+        raise ForkError(
+            f"the installed {fixcheck.FUNCTION} is {verdict}, not fixed",
+            "check patches/series and rebuild the tree (make tree)",
+        )
+    # Without a driver vLLM finds no platform at all (UnspecifiedPlatform, no device).
+    expected_device = (
+        "" if without_gpu and route.target_device == "cuda" else route.target_device
+    )
+    if info["device"] != expected_device:
+        raise ForkError(
+            f"vLLM detected {info['platform']} (device {info['device']!r}) on the "
+            f"{route.name} route (version {info['version']})",
+            f"rm -r {venv_dir()} and run again",
+        )
+    if info["cpu_kernels"] is False:
+        raise ForkError(
+            "vLLM's CPU kernels do not load on this host (torch.ops._C lacks "
+            "init_cpu_memory_env): the CPU engine cannot start",
+            f"check that {route.wheel.filename}'s vllm/_C*.so files are in "
+            f"{tree_path / 'vllm'}; rm -r {venv_dir()} and run again",
+        )
+    log.step(
+        f"install: verified: vllm {info['version']} from {tree_path}, "
+        f"{info['platform']}, {fixcheck.FUNCTION} carries the fix"
+    )
+    return info

@@ -1,0 +1,55 @@
+"""What `import vllm` gives in a venv (a probe for forkbuild/setup/install.py and
+forkbuild/checks/regression.py), run from inside the tree with it first on sys.path:
+
+    python -m forkbuild.setup.install_probe          one JSON line: the package, its
+                                                     version, its platform, the fixed
+                                                     module
+    python -m forkbuild.setup.install_probe origin   the file `import vllm` loads
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+# Read, not imported: importing the module costs ~8 s.
+FIXED_MODULE = "vllm.v1.worker.gpu.attn_utils"
+
+
+def probe() -> dict:
+    import vllm
+    from vllm.platforms import current_platform
+
+    cpu_kernels = None
+    if current_platform.device_type == "cpu":  # the kernels this host's ISA loads
+        import torch
+
+        current_platform.import_kernels()
+        cpu_kernels = hasattr(torch.ops._C, "init_cpu_memory_env")
+    module = importlib.util.find_spec(FIXED_MODULE).origin
+    return {
+        "vllm": vllm.__file__,
+        "module": module,
+        "version": importlib.metadata.version("vllm"),
+        "platform": type(current_platform).__name__,
+        "device": current_platform.device_type,
+        "source": Path(module).read_text(),
+        "cpu_kernels": cpu_kernels,
+    }
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["origin"]:
+        import vllm
+
+        print(vllm.__file__)
+    else:
+        print(json.dumps(probe()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,260 @@
+"""uv, the fork's one installer, at the version fork.toml pins.
+
+Bootstrap, once per cache: pip (this interpreter's, else the wheel ensurepip bundles)
+downloads the pinned uv wheel, checked against fork.toml's sha256; its `uv` binary is
+extracted and checked against the wheel's RECORD. Later runs need no network, no pip.
+
+uv keeps its downloads in <cache>/uv-cache, outside the clone, so a fresh clone installs
+offline; what it lacks comes from uv's own index configuration (UV_INDEX, uv.toml; the
+tree's offline editable install passes its own --config-file instead). An unwritable
+cache is refused before uv runs; a full disk is said in one line.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from forkbuild.core import log, preflight
+from forkbuild.core.errors import ForkError
+from forkbuild.core.pins import Pins, build_dir, cache_dir
+from forkbuild.setup import fetch
+from forkbuild.setup.load_extensions import record_digest, wheel_record
+
+
+def bootstrap_pip() -> list[str]:
+    """A pip command for the one download before uv: this interpreter's pip, else the
+    pip wheel ensurepip installs from (pip runs from a wheel file): bundled, or where
+    Debian keeps it apart, in sysconfig's WHEEL_PKG_DIR (as ensurepip reads it)."""
+    if importlib.util.find_spec("pip") is not None:
+        return [sys.executable, "-m", "pip"]
+    spec = importlib.util.find_spec("ensurepip")
+    if spec is not None and spec.origin:
+        folders = [Path(spec.origin).parent / "_bundled"]
+        if sysconfig.get_config_var("WHEEL_PKG_DIR"):
+            folders.append(Path(sysconfig.get_config_var("WHEEL_PKG_DIR")))
+        for folder in folders:
+            wheels = sorted(folder.glob("pip-*.whl"))
+            if wheels:
+                return [sys.executable, str(wheels[-1] / "pip")]
+    raise ForkError(
+        f"{sys.executable} has neither pip nor ensurepip, which forkbuild needs once "
+        "to fetch uv",
+        "install your distribution's python3-venv or python3-pip package "
+        "(Debian/Ubuntu: apt install python3-venv), or run with another interpreter: "
+        "make ... PYTHON=/path/to/python3",
+    )
+
+
+_verified: dict[str, Path] = {}  # per process: the binary is checked once
+
+
+def binary(pins: Pins) -> Path:
+    """The verified uv binary, bootstrapped on first use."""
+    if pins.uv.sha256 in _verified:
+        return _verified[pins.uv.sha256]
+    wheel_path = fetch.fetch(pins.uv, bootstrap_pip, quiet=True)
+    version = pins.uv.requirement.split("==", 1)[1]
+    target = cache_dir() / "uv" / version / "uv"
+    member = f"uv-{version}.data/scripts/uv"
+    expected = wheel_record(wheel_path).get(member, "")
+    if not expected.startswith("sha256="):
+        raise ForkError(f"{member} has no sha256 in the uv wheel's RECORD")
+    if not (target.exists() and record_digest(target.read_bytes()) == expected):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name("uv.partial")
+        with (
+            zipfile.ZipFile(wheel_path) as wheel,
+            wheel.open(member) as src,
+            open(partial, "wb") as dst,
+        ):
+            shutil.copyfileobj(src, dst)
+        if record_digest(partial.read_bytes()) != expected:
+            partial.unlink()
+            raise ForkError(
+                f"the uv binary extracted from {wheel_path.name} does not match its "
+                "RECORD"
+            )
+        partial.chmod(0o755)
+        partial.replace(target)
+        log.step(f"uv: {pins.uv.requirement} ready at {target}")
+    _verified[pins.uv.sha256] = target
+    return target
+
+
+def uv_cache() -> Path:
+    return cache_dir() / "uv-cache"
+
+
+_writable: set[Path] = set()  # per process: the cache is checked once
+
+
+class _Final(ForkError):
+    """A uv failure that downloading cannot mend: a hash mismatch, a full or unwritable
+    disk."""
+
+
+_MISMATCH = re.compile(
+    r"Hash mismatch for "
+    r"`(?P<what>[^`]+)`.*?Expected:\s+sha256:(?P<expected>[0-9a-f]{64})"
+    r".*?Computed:\s+sha256:(?P<computed>[0-9a-f]{64})",
+    re.DOTALL,
+)
+
+
+# uv's I/O errors end in "(os error N)"; the line names the path in `...` or "...".
+_OS_ERROR = re.compile(r"(?P<reason>[A-Z][A-Za-z -]+) \(os error (?P<errno>\d+)\)")
+_PATH = re.compile(r"[`\"](?P<path>/[^`\"]+)[`\"]")
+_UNWRITABLE = {1, 13, 20, 30}  # EPERM, EACCES, ENOTDIR, EROFS
+
+
+def _disk_failure(output: str, what: str) -> ForkError | None:
+    """A full or unwritable disk, said with the folder it hit and the variable that
+    moves it."""
+    for line in output.splitlines():
+        found = _OS_ERROR.search(line)
+        if not found or int(found["errno"]) not in {28, *_UNWRITABLE}:
+            continue
+        named = _PATH.search(line)
+        path = Path(named["path"]) if named else uv_cache()
+        roots = [
+            r for r in (uv_cache(), build_dir()) if path.is_relative_to(r.absolute())
+        ]
+        folder = (roots or [path])[0]
+        setting = preflight.setting_for(path)
+        if int(found["errno"]) == 28:
+            return _Final(
+                f"no space left on the disk of {folder} when uv tried to {what}",
+                f"free disk space there, or set {setting} to a folder on a disk with "
+                "room; then run again (uv keeps what it downloaded)",
+            )
+        return _Final(
+            f"uv cannot write in {folder} ({found['reason']}) when it tried to {what}",
+            f"make it writable, or set {setting} to a writable folder",
+        )
+    return None
+
+
+def _failure(output: str, what: str, lock: Path | None) -> ForkError:
+    found = _MISMATCH.search(output)
+    if found:
+        where = f"{lock.name} pins" if lock else "the requirements pin"
+        return _Final(
+            f"sha256 mismatch for {found['what']}: the download has "
+            f"{found['computed']}, {where} {found['expected']}; nothing was installed",
+            "run again (the download is not kept); if it mismatches again, do not edit "
+            "the lock: check the package on the index",
+        )
+    disk = _disk_failure(output, what)
+    if disk:
+        return disk
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith(("error:", "cause:", "Caused by:"))]
+    return ForkError(
+        f"uv failed to {what}: {' '.join(errors[-2:] or lines[-1:] or ['no output'])}",
+        "check the network and disk, then run again",
+    )
+
+
+def run(
+    pins: Pins,
+    args: Sequence[str],
+    *,
+    what: str,
+    lock: Path | None = None,
+    extra_env: dict[str, str] | None = None,
+    stream: bool = False,
+) -> str:
+    """Run `uv ARGS`; return its output. With STREAM its lines are shown as they come
+    (long downloads); either way a failure raises with uv's own cause."""
+    if uv_cache() not in _writable:
+        # uv locks its cache even to read: refuse one it cannot write (naming
+        # VLLM_FORK_CACHE) before uv fails in its own words.
+        preflight.check_writable(uv_cache(), "uv")
+        _writable.add(uv_cache())
+    proc = subprocess.Popen(
+        [str(binary(pins)), *args],
+        env={
+            **os.environ,
+            **(extra_env or {}),
+            "UV_CACHE_DIR": str(uv_cache()),
+            "UV_PYTHON_DOWNLOADS": "never",  # venvs use forkbuild's own interpreter
+            "UV_NO_PROGRESS": "1",
+        },
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if stream:
+            print(f"  uv: {line.rstrip()}", flush=True)
+    output = "".join(lines)
+    if proc.wait() != 0:
+        raise _failure(output, what, lock)
+    return output
+
+
+def install(
+    pins: Pins,
+    args: Sequence[str],
+    *,
+    what: str,
+    lock: Path | None = None,
+) -> None:
+    """`uv pip ARGS` (installing WHAT, e.g. "the packages of cpu-py311.txt") from uv's
+    cache alone first; only what the cache lacks is downloaded."""
+    try:
+        run(pins, ["pip", *args, "--offline"], what=f"install {what}", lock=lock)
+        return
+    except _Final:
+        raise
+    except ForkError:
+        pass
+    log.step(f"install: downloading what uv's cache lacks for {what}")
+    run(pins, ["pip", *args], what=f"install {what}", lock=lock, stream=True)
+
+
+def stamped_venv(
+    pins: Pins,
+    home: Path,
+    interpreter: Path,
+    requirements: str,
+    key: str,
+    what: str,
+    *flags: str,
+) -> Path:
+    """HOME's venv of INTERPRETER with REQUIREMENTS (a requirements file's text)
+    installed with `uv pip install FLAGS`; reused while its stamp holds KEY, else made
+    afresh, and removed whole when making it fails."""
+    python = home / "bin" / "python"
+    stamp = home / ".forkbuild-venv"
+    if stamp.is_file() and stamp.read_text().strip() == key and python.exists():
+        return python
+    log.step(f"install: creating {home} for {what}")
+    shutil.rmtree(home, ignore_errors=True)
+    try:
+        run(
+            pins,
+            ["venv", "--quiet", "--python", str(interpreter), str(home)],
+            what=f"create the venv for {what}",
+        )
+        listed = home / "requirements.txt"
+        listed.write_text(requirements)
+        args = ["install", *flags, "--python", str(python), "-r", str(listed)]
+        install(pins, args, what=what)
+    except BaseException:
+        shutil.rmtree(home, ignore_errors=True)
+        raise
+    stamp.write_text(key + "\n")
+    return python

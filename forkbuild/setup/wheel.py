@@ -1,0 +1,279 @@
+"""A distributable patched wheel for GPU hosts: vllm-<version>+<label>, on the official
+CUDA wheel's binaries, built from a clean clone of the tree (the dev tree holds the
+editable install's CPU binaries, which must not leak into it).
+
+A clone, not a `git archive` export: some of vLLM's package data (chat templates, tuned
+configs: ~40 files) reaches the wheel through `include_package_data`, which takes what
+setuptools-scm lists, the files git tracks: from an export they were silently left out.
+
+verify_wheel holds the result to the official wheel file by file: the same content but
+for what the patch series changes, vllm/_version.py and the .dist-info metadata."""
+
+from __future__ import annotations
+
+import csv
+import email.message
+import email.parser
+import io
+import os
+import re
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from forkbuild.core import fixcheck, log, preflight
+from forkbuild.core.errors import ForkError
+from forkbuild.core.pins import REPO_ROOT, Pins, build_dir
+from forkbuild.setup import fetch, install, lock, tree
+from forkbuild.setup.pip_runner import run_pip
+
+
+def dist_dir() -> Path:
+    return Path(os.environ.get("VLLM_FORK_DIST") or REPO_ROOT / "dist")
+
+
+def _compiled(path: Path) -> set[str]:
+    with zipfile.ZipFile(path) as whl:
+        return {n for n in whl.namelist() if n.endswith(".so")}
+
+
+GENERATED = tree.GENERATED  # setuptools-scm writes the version into it: never equal
+SHOWN = 5  # file names an error names at most, per kind
+
+
+def _is_metadata(name: str) -> bool:
+    return name.split("/", 1)[0].endswith(".dist-info")
+
+
+def patched_paths(patches: list[tree.Patch]) -> set[str]:
+    """Every path a `diff --git` header of the series names (old and new side): the
+    files the fork changes, adds or removes on purpose."""
+    paths: set[str] = set()
+    for patch in patches:
+        for line in patch.path.read_text(errors="replace").splitlines():
+            match = re.fullmatch(r'diff --git "?a/(.+?)"? "?b/(.+?)"?', line)
+            if match:
+                paths.update(match.groups())
+    return paths
+
+
+def _contents(path: Path) -> dict[str, tuple[str | None, int, int]]:
+    """File name -> (sha256 as RECORD states it, size, CRC-32) of every file: RECORD
+    saves inflating ~400 MB; the zip's size and CRC catch a RECORD that lies."""
+    with zipfile.ZipFile(path) as whl:
+        infos = [i for i in whl.infolist() if not i.is_dir()]
+        records = [
+            i.filename
+            for i in infos
+            if i.filename.endswith(".dist-info/RECORD") and i.filename.count("/") == 1
+        ]
+        if len(records) != 1:
+            raise ForkError(
+                f"{path.name} has {len(records)} .dist-info/RECORD files, expected one",
+                "rebuild it; a wheel without its RECORD cannot be compared",
+            )
+        hashes = {
+            row[0]: row[1] or None
+            for row in csv.reader(io.StringIO(whl.read(records[0]).decode()))
+            if row
+        }
+    return {i.filename: (hashes.get(i.filename), i.file_size, i.CRC) for i in infos}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The fork's wheel against the official one, .dist-info left out."""
+
+    compared: int  # files of the official wheel held to equal content
+    missing: list[str]  # in the official wheel, not in the fork's
+    differing: list[str]  # in both, not equal, and not changed by the series
+    extra: list[str]  # in the fork's wheel only, and not added by the series
+    patched: list[str]  # in both, changed by the series or generated: may differ
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing or self.differing or self.extra)
+
+
+def compare_wheels(fork: Path, official: Path, patched: set[str]) -> Comparison:
+    mine = {n: v for n, v in _contents(fork).items() if not _is_metadata(n)}
+    theirs = {n: v for n, v in _contents(official).items() if not _is_metadata(n)}
+    exempt = patched | set(GENERATED)
+    both = sorted(theirs.keys() & mine.keys())
+    return Comparison(
+        compared=sum(1 for n in both if n not in exempt),
+        missing=sorted(theirs.keys() - mine.keys()),
+        differing=[n for n in both if n not in exempt and mine[n] != theirs[n]],
+        extra=sorted(n for n in mine.keys() - theirs.keys() if n not in patched),
+        patched=[n for n in both if n in exempt],
+    )
+
+
+def _some(names: list[str]) -> str:
+    shown = ", ".join(names[:SHOWN])
+    return f"{shown}, ... ({len(names) - SHOWN} more)" if len(names) > SHOWN else shown
+
+
+def comparison_problems(
+    result: Comparison, official: Path
+) -> tuple[list[str], list[str]]:
+    """(problems, what to do) for a comparison that is not ok."""
+    problems, hints = [], []
+    if result.missing:
+        problems.append(
+            f"{len(result.missing)} file(s) of {official.name} missing: "
+            f"{_some(result.missing)}"
+        )
+        hints.append(
+            "package data comes from the files git tracks in the tree "
+            "(setuptools-scm's file finder): build from a git clone of the tree, as "
+            "`make wheel` does, and check that `git ls-files` in build/vllm-<version> "
+            "lists them"
+        )
+    if result.differing:
+        problems.append(
+            f"{len(result.differing)} file(s) differ from {official.name} although no "
+            f"patch changes them: {_some(result.differing)}"
+        )
+        hints.append(
+            "rebuild the tree from the pinned sdist (python3 -m forkbuild tree "
+            "--force); a change the fork means must be a patch in patches/series"
+        )
+    if result.extra:
+        problems.append(
+            f"{len(result.extra)} file(s) not in {official.name} and added by no "
+            f"patch: {_some(result.extra)}"
+        )
+        hints.append(
+            "they leaked into the package (build outputs, the fork's tests?): only the "
+            "tree's tracked files belong in it; a file the fork adds must come from a "
+            "patch"
+        )
+    return problems, hints
+
+
+def verify_wheel(
+    path: Path, pins: Pins, official: Path, patches_dir: Path = tree.PATCHES_DIR
+) -> None:
+    """The wheel must carry the fix and the fork's version, and hold the OFFICIAL wheel
+    it was built on file for file (module docstring); nothing else besides the files the
+    series adds."""
+    compiled = _compiled(official)
+    missing = sorted(compiled - _compiled(path))
+    result = compare_wheels(
+        path, official, patched_paths(tree.read_series(patches_dir))
+    )
+    with zipfile.ZipFile(path) as whl:
+        verdict = fixcheck.classify(whl.read(fixcheck.MODULE_PATH).decode())
+    version = _metadata(path)["Version"]
+    problems, hints = [], []
+    ours, theirs = _requirements(path), _requirements(official)
+    if ours != theirs:
+        only = sorted(set(ours) ^ set(theirs))
+        problems.append(
+            "its METADATA's Requires-Dist/Requires-Python differ from the official "
+            f"wheel's in {len(only)} line(s), e.g. {only[0]!r}"
+        )
+        hints.append(
+            f"the fork must depend on exactly what vllm=={pins.upstream_version} "
+            "depends on: check the tree's requirements files against the sdist's"
+        )
+    if verdict != "fixed":
+        problems.append(f"{fixcheck.FUNCTION} is {verdict}")
+    if version != pins.fork_version:
+        problems.append(f"version is {version}, expected {pins.fork_version}")
+    if missing:
+        problems.append(
+            f"{len(missing)} compiled extension(s) missing, e.g. {missing[0]}"
+        )
+    if not result.ok:
+        more, hints = comparison_problems(result, official)
+        problems += more
+    if problems:
+        raise ForkError(
+            f"{path.name} is not a good fork wheel: {'; '.join(problems)}",
+            "; ".join(hints) if hints else "rebuild it",
+        )
+    log.step(
+        f"wheel: verified {path.name}: version {version}, fix present, "
+        f"{result.compared} files of {official.name} ({len(compiled)} "
+        f"compiled extensions among them) present and equal, {len(result.patched)} "
+        f"changed as the series and the build change them ({', '.join(result.patched)})"
+    )
+
+
+def _requirements(path: Path) -> list[str]:
+    """The Requires-Dist and Requires-Python lines of the wheel's METADATA, sorted: what
+    an installer takes (the rest of .dist-info names the build, not the needs)."""
+    needs = ("Requires-Dist", "Requires-Python")
+    return sorted(f"{k}: {v}" for k, v in _metadata(path).items() if k in needs)
+
+
+def _metadata(path: Path) -> email.message.Message:
+    """The headers of the wheel's METADATA (StopIteration where it has none)."""
+    with zipfile.ZipFile(path) as whl:
+        name = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
+        return email.parser.HeaderParser().parsestr(whl.read(name).decode())
+
+
+def _tags(wheel: Path) -> list[str]:
+    """[python, abi, platform] of name-version-python-abi-platform.whl."""
+    return wheel.name.removesuffix(".whl").split("-")[-3:]
+
+
+def _tag_options(official: Path) -> list[str]:
+    """bdist_wheel is told the official wheel's tags (cp38-abi3-manylinux_2_28), whose
+    binaries it holds, not the building interpreter's, so it installs wherever that one
+    does (and is zipped once: retagging afterwards rewrote all ~400 MB)."""
+    interpreter, abi, platform_tag = _tags(official)
+    if abi != "abi3":
+        raise ForkError(
+            f"{official.name} is not an abi3 wheel",
+            "the wheel step expects vLLM's abi3 wheel",
+        )
+    return [
+        f"-C--build-option=--py-limited-api={interpreter}",
+        f"-C--build-option=--plat-name={platform_tag}",
+    ]
+
+
+def build(pins: Pins) -> Path:
+    python = install.ensure_toolchain(pins)
+    route = pins.routes["cuda"]
+    sdist = fetch.fetch(pins.sdist, lambda: python)
+    binaries = fetch.fetch(route.wheel, lambda: python)
+    tree_path = tree.build(pins, sdist)
+    lock.check(pins, tree_path)  # the venv it builds in is the tested one
+    preflight.check_disk(build_dir(), 2, "building the wheel")
+    with tempfile.TemporaryDirectory(prefix=".wheel-", dir=build_dir()) as tmp:
+        source, out = Path(tmp) / "src", Path(tmp) / "out"
+        # A clone, not an export (module docstring); local: the objects are hard links.
+        clone = ["clone", "-q", str(tree_path), str(source)]
+        hint = "rebuild the tree: make tree"
+        tree.git_ok(clone, Path(tmp), None, f"clone {tree_path}", hint=hint)
+        log.step(
+            f"wheel: building {pins.fork_version} on {binaries.name} (takes about "
+            "a minute)"
+        )
+        run_pip(
+            python,
+            ["wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out)]
+            + [*_tag_options(binaries), str(source)],
+            what="build the wheel",
+            env=install.precompiled_env(pins, route, binaries),
+            quiet=True,
+        )
+        built = sorted(out.glob("vllm-*.whl"))
+        tags = "-".join(_tags(binaries))
+        if len(built) != 1 or not built[0].name.endswith(f"-{tags}.whl"):
+            raise ForkError(
+                f"pip wheel produced {[p.name for p in built]}, expected one vllm "
+                f"wheel tagged {tags}"
+            )
+        verify_wheel(built[0], pins, binaries)
+        dist_dir().mkdir(parents=True, exist_ok=True)
+        final = dist_dir() / built[0].name
+        os.replace(built[0], final)
+    log.step(f"wheel: {final} ({final.stat().st_size / 2**20:.0f} MiB)")
+    return final

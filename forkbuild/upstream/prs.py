@@ -1,0 +1,642 @@
+"""`forkbuild upstream`: the fork's tests as small vLLM pull requests, each with proof
+of what it adds beyond the tests upstream already has.
+
+The PRs live in upstream-prs/<name>/ (see its README.md), against the newest release
+of fork.toml [matrix]. Each is proved alone on a fresh worktree of the release (its
+cases pass on CPU, the release's pre-commit hooks pass on the files it changes, the CPU
+job it names collects its cases with `cpu_test` selected), then all together, then by
+the differential mutation check (forkbuild/upstream/mutants.py): every mutant the
+release's own tests miss must be killed by some PR, and each PR must kill one. Each run
+is kept in build/upstream/runs/ by what decides its result, so a stopped step resumes.
+Into dist/upstream/<name>/: the commit signed off (DCO) by whoever runs the step,
+PROOF.txt and PR_DESCRIPTION.md. Nothing sent refers to the fork or its tooling.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from forkbuild.checks import matrix, patch_status
+from forkbuild.core import log
+from forkbuild.core.errors import ForkError, run_or_fail
+from forkbuild.core.hashing import digest_of
+from forkbuild.core.pins import REPO_ROOT, Pins, Release, build_dir, locks_dir
+from forkbuild.core.pytest_runner import Outcome, run_pytest
+from forkbuild.setup import fetch, install, lock, tree, uv
+from forkbuild.upstream import mutants
+
+DIST = REPO_ROOT / "dist" / "upstream"
+PRS_DIR = REPO_ROOT / "upstream-prs"
+JOBS_SCRIPT = Path(__file__).with_name("release_ci_jobs.py")
+# Words that would tell a reviewer about this repository rather than about vLLM
+# (and the release the fork is of: fork.toml [upstream] version).
+NOT_FOR_UPSTREAM_WORDS = ("forkbuild", "fork", "series", "matrix", "downstream")
+# The places in description.md that the proof fills in (each exactly once).
+MARKERS = ("@@VALIDATION@@", "@@MUTANTS@@")
+# The cases of one PR must fit in a CPU job beside everything it already runs.
+MAX_CASES_S = 60.0
+# The release's own tests include cases that download models: here they fail at once
+# (and count as no kill) instead of waiting on the network.
+OFFLINE = {"HF_HUB_OFFLINE": "1"}
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    name: str  # its folder; sorts in sending order
+    folder: Path
+    release: str
+    title: str
+    cases: tuple[str, ...]  # pytest node ids (or files) of the cases it adds
+    job: str  # the Buildkite key of the CPU job that must collect them
+    patches: tuple[Path, ...]
+
+    @property
+    def description(self) -> str:
+        return (self.folder / "description.md").read_text()
+
+    def owns(self, case: str) -> bool:
+        return any(
+            case == c or case.startswith((c + "[", c + "::")) for c in self.cases
+        )
+
+
+def load_prs(version: str, folder: Path = PRS_DIR) -> list[PullRequest]:
+    """The PRs for vLLM VERSION, in sending order; each folder is checked whole."""
+    prs = []
+    for sub in sorted(folder.glob("*/")):  # its folders
+        meta_file = sub / "pr.toml"
+        try:
+            meta = tomllib.loads(meta_file.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as err:
+            raise ForkError(
+                f"{meta_file} cannot be read: {err}",
+                "each upstream-prs/<name>/ needs pr.toml (see upstream-prs/README.md)",
+            ) from None
+        missing = [k for k in ("release", "title", "cases", "job") if k not in meta]
+        patches = tuple(sorted(sub.glob("*.patch")))
+        if missing or not patches or not (sub / "description.md").is_file():
+            raise ForkError(
+                f"{sub.name}: "
+                + (
+                    f"pr.toml lacks {', '.join(missing)}"
+                    if missing
+                    else "no *.patch"
+                    if not patches
+                    else "no description.md"
+                ),
+                "see upstream-prs/README.md for what a PR folder holds",
+            )
+        pr = PullRequest(
+            sub.name,
+            sub,
+            meta["release"],
+            meta["title"],
+            tuple(meta["cases"]),
+            meta["job"],
+            patches,
+        )
+        if pr.release == version:
+            prs.append(pr)
+    return prs
+
+
+def newest(pins: Pins) -> Release:
+    if not pins.releases:
+        raise ForkError(
+            "fork.toml lists no [matrix] releases", "add the newest upstream release"
+        )
+    return pins.releases[-1]
+
+
+def submitter() -> dict[str, str]:
+    """The git identity of whoever runs `make upstream` (git config user.name and
+    user.email, as `git commit` reads them from here): the PRs' author, and its DCO
+    sign-off. Without one, stop: a sign-off is a statement only its author makes."""
+    found = {}
+    for key in ("user.name", "user.email"):
+        got = tree.git(["config", "--get", key], REPO_ROOT)
+        found[key] = got.stdout.strip() if got.returncode == 0 else ""
+    missing = [key for key, value in found.items() if not value]
+    if missing:
+        raise ForkError(
+            f"git has no {' and no '.join(missing)}: the PRs are signed off (DCO) by "
+            "whoever runs `make upstream`",
+            'set yours: git config --global user.name "Your Name" && '
+            "git config --global user.email you@example.com",
+        )
+    name, email = found["user.name"], found["user.email"]
+    return {
+        "GIT_AUTHOR_NAME": name,
+        "GIT_AUTHOR_EMAIL": email,
+        "GIT_COMMITTER_NAME": name,
+        "GIT_COMMITTER_EMAIL": email,
+    }
+
+
+def check_words(pr: PullRequest, fork_of: str) -> None:
+    """Nothing a PR sends may speak of this repository (its patches and description)
+    or of FORK_OF, the release the fork is of."""
+    words = (*NOT_FOR_UPSTREAM_WORDS, fork_of)
+    for path in (*pr.patches, pr.folder / "description.md"):
+        text = path.read_text().lower()
+        said = [w for w in words if re.search(rf"\b{re.escape(w)}\b", text)]
+        if said:
+            raise ForkError(
+                f"{pr.name}/{path.name} mentions {', '.join(said)}",
+                "a PR speaks of vLLM only: rewrite those lines",
+            )
+
+
+# -- the release's hooks ---------------------------------------------------------------
+
+# The release's own hooks (tools/pre_commit/) that its .pre-commit-config.yaml
+# applies to test files, beside ruff check, ruff format and mypy.
+HOOK_SCRIPTS = ("check_spdx_header", "check_forbidden_imports", "check_test_tethering")
+HOOKS_LOCK = "release-hooks-py311.txt"
+
+
+def pinned_ruff(release_tree: Path) -> str:
+    """The ruff version the release's .pre-commit-config.yaml pins (ruff-pre-commit
+    rev)."""
+    config = (release_tree / ".pre-commit-config.yaml").read_text()
+    found = re.search(
+        r"astral-sh/ruff-pre-commit\s*\n\s*rev:\s*v?([0-9][0-9.]*)", config
+    )
+    if not found:
+        raise ForkError(
+            f"{release_tree.name}/.pre-commit-config.yaml pins no ruff-pre-commit rev",
+            "read the release's hooks and update forkbuild/upstream/prs.py",
+        )
+    return found[1]
+
+
+def mypy_hook(config_text: str) -> tuple[str, list[str]]:
+    """(entry, additional_dependencies) of the release's mypy hook, read from its
+    .pre-commit-config.yaml without a YAML parser (forkbuild runs on the standard
+    library): the hook's block runs from `- id: mypy` to the next `- id:`."""
+    block = re.search(
+        r"^\s*- id: mypy\b(.*?)(?=^\s*- id:|\Z)", config_text, re.M | re.S
+    )
+    body = block[1] if block else ""
+    entry = re.search(r"^\s*entry:\s*(.+)$", body, re.M)
+    deps = re.search(r"^\s*additional_dependencies:\s*\[(.*)\]\s*$", body, re.M)
+    if not (entry and deps):
+        raise ForkError(
+            "the release's .pre-commit-config.yaml has no mypy hook with an entry "
+            "and additional_dependencies",
+            "read its hooks and update forkbuild/upstream/prs.py",
+        )
+    items = [d.strip().strip("\"'") for d in deps[1].split(",") if d.strip()]
+    return entry[1].strip(), items
+
+
+def hooks_lock_path() -> Path:
+    return locks_dir() / HOOKS_LOCK
+
+
+def hooks_inputs_digest(requirements: list[str]) -> str:
+    return digest_of(["release-hooks-1", *requirements])
+
+
+def release_hook_config(pins: Pins) -> str:
+    """The newest release's .pre-commit-config.yaml, read from its verified sdist."""
+    sdist = fetch.fetch(newest(pins).sdist, lambda: install.ensure_toolchain(pins))
+    found = patch_status.sdist_files(sdist, frozenset({".pre-commit-config.yaml"}))
+    if not found:
+        raise ForkError(f"{sdist.name} has no .pre-commit-config.yaml")
+    return found[".pre-commit-config.yaml"].decode()
+
+
+def lock_hooks(pins: Pins, config_text: str) -> Path:
+    """locks/release-hooks-py311.txt: the release's mypy hook environment (what
+    pre-commit installs for it: mypy and its additional_dependencies), every package
+    with its sha256. Rewritten only when the release's hook asks for something else."""
+    _, requirements = mypy_hook(config_text)
+    target, digest = hooks_lock_path(), hooks_inputs_digest(requirements)
+    if target.is_file() and lock.recorded_digest(target) == digest:
+        log.step(f"lock: {target.name} is up to date")
+        return target
+    body = lock.resolve(
+        pins, "".join(f"{r}\n" for r in requirements), "3.11", target.name
+    )
+    target.write_text(
+        f"# {target.name}: the mypy hook of vLLM's .pre-commit-config.yaml\n"
+        f"# ({', '.join(requirements)}),\n"
+        f"# every package with its sha256. Made by `make lock` from the newest "
+        f"release of\n"
+        f"# fork.toml [matrix]; `make upstream` installs it to run that hook; "
+        f"do not edit.\n"
+        f"{lock.DIGEST_LINE}{digest}\n" + body
+    )
+    log.step(f"lock: wrote {target}")
+    return target
+
+
+def hooks_python(pins: Pins, release_tree: Path) -> Path:
+    """The venv of the release's mypy hook, installed from the hash-locked
+    release-hooks lock; refused when the release asks for something the lock lacks."""
+    _, requirements = mypy_hook((release_tree / ".pre-commit-config.yaml").read_text())
+    lock_file = hooks_lock_path()
+    made_for = hooks_inputs_digest(requirements)
+    if not lock_file.is_file() or lock.recorded_digest(lock_file) != made_for:
+        raise ForkError(
+            f"{lock_file.name} is missing or was made for another mypy hook than "
+            f"{release_tree.name}'s ({', '.join(requirements)})",
+            "run `make lock` to resolve it again",
+        )
+    return uv.stamped_venv(
+        pins,
+        build_dir() / "upstream" / "hooks-venv",
+        install.ensure_toolchain(pins),
+        lock_file.read_text(),
+        digest_of([lock_file.read_bytes()]),
+        "the release's mypy hook (hash-locked)",
+        "--require-hashes",
+    )
+
+
+def run_hooks(
+    python: Path, release_tree: Path, files: list[str], mypy_python: Path | None = None
+) -> list[str]:
+    """Run the release's pre-commit hooks for FILES from RELEASE_TREE (its ruff
+    settings, hook scripts and Buildkite jobs) with the ruff it pins, which must be the
+    fork's venv's; with MYPY_PYTHON, its mypy hook too, as pre-commit runs it. Returns
+    one line per hook; raises with every finding."""
+    ruff = str(python.parent / "ruff")
+    wanted = pinned_ruff(release_tree)
+    have = subprocess.run(
+        [ruff, "--version"], capture_output=True, text=True, check=False
+    )
+    if have.returncode != 0 or have.stdout.split()[-1:] != [wanted]:
+        raise ForkError(
+            f"{release_tree.name} runs its hooks with ruff {wanted}; "
+            f"the fork's venv has {have.stdout.strip() or 'none'}",
+            f"pin ruff=={wanted} in fork.toml [toolchain] test, then `make lock`",
+        )
+    # Each hook gets the files its `files`/`types` filter in .pre-commit-config.yaml
+    # passes: Python for all but the tethering check, which also reads pipeline YAMLs.
+    py_files = [f for f in files if f.endswith(".py")]
+    tethered = [
+        f for f in files if re.match(r"(tests/.*\.py|\.buildkite/.*\.yaml)$", f)
+    ]
+    hooks = [
+        ("ruff check", [ruff, "check", "--no-cache", *py_files], None),
+        ("ruff format", [ruff, "format", "--check", "--no-cache", *py_files], None),
+    ]
+    for name in HOOK_SCRIPTS:
+        hook_files = tethered if name == "check_test_tethering" else py_files
+        script = [str(python), f"tools/pre_commit/{name}.py", *hook_files]
+        hooks.append((name, script, None))
+    if any(re.match(r"\.buildkite/.*\.ya?ml$", f) for f in files):
+        # pass_filenames: false; it reads every pipeline file itself
+        step_keys = [str(python), "tools/pre_commit/check_buildkite_step_keys.py"]
+        hooks.append(("check_buildkite_step_keys", step_keys, None))
+    if mypy_python is not None:
+        entry, _ = mypy_hook((release_tree / ".pre-commit-config.yaml").read_text())
+        path = f"{mypy_python.parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        hooks.append(("mypy", [*shlex.split(entry), *py_files], {"PATH": path}))
+    lines, findings = [], []
+    for name, cmd, env in hooks:
+        done = subprocess.run(
+            cmd,
+            cwd=release_tree,
+            capture_output=True,
+            text=True,
+            check=False,
+            env={**os.environ, **env} if env else None,
+        )
+        said = (done.stdout + done.stderr).strip()
+        lines.append(f"{name}: {'passed' if done.returncode == 0 else 'FAILED'}")
+        if done.returncode != 0:
+            last = said.splitlines()[-1] if said else f"exit {done.returncode}"
+            findings.append(f"{name}: {last}")
+            log.step(f"upstream: hook {name} failed:\n{said}")
+    if findings:
+        raise ForkError(
+            f"{len(findings)} of the release's pre-commit hooks fail: "
+            + "; ".join(findings),
+            "fix the test files (vLLM's CI runs the same hooks) "
+            "and run `make upstream` again",
+        )
+    log.step(
+        f"upstream: the release's hooks pass on {len(files)} file(s) (ruff {wanted}"
+        + (", mypy)" if mypy_python else ")")
+    )
+    return lines
+
+
+# -- the CPU job -----------------------------------------------------------------------
+
+
+def collecting_jobs(
+    python: Path, release_tree: Path, files: list[str]
+) -> dict[str, list[dict]]:
+    """The release's Buildkite jobs that collect each test file (release_ci_jobs.py)."""
+    done = run_or_fail(
+        [str(python), str(JOBS_SCRIPT), *files],
+        f"could not read {release_tree.name}'s Buildkite jobs",
+        tail=300,
+        cwd=release_tree,
+    )
+    return json.loads(done.stdout)
+
+
+def selects_cpu_test(marker: str | None) -> bool:
+    """Whether a pytest `-m` expression runs cases marked cpu_test (and nothing else
+    distinguishes them): no filter, or one that names cpu_test without negating it."""
+    return marker is None or bool(re.search(r"(?<!not )\bcpu_test\b", marker))
+
+
+def check_job(pr: PullRequest, jobs: dict[str, list[dict]]) -> str:
+    """The line PROOF.txt gets: the CPU job pr.toml names collects every file of the
+    PR's cases with the cpu_test marker selected."""
+    files = sorted({c.split("::", 1)[0] for c in pr.cases})
+    lines = []
+    for test_file in files:
+        hits = [
+            j
+            for j in jobs.get(test_file, [])
+            if j["key"] == pr.job
+            and "cpu" in str(j["device"])
+            and selects_cpu_test(j["marker"])
+        ]
+        if not hits:
+            others = {j["key"] or j["label"] for j in jobs.get(test_file, [])}
+            raise ForkError(
+                f"{pr.name}: no CPU job '{pr.job}' of the release collects "
+                f"{test_file} with cpu_test selected "
+                f"(jobs that run it: {', '.join(sorted(others)) or 'none'})",
+                "mark the cases cpu_test and add the file to that job's commands "
+                "in the PR",
+            )
+        lines.append(
+            f"{test_file}: collected by '{hits[0]['label']}' ({pr.job}, "
+            f"{hits[0]['device']}): {hits[0]['command']}"
+        )
+    return "\n".join(lines)
+
+
+# -- worktrees -------------------------------------------------------------------------
+
+
+def _worktree(repo: Path, path: Path, tag: str) -> None:
+    tree.fresh_worktree(repo, path, tag, {**os.environ, **tree.IDENTITY}, "--detach")
+
+
+def apply_mails(work: Path, mails: list[Path], env: dict[str, str]) -> None:
+    # --keep-non-patch: keep "[Tests]" in the subject; only "[PATCH]" is stripped.
+    applied = tree.git(
+        ["am", "--keep-cr", "--keep-non-patch", *map(str, mails)], work, env
+    )
+    if applied.returncode != 0:
+        tree.git(["am", "--abort"], work, env)
+        said = (applied.stdout + applied.stderr).strip()[-300:]
+        raise ForkError(
+            f"{', '.join(m.name for m in mails)} do not apply with git am "
+            f"on {work.name}: {said}",
+            "refresh the PR's patch against the release",
+        )
+
+
+def changed_files(work: Path, base: str) -> list[str]:
+    got = tree.git(["diff", "--name-only", f"{base}..HEAD"], work)
+    return sorted(got.stdout.split())
+
+
+def lines_added(work: Path, base: str) -> int:
+    got = tree.git(["diff", "--numstat", f"{base}..HEAD"], work)
+    return sum(
+        int(line.split()[0])
+        for line in got.stdout.splitlines()
+        if line.split()[0].isdigit()
+    )
+
+
+@dataclass
+class Context:
+    pins: Pins
+    release: Release
+    repo: Path  # the release's git repository (tag v<version>)
+    python: Path  # the release's venv
+    wheel: Path  # the release's binaries
+    author: dict[str, str]
+    toolchain: Path  # the fork's venv: ruff at the release's pin, runs the hook scripts
+
+    @property
+    def tag(self) -> str:
+        return f"v{self.release.version}"
+
+    def fresh(self, name: str, mails: list[Path]) -> Path:
+        """A fresh worktree of the release, MAILS applied by git am, binaries beside."""
+        work = build_dir() / "upstream" / name
+        _worktree(self.repo, work, self.tag)
+        if mails:
+            apply_mails(work, mails, {**os.environ, **tree.IDENTITY, **self.author})
+        matrix.add_binaries(work, self.wheel, self.release.version)
+        return work
+
+    def cases_pass(
+        self, work: Path, cases: list[str], out: Path, name: str, what: str
+    ) -> Outcome:
+        """CASES in WORK on CPU, offline, reported in OUT as NAME-junit.xml and
+        NAME-pytest.log: every one must pass, or WHAT stops the step."""
+        log_file = out / f"{name}-pytest.log"
+        outcome = run_pytest(
+            self.python,
+            work,
+            [*cases, "-rs"],
+            out / f"{name}-junit.xml",
+            output=log_file,
+            extra_env={**matrix.CPU_ENV, **OFFLINE},
+        )
+        if outcome.passed != len(outcome.cases):  # a failure, error or skip
+            raise ForkError(f"{what}: {outcome}", f"see {log_file}")
+        return outcome
+
+
+def signed_mail(ctx: Context, pr: PullRequest, out: Path) -> Path:
+    """The PR's commit re-authored and signed off by the submitter, as one mail in
+    OUT."""
+    env = {**os.environ, **tree.IDENTITY, **ctx.author}
+    work = build_dir() / "upstream" / "sign"
+    _worktree(ctx.repo, work, ctx.tag)
+    apply_mails(work, list(pr.patches), env)
+    amend = ["commit", "-q", "--amend", "--no-edit", "--reset-author", "--signoff"]
+    tree.git_ok(amend, work, env, "sign off the commit")
+    out.mkdir(parents=True, exist_ok=True)
+    write = ["format-patch", "-q", "--zero-commit", "--no-signature", "-o", str(out)]
+    tree.git_ok([*write, f"{ctx.tag}..HEAD"], work, env, "write the PR's patch")
+    (mail,) = sorted(out.glob("*.patch"))
+    return mail
+
+
+@dataclass
+class Proof:
+    pr: PullRequest
+    mail: Path
+    outcome: Outcome
+    hooks: list[str]
+    job: str
+    added: int
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.outcome.times.values())
+
+
+def prove(ctx: Context, pr: PullRequest, mail: Path, mypy_python: Path) -> Proof:
+    """PR alone on a fresh worktree: git am, its cases, the hooks, the job."""
+    work = ctx.fresh(f"proof-{pr.name}", [mail])
+    what = f"{pr.name}: its cases do not all pass on {ctx.tag} after git am"
+    outcome = ctx.cases_pass(work, list(pr.cases), mail.parent, "proof", what)
+    files = changed_files(work, ctx.tag)
+    hooks = run_hooks(ctx.toolchain, work, files, mypy_python)
+    tests = [f for f in files if f.startswith("tests/") and f.endswith(".py")]
+    job = check_job(pr, collecting_jobs(ctx.python, work, tests))
+    proof = Proof(pr, mail, outcome, hooks, job, lines_added(work, ctx.tag))
+    if proof.seconds > MAX_CASES_S:
+        raise ForkError(
+            f"{pr.name}: its cases take {proof.seconds:.1f} s on CPU, "
+            f"over {MAX_CASES_S:.0f} s",
+            "make them smaller: the CPU job runs them beside everything else",
+        )
+    return proof
+
+
+# -- the step --------------------------------------------------------------------------
+
+
+def build(pins: Pins) -> Path:
+    author = submitter()  # before minutes of work
+    release = newest(pins)
+    prs = load_prs(release.version)
+    if not prs:
+        raise ForkError(
+            f"upstream-prs/ has no PR for vLLM {release.version}",
+            "write them against the newest release (upstream-prs/README.md)",
+        )
+    for pr in prs:
+        check_words(pr, pins.upstream_version)
+    repo = matrix.release_tree(pins, release)
+    ctx = Context(
+        pins,
+        release,
+        repo,
+        matrix.release_python(pins, release, repo),
+        fetch.fetch(release.binaries, lambda: install.ensure_toolchain(pins, "cpu")),
+        author,
+        install.ensure_toolchain(pins),
+    )
+    mypy_python = hooks_python(pins, repo)
+
+    if DIST.exists():
+        shutil.rmtree(DIST)
+    proofs = []
+    for number, pr in enumerate(prs, 1):
+        log.step(
+            f"upstream: [{number}/{len(prs)}] {pr.name}: alone on a fresh {ctx.tag}"
+        )
+        proofs.append(prove(ctx, pr, signed_mail(ctx, pr, DIST / pr.name), mypy_python))
+
+    log.step(f"upstream: all {len(prs)} PRs together on a fresh {ctx.tag}")
+    together = ctx.fresh("proof-all", [p.mail for p in proofs])
+    all_cases = [c for pr in prs for c in pr.cases]
+    failing = f"the PRs together do not pass on {ctx.tag}"
+    joint = ctx.cases_pass(together, all_cases, DIST, "all", failing)
+    joint_hooks = run_hooks(
+        ctx.toolchain, together, changed_files(together, ctx.tag), mypy_python
+    )
+
+    stock = ctx.fresh("stock", [])
+    found = mutants.for_release(release.version)
+    rows = mutants.differential(
+        ctx.python,
+        stock,
+        together,
+        found,
+        {m.path: mutants.release_tests(release.version, m.path) for m in found},
+        all_cases,
+        {pr.name: pr.owns for pr in prs},
+        DIST / "mutants",
+        {**matrix.CPU_ENV, **OFFLINE},
+        build_dir() / "upstream" / "runs",
+    )
+    mutants.check(rows, [pr.name for pr in prs])
+
+    for proof in proofs:
+        write_pr(ctx, proof, rows)
+    (DIST / "PROOF.txt").write_text(
+        f"vLLM {release.version} sdist {release.sdist.sha256}\n"
+        f"git am {' '.join(p.mail.parent.name + '/' + p.mail.name for p in proofs)}"
+        ": applied in order\n"
+        f"pytest {' '.join(all_cases)} -m cpu_test: {joint}\n"
+        + "".join(f"hook {line}\n" for line in joint_hooks)
+        + mutants.summary(rows)
+        + "\n"
+    )
+    log.step(f"upstream: {len(prs)} PR(s) with descriptions and proof in {DIST}")
+    return DIST
+
+
+def validation(ctx: Context, proof: Proof) -> str:
+    cases = "\n".join(
+        f"{case} {status} ({proof.outcome.times.get(case, 0.0):.2f} s)"
+        for case, status in sorted(proof.outcome.cases.items())
+    )
+    hooks = "\n".join(proof.hooks)
+    return f"""\
+On a fresh checkout of `{ctx.tag}` with this commit applied (`git am`), CPU only
+(`VLLM_TARGET_DEVICE=cpu`, torch {ctx.release.torch}):
+
+```
+pytest {" ".join(proof.pr.cases)}
+```
+
+```
+{cases}
+{proof.outcome} in {proof.seconds:.1f} s of test time
+```
+
+The pre-commit hooks that run on these files, from that checkout:
+
+```
+{hooks}
+```
+
+CI: {proof.job}"""
+
+
+def write_pr(ctx: Context, proof: Proof, rows: list[mutants.Row]) -> None:
+    out = proof.mail.parent
+    text = proof.pr.description
+    for marker in MARKERS:
+        if text.count(marker) != 1:
+            raise ForkError(
+                f"{proof.pr.name}/description.md must hold {marker} exactly once",
+                "see upstream-prs/README.md",
+            )
+    text = text.replace("@@VALIDATION@@", validation(ctx, proof))
+    text = text.replace("@@MUTANTS@@", mutants.table(rows, proof.pr.name))
+    (out / "PR_DESCRIPTION.md").write_text(f"# {proof.pr.title}\n\n{text}")
+    (out / "PROOF.txt").write_text(
+        f"vLLM {ctx.release.version} sdist {ctx.release.sdist.sha256}\n"
+        f"git am {proof.mail.name} on a fresh worktree of {ctx.tag}: applied\n"
+        f"lines added: {proof.added}\n"
+        f"pytest {' '.join(proof.pr.cases)}: {proof.outcome} ({proof.seconds:.1f} s)\n"
+        + "".join(
+            f"  {c} {s} {proof.outcome.times.get(c, 0.0):.2f} s\n"
+            for c, s in sorted(proof.outcome.cases.items())
+        )
+        + "".join(f"hook {line}\n" for line in proof.hooks)
+        + f"job: {proof.job}\n"
+        + mutants.summary(rows, proof.pr.name)
+        + "\n"
+    )
