@@ -93,67 +93,68 @@ def _nightly(args: argparse.Namespace, p: Pins) -> str:
     return nightly.run(p)
 
 
-def main(argv: list[str] | None = None) -> int:
-    # uv installs no bytecode, so the venv's processes must be free to write it on first
-    # import (docs/setup-and-locks.md, "Bytecode").
-    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-    parser = argparse.ArgumentParser(prog="forkbuild", description=__doc__)
-    sub = parser.add_subparsers(dest="step", required=True)
-
-    def add(
-        name: str, func, help_text: str, *, route: bool = False
-    ) -> argparse.ArgumentParser:
-        cmd = sub.add_parser(name, help=help_text, description=help_text)
-        cmd.set_defaults(func=func, route=None)
-        if route:  # only the steps that install on one route's binaries
-            cmd.add_argument(
-                "--route",
-                choices=("cpu", "cuda"),
-                default=None,
-                help="vLLM binaries to install on (default: cuda where an NVIDIA GPU "
-                "is present, else cpu)",
-            )
-        return cmd
-
-    add(
-        "fetch",
+ROUTE = {
+    "choices": ("cpu", "cuda"),
+    "default": None,
+    "help": "vLLM binaries to install on (default: cuda where an NVIDIA GPU is "
+    "present, else cpu)",
+}
+# Each step: its function, its help, whether it installs on one route's binaries, and
+# its own arguments (name or flag, argparse keywords).
+STEPS = {
+    "fetch": (
         _fetch,
         "download the pinned sdist and wheel, verified by sha256",
-        route=True,
-    )
-    add(
-        "tree", _tree, "build build/vllm-<version>: sdist + patches + tests, as git"
-    ).add_argument(
-        "--force", action="store_true", help="rebuild even if the inputs are unchanged"
-    )
-    add(
-        "lock",
+        True,
+        [],
+    ),
+    "tree": (
+        _tree,
+        "build build/vllm-<version>: sdist + patches + tests, as git",
+        False,
+        [
+            (
+                "--force",
+                {
+                    "action": "store_true",
+                    "help": "rebuild even if the inputs are unchanged",
+                },
+            )
+        ],
+    ),
+    "lock": (
         _lock,
         "locks/ROUTE-pyXY.txt: every route's venv, per Python, pinned with sha256 (uv "
         "pip compile; needs the package index)",
-    )
-    add(
-        "install",
+        False,
+        [],
+    ),
+    "install": (
         _install,
         "build/venv: the route's lock installed by uv, hash-checked, and an editable "
         "install of the tree",
-        route=True,
-    ).add_argument(
-        "--without-gpu",
-        action="store_true",
-        help="install the cuda route on a machine without a driver, for checking it "
-        "there (make test does, in build/cuda-route); vLLM then finds no platform",
-    )
-    add(
-        "regression",
+        True,
+        [
+            (
+                "--without-gpu",
+                {
+                    "action": "store_true",
+                    "help": "install the cuda route on a machine without a driver, for "
+                    "checking it there (make test does, in build/cuda-route); vLLM "
+                    "then finds no platform",
+                },
+            )
+        ],
+    ),
+    "regression": (
         _regression,
         "the regression tests must fail unpatched and pass patched",
-        route=True,
-    )
-    add("wheel", _wheel, "a distributable patched CUDA wheel in dist/")
-    add("model", _model, "generate the embedded tiny random-weight models", route=True)
-    add(
-        "test",
+        True,
+        [],
+    ),
+    "wheel": (_wheel, "a distributable patched CUDA wheel in dist/", False, []),
+    "model": (_model, "generate the embedded tiny random-weight models", True, []),
+    "test": (
         _test,
         "everything CI runs: forkbuild's tool tests (serve, wheel, locks, bad input), "
         "the CUDA route without a GPU (its install in build/cuda-route, every compiled "
@@ -161,62 +162,105 @@ def main(argv: list[str] | None = None) -> int:
         "tests' clean skip under that build, the kernel test's calls up to the ops' "
         "dispatch), the regression proof (the CPU suite fails on stock vLLM and passes "
         "on the fork) and the patch-status check",
-        route=True,
-    )
-    add(
-        "matrix",
+        True,
+        [],
+    ),
+    "matrix": (
         _matrix,
         "the fork's CPU suite on the [matrix] releases: docs/version-matrix.md",
-    ).add_argument(
-        "versions", nargs="*", help="only these releases (default: all, plus the fork)"
-    )
-    add(
-        "patch-status",
+        False,
+        [
+            (
+                "versions",
+                {
+                    "nargs": "*",
+                    "help": "only these releases (default: all, plus the fork)",
+                },
+            )
+        ],
+    ),
+    "patch-status": (
         _patch_status,
         "confirm each patch's DEP-3 Applied-Upstream on the matrix",
-    )
-    add(
-        "upstream",
+        False,
+        [],
+    ),
+    "upstream": (
         _upstream,
         "dist/upstream/<pr>/: the test PRs of upstream-prs/ for the newest release, "
         "each proven alone and together, measured by differential mutation",
-    )
-    rebase_cmd = add(
-        "rebase",
+        False,
+        [],
+    ),
+    "rebase": (
         _rebase,
         "try the series on another release (changes nothing without --accept)",
-    )
-    rebase_cmd.add_argument("version", help="the upstream vLLM version, e.g. 0.26.0")
-    rebase_cmd.add_argument(
-        "--accept",
-        action="store_true",
-        help="move fork.toml and patches/ to that version",
-    )
-    bundle_cmd = add(
-        "gpu-bundle",
+        False,
+        [
+            ("version", {"help": "the upstream vLLM version, e.g. 0.26.0"}),
+            (
+                "--accept",
+                {
+                    "action": "store_true",
+                    "help": "move fork.toml and patches/ to that version",
+                },
+            ),
+        ],
+    ),
+    "gpu-bundle": (
         _gpu_bundle,
         "dist/gpu-bundle/: the GPU cases for an air-gapped GPU host, in parts of at "
         "most PART_MIB MiB (run.sh in part 1)",
-    )
-    bundle_cmd.add_argument(
-        "--host",
-        help="the host's file from `bash run.sh "
-        "--inventory` (default: fork.toml [gpu_bundle] host, the reference H200)",
-    )
-    bundle_cmd.add_argument(
-        "--part-mib",
-        type=float,
-        default=None,
-        help="the largest part, in MiB (default: PART_MIB or fork.toml's)",
-    )
-    add(
-        "nightly",
+        False,
+        [
+            (
+                "--host",
+                {
+                    "help": "the host's file from `bash run.sh --inventory` (default: "
+                    "fork.toml [gpu_bundle] host, the reference H200)"
+                },
+            ),
+            (
+                "--part-mib",
+                {
+                    "type": float,
+                    "default": None,
+                    "help": "the largest part, in MiB (default: PART_MIB or "
+                    "fork.toml's)",
+                },
+            ),
+        ],
+    ),
+    "nightly": (
         _nightly,
         "the nightly GPU job: CUDA build, GPU tests, benchmark (needs a GPU)",
-    )
-    serve.add_arguments(add("serve", _serve, "vllm serve through the fork", route=True))
+        False,
+        [],
+    ),
+    "serve": (_serve, "vllm serve through the fork", True, []),
+}
 
-    args = parser.parse_args(argv)
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="forkbuild", description=__doc__)
+    sub = top.add_subparsers(dest="step", required=True)
+    for name, (func, help_text, route, arguments) in STEPS.items():
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        cmd.set_defaults(func=func, route=None)
+        if route:  # only the steps that install on one route's binaries
+            cmd.add_argument("--route", **ROUTE)
+        for flag, keywords in arguments:
+            cmd.add_argument(flag, **keywords)
+        if name == "serve":
+            serve.add_arguments(cmd)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    # uv installs no bytecode, so the venv's processes must be free to write it on first
+    # import (docs/setup-and-locks.md, "Bytecode").
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    args = parser().parse_args(argv)
     try:
         closing = args.func(args, pins.load())
     except ForkError as exc:
@@ -229,14 +273,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 130
     except OSError as exc:
-        if exc.errno == 28:  # ENOSPC
-            print(
-                f"forkbuild {args.step}: error: no space left on device "
-                f"({exc.filename}) -- free disk space and run again",
-                file=sys.stderr,
-            )
-            return 1
-        raise
+        if exc.errno != 28:  # ENOSPC
+            raise
+        print(
+            f"forkbuild {args.step}: error: no space left on device "
+            f"({exc.filename}) -- free disk space and run again",
+            file=sys.stderr,
+        )
+        return 1
     log.step(f"{args.step}: done")
     if closing:  # the test summary: last, where CI looks for it
         print(closing, flush=True)
