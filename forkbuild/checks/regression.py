@@ -111,25 +111,7 @@ def check(pins: Pins, python: Path, fork_tree: Path) -> Outcome:
         )
         stock, on_stock = stock_run.result()
 
-    regression = pins.regression_tests
-    failing = sorted(c for c, s in on_stock.cases.items() if s == "failed")
-    (results / "regression-cases-failing-on-stock.txt").write_text(
-        "\n".join(failing) + "\n"
-    )
-    print(f"\nregression proof ({' '.join(pins.suite)}):")
-    print(f"  fork  {fork_tree.name:24} {on_fork}")
-    print(f"  stock {stock.name:24} {on_stock}")
-    for module in regression:
-        in_module = [c for c in on_stock.cases if c.startswith(module + "::")]
-        failed = [c for c in in_module if on_stock.cases[c] == "failed"]
-        print(
-            f"  {module}: {len(failed)}/{len(in_module)} fail on "
-            f"v{pins.upstream_version}"
-        )
-    print(
-        f"  failing cases listed in {results / 'regression-cases-failing-on-stock.txt'}"
-    )
-
+    _report(pins, results, (fork_tree, on_fork), (stock, on_stock))
     problems = [
         f"{c} {s} on the fork"
         for c, s in on_fork.cases.items()
@@ -137,12 +119,13 @@ def check(pins: Pins, python: Path, fork_tree: Path) -> Outcome:
     ]
     problems += [
         f"{w} on v{pins.upstream_version}"
-        for w in _wrong_on_stock(on_stock, regression)
+        for w in _wrong_on_stock(on_stock, pins.regression_tests)
     ]
-    missing = [
-        m for m in regression if not any(c.startswith(m + "::") for c in on_stock.cases)
+    problems += [
+        f"{m} ran no case"
+        for m in pins.regression_tests
+        if not any(c.startswith(m + "::") for c in on_stock.cases)
     ]
-    problems += [f"{m} ran no case" for m in missing]
     if problems:
         raise ForkError(
             f"{len(problems)} case(s) break the proof, e.g. {problems[0]}",
@@ -150,3 +133,25 @@ def check(pins: Pins, python: Path, fork_tree: Path) -> Outcome:
             "pass on both",
         )
     return on_fork
+
+
+def _report(
+    pins: Pins, results: Path, fork: tuple[Path, Outcome], stock: tuple[Path, Outcome]
+) -> None:
+    """Print both trees' outcomes and each regression module's failures on stock; list
+    the failing cases in a file."""
+    on_stock = stock[1]
+    listing = results / "regression-cases-failing-on-stock.txt"
+    failing = sorted(c for c, s in on_stock.cases.items() if s == "failed")
+    listing.write_text("\n".join(failing) + "\n")
+    print(f"\nregression proof ({' '.join(pins.suite)}):")
+    print(f"  fork  {fork[0].name:24} {fork[1]}")
+    print(f"  stock {stock[0].name:24} {on_stock}")
+    for module in pins.regression_tests:
+        in_module = [c for c in on_stock.cases if c.startswith(module + "::")]
+        failed = [c for c in in_module if on_stock.cases[c] == "failed"]
+        print(
+            f"  {module}: {len(failed)}/{len(in_module)} fail on "
+            f"v{pins.upstream_version}"
+        )
+    print(f"  failing cases listed in {listing}")

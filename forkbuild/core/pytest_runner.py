@@ -224,25 +224,7 @@ def run_pytest(
         f"pytest in {cwd.name}: {' '.join(args)}"
         + (f" (report: {output})" if output else "")
     )
-    with open(output, "w") if output else open(os.devnull) as sink:
-        streams = {
-            "stdout": sink if output else None,
-            "stderr": subprocess.STDOUT if output else None,
-        }
-        if timeout_s is None:
-            result = subprocess.run(cmd, cwd=cwd, env=env, check=False, **streams)
-            returncode, killed = result.returncode, ""
-        else:
-            with tempfile.TemporaryDirectory(prefix="forkbuild-pytest-") as folder:
-                cmd, progress = _with_progress(cmd, env, Path(folder))
-                returncode, stopped = run_limited(
-                    cmd, cwd=cwd, env=env, timeout_s=timeout_s, **streams
-                )
-                killed = (
-                    _killed_note(timeout_s, progress.read_text().strip())
-                    if stopped
-                    else ""
-                )
+    returncode, killed = _run(cmd, cwd, env, output, timeout_s)
     if killed:
         log.step(f"pytest in {cwd.name}: {killed}")
         return _partial(junit, killed)
@@ -253,6 +235,33 @@ def run_pytest(
             "a test result",
         )
     return read_junit(junit)
+
+
+def _run(
+    cmd: list[str],
+    cwd: Path,
+    env: dict[str, str],
+    output: Path | None,
+    timeout_s: float | None,
+) -> tuple[int, str]:
+    """Run CMD, its report to OUTPUT if given; return its exit code and, when it was
+    stopped at TIMEOUT_S, the note naming the case in progress."""
+    with open(output, "w") if output else open(os.devnull) as sink:
+        streams = {
+            "stdout": sink if output else None,
+            "stderr": subprocess.STDOUT if output else None,
+        }
+        if timeout_s is None:
+            result = subprocess.run(cmd, cwd=cwd, env=env, check=False, **streams)
+            return result.returncode, ""
+        with tempfile.TemporaryDirectory(prefix="forkbuild-pytest-") as folder:
+            cmd, progress = _with_progress(cmd, env, Path(folder))
+            returncode, stopped = run_limited(
+                cmd, cwd=cwd, env=env, timeout_s=timeout_s, **streams
+            )
+            if not stopped:
+                return returncode, ""
+            return returncode, _killed_note(timeout_s, progress.read_text().strip())
 
 
 def _partial(junit: Path, killed: str) -> Outcome:
