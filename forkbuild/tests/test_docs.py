@@ -11,8 +11,13 @@ import shlex
 import shutil
 import subprocess
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import unquote
+
+from markdown_it import MarkdownIt
+from markdown_it.token import Token
+from mdit_py_plugins.anchors import anchors_plugin
 
 from forkbuild.core import pins
 
@@ -24,78 +29,103 @@ def doc_files(root: Path) -> list[Path]:
     return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
 
 
-# -- Markdown, as far as links, headings and commands need it --------------------------
+# -- Markdown, parsed by markdown-it-py (CommonMark) with GitHub's heading ids ---------
 
-_FENCE = re.compile(r"^\s*(`{3,}|~{3,})")
-_CODE_SPAN = re.compile(r"(`+)(.+?)\1")
-_HEADING = re.compile(r"^ {0,3}#{1,6}\s+(.*?)(?:\s+#+)?\s*$")
-_LINK = re.compile(
-    r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+(?:\"[^\"]*\"|'[^']*'))?\s*\)"
-)
-_REFERENCE = re.compile(r"^ {0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s|$)")
-_HTML_TARGET = re.compile(r"""\b(?:href|src)\s*=\s*["']([^"']+)["']""")
-_HTML_ANCHOR = re.compile(r"""<a\s[^>]*\b(?:name|id)\s*=\s*["']([^"']+)["']""")
 _EXTERNAL = re.compile(r"^(?:[a-zA-Z][a-zA-Z0-9+.-]*:|//)")  # https:, mailto:, //host
+_MARKDOWN = MarkdownIt("commonmark").use(anchors_plugin, max_level=6)
 
 
-def split_fences(text: str) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
-    """(prose, code): the numbered lines outside and inside fenced code blocks."""
-    prose, code, fence = [], [], None
-    for number, line in enumerate(text.splitlines(), 1):
-        opened = _FENCE.match(line)
-        if fence is None and opened:
-            fence = opened[1]
-        elif (
-            fence
-            and opened
-            and opened[1].startswith(fence)
-            and line.strip() == opened[1]
-        ):
-            # a closing fence: the same character, at least as long, nothing after
-            fence = None
-        else:
-            (code if fence else prose).append((number, line))
-    return prose, code
+class _HtmlTargets(HTMLParser):
+    """The targets (href, src) and anchors (name, id) of inline HTML."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.targets: list[str] = []
+        self.anchors: set[str] = set()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        for name, value in attrs:
+            if value and name in ("href", "src"):
+                self.targets.append(value)
+            elif value and tag == "a" and name in ("name", "id"):
+                self.anchors.add(value)
+
+
+def _tokens(text: str) -> list[tuple[int, Token]]:
+    """(line, token) of every block token and of each inline token's children."""
+    found = []
+    for token in _MARKDOWN.parse(text):
+        line = token.map[0] + 1 if token.map else 0
+        found.append((line, token))
+        for child in token.children or []:
+            found.append((line, child))
+            line += child.type in ("softbreak", "hardbreak")
+    return found
+
+
+def _html(text: str) -> list[tuple[int, _HtmlTargets]]:
+    found = []
+    for line, token in _tokens(text):
+        if token.type in ("html_inline", "html_block"):
+            parser = _HtmlTargets()
+            parser.feed(token.content)
+            found.append((line, parser))
+    return found
 
 
 def github_anchor(heading: str) -> str:
-    """The id GitHub gives a heading: its rendered text, lower case, without punctuation
-    (letters, digits, '_', '-' and spaces stay), spaces as '-' (github-slugger)."""
-    text = _CODE_SPAN.sub(lambda m: m[2], heading.strip())
-    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", text)  # a link renders as its text
-    text = re.sub(r"<[^>]+>", "", text).replace("*", "")  # inline HTML, emphasis
-    return re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
+    """The id GitHub gives a heading (github-slugger's rules)."""
+    (opening,) = [
+        t for t in _MARKDOWN.parse(f"# {heading}") if t.type == "heading_open"
+    ]
+    return opening.attrs["id"]
 
 
 def anchors(path: Path) -> set[str]:
-    """Every heading id of PATH as GitHub numbers repeats (x, x-1, x-2, ...), plus HTML
+    """Every heading id of PATH as GitHub numbers repeats (x, x-1, ...), plus HTML
     anchors."""
-    prose, _ = split_fences(path.read_text())
-    seen: dict[str, int] = {}
-    found = set()
-    for _, line in prose:
-        found.update(_HTML_ANCHOR.findall(line))
-        heading = _HEADING.match(line)
-        if not heading:
-            continue
-        base = slug = github_anchor(heading[1])
-        while slug in seen:
-            seen[base] += 1
-            slug = f"{base}-{seen[base]}"
-        seen[slug] = 0
-        found.add(slug)
-    return found
+    text = path.read_text()
+    ids = {t.attrs["id"] for _, t in _tokens(text) if t.type == "heading_open"}
+    return ids.union(*(html.anchors for _, html in _html(text)))
 
 
 def links(path: Path) -> list[tuple[int, str]]:
-    """(line, target) of every link and image of PATH outside code."""
-    prose, _ = split_fences(path.read_text())
-    found = []
-    for number, line in prose:
-        line = _CODE_SPAN.sub("", line)
-        for pattern in (_LINK, _REFERENCE, _HTML_TARGET):
-            found += [(number, target) for target in pattern.findall(line)]
+    """(line, target) of every link and image of PATH outside code, and of every
+    reference definition."""
+    text = path.read_text()
+    env: dict = {}
+    _MARKDOWN.parse(text, env)  # fills env with the reference definitions
+    found = [(0, ref["href"]) for ref in env.get("references", {}).values()]
+    for line, token in _tokens(text):
+        if token.type in ("link_open", "image"):
+            found.append(
+                (line, token.attrs["href" if token.type != "image" else "src"])
+            )
+    found += [(line, t) for line, html in _html(text) for t in html.targets]
     return found
+
+
+def _destination(root: Path, doc: Path, path_part: str) -> Path:
+    if not path_part:
+        return doc
+    if path_part.startswith("/"):  # GitHub: from the repository's root
+        return root / path_part.lstrip("/")
+    return doc.parent / path_part
+
+
+def _link_problem(root: Path, doc: Path, target: str) -> str | None:
+    path_part, _, fragment = target.partition("#")
+    dest = _destination(root, doc, unquote(path_part)).resolve()
+    if not dest.is_relative_to(root.resolve()):
+        return "outside the repository"
+    if not dest.exists():
+        return "no such file"
+    if fragment and dest.suffix == ".md":
+        if unquote(fragment) not in anchors(dest):
+            return f"no heading #{fragment} in {dest.relative_to(root.resolve())}"
+    elif fragment and not re.fullmatch(r"L\d+(-L\d+)?", fragment):
+        return f"#{fragment} names no line of a file that is not Markdown"
+    return None
 
 
 def broken_links(root: Path) -> list[str]:
@@ -104,31 +134,12 @@ def broken_links(root: Path) -> list[str]:
     problems = []
     for doc in doc_files(root):
         for number, target in links(doc):
-            if _EXTERNAL.match(target):
-                continue
-            where = f"{doc.relative_to(root)}:{number}: {target}"
-            path_part, _, fragment = target.partition("#")
-            path_part = unquote(path_part)
-            if not path_part:
-                dest = doc
-            elif path_part.startswith("/"):  # GitHub: from the repository's root
-                dest = root / path_part.lstrip("/")
-            else:
-                dest = doc.parent / path_part
-            dest = dest.resolve()
-            if not dest.is_relative_to(root.resolve()):
-                problems.append(f"{where}: outside the repository")
-            elif not dest.exists():
-                problems.append(f"{where}: no such file")
-            elif fragment and dest.suffix == ".md":
-                if unquote(fragment) not in anchors(dest):
-                    problems.append(
-                        f"{where}: no heading #{fragment} in "
-                        f"{dest.relative_to(root.resolve())}"
-                    )
-            elif fragment and not re.fullmatch(r"L\d+(-L\d+)?", fragment):
+            problem = (
+                None if _EXTERNAL.match(target) else _link_problem(root, doc, target)
+            )
+            if problem:
                 problems.append(
-                    f"{where}: #{fragment} names no line of a file that is not Markdown"
+                    f"{doc.relative_to(root)}:{number}: {target}: {problem}"
                 )
     return problems
 
@@ -149,10 +160,14 @@ def make_targets_named(text: str) -> list[tuple[int, str]]:
     """(line, target) of every `make ...` command in code: inline code and fenced blocks
     (in prose, "make" is a verb). Options and VAR=value are skipped; `make` alone names
     none."""
-    prose, code = split_fences(text)
     snippets = [
-        (n, span[2]) for n, line in prose for span in _CODE_SPAN.finditer(line)
-    ] + code
+        (line + (index if token.type != "code_inline" else 0), code_line)
+        for line, token in _tokens(text)
+        if token.type in ("fence", "code_block", "code_inline")
+        for index, code_line in enumerate(
+            token.content.splitlines(), 1 if token.type == "fence" else 0
+        )
+    ]
     found = []
     for number, snippet in snippets:
         for call in _MAKE.finditer(snippet):
