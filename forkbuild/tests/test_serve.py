@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -200,54 +201,82 @@ def _post(url: str, body: dict) -> dict:
         return json.load(resp)
 
 
-def test_embedded_model_answers_a_completion_and_a_chat(tmp_path):
-    port = _free_port()
-    log = (tmp_path / "serve.log").open("w")
-    # The GPU serve test's KV cache check, exercised here on CPU: the worker extension
-    # passed through to vllm serve, and the dev-mode /collective_rpc that calls it by
-    # name.
+@contextlib.contextmanager
+def _serving(port: int, log_path: Path):
+    """`forkbuild serve` on PORT, its output in LOG_PATH, until healthy; stopped after.
+    The GPU serve test's KV cache check, exercised here on CPU: the worker extension
+    passed through to vllm serve, and the dev-mode /collective_rpc that calls it by
+    name."""
     from tests.v1.worker.offload_round_trip import KV_CACHE_INSPECTION
 
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "forkbuild",
-            "serve",
-            "--port",
-            str(port),
-            "--",
-            "--worker-extension-cls",
-            KV_CACHE_INSPECTION,
-        ],
-        cwd=REPO_ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env={
-            **os.environ,
-            "VLLM_SERVER_DEV_MODE": "1",
-            "PYTHONPATH": os.pathsep.join(
-                filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])
-            ),
-        },
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, (
-                f"server exited: {(tmp_path / 'serve.log').read_text()[-3000:]}"
-            )
-            assert time.monotonic() < deadline, "server not healthy after 300 s"
+    extension = ["--worker-extension-cls", KV_CACHE_INSPECTION]
+    path = filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])
+    with log_path.open("w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "forkbuild", "serve", "--port", str(port), "--"]
+            + extension,
+            cwd=REPO_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={
+                **os.environ,
+                "VLLM_SERVER_DEV_MODE": "1",
+                "PYTHONPATH": os.pathsep.join(path),
+            },
+        )
+        try:
+            _wait_healthy(server, f"http://127.0.0.1:{port}", log_path)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            os.killpg(server.pid, signal.SIGTERM)
             try:
-                with urllib.request.urlopen(f"{base}/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                time.sleep(2)
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+
+
+def _wait_healthy(server: subprocess.Popen, base: str, log_path: Path) -> None:
+    deadline = time.monotonic() + 300
+    while True:
+        assert server.poll() is None, f"server exited: {log_path.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, "server not healthy after 300 s"
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(2)
+
+
+def _check_greedy_answers(base: str) -> None:
+    """Eight greedy tokens from each endpoint, text and chat message."""
+    greedy = {"model": "tiny-chat", "max_tokens": 8, "temperature": 0}
+    greedy["ignore_eos"] = True
+    text = _post(f"{base}/v1/completions", {**greedy, "prompt": "Hello, world!"})
+    assert text["usage"]["completion_tokens"] == 8
+    assert isinstance(text["choices"][0]["text"], str)
+    assert text["choices"][0]["text"]
+    assert "+fork.1" in text["system_fingerprint"]
+    chat = _post(
+        f"{base}/v1/chat/completions",
+        {**greedy, "messages": [{"role": "user", "content": "Hello, world!"}]},
+    )
+    assert chat["usage"]["completion_tokens"] == 8
+    assert chat["choices"][0]["message"]["role"] == "assistant"
+    assert chat["choices"][0]["message"]["content"]
+    # the ChatML turn the template renders (system_fingerprint: the fork's vLLM)
+    assert chat["usage"]["prompt_tokens"] > text["usage"]["prompt_tokens"]
+    assert "+fork.1" in chat["system_fingerprint"]
+
+
+def test_embedded_model_answers_a_completion_and_a_chat(tmp_path):
+    port = _free_port()
+    log_path = tmp_path / "serve.log"
+    with _serving(port, log_path) as base:
         # The two lines the user is told to try, sent as printed: both endpoints answer.
-        printed = _printed_requests((tmp_path / "serve.log").read_text())
+        printed = _printed_requests(log_path.read_text())
         assert [url for url, _ in printed] == [
             f"{base}/v1/completions",
             f"{base}/v1/chat/completions",
@@ -256,31 +285,9 @@ def test_embedded_model_answers_a_completion_and_a_chat(tmp_path):
             answer = _post(url, body)
             assert answer["model"] == "tiny-chat"
             assert 1 <= answer["usage"]["completion_tokens"] <= body["max_tokens"]
-        # Then in full: eight greedy tokens from each, text and chat message.
-        greedy = {
-            "model": "tiny-chat",
-            "max_tokens": 8,
-            "temperature": 0,
-            "ignore_eos": True,
-        }
-        text = _post(f"{base}/v1/completions", {**greedy, "prompt": "Hello, world!"})
-        assert text["usage"]["completion_tokens"] == 8
-        assert (
-            isinstance(text["choices"][0]["text"], str) and text["choices"][0]["text"]
-        )
-        assert "+fork.1" in text["system_fingerprint"]
-        chat = _post(
-            f"{base}/v1/chat/completions",
-            {**greedy, "messages": [{"role": "user", "content": "Hello, world!"}]},
-        )
-        assert chat["usage"]["completion_tokens"] == 8
-        assert chat["choices"][0]["message"]["role"] == "assistant"
-        assert chat["choices"][0]["message"]["content"]
-        # the ChatML turn the template renders (system_fingerprint: the fork's vLLM)
-        assert chat["usage"]["prompt_tokens"] > text["usage"]["prompt_tokens"]
-        assert "+fork.1" in chat["system_fingerprint"]
+        _check_greedy_answers(base)
         # the demo's worker ran inside the engine core process (demo_engine_env)
-        assert "(Worker pid=" not in (tmp_path / "serve.log").read_text()
+        assert "(Worker pid=" not in log_path.read_text()
         # What the GPU serve test asks its servers, asked here the same way: one report
         # per worker; the tiny chat model's two groups (sliding, full) per layer,
         # unpacked.
@@ -290,14 +297,6 @@ def test_embedded_model_answers_a_completion_and_a_chat(tmp_path):
         (report,) = _kv_cache_reports(port)
         check_not_packed(report)
         assert len(report["layers"]) == 4, report["layers"]
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-        log.close()
 
 
 def test_demo_engine_env_keeps_the_worker_in_the_engine_core(monkeypatch):
