@@ -1,14 +1,16 @@
-"""A pytest plugin that names the case in progress, for runs with a time limit
+"""A pytest plugin that names the case in progress and counts the cases done
 (forkbuild/core/pytest_runner.py copies it beside the run and loads it with `-p`).
 
 pytest writes its JUnit XML only at the end, so a killed run could not say where it
-hung: the case in progress is written to FORKBUILD_PYTEST_PROGRESS. logstart and
-logfinish run in the main pytest process, also under --forked. Under --forked it also
-ends each case with what the case started: a case stopped by its own time limit leaves
-vLLM's engine cores behind, holding GPU memory that the next case's profiling counts.
-Each case's processes carry a mark of their own (set before the fork, inherited by all
-the case starts); what still carries it when the case is reported is killed. (Without
---forked a fixture may outlive a case, so nothing is killed between cases there.)
+hung, and a long run showed only dots: the cases done, the cases collected and the case
+in progress are written to FORKBUILD_PYTEST_PROGRESS as one tab-separated line. logstart
+and logfinish run in the main pytest process, also under --forked. Under --forked it
+also ends each case with what the case started: a case stopped by its own time limit
+leaves vLLM's engine cores behind, holding GPU memory that the next case's profiling
+counts. Each case's processes carry a mark of their own (set before the fork, inherited
+by all the case starts); what still carries it when the case is reported is killed.
+(Without --forked a fixture may outlive a case, so nothing is killed between cases
+there.)
 """
 
 from __future__ import annotations
@@ -21,11 +23,19 @@ from collections.abc import Iterator
 
 CASE_MARK = "FORKBUILD_PYTEST_CASE"
 _forked = False
+_counts = {"done": 0, "total": 0}
 
 
-def _write(text: str) -> None:
+def _write(running: str) -> None:
     with open(os.environ["FORKBUILD_PYTEST_PROGRESS"], "w") as progress:
-        progress.write(text)
+        progress.write(f"{_counts['done']}\t{_counts['total']}\t{running}")
+
+
+def read(text: str) -> tuple[int, int, str]:
+    """(cases done, cases collected, the case in progress) from the progress file's
+    TEXT; zeros and "" before the first case."""
+    done, total, running = (text.split("\t", 2) + ["", "", ""])[:3]
+    return int(done or 0), int(total or 0), running.strip()
 
 
 def pytest_configure(config) -> None:
@@ -46,6 +56,11 @@ def leftovers(mark: str, variable: str = CASE_MARK) -> Iterator[int]:
                 continue
 
 
+def pytest_collection_finish(session) -> None:
+    _counts["total"] = len(session.items)
+    _write("")
+
+
 def pytest_runtest_logstart(nodeid, location) -> None:
     os.environ[CASE_MARK] = uuid.uuid4().hex
     _write(nodeid)
@@ -57,4 +72,5 @@ def pytest_runtest_logfinish(nodeid, location) -> None:
         for pid in leftovers(mark):
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+    _counts["done"] += 1
     _write("")

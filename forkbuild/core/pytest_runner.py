@@ -8,8 +8,10 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 import uuid
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,6 +107,8 @@ def read_junit(junit: Path, killed: str = "") -> Outcome:
 # Ctrl-C and still writes the JUnit XML of every case it finished (a forked case's child
 # gets it too and exits). What still runs GRACE_S later is killed.
 GRACE_S = 30
+# How often a run's cases done are logged: CI shows more than pytest's dots.
+PROGRESS_EVERY_S = 60
 
 # The plugin that names the case in progress and ends what a forked case started.
 # forkbuild/core/pytest_progress.py, copied beside the run
@@ -142,13 +146,19 @@ def _stop(proc: subprocess.Popen, token: str) -> None:
 
 
 def run_limited(
-    cmd: list[str], *, cwd: Path, env: dict[str, str], timeout_s: float, **popen_args
+    cmd: list[str],
+    *,
+    cwd: Path,
+    env: dict[str, str],
+    timeout_s: float | None,
+    tick: Callable[[], None] = lambda: None,
+    **popen_args,
 ) -> tuple[int, bool]:
-    """Run CMD in a session of its own; stop it with all it started after TIMEOUT_S.
-    Return (exit status, whether it was stopped). What hangs is often not pytest but
-    what it started: a forked case, vLLM's engine cores, a `vllm serve`. Whatever of
-    them is left when CMD ends, stopped or not, is killed, so that it does not hold the
-    GPU for the next run."""
+    """Run CMD in a session of its own, calling TICK every PROGRESS_EVERY_S; stop it
+    with all it started after TIMEOUT_S (None: no limit). Return (exit status, whether
+    it was stopped). What hangs is often not pytest but what it started: a forked case,
+    vLLM's engine cores, a `vllm serve`. Whatever of them is left when CMD ends,
+    stopped or not, is killed, so that it does not hold the GPU for the next run."""
     token = uuid.uuid4().hex
     proc = subprocess.Popen(
         cmd,
@@ -157,11 +167,17 @@ def run_limited(
         start_new_session=True,
         **popen_args,
     )
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
-        return proc.wait(timeout=timeout_s), False
-    except subprocess.TimeoutExpired:
-        _stop(proc, token)
-        return proc.returncode, True
+        while True:
+            left = PROGRESS_EVERY_S if deadline is None else deadline - time.monotonic()
+            try:
+                return proc.wait(timeout=max(0, min(left, PROGRESS_EVERY_S))), False
+            except subprocess.TimeoutExpired:
+                if deadline is not None and time.monotonic() >= deadline:
+                    _stop(proc, token)
+                    return proc.returncode, True
+                tick()
     except BaseException:  # Ctrl-C of forkbuild no longer reaches the new session
         _stop(proc, token)
         raise
@@ -244,24 +260,31 @@ def _run(
     output: Path | None,
     timeout_s: float | None,
 ) -> tuple[int, str]:
-    """Run CMD, its report to OUTPUT if given; return its exit code and, when it was
-    stopped at TIMEOUT_S, the note naming the case in progress."""
-    with open(output, "w") if output else open(os.devnull) as sink:
+    """Run CMD, its report to OUTPUT if given, logging the cases done now and then;
+    return its exit code and, when it was stopped at TIMEOUT_S, the note naming the
+    case in progress."""
+    with (
+        open(output, "w") if output else open(os.devnull) as sink,
+        tempfile.TemporaryDirectory(prefix="forkbuild-pytest-") as folder,
+    ):
         streams = {
             "stdout": sink if output else None,
             "stderr": subprocess.STDOUT if output else None,
         }
-        if timeout_s is None:
-            result = subprocess.run(cmd, cwd=cwd, env=env, check=False, **streams)
-            return result.returncode, ""
-        with tempfile.TemporaryDirectory(prefix="forkbuild-pytest-") as folder:
-            cmd, progress = _with_progress(cmd, env, Path(folder))
-            returncode, stopped = run_limited(
-                cmd, cwd=cwd, env=env, timeout_s=timeout_s, **streams
-            )
-            if not stopped:
-                return returncode, ""
-            return returncode, _killed_note(timeout_s, progress.read_text().strip())
+        cmd, progress = _with_progress(cmd, env, Path(folder))
+
+        def tick() -> None:
+            done, total, running = pytest_progress.read(progress.read_text())
+            if total:
+                log.step(f"pytest in {cwd.name}: {done} of {total} cases done")
+
+        returncode, stopped = run_limited(
+            cmd, cwd=cwd, env=env, timeout_s=timeout_s, tick=tick, **streams
+        )
+        if not stopped:
+            return returncode, ""
+        running = pytest_progress.read(progress.read_text())[2]
+        return returncode, _killed_note(timeout_s, running)
 
 
 def _partial(junit: Path, killed: str) -> Outcome:

@@ -1,0 +1,45 @@
+"""A long pytest run logs how many of its cases are done, so that CI shows more than
+dots; the progress file's line is read back whole (the killed-run note's case)."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+from forkbuild.core import pytest_progress, pytest_runner
+
+CASES = """
+import time
+
+import pytest
+
+
+@pytest.mark.parametrize("n", range(3))
+def test_slow(n):
+    time.sleep(0.6)
+"""
+
+
+def test_a_run_logs_its_cases_done_and_collected(tmp_path, monkeypatch, capsys):
+    (tmp_path / "test_cases.py").write_text(CASES)
+    monkeypatch.setattr(pytest_runner, "PROGRESS_EVERY_S", 0.25)
+    outcome = pytest_runner.run_pytest(
+        sys.executable, tmp_path, ["test_cases.py"], tmp_path / "junit.xml"
+    )
+    assert outcome.passed == 3
+    counts = re.findall(
+        r"pytest in \S+: (\d) of (\d) cases done", capsys.readouterr().err
+    )
+    assert counts and {total for _, total in counts} == {"3"}, counts
+    done = [int(d) for d, _ in counts]
+    assert done == sorted(done) and done[-1] >= 1
+
+
+def test_the_progress_line_is_read_back_whole():
+    assert pytest_progress.read("") == (0, 0, "")
+    assert pytest_progress.read("2\t5\tt.py::test_x[a b]") == (
+        2,
+        5,
+        "t.py::test_x[a b]",
+    )
+    assert pytest_progress.read("5\t5\t") == (5, 5, "")
