@@ -26,6 +26,7 @@ BENCHMARK = REPO_ROOT / "benchmarks" / "offload_throughput_gpu.py"
 # (a test checks the sum). Per case: gpu_required.CASE_LIMIT_S (docs/gpu-nightly.md).
 RUN_LIMITS_S = {"gpu-tests": 25 * 60, "serve": 12 * 60, "benchmark": 8 * 60}
 INSTALL_BUDGET_S = 12 * 60
+STEP_LIMIT_MIN = 60  # the pipeline's timeout_in_minutes (forkbuild/gpu/pipeline.py)
 
 
 def out_dir() -> Path:
@@ -50,9 +51,8 @@ def run(pins: Pins) -> str:
     # Before minutes of CUDA install: without a GPU there is nothing to run.
     if not preflight.has_nvidia_gpu():
         raise ForkError(
-            "no NVIDIA GPU on this machine: the nightly GPU job needs one (Ampere runs "
-            "the FA2, Triton and FlashInfer cases; Hopper adds FA3 and the FLASH_ATTN "
-            "engine cases)",
+            "no NVIDIA GPU on this machine: the nightly GPU job needs one of the kinds "
+            f"of fork.toml [gpu] ({', '.join(k.name for k in pins.gpu.kinds)})",
             "run it on the GPU runner; on CPU, `make test` covers what runs without a "
             "GPU",
         )
