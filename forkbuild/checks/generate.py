@@ -131,7 +131,12 @@ def tree_log(p: Pins, patches_dir: Path = tree.PATCHES_DIR) -> str:
 # (file, block, source, text): what each block holds.
 Render = Callable[[Pins], str]
 BLOCKS: tuple[tuple[str, str, str, Render], ...] = (
-    ("README.md", "gpu-kinds", "fork.toml [gpu]", lambda p: pipeline.readme_prose(p.gpu)),
+    (
+        "README.md",
+        "gpu-kinds",
+        "fork.toml [gpu]",
+        lambda p: pipeline.readme_prose(p.gpu),
+    ),
     (
         "docs/gpu-nightly.md",
         "gpu-kinds",
@@ -174,7 +179,10 @@ def replace_block(text: str, path: str, block: str, source: str, body: str) -> s
         )
     if block == "steps":  # the YAML itself, not a comment
         prefix = ""
-    lines = [(prefix + line).rstrip() if line else prefix.rstrip() for line in body.split("\n")]
+    lines = [
+        (prefix + line).rstrip() if line else prefix.rstrip()
+        for line in body.split("\n")
+    ]
     return head + begin + "\n" + "\n".join(lines) + "\n" + end + "\n" + tail
 
 

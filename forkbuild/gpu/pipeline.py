@@ -1,7 +1,7 @@
-"""What fork.toml [gpu] says, written out for Buildkite and for readers: the nightly
-pipeline's steps (one per agent queue) and the GPU kinds' prose of README.md, the
-pipeline's header and docs/gpu-nightly.md. `make generate` (forkbuild/checks/generate.py)
-writes them into their marked blocks; a tool test fails when one is out of date."""
+"""fork.toml [gpu] written out for Buildkite and for readers: the nightly pipeline's
+steps (one per agent queue) and the GPU kinds' prose of README.md, the pipeline's
+header and docs/gpu-nightly.md. `make generate` (forkbuild/checks/generate.py) writes
+them into their marked blocks; a tool test fails when one is out of date."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ def _short(node: str) -> str:
 
 
 def steps(table: GpuTable) -> list[dict]:
-    """One step per agent queue of TABLE, newest kind first: it runs `make nightly`, whose
-    reports it uploads from its own output folder."""
+    """One step per agent queue of TABLE, newest kind first: `make nightly`, its
+    reports uploaded from the step's own output folder."""
     found = []
     for kind in reversed(table.kinds):
         for queue, count in kind.queues:
@@ -92,6 +92,4 @@ def readme_prose(table: GpuTable) -> str:
 
 
 def _wrap(text: str, indent: str = "") -> str:
-    return textwrap.fill(
-        text, WIDTH, subsequent_indent=indent, break_on_hyphens=False
-    )
+    return textwrap.fill(text, WIDTH, subsequent_indent=indent, break_on_hyphens=False)
