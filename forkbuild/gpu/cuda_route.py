@@ -191,8 +191,7 @@ def run_gpu_tests(
     )
     # The required cases of forkbuild's own tests (the serve test), from the GPU table.
     own = sorted(
-        {c.split("::")[0] for c in pins.gpu.all_required()}
-        - set(pins.gpu_tests)
+        {c.split("::")[0] for c in pins.gpu.all_required()} - set(pins.gpu_tests)
     )
     serve = pytest_runner.run_pytest(
         python,
