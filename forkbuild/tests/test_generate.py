@@ -15,11 +15,8 @@ from forkbuild.core import pins
 from forkbuild.core.errors import ForkError
 from forkbuild.core.pins import REPO_ROOT
 
-TRITON = (
-    '"tests/v1/worker/test_packed_kv_cache_gpu_kernels.py::'
-    'test_triton_attention_over_packed_views" = { kind = "Ampere"'
-)
-AMPERE_QUEUES = 'queues = { "fork-gpu-ampere-1" = 1 }'
+TABLE = pins.load().gpu
+OLDEST, NEWEST = TABLE.kinds[0], TABLE.kinds[-1]
 
 
 def test_every_generated_block_is_up_to_date():
@@ -27,15 +24,23 @@ def test_every_generated_block_is_up_to_date():
     assert stale == [], f"{', '.join(stale)} out of date: run `make generate`"
 
 
-def _copy(tmp_path: Path, edit: tuple[str, str]) -> tuple[Path, pins.Pins]:
-    """The files with blocks and fork.toml, with EDIT (old, new) made in fork.toml and
-    `make generate` run there."""
+def _edit_line(text: str, containing: str, old: str, new: str) -> str:
+    """TEXT with OLD replaced by NEW on its one line that holds CONTAINING."""
+    lines = text.splitlines(keepends=True)
+    (i,) = [i for i, line in enumerate(lines) if containing in line]
+    assert old in lines[i], lines[i]
+    lines[i] = lines[i].replace(old, new, 1)
+    return "".join(lines)
+
+
+def _generate_in_copy(tmp_path: Path, *edit: str) -> tuple[Path, pins.Pins]:
+    """fork.toml and the files with blocks, copied, EDIT (_edit_line's arguments) made
+    in fork.toml alone, and `make generate` run there."""
     for path in {"fork.toml", *(b[0] for b in generate.BLOCKS)}:
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO_ROOT / path, tmp_path / path)
     toml = tmp_path / "fork.toml"
-    assert toml.read_text().count(edit[0]) == 1
-    toml.write_text(toml.read_text().replace(*edit))
+    toml.write_text(_edit_line(toml.read_text(), *edit))
     edited = pins.load(toml)
     assert generate.stale(edited, tmp_path)  # the edit alone leaves them behind
     for file, text in generate.render(edited, tmp_path).items():
@@ -50,33 +55,48 @@ def _steps(root: Path) -> dict[str, dict]:
     return {step["agents"]["queue"]: step for step in steps}
 
 
+def _required(step: dict) -> int:
+    return int(step["label"].rsplit(": ", 1)[1].split()[0])  # "(1 GPU: 5 required"
+
+
 def test_moving_a_gpu_case_to_another_kind_is_one_edit(tmp_path):
-    root, edited = _copy(tmp_path, (TRITON, TRITON.replace("Ampere", "Hopper")))
-    case = TRITON.split('"')[1]
-    assert case not in edited.gpu.kind("Ampere").required(2)
-    assert case in edited.gpu.kind("Hopper").required(1)
+    case = next(c.node for c in TABLE.cases.values() if c.kind == OLDEST.name)
+    old, new = f'kind = "{OLDEST.name}"', f'kind = "{NEWEST.name}"'
+    root, edited = _generate_in_copy(tmp_path, f'"{case}"', old, new)
+    assert case not in edited.gpu.kind(OLDEST.name).required(2)
+    assert case in edited.gpu.kind(NEWEST.name).required(1)
     steps, before = _steps(root), _steps(REPO_ROOT)
-    assert "(1 GPU: 4 required cases)" in steps["fork-gpu-ampere-1"]["label"]
-    assert "(1 GPU: 5 required cases)" in before["fork-gpu-ampere-1"]["label"]
+    for queue, _ in OLDEST.queues:
+        assert _required(steps[queue]) == _required(before[queue]) - 1
     name = f"`{case.rsplit('::', 1)[1]}`"
     for path in ("docs/gpu-nightly.md", ".buildkite/fork_nightly_gpu.yaml"):
-        ampere, hopper = (root / path).read_text().split("- Hopper (", 1)
-        assert name in hopper and name not in ampere.split("- Ampere (", 1)[1], path
-    assert "Ampere (8.0 and newer) 4;" in (root / "README.md").read_text()
+        items = (root / path).read_text().split(f"- {NEWEST.name} (", 1)
+        assert name in items[1] and name not in items[0].split(f"- {OLDEST.name} (")[1]
+    since = ".".join(map(str, OLDEST.min_capability))
+    count = len(edited.gpu.kind(OLDEST.name).cases)
+    assert (
+        f"{OLDEST.name} ({since} and newer) {count}" in (root / "README.md").read_text()
+    )
 
 
 def test_adding_a_queue_is_one_edit(tmp_path):
-    added = AMPERE_QUEUES.replace("= 1 }", '= 1, "fork-gpu-ampere-2" = 2 }')
-    root, edited = _copy(tmp_path, (AMPERE_QUEUES, added))
+    queue = "fork-gpu-made-up-2"
+    root, edited = _generate_in_copy(
+        tmp_path, f"{OLDEST.name} = {{", "queues = { ", f'queues = {{ "{queue}" = 2, '
+    )
     steps = _steps(root)
-    assert sorted(steps) == sorted(edited.gpu.queues) and len(steps) == 4
-    step = steps["fork-gpu-ampere-2"]
-    out = "build/gpu-nightly/fork-gpu-ampere-2"
-    assert step["env"] == {"FORK_NIGHTLY_OUT": out}
-    assert step["artifact_paths"] == [f"{out}/*.{x}" for x in ("xml", "json", "csv")]
-    assert "Ampere (2 GPUs: 5 required cases)" in step["label"]
-    assert "on 4 GPU agent queues" in (root / "README.md").read_text()
-    assert "`fork-gpu-ampere-2` (2 GPUs)" in (root / "docs/gpu-nightly.md").read_text()
+    assert sorted(steps) == sorted(edited.gpu.queues)
+    assert len(steps) == len(TABLE.queues) + 1
+    out = f"build/gpu-nightly/{queue}"
+    assert steps[queue]["env"] == {"FORK_NIGHTLY_OUT": out}
+    assert steps[queue]["artifact_paths"] == [
+        f"{out}/*.{x}" for x in ("xml", "json", "csv")
+    ]
+    assert f"{OLDEST.name} (2 GPUs: " in steps[queue]["label"]
+    assert _required(steps[queue]) == len(OLDEST.required(2))
+    readme = (root / "README.md").read_text()
+    assert f"on {len(TABLE.queues) + 1} GPU agent queues" in readme
+    assert f"`{queue}` (2 GPUs)" in (root / "docs/gpu-nightly.md").read_text()
 
 
 def test_a_file_without_its_markers_is_refused():
