@@ -13,9 +13,10 @@ from forkbuild.core.errors import ForkError
 
 
 @pytest.fixture(scope="module")
-def released_source(real_sdist) -> str:
+def released_source(real_sdist, fork_pins) -> str:
+    inner = f"vllm-{fork_pins.upstream_version}/{fixcheck.MODULE_PATH}"
     with tarfile.open(real_sdist) as tar:
-        return tar.extractfile(f"vllm-0.25.1/{fixcheck.MODULE_PATH}").read().decode()
+        return tar.extractfile(inner).read().decode()
 
 
 def test_fixcheck_tells_released_from_fixed(released_source):
