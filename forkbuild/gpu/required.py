@@ -30,12 +30,8 @@ Kind, Table, from_data = GpuKind, GpuTable, gpu_table
 CASE_LIMIT_S = 600
 # pytest-timeout in the forked child, thread method: the hung case alone fails and the
 # run goes on (docs/gpu-nightly.md, "Why the per-case limit is set so").
-PER_CASE_TIMEOUT = [
-    f"--timeout={CASE_LIMIT_S}",
-    "--timeout-method=thread",
-    "-o",
-    "timeout_func_only=true",
-]
+PER_CASE_TIMEOUT = [f"--timeout={CASE_LIMIT_S}", "--timeout-method=thread"]
+PER_CASE_TIMEOUT += ["-o", "timeout_func_only=true"]
 
 
 # What the nightly asks nvidia-smi (with --format=csv): index and uuid to apply
@@ -161,16 +157,13 @@ def not_run(required: Iterable[str], outcomes: Iterable[Outcome]) -> list[str]:
         reasons.update(outcome.reasons)
     lines = []
     for node in required:
-        status = cases.get(node)
-        if status is None:
+        if (status := cases.get(node)) is None:
             lines.append(
                 f"{node}: required but not run (not collected or not reported)"
             )
         elif status in ("skipped", "xfailed"):
-            lines.append(
-                f"{node}: required but skipped: "
-                f"{reasons.get(node) or 'no reason given'}"
-            )
+            why = reasons.get(node) or "no reason given"
+            lines.append(f"{node}: required but skipped: {why}")
     return lines
 
 
@@ -180,10 +173,8 @@ def check_collected(
     """Fail unless every node id a GPU kind requires (or REQUIRED) is among COLLECTED
     (as collected on CPU): a renamed test or parameter id must fail here, not as
     'required but not run' on the GPU runner at night."""
-    missing = sorted(
-        set(_table().all_required() if required is None else required) - set(collected)
-    )
-    if missing:
+    required = _table().all_required() if required is None else required
+    if missing := sorted(set(required) - set(collected)):
         raise ForkError(
             f"{len(missing)} node id(s) that the nightly GPU job requires are not "
             "collected: " + ", ".join(missing),
