@@ -30,7 +30,7 @@ CPU_BYTES ?=
 FORKBUILD := $(PYTHON) -m forkbuild
 ROUTE_OPT := $(if $(ROUTE),--route $(ROUTE))
 
-.PHONY: help fetch tree lock install regression wheel model serve test matrix patch-status upstream rebase nightly gpu-bundle clean
+.PHONY: help fetch tree lock install regression wheel model serve test matrix patch-status upstream rebase nightly gpu-bundle generate clean
 
 help:
 	@sed -n '/^[^#]/q;p' Makefile | sed 's/^# \{0,1\}//'
@@ -97,6 +97,9 @@ gpu-bundle:
 # The nightly GPU job (.ci/gpu-nightly); refuses at once on a machine without a GPU.
 nightly:
 	$(FORKBUILD) nightly
+
+generate:  # rewrites the blocks that restate fork.toml and patches/ (needs PyYAML)
+	$(PYTHON) -m forkbuild.checks.generate
 
 # Removes what this clone built; the download cache (~/.cache/vllm-fork) is kept.
 clean:

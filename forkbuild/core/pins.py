@@ -68,6 +68,7 @@ class Pins:
     # Modules run only on the CUDA build without a GPU (forkbuild/gpu/cuda_route.py).
     cuda_route_tests: tuple[str, ...] = ()
     releases: tuple[Release, ...] = ()
+    gpu: GpuTable | None = None  # fork.toml [gpu]
 
     @property
     def regression_tests(self) -> tuple[str, ...]:
@@ -155,6 +156,7 @@ def load(path: Path = PINS_FILE) -> Pins:
             gpu_tests=tuple(raw["tests"]["gpu"]),
             cuda_route_tests=tuple(raw["tests"].get("cuda_route", ())),
             releases=releases,
+            gpu=gpu_table(raw["gpu"]),
         )
     except KeyError as exc:
         raise ForkError(
@@ -179,6 +181,112 @@ def _release(
         _artifact(f"sdist-{version}", entry["sdist"]),
         _artifact(f"binaries-{version}", entry["binaries"]),
         entry.get("note", ""),
+    )
+
+
+# -- fork.toml [gpu]: the nightly GPU job's kinds, queues and required cases ----------
+# (forkbuild/gpu/required.py; the GPU bundle's manifest carries the same table, which
+# its runner reads with gpu_table.)
+
+Capability = tuple[int, int]  # CUDA compute capability (major, minor): 9.0 -> (9, 0)
+
+
+def capability(text: str) -> Capability:
+    major, _, minor = text.partition(".")
+    return int(major), int(minor or 0)
+
+
+@dataclass(frozen=True)
+class GpuCase:
+    """A case some GPU kind must run: from KIND on, with GPUS GPUs; what the GPU bundle
+    holds for it beyond [gpu_bundle] every_case (BUNDLE), or why it does not."""
+
+    node: str
+    kind: str
+    gpus: int = 1
+    bundle: tuple[str, ...] | None = None  # None: not in the bundle
+    not_in_bundle: str = ""
+
+
+@dataclass(frozen=True)
+class GpuKind:
+    """A GPU generation: from which compute capability, and what it must run."""
+
+    name: str
+    min_capability: Capability
+    cases: tuple[str, ...]  # required with any number of GPUs
+    multi_gpu_cases: tuple[str, ...] = ()  # required only with two GPUs or more
+    queues: tuple[tuple[str, int], ...] = ()  # the nightly's agent queues, GPUs each
+
+    def required(self, gpu_count: int) -> tuple[str, ...]:
+        return self.cases + (self.multi_gpu_cases if gpu_count >= 2 else ())
+
+
+@dataclass(frozen=True)
+class GpuTable:
+    """The GPU kinds, oldest first, and every case some kind requires (node id ->
+    its entry)."""
+
+    kinds: tuple[GpuKind, ...]
+    cases: dict[str, GpuCase]
+
+    def all_required(self) -> set[str]:
+        """Every node id that some GPU kind, with any GPU count, requires."""
+        return set(self.cases)
+
+    def kind_of(self, capability: Capability) -> GpuKind | None:
+        """A GPU is of the newest kind whose minimum it reaches (so 10.0 counts as
+        Hopper and must run FA3 too; add a kind when a newer one needs other cases)."""
+        fitting = [k for k in self.kinds if capability >= k.min_capability]
+        return fitting[-1] if fitting else None
+
+    def kind(self, name: str) -> GpuKind:
+        return next(kind for kind in self.kinds if kind.name == name)
+
+    @property
+    def queues(self) -> dict[str, tuple[GpuKind, int]]:
+        """Every agent queue: its kind and its agents' GPU count."""
+        return {q: (k, n) for k in self.kinds for q, n in k.queues}
+
+
+def gpu_table(data: dict) -> GpuTable:
+    """The table of a [gpu] mapping (fork.toml's, or a GPU bundle manifest's): a case is
+    required from its `kind` on (newer kinds too), with two GPUs when `gpus` is 2."""
+    named = sorted(
+        data["kinds"].items(), key=lambda kv: capability(kv[1]["capability"])
+    )
+    order = [name for name, _ in named]
+    cases = {node: _gpu_case(node, c, order) for node, c in data["cases"].items()}
+    kinds = []
+    for rank, (name, entry) in enumerate(named):
+        due = [c for c in cases.values() if order.index(c.kind) <= rank]
+        kinds.append(
+            GpuKind(
+                name,
+                capability(entry["capability"]),
+                tuple(c.node for c in due if c.gpus == 1),
+                tuple(c.node for c in due if c.gpus >= 2),
+                tuple(entry["queues"].items()),
+            )
+        )
+    return GpuTable(tuple(kinds), cases)
+
+
+def _gpu_case(node: str, c: dict, kinds: list[str]) -> GpuCase:
+    if c.get("kind") not in kinds:
+        raise ForkError(
+            f"fork.toml [gpu] cases name unknown kinds: {c.get('kind')} ({node})",
+            f"use one of {', '.join(kinds)}",
+        )
+    if ("bundle" in c) == ("not_in_bundle" in c):
+        raise ForkError(
+            f"fork.toml [gpu] case {node} needs exactly one of `bundle` (what the GPU "
+            "bundle holds for it) and `not_in_bundle` (why it does not carry it)",
+            'add `bundle = []` or `not_in_bundle = "..."` to its row',
+        )
+    bundle = tuple(c["bundle"]) if "bundle" in c else None
+    return GpuCase(
+        node, c["kind"], c.get("gpus", 1), bundle, c.get("not_in_bundle", "")
     )
 
 

@@ -66,8 +66,15 @@ def install_cuda_route(pins: Pins, results: Path) -> tuple[Path, Path]:
         f"cuda route: forkbuild install --route cuda in {home()} (report: {report})"
     )
     run_or_fail(
-        [sys.executable, "-m", "forkbuild", "install", "--route", "cuda"]
-        + ["--without-gpu"],
+        [
+            sys.executable,
+            "-m",
+            "forkbuild",
+            "install",
+            "--route",
+            "cuda",
+            "--without-gpu",
+        ],
         "the CUDA route's install failed",
         report=report,
         cwd=REPO_ROOT,
@@ -114,15 +121,9 @@ def load_extensions(
     """forkbuild/setup/load_extensions.py in PYTHON's environment with the stub: every
     extension of WHEEL (or ONLY those) from TREE, checked against RECORD and loaded."""
     path = os.pathsep.join(filter(None, [pythonpath, str(REPO_ROOT)]))
+    module = "forkbuild.setup.load_extensions"
     done = run_or_fail(
-        [
-            str(python),
-            "-m",
-            "forkbuild.setup.load_extensions",
-            str(wheel),
-            str(tree),
-            *only,
-        ],
+        [str(python), "-m", module, str(wheel), str(tree), *only],
         "the CUDA build's extension check crashed",
         "read the error above: the locked torch or the wheel may not match",
         tail=600,
@@ -141,8 +142,7 @@ def load_extensions(
             "torch reports a GPU through the driver stub",
             "the stub must answer every driver call with CUDA_ERROR_NO_DEVICE",
         )
-    missing = [op for op, schema in result["ops"].items() if not schema]
-    if missing:
+    if missing := [op for op, schema in result["ops"].items() if not schema]:
         raise ForkError(
             f"the CUDA build registers no {', '.join(missing)}",
             "the kernel test calls these ops: check the wheel's extensions",
@@ -159,8 +159,7 @@ def check_flashinfer_jit(python: Path, stub: Path, results: Path) -> int:
     )
     cuda_toolchain.make_link_dir(venv, nvcc_version, stub / driver_stub.SONAME)
     env = cuda_toolchain.toolchain_env(venv, nvcc_version)
-    missing = cuda_toolchain.missing_tools(env, cuda_toolchain.link_dir(venv))
-    if missing:
+    if missing := cuda_toolchain.missing_tools(env, cuda_toolchain.link_dir(venv)):
         raise ForkError(
             f"the CUDA lock's toolchain is incomplete: {', '.join(missing)}",
             "check the CUDA lock's nvidia-cuda-* and ninja pins",
@@ -191,8 +190,7 @@ def run_gpu_tests(
     )
     # The required cases of forkbuild's own tests (the serve test), from the GPU table.
     own = sorted(
-        {c.split("::")[0] for c in gpu_required.load().all_required()}
-        - set(pins.gpu_tests)
+        {c.split("::")[0] for c in pins.gpu.all_required()} - set(pins.gpu_tests)
     )
     serve = pytest_runner.run_pytest(
         python,
@@ -203,12 +201,11 @@ def run_gpu_tests(
         output=results / "cuda-route-serve-gpu.log",
         extra_env=env,
     )
-    calls = part_of(in_tree, pins.cuda_route_tests)
     gpu = part_of(in_tree, pins.gpu_tests)
     collected = pytest_runner.Outcome(
-        {**gpu.cases, **serve.cases}, {**gpu.reasons, **serve.reasons}
+        gpu.cases | serve.cases, gpu.reasons | serve.reasons
     )
-    return collected, calls
+    return collected, part_of(in_tree, pins.cuda_route_tests)
 
 
 def part_of(
@@ -247,8 +244,9 @@ def check_skipped(
             + (f", e.g. {not_skipped[0]}" if not_skipped else ""),
             f"see {logs}",
         )
-    wrong = {c: r for c, r in collected.reasons.items() if not r.startswith(NO_DEVICE)}
-    if wrong:
+    if wrong := {
+        c: r for c, r in collected.reasons.items() if not r.startswith(NO_DEVICE)
+    }:
         case, why = next(iter(wrong.items()))
         raise ForkError(
             f"{len(wrong)} GPU case(s) skipped under {where} for another reason than "
@@ -264,8 +262,7 @@ def check(pins: Pins, results: Path) -> Result:
 
     if preflight.has_nvidia_gpu():  # the stub is for machines without a driver only
         raise ForkError(
-            "this machine has a GPU: the CUDA route runs for real there",
-            "run `make nightly`",
+            "this machine has a GPU: the CUDA route runs there", "run `make nightly`"
         )
     python, tree = install_cuda_route(pins, results)
     wheel = fetch.artifacts_dir() / pins.routes["cuda"].wheel.filename

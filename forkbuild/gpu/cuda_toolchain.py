@@ -23,14 +23,8 @@ from forkbuild.setup import install, lock
 # prefill and decode modules with nvcc (nvidia-cuda-nvcc, its cicc in nvidia-nvvm, the
 # headers of nvidia-cuda-crt and nvidia-cuda-runtime) and a bare `ninja` from PATH, and
 # links them against libcudart; pytest-timeout gives PER_CASE_TIMEOUT.
-LOCK_PINS = (
-    "ninja",
-    "nvidia-cuda-nvcc",
-    "nvidia-nvvm",
-    "nvidia-cuda-crt",
-    "nvidia-cuda-runtime",
-    "pytest-timeout",
-)
+LOCK_PINS = ("ninja", "nvidia-cuda-nvcc", "nvidia-nvvm", "nvidia-cuda-crt")
+LOCK_PINS += ("nvidia-cuda-runtime", "pytest-timeout")
 
 
 def check_lock_pins(lock_file: Path) -> str:
@@ -39,8 +33,7 @@ def check_lock_pins(lock_file: Path) -> str:
     if not lock_file.is_file():
         raise ForkError(f"{lock_file} is missing", "run `make lock` and commit locks/")
     pinned = lock.pinned(lock_file)
-    missing = [name for name in LOCK_PINS if name not in pinned]
-    if missing:
+    if missing := [name for name in LOCK_PINS if name not in pinned]:
         raise ForkError(
             f"{lock_file.name} does not pin {', '.join(missing)}, which the GPU tests "
             "need (FlashInfer's JIT builds: nvcc and ninja; the per-case time limit: "
@@ -101,8 +94,7 @@ def check_gpu_toolchain(lock_file: Path, env: Mapping[str, str] = os.environ) ->
     """Before the install: the agent's host compilers and the pins of the CUDA lock that
     the GPU runs need. Returns the lock's nvcc version (which names its toolkit
     folder)."""
-    missing = missing_host_compilers(env)
-    if missing:
+    if missing := missing_host_compilers(env):
         raise ForkError(
             "the GPU tests need a host compiler that this agent lacks: "
             f"{'; '.join(missing)}",
@@ -149,8 +141,7 @@ def _entries(env: Mapping[str, str], name: str) -> list[str]:
 
 
 def driver_libcuda(ldconfig_output: str) -> Path | None:
-    """The driver's libcuda.so.1 for this machine from `ldconfig -p`, as Triton finds
-    it."""
+    """The driver's libcuda.so.1 from `ldconfig -p`, as Triton finds it."""
     for line in ldconfig_output.splitlines():
         name, _, location = line.strip().partition(" => ")
         if name.startswith("libcuda.so.1 ") and "x86-64" in name:
@@ -161,11 +152,8 @@ def driver_libcuda(ldconfig_output: str) -> Path | None:
 def _ldconfig_cache() -> str:
     search = os.pathsep.join(["/sbin", os.environ.get("PATH", os.defpath)])
     ldconfig = shutil.which("ldconfig", path=search)
-    if ldconfig is None:
-        return ""
-    return subprocess.run(
-        [ldconfig, "-p"], capture_output=True, text=True, check=False
-    ).stdout
+    done = ldconfig and subprocess.run([ldconfig, "-p"], capture_output=True, text=True)
+    return done.stdout if done else ""
 
 
 def make_link_dir(venv: Path, nvcc_version: str, libcuda: Path | None) -> None:
@@ -187,17 +175,13 @@ def make_link_dir(venv: Path, nvcc_version: str, libcuda: Path | None) -> None:
 
 def missing_tools(env: Mapping[str, str], links: Path) -> list[str]:
     """What of the installed toolchain ENV (toolchain_env) and LINKS (link_dir) lack."""
-    home, path = Path(env["CUDA_HOME"]), env["PATH"]
-    wanted = {
-        "ninja on PATH": shutil.which("ninja", path=path) is not None,
-        f"{home / 'bin' / 'nvcc'}": os.access(home / "bin" / "nvcc", os.X_OK),
-        f"{home / 'nvvm' / 'bin' / 'cicc'}": os.access(
-            home / "nvvm" / "bin" / "cicc", os.X_OK
-        ),
-    }
-    for name in ("libcudart.so", "libcuda.so"):
-        wanted[f"{links / name}"] = (links / name).exists()  # False when dangling
-    return [what for what, found in wanted.items() if not found]
+    home = Path(env["CUDA_HOME"])
+    missing = [] if shutil.which("ninja", path=env["PATH"]) else ["ninja on PATH"]
+    tools = (home / "bin" / "nvcc", home / "nvvm" / "bin" / "cicc")
+    missing += [str(tool) for tool in tools if not os.access(tool, os.X_OK)]
+    # exists() is False for a dangling link
+    links = (links / "libcudart.so", links / "libcuda.so")
+    return missing + [str(link) for link in links if not link.exists()]
 
 
 def prepare_toolchain(venv: Path, nvcc_version: str) -> dict[str, str]:
@@ -210,8 +194,7 @@ def prepare_toolchain(venv: Path, nvcc_version: str) -> dict[str, str]:
             f"nightly: CUDA_HOME={env['CUDA_HOME']} (the lock's) instead of the "
             f"agent's {os.environ['CUDA_HOME']}"
         )
-    missing = missing_tools(env, link_dir(venv))
-    if missing:
+    if missing := missing_tools(env, link_dir(venv)):
         raise ForkError(
             "the installed CUDA toolchain is incomplete, missing: "
             f"{', '.join(missing)}",
@@ -227,8 +210,7 @@ def probe_flashinfer_jit(
     """Run forkbuild/gpu/flashinfer_jit_probe.py in PYTHON's venv with ENV
     (toolchain_env, plus the driver stub where there is no driver); fail naming what
     FlashInfer's JIT would miss: on the GPU host, in seconds rather than in the first
-    FlashInfer case."""
-    venv = python.parent.parent
+    FlashInfer case. Returns the modules whose build graph it checked."""
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     done = subprocess.run(
@@ -252,33 +234,36 @@ def probe_flashinfer_jit(
             f"see {report}",
         )
     found = json.loads(done.stdout.strip().splitlines()[-1])
+    venv = python.parent.parent
+    if problems := jit_problems(found, env["CUDA_HOME"], venv, nvcc_version):
+        raise ForkError(
+            "FlashInfer's JIT would fail on the GPU runner: " + "; ".join(problems),
+            f"see {report}",
+        )
+    return len(found["modules"])
+
+
+def jit_problems(found: dict, home: str, venv: Path, nvcc_version: str) -> list[str]:
+    """What the probe's report FOUND shows FlashInfer's JIT would miss."""
     problems = []
-    if Path(found["cuda_home"]) != Path(env["CUDA_HOME"]):
+    if Path(found["cuda_home"]) != Path(home):
         problems.append(
             f"FlashInfer takes CUDA from {found['cuda_home']}, not the lock's"
         )
     if not found["ninja"] or Path(found["ninja"]).parent != venv / "bin":
         problems.append(f"ninja resolves to {found['ninja']}, not the venv's")
     if not found["cuda_version"].startswith(nvcc_version.rsplit(".", 1)[0]):
-        problems.append(
-            f"FlashInfer reads CUDA {found['cuda_version']}, the lock pins "
-            f"{nvcc_version}"
-        )
+        cuda = found["cuda_version"]
+        problems.append(f"FlashInfer reads CUDA {cuda}, the lock pins {nvcc_version}")
     problems += [
-        f"no build graph for {name}" for name, ok in found["modules"].items() if not ok
+        f"no build graph for {m}" for m, ok in found["modules"].items() if not ok
     ]
     if not found["compiled"]:
         problems.append(
             f"the lock's nvcc cannot compile and link: {found['compile_error']}"
         )
-    # the module must need the runtime and the driver by soname
-    elif len(found["links"]) != 2:
+    elif len(found["links"]) != 2:  # the runtime and the driver, by soname
         problems.append(
             f"the linked module needs only {found['links']} of libcudart, libcuda"
         )
-    if problems:
-        raise ForkError(
-            "FlashInfer's JIT would fail on the GPU runner: " + "; ".join(problems),
-            f"see {report}",
-        )
-    return len(found["modules"])
+    return problems

@@ -40,32 +40,16 @@ def build_graphs() -> dict[str, bool]:
     import torch
     from flashinfer.prefill import gen_batch_prefill_module
 
+    # q, kv and o bf16, int32 indices, head size 64 for q/k and v, no position encoding
+    args = (torch.bfloat16,) * 3 + (torch.int32, 64, 64, 0)
     found = {}
     for backend in ("fa2", "fa3"):
         for sliding in (False, True):
-            spec = gen_batch_prefill_module(
-                backend,
-                torch.bfloat16,
-                torch.bfloat16,
-                torch.bfloat16,
-                torch.int32,
-                64,
-                64,
-                0,
-                sliding,
-                False,
-                False,
-            )
+            spec = gen_batch_prefill_module(backend, *args, sliding, False, False)
             spec.write_ninja()
-            dry = subprocess.run(
-                ["ninja", "-n", "-C", str(spec.build_dir)],
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            found[spec.name] = (
-                dry.returncode == 0 and "nvcc" in spec.ninja_path.read_text()
-            )
+            dry = ["ninja", "-n", "-C", str(spec.build_dir)]
+            resolved = subprocess.run(dry, capture_output=True, check=False).returncode
+            found[spec.name] = resolved == 0 and "nvcc" in spec.ninja_path.read_text()
     return found
 
 
@@ -107,10 +91,5 @@ def probe(work: Path) -> dict:
     }
 
 
-def main(argv: list[str]) -> int:
-    print(json.dumps(probe(Path(argv[0]))))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    print(json.dumps(probe(Path(sys.argv[1]))))

@@ -26,6 +26,7 @@ BENCHMARK = REPO_ROOT / "benchmarks" / "offload_throughput_gpu.py"
 # (a test checks the sum). Per case: gpu_required.CASE_LIMIT_S (docs/gpu-nightly.md).
 RUN_LIMITS_S = {"gpu-tests": 25 * 60, "serve": 12 * 60, "benchmark": 8 * 60}
 INSTALL_BUDGET_S = 12 * 60
+STEP_LIMIT_MIN = 60  # the pipeline's timeout_in_minutes (forkbuild/gpu/pipeline.py)
 
 
 def out_dir() -> Path:
@@ -38,21 +39,16 @@ def out_dir() -> Path:
 
 
 def _query_gpus() -> str:
-    return subprocess.run(
-        ["nvidia-smi", f"--query-gpu={gpu_required.NVIDIA_SMI_QUERY}", "--format=csv"],
-        capture_output=True,
-        text=True,
-        check=False,
-    ).stdout
+    smi = ["nvidia-smi", f"--query-gpu={gpu_required.NVIDIA_SMI_QUERY}", "--format=csv"]
+    return subprocess.run(smi, capture_output=True, text=True, check=False).stdout
 
 
 def run(pins: Pins) -> str:
     # Before minutes of CUDA install: without a GPU there is nothing to run.
     if not preflight.has_nvidia_gpu():
         raise ForkError(
-            "no NVIDIA GPU on this machine: the nightly GPU job needs one (Ampere runs "
-            "the FA2, Triton and FlashInfer cases; Hopper adds FA3 and the FLASH_ATTN "
-            "engine cases)",
+            "no NVIDIA GPU on this machine: the nightly GPU job needs one of the kinds "
+            f"of fork.toml [gpu] ({', '.join(k.name for k in pins.gpu.kinds)})",
             "run it on the GPU runner; on CPU, `make test` covers what runs without a "
             "GPU",
         )
@@ -65,23 +61,34 @@ def run(pins: Pins) -> str:
     log.step(f"nightly: GPUs (CUDA_VISIBLE_DEVICES {shown})\n{gpus}")
     # Before the install too: a GPU older than every kind has nothing it must run, and
     # an agent without a host compiler cannot build FlashInfer's kernels.
-    kind, required = gpu_required.select(gpu_required.parse_nvidia_smi(gpus, visible))
+    capabilities = gpu_required.parse_nvidia_smi(gpus, visible)
+    kind, required = gpu_required.select(capabilities, pins.gpu)
     log.step(f"nightly: {kind.name}, {len(required)} case(s) that must run")
-    nvcc_version = cuda_toolchain.check_gpu_toolchain(
-        lock.path("cuda", lock.running_python())
-    )
-
+    lock_file = lock.path("cuda", lock.running_python())
+    nvcc_version = cuda_toolchain.check_gpu_toolchain(lock_file)
     python, tree_path, _ = install.install(pins, "cuda")
     env = cuda_toolchain.prepare_toolchain(python.parent.parent, nvcc_version)
     check_jit(python, env, nvcc_version, out)
+    gpu_tests, serve, code, killed = _runs(pins, python, tree_path, env, out)
+    return conclude(
+        kind, required, gpu_tests, serve, code, out, benchmark_killed=killed
+    )
+
+
+def _runs(
+    pins: Pins, python: Path, tree: Path, env: dict[str, str], out: Path
+) -> tuple[pytest_runner.Outcome, pytest_runner.Outcome, int, str]:
+    """The GPU tests, the serve test and the benchmark, each under its limit: their
+    outcomes, the benchmark's exit status and why it was stopped (or "")."""
     forked = ["--forked", "-v", "-rs", *PER_CASE_TIMEOUT]
-    kernels_and_engine = _run_or_note(
+    limits = RUN_LIMITS_S
+    gpu_tests = _run_or_note(
         python,
-        tree_path,
+        tree,
         [*forked, *pins.gpu_tests],
         out / "gpu-tests.xml",
         extra_env=env,
-        timeout_s=RUN_LIMITS_S["gpu-tests"],
+        timeout_s=limits["gpu-tests"],
     )
     serve = _run_or_note(
         python,
@@ -90,33 +97,25 @@ def run(pins: Pins) -> str:
         out / "serve-gpu.xml",
         pythonpath=REPO_ROOT,
         extra_env=env,
-        timeout_s=RUN_LIMITS_S["serve"],
+        timeout_s=limits["serve"],
     )
     log.step("nightly: offload benchmark")
-    bench_exit, bench_stopped = pytest_runner.run_limited(
+    code, stopped = pytest_runner.run_limited(
         [str(python), str(BENCHMARK), "--out", str(out / "benchmark.json")],
-        cwd=tree_path,
-        env={**os.environ, **env, "PYTHONPATH": str(tree_path)},
-        timeout_s=RUN_LIMITS_S["benchmark"],
+        cwd=tree,
+        env={**os.environ, **env, "PYTHONPATH": str(tree)},
+        timeout_s=limits["benchmark"],
     )
-    bench_killed = f"stopped after its time limit of {RUN_LIMITS_S['benchmark']} s"
-    return conclude(
-        kind,
-        required,
-        kernels_and_engine,
-        serve,
-        bench_exit,
-        out,
-        benchmark_killed=bench_killed if bench_stopped else "",
-    )
+    killed = f"stopped after its time limit of {limits['benchmark']} s"
+    return gpu_tests, serve, code, killed if stopped else ""
 
 
 def check_jit(python: Path, env: dict[str, str], nvcc_version: str, out: Path) -> None:
-    """FlashInfer's JIT toolchain on this agent, in seconds, before the tests: the same
-    probe as `make test`'s CUDA route check (forkbuild/gpu/cuda_route.py), here with the
-    agent's own driver and host compiler."""
+    """FlashInfer's JIT toolchain on this agent, in seconds, before the tests: the
+    probe of `make test`'s CUDA route check, with the agent's driver and compiler."""
+    work, report = out / "flashinfer-jit", out / "flashinfer-jit.log"
     modules = cuda_toolchain.probe_flashinfer_jit(
-        python, env, nvcc_version, out / "flashinfer-jit", out / "flashinfer-jit.log"
+        python, env, nvcc_version, work, report
     )
     log.step(
         f"nightly: FlashInfer's JIT finds the lock's nvcc and ninja ({modules} module "
@@ -151,15 +150,9 @@ def conclude(
     outcomes = (gpu_tests, serve)
     not_run = gpu_required.not_run(required, outcomes)
     failed = sum(o.failed + o.errors for o in outcomes) + (benchmark_exit != 0)
-    killed = [
-        f"{name}: {note}"
-        for name, note in (
-            ("gpu-tests.xml", gpu_tests.killed),
-            ("serve-gpu.xml", serve.killed),
-            ("benchmark", benchmark_killed),
-        )
-        if note
-    ]
+    stops = (gpu_tests.killed, serve.killed, benchmark_killed)
+    names = ("gpu-tests.xml", "serve-gpu.xml", "benchmark")
+    killed = [f"{name}: {note}" for name, note in zip(names, stops) if note]
     summary = {
         "gpu_kind": kind.name,
         "gpu_tests": str(gpu_tests),
@@ -170,13 +163,11 @@ def conclude(
         "junit": ["gpu-tests.xml", "serve-gpu.xml"],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    passed = sum(o.passed for o in outcomes)
-    skipped = sum(o.skipped for o in outcomes)
-    xfailed = sum(o.xfailed for o in outcomes)
-    line = (
-        f"summary: {passed} passed, {failed} failed, {skipped} skipped, {xfailed} "
-        "xfailed"
+    passed, skipped, xfailed = (
+        sum(getattr(o, n) for o in outcomes) for n in ("passed", "skipped", "xfailed")
     )
+    line = f"summary: {passed} passed, {failed} failed, {skipped} skipped, "
+    line += f"{xfailed} xfailed"
     if failed or not_run or killed:
         for problem in (*killed, *not_run):
             print(problem)

@@ -6,7 +6,8 @@ a Hopper runner would skip all FA3 and FLASH_ATTN cases and still leave the job 
 fork.toml [gpu] says what each kind must run; a skip or an absence of one of those fails
 the job with pytest's reason. Standard library only: nightly.py runs on the system
 python3, and the GPU bundle's runner on a GPU host's (with the table its manifest
-carries); `make test` checks on CPU that every node id of the table is collected.
+carries); `make test` checks on CPU that every node id of the table is collected. The
+table is read by forkbuild/core/pins.py (GpuTable).
 """
 
 from __future__ import annotations
@@ -18,105 +19,19 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from forkbuild.core.errors import ForkError
+from forkbuild.core.pins import Capability, GpuKind, GpuTable, capability, gpu_table
 from forkbuild.core.pytest_runner import Outcome
+
+# The names the GPU bundle's runner reads the table of its manifest with.
+Kind, Table, from_data = GpuKind, GpuTable, gpu_table
 
 # One case's time limit, in seconds: a FlashInfer JIT build plus its kernels, or two
 # tiny engines.
 CASE_LIMIT_S = 600
 # pytest-timeout in the forked child, thread method: the hung case alone fails and the
 # run goes on (docs/gpu-nightly.md, "Why the per-case limit is set so").
-PER_CASE_TIMEOUT = [
-    f"--timeout={CASE_LIMIT_S}",
-    "--timeout-method=thread",
-    "-o",
-    "timeout_func_only=true",
-]
-
-
-Capability = tuple[int, int]  # CUDA compute capability (major, minor): 9.0 -> (9, 0)
-
-
-@dataclass(frozen=True)
-class Kind:
-    """A GPU generation: from which compute capability, and what it must run."""
-
-    name: str
-    min_capability: Capability
-    cases: tuple[str, ...]  # required with any number of GPUs
-    multi_gpu_cases: tuple[str, ...] = ()  # required only with two GPUs or more
-    queues: tuple[tuple[str, int], ...] = ()  # the nightly's agent queues, GPUs each
-
-    def required(self, gpu_count: int) -> tuple[str, ...]:
-        return self.cases + (self.multi_gpu_cases if gpu_count >= 2 else ())
-
-
-@dataclass(frozen=True)
-class Table:
-    """fork.toml [gpu]: the GPU kinds, oldest first, and every case some kind requires
-    (node id -> its entry: the kind it is required from, its GPU count, what the GPU
-    bundle holds for it)."""
-
-    kinds: tuple[Kind, ...]
-    cases: dict[str, dict]
-
-    def all_required(self) -> set[str]:
-        """Every node id that some GPU kind, with any GPU count, requires."""
-        return set(self.cases)
-
-    def kind_of(self, capability: Capability) -> Kind | None:
-        """A GPU is of the newest kind whose minimum it reaches (so 10.0 counts as
-        Hopper and must run FA3 too; add a kind when a newer one needs other cases)."""
-        fitting = [kind for kind in self.kinds if capability >= kind.min_capability]
-        return fitting[-1] if fitting else None
-
-    def kind(self, name: str) -> Kind:
-        return next(kind for kind in self.kinds if kind.name == name)
-
-
-def _capability(text: str) -> Capability:
-    major, _, minor = text.partition(".")
-    return int(major), int(minor or 0)
-
-
-def from_data(data: dict) -> Table:
-    """The Table of fork.toml's [gpu] (as the GPU bundle's manifest also carries it): a
-    case is required from its `kind` on, with two GPUs when its `gpus` is 2."""
-    named = sorted(
-        data["kinds"].items(), key=lambda item: _capability(item[1]["capability"])
-    )
-    order = [name for name, _ in named]
-    unknown = {c["kind"] for c in data["cases"].values()} - set(order)
-    if unknown:
-        raise ForkError(
-            f"fork.toml [gpu] cases name unknown kinds: {', '.join(sorted(unknown))}",
-            f"use one of {', '.join(order)}",
-        )
-    kinds = []
-    for rank, (name, entry) in enumerate(named):
-        due = [
-            (case, c)
-            for case, c in data["cases"].items()
-            if order.index(c["kind"]) <= rank
-        ]
-        kinds.append(
-            Kind(
-                name,
-                _capability(entry["capability"]),
-                tuple(case for case, c in due if c.get("gpus", 1) == 1),
-                tuple(case for case, c in due if c.get("gpus", 1) >= 2),
-                tuple(entry["queues"].items()),
-            )
-        )
-    return Table(tuple(kinds), dict(data["cases"]))
-
-
-def load() -> Table:
-    """The table of fork.toml (the GPU bundle's runner has a fork.toml of its own)."""
-    import tomllib
-
-    from forkbuild.core.pins import PINS_FILE
-
-    return from_data(tomllib.loads(PINS_FILE.read_text())["gpu"])
+PER_CASE_TIMEOUT = [f"--timeout={CASE_LIMIT_S}", "--timeout-method=thread"]
+PER_CASE_TIMEOUT += ["-o", "timeout_func_only=true"]
 
 
 # What the nightly asks nvidia-smi (with --format=csv): index and uuid to apply
@@ -145,7 +60,7 @@ def parse_gpus(csv_text: str) -> list[Gpu]:
         )
     gpus = [dict(zip(header, row)) for row in rows[1:] if row]
     return [
-        Gpu(int(g["index"]), g["uuid"].strip(), _capability(g["compute_cap"].strip()))
+        Gpu(int(g["index"]), g["uuid"].strip(), capability(g["compute_cap"].strip()))
         for g in gpus
     ]
 
@@ -207,7 +122,7 @@ def select(
 ) -> tuple[Kind, tuple[str, ...]]:
     """The kind of this machine and the cases it must run. With mixed GPUs the weakest
     decides: a case may land on any of them (TP=2 uses two)."""
-    table = table or load()
+    table = table or _table()
     if not capabilities:
         raise ForkError(
             "nvidia-smi listed no GPU", "check the driver with `nvidia-smi -L`"
@@ -226,6 +141,12 @@ def select(
     return kind, kind.required(len(capabilities))
 
 
+def _table() -> GpuTable:
+    from forkbuild.core import pins
+
+    return pins.load().gpu
+
+
 def not_run(required: Iterable[str], outcomes: Iterable[Outcome]) -> list[str]:
     """One line per required case that was skipped (with pytest's reason) or never
     reported. Failures and errors are not listed: the job counts those already."""
@@ -236,16 +157,13 @@ def not_run(required: Iterable[str], outcomes: Iterable[Outcome]) -> list[str]:
         reasons.update(outcome.reasons)
     lines = []
     for node in required:
-        status = cases.get(node)
-        if status is None:
+        if (status := cases.get(node)) is None:
             lines.append(
                 f"{node}: required but not run (not collected or not reported)"
             )
         elif status in ("skipped", "xfailed"):
-            lines.append(
-                f"{node}: required but skipped: "
-                f"{reasons.get(node) or 'no reason given'}"
-            )
+            why = reasons.get(node) or "no reason given"
+            lines.append(f"{node}: required but skipped: {why}")
     return lines
 
 
@@ -255,10 +173,8 @@ def check_collected(
     """Fail unless every node id a GPU kind requires (or REQUIRED) is among COLLECTED
     (as collected on CPU): a renamed test or parameter id must fail here, not as
     'required but not run' on the GPU runner at night."""
-    missing = sorted(
-        set(load().all_required() if required is None else required) - set(collected)
-    )
-    if missing:
+    required = _table().all_required() if required is None else required
+    if missing := sorted(set(required) - set(collected)):
         raise ForkError(
             f"{len(missing)} node id(s) that the nightly GPU job requires are not "
             "collected: " + ", ".join(missing),

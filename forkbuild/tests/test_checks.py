@@ -14,9 +14,9 @@ from forkbuild.core.errors import ForkError
 
 @pytest.fixture(scope="module")
 def released_source(real_sdist, fork_pins) -> str:
-    member = f"vllm-{fork_pins.upstream_version}/{fixcheck.MODULE_PATH}"
+    inner = f"vllm-{fork_pins.upstream_version}/{fixcheck.MODULE_PATH}"
     with tarfile.open(real_sdist) as tar:
-        return tar.extractfile(member).read().decode()
+        return tar.extractfile(inner).read().decode()
 
 
 def test_fixcheck_tells_released_from_fixed(released_source):

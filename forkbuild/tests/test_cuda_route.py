@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from forkbuild.core import preflight
+from forkbuild.core import pins, preflight
 from forkbuild.core.errors import ForkError
 from forkbuild.core.pins import REPO_ROOT
 from forkbuild.core.pytest_runner import Outcome
 from forkbuild.gpu import cuda_route, driver_stub
-from forkbuild.gpu import required as gpu_required
 
 NO_GPU = pytest.mark.skipif(preflight.has_nvidia_gpu(), reason="this machine has a GPU")
 
@@ -48,61 +47,34 @@ def test_the_cuda_route_is_refused_at_once_without_a_driver(scratch, step):
     assert (venv / "marker").read_text() == "the working CPU venv"
 
 
+def _shared(out: Path, source: Path, *flags: str) -> None:
+    subprocess.run(
+        ["cc", "-shared", "-fPIC", "-o", str(out), str(source), *flags], check=True
+    )
+
+
 def test_the_stub_defines_every_imported_driver_entry_point(tmp_path):
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler")
     pytest.importorskip("elftools")
-    tree = tmp_path / "tree"
+    tree, fake = tmp_path / "tree", tmp_path / "fake"
     (tree / "vllm" / "sub").mkdir(parents=True)
+    fake.mkdir()
     # A driver library to link against, and two extensions: one imports two entry
     # points (and a libc function, which is not the driver's), one none.
-    fake = tmp_path / "fake"
-    fake.mkdir()
-    (fake / "cuda.c").write_text(
-        "int cuInit(void){return 0;}\nint cuMemMap(void){return 0;}\n"
-    )
-    subprocess.run(
-        [
-            "cc",
-            "-shared",
-            "-fPIC",
-            "-Wl,-soname,libcuda.so.1",
-            "-o",
-            str(fake / "libcuda.so.1"),
-            str(fake / "cuda.c"),
-        ],
-        check=True,
-    )
+    sources = {
+        "cuda.c": "int cuInit(void){return 0;}\nint cuMemMap(void){return 0;}\n",
+        "ext.c": "#include <string.h>\nint cuInit(void); int cuMemMap(void);\n"
+        "int use(const char *s){return cuInit() + cuMemMap() + (int)strlen(s);}\n",
+        "plain.c": "int plain(void){return 1;}\n",
+    }
+    for name, text in sources.items():
+        (tmp_path / name).write_text(text)
+    _shared(fake / "libcuda.so.1", tmp_path / "cuda.c", "-Wl,-soname,libcuda.so.1")
     (fake / "libcuda.so").symlink_to("libcuda.so.1")
-    (tmp_path / "ext.c").write_text(
-        "#include <string.h>\nint cuInit(void); int cuMemMap(void);\n"
-        "int use(const char *s){return cuInit() + cuMemMap() + (int)strlen(s);}\n"
-    )
-    subprocess.run(
-        [
-            "cc",
-            "-shared",
-            "-fPIC",
-            "-o",
-            str(tree / "vllm" / "sub" / "_ext.abi3.so"),
-            str(tmp_path / "ext.c"),
-            f"-L{fake}",
-            "-lcuda",
-        ],
-        check=True,
-    )
-    (tmp_path / "plain.c").write_text("int plain(void){return 1;}\n")
-    subprocess.run(
-        [
-            "cc",
-            "-shared",
-            "-fPIC",
-            "-o",
-            str(tree / "vllm" / "_plain.abi3.so"),
-            str(tmp_path / "plain.c"),
-        ],
-        check=True,
-    )
+    ext = tree / "vllm" / "sub" / "_ext.abi3.so"
+    _shared(ext, tmp_path / "ext.c", f"-L{fake}", "-lcuda")
+    _shared(tree / "vllm" / "_plain.abi3.so", tmp_path / "plain.c")
 
     library, users, symbols = driver_stub.build(tree, tmp_path / "stub")
 
@@ -114,21 +86,16 @@ def test_the_stub_defines_every_imported_driver_entry_point(tmp_path):
         "import ctypes,sys; lib=ctypes.CDLL(sys.argv[1]); "
         "print(ctypes.CDLL('libcuda.so.1').cuInit())"
     )
-    ext = str(tree / "vllm" / "sub" / "_ext.abi3.so")
-    loaded = subprocess.run(
-        [sys.executable, "-c", probe, ext],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "LD_LIBRARY_PATH": str(library.parent)},
-    )
+    bare = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+
+    def load(env: dict) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-c", probe, str(ext)]
+        return subprocess.run(command, capture_output=True, text=True, env=env)
+
+    loaded = load({**bare, "LD_LIBRARY_PATH": str(library.parent)})
     assert loaded.stdout.strip() == str(driver_stub.CUDA_ERROR_NO_DEVICE), loaded.stderr
-    bare = subprocess.run(
-        [sys.executable, "-c", probe, ext],
-        capture_output=True,
-        text=True,
-        env={k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"},
-    )
-    assert bare.returncode != 0 and "libcuda.so.1" in bare.stderr
+    without = load(bare)
+    assert without.returncode != 0 and "libcuda.so.1" in without.stderr
 
 
 def test_the_stub_source_answers_no_device():
@@ -146,12 +113,13 @@ def test_the_stub_comes_first_on_the_library_path(monkeypatch, tmp_path):
     assert cuda_route.stub_env(tmp_path)["LD_LIBRARY_PATH"] == str(tmp_path)
 
 
+REQUIRED = sorted(pins.load().gpu.all_required())
+
+
 def _collected(
     reason: str = "needs an NVIDIA GPU: runs vLLM's CUDA kernels", drop: str = ""
 ):
-    cases = {
-        case: "skipped" for case in gpu_required.load().all_required() if case != drop
-    }
+    cases = {case: "skipped" for case in REQUIRED if case != drop}
     cases["tests/v1/worker/test_x.py::test_more"] = "skipped"
     return Outcome(cases, {case: reason for case in cases})
 
@@ -169,16 +137,14 @@ def test_a_gpu_case_skipped_for_another_reason_fails(tmp_path):
 def test_a_gpu_case_that_did_not_skip_fails(tmp_path):
     outcome = _collected()
     cases = dict(outcome.cases)
-    cases[next(iter(gpu_required.load().all_required()))] = "error"
+    cases[REQUIRED[0]] = "error"
     with pytest.raises(ForkError, match="did not all skip"):
         cuda_route.check_skipped(Outcome(cases, outcome.reasons), tmp_path)
 
 
 def test_a_required_case_that_is_not_collected_fails(tmp_path):
     with pytest.raises(ForkError, match="not collected"):
-        cuda_route.check_skipped(
-            _collected(drop=sorted(gpu_required.load().all_required())[0]), tmp_path
-        )
+        cuda_route.check_skipped(_collected(drop=REQUIRED[0]), tmp_path)
 
 
 def test_the_check_splits_one_run_by_module():
@@ -187,9 +153,7 @@ def test_the_check_splits_one_run_by_module():
         {"a/y.py::t2": "no GPU"},
     )
     part = cuda_route.part_of(outcome, ("a/y.py",))
-    assert part.cases == {"a/y.py::t2": "skipped"} and part.reasons == {
-        "a/y.py::t2": "no GPU"
-    }
+    assert part == Outcome({"a/y.py::t2": "skipped"}, {"a/y.py::t2": "no GPU"})
 
 
 def test_the_stub_is_nowhere_but_the_checks_folder(fork_pins):

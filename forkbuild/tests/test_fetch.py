@@ -33,17 +33,17 @@ def test_bad_artifact_is_deleted_and_refused(
         data = data[: len(data) // 2]
     scratch_sdist.write_bytes(data)
     with pytest.raises(
-        ForkError, match="sha256 mismatch for vllm-0.25.1.tar.gz"
+        ForkError, match=f"sha256 mismatch for {fork_pins.sdist.filename}"
     ) as err:
         fetch.fetch(fork_pins.sdist, _no_pip)
     assert "\n" not in str(err.value)
     assert not scratch_sdist.exists()
 
 
-def test_interrupted_download_leftovers_are_removed(scratch):
+def test_interrupted_download_leftovers_are_removed(scratch, fork_pins):
     leftover = fetch.artifacts_dir() / ".download-abc123"
     leftover.mkdir()
-    (leftover / "vllm-0.25.1.tar.gz").write_bytes(b"partial")
+    (leftover / fork_pins.sdist.filename).write_bytes(b"partial")
     fetch.clean_partial_downloads()
     assert not leftover.exists()
 
@@ -59,7 +59,7 @@ def test_unwritable_cache_is_refused_naming_vllm_fork_cache(
     monkeypatch.setenv("VLLM_FORK_CACHE", str(tmp_path / "a-file" / "cache"))
     with pytest.raises(
         ForkError,
-        match="cannot write in .*, which downloading vllm-0.25.1.tar.gz needs",
+        match=f"cannot write in .*, which downloading {fork_pins.sdist.filename} needs",
     ) as err:
         fetch.fetch(fork_pins.sdist, _no_pip)
     assert "VLLM_FORK_CACHE" in err.value.hint and "\n" not in str(err.value)

@@ -5,12 +5,11 @@ no GPU needed)."""
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 
+from forkbuild.core import pins
 from forkbuild.core.errors import ForkError
-from forkbuild.core.pins import REPO_ROOT
 from forkbuild.core.pytest_runner import Outcome
 from forkbuild.gpu import nightly
 from forkbuild.gpu import required as gpu_required
@@ -28,7 +27,7 @@ FLASHINFER = {
 }
 SERVE = "forkbuild/tests/test_serve_gpu.py::test_offload_preset_serves_and_reloads"
 # The table of fork.toml [gpu]: what each kind must run comes from there, never retyped.
-TABLE = gpu_required.load()
+TABLE = pins.load().gpu
 AMPERE = set(TABLE.kind("Ampere").required(1))
 HOPPER = set(TABLE.kind("Hopper").required(1))
 (TP2,) = set(TABLE.kind("Hopper").required(2)) - HOPPER
@@ -42,6 +41,10 @@ H200 = ("NVIDIA H200", "9.0", "143771 MiB")
 A100 = ("NVIDIA A100-SXM4-80GB", "8.0", "81920 MiB")
 A10 = ("NVIDIA A10", "8.6", "23028 MiB")
 T4 = ("Tesla T4", "7.5", "15360 MiB")
+
+
+def _select(csv: str, visible: str | None = None):
+    return gpu_required.select(gpu_required.parse_nvidia_smi(csv, visible))
 
 
 def uuid(index: int) -> str:
@@ -69,29 +72,21 @@ def _csv(*gpus: tuple[str, str, str]) -> str:
     ids=["A100", "A10", "2xA100", "H100", "H200", "2xH100", "H100+A100"],
 )
 def test_required_cases_per_kind_and_gpu_count(gpus, kind, required):
-    selected, cases = gpu_required.select(gpu_required.parse_nvidia_smi(_csv(*gpus)))
+    selected, cases = _select(_csv(*gpus))
     assert selected.name == kind
     assert set(cases) == required and len(cases) == len(required)
 
 
 def test_older_gpus_and_unreadable_nvidia_smi_are_refused():
-    with pytest.raises(
-        ForkError, match=r"compute capability 7\.5 is older than Ampere"
-    ):
-        gpu_required.select(gpu_required.parse_nvidia_smi(_csv(T4)))
-    with pytest.raises(
-        ForkError, match="did not report the GPUs' index, uuid and compute cap"
-    ):
-        gpu_required.parse_nvidia_smi(
-            "Failed to initialize NVML: Driver/library mismatch\n"
-        )
-    # the old query
-    with pytest.raises(ForkError, match="did not report the GPUs' index, uuid"):
-        gpu_required.parse_nvidia_smi(
-            "name, compute_cap, memory.total [MiB]\nNVIDIA A10, 8.6, 1 MiB\n"
-        )
+    with pytest.raises(ForkError, match=r"capability 7\.5 is older than Ampere"):
+        _select(_csv(T4))
+    unreadable = "did not report the GPUs' index, uuid and compute cap"
+    with pytest.raises(ForkError, match=unreadable):
+        _select("Failed to initialize NVML: Driver/library mismatch\n")
+    with pytest.raises(ForkError, match=unreadable):  # the old query
+        _select("name, compute_cap, memory.total [MiB]\nNVIDIA A10, 8.6, 1 MiB\n")
     with pytest.raises(ForkError, match="listed no GPU"):
-        gpu_required.select(gpu_required.parse_nvidia_smi(HEADER))
+        _select(HEADER)
 
 
 @pytest.mark.parametrize(
@@ -121,14 +116,8 @@ def test_cuda_visible_devices_decides_the_gpu_count(visible, gpu_count):
 def test_cuda_visible_devices_picks_the_gpus_whose_kind_counts():
     # A100 at index 0, H100 at 1: the agent that sees only the H100 is a Hopper agent.
     gpus = _csv(A100, H100)
-    assert (
-        gpu_required.select(gpu_required.parse_nvidia_smi(gpus, "1"))[0].name
-        == "Hopper"
-    )
-    assert (
-        gpu_required.select(gpu_required.parse_nvidia_smi(gpus, uuid(0)))[0].name
-        == "Ampere"
-    )
+    assert _select(gpus, "1")[0].name == "Hopper"
+    assert _select(gpus, uuid(0))[0].name == "Ampere"
 
 
 @pytest.mark.parametrize(
@@ -151,11 +140,9 @@ def test_cuda_visible_devices_that_hides_every_gpu_is_refused(visible):
 
 def test_mig_instances_are_refused():
     with pytest.raises(
-        ForkError, match="MIG instances: the nightly GPU job needs whole GPUs"
+        ForkError, match="MIG instances: the nightly GPU job needs whole"
     ):
-        gpu_required.parse_nvidia_smi(
-            _csv(H100), "MIG-4b0c2c7e-2b0f-5a59-8e2c-1d8f3b0c9a11"
-        )
+        _select(_csv(H100), "MIG-4b0c2c7e-2b0f-5a59-8e2c-1d8f3b0c9a11")
 
 
 def _outcomes(statuses: dict[str, str], reasons: dict[str, str] | None = None):
@@ -170,7 +157,7 @@ def _outcomes(statuses: dict[str, str], reasons: dict[str, str] | None = None):
 
 
 def _conclude(gpus, statuses, reasons=None, *, out, benchmark_exit: int = 0) -> str:
-    kind, required = gpu_required.select(gpu_required.parse_nvidia_smi(_csv(*gpus)))
+    kind, required = _select(_csv(*gpus))
     gpu_tests, serve = _outcomes(statuses, reasons)
     return nightly.conclude(kind, required, gpu_tests, serve, benchmark_exit, out)
 
@@ -254,42 +241,6 @@ def test_the_required_serve_case_is_a_test_of_the_serve_module():
     assert callable(getattr(module, name, None)), f"{path} has no {name}"
 
 
-# The word by which the README and the pipeline's header name each required case's
-# family (first match wins: the TP=2 case is also a FLASH_ATTN one).
-FAMILIES = (
-    ("test_flash_attention_over_packed_views[2]", "FA2"),
-    ("test_flash_attention_over_packed_views[3]", "FA3"),
-    ("test_triton_attention_over_packed_views", "Triton"),
-    ("test_flashinfer_over_packed_views", "FlashInfer"),
-    ("[TRITON_ATTN-", "TRITON_ATTN"),
-    ("[FLASH_ATTN-v1-tp2]", "TP=2"),
-    ("[FLASH_ATTN-", "FLASH_ATTN"),
-    ("test_serve_gpu.py", "serve"),
-)
-
-
-def _families(cases) -> set[str]:
-    return {next(word for key, word in FAMILIES if key in case) for case in cases}
-
-
-@pytest.mark.parametrize("path", ["README.md", ".buildkite/fork_nightly_gpu.yaml"])
-def test_the_docs_say_what_each_gpu_kind_must_run(path):
-    # "Ampere (sm80) must run ...; Hopper (sm90) adds ...": the same lists as the code.
-    text = " ".join(
-        line.lstrip("# ") for line in (REPO_ROOT / path).read_text().splitlines()
-    )
-    found = re.search(
-        r"Ampere \(sm80\) must run (.*?); Hopper \(sm90\) adds (.*?)\. ", text
-    )
-    assert found, f"{path} no longer says what Ampere and Hopper must run"
-    ampere, hopper = found[1], found[2]
-    hopper_only = _families(TABLE.kind("Hopper").required(2)) - _families(AMPERE)
-    assert {w for w in _families(AMPERE) if w not in ampere} == set()
-    # none of Hopper's
-    assert {w for w in hopper_only if w not in ampere} == hopper_only
-    assert {w for w in hopper_only if w not in hopper} == set()
-
-
 def test_a_case_is_required_from_its_kind_on_with_its_gpu_count():
     table = gpu_required.from_data(
         {
@@ -298,9 +249,9 @@ def test_a_case_is_required_from_its_kind_on_with_its_gpu_count():
                 "Ampere": {"capability": "8.0", "queues": {"a1": 1}},
             },
             "cases": {
-                "a": {"kind": "Ampere"},
-                "h": {"kind": "Hopper"},
-                "tp2": {"kind": "Hopper", "gpus": 2},
+                "a": {"kind": "Ampere", "bundle": []},
+                "h": {"kind": "Hopper", "not_in_bundle": "why"},
+                "tp2": {"kind": "Hopper", "gpus": 2, "bundle": ["x"]},
             },
         }
     )
@@ -310,5 +261,7 @@ def test_a_case_is_required_from_its_kind_on_with_its_gpu_count():
     assert table.kind("Hopper").required(2) == ("a", "h", "tp2")
     assert table.kind_of((10, 0)).name == "Hopper" and table.kind_of((7, 5)) is None
     assert table.kind("Hopper").queues == (("h1", 1), ("h2", 2))
+    assert table.cases["tp2"].bundle == ("x",) and table.cases["a"].bundle == ()
+    assert table.cases["h"].bundle is None and table.cases["h"].not_in_bundle == "why"
     with pytest.raises(ForkError, match="unknown kinds: Blackwell"):
         gpu_required.from_data({"kinds": {}, "cases": {"b": {"kind": "Blackwell"}}})

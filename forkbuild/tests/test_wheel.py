@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from forkbuild.core import fixcheck
+from forkbuild.core import fixcheck, pins
 from forkbuild.core.errors import ForkError
 from forkbuild.setup import fetch, tree, wheel
 
@@ -83,6 +83,8 @@ def test_wheel_without_fix_is_rejected(fork_pins, fork_wheel, official, tmp_path
 
 # --- the comparison, on small made-up wheels ------------------------------------------
 
+VERSION = pins.load().upstream_version
+OFFICIAL = f"vllm-{VERSION}-cp38-abi3-manylinux_2_28_x86_64.whl"
 FIXED_SOURCE = b"""\
 def _reshape_attention_kv_cache(kv_cache, packing):
     if packing is not None:
@@ -91,7 +93,7 @@ def _reshape_attention_kv_cache(kv_cache, packing):
 BASE = {
     fixcheck.MODULE_PATH: FIXED_SOURCE,
     "vllm/__init__.py": b"",
-    "vllm/_version.py": b"__version__ = '0.25.1'\n",
+    "vllm/_version.py": f"__version__ = '{VERSION}'\n".encode(),
     "vllm/patched.py": b"upstream\n",
     "vllm/transformers_utils/chat_templates/template_chatml.jinja": b"{{ messages }}\n",
     "vllm/utils/numa_wrapper.sh": b"#!/bin/sh\n",
@@ -158,9 +160,7 @@ def series(tmp_path):
 
 @pytest.fixture
 def official_made_up(tmp_path):
-    return make_wheel(
-        tmp_path / "vllm-0.25.1-cp38-abi3-manylinux_2_28_x86_64.whl", "0.25.1", BASE
-    )
+    return make_wheel(tmp_path / OFFICIAL, VERSION, BASE)
 
 
 def fork_made_up(tmp_path: Path, pins, files: dict[str, bytes], **kwargs) -> Path:
@@ -280,11 +280,7 @@ def test_files_beyond_the_official_wheel_are_refused(
 
 def test_many_files_are_counted_and_the_first_few_named(fork_pins, tmp_path, series):
     data = {f"vllm/configs/c{i:02}.json": b"{}" for i in range(12)}
-    official = make_wheel(
-        tmp_path / "vllm-0.25.1-cp38-abi3-manylinux_2_28_x86_64.whl",
-        "0.25.1",
-        {**BASE, **data},
-    )
+    official = make_wheel(tmp_path / OFFICIAL, VERSION, {**BASE, **data})
     fork = fork_made_up(tmp_path, fork_pins, BASE)
     with pytest.raises(
         ForkError,

@@ -47,6 +47,7 @@ RUNNER_MODULES = (  # the runner's modules, standard library only, paths in fork
     "core/errors",
     "core/log",
     "core/hashing",
+    "core/pins",
     "core/pytest_runner",
     "core/pytest_progress",
     "core/fixcheck",

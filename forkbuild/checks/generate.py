@@ -1,0 +1,215 @@
+"""`make generate`: rewrite what restates fork.toml and patches/ from them.
+
+Each generated text sits in a marked block of its file (a Markdown comment pair, or a
+`#` comment pair in YAML) and nothing outside the blocks is touched:
+
+    README.md, docs/gpu-nightly.md, .buildkite/fork_nightly_gpu.yaml   fork.toml [gpu]
+    .buildkite/fork_nightly_gpu.yaml steps                              fork.toml [gpu]
+    docs/patches-and-tree.md patch table and tree log     patches/series and the mails
+
+forkbuild/tests/test_generate.py fails when a block is out of date.
+"""
+
+from __future__ import annotations
+
+import email
+import email.policy
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from forkbuild.core import pins as pins_module
+from forkbuild.core.errors import ForkError
+from forkbuild.core.pins import REPO_ROOT, Pins
+from forkbuild.gpu import pipeline
+from forkbuild.setup import tree
+
+COMMAND = "make generate"
+
+
+@dataclass(frozen=True)
+class PatchFacts:
+    """What the series and one mail say: the subject, the DEP-3 fields, and per file
+    the lines added and removed (as `git apply --numstat` counts them)."""
+
+    name: str
+    subject: str
+    fields: dict[str, str]
+    numstat: tuple[tuple[int, int, str], ...]
+
+    @property
+    def added(self) -> int:
+        return sum(a for a, _, _ in self.numstat)
+
+    @property
+    def removed(self) -> int:
+        return sum(r for _, r, _ in self.numstat)
+
+
+def read_mail(path: Path) -> PatchFacts:
+    message = email.message_from_bytes(path.read_bytes(), policy=email.policy.default)
+    subject = " ".join(str(message["Subject"]).split())
+    if subject.startswith("["):  # [PATCH] or [PATCH n/m]
+        subject = subject.split("] ", 1)[1]
+    body = message.get_content().split("\n---\n", 1)[0]
+    fields = {}
+    for line in body.splitlines():
+        key, sep, value = line.partition(": ")
+        if sep and key.replace("-", "").isalnum():
+            fields[key] = value.strip()
+    done = subprocess.run(
+        ["git", "apply", "--numstat", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0 or not done.stdout.strip():
+        raise ForkError(
+            f"{path.name} is no diff git reads: {done.stderr.strip()}",
+            "regenerate it with git format-patch",
+        )
+    stat = [line.split("\t", 2) for line in done.stdout.splitlines()]
+    return PatchFacts(
+        path.name, subject, fields, tuple((int(a), int(r), f) for a, r, f in stat)
+    )
+
+
+def series(patches_dir: Path = tree.PATCHES_DIR) -> list[PatchFacts]:
+    """The mails of patches/series, in the order git am applies them."""
+    return [read_mail(patch.path) for patch in tree.read_series(patches_dir)]
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def patch_table(p: Pins, patches_dir: Path = tree.PATCHES_DIR) -> str:
+    rows = [
+        "| patch | subject | lines changed | origin (DEP-3) | upstream | "
+        "regression modules |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for patch in series(patches_dir):
+        changes = "; ".join(f"`{f}` +{a} -{r}" for a, r, f in patch.numstat)
+        origin = patch.fields.get("Origin", "none given")
+        if "Bug" in patch.fields:
+            origin += f"; bug {patch.fields['Bug']}"
+        upstream = patch.fields.get("Applied-Upstream", "not applied upstream")
+        modules = ", ".join(
+            f"`{Path(m).name}`" for m in p.regression_by_patch.get(patch.name, ())
+        )
+        cells = [
+            f"[`{patch.name[:4]}`](../patches/{patch.name})",
+            patch.subject,
+            changes,
+            origin,
+            upstream,
+            modules or "**none: add them to fork.toml [tests.regression]**",
+        ]
+        rows.append("| " + " | ".join(map(_cell, cells)) + " |")
+    return "\n".join(rows)
+
+
+def tree_log(p: Pins, patches_dir: Path = tree.PATCHES_DIR) -> str:
+    facts = series(patches_dir)
+    version, width = p.upstream_version, 44
+    lines = [
+        "```console",
+        f"$ git -C build/vllm-{version} log --oneline",
+        "…       fork: overlay the fork's tests",
+        *(f"…       {patch.subject}" for patch in reversed(facts)),
+        f"{'2dcc02b vLLM ' + version + ' (sdist)':<{width}} <- tagged v{version}",
+        f"$ git -C build/vllm-{version} diff v{version} -- vllm/     # exactly the "
+        f"series: {' + '.join(str(f.added) for f in facts)} lines added",
+        "```",
+    ]
+    return "\n".join(lines)
+
+
+# (file, block, source, text): what each block holds.
+Render = Callable[[Pins], str]
+BLOCKS: tuple[tuple[str, str, str, Render], ...] = (
+    (
+        "README.md",
+        "gpu-kinds",
+        "fork.toml [gpu]",
+        lambda p: pipeline.readme_prose(p.gpu),
+    ),
+    (
+        "docs/gpu-nightly.md",
+        "gpu-kinds",
+        "fork.toml [gpu]",
+        lambda p: pipeline.kinds_prose(p.gpu),
+    ),
+    (
+        ".buildkite/fork_nightly_gpu.yaml",
+        "gpu-kinds",
+        "fork.toml [gpu]",
+        lambda p: pipeline.kinds_prose(p.gpu),
+    ),
+    (
+        ".buildkite/fork_nightly_gpu.yaml",
+        "steps",
+        "fork.toml [gpu]",
+        lambda p: pipeline.steps_yaml(p.gpu).rstrip("\n"),
+    ),
+    ("docs/patches-and-tree.md", "patch-table", "patches/", patch_table),
+    ("docs/patches-and-tree.md", "tree-log", "patches/", tree_log),
+)
+
+
+def _markers(path: str, block: str, source: str) -> tuple[str, str, str]:
+    """The block's first and last lines, and the prefix of its other lines."""
+    start = f"generated: {block}, from {source} by `{COMMAND}`; edit that, not this"
+    if path.endswith((".yaml", ".yml")):
+        return f"# {start}", f"# end of generated: {block}", "# "
+    return f"<!-- {start} -->", f"<!-- end of generated: {block} -->", ""
+
+
+def replace_block(text: str, path: str, block: str, source: str, body: str) -> str:
+    begin, end, prefix = _markers(path, block, source)
+    head, found, rest = text.partition(begin + "\n")
+    old, found_end, tail = rest.partition(end + "\n")
+    if not (found and found_end):
+        raise ForkError(
+            f"{path} has no block {block!r} (the lines {begin!r} ... {end!r})",
+            "restore the two marker lines where the block goes",
+        )
+    if block == "steps":  # the YAML itself, not a comment
+        prefix = ""
+    lines = [
+        (prefix + line).rstrip() if line else prefix.rstrip()
+        for line in body.split("\n")
+    ]
+    return head + begin + "\n" + "\n".join(lines) + "\n" + end + "\n" + tail
+
+
+def render(p: Pins, root: Path = REPO_ROOT) -> dict[Path, str]:
+    """Every file with blocks, as it should read."""
+    texts: dict[Path, str] = {}
+    for path, block, source, text in BLOCKS:
+        file = root / path
+        current = texts.get(file) or file.read_text()
+        texts[file] = replace_block(current, path, block, source, text(p))
+    return texts
+
+
+def stale(p: Pins, root: Path = REPO_ROOT) -> list[Path]:
+    return [f for f, text in render(p, root).items() if f.read_text() != text]
+
+
+def main() -> int:
+    p = pins_module.load()
+    changed = stale(p)
+    for file, text in render(p).items():
+        file.write_text(text)
+    for file in changed:
+        print(f"generate: rewrote {file.relative_to(REPO_ROOT)}")
+    print(f"generate: {len(changed)} file(s) changed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
