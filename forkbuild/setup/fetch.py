@@ -91,7 +91,7 @@ def _download(artifact: Artifact, pip: PipCommand, into: Path, quiet: bool) -> N
     # pip writes its partial download in TMPDIR: there, the bar sees it grow.
     (into / "pip-tmp").mkdir()
     env = {**os.environ, "TMPDIR": str(into / "pip-tmp")}
-    with progress.bytes_in(into, artifact.filename) as shown:
+    with progress.bytes_in(into, artifact.requirement) as shown:
         run_pip(pip, [*args, artifact.requirement], what=what, env=env, quiet=shown)
 
 
