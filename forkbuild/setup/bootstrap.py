@@ -14,9 +14,9 @@ from __future__ import annotations
 import fcntl
 import importlib.metadata
 import os
-import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from forkbuild.core import log
@@ -39,13 +39,13 @@ MODULES = (
     "setup/__init__",
     "setup/bootstrap",
     "setup/uv",
+    "setup/tree",
     "setup/fetch",
     "setup/pip_runner",
     "setup/load_extensions",
 )
 FORMAT = "forkbuild-lock-1"  # every lock's inputs digest starts with it
 DIGEST_LINE = "# inputs-sha256: "
-STAMP = ".forkbuild-tools"
 
 
 def running_python() -> str:
@@ -100,22 +100,11 @@ def _checked_lock(pins: Pins, step: str) -> Path:
     return lock_file
 
 
-def _make(pins: Pins, home: Path, lock_file: Path, stamp: str) -> None:
-    """HOME made afresh from LOCK_FILE beside it, verified, stamped, renamed."""
-    partial = home.with_name(home.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    log.step(f"tools: creating {home} from {lock_file.name} with uv")
-    python = partial / "bin" / "python"
-    try:
-        create = ["venv", "--quiet", "--relocatable", "--python", sys.executable]
-        uv.run(pins, [*create, str(partial)], what="create the tool environment")
-        uv.install(
-            pins,
-            ["sync", "--require-hashes", "--python", str(python), str(lock_file)],
-            what=f"the packages of {lock_file.name}",
-            lock=lock_file,
-        )
-        # Verified by the environment itself, with its own `packaging`.
+def _verified(pins: Pins, lock_file: Path) -> Callable[[Path], None]:
+    def fill(python: Path) -> None:
+        sync = ["sync", "--require-hashes", "--python", str(python), str(lock_file)]
+        uv.install(pins, sync, what=f"the packages of {lock_file.name}", lock=lock_file)
+        # Checked by the environment itself, with its own `packaging`.
         check = [str(python), "-m", "forkbuild.setup.lock", "--verify", str(lock_file)]
         done = subprocess.run(
             check,
@@ -129,19 +118,10 @@ def _make(pins: Pins, home: Path, lock_file: Path, stamp: str) -> None:
             lines = (done.stderr or done.stdout).strip().splitlines() or ["no output"]
             raise ForkError(
                 f"the new tool environment does not hold {lock_file.name}: {lines[-1]}",
-                f"rm -r {partial} and run again",
+                "run again; if it fails again, rm -r the environment's folder",
             )
-        (partial / STAMP).write_text(stamp + "\n")
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    old = home.with_name(home.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if home.exists():
-        os.replace(home, old)
-    os.replace(partial, home)  # renames only: the old one or the new one, never half
-    shutil.rmtree(old, ignore_errors=True)
-    log.step(f"tools: {home} holds exactly {lock_file.name}")
+
+    return fill
 
 
 def _missing(home: Path) -> str:
@@ -158,30 +138,24 @@ def _missing(home: Path) -> str:
 
 
 def ensure(fork: Pins, step: str = "") -> tuple[Path, bool]:
-    """The tool environment's python, and whether it was made just now (where missing
-    or out of date)."""
+    """The tool environment's python, and whether it was made just now (where missing,
+    damaged or out of date)."""
     lock_file = _checked_lock(fork, step)
-    home, stamp = tools_dir(), _stamp(fork, lock_file)
-    python = home / "bin" / "python"
-
-    def good(say: bool = False) -> bool:
-        marker = home / STAMP
-        if not (marker.is_file() and marker.read_text().strip() == stamp):
-            return False
-        missing = _missing(home)
-        if missing and say:
-            log.step(f"tools: {home} lacks {missing}; making it again")
-        return not missing
-
-    if good() and python.exists():
-        return python, False
+    home = tools_dir()
     home.parent.mkdir(parents=True, exist_ok=True)
     with open(home.with_name(home.name + ".lock"), "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # one maker at a time; the others reuse it
-        if good(say=True) and python.exists():
-            return python, False
-        _make(fork, home, lock_file, stamp)
-    return python, True
+        missing = _missing(home) if (home / uv.STAMP).is_file() else ""
+        if missing:
+            log.step(f"tools: {home} lacks {missing}; making it again")
+            (home / uv.STAMP).unlink()
+        return uv.venv_in_place(
+            fork,
+            home,
+            _stamp(fork, lock_file),
+            f"forkbuild's libraries ({lock_file.name})",
+            _verified(fork, lock_file),
+        )
 
 
 def inside() -> bool:

@@ -104,19 +104,19 @@ def test_the_bootstrap_runs_on_the_system_python_with_the_standard_library_alone
     assert "forkbuild.setup.bootstrap" in ours
     others = {m for m in seen["modules"] if not m.startswith("forkbuild")}
     assert others - set(sys.stdlib_module_names) - {"__main__"} == set()
-    assert (tools / bootstrap.STAMP).is_file()
+    assert (tools / uv.STAMP).is_file()
 
 
 def test_the_tool_environment_is_reused_and_made_again_when_damaged(tmp_path):
     env = _fresh_tools(tmp_path)
     tools = tmp_path / "build" / "tools"
-    made = "tools: creating"
+    made = f"creating {tools}"
     runs = [_forkbuild(Path(sys.executable), "--help", env=env)]
     runs.append(_forkbuild(Path(sys.executable), "--help", env=env))
     gone = next((tools / "lib").glob("python3*/site-packages/rich/__init__.py"))
     gone.unlink()
     runs.append(_forkbuild(Path(sys.executable), "--help", env=env))
-    (tools / bootstrap.STAMP).write_text("another lock\n")
+    (tools / uv.STAMP).write_text("another lock\n")
     runs.append(_forkbuild(Path(sys.executable), "--help", env=env))
     assert [r.returncode for r in runs] == [0] * 4, runs[-1].stderr[-2000:]
     assert [made in r.stderr for r in runs] == [True, False, True, True]
@@ -134,7 +134,7 @@ def test_fetch_and_tree_run_on_a_bare_python_and_make_no_venv(bare_python, tmp_p
         assert result.returncode == 0, result.stderr[-2000:]
     assert (build / f"vllm-{pins.load().upstream_version}" / "vllm").is_dir()
     assert not (build / "venv").exists() and not (build / "venv.partial").exists()
-    assert (build / "tools" / bootstrap.STAMP).is_file()
+    assert (build / "tools" / uv.STAMP).is_file()
 
 
 def other_interpreters() -> list[Path]:
