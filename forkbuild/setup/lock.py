@@ -75,8 +75,8 @@ def _wanted(pins: Pins, route: Route) -> list[str]:
 class _Lock(NamedTuple):
     target: Path
     digest: str  # of its inputs
-    wanted: str  # its requirements.in
-    header: str
+    wanted: list[str]  # its requirements.in
+    header: str  # what it is, from what
     python: str
     exclude: tuple[str, ...] = ()
 
@@ -85,33 +85,40 @@ def _locks(pins: Pins, tree_path: Path) -> list[_Lock]:
     """Every lock fork.toml asks for."""
     made = []
     for python in pins.pythons:
-        target = path("tools", python)
-        header = (
-            f"# {target.name}: forkbuild's tool environment on Python {python} "
-            f"({pins.lock_platform}), every package with its sha256.\n"
-            "# Made by `make lock` (uv pip compile --generate-hashes) from fork.toml "
-            "[toolchain] forkbuild; do not edit.\n"
-        )
-        wanted = "".join(f"{r}\n" for r in pins.forkbuild)
+        wanted, digest = list(pins.forkbuild), bootstrap.tools_digest(pins, python)
         made.append(
-            _Lock(target, bootstrap.tools_digest(pins, python), wanted, header, python)
+            _Lock(
+                path("tools", python),
+                digest,
+                wanted,
+                "forkbuild's tool environment",
+                python,
+            )
         )
-        for route in pins.routes.values():
-            target = path(route.name, python)
-            header = (
-                f"# {target.name}: the {route.name} route's venv on Python {python} "
-                f"({pins.lock_platform}), every package with its sha256.\n"
-                "# Made by `make lock` (uv pip compile --generate-hashes) from "
-                f"fork.toml [toolchain] and [routes.{route.name}] and vLLM "
-                f"{pins.upstream_version}'s {route.requirements}; do not edit.\n"
+        for r in pins.routes.values():
+            wanted = [*_wanted(pins, r), f"-r {tree_path / r.requirements}"]
+            digest = inputs_digest(pins, r, python, tree_path)
+            what = f"the {r.name} route's venv"
+            made.append(
+                _Lock(path(r.name, python), digest, wanted, what, python, r.exclude)
             )
-            wanted = "".join(
-                f"{r}\n"
-                for r in [*_wanted(pins, route), f"-r {tree_path / route.requirements}"]
-            )
-            digest = inputs_digest(pins, route, python, tree_path)
-            made.append(_Lock(target, digest, wanted, header, python, route.exclude))
     return made
+
+
+def _header(pins: Pins, made: _Lock) -> str:
+    source = "[toolchain] forkbuild"
+    if not made.target.name.startswith("tools-"):
+        route = made.target.name.split("-py")[0]
+        source = (
+            f"[toolchain] and [routes.{route}] and vLLM {pins.upstream_version}'s "
+            f"{pins.routes[route].requirements}"
+        )
+    return (
+        f"# {made.target.name}: {made.header} on Python {made.python} "
+        f"({pins.lock_platform}), every package with its sha256.\n"
+        "# Made by `make lock` (uv pip compile --generate-hashes) from fork.toml "
+        f"{source}; do not edit.\n{DIGEST_LINE}{made.digest}\n"
+    )
 
 
 def stale(pins: Pins, tree_path: Path) -> list[str]:
@@ -210,16 +217,18 @@ def resolve(
 def generate(pins: Pins, tree_path: Path) -> list[Path]:
     """(Re)write every lock whose inputs changed; the others are left as they are."""
     written = []
-    for target, digest, wanted, header, python, exclude in _locks(pins, tree_path):
-        if target.is_file() and recorded_digest(target) == digest:
+    for made in _locks(pins, tree_path):
+        target = made.target
+        if target.is_file() and recorded_digest(target) == made.digest:
             log.step(f"lock: {target.name} is up to date")
             continue
-        log.step(f"lock: resolving {target.name} (Python {python})")
+        log.step(f"lock: resolving {target.name} (Python {made.python})")
+        wanted = "".join(f"{r}\n" for r in made.wanted)
         old = target.read_text() if target.is_file() else ""
-        body = resolve(pins, wanted, python, target.name, exclude, previous=old)
+        body = resolve(pins, wanted, made.python, target.name, made.exclude, old)
         partial = target.with_name(f".{target.name}.partial")
         try:  # renamed whole: the lock is the old one or the new one
-            partial.write_text(f"{header}{DIGEST_LINE}{digest}\n{body}")
+            partial.write_text(_header(pins, made) + body)
             partial.replace(target)
         finally:
             partial.unlink(missing_ok=True)
