@@ -100,26 +100,29 @@ def _checked_lock(pins: Pins, step: str) -> Path:
     return lock_file
 
 
-def _verified(pins: Pins, lock_file: Path) -> Callable[[Path], None]:
+def check_holds(python: Path, lock_file: Path) -> None:
+    """PYTHON's environment holds exactly what LOCK_FILE pins: asked of it, with its own
+    `packaging` (forkbuild/setup/lock.py verify_installed)."""
+    done = subprocess.run(
+        [str(python), "-m", "forkbuild.setup.lock", "--verify", str(lock_file)],
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        lines = (done.stderr or done.stdout).strip().splitlines() or ["no output"]
+        raise ForkError(
+            lines[-1], "run again: the environment is made afresh from the lock"
+        )
+
+
+def _filled(pins: Pins, lock_file: Path) -> Callable[[Path], None]:
     def fill(python: Path) -> None:
         sync = ["sync", "--require-hashes", "--python", str(python), str(lock_file)]
         uv.install(pins, sync, what=f"the packages of {lock_file.name}", lock=lock_file)
-        # Checked by the environment itself, with its own `packaging`.
-        check = [str(python), "-m", "forkbuild.setup.lock", "--verify", str(lock_file)]
-        done = subprocess.run(
-            check,
-            cwd=REPO_ROOT,
-            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if done.returncode != 0:
-            lines = (done.stderr or done.stdout).strip().splitlines() or ["no output"]
-            raise ForkError(
-                f"the new tool environment does not hold {lock_file.name}: {lines[-1]}",
-                "run again; if it fails again, rm -r the environment's folder",
-            )
+        check_holds(python, lock_file)
 
     return fill
 
@@ -154,7 +157,7 @@ def ensure(fork: Pins, step: str = "") -> tuple[Path, bool]:
             home,
             _stamp(fork, lock_file),
             f"forkbuild's libraries ({lock_file.name})",
-            _verified(fork, lock_file),
+            _filled(fork, lock_file),
         )
 
 

@@ -25,7 +25,7 @@ from forkbuild.core import fixcheck, log, preflight
 from forkbuild.core.errors import ForkError, run_or_fail
 from forkbuild.core.hashing import digest_of
 from forkbuild.core.pins import REPO_ROOT, Pins, Route, build_dir
-from forkbuild.setup import bytecode, fetch, lock, tree, uv
+from forkbuild.setup import bootstrap, bytecode, fetch, lock, tree, uv
 
 TOOLCHAIN_STAMP = uv.STAMP  # what the venv was made from
 LOCK_RECORD = ".forkbuild-lock"  # in the venv: the lock it holds (locks/cpu-py311.txt)
@@ -67,24 +67,6 @@ def refuse_without_gpu(route: Route, without_gpu: bool = False) -> None:
     )
 
 
-def venv_matches_lock(python: Path, lock_file: Path, pins: Pins) -> None:
-    """What the venv holds (but the editable vLLM) is exactly what the lock pins."""
-    out = uv.run(
-        pins,
-        ["pip", "freeze", "--exclude-editable", "--python", str(python)],
-        what="list the venv's packages",
-    )
-    have = lock.pinned_lines(out)
-    want = lock.pinned(lock_file)
-    if have != want:
-        diff = sorted(set(have.items()) ^ set(want.items()))
-        raise ForkError(
-            f"the venv differs from {lock_file.name} in {len(diff)} package(s), e.g. "
-            f"{'=='.join(diff[0])}",
-            f"rm -r {venv_dir()} and run again",
-        )
-
-
 def ensure_toolchain(
     pins: Pins, route_name: str | None = None, without_gpu: bool = False
 ) -> Path:
@@ -109,7 +91,7 @@ def ensure_toolchain(
         preflight.check_disk(build_dir(), 12, "the virtualenv")
         sync = ["sync", "--require-hashes", "--python", str(python), str(lock_file)]
         uv.install(pins, sync, what=f"the packages of {lock_file.name}", lock=lock_file)
-        venv_matches_lock(python, lock_file, pins)
+        bootstrap.check_holds(python, lock_file)
         venv = python.parent.parent
         linked = bytecode.restore(site_packages(venv), venv_bytecode(lock_file))
         if linked:

@@ -249,8 +249,7 @@ def verify_installed(lock_file: Path) -> None:
         diff = sorted(set(have.items()) ^ set(want.items()))
         raise ForkError(
             f"{sys.prefix} differs from {lock_file.name} in {len(diff)} package(s), "
-            f"e.g. {'=='.join(diff[0])}",
-            f"rm -r {sys.prefix} and run again",
+            f"e.g. {'=='.join(diff[0])}"
         )
 
 

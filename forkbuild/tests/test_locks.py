@@ -206,3 +206,11 @@ def test_each_lock_of_this_python_installs_on_its_platform(fork_pins, route, tmp
         lock=lock_file,
     )
     assert f"Would install {len(lock.pinned(lock_file))} packages" in out
+
+
+def test_an_environment_is_asked_whether_it_holds_exactly_its_lock():
+    tools = lock.path("tools", lock.running_python())
+    bootstrap.check_holds(bootstrap.tools_dir() / "bin" / "python", tools)
+    with pytest.raises(ForkError, match=f"differs from {tools.name} in ") as err:
+        bootstrap.check_holds(Path(sys.executable), tools)  # vLLM's venv: far more
+    assert "made afresh" in err.value.hint
