@@ -85,8 +85,9 @@ def _checked_lock(pins: Pins, step: str) -> Path:
         raise ForkError(
             f"{lock_file} is missing: forkbuild has no tool environment locked for "
             f"Python {running_python()}",
-            "run forkbuild with a supported Python (3.11-3.13: PYTHON=python3.11 "
-            "make ...), or make the lock there: make lock (needs the package index)",
+            f"run forkbuild with a supported Python ({', '.join(pins.pythons)}: "
+            "make ... PYTHON=python3.11), or add this one to fork.toml [upstream] "
+            "pythons and run `make lock` with a supported one",
         )
     if recorded_digest(lock_file) != tools_digest(pins, running_python()):
         if step == "lock":  # `make lock` runs on the old lock, and rewrites it

@@ -214,3 +214,12 @@ def test_an_environment_is_asked_whether_it_holds_exactly_its_lock():
     with pytest.raises(ForkError, match=f"differs from {tools.name} in ") as err:
         bootstrap.check_holds(Path(sys.executable), tools)  # vLLM's venv: far more
     assert "made afresh" in err.value.hint
+
+
+def test_a_python_without_a_tools_lock_is_told_which_ones_have_one(
+    fork_pins, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(bootstrap, "tools_lock", lambda python: tmp_path / "none.txt")
+    with pytest.raises(ForkError, match="no tool environment locked for") as err:
+        bootstrap.ensure(fork_pins, "tree")
+    assert ", ".join(fork_pins.pythons) in err.value.hint
