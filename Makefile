@@ -3,7 +3,8 @@
 #   make serve                 serve the embedded tiny model (CPU) through the fork
 #   make test                  everything CI runs
 #   make serve MODEL=openai/gpt-oss-20b PRESET=offload-47054    on a GPU host
-# Variables: PYTHON (the python3 forkbuild runs on, stdlib only; default python3)
+# Variables: PYTHON (the python3 that starts forkbuild, default python3: its bootstrap needs
+#     the standard library alone, makes the tool environment build/tools and runs there)
 #   ROUTE=cpu|cuda (fetch, install, regression, model, serve, test; default: cuda with a GPU)
 #   serve: PORT (8000) HOST (127.0.0.1) MODEL PRESET CPU_BYTES ARGS (to vllm serve)
 #   matrix: VERSIONS="0.26.0 0.33.0"    rebase: VERSION=x.y.z ACCEPT=1
@@ -12,6 +13,7 @@
 #   VLLM_FORK_CACHE  the download cache: verified upstream files, uv and its package cache,
 #                    bytecode (default ~/.cache/vllm-fork; kept by make clean)
 #   VLLM_FORK_BUILD  trees, venvs, models, reports (default build/)
+#   VLLM_FORK_TOOLS  forkbuild's own tool environment (default $VLLM_FORK_BUILD/tools)
 #   VLLM_FORK_DIST   the wheel of `make wheel` (default dist/)
 # Logs: make test writes JUnit XML and pytest logs to build/test-results/ (make matrix too),
 #   the embedded models' generator to build/models/*.log, make nightly its reports to
@@ -43,7 +45,7 @@ fetch:
 tree:
 	$(FORKBUILD) tree
 
-# Regenerates locks/ (needs the package index); commit the result.
+# Regenerates locks/ (needs the package index), the tool environment's too; commit them.
 lock:
 	$(FORKBUILD) lock
 

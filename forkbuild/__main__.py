@@ -7,6 +7,16 @@ if sys.version_info < (3, 11):  # noqa: UP036
         "the fork need Python 3.11-3.13 -- run with PYTHON=python3.11 make ..."
     )
 
+from forkbuild.core.errors import ForkError  # noqa: E402
+from forkbuild.setup import bootstrap  # noqa: E402
+
+try:  # on the standard library alone: re-executes in the tool environment
+    bootstrap.enter(sys.argv[1:])
+except ForkError as exc:
+    sys.exit(f"forkbuild: error: cannot make the tool environment: {exc}")
+except KeyboardInterrupt:
+    sys.exit("forkbuild: interrupted; run it again to resume")
+
 from forkbuild.cli import main  # noqa: E402
 
 sys.exit(main())

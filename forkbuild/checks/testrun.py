@@ -1,6 +1,9 @@
 """`make test`: everything CI runs, after installing everything it needs.
 
-1. forkbuild's own tests (bad input, idempotence, the wheel, serving a tiny model);
+1. forkbuild's own tests (bad input, idempotence, the wheel, serving a tiny model), in
+   build/venv: the one environment where all their imports resolve (some import vLLM
+   and torch in-process; every route's lock holds [toolchain] forkbuild too), while
+   forkbuild itself runs in its tool environment (forkbuild/setup/bootstrap.py);
 2. without a GPU, the CUDA route (forkbuild/gpu/cuda_route.py) up to the ops'
    dispatch, then the GPU bundle checked on a simulated host
    (forkbuild/gpu/bundle/check.py);

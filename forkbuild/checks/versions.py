@@ -1,31 +1,27 @@
-"""Release versions as forkbuild compares them, on the standard library alone.
+"""Release versions as forkbuild compares them: packaging's, plain X.Y.Z only.
 
-forkbuild runs on the user's python3 before its venv exists, where `packaging` may be
-missing. vLLM's releases (and the fork's pins) are plain X.Y.Z; anything else is refused
-with a clear message rather than guessed at.
+vLLM's releases (and the fork's pins) are plain X.Y.Z; a pre-release, a local label or
+anything else is refused with a clear message rather than guessed at.
 """
 
 from __future__ import annotations
 
-import re
+from packaging.version import InvalidVersion, Version
 
 from forkbuild.core.errors import ForkError
 
-_RELEASE = re.compile(r"^(\d+)\.(\d+)\.(\d+)$")
-
-
-class Release(tuple):
-    """(major, minor, micro) of an X.Y.Z release; prints as X.Y.Z."""
-
-    def __str__(self) -> str:
-        return ".".join(map(str, self))
+Release = Version
 
 
 def release(text: str, *, what: str = "version") -> Release:
-    found = _RELEASE.match(text.strip())
-    if not found:
+    try:
+        found = Version(text.strip())
+    except InvalidVersion:
+        found = None
+    plain = found is not None and str(found) == found.base_version == text.strip()
+    if not plain or found.epoch or len(found.release) != 3:
         raise ForkError(
             f"{what} {text!r} is not a release version",
             "give it as X.Y.Z, e.g. 0.26.0 (vLLM's releases on the package index)",
         )
-    return Release(int(g) for g in found.groups())
+    return found

@@ -59,6 +59,7 @@ class Pins:
     # the matrix releases' torch wheels (the fork's are locked)
     torch_sha256: dict[str, str]
     build: tuple[str, ...]
+    forkbuild: tuple[str, ...]  # forkbuild's own libraries (its tool environment)
     tools: tuple[str, ...]
     test: tuple[str, ...]
     routes: dict[str, Route]
@@ -95,7 +96,13 @@ class Pins:
     @property
     def toolchain(self) -> tuple[str, ...]:
         """What every venv of the fork has beside vLLM's own requirements."""
-        return (f"torch=={self.torch}", *self.build, *self.tools, *self.test)
+        return (
+            f"torch=={self.torch}",
+            *self.build,
+            *self.forkbuild,
+            *self.tools,
+            *self.test,
+        )
 
     @property
     def sdist(self) -> Artifact:
@@ -146,6 +153,7 @@ def load(path: Path = PINS_FILE) -> Pins:
             torch=tc["torch"],
             torch_sha256={k: v.lower() for k, v in torch_sha256.items()},
             build=tuple(tc["build"]),
+            forkbuild=tuple(tc["forkbuild"]),
             tools=tuple(tc["tools"]),
             test=tuple(tc["test"]),
             routes=routes,

@@ -55,25 +55,13 @@ def fetch(
     # One file: the largest, the CUDA wheel, is 239 MiB (uv checks its own packages).
     # Also refuses a cache that cannot be written.
     preflight.check_disk(artifacts_dir(), 1, f"downloading {artifact.filename}")
-    log.step(
-        f"fetch: downloading {artifact.requirement} ({artifact.filename}) with pip"
-    )
+    log.step(f"fetch: downloading {artifact.requirement} with pip")
     with tempfile.TemporaryDirectory(prefix=".download-", dir=artifacts_dir()) as tmp:
-        args = ["download", "--no-deps", "--progress-bar", "off", "-d", tmp]
-        if artifact.filename.endswith(".whl"):
-            args += ["--only-binary", ":all:"]
-        else:
-            name = artifact.requirement.split("==")[0]
-            args += ["--no-binary", name, "--no-build-isolation"]
-        run_pip(
-            pip(),
-            [*args, artifact.requirement],
-            what=f"download {artifact.requirement}",
-            quiet=quiet,
-        )
+        _download(artifact, pip(), Path(tmp), quiet)
         got = Path(tmp) / artifact.filename
         if not got.exists():
-            saved = ", ".join(sorted(os.listdir(tmp))) or "nothing"
+            files = sorted(p.name for p in Path(tmp).iterdir() if p.is_file())
+            saved = ", ".join(files) or "nothing"
             raise ForkError(
                 f"pip saved {saved}, not the pinned {artifact.filename}",
                 "the index serves different files for this requirement; "
@@ -85,6 +73,26 @@ def fetch(
         f"fetch: {artifact.filename} verified ({target.stat().st_size / 2**20:.0f} MiB)"
     )
     return target
+
+
+def _download(artifact: Artifact, pip: PipCommand, into: Path, quiet: bool) -> None:
+    args = ["download", "--no-deps", "--progress-bar", "off", "-d", str(into)]
+    if artifact.filename.endswith(".whl"):
+        args += ["--only-binary", ":all:"]
+    else:
+        name = artifact.requirement.split("==")[0]
+        args += ["--no-binary", name, "--no-build-isolation"]
+    what = f"download {artifact.requirement}"
+    if quiet:  # uv's own wheel, for the bootstrap: the standard library alone
+        run_pip(pip, [*args, artifact.requirement], what=what, quiet=True)
+        return
+    from forkbuild.setup import progress  # rich: in the tool environment only
+
+    # pip writes its partial download in TMPDIR: there, the bar sees it grow.
+    (into / "pip-tmp").mkdir()
+    env = {**os.environ, "TMPDIR": str(into / "pip-tmp")}
+    with progress.bytes_in(into, artifact.requirement) as shown:
+        run_pip(pip, [*args, artifact.requirement], what=what, env=env, quiet=shown)
 
 
 def clean_partial_downloads() -> None:

@@ -25,9 +25,9 @@ from forkbuild.core import fixcheck, log, preflight
 from forkbuild.core.errors import ForkError, run_or_fail
 from forkbuild.core.hashing import digest_of
 from forkbuild.core.pins import REPO_ROOT, Pins, Route, build_dir
-from forkbuild.setup import bytecode, fetch, lock, tree, uv
+from forkbuild.setup import bootstrap, bytecode, fetch, lock, tree, uv
 
-TOOLCHAIN_STAMP = ".forkbuild-toolchain"
+TOOLCHAIN_STAMP = uv.STAMP  # what the venv was made from
 LOCK_RECORD = ".forkbuild-lock"  # in the venv: the lock it holds (locks/cpu-py311.txt)
 INSTALL_STAMP = ".forkbuild-installed"  # inside the tree: a rebuilt tree drops it
 # In the venv: a fresh id per venv, part of the tree's install stamp, so that a venv
@@ -67,29 +67,11 @@ def refuse_without_gpu(route: Route, without_gpu: bool = False) -> None:
     )
 
 
-def venv_matches_lock(python: Path, lock_file: Path, pins: Pins) -> None:
-    """What the venv holds (but the editable vLLM) is exactly what the lock pins."""
-    out = uv.run(
-        pins,
-        ["pip", "freeze", "--exclude-editable", "--python", str(python)],
-        what="list the venv's packages",
-    )
-    have = lock.pinned_lines(out)
-    want = lock.pinned(lock_file)
-    if have != want:
-        diff = sorted(set(have.items()) ^ set(want.items()))
-        raise ForkError(
-            f"the venv differs from {lock_file.name} in {len(diff)} package(s), e.g. "
-            f"{'=='.join(diff[0])}",
-            f"rm -r {venv_dir()} and run again",
-        )
-
-
 def ensure_toolchain(
     pins: Pins, route_name: str | None = None, without_gpu: bool = False
 ) -> Path:
     """build/venv with exactly the route's lock for this Python: torch, vLLM's
-    requirements, its build requirements and the test runner."""
+    requirements, its build requirements, forkbuild's libraries and the test runner."""
     preflight.check_all(pins)
     record = venv_dir() / LOCK_RECORD
     if route_name is None and record.is_file():
@@ -104,57 +86,28 @@ def ensure_toolchain(
         raise ForkError(
             f"{lock_file} is missing", "run `make lock` (needs the package index)"
         )
-    stamp_value = digest_of([sys.version, pins.uv.sha256, lock_file.read_bytes()])
-    stamp = venv_dir() / TOOLCHAIN_STAMP
-    if (
-        stamp.exists()
-        and stamp.read_text().strip() == stamp_value
-        and venv_python().exists()
-    ):
-        log.step(f"install: venv {venv_dir()} holds {lock_file.name}")
-        return venv_python()
-    preflight.check_disk(build_dir(), 12, "the virtualenv")
-    partial = build_dir() / "venv.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    log.step(
-        f"install: creating {venv_dir()} from {lock_file.name} with uv (Python "
-        f"{lock.running_python()})"
-    )
-    python = partial / "bin" / "python"
-    try:
-        create = ["venv", "--quiet", "--relocatable", "--python", sys.executable]
-        uv.run(pins, [*create, str(partial)], what="create the venv")
-        uv.install(
-            pins,
-            ["sync", "--require-hashes", "--python", str(python), str(lock_file)],
-            what=f"the packages of {lock_file.name}",
-            lock=lock_file,
-        )
-        venv_matches_lock(python, lock_file, pins)
-        linked = bytecode.restore(site_packages(partial), venv_bytecode(lock_file))
+
+    def fill(python: Path) -> None:
+        preflight.check_disk(build_dir(), 12, "the virtualenv")
+        sync = ["sync", "--require-hashes", "--python", str(python), str(lock_file)]
+        uv.install(pins, sync, what=f"the packages of {lock_file.name}", lock=lock_file)
+        bootstrap.check_holds(python, lock_file)
+        venv = python.parent.parent
+        linked = bytecode.restore(site_packages(venv), venv_bytecode(lock_file))
         if linked:
-            log.step(
-                f"install: {linked} bytecode files of earlier venvs of "
-                f"{lock_file.name} linked in"
-            )
-        (partial / LOCK_RECORD).write_text(
+            log.step(f"install: {linked} bytecode files of earlier venvs linked in")
+        (venv / LOCK_RECORD).write_text(
             f"{lock_file.relative_to(lock_file.parent.parent)}\n"
         )
-        (partial / VENV_ID).write_text(uuid.uuid4().hex + "\n")
-        (partial / TOOLCHAIN_STAMP).write_text(stamp_value + "\n")
-    except KeyboardInterrupt:
-        raise  # Ctrl-C: venv.partial is left to the next run, which removes it first
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    # Renames only: an interruption leaves the old venv or the new one, never a half
-    # one with its stamp (relocatable: its scripts find their python anywhere).
-    tree.swap_into_place(partial, venv_dir())
-    log.step(
-        f"install: {venv_dir()} holds exactly {lock_file.name} "
-        f"({len(lock.pinned(lock_file))} packages)"
+        (venv / VENV_ID).write_text(uuid.uuid4().hex + "\n")
+
+    key = digest_of([sys.version, pins.uv.sha256, lock_file.read_bytes()])
+    python, made = uv.venv_in_place(
+        pins, venv_dir(), key, f"the packages of {lock_file.name}", fill
     )
-    return venv_python()
+    count = f" ({len(lock.pinned(lock_file))} packages)" if made else ""
+    log.step(f"install: {venv_dir()} holds exactly {lock_file.name}{count}")
+    return python
 
 
 def site_packages(venv: Path) -> Path:

@@ -1,35 +1,40 @@
-"""`forkbuild lock`: the hash-locked environments, one per route and supported Python.
+"""`forkbuild lock`: the hash-locked environments, one per route and supported Python,
+and forkbuild's own tool environment per Python.
 
 locks/ROUTE-pyXY.txt pins every package of the route's venv (fork.toml's toolchain, the
 route's extras and vLLM's requirement file in the tree) with its sha256, resolved by
-`uv pip compile --generate-hashes` for fork.toml's lock_platform. Each lock records a
-digest of its inputs; an install refuses a lock whose inputs changed since, so the venv
-installed is the one locked and tested. Only `forkbuild lock` needs the network.
+`uv pip compile --generate-hashes` for fork.toml's lock_platform; locks/tools-pyXY.txt
+pins [toolchain] forkbuild (forkbuild/setup/bootstrap.py installs it). Each lock records
+a digest of its inputs; an install refuses a lock whose inputs changed since, so the
+venv installed is the one locked and tested. Only `forkbuild lock` needs the network; it
+keeps the versions a lock already pins where its inputs allow them.
 """
 
 from __future__ import annotations
 
-import re
+import importlib.metadata
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
+
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name as normalize
 
 from forkbuild.core import log
 from forkbuild.core.errors import ForkError
 from forkbuild.core.hashing import digest_of
 from forkbuild.core.pins import Pins, Route, locks_dir
-from forkbuild.setup import uv
+from forkbuild.setup import bootstrap, uv
 
-FORMAT = "forkbuild-lock-1"
-DIGEST_LINE = "# inputs-sha256: "
-_PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s\\;]+)")
-
-
-def running_python() -> str:
-    return f"{sys.version_info.major}.{sys.version_info.minor}"
+FORMAT, DIGEST_LINE = bootstrap.FORMAT, bootstrap.DIGEST_LINE
+recorded_digest = bootstrap.recorded_digest
+running_python = bootstrap.running_python
 
 
 def path(route: str, python: str) -> Path:
+    if route == "tools":
+        return bootstrap.tools_lock(python)
     return locks_dir() / f"{route}-py{python.replace('.', '')}.txt"
 
 
@@ -46,9 +51,9 @@ def _requirement_files(tree_path: Path, relative: str) -> list[Path]:
             )
         files.append(current)
         for line in current.read_text().splitlines():
-            found = re.match(r"^\s*(?:-r|--requirement)\s+(\S+)", line)
-            if found:
-                todo.append(current.parent / found[1])
+            words = line.split()
+            if len(words) == 2 and words[0] in ("-r", "--requirement"):
+                todo.append(current.parent / words[1])
     return files
 
 
@@ -56,15 +61,9 @@ def inputs_digest(pins: Pins, route: Route, python: str, tree_path: Path) -> str
     """The digest of what the lock of ROUTE for PYTHON is made from."""
     files = _requirement_files(tree_path, route.requirements)
     return digest_of(
-        [
-            FORMAT,
-            route.name,
-            python,
-            pins.lock_platform,
-            *_wanted(pins, route),
-            *(f"exclude {name}" for name in route.exclude),
-            *(f"{f.relative_to(tree_path)}\n".encode() + f.read_bytes() for f in files),
-        ]
+        [FORMAT, route.name, python, pins.lock_platform, *_wanted(pins, route)]
+        + [f"exclude {name}" for name in route.exclude]
+        + [f"{f.relative_to(tree_path)}\n".encode() + f.read_bytes() for f in files]
     )
 
 
@@ -73,25 +72,63 @@ def _wanted(pins: Pins, route: Route) -> list[str]:
     return [*pins.toolchain, *route.extra]
 
 
-def recorded_digest(lock_file: Path) -> str | None:
-    for line in lock_file.read_text().splitlines():
-        if line.startswith(DIGEST_LINE):
-            return line[len(DIGEST_LINE) :].strip()
-    return None
+class _Lock(NamedTuple):
+    target: Path
+    digest: str  # of its inputs
+    wanted: list[str]  # its requirements.in
+    header: str  # what it is, from what
+    python: str
+    exclude: tuple[str, ...] = ()
+
+
+def _locks(pins: Pins, tree_path: Path) -> list[_Lock]:
+    """Every lock fork.toml asks for."""
+    made = []
+    for python in pins.pythons:
+        wanted, digest = list(pins.forkbuild), bootstrap.tools_digest(pins, python)
+        made.append(
+            _Lock(
+                path("tools", python),
+                digest,
+                wanted,
+                "forkbuild's tool environment",
+                python,
+            )
+        )
+        for r in pins.routes.values():
+            wanted = [*_wanted(pins, r), f"-r {tree_path / r.requirements}"]
+            digest = inputs_digest(pins, r, python, tree_path)
+            what = f"the {r.name} route's venv"
+            made.append(
+                _Lock(path(r.name, python), digest, wanted, what, python, r.exclude)
+            )
+    return made
+
+
+def _header(pins: Pins, made: _Lock) -> str:
+    source = "[toolchain] forkbuild"
+    if not made.target.name.startswith("tools-"):
+        route = made.target.name.split("-py")[0]
+        source = (
+            f"[toolchain] and [routes.{route}] and vLLM {pins.upstream_version}'s "
+            f"{pins.routes[route].requirements}"
+        )
+    return (
+        f"# {made.target.name}: {made.header} on Python {made.python} "
+        f"({pins.lock_platform}), every package with its sha256.\n"
+        "# Made by `make lock` (uv pip compile --generate-hashes) from fork.toml "
+        f"{source}; do not edit.\n{DIGEST_LINE}{made.digest}\n"
+    )
 
 
 def stale(pins: Pins, tree_path: Path) -> list[str]:
     """Every lock that is missing or was made from other inputs than today's."""
     wrong = []
-    for route in pins.routes.values():
-        for python in pins.pythons:
-            lock_file = path(route.name, python)
-            if not lock_file.is_file():
-                wrong.append(f"{lock_file.name} (missing)")
-            elif recorded_digest(lock_file) != inputs_digest(
-                pins, route, python, tree_path
-            ):
-                wrong.append(f"{lock_file.name} (its inputs changed)")
+    for lock_file, digest, *_ in _locks(pins, tree_path):
+        if not lock_file.is_file():
+            wrong.append(f"{lock_file.name} (missing)")
+        elif recorded_digest(lock_file) != digest:
+            wrong.append(f"{lock_file.name} (its inputs changed)")
     return wrong
 
 
@@ -105,6 +142,18 @@ def check(pins: Pins, tree_path: Path) -> None:
         )
 
 
+def _pin(line: str) -> Requirement | None:
+    """The `name==version` requirement a lock or freeze line starts, else None."""
+    if not line or line[0] in " \t#-":
+        return None
+    try:
+        requirement = Requirement(line.rstrip(" \\"))
+    except InvalidRequirement:
+        return None
+    versions = [s.version for s in requirement.specifier if s.operator == "=="]
+    return requirement if len(versions) == 1 else None
+
+
 def pinned(lock_file: Path) -> dict[str, str]:
     """name -> version of every package a lock pins (names normalized as in PEP 503)."""
     return pinned_lines(lock_file.read_text())
@@ -112,7 +161,10 @@ def pinned(lock_file: Path) -> dict[str, str]:
 
 def pinned_lines(text: str) -> dict[str, str]:
     """name -> version of `name==version` lines (a freeze)."""
-    return {normalize(m[1]): m[2] for m in map(_PIN.match, text.splitlines()) if m}
+    pins = {}
+    for requirement in filter(None, map(_pin, text.splitlines())):
+        pins[normalize(requirement.name)] = next(iter(requirement.specifier)).version
+    return pins
 
 
 def entries(lock_file: Path, names: set[str]) -> str:
@@ -121,29 +173,14 @@ def entries(lock_file: Path, names: set[str]) -> str:
     takes."""
     kept, keep = [], False
     for line in lock_file.read_text().splitlines():
-        pin = _PIN.match(line)
-        if pin:
-            keep = normalize(pin[1]) in names
+        requirement = _pin(line)
+        if requirement:
+            keep = normalize(requirement.name) in names
         elif not line.startswith((" ", "\t")):
             keep = False
         if keep:
             kept.append(line)
     return "".join(f"{line}\n" for line in kept)
-
-
-def normalize(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def _header(pins: Pins, route: Route, python: str, digest: str) -> str:
-    return (
-        f"# {path(route.name, python).name}: the {route.name} route's venv on Python "
-        f"{python} ({pins.lock_platform}), every package with its sha256.\n"
-        "# Made by `make lock` (uv pip compile --generate-hashes) from fork.toml "
-        f"[toolchain] and [routes.{route.name}] and vLLM {pins.upstream_version}'s "
-        f"{route.requirements}; do not edit.\n"
-        f"{DIGEST_LINE}{digest}\n"
-    )
 
 
 def resolve(
@@ -152,13 +189,16 @@ def resolve(
     python: str,
     name: str,
     exclude: tuple[str, ...] | list[str] = (),
+    previous: str = "",
 ) -> str:
     """uv pip compile of REQUIREMENTS (requirements.in text) for PYTHON on the lock
-    platform, every package with its sha256, EXCLUDE left out; the lock's lines."""
+    platform, every package with its sha256, EXCLUDE left out, preferring the versions
+    of PREVIOUS (the lock's lines before); the lock's lines."""
     locks_dir().mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".lock-", dir=locks_dir()) as tmp:
         source, out = Path(tmp) / "requirements.in", Path(tmp) / "lock.txt"
         source.write_text(requirements)
+        out.write_text(previous)  # uv keeps the output file's pins where it can
         excludes = []
         if exclude:
             (Path(tmp) / "excludes.txt").write_text("".join(f"{n}\n" for n in exclude))
@@ -176,27 +216,45 @@ def resolve(
 
 def generate(pins: Pins, tree_path: Path) -> list[Path]:
     """(Re)write every lock whose inputs changed; the others are left as they are."""
-    locks_dir().mkdir(exist_ok=True)
     written = []
-    for route in pins.routes.values():
-        for python in pins.pythons:
-            digest = inputs_digest(pins, route, python, tree_path)
-            target = path(route.name, python)
-            if target.is_file() and recorded_digest(target) == digest:
-                log.step(f"lock: {target.name} is up to date")
-                continue
-            log.step(
-                f"lock: resolving {target.name} (route {route.name}, Python {python})"
-            )
-            wanted = [*_wanted(pins, route), f"-r {tree_path / route.requirements}"]
-            requirements = "".join(f"{r}\n" for r in wanted)
-            body = resolve(pins, requirements, python, target.name, route.exclude)
-            partial = target.with_name(f".{target.name}.partial")
-            try:  # renamed whole: the lock is the old one or the new one
-                partial.write_text(_header(pins, route, python, digest) + body)
-                partial.replace(target)
-            finally:
-                partial.unlink(missing_ok=True)
-            log.step(f"lock: wrote {target} ({len(pinned(target))} packages)")
-            written.append(target)
+    for made in _locks(pins, tree_path):
+        target = made.target
+        if target.is_file() and recorded_digest(target) == made.digest:
+            log.step(f"lock: {target.name} is up to date")
+            continue
+        log.step(f"lock: resolving {target.name} (Python {made.python})")
+        wanted = "".join(f"{r}\n" for r in made.wanted)
+        old = target.read_text() if target.is_file() else ""
+        body = resolve(pins, wanted, made.python, target.name, made.exclude, old)
+        partial = target.with_name(f".{target.name}.partial")
+        try:  # renamed whole: the lock is the old one or the new one
+            partial.write_text(_header(pins, made) + body)
+            partial.replace(target)
+        finally:
+            partial.unlink(missing_ok=True)
+        log.step(f"lock: wrote {target} ({len(pinned(target))} packages)")
+        written.append(target)
     return written
+
+
+def verify_installed(lock_file: Path) -> None:
+    """This interpreter's environment holds exactly what LOCK_FILE pins (the tool
+    environment's check of itself, run by the bootstrap)."""
+    have = {
+        normalize(d.metadata["Name"]): d.version
+        for d in importlib.metadata.distributions()
+    }
+    want = pinned(lock_file)
+    if have != want:
+        diff = sorted(set(have.items()) ^ set(want.items()))
+        raise ForkError(
+            f"{sys.prefix} differs from {lock_file.name} in {len(diff)} package(s), "
+            f"e.g. {'=='.join(diff[0])}"
+        )
+
+
+if __name__ == "__main__":  # python -m forkbuild.setup.lock --verify LOCK
+    try:
+        verify_installed(Path(sys.argv[2]))
+    except ForkError as exc:
+        sys.exit(str(exc))

@@ -20,13 +20,13 @@ import subprocess
 import sys
 import sysconfig
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from forkbuild.core import log, preflight
 from forkbuild.core.errors import ForkError
 from forkbuild.core.pins import Pins, build_dir, cache_dir
-from forkbuild.setup import fetch
+from forkbuild.setup import fetch, tree
 from forkbuild.setup.load_extensions import record_digest, wheel_record
 
 
@@ -225,6 +225,39 @@ def install(
     run(pins, ["pip", *args], what=f"install {what}", lock=lock, stream=True)
 
 
+STAMP = ".forkbuild-venv"  # in a venv: the digest of what it was made from
+
+
+def venv_in_place(
+    pins: Pins,
+    home: Path,
+    key: str,
+    what: str,
+    fill: Callable[[Path], None],
+    interpreter: Path | str = sys.executable,
+) -> tuple[Path, bool]:
+    """HOME's venv of INTERPRETER and whether it was made now: reused while its stamp
+    holds KEY, else made in HOME.partial, filled by FILL(its python) (which installs
+    and checks), stamped and renamed into place: never a half venv with a stamp
+    (relocatable: its scripts find their python anywhere)."""
+    stamp, python = home / STAMP, home / "bin" / "python"
+    if stamp.is_file() and stamp.read_text().strip() == key and python.exists():
+        return python, False
+    partial = home.with_name(home.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    log.step(f"install: creating {home} for {what}")
+    try:
+        create = ["venv", "--quiet", "--relocatable", "--python", str(interpreter)]
+        run(pins, [*create, str(partial)], what=f"create the venv for {what}")
+        fill(partial / "bin" / "python")
+        (partial / STAMP).write_text(key + "\n")
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    tree.swap_into_place(partial, home)
+    return python, True
+
+
 def stamped_venv(
     pins: Pins,
     home: Path,
@@ -235,26 +268,12 @@ def stamped_venv(
     *flags: str,
 ) -> Path:
     """HOME's venv of INTERPRETER with REQUIREMENTS (a requirements file's text)
-    installed with `uv pip install FLAGS`; reused while its stamp holds KEY, else made
-    afresh, and removed whole when making it fails."""
-    python = home / "bin" / "python"
-    stamp = home / ".forkbuild-venv"
-    if stamp.is_file() and stamp.read_text().strip() == key and python.exists():
-        return python
-    log.step(f"install: creating {home} for {what}")
-    shutil.rmtree(home, ignore_errors=True)
-    try:
-        run(
-            pins,
-            ["venv", "--quiet", "--python", str(interpreter), str(home)],
-            what=f"create the venv for {what}",
-        )
-        listed = home / "requirements.txt"
+    installed with `uv pip install FLAGS`, reused while its stamp holds KEY."""
+
+    def fill(python: Path) -> None:
+        listed = python.parent.parent / "requirements.txt"
         listed.write_text(requirements)
         args = ["install", *flags, "--python", str(python), "-r", str(listed)]
         install(pins, args, what=what)
-    except BaseException:
-        shutil.rmtree(home, ignore_errors=True)
-        raise
-    stamp.write_text(key + "\n")
-    return python
+
+    return venv_in_place(pins, home, key, what, fill, interpreter)[0]

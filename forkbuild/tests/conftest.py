@@ -3,13 +3,18 @@ the real, already verified sdist so that no test downloads it again."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
 from forkbuild.core import pins
-from forkbuild.setup import fetch
+from forkbuild.setup import bootstrap, fetch
+
+# forkbuild started by a test in its own build folder re-executes in this tool
+# environment rather than making one there (test_bare_python makes fresh ones).
+os.environ.setdefault("VLLM_FORK_TOOLS", str(bootstrap.tools_dir()))
 
 
 @pytest.fixture(scope="session")

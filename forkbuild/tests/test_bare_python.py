@@ -1,11 +1,12 @@
-"""The README's commands start from a bare python3: forkbuild needs nothing but the
-standard library until its venv exists, bootstraps uv without pip, and a step makes
-only what it uses. The help says what each step does and which options it takes."""
+"""The README's commands start from a bare python3: the bootstrap needs nothing but the
+standard library until the tool environment exists, bootstraps uv without pip, and a
+step makes only what it uses. The help says what each step does and which options it
+takes."""
 
 from __future__ import annotations
 
+import json
 import os
-import pkgutil
 import shlex
 import subprocess
 import sys
@@ -14,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-import forkbuild
 from forkbuild.core import pins
 from forkbuild.core.errors import ForkError
-from forkbuild.setup import uv
+from forkbuild.gpu.bundle.build import RUNNER_MODULES
+from forkbuild.setup import bootstrap, uv
 
 
 @pytest.fixture(scope="module")
@@ -50,33 +51,90 @@ def _forkbuild(
     )
 
 
-def test_every_forkbuild_module_imports_on_the_standard_library(bare_python):
-    modules = [
-        m.name
-        for m in pkgutil.walk_packages(forkbuild.__path__, "forkbuild.")
-        if not m.name.startswith(("forkbuild.tests", "forkbuild.__main__"))
-    ]
-    code = "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)\n"
-    result = subprocess.run(
-        [str(bare_python), "-c", code, *modules],
-        cwd=pins.REPO_ROOT,
+SYSTEM_PYTHON = Path("/usr/bin/python3")
+# Stands in for os.execv: prints what the bootstrap imported and where it would go.
+PROBE = """
+import json, os, runpy, sys
+before = set(sys.modules)  # what python's own start-up loaded (site, sitecustomize)
+sys.path.insert(0, sys.argv.pop(1))
+def execv(path, argv):
+    names = sorted(
+        n for n in set(sys.modules) - before
+        if "." not in n or n.startswith("forkbuild")
+    )
+    print(json.dumps({"to": [str(path), *argv[1:]], "modules": names}), flush=True)
+    os._exit(0)
+os.execv = execv
+runpy.run_module("forkbuild", run_name="__main__")
+"""
+
+
+def _fresh_tools(tmp_path: Path) -> dict[str, str]:
+    return {"VLLM_FORK_BUILD": str(tmp_path / "build"), "VLLM_FORK_TOOLS": ""}
+
+
+def test_the_bootstrap_runs_on_the_system_python_with_the_standard_library_alone(
+    tmp_path,
+):
+    """`python3 -I -m forkbuild` (no site-packages, no PYTHONPATH) makes the tool
+    environment and re-executes there having imported only the standard library and
+    forkbuild's bootstrap and runner modules (forkbuild/setup/bootstrap.py MODULES,
+    forkbuild/gpu/bundle/build.py RUNNER_MODULES)."""
+    python = SYSTEM_PYTHON if SYSTEM_PYTHON.exists() else Path(sys.executable)
+    done = subprocess.run(
+        [str(python), "-I", "-c", PROBE, str(pins.REPO_ROOT), "tree", "--force"],
+        cwd=tmp_path,
         capture_output=True,
         text=True,
+        timeout=300,
         check=False,
+        env={**os.environ, **_fresh_tools(tmp_path)},
     )
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "forkbuild.cli" in modules and "forkbuild.setup.install" in modules
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    tools = tmp_path / "build" / "tools"
+    python_there = str(tools / "bin" / "python")
+    assert seen["to"] == [python_there, "-m", "forkbuild", "tree", "--force"]
+    allowed = {
+        "forkbuild." + m.replace("/", ".").removesuffix(".__init__")
+        for m in (*bootstrap.MODULES, *RUNNER_MODULES)
+    } | {"forkbuild", "forkbuild.__init__"}
+    ours = {m for m in seen["modules"] if m.startswith("forkbuild.")}
+    assert ours - allowed == set(), "imported outside the bootstrap's closure"
+    assert "forkbuild.setup.bootstrap" in ours
+    others = {m for m in seen["modules"] if not m.startswith("forkbuild")}
+    assert others - set(sys.stdlib_module_names) - {"__main__"} == set()
+    assert (tools / uv.STAMP).is_file()
+
+
+def test_the_tool_environment_is_reused_and_made_again_when_damaged(tmp_path):
+    env = _fresh_tools(tmp_path)
+    tools = tmp_path / "build" / "tools"
+    made = f"creating {tools}"
+    runs = [_forkbuild(Path(sys.executable), "--help", env=env)]
+    runs.append(_forkbuild(Path(sys.executable), "--help", env=env))
+    gone = next((tools / "lib").glob("python3*/site-packages/rich/__init__.py"))
+    gone.unlink()
+    runs.append(_forkbuild(Path(sys.executable), "--help", env=env))
+    (tools / uv.STAMP).write_text("another lock\n")
+    runs.append(_forkbuild(Path(sys.executable), "--help", env=env))
+    assert [r.returncode for r in runs] == [0] * 4, runs[-1].stderr[-2000:]
+    assert [made in r.stderr for r in runs] == [True, False, True, True]
+    assert f"lacks {gone}; making it again" in runs[2].stderr
+    assert gone.exists() and not tools.with_name("tools.partial").exists()
 
 
 def test_fetch_and_tree_run_on_a_bare_python_and_make_no_venv(bare_python, tmp_path):
-    """With the files cached, `make fetch` and `make tree` need no environment at
-    all."""
+    """With the files cached, `make fetch` and `make tree` need no venv of vLLM's, only
+    the tool environment, made by the bootstrap from a python without pip."""
+    env = _fresh_tools(tmp_path)
     build = tmp_path / "build"
     for step in (["fetch", "--route", "cpu"], ["tree"]):
-        result = _forkbuild(bare_python, *step, env={"VLLM_FORK_BUILD": str(build)})
+        result = _forkbuild(bare_python, *step, env=env)
         assert result.returncode == 0, result.stderr[-2000:]
     assert (build / f"vllm-{pins.load().upstream_version}" / "vllm").is_dir()
     assert not (build / "venv").exists() and not (build / "venv.partial").exists()
+    assert (build / "tools" / uv.STAMP).is_file()
 
 
 def other_interpreters() -> list[Path]:
@@ -128,7 +186,7 @@ def test_tree_is_the_same_on_every_interpreter_here(tmp_path):
             text=True,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "VLLM_FORK_BUILD": str(build)},
+            env={**os.environ, "VLLM_FORK_BUILD": str(build), "VLLM_FORK_TOOLS": ""},
         )
         for python, build in builds.items()
     }
@@ -163,7 +221,7 @@ def test_uv_bootstraps_without_pip_from_ensurepips_wheel(bare_python, tmp_path):
     """An empty cache and a Python without pip: uv arrives through the pip wheel that
     ensurepip bundles, verified (needs the package index, as a cold `make` does)."""
     code = (
-        "from forkbuild import pins, uv\n"
+        "from forkbuild.core import pins\nfrom forkbuild.setup import uv\n"
         "print(uv.bootstrap_pip()[-1])\n"
         "print(uv.binary(pins.load()))\n"
     )

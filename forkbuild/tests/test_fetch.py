@@ -1,9 +1,13 @@
 from __future__ import annotations
 
+import io
+import time
+
 import pytest
+from rich.console import Console
 
 from forkbuild.core.errors import ForkError
-from forkbuild.setup import fetch
+from forkbuild.setup import fetch, progress
 
 
 def _no_download(*args, **kwargs):
@@ -63,3 +67,16 @@ def test_unwritable_cache_is_refused_naming_vllm_fork_cache(
     ) as err:
         fetch.fetch(fork_pins.sdist, _no_pip)
     assert "VLLM_FORK_CACHE" in err.value.hint and "\n" not in str(err.value)
+
+
+def test_a_download_on_a_terminal_shows_its_bytes_done(tmp_path):
+    """rich's bar counts what the download has written so far; a log gets none."""
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=100)
+    with progress.bytes_in(tmp_path, "file.whl", console) as shown:
+        (tmp_path / "pip-tmp").mkdir()
+        (tmp_path / "pip-tmp" / "part").write_bytes(b"x" * 3_000_000)
+        time.sleep(0.5)
+    assert shown and "file.whl" in out.getvalue() and "3.0/? MB" in out.getvalue()
+    with progress.bytes_in(tmp_path, "file.whl", Console(file=io.StringIO())) as shown:
+        assert not shown

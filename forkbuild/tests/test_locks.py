@@ -14,7 +14,7 @@ import pytest
 from forkbuild.core import pins
 from forkbuild.core.errors import ForkError
 from forkbuild.core.pytest_runner import read_junit
-from forkbuild.setup import install, lock, uv
+from forkbuild.setup import bootstrap, install, lock, uv
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +32,43 @@ def test_every_lock_matches_the_requirements_it_was_made_from(fork_pins, fork_tr
         for python in fork_pins.pythons:
             locked = lock.pinned(lock.path(route.name, python))
             assert locked["torch"] == fork_pins.torch
-            for requirement in fork_pins.tools + fork_pins.test + route.extra:
+            for requirement in (
+                fork_pins.forkbuild + fork_pins.tools + fork_pins.test + route.extra
+            ):
                 name, _, version = requirement.partition("==")
                 assert locked[lock.normalize(name)] == version, requirement
             # every pinned package carries a sha256 (uv compile --generate-hashes)
             text = lock.path(route.name, python).read_text()
             assert text.count("--hash=sha256:") >= len(locked)
+
+
+@pytest.mark.parametrize("python", pins.load().pythons)
+def test_the_tools_lock_pins_forkbuilds_libraries_with_hashes(fork_pins, python):
+    tools = lock.path("tools", python)
+    locked = lock.pinned(tools)
+    for requirement in fork_pins.forkbuild:
+        name, _, version = requirement.partition("==")
+        assert locked[lock.normalize(name)] == version, requirement
+    assert tools.read_text().count("--hash=sha256:") >= len(locked)
+    assert lock.recorded_digest(tools) == bootstrap.tools_digest(fork_pins, python)
+
+
+def test_a_changed_tool_list_makes_the_tools_locks_stale(fork_pins, fork_tree):
+    """A library added to [toolchain] forkbuild: every lock is stale, the bootstrap
+    refuses to make the tool environment, and only `make lock` runs on the old lock."""
+    bumped = dataclasses.replace(
+        fork_pins, forkbuild=(*fork_pins.forkbuild, "six==1.17.0")
+    )
+    stale = lock.stale(bumped, fork_tree)
+    assert len(stale) == (len(fork_pins.routes) + 1) * len(fork_pins.pythons)
+    assert f"{lock.path('tools', lock.running_python()).name} (its inputs changed)" in (
+        stale
+    )
+    with pytest.raises(ForkError, match="forkbuild as it is now") as err:
+        bootstrap.ensure(bumped, "tree")
+    assert "make lock" in err.value.hint
+    python, _ = bootstrap.ensure(bumped, "lock")
+    assert python.exists()
 
 
 def test_a_changed_input_makes_the_locks_stale(fork_pins, fork_tree, tmp_path):
@@ -146,7 +177,7 @@ def test_xfails_are_counted_as_xfails(tmp_path):
     assert outcome.reasons["tests/t.py::c"] == "xfail: known"
 
 
-@pytest.mark.parametrize("route", ["cpu", "cuda"])
+@pytest.mark.parametrize("route", ["cpu", "cuda", "tools"])
 def test_each_lock_of_this_python_installs_on_its_platform(fork_pins, route, tmp_path):
     """uv resolves every pinned file of the lock for the platform it was made for, with
     hashes required: what a GPU host installs (the CUDA lock) is checked here without
@@ -175,3 +206,20 @@ def test_each_lock_of_this_python_installs_on_its_platform(fork_pins, route, tmp
         lock=lock_file,
     )
     assert f"Would install {len(lock.pinned(lock_file))} packages" in out
+
+
+def test_an_environment_is_asked_whether_it_holds_exactly_its_lock():
+    tools = lock.path("tools", lock.running_python())
+    bootstrap.check_holds(bootstrap.tools_dir() / "bin" / "python", tools)
+    with pytest.raises(ForkError, match=f"differs from {tools.name} in ") as err:
+        bootstrap.check_holds(Path(sys.executable), tools)  # vLLM's venv: far more
+    assert "made afresh" in err.value.hint
+
+
+def test_a_python_without_a_tools_lock_is_told_which_ones_have_one(
+    fork_pins, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(bootstrap, "tools_lock", lambda python: tmp_path / "none.txt")
+    with pytest.raises(ForkError, match="no tool environment locked for") as err:
+        bootstrap.ensure(fork_pins, "tree")
+    assert ", ".join(fork_pins.pythons) in err.value.hint

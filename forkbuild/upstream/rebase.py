@@ -103,7 +103,7 @@ def check_newer(pins: Pins, version: str) -> None:
             f"VERSION {version} is not newer than the fork's base "
             f"{pins.upstream_version}",
             "give a later release, e.g. make rebase "
-            f"VERSION={base[0]}.{base[1] + 1}.0; the "
+            f"VERSION={base.major}.{base.minor + 1}.0; the "
             "series on older releases is what `make matrix` and `make patch-status` "
             "report",
         )

@@ -1,0 +1,179 @@
+"""The bootstrap: from a bare python3 to forkbuild running in its own tool environment.
+
+`python3 -m forkbuild STEP` starts here, on the standard library alone (Debian 12's
+/usr/bin/python3 has no `packaging`): it gets the pinned uv (forkbuild/setup/uv.py),
+makes the tool environment (VLLM_FORK_TOOLS, default $VLLM_FORK_BUILD/tools) holding
+exactly locks/tools-pyXY.txt with `uv pip sync --require-hashes`, and re-executes the
+same command there. The environment is made beside its place, verified inside itself,
+stamped and then renamed into place: it is reused while the lock and the interpreter
+are unchanged, and otherwise made again whole. Everything else runs in it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.metadata
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from forkbuild.core import log
+from forkbuild.core.errors import ForkError
+from forkbuild.core.hashing import digest_of
+from forkbuild.core.pins import REPO_ROOT, Pins, build_dir, load, locks_dir
+from forkbuild.setup import uv
+
+# What the bootstrap imports (paths in forkbuild/, as gpu/bundle/build.py's
+# RUNNER_MODULES): standard library only; test_bare_python holds it to that.
+MODULES = (
+    "__init__",
+    "__main__",
+    "core/__init__",
+    "core/errors",
+    "core/log",
+    "core/hashing",
+    "core/pins",
+    "core/preflight",
+    "setup/__init__",
+    "setup/bootstrap",
+    "setup/uv",
+    "setup/tree",
+    "setup/fetch",
+    "setup/pip_runner",
+    "setup/load_extensions",
+)
+FORMAT = "forkbuild-lock-1"  # every lock's inputs digest starts with it
+DIGEST_LINE = "# inputs-sha256: "
+
+
+def running_python() -> str:
+    return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def tools_dir() -> Path:
+    return Path(os.environ.get("VLLM_FORK_TOOLS") or build_dir() / "tools")
+
+
+def tools_lock(python: str) -> Path:
+    return locks_dir() / f"tools-py{python.replace('.', '')}.txt"
+
+
+def tools_digest(pins: Pins, python: str) -> str:
+    """The digest of what the tools lock for PYTHON is made from."""
+    return digest_of([FORMAT, "tools", python, pins.lock_platform, *pins.forkbuild])
+
+
+def recorded_digest(lock_file: Path) -> str | None:
+    for line in lock_file.read_text().splitlines():
+        if line.startswith(DIGEST_LINE):
+            return line[len(DIGEST_LINE) :].strip()
+    return None
+
+
+def _stamp(pins: Pins, lock_file: Path) -> str:
+    # The base interpreter, not a venv's: forkbuild started from build/venv's python
+    # (the tool tests do) finds the same tool environment good.
+    base = os.path.realpath(sys.base_prefix)
+    return digest_of([sys.version, base, pins.uv.sha256, lock_file.read_bytes()])
+
+
+def _checked_lock(pins: Pins, step: str) -> Path:
+    lock_file = tools_lock(running_python())
+    if not lock_file.is_file():
+        raise ForkError(
+            f"{lock_file} is missing: forkbuild has no tool environment locked for "
+            f"Python {running_python()}",
+            f"run forkbuild with a supported Python ({', '.join(pins.pythons)}: "
+            "make ... PYTHON=python3.11), or add this one to fork.toml [upstream] "
+            "pythons and run `make lock` with a supported one",
+        )
+    if recorded_digest(lock_file) != tools_digest(pins, running_python()):
+        if step == "lock":  # `make lock` runs on the old lock, and rewrites it
+            log.step(f"tools: {lock_file.name} is stale; `lock` rewrites it")
+            return lock_file
+        raise ForkError(
+            f"{lock_file.name} was not made from fork.toml [toolchain] forkbuild as "
+            "it is now",
+            "run `make lock` (needs the package index) and commit locks/",
+        )
+    return lock_file
+
+
+def check_holds(python: Path, lock_file: Path) -> None:
+    """PYTHON's environment holds exactly what LOCK_FILE pins: asked of it, with its own
+    `packaging` (forkbuild/setup/lock.py verify_installed)."""
+    done = subprocess.run(
+        [str(python), "-m", "forkbuild.setup.lock", "--verify", str(lock_file)],
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        lines = (done.stderr or done.stdout).strip().splitlines() or ["no output"]
+        raise ForkError(
+            lines[-1], "run again: the environment is made afresh from the lock"
+        )
+
+
+def _filled(pins: Pins, lock_file: Path) -> Callable[[Path], None]:
+    def fill(python: Path) -> None:
+        sync = ["sync", "--require-hashes", "--python", str(python), str(lock_file)]
+        uv.install(pins, sync, what=f"the packages of {lock_file.name}", lock=lock_file)
+        check_holds(python, lock_file)
+
+    return fill
+
+
+def _missing(home: Path) -> str:
+    """A file of the environment's packages that is gone (their RECORDs), or ''."""
+    site = home / "lib" / f"python{running_python()}" / "site-packages"
+    found = list(importlib.metadata.distributions(path=[str(site)]))
+    if not found:
+        return str(site)
+    for dist in found:
+        for file in dist.files or ():
+            if not (site / file).exists():
+                return str(site / file)
+    return ""
+
+
+def ensure(fork: Pins, step: str = "") -> tuple[Path, bool]:
+    """The tool environment's python, and whether it was made just now (where missing,
+    damaged or out of date)."""
+    lock_file = _checked_lock(fork, step)
+    home = tools_dir()
+    home.parent.mkdir(parents=True, exist_ok=True)
+    with open(home.with_name(home.name + ".lock"), "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # one maker at a time; the others reuse it
+        missing = _missing(home) if (home / uv.STAMP).is_file() else ""
+        if missing:
+            log.step(f"tools: {home} lacks {missing}; making it again")
+            (home / uv.STAMP).unlink()
+        return uv.venv_in_place(
+            fork,
+            home,
+            _stamp(fork, lock_file),
+            f"forkbuild's libraries ({lock_file.name})",
+            _filled(fork, lock_file),
+        )
+
+
+def inside() -> bool:
+    """Whether this process runs in the tool environment."""
+    return Path(sys.prefix).resolve() == tools_dir().resolve()
+
+
+def enter(argv: list[str]) -> None:
+    """Re-execute `python -m forkbuild ARGV` in the tool environment, made first if
+    needed; return only when already running there (and it is up to date)."""
+    step = next((a for a in argv if not a.startswith("-")), "")
+    python, made = ensure(load(), step)
+    # Children (forkbuild in a test's own build folder) use this environment too.
+    os.environ["VLLM_FORK_TOOLS"] = str(tools_dir())
+    if inside() and not made:
+        return
+    os.execv(python, [str(python), "-m", "forkbuild", *argv])

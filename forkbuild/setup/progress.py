@@ -1,0 +1,59 @@
+"""Progress of long set-up steps, with rich: the bytes a download has written so far.
+
+Not for the bootstrap's modules (standard library only): forkbuild/setup/fetch.py
+imports it only for the downloads that run in the tool environment.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import (
+    DownloadColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TransferSpeedColumn,
+)
+
+
+def _size(folder: Path) -> int:
+    total = 0
+    for path in folder.rglob("*"):
+        with suppress(OSError):  # gone meanwhile: the downloader renamed it
+            total += path.stat().st_size if path.is_file() else 0
+    return total
+
+
+@contextmanager
+def bytes_in(folder: Path, what: str, console: Console | None = None) -> Iterator[bool]:
+    """While the block runs, show the bytes written under FOLDER; yields whether it
+    shows them (on a terminal only: a log gets the step's lines)."""
+    console = console or Console(stderr=True)
+    if not console.is_terminal:
+        yield False
+        return
+    columns = (SpinnerColumn(), TextColumn(what), DownloadColumn())
+    with Progress(
+        *columns, TransferSpeedColumn(), TimeElapsedColumn(), console=console
+    ) as bar:
+        task = bar.add_task(what, total=None)
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.wait(0.2):
+                bar.update(task, completed=_size(folder))
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            yield True
+        finally:
+            stop.set()
+            watcher.join()
+            bar.update(task, completed=_size(folder))
