@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from forkbuild.checks import matrix, patch_status, regression, testrun
+from forkbuild.checks import generate, matrix, patch_status, regression, testrun
 from forkbuild.core import log, pins
 from forkbuild.core.errors import ForkError
 from forkbuild.core.pins import Pins
@@ -73,6 +73,10 @@ def _matrix(args: argparse.Namespace, p: Pins) -> None:
 
 def _patch_status(args: argparse.Namespace, p: Pins) -> None:
     patch_status.check(p)
+
+
+def _generate(args: argparse.Namespace, p: Pins) -> str:
+    return generate.write(p)
 
 
 def _upstream(args: argparse.Namespace, p: Pins) -> None:
@@ -178,6 +182,13 @@ STEPS = {
                 },
             )
         ],
+    ),
+    "generate": (
+        _generate,
+        "rewrite the docs' and the nightly pipeline's blocks that restate fork.toml "
+        "and patches/",
+        False,
+        [],
     ),
     "patch-status": (
         _patch_status,

@@ -15,12 +15,11 @@ from __future__ import annotations
 import email
 import email.policy
 import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from forkbuild.core import pins as pins_module
+from forkbuild.core import log
 from forkbuild.core.errors import ForkError
 from forkbuild.core.pins import REPO_ROOT, Pins
 from forkbuild.gpu import pipeline
@@ -200,16 +199,11 @@ def stale(p: Pins, root: Path = REPO_ROOT) -> list[Path]:
     return [f for f, text in render(p, root).items() if f.read_text() != text]
 
 
-def main() -> int:
-    p = pins_module.load()
+def write(p: Pins) -> str:
+    """`make generate`: rewrite every stale block; return the closing line."""
     changed = stale(p)
     for file, text in render(p).items():
         file.write_text(text)
     for file in changed:
-        print(f"generate: rewrote {file.relative_to(REPO_ROOT)}")
-    print(f"generate: {len(changed)} file(s) changed")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        log.step(f"generate: rewrote {file.relative_to(REPO_ROOT)}")
+    return f"generate: {len(changed)} file(s) changed"
