@@ -69,24 +69,23 @@ from pkg.views import page_view
 def test_pages_of_a_longer_row():
     assert page_view(list(range(12)), 1, 2) == [1, 3, 5, 7, 9, 11]
 """
+
+
+def _mutant(name: str, line: str, was: str = "    return raw[offset::stride]"):
+    """A mutant of the fake release's second line (WAS) into LINE, as a diff file."""
+    diff = (
+        "--- a/pkg/views.py\n+++ b/pkg/views.py\n@@ -1,2 +1,2 @@\n"
+        f" def page_view(raw, offset, stride):\n-{was}\n+{line}\n"
+    )
+    return mutants.Mutant(name, diff, ("tests/test_views.py",))
+
+
 # Killed by the release's own test: worth nothing to a PR.
-CAUGHT = mutants.Mutant(
-    "offset ignored", "pkg/views.py", "raw[offset::stride]", "raw[::stride]"
-)
+CAUGHT = _mutant("offset ignored", "    return raw[::stride]")
 # Missed by the release's test (its row has 8 items), killed by the PR's case.
-MISSED = mutants.Mutant(
-    "the row cut at 8 items",
-    "pkg/views.py",
-    "raw[offset::stride]",
-    "raw[offset:8:stride]",
-)
+MISSED = _mutant("the row cut at 8 items", "    return raw[offset:8:stride]")
 # Missed by both.
-NOBODY = mutants.Mutant(
-    "copy instead of view",
-    "pkg/views.py",
-    "return raw[offset::stride]",
-    "return list(raw[offset::stride])",
-)
+NOBODY = _mutant("copy instead of view", "    return list(raw[offset::stride])")
 
 
 def _with_pr(worktree: Path) -> Path:
@@ -118,7 +117,6 @@ def _rows(
         worktree,
         _with_pr(worktree),
         found,
-        {"pkg/views.py": ("tests/test_views.py",)},
         ["tests/test_pr.py::test_pages_of_a_longer_row"],
         {"01-pages": lambda case: case.startswith("tests/test_pr.py::")},
         tmp_path / "results",
@@ -151,7 +149,7 @@ def test_the_differential_credits_a_pr_only_with_what_the_release_tests_miss(
     # release as the description shows it; not the caught one.
     assert text.count("```diff") == 1
     shown = text.split("```diff\n", 1)[1].split("```", 1)[0]
-    assert shown == missed.diff
+    assert shown == missed.mutant.diff
     assert shown.startswith("--- a/pkg/views.py\n+++ b/pkg/views.py\n@@ ")
     assert "-    return raw[offset::stride]\n+    return raw[offset:8:stride]" in shown
     (tmp_path / "shown.diff").write_text(shown)
@@ -202,9 +200,10 @@ def test_a_run_made_before_is_read_back_and_a_changed_tree_is_run_again(
     made[0].write_text(made[0].read_text()[:40])
     assert _rows(worktree, tmp_path, (CAUGHT, MISSED), cache) == first
     # The release changes: nothing made before stands for it.
-    (worktree / "pkg" / "views.py").write_text(VIEWS + "\n")
+    (worktree / "pkg" / "more.py").write_text("MORE = 1\n")
     env = {**os.environ, **tree.IDENTITY}
-    tree.git_ok(["commit", "-qam", "release 2"], worktree, env, "change the release")
+    for args in (["add", "-A"], ["commit", "-qm", "release 2"]):
+        tree.git_ok(args, worktree, env, "change the release")
     assert _rows(worktree, tmp_path, (CAUGHT, MISSED), cache) == first
     assert len(list(cache.glob("*.xml"))) > len(made)
     # A mutant left behind by a stopped run is refused, not measured.
@@ -267,7 +266,6 @@ def test_one_worktree_for_both_runs_takes_them_in_turn(worktree, tmp_path):
         with_pr,
         with_pr,
         (MISSED,),
-        {"pkg/views.py": ("tests/test_views.py",)},
         ["tests/test_pr.py::test_pages_of_a_longer_row"],
         {"01-pages": lambda case: case.startswith("tests/test_pr.py::")},
         tmp_path / "results",
@@ -294,7 +292,7 @@ def test_a_mutant_a_triggered_gpu_job_would_catch_does_not_count(worktree, tmp_p
     """Missed on CPU, killed by the PR, but a GPU job that a change to the file
     triggers would likely catch it (read): it is named beside the table, not in it,
     and measures no PR."""
-    on_gpu = mutants.Mutant(*dataclasses.astuple(MISSED)[:4], gpu_job="`gpu-job`")
+    on_gpu = dataclasses.replace(MISSED, gpu_job="`gpu-job`")
     (row,) = _rows(worktree, tmp_path, (on_gpu,))
     assert row.survivor and row.by_pr["01-pages"] and not row.counts
     text = mutants.table([row], "01-pages")
@@ -308,21 +306,34 @@ def test_a_mutant_a_triggered_gpu_job_would_catch_does_not_count(worktree, tmp_p
         mutants.check([row], ["01-pages"])
 
 
-def test_a_mutant_that_no_longer_matches_is_refused_untouched(worktree, tmp_path):
-    stale = mutants.Mutant(
-        "stride ignored", "pkg/views.py", "raw[offset::step]", "raw[offset:]"
+def test_a_mutant_that_no_longer_applies_is_refused_untouched(worktree, tmp_path):
+    stale = _mutant(
+        "stride ignored", "    return raw[offset:]", "    return raw[::step]"
     )
-    with pytest.raises(ForkError, match="matches 0 times in pkg/views.py.*") as refused:
+    with pytest.raises(
+        ForkError,
+        match="git apply refused mutant 'stride ignored' on "
+        "pkg/views.py.*not what the mutant was written against",
+    ) as refused:
         mutants.Runs(Path(sys.executable), tmp_path).mutated(
             worktree, stale, ["tests/test_views.py"], "run"
         )
-    assert "rewrite the mutant" in str(refused.value)
+    assert "rewrite the mutant" in refused.value.hint
     assert _clean(worktree)
     with pytest.raises(ForkError, match="no mutants of vLLM 9.9.9"):
         mutants.for_release("9.9.9")
+    # A mutant of a file whose release tests are not named is refused when read.
+    (tmp_path / "1.0.0").mkdir()
+    (tmp_path / "1.0.0" / "01-stale.diff").write_text(stale.diff)
+    (tmp_path / "1.0.0" / "mutants.toml").write_text(
+        '[tests.other]\nof = ["pkg/other.py"]\nrun = ["tests"]\n'
+        '[mutants.01-stale]\nname = "stride ignored"\n'
+    )
+    with pytest.raises(ForkError, match="names no release tests of pkg/views.py"):
+        mutants.for_release("1.0.0", tmp_path)
 
 
-def test_the_newest_release_has_mutants_that_match_its_code_once(fork_pins):
+def test_the_newest_release_has_mutants_that_git_apply_takes(fork_pins, tmp_path):
     release = fork_pins.releases[-1]
     wanted = mutants.for_release(release.version)
     sdist = fetch.artifacts_dir() / release.sdist.filename
@@ -332,9 +343,13 @@ def test_the_newest_release_has_mutants_that_match_its_code_once(fork_pins):
         )
     with tarfile.open(sdist) as tar:
         top = tar.getmembers()[0].name.split("/", 1)[0]
-        for mutant in wanted:
-            text = tar.extractfile(f"{top}/{mutant.path}").read().decode()
-            assert text.count(mutant.original) == 1, mutant.name
+        for path in {m.path for m in wanted}:
+            (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / path).write_bytes(tar.extractfile(f"{top}/{path}").read())
+    for mutant in wanted:
+        (tmp_path / "m.diff").write_text(mutant.diff)
+        applied = tree.git(["apply", "--check", "m.diff"], tmp_path)
+        assert applied.returncode == 0, (mutant.name, applied.stderr)
     # Breakages of every part of the packed path the PRs cover, each with the release's
     # own tests of its file named.
     paths = {m.path for m in wanted}
@@ -346,6 +361,5 @@ def test_the_newest_release_has_mutants_that_match_its_code_once(fork_pins):
         "triton_attn.py",
     ):
         assert any(p.endswith(part) for p in paths), part
-    for path in paths:
-        assert mutants.release_tests(release.version, path)
+    assert all(m.tests for m in wanted)
     assert len(wanted) >= mutants.MIN_SURVIVORS
