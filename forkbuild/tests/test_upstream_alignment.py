@@ -30,6 +30,17 @@ OLDER = [r.version for r in FORK.releases if Version(r.version) < Version(BASE)]
 NEWER = [r.version for r in FORK.releases if Version(r.version) > Version(BASE)]
 
 
+def _forkbuild(args: list[str], env=None, timeout=60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "forkbuild", *args],
+        cwd=pins.REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 @pytest.fixture(scope="module")
 def toolchain() -> Path:
     if not install.venv_python().exists():
@@ -94,14 +105,7 @@ def test_a_claim_the_releases_contradict_fails(
 def test_rebase_to_a_version_that_does_not_exist_says_so_and_leaves_nothing(
     version, error, toolchain
 ):
-    result = subprocess.run(
-        [sys.executable, "-m", "forkbuild", "rebase", version],
-        cwd=pins.REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    result = _forkbuild(["rebase", version], timeout=300)
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith(f"forkbuild rebase: error: {error}")
@@ -151,29 +155,23 @@ def test_rebase_moves_every_pin_together_and_keeps_fork_toml_as_written(
         )
 
 
+def _changes(patch: Path) -> set[str]:
+    return set(re.findall(r"^diff --git a/(\S+) ", patch.read_text(), re.M))
+
+
 def _git_home(tmp_path: Path, config: str | None) -> dict[str, str]:
     """An environment whose only git configuration is CONFIG (None: none at all)."""
-    global_config = tmp_path / "gitconfig"
     if config is not None:
-        global_config.write_text(config)
+        (tmp_path / "gitconfig").write_text(config)
+    home = {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path)}
     return {
-        "GIT_CONFIG_GLOBAL": str(global_config),
+        "GIT_CONFIG_GLOBAL": str(tmp_path / "gitconfig"),
         "GIT_CONFIG_NOSYSTEM": "1",
-        "HOME": str(tmp_path),
-        "XDG_CONFIG_HOME": str(tmp_path),
-    }
+    } | home
 
 
 def test_upstream_without_a_git_identity_stops_at_once(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "forkbuild", "upstream"],
-        cwd=pins.REPO_ROOT,
-        env={**os.environ, **_git_home(tmp_path, None)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = _forkbuild(["upstream"], {**os.environ, **_git_home(tmp_path, None)})
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert "git has no user.name and no user.email" in last, result.stderr
@@ -185,10 +183,9 @@ def test_the_series_is_signed_off_by_whoever_runs_it(tmp_path, monkeypatch):
     for key, value in _git_home(tmp_path, config).items():
         monkeypatch.setenv(key, value)
     assert upstream.submitter() == {
-        "GIT_AUTHOR_NAME": "Ada Reviewer",
-        "GIT_AUTHOR_EMAIL": "ada@example.org",
-        "GIT_COMMITTER_NAME": "Ada Reviewer",
-        "GIT_COMMITTER_EMAIL": "ada@example.org",
+        f"GIT_{who}_{what}": value
+        for who in ("AUTHOR", "COMMITTER")
+        for what, value in (("NAME", "Ada Reviewer"), ("EMAIL", "ada@example.org"))
     }
     (tmp_path / "gitconfig").write_text("[user]\n\tname = Ada Reviewer\n")
     with pytest.raises(ForkError, match="git has no user.email"):
@@ -205,8 +202,7 @@ def test_the_prs_load_in_sending_order_each_whole():
         assert all(marker in pr.description for marker in upstream.MARKERS), pr.name
         files = {c.split("::", 1)[0] for c in pr.cases}
         for patch in pr.patches:  # the cases' files are the files the mail changes
-            changed = set(re.findall(r"^diff --git a/(\S+) ", patch.read_text(), re.M))
-            assert files <= changed, (pr.name, files - changed)
+            assert files <= _changes(patch), (pr.name, files - _changes(patch))
             assert "Signed-off-by:" not in patch.read_text(), "the submitter signs off"
 
 
@@ -294,29 +290,18 @@ def release_hooks(fork_pins, toolchain, tmp_path_factory) -> Path:
     tree._extract_sdist(sdist, out)
     for pr in upstream.load_prs(NEWEST):
         for patch in pr.patches:
-            applied = subprocess.run(
-                ["git", "apply", str(patch)],
-                cwd=out,
-                capture_output=True,
-                text=True,
-                check=False,
-            )
+            applied = tree.git(["apply", str(patch)], out)
             assert applied.returncode == 0, (pr.name, applied.stderr)
     return out
 
 
-def series_files(fork_pins) -> list[str]:
+def series_files() -> list[str]:
     """What the PRs change, all together."""
-    changed: set[str] = set()
-    for pr in upstream.load_prs(NEWEST):
-        for patch in pr.patches:
-            changed |= set(re.findall(r"^diff --git a/(\S+) ", patch.read_text(), re.M))
-    return sorted(changed)
+    prs = upstream.load_prs(NEWEST)
+    return sorted({f for pr in prs for patch in pr.patches for f in _changes(patch)})
 
 
-def test_every_pr_case_runs_in_the_cpu_job_it_names(
-    release_hooks, toolchain, fork_pins
-):
+def test_every_pr_case_runs_in_the_cpu_job_it_names(release_hooks, toolchain):
     for pr in upstream.load_prs(NEWEST):
         files = sorted({c.split("::", 1)[0] for c in pr.cases})
         said = upstream.check_job(
@@ -325,24 +310,17 @@ def test_every_pr_case_runs_in_the_cpu_job_it_names(
         assert f"({pr.job}, cpu" in said, said
 
 
-def test_the_release_hooks_pass_on_the_series(release_hooks, toolchain, fork_pins):
-    files = series_files(fork_pins)
+def test_the_release_hooks_pass_on_the_series(release_hooks, toolchain):
+    files = series_files()
     assert ".buildkite/test_areas/misc.yaml" in files  # the PRs' CI lines
     lines = upstream.run_hooks(toolchain, release_hooks, files)
+    hooks = ("ruff check", "ruff format", *upstream.HOOK_SCRIPTS)
     assert lines == [
-        f"{hook}: passed"
-        for hook in (
-            "ruff check",
-            "ruff format",
-            *upstream.HOOK_SCRIPTS,
-            "check_buildkite_step_keys",
-        )
+        f"{hook}: passed" for hook in (*hooks, "check_buildkite_step_keys")
     ]
 
 
-def test_a_hook_finding_stops_the_upstream_step(
-    release_hooks, toolchain, tmp_path, fork_pins
-):
+def test_a_hook_finding_stops_the_upstream_step(release_hooks, toolchain, tmp_path):
     bad = release_hooks / "tests" / "v1" / "worker" / "test_no_header.py"
     bad.write_text("import os\n\n\ndef test_nothing():\n    assert os.sep\n")
     try:
@@ -350,7 +328,7 @@ def test_a_hook_finding_stops_the_upstream_step(
             upstream.run_hooks(
                 toolchain,
                 release_hooks,
-                [*series_files(fork_pins), str(bad.relative_to(release_hooks))],
+                [*series_files(), str(bad.relative_to(release_hooks))],
             )
     finally:
         bad.unlink()
@@ -373,16 +351,17 @@ def test_a_pipeline_step_without_a_key_stops_the_upstream_step(
 
 
 def test_a_ruff_other_than_the_release_pins_is_refused(
-    release_hooks, toolchain, tmp_path, fork_pins
+    release_hooks, toolchain, tmp_path
 ):
-    copy = tmp_path / "release"
-    shutil.copytree(release_hooks, copy)
+    copy = tmp_path / "release"  # what the check reads, before any hook runs
+    copy.mkdir()
     config = copy / ".pre-commit-config.yaml"
+    shutil.copy(release_hooks / config.name, config)
     pinned = upstream.pinned_ruff(copy)
     config.write_text(config.read_text().replace(f"rev: v{pinned}\n", "rev: v0.0.1\n"))
     assert upstream.pinned_ruff(copy) == "0.0.1"
     with pytest.raises(ForkError, match="runs its hooks with ruff 0.0.1") as err:
-        upstream.run_hooks(toolchain, copy, series_files(fork_pins))
+        upstream.run_hooks(toolchain, copy, series_files())
     assert "pin ruff==0.0.1" in err.value.hint
     config.write_text("repos: []\n")
     with pytest.raises(ForkError, match="pins no ruff-pre-commit rev"):
