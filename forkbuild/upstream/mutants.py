@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forkbuild.core import log
-from forkbuild.core.errors import ForkError
+from forkbuild.core.errors import ForkError, run_or_fail
 from forkbuild.core.pins import REPO_ROOT
 from forkbuild.core.pytest_runner import Outcome, read_junit, run_pytest
 from forkbuild.setup import tree
@@ -127,6 +127,7 @@ def killers(outcome: Outcome, baseline: Outcome | None = None) -> list[str]:
     return [c for c in failed if ran_before(c)]
 
 
+AFRESH = "run the step again: it makes its worktrees afresh"
 # Files a run or a hook leaves in a worktree that decide no result.
 _TOOL_CACHES = ("__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache")
 
@@ -166,45 +167,43 @@ class Runs:
         resumes where it stopped; a run is kept only when it ended by itself and KEEP
         accepts it (an unmutated run the step rejects is made again next time)."""
         self.results.mkdir(parents=True, exist_ok=True)
-        key = ""
-        if self.cache is not None:
-            key = self._key(worktree, mutant, pytest_args)
-            try:
-                outcome = read_junit(self.cache / f"{key}.xml")
-            except (OSError, ET.ParseError):  # none, or cut off: a miss
-                pass
-            else:
-                for suffix in (".xml", ".log"):
-                    kept = self.cache / f"{key}{suffix}"
-                    if kept.is_file():
-                        shutil.copyfile(kept, self.results / f"{name}{suffix}")
-                log.step(
-                    f"mutants: {name}: the same run was made before "
-                    f"({self.cache / key}.xml): {outcome}"
-                )
-                return outcome
+        key = self._key(worktree, mutant, pytest_args) if self.cache else ""
+        if self.cache and (outcome := self._read_back(key, name)) is not None:
+            return outcome
         if mutant is not None:
             pytest_args = [*pytest_args, "--continue-on-collection-errors"]
         try:
             if mutant is not None:
                 apply(worktree, mutant)
-            outcome = run_pytest(
-                self.python,
-                worktree,
-                pytest_args,
-                self.results / f"{name}.xml",
-                output=self.results / f"{name}.log",
-                extra_env=self.extra_env,
-            )
+            report = self.results / f"{name}.xml"
+            output = self.results / f"{name}.log"
+            args = (self.python, worktree, pytest_args, report)
+            outcome = run_pytest(*args, output=output, extra_env=self.extra_env)
         finally:
             if mutant is not None:
                 restore(worktree, mutant)
-        if self.cache is not None and not outcome.killed and keep(outcome):
+        if self.cache and not outcome.killed and keep(outcome):
             self.cache.mkdir(parents=True, exist_ok=True)
             for suffix in (".log", ".xml"):  # the XML last and whole: it means kept
                 partial = self.cache / f"{key}{suffix}.partial"
                 shutil.copyfile(self.results / f"{name}{suffix}", partial)
                 os.replace(partial, self.cache / f"{key}{suffix}")
+        return outcome
+
+    def _read_back(self, key: str, name: str) -> Outcome | None:
+        """The run kept under KEY, its report and log copied as NAME's; None: none."""
+        assert self.cache is not None
+        try:
+            outcome = read_junit(self.cache / f"{key}.xml")
+        except (OSError, ET.ParseError):  # none, or cut off: a miss
+            return None
+        for suffix in (".xml", ".log"):
+            if (kept := self.cache / f"{key}{suffix}").is_file():
+                shutil.copyfile(kept, self.results / f"{name}{suffix}")
+        log.step(
+            f"mutants: {name}: the same run was made before "
+            f"({self.cache / key}.xml): {outcome}"
+        )
         return outcome
 
     def _key(
@@ -217,20 +216,15 @@ class Runs:
         pytest or vLLM read."""
 
         def git_out(args: list[str]) -> str:
-            done = tree.git(args, worktree)
-            if done.returncode != 0:
-                raise ForkError(
-                    f"git {' '.join(args)} failed in {worktree}: {done.stderr.strip()}",
-                    "run the step again: it makes its worktrees afresh",
-                )
-            return done.stdout
+            failed = f"git {' '.join(args)} failed in {worktree}"
+            return run_or_fail(["git", *args], failed, AFRESH, cwd=worktree).stdout
 
         changed = git_out(["status", "--porcelain", "--untracked-files=no"]).strip()
         if changed:  # a mutant left behind by a killed run: every result would be wrong
             raise ForkError(
                 f"{worktree} has changes its commit does not hold: "
                 f"{changed.splitlines()[0]}",
-                "run the step again: it makes its worktrees afresh",
+                AFRESH,
             )
         untracked = sorted(
             f"{name}:{(worktree / name).stat().st_size}"

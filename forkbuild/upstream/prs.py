@@ -78,36 +78,32 @@ def load_prs(version: str, folder: Path = PRS_DIR) -> list[PullRequest]:
     for sub in sorted(folder.glob("*/")):  # its folders, but the mutants'
         if sub.name == mutants.MUTANTS_DIR.name:
             continue
-        meta_file = sub / "pr.toml"
         try:
-            meta = tomllib.loads(meta_file.read_text())
+            meta = tomllib.loads((sub / "pr.toml").read_text())
         except (OSError, tomllib.TOMLDecodeError) as err:
             raise ForkError(
-                f"{meta_file} cannot be read: {err}",
+                f"{sub / 'pr.toml'} cannot be read: {err}",
                 "each upstream-prs/<name>/ needs pr.toml (see upstream-prs/README.md)",
             ) from None
         missing = [k for k in ("release", "title", "cases", "job") if k not in meta]
         patches = tuple(sorted(sub.glob("*.patch")))
-        if missing or not patches or not (sub / "description.md").is_file():
+        lacks = (
+            f"pr.toml lacks {', '.join(missing)}"
+            if missing
+            else "no *.patch"
+            if not patches
+            else "no description.md"
+            if not (sub / "description.md").is_file()
+            else ""
+        )
+        if lacks:
             raise ForkError(
-                f"{sub.name}: "
-                + (
-                    f"pr.toml lacks {', '.join(missing)}"
-                    if missing
-                    else "no *.patch"
-                    if not patches
-                    else "no description.md"
-                ),
+                f"{sub.name}: {lacks}",
                 "see upstream-prs/README.md for what a PR folder holds",
             )
+        cases, job = tuple(meta["cases"]), meta["job"]
         pr = PullRequest(
-            sub.name,
-            sub,
-            meta["release"],
-            meta["title"],
-            tuple(meta["cases"]),
-            meta["job"],
-            patches,
+            sub.name, sub, meta["release"], meta["title"], cases, job, patches
         )
         if pr.release == version:
             prs.append(pr)
