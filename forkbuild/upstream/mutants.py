@@ -18,6 +18,7 @@ import shutil
 import tempfile
 import tomllib
 import xml.etree.ElementTree as ET
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -411,72 +412,49 @@ def table(rows: list[Row], pr: str) -> str:
     """PR's table for its description: the mutants that no CI job a change to the
     mutated file triggers catches and that it kills, then each of them as a diff, so
     that a reviewer can apply it and run both again."""
-    lines = [
-        "| mutant | file | caught by a CI job that a change to the file triggers "
-        "| killed by this PR |",
-        "| --- | --- | --- | --- |",
-    ]
     listed = [row for row in rows if row.counts and row.by_pr[pr]]
-    for row in listed:
-        lines.append(
-            f"| {row.mutant.name} | `{row.mutant.path}` | no | "
-            f"{_cases(row.by_pr[pr])} |"
-        )
     paths = {r.mutant.path for r in rows if r.by_pr[pr]}
     mine = [r for r in rows if r.mutant.path in paths]
     caught = sum(1 for r in mine if not r.survivor)
     on_gpu = [r for r in mine if r.survivor and r.mutant.gpu_job]
-    tests = sorted({t for r in mine for t in r.mutant.tests})
-    lines.append("")
-    lines.append(
-        f"Mutants tried on the code these tests cover: {len(mine)}, each one change to "
-        f"vLLM's code, applied alone. The release's own tests of that code, as shipped "
-        f"({', '.join(f'`{t}`' for t in tests)}), run on CPU, "
-        f"kill {caught} of them. The GPU jobs whose `source_file_dependencies` a "
-        "change to the mutated file triggers were read case by case (which cases "
-        f"execute the mutated line, and would they fail): {len(on_gpu)} of the rest "
-        "would likely be caught there"
-        + "".join(f"; {r.mutant.name}: {r.mutant.gpu_job}" for r in on_gpu)
-        + ". The table lists the others that this PR kills."
+    tests = ", ".join(
+        f"`{t}`" for t in sorted({t for r in mine for t in r.mutant.tests})
     )
-    lines += [
-        "",
-        "<details>",
+    return (
+        "| mutant | file | caught by a CI job that a change to the file triggers "
+        "| killed by this PR |\n| --- | --- | --- | --- |\n"
+        + "".join(
+            f"| {r.mutant.name} | `{r.mutant.path}` | no | {_cases(r.by_pr[pr])} |\n"
+            for r in listed
+        )
+        + f"\nMutants tried on the code these tests cover: {len(mine)}, each one "
+        "change to vLLM's code, applied alone. The release's own tests of that code, "
+        f"as shipped ({tests}), run on CPU, kill {caught} of them. The GPU jobs whose "
+        "`source_file_dependencies` a change to the mutated file triggers were read "
+        "case by case (which cases execute the mutated line, and would they fail): "
+        f"{len(on_gpu)} of the rest would likely be caught there"
+        + "".join(f"; {r.mutant.name}: {r.mutant.gpu_job}" for r in on_gpu)
+        + ". The table lists the others that this PR kills.\n\n<details>\n"
         "<summary>The mutants, each as `git apply` takes it on the release "
-        "(what was applied)</summary>",
-        "",
-    ]
-    for row in listed:
-        lines += [
-            f"{row.mutant.name}, in `{row.mutant.path}`:",
-            "",
-            "```diff",
-            *row.mutant.diff.rstrip("\n").splitlines(),
-            "```",
-            "",
-        ]
-    lines.append("</details>")
-    return "\n".join(lines)
+        "(what was applied)</summary>\n\n"
+        + "".join(
+            f"{r.mutant.name}, in `{r.mutant.path}`:\n\n```diff\n"
+            f"{r.mutant.diff.rstrip(chr(10))}\n```\n\n"
+            for r in listed
+        )
+        + "</details>"
+    )
 
 
 def _cases(cases: list[str]) -> str:
     """Failed cases by test function: a parametrized one with how many of its parameter
     sets failed (a mutant can rename them: two enum members made one)."""
-    counts: dict[str, int] = {}
-    parametrized = set()
-    for case in cases:
-        name = case.split("::", 1)[1].split("[", 1)[0]
-        counts[name] = counts.get(name, 0) + 1
-        if "[" in case:
-            parametrized.add(name)
+    names = [case.split("::", 1)[1].split("[", 1)[0] for case in cases]
+    parametrized = {n for n, case in zip(names, cases) if "[" in case}
     return ", ".join(
         f"`{name}`"
-        + (
-            f" ({n} parameter set{'s' if n > 1 else ''})"
-            if name in parametrized
-            else ""
-        )
-        for name, n in counts.items()
+        + (f" ({n} parameter set{'s' * (n > 1)})" if name in parametrized else "")
+        for name, n in Counter(names).items()
     )
 
 
