@@ -461,14 +461,9 @@ class Context:
         """CASES in WORK on CPU, offline, reported in OUT as NAME-junit.xml and
         NAME-pytest.log: every one must pass, or WHAT stops the step."""
         log_file = out / f"{name}-pytest.log"
-        outcome = run_pytest(
-            self.python,
-            work,
-            [*cases, "-rs"],
-            out / f"{name}-junit.xml",
-            output=log_file,
-            extra_env={**matrix.CPU_ENV, **OFFLINE},
-        )
+        args = (self.python, work, [*cases, "-rs"], out / f"{name}-junit.xml")
+        env = {**matrix.CPU_ENV, **OFFLINE}
+        outcome = run_pytest(*args, output=log_file, extra_env=env)
         if outcome.passed != len(outcome.cases):  # a failure, error or skip
             raise ForkError(f"{what}: {outcome}", f"see {log_file}")
         return outcome

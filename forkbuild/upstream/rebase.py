@@ -59,23 +59,15 @@ def download(python: Path, package: str, version: str, binary: bool) -> Path:
     names = (f"{package.replace('-', '_')}-{version}", f"{package}-{version}")
     kind, what = (".whl", "wheel") if binary else (".tar.gz", "sdist")
 
-    def ours(folder: Path) -> list[Path]:
-        if not folder.is_dir():
-            return []
-        return [
-            p
-            for p in folder.iterdir()
-            if p.name.startswith(names) and p.name.endswith(kind)
-        ]
+    def ours(folder: Path) -> list[Path]:  # none where FOLDER is not there
+        return [p for name in names for p in sorted(folder.glob(f"{name}*{kind}"))]
 
     if cached := ours(dest):
         return cached[0]
     dest.parent.mkdir(parents=True, exist_ok=True)
-    args = ["download", "--no-deps", "--progress-bar", "off"]
-    if binary:
-        args += ["--only-binary", ":all:"]
-    else:
-        args += ["--no-binary", package, "--no-build-isolation"]
+    only = ["--only-binary", ":all:"] if binary else ["--no-binary", package]
+    args = ["download", "--no-deps", "--progress-bar", "off", *only]
+    args += [] if binary else ["--no-build-isolation"]
     with tempfile.TemporaryDirectory(prefix=f".{version}-", dir=dest.parent) as tmp:
         try:
             run_pip(
