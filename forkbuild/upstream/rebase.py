@@ -201,40 +201,31 @@ def trial(pins: Pins, version: str) -> tuple[list[Outcome], Found]:
 
 def _print_audit(base_sdist: Path, new_sdist: Path, version: str) -> None:
     # The backport audit sorts the changes of the #47054 path up to AUDIT_RELEASE: a
-    # file of that path that changed in VERSION and has no row there is unsorted.
-    audit_text = AUDIT_DOC.read_text()
-    unsorted = unsorted_files(base_sdist, new_sdist, audited_set(), audit_text)
-    print(
-        f"backport audit ({AUDIT_DOC.relative_to(PINS_FILE.parent)}): "
-        + (
-            f"{len(unsorted)} changed file(s) of the #47054 path without a row: "
-            + ", ".join(unsorted)
-            + "; sort their changes before accepting"
-            if unsorted
-            else "every changed file of the #47054 path has a row (changes sorted up "
-            f"to {AUDIT_RELEASE}; review newer hunks of those files by hand)"
-        )
-    )
-    # Its second part sorts upstream's fixes up to the release it went through: a fix up
-    # to VERSION without a decision, or a VERSION past that release, is work left before
+    # file of that path that changed in VERSION and has no row there is unsorted. Its
+    # second part sorts upstream's fixes up to the release it went through: a fix up to
+    # VERSION without a decision, or a VERSION past that release, is work left before
     # --accept.
-    pending = unsorted_fixes(audit_text, version)
-    through = audited_through(audit_text)
-    print(
-        "backport audit, fixes: "
-        + (
-            f"{len(pending)} fix(es) up to {version} without a decision: "
-            + ", ".join(pending)
-            if pending
-            else f"every fix it lists up to {version} has a decision"
-        )
-        + (
-            f"; fixes after {through} are unsorted: sort those up to {version} before "
-            "accepting"
-            if through is None or Version(version) > Version(through)
-            else ""
-        )
+    text = AUDIT_DOC.read_text()
+    unsorted = unsorted_files(base_sdist, new_sdist, audited_set(), text)
+    pending, through = unsorted_fixes(text, version), audited_through(text)
+    files = (
+        f"{len(unsorted)} changed file(s) of the #47054 path without a row: "
+        f"{', '.join(unsorted)}; sort their changes before accepting"
+        if unsorted
+        else "every changed file of the #47054 path has a row (changes sorted up "
+        f"to {AUDIT_RELEASE}; review newer hunks of those files by hand)"
     )
+    fixes = (
+        f"{len(pending)} fix(es) up to {version} without a decision: "
+        + ", ".join(pending)
+        if pending
+        else f"every fix it lists up to {version} has a decision"
+    )
+    if through is None or Version(version) > Version(through):
+        fixes += f"; fixes after {through} are unsorted: sort those up to {version} "
+        fixes += "before accepting"
+    print(f"backport audit ({AUDIT_DOC.relative_to(PINS_FILE.parent)}): {files}")
+    print(f"backport audit, fixes: {fixes}")
 
 
 def _effect_recorded(pins: Pins, patch: patch_status.PatchInfo, version: str) -> bool:
