@@ -377,16 +377,16 @@ def audited_fixes(text: str) -> list[Fix]:
     """The rows of the fixes table (| fix | first release | what | hit? | decision |) in
     the audit's FIXES_SECTION."""
     start = text.find("\n" + FIXES_SECTION)
-    if start < 0:
-        return []
     end = text.find("\n## ", start + 1)
-    fixes = []
-    for line in text[start : end if end > 0 else None].splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if not line.startswith("|") or len(cells) != 5 or cells[0] in ("fix", "---"):
-            continue
-        fixes.append(Fix(cells[0], _first_release(cells[1]), cells[4]))
-    return fixes
+    section = text[start : end if end > 0 else None] if start >= 0 else ""
+    rows = [line.strip().strip("|").split("|") for line in section.splitlines()]
+    return [
+        Fix(cells[0], _first_release(cells[1]), cells[4])
+        for line, row in zip(section.splitlines(), rows)
+        if line.startswith("|")
+        and len(cells := [c.strip() for c in row]) == 5
+        and cells[0] not in ("fix", "---")
+    ]
 
 
 def _first_release(cell: str) -> tuple[int, ...] | None:
