@@ -211,43 +211,38 @@ class Runs:
         the mutant, the arguments, the environment given and what of the caller's
         pytest or vLLM read."""
 
-        def git_out(args: list[str]) -> str:
+        def git_out(*args: str) -> str:
             failed = f"git {' '.join(args)} failed in {worktree}"
             return run_or_fail(["git", *args], failed, AFRESH, cwd=worktree).stdout
 
-        changed = git_out(["status", "--porcelain", "--untracked-files=no"]).strip()
-        if changed:  # a mutant left behind by a killed run: every result would be wrong
+        if changed := git_out("status", "--porcelain", "--untracked-files=no").strip():
+            # a mutant left behind by a killed run: every result would be wrong
+            first = changed.splitlines()[0]
             raise ForkError(
-                f"{worktree} has changes its commit does not hold: "
-                f"{changed.splitlines()[0]}",
-                AFRESH,
+                f"{worktree} has changes its commit does not hold: {first}", AFRESH
             )
         untracked = sorted(
             f"{name}:{(worktree / name).stat().st_size}"
-            for name in git_out(["ls-files", "--others", "-z"]).split("\0")
+            for name in git_out("ls-files", "--others", "-z").split("\0")
             if name
             and not set(Path(name).parts) & set(_TOOL_CACHES)
             and (worktree / name).is_file()
         )
-        site = self.python.parent.parent / "lib"
-        installed = sorted(
-            p.name for p in site.glob("python*/site-packages/*.dist-info")
-        )
-        callers = sorted(
-            (k, v)
-            for k, v in os.environ.items()  # not the fork's own VLLM_FORK_*
-            if k.startswith(("VLLM_", "PYTEST_", "TORCH", "OMP_", "CUDA_", "HF_"))
-            and not k.startswith("VLLM_FORK_")
-        )
+        lib = self.python.parent.parent / "lib"
         parts = [
             str(self.python),
-            installed,
-            git_out(["rev-parse", "HEAD^{tree}"]).strip(),
+            sorted(p.name for p in lib.glob("python*/site-packages/*.dist-info")),
+            git_out("rev-parse", "HEAD^{tree}").strip(),
             untracked,
             [mutant.path, mutant.diff] if mutant else None,
             pytest_args,
             sorted((self.extra_env or {}).items()),
-            callers,
+            sorted(  # what of the caller's pytest or vLLM read, not the fork's own
+                (k, v)
+                for k, v in os.environ.items()
+                if k.startswith(("VLLM_", "PYTEST_", "TORCH", "OMP_", "CUDA_", "HF_"))
+                and not k.startswith("VLLM_FORK_")
+            ),
         ]
         return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
 
