@@ -349,28 +349,23 @@ def selects_cpu_test(marker: str | None) -> bool:
 def check_job(pr: PullRequest, jobs: dict[str, list[dict]]) -> str:
     """The line PROOF.txt gets: the CPU job pr.toml names collects every file of the
     PR's cases with the cpu_test marker selected."""
-    files = sorted({c.split("::", 1)[0] for c in pr.cases})
     lines = []
-    for test_file in files:
-        hits = [
-            j
-            for j in jobs.get(test_file, [])
-            if j["key"] == pr.job
-            and "cpu" in str(j["device"])
-            and selects_cpu_test(j["marker"])
-        ]
-        if not hits:
-            others = {j["key"] or j["label"] for j in jobs.get(test_file, [])}
+    for test_file in sorted({c.split("::", 1)[0] for c in pr.cases}):
+        runs = jobs.get(test_file, [])
+        cpu = [j for j in runs if j["key"] == pr.job and "cpu" in str(j["device"])]
+        if not (hits := [j for j in cpu if selects_cpu_test(j["marker"])]):
+            others = ", ".join(sorted({j["key"] or j["label"] for j in runs}))
             raise ForkError(
                 f"{pr.name}: no CPU job '{pr.job}' of the release collects "
                 f"{test_file} with cpu_test selected "
-                f"(jobs that run it: {', '.join(sorted(others)) or 'none'})",
+                f"(jobs that run it: {others or 'none'})",
                 "mark the cases cpu_test and add the file to that job's commands "
                 "in the PR",
             )
+        hit = hits[0]
         lines.append(
-            f"{test_file}: collected by '{hits[0]['label']}' ({pr.job}, "
-            f"{hits[0]['device']}): {hits[0]['command']}"
+            f"{test_file}: collected by '{hit['label']}' ({pr.job}, "
+            f"{hit['device']}): {hit['command']}"
         )
     return "\n".join(lines)
 
