@@ -267,14 +267,11 @@ def test_a_mutant_that_no_longer_applies_is_refused_untouched(worktree, tmp_path
     stale = _mutant(
         "stride ignored", "    return raw[offset:]", "    return raw[::step]"
     )
-    with pytest.raises(
-        ForkError,
-        match="git apply refused mutant 'stride ignored' on "
-        "pkg/views.py.*not what the mutant was written against",
-    ) as refused:
-        mutants.Runs(Path(sys.executable), tmp_path).mutated(
-            worktree, stale, ["tests/test_views.py"], "run"
-        )
+    said = "git apply refused mutant 'stride ignored' on pkg/views.py.*not what the"
+    match = f"{said} mutant was written against"
+    runs = mutants.Runs(Path(sys.executable), tmp_path)
+    with pytest.raises(ForkError, match=match) as refused:
+        runs.mutated(worktree, stale, ["tests/test_views.py"], "run")
     assert "rewrite the mutant" in refused.value.hint
     assert _clean(worktree)
     with pytest.raises(ForkError, match="no mutants of vLLM 9.9.9"):

@@ -164,8 +164,7 @@ def _config(release_tree: Path) -> str:
 
 
 def pinned_ruff(release_tree: Path) -> str:
-    """The ruff version the release's .pre-commit-config.yaml pins (ruff-pre-commit
-    rev)."""
+    """The ruff version (ruff-pre-commit rev) the release's pre-commit config pins."""
     for repo in _repos(_config(release_tree)):
         if str(repo.get("repo", "")).endswith("/astral-sh/ruff-pre-commit"):
             try:
@@ -347,8 +346,7 @@ def selects_cpu_test(marker: str | None) -> bool:
 
 
 def check_job(pr: PullRequest, jobs: dict[str, list[dict]]) -> str:
-    """The line PROOF.txt gets: the CPU job pr.toml names collects every file of the
-    PR's cases with the cpu_test marker selected."""
+    """PROOF.txt's line: pr.toml's CPU job collects the cases with cpu_test selected."""
     lines = []
     for test_file in sorted({c.split("::", 1)[0] for c in pr.cases}):
         runs = jobs.get(test_file, [])
@@ -444,8 +442,7 @@ class Context:
 
 
 def signed_mail(ctx: Context, pr: PullRequest, out: Path) -> Path:
-    """The PR's commit re-authored and signed off by the submitter, as one mail in
-    OUT."""
+    """The PR's commit re-authored and signed off by the submitter: a mail in OUT."""
     work = ctx.fresh("sign", list(pr.patches), binaries=False)
     amend = ["commit", "-q", "--amend", "--no-edit", "--reset-author", "--signoff"]
     tree.git_ok(amend, work, ctx.env, "sign off the commit")

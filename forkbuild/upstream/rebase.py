@@ -134,8 +134,7 @@ def _download_all(python: Path, version: str) -> tuple[dict[str, Path], Found]:
 def _sort_series(
     pins: Pins, work: Path, env: dict[str, str], sdist: Path, version: str
 ) -> list[Outcome]:
-    """Each patch of the series on the trial tree WORK: upstream, applies, refreshed
-    (git am -3) or conflict."""
+    """Each patch on the trial tree WORK: upstream, applies, refreshed or conflict."""
     outcomes = []
     series = [(p, patch_status.read_patch(p.name, p.path)) for p in tree.read_series()]
     touched = frozenset(f for _, patch in series for f in patch.files)
@@ -160,8 +159,7 @@ def _sort_series(
 def _write_series(
     work: Path, env: dict[str, str], version: str, found: Found
 ) -> tuple[Path, Path]:
-    """The refreshed series into build/rebase/patches-VERSION/, the hashes to pin into
-    build/rebase/pins-VERSION.toml."""
+    """The series into build/rebase/patches-VERSION/, hashes into pins-VERSION.toml."""
     out = rebase_dir() / f"patches-{version}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
@@ -374,8 +372,7 @@ class Fix:
 
 
 def audited_fixes(text: str) -> list[Fix]:
-    """The rows of the fixes table (| fix | first release | what | hit? | decision |) in
-    the audit's FIXES_SECTION."""
+    """The rows (| fix | first release | what | hit? | decision |) of FIXES_SECTION."""
     start = text.find("\n" + FIXES_SECTION)
     end = text.find("\n## ", start + 1)
     section = text[start : end if end > 0 else None] if start >= 0 else ""
