@@ -1,15 +1,14 @@
-"""`forkbuild upstream`: the fork's tests as small vLLM pull requests, each with proof
-of what it adds beyond the tests upstream already has.
+"""`forkbuild upstream`: the fork's tests as small vLLM pull requests (upstream-prs/,
+see its README.md), each with proof of what it adds beyond upstream's own tests.
 
-The PRs live in upstream-prs/<name>/ (see its README.md), against the newest release of
-fork.toml [matrix]. Each is proved alone on a fresh worktree of the release (its cases
-pass on CPU, the release's pre-commit hooks pass on its files, the CPU job it names
-collects its cases with `cpu_test` selected), then all together, then by the
-differential mutation check (mutants.py): every mutant the release's own tests miss
-must be killed by some PR, and each PR must kill one. Runs are kept in
-build/upstream/runs/ by what decides their result, so a stopped step resumes. Into
-dist/upstream/<name>/: the commit signed off (DCO) by whoever runs the step, PROOF.txt
-and PR_DESCRIPTION.md. Nothing sent refers to the fork or its tooling.
+Each PR is proved alone on a fresh worktree of the newest fork.toml [matrix] release
+(its cases pass on CPU, the release's pre-commit hooks pass on its files, the CPU job it
+names collects its cases with `cpu_test` selected), then all together, then by the
+differential mutation check (mutants.py): every mutant the release's tests miss must be
+killed by some PR, and each PR must kill one. Runs are kept in build/upstream/runs/ by
+what decides them, so a stopped step resumes. Into dist/upstream/<name>/: the commit
+signed off (DCO) by whoever runs the step, PROOF.txt and PR_DESCRIPTION.md. Nothing sent
+refers to the fork or its tooling.
 """
 
 from __future__ import annotations

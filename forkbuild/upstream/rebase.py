@@ -286,15 +286,13 @@ def rewrite_pins(
 
 def accept(pins: Pins, version: str) -> None:
     outcomes, found = trial(pins, version)
-    missing = sorted(set(ARTIFACTS) - set(found))
-    if missing:
+    if missing := sorted(set(ARTIFACTS) - set(found)):
         raise ForkError(
             f"vLLM {version} lacks {', '.join(missing)} on the package index",
             "the fork needs the sdist and both wheels of a release; "
             "nothing was changed",
         )
-    conflicts = [o.name for o in outcomes if o.status == "conflict"]
-    if conflicts:
+    if conflicts := [o.name for o in outcomes if o.status == "conflict"]:
         raise ForkError(
             f"{len(conflicts)} patch(es) conflict with vLLM {version}: "
             f"{', '.join(conflicts)}",
