@@ -43,16 +43,19 @@ def worktree(tmp_path: Path) -> Path:
     (work / "pkg" / "views.py").write_text(VIEWS)
     (work / "tests").mkdir()
     (work / "tests" / "test_views.py").write_text(TEST)
-    env = {**os.environ, **tree.IDENTITY}
-    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "release"]):
-        tree.git_ok(args, work, env, "make the fake release")
+    tree.git_ok(["init", "-q"], work, None, "make the fake release")
+    _commit(work, "release")
     return work
 
 
+def _commit(work: Path, message: str) -> None:
+    env = {**os.environ, **tree.IDENTITY}
+    for args in (["add", "-A"], ["commit", "-qm", message]):
+        tree.git_ok(args, work, env, f"commit {message}")
+
+
 def _clean(work: Path) -> bool:
-    return (
-        tree.git(["status", "--porcelain", "--untracked-files=no"], work).stdout == ""
-    )
+    return not tree.git(["status", "--porcelain", "--untracked-files=no"], work).stdout
 
 
 PR_TEST = """\
@@ -85,14 +88,12 @@ NOBODY = _mutant("copy instead of view", "    return list(raw[offset::stride])")
 def _with_pr(worktree: Path) -> Path:
     """A second worktree of the release with the PR committed, as `make upstream`
     has."""
-    env = {**os.environ, **tree.IDENTITY}
     with_pr = worktree.parent / "with-pr"
     if not with_pr.exists():
         clone = ["clone", "-q", str(worktree), str(with_pr)]
-        tree.git_ok(clone, worktree.parent, env, "copy the release")
+        tree.git_ok(clone, worktree.parent, None, "copy the release")
         (with_pr / "tests" / "test_pr.py").write_text(PR_TEST)
-        for args in (["add", "-A"], ["commit", "-qm", "pr"]):
-            tree.git_ok(args, with_pr, env, "commit the PR")
+        _commit(with_pr, "pr")
     return with_pr
 
 
@@ -187,9 +188,7 @@ def test_a_run_made_before_is_read_back_and_a_changed_tree_is_run_again(
     assert _rows(worktree, tmp_path, (CAUGHT, MISSED), cache) == first
     # The release changes: nothing made before stands for it.
     (worktree / "pkg" / "more.py").write_text("MORE = 1\n")
-    env = {**os.environ, **tree.IDENTITY}
-    for args in (["add", "-A"], ["commit", "-qm", "release 2"]):
-        tree.git_ok(args, worktree, env, "change the release")
+    _commit(worktree, "release 2")
     assert _rows(worktree, tmp_path, (CAUGHT, MISSED), cache) == first
     assert len(list(cache.glob("*.xml"))) > len(made)
     # A mutant left behind by a stopped run is refused, not measured.
@@ -268,14 +267,11 @@ def test_a_mutant_that_no_longer_applies_is_refused_untouched(worktree, tmp_path
     stale = _mutant(
         "stride ignored", "    return raw[offset:]", "    return raw[::step]"
     )
-    with pytest.raises(
-        ForkError,
-        match="git apply refused mutant 'stride ignored' on "
-        "pkg/views.py.*not what the mutant was written against",
-    ) as refused:
-        mutants.Runs(Path(sys.executable), tmp_path).mutated(
-            worktree, stale, ["tests/test_views.py"], "run"
-        )
+    said = "git apply refused mutant 'stride ignored' on pkg/views.py.*not what the"
+    match = f"{said} mutant was written against"
+    runs = mutants.Runs(Path(sys.executable), tmp_path)
+    with pytest.raises(ForkError, match=match) as refused:
+        runs.mutated(worktree, stale, ["tests/test_views.py"], "run")
     assert "rewrite the mutant" in refused.value.hint
     assert _clean(worktree)
     with pytest.raises(ForkError, match="no mutants of vLLM 9.9.9"):

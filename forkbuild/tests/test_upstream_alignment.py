@@ -136,23 +136,20 @@ def test_rebase_moves_every_pin_together_and_keeps_fork_toml_as_written(
     assert list(raw["matrix"]["release"]) == sorted(
         raw["matrix"]["release"], key=Version
     )
+
     # Every comment stays, in order, and only the moved lines change.
-    comments = [line for line in before.splitlines() if line.lstrip().startswith("#")]
-    assert [line for line in text.splitlines() if line.lstrip().startswith("#")] == (
-        comments
-    )
+    def comments(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.lstrip().startswith("#")]
+
+    assert comments(text) == comments(before)
     gone = set(before.splitlines()) - set(text.splitlines())
     moved = ("version =", *(f"{field} =" for field in rebase.PIN_FIELDS))
     assert all(version in line or line.startswith(moved) for line in gone), gone
     (tmp_path / "fork.toml").write_text(text)
     assert pins.load(tmp_path / "fork.toml").upstream_version == version
+    broken = before.replace('filename = "vllm-', 'file = "vllm-', 1)
     with pytest.raises(ForkError, match=r"\[artifacts.sdist\] is not in the expected"):
-        rebase.rewrite_pins(
-            before.replace('filename = "vllm-', 'file = "vllm-', 1),
-            fork_pins,
-            version,
-            found,
-        )
+        rebase.rewrite_pins(broken, fork_pins, version, found)
 
 
 def _changes(patch: Path) -> set[str]:
@@ -164,10 +161,10 @@ def _git_home(tmp_path: Path, config: str | None) -> dict[str, str]:
     if config is not None:
         (tmp_path / "gitconfig").write_text(config)
     home = {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path)}
-    return {
+    return home | {
         "GIT_CONFIG_GLOBAL": str(tmp_path / "gitconfig"),
         "GIT_CONFIG_NOSYSTEM": "1",
-    } | home
+    }
 
 
 def test_upstream_without_a_git_identity_stops_at_once(tmp_path):
@@ -255,10 +252,8 @@ def test_a_pr_whose_cases_no_cpu_job_collects_is_refused():
         "01-views", Path("."), NEWEST, "t", (f"{case}::test_x",), "v1-others-cpu", ()
     )
     gpu_only = {case: [_job("v1-executor-worker", "h200_18gb", None)]}
-    with pytest.raises(
-        ForkError,
-        match="no CPU job 'v1-others-cpu'.*jobs that run it: v1-executor-worker",
-    ):
+    match = "no CPU job 'v1-others-cpu'.*jobs that run it: v1-executor-worker"
+    with pytest.raises(ForkError, match=match):
         upstream.check_job(pr, gpu_only)
     negated = {case: [_job("v1-others-cpu", "cpu-small", "not cpu_test")]}
     with pytest.raises(ForkError, match="no CPU job"):
@@ -324,12 +319,9 @@ def test_a_hook_finding_stops_the_upstream_step(release_hooks, toolchain, tmp_pa
     bad = release_hooks / "tests" / "v1" / "worker" / "test_no_header.py"
     bad.write_text("import os\n\n\ndef test_nothing():\n    assert os.sep\n")
     try:
+        files = [*series_files(), str(bad.relative_to(release_hooks))]
         with pytest.raises(ForkError, match="check_spdx_header") as err:
-            upstream.run_hooks(
-                toolchain,
-                release_hooks,
-                [*series_files(), str(bad.relative_to(release_hooks))],
-            )
+            upstream.run_hooks(toolchain, release_hooks, files)
     finally:
         bad.unlink()
     assert "fix the test files" in err.value.hint

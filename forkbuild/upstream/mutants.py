@@ -1,12 +1,8 @@
 """The differential mutation proof of `forkbuild upstream`: small breakages of the
-release's packed KV cache path, applied one at a time, run against the release's own
-tests of that path (as shipped) and against the PRs' cases. A PR is worth what it kills
-that the release's tests miss.
-
-The mutants of a release are unified diffs, upstream-prs/mutants/<release>/NN-*.diff
-(what `git apply` takes and the PR descriptions show), with their names, GPU jobs and
-the release's tests of each mutated file in mutants.toml beside them.
-"""
+release's packed KV cache path (unified diffs: upstream-prs/mutants/<release>/NN-*.diff,
+with names, GPU jobs and the release's tests of each file in mutants.toml), applied one
+at a time, run against the release's own tests of that path (as shipped) and the PRs'
+cases. A PR is worth what it kills that the release's tests miss."""
 
 from __future__ import annotations
 
@@ -80,8 +76,7 @@ def apply(worktree: Path, mutant: Mutant) -> None:
     """Apply MUTANT's diff to WORKTREE with `git apply`."""
     # Outside the worktree: its untracked files are part of a run's key.
     with tempfile.NamedTemporaryFile("w", suffix=".diff", newline="") as patch:
-        patch.write(mutant.diff)
-        patch.flush()
+        patch.write(mutant.diff), patch.flush()
         done = tree.git(["apply", "--whitespace=nowarn", patch.name], worktree)
     if done.returncode != 0:
         raise ForkError(
@@ -145,14 +140,15 @@ class Runs:
     cache: Path | None = None
 
     def mutated(
-        self, worktree: Path, mutant: Mutant, args: list[str], name: str
+        self, work: Path, mutant: Mutant, args: list[str], name: str
     ) -> Outcome:
-        """ARGS in WORKTREE with MUTANT applied alone, and undone."""
+        """ARGS in WORK with MUTANT applied alone, and undone."""
         log.step(f"mutants: {mutant.name} vs {name}")
-        outcome = self.run(worktree, args, name, mutant)
+        outcome = self.run(work, args, name, mutant)
         found = killers(outcome)  # raw: differential() subtracts what fails unmutated
-        said = f"{len(found)} case(s) failed" if found else "no case failed"
-        log.step(f"mutants: {name}: {said}")
+        log.step(
+            f"mutants: {name}: {len(found) or 'no'} case{'(s)' * bool(found)} failed"
+        )
         return outcome
 
     def run(
@@ -173,11 +169,10 @@ class Runs:
             return outcome
         if mutant is not None:
             pytest_args = [*pytest_args, "--continue-on-collection-errors"]
+        report, output = self.results / f"{name}.xml", self.results / f"{name}.log"
         try:
             if mutant is not None:
                 apply(worktree, mutant)
-            report = self.results / f"{name}.xml"
-            output = self.results / f"{name}.log"
             args = (self.python, worktree, pytest_args, report)
             outcome = run_pytest(*args, output=output, extra_env=self.extra_env)
         finally:
@@ -216,43 +211,38 @@ class Runs:
         the mutant, the arguments, the environment given and what of the caller's
         pytest or vLLM read."""
 
-        def git_out(args: list[str]) -> str:
+        def git_out(*args: str) -> str:
             failed = f"git {' '.join(args)} failed in {worktree}"
             return run_or_fail(["git", *args], failed, AFRESH, cwd=worktree).stdout
 
-        changed = git_out(["status", "--porcelain", "--untracked-files=no"]).strip()
-        if changed:  # a mutant left behind by a killed run: every result would be wrong
+        if changed := git_out("status", "--porcelain", "--untracked-files=no").strip():
+            # a mutant left behind by a killed run: every result would be wrong
+            first = changed.splitlines()[0]
             raise ForkError(
-                f"{worktree} has changes its commit does not hold: "
-                f"{changed.splitlines()[0]}",
-                AFRESH,
+                f"{worktree} has changes its commit does not hold: {first}", AFRESH
             )
         untracked = sorted(
             f"{name}:{(worktree / name).stat().st_size}"
-            for name in git_out(["ls-files", "--others", "-z"]).split("\0")
+            for name in git_out("ls-files", "--others", "-z").split("\0")
             if name
             and not set(Path(name).parts) & set(_TOOL_CACHES)
             and (worktree / name).is_file()
         )
-        site = self.python.parent.parent / "lib"
-        installed = sorted(
-            p.name for p in site.glob("python*/site-packages/*.dist-info")
-        )
-        callers = sorted(
-            (k, v)
-            for k, v in os.environ.items()  # not the fork's own VLLM_FORK_*
-            if k.startswith(("VLLM_", "PYTEST_", "TORCH", "OMP_", "CUDA_", "HF_"))
-            and not k.startswith("VLLM_FORK_")
-        )
+        lib = self.python.parent.parent / "lib"
         parts = [
             str(self.python),
-            installed,
-            git_out(["rev-parse", "HEAD^{tree}"]).strip(),
+            sorted(p.name for p in lib.glob("python*/site-packages/*.dist-info")),
+            git_out("rev-parse", "HEAD^{tree}").strip(),
             untracked,
             [mutant.path, mutant.diff] if mutant else None,
             pytest_args,
             sorted((self.extra_env or {}).items()),
-            callers,
+            sorted(  # what of the caller's pytest or vLLM read, not the fork's own
+                (k, v)
+                for k, v in os.environ.items()
+                if k.startswith(("VLLM_", "PYTEST_", "TORCH", "OMP_", "CUDA_", "HF_"))
+                and not k.startswith("VLLM_FORK_")
+            ),
         ]
         return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
 

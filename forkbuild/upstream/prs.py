@@ -1,16 +1,14 @@
-"""`forkbuild upstream`: the fork's tests as small vLLM pull requests, each with proof
-of what it adds beyond the tests upstream already has.
+"""`forkbuild upstream`: the fork's tests as small vLLM pull requests (upstream-prs/,
+see its README.md), each with proof of what it adds beyond upstream's own tests.
 
-The PRs live in upstream-prs/<name>/ (see its README.md), against the newest release
-of fork.toml [matrix]. Each is proved alone on a fresh worktree of the release (its
-cases pass on CPU, the release's pre-commit hooks pass on the files it changes, the CPU
-job it names collects its cases with `cpu_test` selected), then all together, then by
-the differential mutation check (mutants.py, the mutants in upstream-prs/mutants/):
-every mutant the release's own tests miss must be killed by some PR, and each PR must
-kill one. Each run is kept in build/upstream/runs/ by what decides its result, so a
-stopped step resumes. Into dist/upstream/<name>/: the commit signed off (DCO) by whoever
-runs the step, PROOF.txt and PR_DESCRIPTION.md. Nothing sent refers to the fork or
-its tooling.
+Each PR is proved alone on a fresh worktree of the newest fork.toml [matrix] release
+(its cases pass on CPU, the release's pre-commit hooks pass on its files, the CPU job it
+names collects its cases with `cpu_test` selected), then all together, then by the
+differential mutation check (mutants.py): every mutant the release's tests miss must be
+killed by some PR, and each PR must kill one. Runs are kept in build/upstream/runs/ by
+what decides them, so a stopped step resumes. Into dist/upstream/<name>/: the commit
+signed off (DCO) by whoever runs the step, PROOF.txt and PR_DESCRIPTION.md. Nothing sent
+refers to the fork or its tooling.
 """
 
 from __future__ import annotations
@@ -75,8 +73,8 @@ class PullRequest:
 def load_prs(version: str, folder: Path = PRS_DIR) -> list[PullRequest]:
     """The PRs for vLLM VERSION, in sending order; each folder is checked whole."""
     prs = []
-    for sub in sorted(folder.glob("*/")):  # its folders, but the mutants'
-        if sub.name == mutants.MUTANTS_DIR.name:
+    for sub in sorted(folder.glob("*/")):
+        if sub.name == mutants.MUTANTS_DIR.name:  # the mutants' folder is no PR
             continue
         try:
             meta = tomllib.loads((sub / "pr.toml").read_text())
@@ -85,28 +83,22 @@ def load_prs(version: str, folder: Path = PRS_DIR) -> list[PullRequest]:
                 f"{sub / 'pr.toml'} cannot be read: {err}",
                 "each upstream-prs/<name>/ needs pr.toml (see upstream-prs/README.md)",
             ) from None
-        missing = [k for k in ("release", "title", "cases", "job") if k not in meta]
+        keys = ("release", "title", "cases", "job")
         patches = tuple(sorted(sub.glob("*.patch")))
+        missing = ", ".join(k for k in keys if k not in meta)
         lacks = (
-            f"pr.toml lacks {', '.join(missing)}"
-            if missing
-            else "no *.patch"
-            if not patches
-            else "no description.md"
-            if not (sub / "description.md").is_file()
-            else ""
+            f"pr.toml lacks {missing}" if missing else "" if patches else "no *.patch"
         )
+        if not lacks and not (sub / "description.md").is_file():
+            lacks = "no description.md"
         if lacks:
-            raise ForkError(
-                f"{sub.name}: {lacks}",
-                "see upstream-prs/README.md for what a PR folder holds",
+            hint = "see upstream-prs/README.md for what a PR folder holds"
+            raise ForkError(f"{sub.name}: {lacks}", hint)
+        release, title, cases, job = (meta[k] for k in keys)
+        if release == version:
+            prs.append(
+                PullRequest(sub.name, sub, release, title, (*cases,), job, patches)
             )
-        cases, job = tuple(meta["cases"]), meta["job"]
-        pr = PullRequest(
-            sub.name, sub, meta["release"], meta["title"], cases, job, patches
-        )
-        if pr.release == version:
-            prs.append(pr)
     return prs
 
 
@@ -123,23 +115,20 @@ def submitter() -> dict[str, str]:
     user.email, as `git commit` reads them from here): the PRs' author, and its DCO
     sign-off. Without one, stop: a sign-off is a statement only its author makes."""
     found = {}
-    for key in ("user.name", "user.email"):
-        got = tree.git(["config", "--get", key], REPO_ROOT)
+    for key in ("name", "email"):
+        got = tree.git(["config", "--get", f"user.{key}"], REPO_ROOT)
         found[key] = got.stdout.strip() if got.returncode == 0 else ""
-    missing = [key for key, value in found.items() if not value]
-    if missing:
+    if missing := [f"user.{key}" for key, value in found.items() if not value]:
         raise ForkError(
             f"git has no {' and no '.join(missing)}: the PRs are signed off (DCO) by "
             "whoever runs `make upstream`",
             'set yours: git config --global user.name "Your Name" && '
             "git config --global user.email you@example.com",
         )
-    name, email = found["user.name"], found["user.email"]
     return {
-        "GIT_AUTHOR_NAME": name,
-        "GIT_AUTHOR_EMAIL": email,
-        "GIT_COMMITTER_NAME": name,
-        "GIT_COMMITTER_EMAIL": email,
+        f"GIT_{who}_{key.upper()}": value
+        for who in ("AUTHOR", "COMMITTER")
+        for key, value in found.items()
     }
 
 
@@ -169,11 +158,13 @@ def _repos(config_text: str) -> list[dict]:
     return (yaml.safe_load(config_text) or {}).get("repos") or []
 
 
+def _config(release_tree: Path) -> str:
+    return (release_tree / ".pre-commit-config.yaml").read_text()
+
+
 def pinned_ruff(release_tree: Path) -> str:
-    """The ruff version the release's .pre-commit-config.yaml pins (ruff-pre-commit
-    rev)."""
-    config = (release_tree / ".pre-commit-config.yaml").read_text()
-    for repo in _repos(config):
+    """The ruff version (ruff-pre-commit rev) the release's pre-commit config pins."""
+    for repo in _repos(_config(release_tree)):
         if str(repo.get("repo", "")).endswith("/astral-sh/ruff-pre-commit"):
             try:
                 return str(Version(str(repo.get("rev"))))  # v0.14.0 -> 0.14.0
@@ -186,14 +177,12 @@ def pinned_ruff(release_tree: Path) -> str:
 
 
 def mypy_hook(config_text: str) -> tuple[str, list[str]]:
-    """(entry, additional_dependencies) of the release's mypy hook, read from its
-    .pre-commit-config.yaml."""
+    """(entry, additional_dependencies) of the release's mypy hook."""
     for repo in _repos(config_text):
         for hook in repo.get("hooks") or []:
-            if hook.get("id") == "mypy" and hook.get("entry"):
-                deps = hook.get("additional_dependencies")
-                if deps:
-                    return str(hook["entry"]), [str(d) for d in deps]
+            deps = hook.get("additional_dependencies")
+            if hook.get("id") == "mypy" and hook.get("entry") and deps:
+                return str(hook["entry"]), [str(d) for d in deps]
     raise ForkError(
         "the release's .pre-commit-config.yaml has no mypy hook with an entry "
         "and additional_dependencies",
@@ -219,9 +208,9 @@ def release_hook_config(pins: Pins) -> str:
 
 
 def lock_hooks(pins: Pins, config_text: str) -> Path:
-    """locks/release-hooks-py311.txt: the release's mypy hook environment (what
-    pre-commit installs for it: mypy and its additional_dependencies), every package
-    with its sha256. Rewritten only when the release's hook asks for something else."""
+    """locks/release-hooks-py311.txt: what pre-commit installs for the release's mypy
+    hook (mypy and its additional_dependencies), every package with its sha256.
+    Rewritten only when the release's hook asks for something else."""
     _, requirements = mypy_hook(config_text)
     target, digest = hooks_lock_path(), hooks_inputs_digest(requirements)
     if target.is_file() and lock.recorded_digest(target) == digest:
@@ -230,15 +219,13 @@ def lock_hooks(pins: Pins, config_text: str) -> Path:
     body = lock.resolve(
         pins, "".join(f"{r}\n" for r in requirements), "3.11", target.name
     )
-    target.write_text(
-        f"# {target.name}: the mypy hook of vLLM's .pre-commit-config.yaml\n"
-        f"# ({', '.join(requirements)}),\n"
-        f"# every package with its sha256. Made by `make lock` from the newest "
-        f"release of\n"
-        f"# fork.toml [matrix]; `make upstream` installs it to run that hook; "
-        f"do not edit.\n"
-        f"{lock.DIGEST_LINE}{digest}\n" + body
-    )
+    target.write_text(f"""\
+# {target.name}: the mypy hook of vLLM's .pre-commit-config.yaml
+# ({", ".join(requirements)}),
+# every package with its sha256. Made by `make lock` from the newest release of
+# fork.toml [matrix]; `make upstream` installs it to run that hook; do not edit.
+{lock.DIGEST_LINE}{digest}
+{body}""")
     log.step(f"lock: wrote {target}")
     return target
 
@@ -246,7 +233,7 @@ def lock_hooks(pins: Pins, config_text: str) -> Path:
 def hooks_python(pins: Pins, release_tree: Path) -> Path:
     """The venv of the release's mypy hook, installed from the hash-locked
     release-hooks lock; refused when the release asks for something the lock lacks."""
-    _, requirements = mypy_hook((release_tree / ".pre-commit-config.yaml").read_text())
+    _, requirements = mypy_hook(_config(release_tree))
     lock_file = hooks_lock_path()
     made_for = hooks_inputs_digest(requirements)
     if not lock_file.is_file() or lock.recorded_digest(lock_file) != made_for:
@@ -266,19 +253,6 @@ def hooks_python(pins: Pins, release_tree: Path) -> Path:
     )
 
 
-def _pinned_ruff_of(python: Path, release_tree: Path) -> tuple[str, str]:
-    """(the fork's venv's ruff, its version), refused unless the release pins it."""
-    ruff, wanted = str(python.parent / "ruff"), pinned_ruff(release_tree)
-    have = subprocess.run([ruff, "--version"], capture_output=True, text=True)
-    if have.returncode != 0 or have.stdout.split()[-1:] != [wanted]:
-        raise ForkError(
-            f"{release_tree.name} runs its hooks with ruff {wanted}; "
-            f"the fork's venv has {have.stdout.strip() or 'none'}",
-            f"pin ruff=={wanted} in fork.toml [toolchain] test, then `make lock`",
-        )
-    return ruff, wanted
-
-
 def _hooks(
     python: Path, ruff: str, release_tree: Path, files: list[str], mypy: Path | None
 ) -> list[tuple[str, list[str], dict[str, str] | None]]:
@@ -295,14 +269,15 @@ def _hooks(
     ]
     for name in HOOK_SCRIPTS:
         hook_files = tethered if name == "check_test_tethering" else py_files
-        script = [str(python), f"tools/pre_commit/{name}.py", *hook_files]
-        hooks.append((name, script, None))
+        hooks.append(
+            (name, [str(python), f"tools/pre_commit/{name}.py", *hook_files], None)
+        )
     if any(re.match(r"\.buildkite/.*\.ya?ml$", f) for f in files):
         # pass_filenames: false; it reads every pipeline file itself
         step_keys = [str(python), "tools/pre_commit/check_buildkite_step_keys.py"]
         hooks.append(("check_buildkite_step_keys", step_keys, None))
     if mypy is not None:
-        entry, _ = mypy_hook((release_tree / ".pre-commit-config.yaml").read_text())
+        entry, _ = mypy_hook(_config(release_tree))
         path = f"{mypy.parent}{os.pathsep}{os.environ.get('PATH', '')}"
         hooks.append(("mypy", [*shlex.split(entry), *py_files], {"PATH": path}))
     return hooks
@@ -315,15 +290,19 @@ def run_hooks(
     settings, hook scripts and Buildkite jobs) with the ruff it pins, which must be the
     fork's venv's; with MYPY_PYTHON, its mypy hook too, as pre-commit runs it. Returns
     one line per hook; raises with every finding."""
-    ruff, wanted = _pinned_ruff_of(python, release_tree)
+    ruff, wanted = str(python.parent / "ruff"), pinned_ruff(release_tree)
+    have = subprocess.run([ruff, "--version"], capture_output=True, text=True)
+    if have.returncode != 0 or have.stdout.split()[-1:] != [wanted]:
+        raise ForkError(
+            f"{release_tree.name} runs its hooks with ruff {wanted}; "
+            f"the fork's venv has {have.stdout.strip() or 'none'}",
+            f"pin ruff=={wanted} in fork.toml [toolchain] test, then `make lock`",
+        )
     lines, findings = [], []
     for name, cmd, env in _hooks(python, ruff, release_tree, files, mypy_python):
+        env = {**os.environ, **env} if env else None
         done = subprocess.run(
-            cmd,
-            cwd=release_tree,
-            capture_output=True,
-            text=True,
-            env={**os.environ, **env} if env else None,
+            cmd, cwd=release_tree, capture_output=True, text=True, env=env
         )
         said = (done.stdout + done.stderr).strip()
         lines.append(f"{name}: {'passed' if done.returncode == 0 else 'FAILED'}")
@@ -338,10 +317,8 @@ def run_hooks(
             "fix the test files (vLLM's CI runs the same hooks) "
             "and run `make upstream` again",
         )
-    log.step(
-        f"upstream: the release's hooks pass on {len(files)} file(s) (ruff {wanted}"
-        + (", mypy)" if mypy_python else ")")
-    )
+    said = f"the release's hooks pass on {len(files)} file(s) (ruff {wanted}"
+    log.step(f"upstream: {said}{', mypy' if mypy_python else ''})")
     return lines
 
 
@@ -368,30 +345,24 @@ def selects_cpu_test(marker: str | None) -> bool:
 
 
 def check_job(pr: PullRequest, jobs: dict[str, list[dict]]) -> str:
-    """The line PROOF.txt gets: the CPU job pr.toml names collects every file of the
-    PR's cases with the cpu_test marker selected."""
-    files = sorted({c.split("::", 1)[0] for c in pr.cases})
+    """PROOF.txt's line: pr.toml's CPU job collects the cases with cpu_test selected."""
     lines = []
-    for test_file in files:
-        hits = [
-            j
-            for j in jobs.get(test_file, [])
-            if j["key"] == pr.job
-            and "cpu" in str(j["device"])
-            and selects_cpu_test(j["marker"])
-        ]
-        if not hits:
-            others = {j["key"] or j["label"] for j in jobs.get(test_file, [])}
+    for test_file in sorted({c.split("::", 1)[0] for c in pr.cases}):
+        runs = jobs.get(test_file, [])
+        cpu = [j for j in runs if j["key"] == pr.job and "cpu" in str(j["device"])]
+        if not (hits := [j for j in cpu if selects_cpu_test(j["marker"])]):
+            others = ", ".join(sorted({j["key"] or j["label"] for j in runs}))
             raise ForkError(
                 f"{pr.name}: no CPU job '{pr.job}' of the release collects "
                 f"{test_file} with cpu_test selected "
-                f"(jobs that run it: {', '.join(sorted(others)) or 'none'})",
+                f"(jobs that run it: {others or 'none'})",
                 "mark the cases cpu_test and add the file to that job's commands "
                 "in the PR",
             )
+        hit = hits[0]
         lines.append(
-            f"{test_file}: collected by '{hits[0]['label']}' ({pr.job}, "
-            f"{hits[0]['device']}): {hits[0]['command']}"
+            f"{test_file}: collected by '{hit['label']}' ({pr.job}, "
+            f"{hit['device']}): {hit['command']}"
         )
     return "\n".join(lines)
 
@@ -399,16 +370,10 @@ def check_job(pr: PullRequest, jobs: dict[str, list[dict]]) -> str:
 # -- worktrees -------------------------------------------------------------------------
 
 
-def _worktree(repo: Path, path: Path, tag: str) -> None:
-    tree.fresh_worktree(repo, path, tag, {**os.environ, **tree.IDENTITY}, "--detach")
-
-
 def apply_mails(work: Path, mails: list[Path], env: dict[str, str]) -> None:
     # --keep-non-patch: keep "[Tests]" in the subject; only "[PATCH]" is stripped.
-    applied = tree.git(
-        ["am", "--keep-cr", "--keep-non-patch", *map(str, mails)], work, env
-    )
-    if applied.returncode != 0:
+    am = ["am", "--keep-cr", "--keep-non-patch", *map(str, mails)]
+    if (applied := tree.git(am, work, env)).returncode != 0:
         tree.git(["am", "--abort"], work, env)
         said = (applied.stdout + applied.stderr).strip()[-300:]
         raise ForkError(
@@ -419,17 +384,14 @@ def apply_mails(work: Path, mails: list[Path], env: dict[str, str]) -> None:
 
 
 def changed_files(work: Path, base: str) -> list[str]:
-    got = tree.git(["diff", "--name-only", f"{base}..HEAD"], work)
-    return sorted(got.stdout.split())
+    return sorted(
+        tree.git(["diff", "--name-only", f"{base}..HEAD"], work).stdout.split()
+    )
 
 
 def lines_added(work: Path, base: str) -> int:
-    got = tree.git(["diff", "--numstat", f"{base}..HEAD"], work)
-    return sum(
-        int(line.split()[0])
-        for line in got.stdout.splitlines()
-        if line.split()[0].isdigit()
-    )
+    got = tree.git(["diff", "--numstat", f"{base}..HEAD"], work).stdout.splitlines()
+    return sum(int(line.split()[0]) for line in got if line.split()[0].isdigit())
 
 
 @dataclass
@@ -446,13 +408,19 @@ class Context:
     def tag(self) -> str:
         return f"v{self.release.version}"
 
-    def fresh(self, name: str, mails: list[Path]) -> Path:
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, **tree.IDENTITY, **self.author}
+
+    def fresh(self, name: str, mails: list[Path], binaries: bool = True) -> Path:
         """A fresh worktree of the release, MAILS applied by git am, binaries beside."""
         work = build_dir() / "upstream" / name
-        _worktree(self.repo, work, self.tag)
+        env = {**os.environ, **tree.IDENTITY}
+        tree.fresh_worktree(self.repo, work, self.tag, env, "--detach")
         if mails:
-            apply_mails(work, mails, {**os.environ, **tree.IDENTITY, **self.author})
-        matrix.add_binaries(work, self.wheel, self.release.version)
+            apply_mails(work, mails, self.env)
+        if binaries:
+            matrix.add_binaries(work, self.wheel, self.release.version)
         return work
 
     def cases_pass(
@@ -468,19 +436,18 @@ class Context:
             raise ForkError(f"{what}: {outcome}", f"see {log_file}")
         return outcome
 
+    def sdist_line(self) -> str:
+        return f"vLLM {self.release.version} sdist {self.release.sdist.sha256}\n"
+
 
 def signed_mail(ctx: Context, pr: PullRequest, out: Path) -> Path:
-    """The PR's commit re-authored and signed off by the submitter, as one mail in
-    OUT."""
-    env = {**os.environ, **tree.IDENTITY, **ctx.author}
-    work = build_dir() / "upstream" / "sign"
-    _worktree(ctx.repo, work, ctx.tag)
-    apply_mails(work, list(pr.patches), env)
+    """The PR's commit re-authored and signed off by the submitter: a mail in OUT."""
+    work = ctx.fresh("sign", list(pr.patches), binaries=False)
     amend = ["commit", "-q", "--amend", "--no-edit", "--reset-author", "--signoff"]
-    tree.git_ok(amend, work, env, "sign off the commit")
+    tree.git_ok(amend, work, ctx.env, "sign off the commit")
     out.mkdir(parents=True, exist_ok=True)
     write = ["format-patch", "-q", "--zero-commit", "--no-signature", "-o", str(out)]
-    tree.git_ok([*write, f"{ctx.tag}..HEAD"], work, env, "write the PR's patch")
+    tree.git_ok([*write, f"{ctx.tag}..HEAD"], work, ctx.env, "write the PR's patch")
     (mail,) = sorted(out.glob("*.patch"))
     return mail
 
@@ -497,6 +464,13 @@ class Proof:
     @property
     def seconds(self) -> float:
         return sum(self.outcome.times.values())
+
+    def case_lines(self, form: str) -> list[str]:
+        """One FORM line ({case}, {status}, {seconds}) per case, in order."""
+        times, cases = self.outcome.times, sorted(self.outcome.cases.items())
+        return [
+            form.format(case=c, status=s, seconds=times.get(c, 0.0)) for c, s in cases
+        ]
 
 
 def prove(ctx: Context, pr: PullRequest, mail: Path, mypy_python: Path) -> Proof:
@@ -521,25 +495,10 @@ def prove(ctx: Context, pr: PullRequest, mail: Path, mypy_python: Path) -> Proof
 # -- the step --------------------------------------------------------------------------
 
 
-def _context(pins: Pins, author: dict[str, str]) -> Context:
-    release = newest(pins)
-    repo = matrix.release_tree(pins, release)
-    return Context(
-        pins,
-        release,
-        repo,
-        matrix.release_python(pins, release, repo),
-        fetch.fetch(release.binaries, lambda: install.ensure_toolchain(pins, "cpu")),
-        author,
-        install.ensure_toolchain(pins),
-    )
-
-
 def build(pins: Pins) -> Path:
     author = submitter()  # before minutes of work
     version = newest(pins).version
-    prs = load_prs(version)
-    if not prs:
+    if not (prs := load_prs(version)):
         raise ForkError(
             f"upstream-prs/ has no PR for vLLM {version}",
             "write them against the newest release (upstream-prs/README.md)",
@@ -547,7 +506,12 @@ def build(pins: Pins) -> Path:
     for pr in prs:
         check_words(pr, pins.upstream_version)
     found = mutants.for_release(version)  # before minutes of work too
-    ctx = _context(pins, author)
+    release = newest(pins)
+    repo = matrix.release_tree(pins, release)
+    python = matrix.release_python(pins, release, repo)
+    cpu = fetch.fetch(release.binaries, lambda: install.ensure_toolchain(pins, "cpu"))
+    tools = install.ensure_toolchain(pins)
+    ctx = Context(pins, release, repo, python, cpu, author, tools)
     mypy_python = hooks_python(pins, ctx.repo)
     if DIST.exists():
         shutil.rmtree(DIST)
@@ -557,7 +521,6 @@ def build(pins: Pins) -> Path:
             f"upstream: [{number}/{len(prs)}] {pr.name}: alone on a fresh {ctx.tag}"
         )
         proofs.append(prove(ctx, pr, signed_mail(ctx, pr, DIST / pr.name), mypy_python))
-
     log.step(f"upstream: all {len(prs)} PRs together on a fresh {ctx.tag}")
     together = ctx.fresh("proof-all", [p.mail for p in proofs])
     all_cases = [c for pr in prs for c in pr.cases]
@@ -565,38 +528,28 @@ def build(pins: Pins) -> Path:
     joint = ctx.cases_pass(together, all_cases, DIST, "all", failing)
     changed = changed_files(together, ctx.tag)
     joint_hooks = run_hooks(ctx.toolchain, together, changed, mypy_python)
+    owners = {pr.name: pr.owns for pr in prs}
+    env, runs = {**matrix.CPU_ENV, **OFFLINE}, build_dir() / "upstream" / "runs"
+    stock, results = ctx.fresh("stock", []), DIST / "mutants"
     rows = mutants.differential(
-        ctx.python,
-        ctx.fresh("stock", []),
-        together,
-        found,
-        all_cases,
-        {pr.name: pr.owns for pr in prs},
-        DIST / "mutants",
-        {**matrix.CPU_ENV, **OFFLINE},
-        build_dir() / "upstream" / "runs",
+        python, stock, together, found, all_cases, owners, results, env, runs
     )
     mutants.check(rows, [pr.name for pr in prs])
     for proof in proofs:
         write_pr(ctx, proof, rows)
+    mails = " ".join(f"{p.mail.parent.name}/{p.mail.name}" for p in proofs)
     (DIST / "PROOF.txt").write_text(
-        f"vLLM {version} sdist {ctx.release.sdist.sha256}\n"
-        f"git am {' '.join(p.mail.parent.name + '/' + p.mail.name for p in proofs)}"
-        ": applied in order\n"
+        f"{ctx.sdist_line()}git am {mails}: applied in order\n"
         f"pytest {' '.join(all_cases)} -m cpu_test: {joint}\n"
         + "".join(f"hook {line}\n" for line in joint_hooks)
-        + mutants.summary(rows)
-        + "\n"
+        + f"{mutants.summary(rows)}\n"
     )
     log.step(f"upstream: {len(prs)} PR(s) with descriptions and proof in {DIST}")
     return DIST
 
 
 def validation(ctx: Context, proof: Proof) -> str:
-    cases = "\n".join(
-        f"{case} {status} ({proof.outcome.times.get(case, 0.0):.2f} s)"
-        for case, status in sorted(proof.outcome.cases.items())
-    )
+    cases = "\n".join(proof.case_lines("{case} {status} ({seconds:.2f} s)"))
     hooks = "\n".join(proof.hooks)
     return f"""\
 On a fresh checkout of `{ctx.tag}` with this commit applied (`git am`), CPU only
@@ -621,28 +574,22 @@ CI: {proof.job}"""
 
 
 def write_pr(ctx: Context, proof: Proof, rows: list[mutants.Row]) -> None:
-    out = proof.mail.parent
-    text = proof.pr.description
+    pr, out = proof.pr, proof.mail.parent
+    text = pr.description
     for marker in MARKERS:
         if text.count(marker) != 1:
             raise ForkError(
-                f"{proof.pr.name}/description.md must hold {marker} exactly once",
+                f"{pr.name}/description.md must hold {marker} exactly once",
                 "see upstream-prs/README.md",
             )
     text = text.replace("@@VALIDATION@@", validation(ctx, proof))
-    text = text.replace("@@MUTANTS@@", mutants.table(rows, proof.pr.name))
-    (out / "PR_DESCRIPTION.md").write_text(f"# {proof.pr.title}\n\n{text}")
+    text = text.replace("@@MUTANTS@@", mutants.table(rows, pr.name))
+    (out / "PR_DESCRIPTION.md").write_text(f"# {pr.title}\n\n{text}")
     (out / "PROOF.txt").write_text(
-        f"vLLM {ctx.release.version} sdist {ctx.release.sdist.sha256}\n"
-        f"git am {proof.mail.name} on a fresh worktree of {ctx.tag}: applied\n"
-        f"lines added: {proof.added}\n"
-        f"pytest {' '.join(proof.pr.cases)}: {proof.outcome} ({proof.seconds:.1f} s)\n"
-        + "".join(
-            f"  {c} {s} {proof.outcome.times.get(c, 0.0):.2f} s\n"
-            for c, s in sorted(proof.outcome.cases.items())
-        )
+        f"{ctx.sdist_line()}git am {proof.mail.name} on a fresh worktree of "
+        f"{ctx.tag}: applied\nlines added: {proof.added}\n"
+        f"pytest {' '.join(pr.cases)}: {proof.outcome} ({proof.seconds:.1f} s)\n"
+        + "".join(proof.case_lines("  {case} {status} {seconds:.2f} s\n"))
         + "".join(f"hook {line}\n" for line in proof.hooks)
-        + f"job: {proof.job}\n"
-        + mutants.summary(rows, proof.pr.name)
-        + "\n"
+        + f"job: {proof.job}\n{mutants.summary(rows, pr.name)}\n"
     )

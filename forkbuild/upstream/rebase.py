@@ -134,8 +134,7 @@ def _download_all(python: Path, version: str) -> tuple[dict[str, Path], Found]:
 def _sort_series(
     pins: Pins, work: Path, env: dict[str, str], sdist: Path, version: str
 ) -> list[Outcome]:
-    """Each patch of the series on the trial tree WORK: upstream, applies, refreshed
-    (git am -3) or conflict."""
+    """Each patch on the trial tree WORK: upstream, applies, refreshed or conflict."""
     outcomes = []
     series = [(p, patch_status.read_patch(p.name, p.path)) for p in tree.read_series()]
     touched = frozenset(f for _, patch in series for f in patch.files)
@@ -160,8 +159,7 @@ def _sort_series(
 def _write_series(
     work: Path, env: dict[str, str], version: str, found: Found
 ) -> tuple[Path, Path]:
-    """The refreshed series into build/rebase/patches-VERSION/, the hashes to pin into
-    build/rebase/pins-VERSION.toml."""
+    """The series into build/rebase/patches-VERSION/, hashes into pins-VERSION.toml."""
     out = rebase_dir() / f"patches-{version}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
@@ -201,40 +199,31 @@ def trial(pins: Pins, version: str) -> tuple[list[Outcome], Found]:
 
 def _print_audit(base_sdist: Path, new_sdist: Path, version: str) -> None:
     # The backport audit sorts the changes of the #47054 path up to AUDIT_RELEASE: a
-    # file of that path that changed in VERSION and has no row there is unsorted.
-    audit_text = AUDIT_DOC.read_text()
-    unsorted = unsorted_files(base_sdist, new_sdist, audited_set(), audit_text)
-    print(
-        f"backport audit ({AUDIT_DOC.relative_to(PINS_FILE.parent)}): "
-        + (
-            f"{len(unsorted)} changed file(s) of the #47054 path without a row: "
-            + ", ".join(unsorted)
-            + "; sort their changes before accepting"
-            if unsorted
-            else "every changed file of the #47054 path has a row (changes sorted up "
-            f"to {AUDIT_RELEASE}; review newer hunks of those files by hand)"
-        )
-    )
-    # Its second part sorts upstream's fixes up to the release it went through: a fix up
-    # to VERSION without a decision, or a VERSION past that release, is work left before
+    # file of that path that changed in VERSION and has no row there is unsorted. Its
+    # second part sorts upstream's fixes up to the release it went through: a fix up to
+    # VERSION without a decision, or a VERSION past that release, is work left before
     # --accept.
-    pending = unsorted_fixes(audit_text, version)
-    through = audited_through(audit_text)
-    print(
-        "backport audit, fixes: "
-        + (
-            f"{len(pending)} fix(es) up to {version} without a decision: "
-            + ", ".join(pending)
-            if pending
-            else f"every fix it lists up to {version} has a decision"
-        )
-        + (
-            f"; fixes after {through} are unsorted: sort those up to {version} before "
-            "accepting"
-            if through is None or Version(version) > Version(through)
-            else ""
-        )
+    text = AUDIT_DOC.read_text()
+    unsorted = unsorted_files(base_sdist, new_sdist, audited_set(), text)
+    pending, through = unsorted_fixes(text, version), audited_through(text)
+    files = (
+        f"{len(unsorted)} changed file(s) of the #47054 path without a row: "
+        f"{', '.join(unsorted)}; sort their changes before accepting"
+        if unsorted
+        else "every changed file of the #47054 path has a row (changes sorted up "
+        f"to {AUDIT_RELEASE}; review newer hunks of those files by hand)"
     )
+    fixes = (
+        f"{len(pending)} fix(es) up to {version} without a decision: "
+        + ", ".join(pending)
+        if pending
+        else f"every fix it lists up to {version} has a decision"
+    )
+    if through is None or Version(version) > Version(through):
+        fixes += f"; fixes after {through} are unsorted: sort those up to {version} "
+        fixes += "before accepting"
+    print(f"backport audit ({AUDIT_DOC.relative_to(PINS_FILE.parent)}): {files}")
+    print(f"backport audit, fixes: {fixes}")
 
 
 def _effect_recorded(pins: Pins, patch: patch_status.PatchInfo, version: str) -> bool:
@@ -297,15 +286,13 @@ def rewrite_pins(
 
 def accept(pins: Pins, version: str) -> None:
     outcomes, found = trial(pins, version)
-    missing = sorted(set(ARTIFACTS) - set(found))
-    if missing:
+    if missing := sorted(set(ARTIFACTS) - set(found)):
         raise ForkError(
             f"vLLM {version} lacks {', '.join(missing)} on the package index",
             "the fork needs the sdist and both wheels of a release; "
             "nothing was changed",
         )
-    conflicts = [o.name for o in outcomes if o.status == "conflict"]
-    if conflicts:
+    if conflicts := [o.name for o in outcomes if o.status == "conflict"]:
         raise ForkError(
             f"{len(conflicts)} patch(es) conflict with vLLM {version}: "
             f"{', '.join(conflicts)}",
@@ -383,19 +370,18 @@ class Fix:
 
 
 def audited_fixes(text: str) -> list[Fix]:
-    """The rows of the fixes table (| fix | first release | what | hit? | decision |) in
-    the audit's FIXES_SECTION."""
+    """The rows (| fix | first release | what | hit? | decision |) of FIXES_SECTION."""
     start = text.find("\n" + FIXES_SECTION)
-    if start < 0:
-        return []
     end = text.find("\n## ", start + 1)
-    fixes = []
-    for line in text[start : end if end > 0 else None].splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if not line.startswith("|") or len(cells) != 5 or cells[0] in ("fix", "---"):
-            continue
-        fixes.append(Fix(cells[0], _first_release(cells[1]), cells[4]))
-    return fixes
+    section = text[start : end if end > 0 else None] if start >= 0 else ""
+    rows = [line.strip().strip("|").split("|") for line in section.splitlines()]
+    return [
+        Fix(cells[0], _first_release(cells[1]), cells[4])
+        for line, row in zip(section.splitlines(), rows)
+        if line.startswith("|")
+        and len(cells := [c.strip() for c in row]) == 5
+        and cells[0] not in ("fix", "---")
+    ]
 
 
 def _first_release(cell: str) -> tuple[int, ...] | None:
