@@ -16,8 +16,7 @@ order, the plain server's not packed.
 
 The servers run one after the other on one GPU: the second starts only once every
 process of the first (API server, engine core, workers) has exited, or its memory
-profiling would see
-the first's memory come free and refuse to start."""
+profiling would see the first's memory come free and refuse to start."""
 
 from __future__ import annotations
 
@@ -81,47 +80,29 @@ pytestmark = [
     ),
 ]
 
-# A small GPU cache, many distinct long prompts, two rounds: the first round's blocks
-# are evicted from the GPU and the second round must reload them from CPU. vLLM 0.25.1
-# refuses to start unless one request of --max-model-len fits in the override:
-# get_kv_cache_configs (vllm/v1/core/kv_cache_utils.py) sets the available memory to
-# override * _pool_bytes_per_block (2 layers per group x one page) and
-# _check_enough_kv_cache_memory compares it with _max_memory_usage_bytes_from_groups = 2
-# x page x (blocks of the full group + blocks of the sliding group). Block size 16:
-# full:    FullAttentionSpec, cdiv(1024, 16) = 64 sliding:
-# SlidingWindowSpec.max_admission_blocks_per_request, cdiv(min(128 - 1 +
-# max_num_batched_tokens, 1024), 16) + 1 = 65 (every 0.25.1 default
-# max_num_batched_tokens is >= 2048, so the cap is 1024) so the override must be >= 64 +
-# 65 = 129 (96 stops both servers at start-up); we take it. A prompt is 758-799 tokens:
-# ~48 blocks of the full group alone, so 16 prompts need ~770 blocks and round 2 must
-# reload most of round 1 from CPU. test_serve_gpu_config.py runs these arguments through
-# the same check on CPU.
+# A small GPU cache, many distinct long prompts, two rounds: round 1's blocks are
+# evicted from the GPU and round 2 must reload them from CPU. vLLM 0.25.1 refuses to
+# start unless one request of --max-model-len fits in the override
+# (get_kv_cache_configs, _check_enough_kv_cache_memory in kv_cache_utils.py): with block
+# size 16 the full group needs cdiv(1024, 16) = 64 blocks and the sliding group
+# cdiv(min(128 - 1 + max_num_batched_tokens, 1024), 16) + 1 = 65 (every default
+# max_num_batched_tokens is >= 2048), so the override must be >= 129 (96 stops both
+# servers at start-up). A prompt is 758-799 tokens, ~48 blocks of the full group: 16
+# prompts need ~770 blocks. test_serve_gpu_config.py runs these arguments through the
+# same check on CPU.
 GPU_BLOCKS = 129
-# --block-size 16 is what FLASH_ATTN picks on CUDA anyway; explicit, the CPU check plans
-# the same blocks (the CPU platform would pick 128). Both servers use the preset's
-# backend, so the cold texts come from the same kernels. --worker-extension-cls adds the
-# KV cache report to the worker's methods (vLLM's hook for collective_rpc; nothing else
-# changes); VLLM_SERVER_DEV_MODE=1 (_server) opens the /collective_rpc endpoint that
-# calls it by name.
+# --block-size 16 is FLASH_ATTN's pick on CUDA; explicit, the CPU check plans the same
+# blocks (the CPU platform would pick 128). Both servers use the preset's backend, so
+# the cold texts come from the same kernels. --worker-extension-cls adds the KV cache
+# report, which VLLM_SERVER_DEV_MODE=1's /collective_rpc endpoint calls by name.
 ENGINE_ARGS = [
-    "--num-gpu-blocks-override",
-    str(GPU_BLOCKS),
-    "--block-size",
-    "16",
-    "--max-model-len",
-    "1024",
-    "--gpu-memory-utilization",
-    "0.3",
-    "--max-num-seqs",
-    "8",
-    "--attention-backend",
-    "FLASH_ATTN",
-    "--worker-extension-cls",
+    *f"--num-gpu-blocks-override {GPU_BLOCKS} --block-size 16 --max-model-len 1024 "
+    "--gpu-memory-utilization 0.3 --max-num-seqs 8 --attention-backend FLASH_ATTN "
+    "--worker-extension-cls".split(),
     KV_CACHE_INSPECTION,
 ]
 OFFLOAD_ARGS = ["--preset", "offload-47054", "--cpu-bytes", str(2 << 30)]
-# Both servers serve the embedded tiny GPT-OSS (the #47054 model), not the default chat
-# model.
+# Both servers serve the embedded tiny GPT-OSS (the #47054 model).
 MODEL_ARGS = ["--model", "tiny-gpt-oss"]
 PROMPTS = [
     f"Request {i}: "
@@ -165,11 +146,9 @@ def session_processes(session: int) -> list[str]:
 
 
 def _signal_session(session: int, sig: signal.Signals) -> None:
-    """SIG to the process group of SESSION's leader (the server's processes, unless one
-    moved to a group of its own), and to each process of the session outside that group:
-    each process gets SIG once, as the old killpg gave it (vLLM's API server, engine
-    core
-    and workers handle SIGTERM as a shutdown request)."""
+    """SIG to the process group of SESSION's leader, and to each process of the session
+    outside that group: each gets SIG once (vLLM's API server, engine core and workers
+    handle SIGTERM as a shutdown request)."""
     with suppress(ProcessLookupError):
         os.killpg(session, sig)
     for pid, pgrp, _ in _session_table(session):
@@ -193,14 +172,10 @@ def stop_session(
     leader: subprocess.Popen, stop_s: float = STOP_S, kill_s: float = KILL_S
 ) -> None:
     """Stop LEADER (started with start_new_session=True) and every process of its
-    session, and return only once none is left: SIGTERM, SIGKILL to whatever is left
-    after STOP_S seconds, and a failure naming the processes still there KILL_S seconds
-    later.
-
-    Waiting for LEADER alone is not enough: the server's engine core and workers are its
-    children, may outlive it, and hold GPU memory until they exit; a server started
-    meanwhile fails vLLM 0.25.1's memory profiling (vllm/v1/worker/gpu_worker.py,
-    `assert self.init_snapshot.free_memory >= free_gpu_memory`)."""
+    session; return once none is left: SIGTERM, SIGKILL after STOP_S seconds, a failure
+    naming what is still there KILL_S seconds later. The engine core and workers may
+    outlive LEADER holding GPU memory, and a server started meanwhile fails vLLM
+    0.25.1's memory profiling (gpu_worker.py, `init_snapshot.free_memory >= ...`)."""
     _signal_session(leader.pid, signal.SIGTERM)
     left = _wait_session(leader, stop_s)
     if left:
@@ -212,8 +187,7 @@ def stop_session(
         left = _wait_session(leader, kill_s)
     assert not left, (
         f"processes of the server (session {leader.pid}) still running {stop_s:.0f} s "
-        "after "
-        f"SIGTERM and {kill_s:.0f} s after SIGKILL: " + "; ".join(left)
+        f"after SIGTERM and {kill_s:.0f} s after SIGKILL: " + "; ".join(left)
     )
 
 
@@ -228,20 +202,8 @@ def _server(extra: list[str], log_path: Path) -> Iterator[tuple[int, subprocess.
     port = _free_port()
     with open(log_path, "w") as log:
         server = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "forkbuild",
-                "serve",
-                "--route",
-                "cuda",
-                "--port",
-                str(port),
-                *MODEL_ARGS,
-                *extra,
-                "--",
-                *ENGINE_ARGS,
-            ],
+            [sys.executable, "-m", "forkbuild", "serve", "--route", "cuda"]
+            + ["--port", str(port), *MODEL_ARGS, *extra, "--", *ENGINE_ARGS],
             # Its own session: stop_session waits for every process of the server.
             cwd=REPO_ROOT,
             stdout=log,
@@ -249,9 +211,7 @@ def _server(extra: list[str], log_path: Path) -> Iterator[tuple[int, subprocess.
             start_new_session=True,
             env={
                 **os.environ,
-                # Unbuffered, so that the log read before shutdown holds everything so
-                # far.
-                "PYTHONUNBUFFERED": "1",
+                "PYTHONUNBUFFERED": "1",  # the log read before shutdown holds all
                 "VLLM_SERVER_DEV_MODE": "1",  # the /collective_rpc endpoint
                 # The worker imports the extension (ENGINE_ARGS) from the fork's tests.
                 "PYTHONPATH": os.pathsep.join(
@@ -298,8 +258,7 @@ def _complete(port: int, prompt: str) -> dict:
 def _two_rounds(port: int) -> list[dict]:
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda p: _complete(port, p), PROMPTS))  # stores to CPU
-        # reloads evicted blocks
-        answers += list(pool.map(lambda p: _complete(port, p), PROMPTS))
+        answers += list(pool.map(lambda p: _complete(port, p), PROMPTS))  # reloads
     return answers
 
 
