@@ -26,13 +26,11 @@ class Outcome:
     apart)."""
 
     cases: dict[str, str]
-    # skipped case -> pytest's reason
-    reasons: dict[str, str] = field(default_factory=dict)
-    # Why the run was stopped before it ended (its time limit), "" when it ended itself:
-    # then CASES holds only what pytest reported before it was stopped.
+    reasons: dict[str, str] = field(default_factory=dict)  # skipped case -> why
+    # Why the run was stopped (its time limit), "" when it ended itself: then CASES
+    # holds only what pytest reported before it was stopped.
     killed: str = ""
-    # case -> seconds, as JUnit says; not part of what a run found (equal runs differ in
-    # it)
+    # case -> seconds, as JUnit says; not part of what a run found (equal runs differ)
     times: dict[str, float] = field(default_factory=dict, compare=False)
 
     def count(self, status: str) -> int:
@@ -58,13 +56,9 @@ def _skip_reason(skipped: ET.Element) -> str:
     if skipped.get("type") == "pytest.xfail":
         return f"xfail: {message}"
     # the reason is in the text: (file, line, 'Skipped: …')
-    if message == "collection skipped":
-        text = skipped.text or ""
-        return (
-            text.split("Skipped: ", 1)[-1].rstrip("')\"")
-            if "Skipped: " in text
-            else message
-        )
+    text = skipped.text or ""
+    if message == "collection skipped" and "Skipped: " in text:
+        return text.split("Skipped: ", 1)[-1].rstrip("')\"")
     return message
 
 
@@ -86,18 +80,14 @@ def read_junit(junit: Path, killed: str = "") -> Outcome:
         else:  # a whole module skipped (or broken) at collection: NAME is the module
             node = f"{name.replace('.', '/')}.py::(module)"
         status = "passed"
-        for child, name in (
-            ("failure", "failed"),
-            ("error", "error"),
-            ("skipped", "skipped"),
-        ):
-            found = case.find(child)
-            if found is not None:
+        for child, name in (("failure", "failed"), ("error", "error")):
+            if case.find(child) is not None:
                 status = name
-                if name == "skipped":  # pytest reports an xfail as a skip of that type
-                    reasons[node] = _skip_reason(found)
-                    if found.get("type") == "pytest.xfail":
-                        status = "xfailed"
+        skipped = case.find("skipped")
+        if skipped is not None:  # pytest reports an xfail as a skip of that type
+            reasons[node] = _skip_reason(skipped)
+            xfail = skipped.get("type") == "pytest.xfail"
+            status = "xfailed" if xfail else "skipped"
         cases[node] = status
         times[node] = float(case.get("time") or 0.0)
     return Outcome(cases, reasons, killed, times)
@@ -109,12 +99,8 @@ def read_junit(junit: Path, killed: str = "") -> Outcome:
 GRACE_S = 30
 # How often a run's cases done are logged: CI shows more than pytest's dots.
 PROGRESS_EVERY_S = 60
-
-# The plugin that names the case in progress and ends what a forked case started.
-# forkbuild/core/pytest_progress.py, copied beside the run
+# pytest_progress.py as copied beside the run: it names the case in progress.
 _PROGRESS_MODULE = "_forkbuild_progress"
-
-
 # Every process a limited run starts carries this variable with the run's own value, so
 # that what escaped its process group (a `vllm serve` in a session of its own, as the
 # serve test starts it) is found and killed too: /proc/PID/environ keeps the environment
@@ -160,13 +146,8 @@ def run_limited(
     vLLM's engine cores, a `vllm serve`. Whatever of them is left when CMD ends,
     stopped or not, is killed, so that it does not hold the GPU for the next run."""
     token = uuid.uuid4().hex
-    proc = subprocess.Popen(
-        cmd,
-        cwd=cwd,
-        env={**env, _RUN_MARK: token},
-        start_new_session=True,
-        **popen_args,
-    )
+    env = {**env, _RUN_MARK: token}
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True, **popen_args)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         while True:
@@ -188,9 +169,8 @@ def run_limited(
 def _with_progress(
     cmd: list[str], env: dict[str, str], folder: Path
 ) -> tuple[list[str], Path]:
-    """CMD and ENV (changed in place) with the progress plugin; its file."""
-    # A copy, not forkbuild's folder on the path: the run's own `tests` package must
-    # win.
+    """CMD and ENV (changed in place) with the progress plugin; its file. A copy, not
+    forkbuild's folder on the path: the run's own `tests` package must win."""
     shutil.copyfile(
         Path(__file__).with_name("pytest_progress.py"),
         folder / f"{_PROGRESS_MODULE}.py",
@@ -225,21 +205,10 @@ def run_pytest(
     """
     env = {**os.environ, **(extra_env or {}), "PYTHONPATH": str(pythonpath or cwd)}
     junit.unlink(missing_ok=True)
-    cmd = [
-        *prefix,
-        str(python),
-        "-m",
-        "pytest",
-        "-p",
-        "no:cacheprovider",
-        "-q",
-        f"--junitxml={junit}",
-        *args,
-    ]
-    log.step(
-        f"pytest in {cwd.name}: {' '.join(args)}"
-        + (f" (report: {output})" if output else "")
-    )
+    cmd = [*prefix, str(python), "-m", "pytest", "-p", "no:cacheprovider", "-q"]
+    cmd += [f"--junitxml={junit}", *args]
+    report = f" (report: {output})" if output else ""
+    log.step(f"pytest in {cwd.name}: {' '.join(args)}{report}")
     returncode, killed = _run(cmd, cwd, env, output, timeout_s)
     if killed:
         log.step(f"pytest in {cwd.name}: {killed}")
@@ -267,14 +236,11 @@ def _run(
         open(output, "w") if output else open(os.devnull) as sink,
         tempfile.TemporaryDirectory(prefix="forkbuild-pytest-") as folder,
     ):
-        streams = {
-            "stdout": sink if output else None,
-            "stderr": subprocess.STDOUT if output else None,
-        }
+        streams = {"stdout": sink, "stderr": subprocess.STDOUT} if output else {}
         cmd, progress = _with_progress(cmd, env, Path(folder))
 
         def tick() -> None:
-            done, total, running = pytest_progress.read(progress.read_text())
+            done, total, _ = pytest_progress.read(progress.read_text())
             if total:
                 log.step(f"pytest in {cwd.name}: {done} of {total} cases done")
 
@@ -296,9 +262,6 @@ def _partial(junit: Path, killed: str) -> Outcome:
 
 
 def _killed_note(timeout_s: float, running: str) -> str:
-    where = (
-        f"while running {running}"
-        if running
-        else ("outside a case (collecting, or in between)")
-    )
+    where = f"while running {running}" if running else "outside a case"
+    where += "" if running else " (collecting, or in between)"
     return f"stopped after its time limit of {timeout_s:g} s {where}"
