@@ -46,23 +46,13 @@ DEFAULT_CPU_BYTES = 8 * 2**30
 
 def offload_47054_args(cpu_bytes: int) -> list[str]:
     """The #47054 configuration, as the report ran it (minus its model and TP size)."""
-    kv_transfer = {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "spec_name": "CPUOffloadingSpec",
-            "enable_cross_layers_blocks": "True",
-            "cpu_bytes_to_use": cpu_bytes,
-            "eviction_policy": "lru",
-        },
-    }
+    extra = {"spec_name": "CPUOffloadingSpec", "enable_cross_layers_blocks": "True"}
+    extra |= {"cpu_bytes_to_use": cpu_bytes, "eviction_policy": "lru"}
+    kv_transfer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+    kv_transfer["kv_connector_extra_config"] = extra
     return [
-        "--kv-transfer-config",
-        json.dumps(kv_transfer),
-        "--enable-prefix-caching",
-        "--no-disable-hybrid-kv-cache-manager",
-        "--attention-backend",
-        "FLASH_ATTN",
+        *("--kv-transfer-config", json.dumps(kv_transfer), "--enable-prefix-caching"),
+        *("--no-disable-hybrid-kv-cache-manager", "--attention-backend", "FLASH_ATTN"),
     ]
 
 
@@ -75,8 +65,9 @@ def add_arguments(cmd: argparse.ArgumentParser) -> None:
         help="model name or path, or an embedded model: "
         f"{', '.join(EMBEDDED)} (default: {EMBEDDED_NAME})",
     )
+    presets = sorted(PRESETS)
     cmd.add_argument(
-        "--preset", choices=sorted(PRESETS), help="a documented vLLM configuration"
+        "--preset", choices=presets, help="a documented vLLM configuration"
     )
     cmd.add_argument("--host", default="127.0.0.1")
     cmd.add_argument("--port", type=int, default=8000)
@@ -106,23 +97,23 @@ def _hub_cache() -> Path:
     return Path(os.environ.get("HF_HOME") or cache / "huggingface") / "hub"
 
 
-def _exists(path: str) -> bool:
-    try:
-        return Path(path).expanduser().exists()
-    except (OSError, ValueError):  # a name too long for a path, a NUL byte
-        return False
-
-
 def check_model(model: str | None) -> None:
     """Refuse, before minutes of install and a hub lookup, a --model that names nothing
     (served: an embedded model, a local path, a hub id org/name, a bare name the hub
     cache holds). The hub's old bare ids (gpt2) have an org/name too; a bare name here
     is far more often a mistyped embedded name or a missing local folder."""
-    if model is None or model in EMBEDDED or _exists(model):
-        return
-    bare = "/" not in model
-    if HUB_ID.fullmatch(model) or (
-        bare and (_hub_cache() / f"models--{model}").is_dir()
+    try:
+        exists = model is not None and Path(model).expanduser().exists()
+    except (OSError, ValueError):  # a name too long for a path, a NUL byte
+        exists = False
+    bare = model is not None and "/" not in model
+    cached = bare and (_hub_cache() / f"models--{model}").is_dir()
+    if (
+        model is None
+        or model in EMBEDDED
+        or exists
+        or HUB_ID.fullmatch(model)
+        or cached
     ):
         return
     close = difflib.get_close_matches(model.lower(), EMBEDDED, n=1)
@@ -168,16 +159,6 @@ def finish_tiny_model(generating: subprocess.Popen[str]) -> Path:
             f"see {report}",
         )
     return out
-
-
-def stop_tiny_model(generating: subprocess.Popen[str]) -> None:
-    """Interrupt a generation (as Ctrl-C would: it removes its unfinished folder)."""
-    generating.send_signal(signal.SIGINT)
-    try:
-        generating.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        generating.kill()
-        generating.wait()
 
 
 def ensure_tiny_model(python: Path, name: str = EMBEDDED_NAME) -> Path:
@@ -229,9 +210,7 @@ def serve(pins: Pins, args: argparse.Namespace) -> None:
     from forkbuild.setup import install
 
     route = install.pick_route(pins, args.route)
-    embedded = (
-        (args.model or EMBEDDED_NAME) if args.model in (None, *EMBEDDED) else None
-    )
+    embedded = args.model or EMBEDDED_NAME if args.model in (None, *EMBEDDED) else None
     generating = (
         start_tiny_model(install.ensure_toolchain(pins, route.name), embedded)
         if embedded
@@ -240,14 +219,16 @@ def serve(pins: Pins, args: argparse.Namespace) -> None:
     try:
         python, _, route = install.install(pins, route.name)
     except BaseException:
-        if generating:
-            stop_tiny_model(generating)
+        if generating:  # as Ctrl-C would: it removes its unfinished folder
+            generating.send_signal(signal.SIGINT)
+            try:
+                generating.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                generating.kill()
+                generating.wait()
         raise
-    model = (
-        str(finish_tiny_model(generating))
-        if generating
-        else os.path.expanduser(args.model)
-    )
+    model = str(finish_tiny_model(generating)) if generating else args.model
+    model = os.path.expanduser(model)
     env = dict(os.environ)
     if embedded:
         env["HF_HUB_OFFLINE"] = "1"
@@ -278,11 +259,8 @@ def try_lines(host: str, port: int, model: str) -> list[str]:
     base = f"curl http://{host}:{port}/v1"
     head = "-H 'Content-Type: application/json'"
     completion = {"model": model, "prompt": "Hello", "max_tokens": 8}
-    chat = {
-        "model": model,
-        "messages": [{"role": "user", "content": "Hello"}],
-        "max_tokens": 8,
-    }
+    chat = {"model": model, "messages": [{"role": "user", "content": "Hello"}]}
+    chat["max_tokens"] = 8
     lines = [f"try  {base}/completions {head} -d '{json.dumps(completion)}'"]
     if model in NO_CHAT:
         return [*lines, f"no chat line for {model}: {NO_CHAT[model]}"]
