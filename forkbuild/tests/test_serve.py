@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +20,13 @@ from forkbuild.core import preflight
 from forkbuild.core.errors import ForkError
 from forkbuild.core.pins import REPO_ROOT
 from forkbuild.serve import server as serve
+from forkbuild.tests.test_serve_gpu import (
+    _kv_cache_reports,
+    free_port,
+    stop_session,
+    wait_healthy,
+)
+from tests.v1.worker.offload_round_trip import KV_CACHE_INSPECTION, check_not_packed
 
 
 def _forkbuild(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
@@ -33,12 +39,6 @@ def _forkbuild(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
         check=False,
         **kwargs,
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.skipif(
@@ -68,7 +68,7 @@ def test_port_in_use_is_refused_at_once():
 
 def test_mistyped_model_is_refused_at_once():
     start = time.monotonic()
-    result = _forkbuild("serve", "--model", "tiny-chta", "--port", str(_free_port()))
+    result = _forkbuild("serve", "--model", "tiny-chta", "--port", str(free_port()))
     assert result.returncode == 1
     assert time.monotonic() - start < 20  # no install, no hub lookup (it took ~32 s)
     (line,) = result.stderr.strip().splitlines()
@@ -207,8 +207,6 @@ def _serving(port: int, log_path: Path):
     The GPU serve test's KV cache check, exercised here on CPU: the worker extension
     passed through to vllm serve, and the dev-mode /collective_rpc that calls it by
     name."""
-    from tests.v1.worker.offload_round_trip import KV_CACHE_INSPECTION
-
     extension = ["--worker-extension-cls", KV_CACHE_INSPECTION]
     path = filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])
     with log_path.open("w") as log:
@@ -226,28 +224,10 @@ def _serving(port: int, log_path: Path):
             },
         )
         try:
-            _wait_healthy(server, f"http://127.0.0.1:{port}", log_path)
+            wait_healthy(server, port, log_path, 300)
             yield f"http://127.0.0.1:{port}"
         finally:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
-
-
-def _wait_healthy(server: subprocess.Popen, base: str, log_path: Path) -> None:
-    deadline = time.monotonic() + 300
-    while True:
-        assert server.poll() is None, f"server exited: {log_path.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, "server not healthy after 300 s"
-        try:
-            with urllib.request.urlopen(f"{base}/health", timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(2)
+            stop_session(server, stop_s=60, kill_s=30)
 
 
 def _check_greedy_answers(base: str) -> None:
@@ -272,7 +252,7 @@ def _check_greedy_answers(base: str) -> None:
 
 
 def test_embedded_model_answers_a_completion_and_a_chat(tmp_path):
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path / "serve.log"
     with _serving(port, log_path) as base:
         # The two lines the user is told to try, sent as printed: both endpoints answer.
@@ -291,9 +271,6 @@ def test_embedded_model_answers_a_completion_and_a_chat(tmp_path):
         # What the GPU serve test asks its servers, asked here the same way: one report
         # per worker; the tiny chat model's two groups (sliding, full) per layer,
         # unpacked.
-        from forkbuild.tests.test_serve_gpu import _kv_cache_reports
-        from tests.v1.worker.offload_round_trip import check_not_packed
-
         (report,) = _kv_cache_reports(port)
         check_not_packed(report)
         assert len(report["layers"]) == 4, report["layers"]

@@ -191,15 +191,27 @@ def stop_session(
     )
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
+def wait_healthy(server: subprocess.Popen, port: int, log: Path, limit_s: int) -> None:
+    deadline = time.monotonic() + limit_s
+    while True:
+        assert server.poll() is None, f"server exited: {log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"server not healthy after {limit_s} s"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                return
+        except OSError:
+            time.sleep(2)
+
+
 @contextmanager
 def _server(extra: list[str], log_path: Path) -> Iterator[tuple[int, subprocess.Popen]]:
-    port = _free_port()
+    port = free_port()
     with open(log_path, "w") as log:
         server = subprocess.Popen(
             [sys.executable, "-m", "forkbuild", "serve", "--route", "cuda"]
@@ -220,17 +232,7 @@ def _server(extra: list[str], log_path: Path) -> Iterator[tuple[int, subprocess.
             },
         )
         try:
-            deadline = time.monotonic() + 600
-            while True:
-                assert server.poll() is None, log_path.read_text()[-3000:]
-                assert time.monotonic() < deadline, "server not healthy after 600 s"
-                try:
-                    with urllib.request.urlopen(
-                        f"http://127.0.0.1:{port}/health", timeout=5
-                    ):
-                        break
-                except OSError:
-                    time.sleep(2)
+            wait_healthy(server, port, log_path, 600)
             yield port, server
         finally:
             stop_session(server)
