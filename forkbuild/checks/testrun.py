@@ -36,21 +36,24 @@ def run(pins: Pins, route_name: str | None) -> str:
     results.mkdir(parents=True, exist_ok=True)
 
     with ThreadPoolExecutor(2) as pool:
+        tools_log = results / "forkbuild.core.log"
         tools_run = pool.submit(
             pytest_runner.run_pytest,
-            python,
-            REPO_ROOT,
-            ["-rfEs", "forkbuild/tests"],
-            results / "forkbuild.xml",
+            *(
+                python,
+                REPO_ROOT,
+                ["-rfEs", "forkbuild/tests"],
+                results / "forkbuild.xml",
+            ),
             pythonpath=REPO_ROOT,
-            output=results / "forkbuild.core.log",
+            output=tools_log,
         )
         cuda_run = pool.submit(_check_cuda_route, pins, results)
         try:
             suite = regression.check(pins, python, tree_path)
         finally:  # a broken proof must not hide failing tool tests or a failed route
             tools = tools_run.result()
-            _report(tools, "forkbuild tool tests", results / "forkbuild.core.log")
+            _report(tools, "forkbuild tool tests", tools_log)
             if cuda_run.exception() is not None and sys.exc_info()[1] is not None:
                 print(
                     "cuda route and gpu bundle without a GPU: error: "
@@ -74,8 +77,8 @@ def run(pins: Pins, route_name: str | None) -> str:
     print(
         cuda.line()
         if cuda
-        else "cuda route without a GPU: not checked (this "
-        "machine has a GPU: `make nightly` runs the CUDA route for real)"
+        else "cuda route without a GPU: not checked (this machine has a GPU: `make "
+        "nightly` runs the CUDA route for real)"
     )
     if bundle:
         print(bundle.line())
@@ -92,11 +95,9 @@ def run(pins: Pins, route_name: str | None) -> str:
 
 def _report(outcome: pytest_runner.Outcome, what: str, log: object) -> None:
     """Name the failing cases of a run whose report went to a file."""
-    bad = [
-        case for case, status in outcome.cases.items() if status in ("failed", "error")
-    ]
-    for case in bad:
-        print(f"{what}: {outcome.cases[case]}: {case}")
+    bad = [(c, s) for c, s in outcome.cases.items() if s in ("failed", "error")]
+    for case, status in bad:
+        print(f"{what}: {status}: {case}")
     if bad:
         print(f"{what}: pytest's report is in {log}")
 
