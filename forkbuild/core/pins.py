@@ -56,8 +56,9 @@ class Pins:
     artifacts: dict[str, Artifact]
     uv: Artifact
     torch: str
-    # the matrix releases' torch wheels (the fork's are locked)
-    torch_sha256: dict[str, str]
+    torch_sha256: dict[
+        str, str
+    ]  # the matrix releases' torch wheels (the fork's: locks)
     build: tuple[str, ...]
     forkbuild: tuple[str, ...]  # forkbuild's own libraries (its tool environment)
     tools: tuple[str, ...]
@@ -84,9 +85,8 @@ class Pins:
         return {k: v for k, v in self.torch_sha256.items() if k.startswith(prefix)}
 
     def release(self, version: str) -> Release:
-        for release in self.releases:
-            if release.version == version:
-                return release
+        if found := [r for r in self.releases if r.version == version]:
+            return found[0]
         known = ", ".join(r.version for r in self.releases)
         raise ForkError(
             f"vLLM {version} is not in the version matrix ({known})",
@@ -124,45 +124,26 @@ def load(path: Path = PINS_FILE) -> Pins:
         raise ForkError(f"{path} is not valid TOML: {exc}", "fix the file") from None
     try:
         artifacts = {key: _artifact(key, a) for key, a in raw["artifacts"].items()}
-        routes = {
-            name: Route(
-                name,
-                artifacts[r["wheel"]],
-                r["requirements"],
-                tuple(r["extra"]),
-                r["target_device"],
-                tuple(r.get("exclude", ())),
-            )
-            for name, r in raw["routes"].items()
-        }
+        routes = {name: _route(name, r, artifacts) for name, r in raw["routes"].items()}
         tc = raw["toolchain"]
         matrix = raw.get("matrix", {})
         torch_sha256 = matrix.get("torch-sha256", {})
         releases = tuple(
-            _release(raw, artifacts, tc["torch"], version)
-            for version in matrix.get("releases", [])
+            _release(raw, artifacts, tc["torch"], v) for v in matrix.get("releases", [])
         )
+        up, tests = raw["upstream"], raw["tests"]
         return Pins(
-            label=raw["fork"]["label"],
-            upstream_version=raw["upstream"]["version"],
-            pythons=tuple(raw["upstream"]["pythons"]),
-            machines=tuple(raw["upstream"]["machines"]),
-            lock_platform=raw["upstream"]["lock_platform"],
-            artifacts=artifacts,
+            *(raw["fork"]["label"], up["version"], tuple(up["pythons"])),
+            *(tuple(up["machines"]), up["lock_platform"], artifacts),
             uv=_artifact("uv", tc["uv"]),
             torch=tc["torch"],
             torch_sha256={k: v.lower() for k, v in torch_sha256.items()},
-            build=tuple(tc["build"]),
-            forkbuild=tuple(tc["forkbuild"]),
-            tools=tuple(tc["tools"]),
-            test=tuple(tc["test"]),
+            **{k: tuple(tc[k]) for k in ("build", "forkbuild", "tools", "test")},
             routes=routes,
-            regression_by_patch={
-                k: tuple(v) for k, v in raw["tests"]["regression"].items()
-            },
-            suite=tuple(raw["tests"]["suite"]),
-            gpu_tests=tuple(raw["tests"]["gpu"]),
-            cuda_route_tests=tuple(raw["tests"].get("cuda_route", ())),
+            regression_by_patch={k: tuple(v) for k, v in tests["regression"].items()},
+            suite=tuple(tests["suite"]),
+            gpu_tests=tuple(tests["gpu"]),
+            cuda_route_tests=tuple(tests.get("cuda_route", ())),
             releases=releases,
             gpu=gpu_table(raw["gpu"]),
         )
@@ -170,6 +151,12 @@ def load(path: Path = PINS_FILE) -> Pins:
         raise ForkError(
             f"{path} lacks the key {exc}", "compare it with the fork's main branch"
         ) from None
+
+
+def _route(name: str, r: dict, artifacts: dict[str, Artifact]) -> Route:
+    extra, exclude = tuple(r["extra"]), tuple(r.get("exclude", ()))
+    wheel = artifacts[r["wheel"]]
+    return Route(name, wheel, r["requirements"], extra, r["target_device"], exclude)
 
 
 def _artifact(key: str, a: dict) -> Artifact:
@@ -207,7 +194,7 @@ def capability(text: str) -> Capability:
 @dataclass(frozen=True)
 class GpuCase:
     """A case some GPU kind must run: from KIND on, with GPUS GPUs; what the GPU bundle
-    holds for it beyond [gpu_bundle] every_case (BUNDLE), or why it does not."""
+    holds for it beyond [gpu_bundle] every_case, or why it does not."""
 
     node: str
     kind: str
@@ -232,8 +219,7 @@ class GpuKind:
 
 @dataclass(frozen=True)
 class GpuTable:
-    """The GPU kinds, oldest first, and every case some kind requires (node id ->
-    its entry)."""
+    """The GPU kinds, oldest first, and every case some kind requires, by node id."""
 
     kinds: tuple[GpuKind, ...]
     cases: dict[str, GpuCase]
@@ -268,15 +254,10 @@ def gpu_table(data: dict) -> GpuTable:
     kinds = []
     for rank, (name, entry) in enumerate(named):
         due = [c for c in cases.values() if order.index(c.kind) <= rank]
-        kinds.append(
-            GpuKind(
-                name,
-                capability(entry["capability"]),
-                tuple(c.node for c in due if c.gpus == 1),
-                tuple(c.node for c in due if c.gpus >= 2),
-                tuple(entry["queues"].items()),
-            )
-        )
+        one = tuple(c.node for c in due if c.gpus == 1)
+        more = tuple(c.node for c in due if c.gpus >= 2)
+        queues = tuple(entry["queues"].items())
+        kinds.append(GpuKind(name, capability(entry["capability"]), one, more, queues))
     return GpuTable(tuple(kinds), cases)
 
 
