@@ -66,7 +66,7 @@ class Step:
     func: Callable[[Args, Pins], object]  # a str it returns is printed last
     help: str
     route: bool = False  # installs on one route's binaries: takes --route
-    arguments: tuple[tuple[str, dict], ...] = ()  # (name or flag, argparse keywords)
+    arguments: dict[str, dict] | None = None  # name or flag -> argparse keywords
 
 
 ROUTE = {
@@ -82,7 +82,7 @@ STEPS = {
     "tree": Step(
         lambda a, p: print(tree.build(p, _sdist(p), force=a.force)),
         "build build/vllm-<version>: sdist + patches + tests, as git",
-        arguments=(("--force", _flag("rebuild even if the inputs are unchanged")),),
+        arguments={"--force": _flag("rebuild even if the inputs are unchanged")},
     ),
     "lock": Step(
         _lock,
@@ -94,16 +94,13 @@ STEPS = {
         "build/venv: the route's lock installed by uv, hash-checked, and an editable "
         "install of the tree",
         True,
-        (
-            (
-                "--without-gpu",
-                _flag(
-                    "install the cuda route on a machine without a driver, for "
-                    "checking it there (make test does, in build/cuda-route); vLLM "
-                    "then finds no platform"
-                ),
-            ),
-        ),
+        {
+            "--without-gpu": _flag(
+                "install the cuda route on a machine without a driver, for checking it "
+                "there (make test does, in build/cuda-route); vLLM then finds no "
+                "platform"
+            )
+        },
     ),
     "regression": Step(
         _regression, "the regression tests must fail unpatched and pass patched", True
@@ -126,15 +123,12 @@ STEPS = {
     "matrix": Step(
         lambda a, p: matrix.run(p, a.versions),
         "the fork's CPU suite on the [matrix] releases: docs/version-matrix.md",
-        arguments=(
-            (
-                "versions",
-                {
-                    "nargs": "*",
-                    "help": "only these releases (default: all, plus the fork)",
-                },
-            ),
-        ),
+        arguments={
+            "versions": {
+                "nargs": "*",
+                "help": "only these releases (default: all, plus the fork)",
+            }
+        },
     ),
     "generate": Step(
         lambda a, p: generate.write(p),
@@ -153,33 +147,26 @@ STEPS = {
     "rebase": Step(
         lambda a, p: (rebase.accept if a.accept else rebase.trial)(p, a.version),
         "try the series on another release (changes nothing without --accept)",
-        arguments=(
-            ("version", {"help": "the upstream vLLM version, e.g. 0.26.0"}),
-            ("--accept", _flag("move fork.toml and patches/ to that version")),
-        ),
+        arguments={
+            "version": {"help": "the upstream vLLM version, e.g. 0.26.0"},
+            "--accept": _flag("move fork.toml and patches/ to that version"),
+        },
     ),
     "gpu-bundle": Step(
         _gpu_bundle,
         "dist/gpu-bundle/: the GPU cases for an air-gapped GPU host, in parts of at "
         "most PART_MIB MiB (run.sh in part 1)",
-        arguments=(
-            (
-                "--host",
-                {
-                    "help": "the host's file from `bash run.sh --inventory` (default: "
-                    "fork.toml [gpu_bundle] host, the reference H200)"
-                },
-            ),
-            (
-                "--part-mib",
-                {
-                    "type": float,
-                    "default": None,
-                    "help": "the largest part, in MiB (default: PART_MIB or "
-                    "fork.toml's)",
-                },
-            ),
-        ),
+        arguments={
+            "--host": {
+                "help": "the host's file from `bash run.sh --inventory` (default: "
+                "fork.toml [gpu_bundle] host, the reference H200)"
+            },
+            "--part-mib": {
+                "type": float,
+                "default": None,
+                "help": "the largest part, in MiB (default: PART_MIB or fork.toml's)",
+            },
+        },
     ),
     "nightly": Step(
         lambda a, p: nightly.run(p),
@@ -197,7 +184,7 @@ def parser() -> argparse.ArgumentParser:
         cmd.set_defaults(func=step.func, route=None)
         if step.route:
             cmd.add_argument("--route", **ROUTE)
-        for flag, keywords in step.arguments:
+        for flag, keywords in (step.arguments or {}).items():
             cmd.add_argument(flag, **keywords)
         if name == "serve":
             serve.add_arguments(cmd)
