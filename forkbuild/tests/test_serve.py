@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -23,36 +22,39 @@ from forkbuild.serve import server as serve
 from forkbuild.tests.test_serve_gpu import (
     _kv_cache_reports,
     free_port,
+    post,
     stop_session,
     wait_healthy,
 )
 from tests.v1.worker.offload_round_trip import KV_CACHE_INSPECTION, check_not_packed
 
 
-def _forkbuild(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+def _refused(*args: str) -> str:
+    """`forkbuild ARGS` must fail at once (no install, no hub lookup: that took ~32 s)
+    in one line, which is returned."""
+    start = time.monotonic()
+    result = subprocess.run(
         [sys.executable, "-m", "forkbuild", *args],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
-        **kwargs,
     )
+    assert result.returncode == 1
+    assert time.monotonic() - start < 20
+    (line,) = result.stderr.strip().splitlines()
+    return line
 
 
 @pytest.mark.skipif(
     preflight.has_nvidia_gpu(), reason="checks the refusal on a machine without a GPU"
 )
 def test_gpu_preset_without_gpu_is_refused_at_once():
-    start = time.monotonic()
-    result = _forkbuild(
-        "serve", "--preset", "offload-47054", "--model", "openai/gpt-oss-20b"
+    model = ["--model", "openai/gpt-oss-20b"]
+    assert "needs an NVIDIA GPU" in _refused(
+        "serve", "--preset", "offload-47054", *model
     )
-    assert result.returncode == 1
-    assert time.monotonic() - start < 20
-    (line,) = result.stderr.strip().splitlines()
-    assert "needs an NVIDIA GPU" in line
 
 
 def test_port_in_use_is_refused_at_once():
@@ -60,18 +62,12 @@ def test_port_in_use_is_refused_at_once():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = _forkbuild("serve", "--port", str(port))
-    assert result.returncode == 1
-    (line,) = result.stderr.strip().splitlines()
+        line = _refused("serve", "--port", str(port))
     assert f"port {port} on 127.0.0.1 is already in use" in line
 
 
 def test_mistyped_model_is_refused_at_once():
-    start = time.monotonic()
-    result = _forkbuild("serve", "--model", "tiny-chta", "--port", str(free_port()))
-    assert result.returncode == 1
-    assert time.monotonic() - start < 20  # no install, no hub lookup (it took ~32 s)
-    (line,) = result.stderr.strip().splitlines()
+    line = _refused("serve", "--model", "tiny-chta", "--port", str(free_port()))
     assert "'tiny-chta' is neither an embedded model" in line
     assert "did you mean tiny-chat?" in line and "org/name" in line
 
@@ -109,19 +105,9 @@ def test_legitimate_models_are_not_refused(tmp_path, monkeypatch):
     (tmp_path / "model.gguf").write_bytes(b"")
     # a bare hub id already downloaded
     (tmp_path / "hub" / "models--gpt2").mkdir(parents=True)
-    for model in (
-        None,
-        *serve.EMBEDDED,
-        "my-model",
-        "./my-model",
-        str(tmp_path / "my-model"),
-        "~/my-model",
-        "model.gguf",
-        "openai/gpt-oss-20b",
-        "Qwen/Qwen3-0.6B",
-        "openai-community/gpt2",
-        "gpt2",
-    ):
+    local = ["my-model", "./my-model", str(tmp_path / "my-model"), "~/my-model"]
+    hub = ["openai/gpt-oss-20b", "Qwen/Qwen3-0.6B", "openai-community/gpt2", "gpt2"]
+    for model in (None, *serve.EMBEDDED, *local, "model.gguf", *hub):
         serve.check_model(model)
 
 
@@ -131,10 +117,8 @@ def test_tiny_gpt_oss_gets_no_chat_line_and_the_reason():
         "http://127.0.0.1:8001/v1/completions"
     ]
     (reason,) = [line for line in lines if not line.startswith("try  ")]
-    assert (
-        reason.startswith("no chat line for tiny-gpt-oss: ")
-        and ("KeyError: '<|end|>'") in reason
-    )
+    assert reason.startswith("no chat line for tiny-gpt-oss: ")
+    assert "KeyError: '<|end|>'" in reason
     # a real GPT-OSS has harmony's tokens
     for model in ("tiny-chat", "openai/gpt-oss-20b"):
         assert [
@@ -190,17 +174,6 @@ def _printed_requests(log_text: str) -> list[tuple[str, dict]]:
     return requests
 
 
-def _post(url: str, body: dict) -> dict:
-    request = urllib.request.Request(
-        url,
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as resp:
-        assert resp.status == 200
-        return json.load(resp)
-
-
 @contextlib.contextmanager
 def _serving(port: int, log_path: Path):
     """`forkbuild serve` on PORT, its output in LOG_PATH, until healthy; stopped after.
@@ -234,12 +207,12 @@ def _check_greedy_answers(base: str) -> None:
     """Eight greedy tokens from each endpoint, text and chat message."""
     greedy = {"model": "tiny-chat", "max_tokens": 8, "temperature": 0}
     greedy["ignore_eos"] = True
-    text = _post(f"{base}/v1/completions", {**greedy, "prompt": "Hello, world!"})
+    text = post(f"{base}/v1/completions", {**greedy, "prompt": "Hello, world!"})
     assert text["usage"]["completion_tokens"] == 8
     assert isinstance(text["choices"][0]["text"], str)
     assert text["choices"][0]["text"]
     assert "+fork.1" in text["system_fingerprint"]
-    chat = _post(
+    chat = post(
         f"{base}/v1/chat/completions",
         {**greedy, "messages": [{"role": "user", "content": "Hello, world!"}]},
     )
@@ -262,7 +235,7 @@ def test_embedded_model_answers_a_completion_and_a_chat(tmp_path):
             f"{base}/v1/chat/completions",
         ]
         for url, body in printed:
-            answer = _post(url, body)
+            answer = post(url, body)
             assert answer["model"] == "tiny-chat"
             assert 1 <= answer["usage"]["completion_tokens"] <= body["max_tokens"]
         _check_greedy_answers(base)

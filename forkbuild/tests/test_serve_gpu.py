@@ -52,17 +52,13 @@ def _compute_capability() -> float:
     counts them: CUDA_VISIBLE_DEVICES applies), 0.0 without nvidia-smi or a GPU."""
     from forkbuild.gpu import required as gpu_required
 
+    query = [
+        "nvidia-smi",
+        f"--query-gpu={gpu_required.NVIDIA_SMI_QUERY}",
+        "--format=csv",
+    ]
     try:
-        out = subprocess.run(
-            [
-                "nvidia-smi",
-                f"--query-gpu={gpu_required.NVIDIA_SMI_QUERY}",
-                "--format=csv",
-            ],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout
+        out = subprocess.run(query, capture_output=True, text=True).stdout
         capabilities = gpu_required.parse_nvidia_smi(
             out, os.environ.get("CUDA_VISIBLE_DEVICES")
         )
@@ -238,23 +234,20 @@ def _server(extra: list[str], log_path: Path) -> Iterator[tuple[int, subprocess.
             stop_session(server)
 
 
-def _complete(port: int, prompt: str) -> dict:
-    body = json.dumps(
-        {
-            "model": "tiny-gpt-oss",
-            "prompt": prompt,
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-            "ignore_eos": True,
-        }
-    ).encode()
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions",
-        data=body,
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=300) as resp:
+def post(url: str, body: dict, timeout: float = 120) -> dict:
+    """BODY as JSON to URL; its answer, which must be 200."""
+    data = json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    request = urllib.request.Request(url, data=data, headers=headers)
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
+        assert resp.status == 200
         return json.load(resp)
+
+
+def _complete(port: int, prompt: str) -> dict:
+    body = {"model": "tiny-gpt-oss", "prompt": prompt, "max_tokens": MAX_TOKENS}
+    body |= {"temperature": 0, "ignore_eos": True}
+    return post(f"http://127.0.0.1:{port}/v1/completions", body, timeout=300)
 
 
 def _two_rounds(port: int) -> list[dict]:
@@ -268,14 +261,8 @@ def _kv_cache_reports(port: int) -> list[dict]:
     """Each worker's kv_cache_report, through the dev-mode endpoint of vLLM 0.25.1
     (vllm/entrypoints/serve/dev/rpc/api_router.py): it takes a method name and returns
     {"results": [one per worker]}, dicts as they are."""
-    body = json.dumps({"method": KV_CACHE_REPORT, "timeout": 60}).encode()
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/collective_rpc",
-        data=body,
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as resp:
-        return json.load(resp)["results"]
+    body = {"method": KV_CACHE_REPORT, "timeout": 60}
+    return post(f"http://127.0.0.1:{port}/collective_rpc", body)["results"]
 
 
 def _packed_kv_cache() -> PackedKVCache:
@@ -307,9 +294,8 @@ def _offload_bytes(port: int) -> tuple[float, float]:
     after the last answer."""
     deadline = time.monotonic() + 60
     while True:
-        with urllib.request.urlopen(
-            f"http://127.0.0.1:{port}/metrics", timeout=10
-        ) as resp:
+        url = f"http://127.0.0.1:{port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as resp:
             metrics = resp.read().decode()
         loaded = _counter(metrics, "vllm:kv_offload_load_bytes")
         stored = _counter(metrics, "vllm:kv_offload_store_bytes")
