@@ -69,13 +69,10 @@ def read_junit(junit: Path, killed: str = "") -> Outcome:
         if not name:  # what pytest writes for the case a Ctrl-C (SIGINT) interrupted
             continue
         if classname:
-            # "pkg.test_mod.TestClass" -> "pkg/test_mod.py::TestClass::name" (test
-            # classes are CamelCase after pytest's python_classes = Test*; modules never
-            # are).
+            # "pkg.test_mod.TestClass" -> "pkg/test_mod.py::TestClass::name" (classes:
+            # Test* after pytest's python_classes; modules never are)
             parts = classname.split(".")
-            cut = next(
-                (i for i, part in enumerate(parts) if part[:4] == "Test"), len(parts)
-            )
+            cut = next((i for i, p in enumerate(parts) if p[:4] == "Test"), len(parts))
             node = "::".join(["/".join(parts[:cut]) + ".py", *parts[cut:], name])
         else:  # a whole module skipped (or broken) at collection: NAME is the module
             node = f"{name.replace('.', '/')}.py::(module)"
@@ -114,8 +111,7 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 
 def _kill_all(pgid: int, token: str) -> None:
-    """SIGKILL the process group PGID and every process marked with TOKEN."""
-    _signal_group(pgid, signal.SIGKILL)
+    _signal_group(pgid, signal.SIGKILL)  # and every process marked with TOKEN
     for pid in pytest_progress.leftovers(token, _RUN_MARK):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
@@ -195,14 +191,11 @@ def run_pytest(
     prefix: tuple[str, ...] = (),
 ) -> Outcome:
     """Run pytest with ARGS in CWD (PYTHONPATH first on sys.path); read JUnit XML.
-
-    With OUTPUT, pytest's report goes to that file instead of the terminal: used for the
-    unpatched run, whose expected failures must not read as the run's result.
-    With TIMEOUT_S, the run (and all it started) is stopped after that many seconds and
-    the Outcome holds what pytest reported until then, with `killed` saying so and
-    naming the case in progress: a hung run must still leave a result to report.
-    PREFIX goes before the interpreter (e.g. `unshare -n`: no network).
-    """
+    OUTPUT: pytest's report goes there, not to the terminal (the unpatched run's
+    expected failures must not read as the result). TIMEOUT_S: the run and all it
+    started stop then, and the Outcome holds what pytest reported, `killed` naming the
+    case in progress: a hung run still leaves a result. PREFIX goes before the
+    interpreter (e.g. `unshare -n`: no network)."""
     env = {**os.environ, **(extra_env or {}), "PYTHONPATH": str(pythonpath or cwd)}
     junit.unlink(missing_ok=True)
     cmd = [*prefix, str(python), "-m", "pytest", "-p", "no:cacheprovider", "-q"]
@@ -212,7 +205,10 @@ def run_pytest(
     returncode, killed = _run(cmd, cwd, env, output, timeout_s)
     if killed:
         log.step(f"pytest in {cwd.name}: {killed}")
-        return _partial(junit, killed)
+        try:  # what pytest reported, if it got to write its JUnit XML whole
+            return read_junit(junit, killed)
+        except (OSError, ET.ParseError):  # not written, or cut off by the SIGKILL
+            return Outcome({}, killed=killed)
     if returncode not in (0, 1) or not junit.exists():
         raise ForkError(
             f"pytest could not run the tests in {cwd.name} (exit {returncode})",
@@ -223,11 +219,7 @@ def run_pytest(
 
 
 def _run(
-    cmd: list[str],
-    cwd: Path,
-    env: dict[str, str],
-    output: Path | None,
-    timeout_s: float | None,
+    cmd: list[str], cwd: Path, env: dict, output: Path | None, timeout_s: float | None
 ) -> tuple[int, str]:
     """Run CMD, its report to OUTPUT if given, logging the cases done now and then;
     return its exit code and, when it was stopped at TIMEOUT_S, the note naming the
@@ -250,18 +242,6 @@ def _run(
         if not stopped:
             return returncode, ""
         running = pytest_progress.read(progress.read_text())[2]
-        return returncode, _killed_note(timeout_s, running)
-
-
-def _partial(junit: Path, killed: str) -> Outcome:
-    """What a stopped run reported: its JUnit XML if pytest got to write it whole."""
-    try:
-        return read_junit(junit, killed)
-    except (OSError, ET.ParseError):  # not written, or cut off by the SIGKILL
-        return Outcome({}, killed=killed)
-
-
-def _killed_note(timeout_s: float, running: str) -> str:
-    where = f"while running {running}" if running else "outside a case"
-    where += "" if running else " (collecting, or in between)"
-    return f"stopped after its time limit of {timeout_s:g} s {where}"
+        where = f"while running {running}" if running else "outside a case"
+        where += "" if running else " (collecting, or in between)"
+        return returncode, f"stopped after its time limit of {timeout_s:g} s {where}"
