@@ -65,10 +65,8 @@ def add_arguments(cmd: argparse.ArgumentParser) -> None:
         help="model name or path, or an embedded model: "
         f"{', '.join(EMBEDDED)} (default: {EMBEDDED_NAME})",
     )
-    presets = sorted(PRESETS)
-    cmd.add_argument(
-        "--preset", choices=presets, help="a documented vLLM configuration"
-    )
+    preset = {"choices": sorted(PRESETS), "help": "a documented vLLM configuration"}
+    cmd.add_argument("--preset", **preset)
     cmd.add_argument("--host", default="127.0.0.1")
     cmd.add_argument("--port", type=int, default=8000)
     cmd.add_argument(
@@ -77,15 +75,11 @@ def add_arguments(cmd: argparse.ArgumentParser) -> None:
         default=DEFAULT_CPU_BYTES,
         help="CPU memory for offloaded KV blocks, with --preset offload-47054",
     )
-    cmd.add_argument(
-        "vllm_args",
-        nargs=argparse.REMAINDER,
-        help="after --: passed to vllm serve unchanged",
-    )
+    passed = "after --: passed to vllm serve unchanged"
+    cmd.add_argument("vllm_args", nargs=argparse.REMAINDER, help=passed)
 
 
-# A Hugging Face hub id: org/name (the hub's rules: letters, digits, '-', '_', '.', not
-# first).
+# A Hugging Face hub id: org/name (letters, digits, '-', '_', '.', not first).
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
@@ -106,15 +100,10 @@ def check_model(model: str | None) -> None:
         exists = model is not None and Path(model).expanduser().exists()
     except (OSError, ValueError):  # a name too long for a path, a NUL byte
         exists = False
-    bare = model is not None and "/" not in model
-    cached = bare and (_hub_cache() / f"models--{model}").is_dir()
-    if (
-        model is None
-        or model in EMBEDDED
-        or exists
-        or HUB_ID.fullmatch(model)
-        or cached
-    ):
+    if model is None or model in EMBEDDED or exists or HUB_ID.fullmatch(model):
+        return
+    bare = "/" not in model
+    if bare and (_hub_cache() / f"models--{model}").is_dir():
         return
     close = difflib.get_close_matches(model.lower(), EMBEDDED, n=1)
     if bare or close:
@@ -166,23 +155,16 @@ def ensure_tiny_model(python: Path, name: str = EMBEDDED_NAME) -> Path:
 
 
 def command(
-    python: Path,
-    model: str,
-    args: argparse.Namespace,
-    embedded: str | None,
-    *,
-    cpu: bool = False,
+    python: Path, model: str, args: argparse.Namespace, embedded: str | None, *, cpu=False
 ) -> list[str]:
     """The `vllm serve` command; EMBEDDED: the embedded model's name, when it is one."""
     cmd = [str(python.parent / "vllm"), "serve", model]
     cmd += ["--host", args.host, "--port", str(args.port)]
     if embedded:
         cmd += ["--served-model-name", embedded, "--max-model-len", "1024"]
-        cmd += ["--dtype", "bfloat16"]
-        if cpu:
-            # A random-weight demo gains nothing from the CPU platform's Inductor
-            # compile, which costs seconds of every start.
-            cmd += ["--enforce-eager"]
+        # A random-weight demo gains nothing from the CPU platform's Inductor compile,
+        # which costs seconds of every start.
+        cmd += ["--dtype", "bfloat16", *(["--enforce-eager"] if cpu else [])]
     if args.preset:
         cmd += PRESETS[args.preset](args.cpu_bytes)
     extra = args.vllm_args
@@ -201,21 +183,18 @@ def serve(pins: Pins, args: argparse.Namespace) -> None:
             "run it on a GPU host, or serve without --preset",
         )
     if args.route == "cuda" and not gpu:
-        raise ForkError(
-            "--route cuda needs an NVIDIA GPU, and this machine has none",
-            "use --route cpu",
-        )
+        no_gpu = "--route cuda needs an NVIDIA GPU, and this machine has none"
+        raise ForkError(no_gpu, "use --route cpu")
     preflight.check_port_free(args.host, args.port)
 
     from forkbuild.setup import install
 
     route = install.pick_route(pins, args.route)
     embedded = args.model or EMBEDDED_NAME if args.model in (None, *EMBEDDED) else None
-    generating = (
-        start_tiny_model(install.ensure_toolchain(pins, route.name), embedded)
-        if embedded
-        else None
-    )
+    generating = None
+    if embedded:
+        toolchain = install.ensure_toolchain(pins, route.name)
+        generating = start_tiny_model(toolchain, embedded)
     try:
         python, _, route = install.install(pins, route.name)
     except BaseException:
