@@ -17,6 +17,7 @@ import os
 import re
 import signal
 import subprocess
+from argparse import Namespace
 from pathlib import Path
 
 from forkbuild.core import log, preflight
@@ -155,7 +156,7 @@ def ensure_tiny_model(python: Path, name: str = EMBEDDED_NAME) -> Path:
 
 
 def command(
-    python: Path, model: str, args: argparse.Namespace, embedded: str | None, *, cpu=False
+    python: Path, model: str, args: Namespace, embedded: str | None, *, cpu=False
 ) -> list[str]:
     """The `vllm serve` command; EMBEDDED: the embedded model's name, when it is one."""
     cmd = [str(python.parent / "vllm"), "serve", model]
