@@ -36,15 +36,10 @@ def run(pins: Pins, route_name: str | None) -> str:
     results.mkdir(parents=True, exist_ok=True)
 
     with ThreadPoolExecutor(2) as pool:
-        tools_log = results / "forkbuild.core.log"
+        tools_log, tools_xml = results / "forkbuild.core.log", results / "forkbuild.xml"
         tools_run = pool.submit(
             pytest_runner.run_pytest,
-            *(
-                python,
-                REPO_ROOT,
-                ["-rfEs", "forkbuild/tests"],
-                results / "forkbuild.xml",
-            ),
+            *(python, REPO_ROOT, ["-rfEs", "forkbuild/tests"], tools_xml),
             pythonpath=REPO_ROOT,
             output=tools_log,
         )
@@ -54,11 +49,8 @@ def run(pins: Pins, route_name: str | None) -> str:
         finally:  # a broken proof must not hide failing tool tests or a failed route
             tools = tools_run.result()
             _report(tools, "forkbuild tool tests", tools_log)
-            if cuda_run.exception() is not None and sys.exc_info()[1] is not None:
-                print(
-                    "cuda route and gpu bundle without a GPU: error: "
-                    f"{cuda_run.exception()}"
-                )
+            if (error := cuda_run.exception()) and sys.exc_info()[1] is not None:
+                print(f"cuda route and gpu bundle without a GPU: error: {error}")
         cuda = cuda_run.result()
     # What the suites compiled, for the next clone.
     install.keep_bytecode(pins, route, tree_path)
@@ -83,10 +75,8 @@ def run(pins: Pins, route_name: str | None) -> str:
     if bundle:
         print(bundle.line())
     print(f"fork suite in {tree_path.name}: {suite}")
-    summary = (
-        f"summary: {passed} passed, {failed} failed, {skipped} skipped, "
-        f"{xfailed} xfailed"
-    )
+    summary = f"summary: {passed} passed, {failed} failed, {skipped} skipped, "
+    summary += f"{xfailed} xfailed"
     if failed:
         print(summary)
         raise ForkError(f"{failed} test(s) failed", f"JUnit reports are in {results}")
