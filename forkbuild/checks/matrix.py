@@ -1,12 +1,10 @@
 """`forkbuild matrix`: the fork's CPU suite on stock upstream releases and on the fork.
 
-For each release of fork.toml [matrix]: its sdist (pinned) becomes a git tree under
-build/matrix/vllm-<version> with the fork's tests on top and the compiled extensions of
-its own binary wheel (pinned) beside its Python code; the suite runs there on a venv
-with the torch that release pins (the fork's venv when it is the fork's torch). The
-result is a table in docs/version-matrix.md and the per-case record
-docs/version-matrix.json that the patch-status check reads.
-"""
+Each release of fork.toml [matrix]: its pinned sdist as a git tree under
+build/matrix/vllm-<version>, the fork's tests on top, its pinned binary wheel's compiled
+extensions beside; the suite runs on a venv with that release's torch. The result:
+docs/version-matrix.md and the per-case record docs/version-matrix.json (read by the
+patch-status check)."""
 
 from __future__ import annotations
 

@@ -1,19 +1,15 @@
 """`make test`: everything CI runs, after installing everything it needs.
 
-1. forkbuild's own tests (bad input, idempotence, the wheel, serving a tiny model), in
-   build/venv: the one environment where all their imports resolve (some import vLLM
-   and torch in-process; every route's lock holds [toolchain] forkbuild too), while
-   forkbuild itself runs in its tool environment (forkbuild/setup/bootstrap.py);
-2. without a GPU, the CUDA route (forkbuild/gpu/cuda_route.py) up to the ops'
-   dispatch, then the GPU bundle checked on a simulated host
-   (forkbuild/gpu/bundle/check.py);
-3. the CPU suite on the unpatched tree, where exactly the regression modules' cases must
-   fail, and on the fork, where everything must pass (forkbuild/checks/regression.py);
-4. the patch-status check (every patch's DEP-3 Applied-Upstream on the version matrix).
+1. forkbuild's own tests in build/venv, the one environment where all their imports
+   resolve (some import vLLM and torch in-process), while forkbuild runs in its tool
+   environment (forkbuild/setup/bootstrap.py);
+2. without a GPU, the CUDA route up to the ops' dispatch, then the GPU bundle checked on
+   a simulated host (forkbuild/gpu/cuda_route.py, forkbuild/gpu/bundle/check.py);
+3. the regression proof: the CPU suite on the unpatched tree and on the fork;
+4. the patch-status check.
 1-3 run at once, as separate processes: alone, each leaves much of a 2-core machine
 idle. The terminal shows the fork suite, the others report to build/test-results; it
-ends with one plain summary line.
-"""
+ends with one plain summary line."""
 
 from __future__ import annotations
 

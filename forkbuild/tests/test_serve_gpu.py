@@ -3,20 +3,15 @@ KV blocks evicted to CPU and reloaded, next to a server without offloading.
 Runs in the nightly GPU job (.ci/gpu-nightly); skipped elsewhere.
 
 With random weights a greedy token can flip when the batch around a request changes, and
-8 concurrent requests are batched differently by the two servers (eviction, reloads). So
-the texts are compared only for one request sent alone to each server while it is cold;
-the concurrent rounds must answer every request in full, the offload server must have
-stored and loaded KV bytes, and neither log may show an error.
-
-vLLM 0.25.1 logs nothing when it packs the KV cache, and per-layer offloading passes all
-of the above too. So each server's worker reports the KV cache it holds (the worker
-extension of tests/v1/worker/offload_round_trip.py, called through the dev-mode
-`/collective_rpc` endpoint): the offload server's must be packed block rows in HND
-order, the plain server's not packed.
-
-The servers run one after the other on one GPU: the second starts only once every
-process of the first (API server, engine core, workers) has exited, or its memory
-profiling would see the first's memory come free and refuse to start."""
+the two servers batch 8 concurrent requests differently: the texts are compared only
+for one request sent alone to each cold server; the concurrent rounds must answer every
+request in full, the offload server must have stored and loaded KV bytes, and neither
+log may show an error. vLLM 0.25.1 logs nothing when it packs the KV cache, and
+per-layer offloading passes all of that too: so each server's worker reports its KV
+cache (tests/v1/worker/offload_round_trip.py, through the dev-mode /collective_rpc):
+the offload server's must be packed block rows in HND order, the plain one's not.
+The second server starts only once every process of the first has exited, or its
+memory profiling would see the first's memory come free and refuse to start."""
 
 from __future__ import annotations
 

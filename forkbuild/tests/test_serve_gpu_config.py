@@ -1,8 +1,7 @@
-"""The engine arguments of test_serve_gpu.py through vLLM's own parser, config and
-start-up KV-cache check, on CPU: an argument vLLM rejects, or a
---num-gpu-blocks-override too small for one request of --max-model-len, fails here
-rather than in the nightly GPU job. Also on CPU: the helper that waits for every process
-of one server before the next starts."""
+"""test_serve_gpu.py's engine arguments through vLLM's parser, config and start-up KV
+cache check, on CPU: an argument vLLM rejects, or a --num-gpu-blocks-override too small
+for one request of --max-model-len, fails here, not in the nightly GPU job. Also the
+helper that waits for every process of one server before the next starts."""
 
 from __future__ import annotations
 
