@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
@@ -23,8 +22,7 @@ from forkbuild.tests.test_serve_gpu import (
     _kv_cache_reports,
     free_port,
     post,
-    stop_session,
-    wait_healthy,
+    serving,
 )
 from tests.v1.worker.offload_round_trip import KV_CACHE_INSPECTION, check_not_packed
 
@@ -174,35 +172,6 @@ def _printed_requests(log_text: str) -> list[tuple[str, dict]]:
     return requests
 
 
-@contextlib.contextmanager
-def _serving(port: int, log_path: Path):
-    """`forkbuild serve` on PORT, its output in LOG_PATH, until healthy; stopped after.
-    The GPU serve test's KV cache check, exercised here on CPU: the worker extension
-    passed through to vllm serve, and the dev-mode /collective_rpc that calls it by
-    name."""
-    extension = ["--worker-extension-cls", KV_CACHE_INSPECTION]
-    path = filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])
-    with log_path.open("w") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "forkbuild", "serve", "--port", str(port), "--"]
-            + extension,
-            cwd=REPO_ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={
-                **os.environ,
-                "VLLM_SERVER_DEV_MODE": "1",
-                "PYTHONPATH": os.pathsep.join(path),
-            },
-        )
-        try:
-            wait_healthy(server, port, log_path, 300)
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            stop_session(server, stop_s=60, kill_s=30)
-
-
 def _check_greedy_answers(base: str) -> None:
     """Eight greedy tokens from each endpoint, text and chat message."""
     greedy = {"model": "tiny-chat", "max_tokens": 8, "temperature": 0}
@@ -225,9 +194,12 @@ def _check_greedy_answers(base: str) -> None:
 
 
 def test_embedded_model_answers_a_completion_and_a_chat(tmp_path):
-    port = free_port()
+    # The GPU serve test's KV cache check, exercised here on CPU: the worker extension
+    # passed through to vllm serve, and the dev-mode /collective_rpc that calls it.
     log_path = tmp_path / "serve.log"
-    with _serving(port, log_path) as base:
+    extension = ["--", "--worker-extension-cls", KV_CACHE_INSPECTION]
+    with serving(extension, log_path, 300, stop_s=60, kill_s=30) as (port, _):
+        base = f"http://127.0.0.1:{port}"
         # The two lines the user is told to try, sent as printed: both endpoints answer.
         printed = _printed_requests(log_path.read_text())
         assert [url for url, _ in printed] == [

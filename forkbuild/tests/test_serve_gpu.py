@@ -201,13 +201,15 @@ def wait_healthy(server: subprocess.Popen, port: int, log: Path, limit_s: int) -
 
 
 @contextmanager
-def _server(extra: list[str], log_path: Path) -> Iterator[tuple[int, subprocess.Popen]]:
+def serving(
+    args: list[str], log_path: Path, limit_s: int, **stop: float
+) -> Iterator[tuple[int, subprocess.Popen]]:
+    """`forkbuild serve ARGS` on a free port, its output in LOG_PATH, until healthy;
+    stopped after (stop_session: it runs in a session of its own)."""
     port = free_port()
     with open(log_path, "w") as log:
         server = subprocess.Popen(
-            [sys.executable, "-m", "forkbuild", "serve", "--route", "cuda"]
-            + ["--port", str(port), *MODEL_ARGS, *extra, "--", *ENGINE_ARGS],
-            # Its own session: stop_session waits for every process of the server.
+            [sys.executable, "-m", "forkbuild", "serve", "--port", str(port), *args],
             cwd=REPO_ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -223,10 +225,15 @@ def _server(extra: list[str], log_path: Path) -> Iterator[tuple[int, subprocess.
             },
         )
         try:
-            wait_healthy(server, port, log_path, 600)
+            wait_healthy(server, port, log_path, limit_s)
             yield port, server
         finally:
-            stop_session(server)
+            stop_session(server, **stop)
+
+
+def _server(extra: list[str], log_path: Path):
+    args = ["--route", "cuda", *MODEL_ARGS, *extra, "--", *ENGINE_ARGS]
+    return serving(args, log_path, 600)
 
 
 def post(url: str, body: dict, timeout: float = 120) -> dict:
