@@ -150,14 +150,9 @@ def run_tree(pins: Pins, python: Path, tree_path: Path, name: str) -> Outcome:
     regression.check_imports_from(python, tree_path)
     results = build_dir() / "test-results"
     results.mkdir(parents=True, exist_ok=True)
-    return run_pytest(
-        python,
-        tree_path,
-        [*fork_test_modules(pins, tree_path), "-m", "cpu_test"],
-        results / f"matrix-{name}.xml",
-        output=results / f"matrix-{name}.log",
-        extra_env=CPU_ENV,
-    )
+    args = [*fork_test_modules(pins, tree_path), "-m", "cpu_test"]
+    junit, output = results / f"matrix-{name}.xml", results / f"matrix-{name}.log"
+    return run_pytest(python, tree_path, args, junit, output=output, extra_env=CPU_ENV)
 
 
 def run(pins: Pins, versions: list[str] | None = None) -> list[Row]:
@@ -213,10 +208,7 @@ def write(pins: Pins, rows: list[Row]) -> None:
     for row in rows:
         release = None if row.key == FORK_ROW else pins.release(row.key)
         record["rows"][row.key] = {
-            "title": row.title,
-            "torch": row.torch,
-            "binaries": row.binaries,
-            "line": row.line,
+            **{k: getattr(row, k) for k in ("title", "torch", "binaries", "line")},
             "sdist_sha256": (release or pins).sdist.sha256,
             "note": release.note if release else "",
             "cases": dict(sorted(row.outcome.cases.items())),
@@ -229,10 +221,8 @@ def write(pins: Pins, rows: list[Row]) -> None:
     table = render(pins, record)
     TABLE.write_text(table)
     print(table)
-    log.step(
-        f"matrix: wrote {TABLE.relative_to(REPO_ROOT)} and "
-        f"{RECORD.relative_to(REPO_ROOT)}"
-    )
+    wrote = [str(p.relative_to(REPO_ROOT)) for p in (TABLE, RECORD)]
+    log.step(f"matrix: wrote {' and '.join(wrote)}")
 
 
 INTRO = """\
