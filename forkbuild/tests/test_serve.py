@@ -88,10 +88,9 @@ def test_model_that_names_nothing_is_refused(model, close, tmp_path, monkeypatch
         serve.check_model(model)
     assert (f"did you mean {close}?" in str(err.value)) == bool(close)
     assert "org/name" in err.value.hint and "\n" not in str(err.value)
+    nothing = "is not a local path that exists, nor a hub id"
     for path in ("/no/such/folder", "models/a/b"):
-        with pytest.raises(
-            ForkError, match="is not a local path that exists, nor a hub id"
-        ):
+        with pytest.raises(ForkError, match=nothing):
             serve.check_model(path)
 
 
@@ -111,17 +110,15 @@ def test_legitimate_models_are_not_refused(tmp_path, monkeypatch):
 
 def test_tiny_gpt_oss_gets_no_chat_line_and_the_reason():
     lines = serve.try_lines("127.0.0.1", 8001, "tiny-gpt-oss")
-    assert [line.split()[2] for line in lines if line.startswith("try  curl ")] == [
-        "http://127.0.0.1:8001/v1/completions"
-    ]
+    urls = [line.split()[2] for line in lines if line.startswith("try  curl ")]
+    assert urls == ["http://127.0.0.1:8001/v1/completions"]
     (reason,) = [line for line in lines if not line.startswith("try  ")]
     assert reason.startswith("no chat line for tiny-gpt-oss: ")
     assert "KeyError: '<|end|>'" in reason
     # a real GPT-OSS has harmony's tokens
     for model in ("tiny-chat", "openai/gpt-oss-20b"):
-        assert [
-            line.split()[2].rsplit("/", 1)[1] for line in serve.try_lines("h", 1, model)
-        ] == ["completions", "completions"]
+        urls = [line.split()[2] for line in serve.try_lines("h", 1, model)]
+        assert [url.rsplit("/", 1)[1] for url in urls] == ["completions"] * 2
 
 
 def test_tiny_gpt_oss_chat_fails_as_the_reason_says():

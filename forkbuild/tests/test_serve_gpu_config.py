@@ -112,33 +112,26 @@ def test_serve_gpu_args_pass_the_startup_check(server, tiny_model, offline):
 
     kv_cache_config = _plan(config)
     assert kv_cache_config.num_blocks == GPU_BLOCKS
-    specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
-    assert sorted(type(spec).__name__ for spec in specs) == [
-        FullAttentionSpec.__name__,
-        SlidingWindowSpec.__name__,
-    ]
-    assert _use_packed_kv_cache_config(config, kv_cache_config.kv_cache_groups) == (
-        server == "offload"
-    )
+    groups = kv_cache_config.kv_cache_groups
+    specs = [group.kv_cache_spec for group in groups]
+    kinds = sorted(type(spec).__name__ for spec in specs)
+    assert kinds == [FullAttentionSpec.__name__, SlidingWindowSpec.__name__]
+    assert _use_packed_kv_cache_config(config, groups) == (server == "offload")
     # The sliding group's need is capped by max_model_len, so this platform's default
     # max_num_batched_tokens plans the same blocks as a Hopper GPU's.
     (sliding,) = [spec for spec in specs if isinstance(spec, SlidingWindowSpec)]
+    need = sliding.max_admission_blocks_per_request
     here = config.scheduler_config.max_num_batched_tokens
-    assert {
-        sliding.max_admission_blocks_per_request(
-            max_num_batched_tokens=tokens, max_model_len=1024
-        )
-        for tokens in (here, HOPPER_SERVE_BATCHED_TOKENS)
-    } == {65}
+    batched = (here, HOPPER_SERVE_BATCHED_TOKENS)
+    assert {need(max_num_batched_tokens=t, max_model_len=1024) for t in batched} == {65}
 
 
 # 96: the old value; GPU_BLOCKS - 1: the check is tight at 64 + 65 blocks.
 @pytest.mark.parametrize("blocks", [96, GPU_BLOCKS - 1])
 @pytest.mark.parametrize("server", SERVERS)
 def test_too_few_gpu_blocks_are_refused(server, blocks, tiny_model, offline):
-    config = _engine_config(
-        tiny_model, SERVERS[server], _with_override(ENGINE_ARGS, blocks)
-    )
+    engine_args = _with_override(ENGINE_ARGS, blocks)
+    config = _engine_config(tiny_model, SERVERS[server], engine_args)
     assert config.cache_config.num_gpu_blocks_override == blocks
     with pytest.raises(ValueError, match=REFUSED):
         _plan(config)
