@@ -73,14 +73,10 @@ class Pins:
     gpu: GpuTable | None = None  # fork.toml [gpu]
 
     @property
-    def regression_tests(self) -> tuple[str, ...]:
-        """Every regression module, of every patch, in fork.toml's order."""
-        return tuple(
-            dict.fromkeys(m for ms in self.regression_by_patch.values() for m in ms)
-        )
+    def regression_tests(self) -> tuple[str, ...]:  # every patch's, fork.toml's order
+        return tuple({m: 0 for ms in self.regression_by_patch.values() for m in ms})
 
-    def torch_pins(self, version: str) -> dict[str, str]:
-        """sha256 pins of VERSION's torch wheels (the toolchain's or a release's)."""
+    def torch_pins(self, version: str) -> dict[str, str]:  # its wheels' sha256
         prefix = f"torch-{version}-"
         return {k: v for k, v in self.torch_sha256.items() if k.startswith(prefix)}
 
@@ -117,9 +113,8 @@ def load(path: Path = PINS_FILE) -> Pins:
     try:
         raw = tomllib.loads(path.read_text())
     except FileNotFoundError:
-        raise ForkError(
-            f"{path} is missing", "run forkbuild from a clone of the fork"
-        ) from None
+        hint = "run forkbuild from a clone of the fork"
+        raise ForkError(f"{path} is missing", hint) from None
     except tomllib.TOMLDecodeError as exc:
         raise ForkError(f"{path} is not valid TOML: {exc}", "fix the file") from None
     try:
@@ -224,8 +219,7 @@ class GpuTable:
     kinds: tuple[GpuKind, ...]
     cases: dict[str, GpuCase]
 
-    def all_required(self) -> set[str]:
-        """Every node id that some GPU kind, with any GPU count, requires."""
+    def all_required(self) -> set[str]:  # of every kind, with any GPU count
         return set(self.cases)
 
     def kind_of(self, capability: Capability) -> GpuKind | None:
@@ -238,8 +232,7 @@ class GpuTable:
         return next(kind for kind in self.kinds if kind.name == name)
 
     @property
-    def queues(self) -> dict[str, tuple[GpuKind, int]]:
-        """Every agent queue: its kind and its agents' GPU count."""
+    def queues(self) -> dict[str, tuple[GpuKind, int]]:  # queue -> kind, GPUs
         return {q: (k, n) for k in self.kinds for q, n in k.queues}
 
 
@@ -280,8 +273,7 @@ def _gpu_case(node: str, c: dict, kinds: list[str]) -> GpuCase:
 
 
 def cache_dir() -> Path:
-    """Downloads live outside the clone so that a fresh clone on the same machine reuses
-    them."""
+    """Outside the clone: a fresh clone on the same machine reuses the downloads."""
     if os.environ.get("VLLM_FORK_CACHE"):
         return Path(os.environ["VLLM_FORK_CACHE"])
     cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"

@@ -105,17 +105,12 @@ def links(path: Path) -> list[tuple[int, str]]:
     return found
 
 
-def _destination(root: Path, doc: Path, path_part: str) -> Path:
-    if not path_part:
-        return doc
-    if path_part.startswith("/"):  # GitHub: from the repository's root
-        return root / path_part.lstrip("/")
-    return doc.parent / path_part
-
-
 def _link_problem(root: Path, doc: Path, target: str) -> str | None:
     path_part, _, fragment = target.partition("#")
-    dest = _destination(root, doc, unquote(path_part)).resolve()
+    path_part = unquote(path_part)
+    # from the repository's root where it starts with /, as on GitHub
+    dest = root / path_part[1:] if path_part[:1] == "/" else doc.parent / path_part
+    dest = (dest if path_part else doc).resolve()
     if not dest.is_relative_to(root.resolve()):
         return "outside the repository"
     if not dest.exists():
