@@ -231,11 +231,6 @@ def serving(
             stop_session(server, **stop)
 
 
-def _server(extra: list[str], log_path: Path):
-    args = ["--route", "cuda", *MODEL_ARGS, *extra, "--", *ENGINE_ARGS]
-    return serving(args, log_path, 600)
-
-
 def post(url: str, body: dict, timeout: float = 120) -> dict:
     """BODY as JSON to URL; its answer, which must be 200."""
     data = json.dumps(body).encode()
@@ -309,7 +304,8 @@ def _offload_bytes(port: int) -> tuple[float, float]:
 def _serve(
     extra: list[str], log_path: Path, offload: bool
 ) -> tuple[str, list[dict], tuple[float, float]]:
-    with _server(extra, log_path) as (port, server):
+    args = ["--route", "cuda", *MODEL_ARGS, *extra, "--", *ENGINE_ARGS]
+    with serving(args, log_path, 600) as (port, server):
         # The KV cache under test, before any request (a config that stops packing fails
         # here, not after minutes of a test of per-layer offloading).
         (report,) = _kv_cache_reports(port)  # one worker
