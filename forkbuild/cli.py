@@ -99,7 +99,8 @@ STEPS = {
     ),
     "regression": Step(
         lambda a, p: regression.check(p, *install.install(p, a.route)[:2]),
-        "the regression tests must fail unpatched and pass patched", True
+        "the regression tests must fail unpatched and pass patched",
+        True,
     ),
     "wheel": Step(
         lambda a, p: print(wheel.build(p)),
