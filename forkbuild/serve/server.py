@@ -93,10 +93,10 @@ def _hub_cache() -> Path:
 
 
 def check_model(model: str | None) -> None:
-    """Refuse, before minutes of install and a hub lookup, a --model that names nothing
-    (served: an embedded model, a local path, a hub id org/name, a bare name the hub
-    cache holds). The hub's old bare ids (gpt2) have an org/name too; a bare name here
-    is far more often a mistyped embedded name or a missing local folder."""
+    """Refuse, before minutes of install and a hub lookup, a --model that is no embedded
+    model, local path, hub id org/name or bare name the hub cache holds. The hub's old
+    bare ids (gpt2) have an org/name too: a bare name is far more often a mistyped
+    embedded name or a missing local folder."""
     try:
         exists = model is not None and Path(model).expanduser().exists()
     except (OSError, ValueError):  # a name too long for a path, a NUL byte
@@ -122,9 +122,8 @@ def check_model(model: str | None) -> None:
 
 
 def start_tiny_model(python: Path, name: str = EMBEDDED_NAME) -> subprocess.Popen[str]:
-    """Start generating embedded model NAME (a no-op when it is current). The generators
-    live with the fork's tests, so this needs only the venv and can run while the tree
-    is installed."""
+    """Start generating embedded model NAME (a no-op when current): its generator, with
+    the fork's tests, needs only the venv, so it runs while the tree is installed."""
     out = build_dir() / "models" / name
     log.step(f"serve: preparing the embedded model {name} in {out}")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -209,9 +208,7 @@ def serve(pins: Pins, args: argparse.Namespace) -> None:
         raise
     model = str(finish_tiny_model(generating)) if generating else args.model
     model = os.path.expanduser(model)
-    env = dict(os.environ)
-    if embedded:
-        env["HF_HUB_OFFLINE"] = "1"
+    env = {**os.environ, **({"HF_HUB_OFFLINE": "1"} if embedded else {})}
     if route.target_device == "cpu":
         # GiB; vLLM's default is sized for big hosts
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -225,17 +222,17 @@ def serve(pins: Pins, args: argparse.Namespace) -> None:
 
 
 def demo_engine_env(embedded: str | None) -> dict[str, str]:
-    """The embedded model's CPU worker in the engine-core process (the `uni` executor,
-    not a process of its own): one vLLM import and OpenMP binding less at start-up. A
-    real model keeps vLLM's default, and so does a user who sets the variable."""
+    """The embedded model's CPU worker in the engine-core process (the `uni` executor):
+    one vLLM import and OpenMP binding less at start-up. A real model, or a user who
+    sets the variable, keeps vLLM's default."""
     if not embedded or "VLLM_ENABLE_V1_MULTIPROCESSING" in os.environ:
         return {}
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def try_lines(host: str, port: int, model: str) -> list[str]:
-    """The `try  curl ...` lines `serve` prints for the completions and chat endpoints
-    (the serve test sends both); for a model in NO_CHAT, why there is no chat line."""
+    """The `try  curl ...` lines for the completions and chat endpoints (the serve test
+    sends both); for a model in NO_CHAT, why there is no chat line."""
     base = f"curl http://{host}:{port}/v1"
     head = "-H 'Content-Type: application/json'"
     completion = {"model": model, "prompt": "Hello", "max_tokens": 8}
