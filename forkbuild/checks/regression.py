@@ -82,8 +82,7 @@ def check_imports_from(python: Path, path: Path) -> None:
 
 
 def check(pins: Pins, python: Path, fork_tree: Path) -> Outcome:
-    """Run the suite on the unpatched tree and on the fork at once; return the fork's
-    outcome."""
+    """Run the suite on the unpatched tree and on the fork at once; the fork's outcome."""
     results = build_dir() / "test-results"
     results.mkdir(exist_ok=True)
 
@@ -98,22 +97,16 @@ def check(pins: Pins, python: Path, fork_tree: Path) -> Outcome:
     with ThreadPoolExecutor(1) as pool:
         stock_run = pool.submit(on_stock_tree)
         check_imports_from(python, fork_tree)
-        on_fork = run_pytest(
-            python, fork_tree, list(pins.suite), results / "suite-fork.xml"
-        )
+        fork_junit = results / "suite-fork.xml"
+        on_fork = run_pytest(python, fork_tree, [*pins.suite], fork_junit)
         stock, on_stock = stock_run.result()
 
     _report(pins, results, (fork_tree, on_fork), (stock, on_stock))
     problems = [f"{c} {s} on the fork" for c, s in on_fork.cases.items() if s in BAD]
-    problems += [
-        f"{w} on v{pins.upstream_version}"
-        for w in _wrong_on_stock(on_stock, pins.regression_tests)
-    ]
-    problems += [
-        f"{m} ran no case"
-        for m in pins.regression_tests
-        if not any(c.startswith(m + "::") for c in on_stock.cases)
-    ]
+    wrong = _wrong_on_stock(on_stock, pins.regression_tests)
+    problems += [f"{w} on v{pins.upstream_version}" for w in wrong]
+    ran = {c.split("::", 1)[0] for c in on_stock.cases}
+    problems += [f"{m} ran no case" for m in pins.regression_tests if m not in ran]
     if problems:
         raise ForkError(
             f"{len(problems)} case(s) break the proof, e.g. {problems[0]}",

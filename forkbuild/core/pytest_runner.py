@@ -22,8 +22,7 @@ from forkbuild.core.errors import ForkError
 @dataclass(frozen=True)
 class Outcome:
     """Per-case results of one pytest run: node id -> passed | failed | error | skipped
-    | xfailed (JUnit files an xfail as a skip of type pytest.xfail; it is counted
-    apart)."""
+    | xfailed (JUnit files an xfail as a skip of type pytest.xfail; counted apart)."""
 
     cases: dict[str, str]
     reasons: dict[str, str] = field(default_factory=dict)  # skipped case -> why
