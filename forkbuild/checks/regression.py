@@ -82,7 +82,7 @@ def check_imports_from(python: Path, path: Path) -> None:
 
 
 def check(pins: Pins, python: Path, fork_tree: Path) -> Outcome:
-    """Run the suite on the unpatched tree and on the fork at once; the fork's outcome."""
+    """Run the suite on the unpatched tree and the fork at once; the fork's outcome."""
     results = build_dir() / "test-results"
     results.mkdir(exist_ok=True)
 
