@@ -67,19 +67,17 @@ def test_unwritable_cache_or_build_is_refused_with_its_variable(
     assert err.value.hint == f"make it writable, or set {variable} to a writable folder"
 
 
-def test_port_in_use_is_refused():
+def test_port_in_use_is_refused(monkeypatch):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        with pytest.raises(
-            ForkError, match=f"port {port} on 127.0.0.1 is already in use"
-        ) as err:
+        in_use = f"port {port} on 127.0.0.1 is already in use"
+        with pytest.raises(ForkError, match=in_use) as err:
             preflight.check_port_free("127.0.0.1", port)
         assert "pass --port N" in err.value.hint
         # Through `make serve` (the Makefile names its variable) the advice is PORT=N.
-        with pytest.MonkeyPatch.context() as env:
-            env.setenv("FORKBUILD_PORT_OPTION", "PORT=N (make serve PORT=8001)")
-            with pytest.raises(ForkError) as err:
-                preflight.check_port_free("127.0.0.1", port)
+        monkeypatch.setenv("FORKBUILD_PORT_OPTION", "PORT=N (make serve PORT=8001)")
+        with pytest.raises(ForkError) as err:
+            preflight.check_port_free("127.0.0.1", port)
         assert "pass PORT=N" in err.value.hint
