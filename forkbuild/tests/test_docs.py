@@ -75,9 +75,8 @@ def _html(text: str) -> list[tuple[int, _HtmlTargets]]:
 
 def github_anchor(heading: str) -> str:
     """The id GitHub gives a heading (github-slugger's rules)."""
-    (opening,) = [
-        t for t in _MARKDOWN.parse(f"# {heading}") if t.type == "heading_open"
-    ]
+    tokens = _MARKDOWN.parse(f"# {heading}")
+    (opening,) = [t for t in tokens if t.type == "heading_open"]
     return opening.attrs["id"]
 
 
@@ -98,9 +97,8 @@ def links(path: Path) -> list[tuple[int, str]]:
     found = [(0, ref["href"]) for ref in env.get("references", {}).values()]
     for line, token in _tokens(text):
         if token.type in ("link_open", "image"):
-            found.append(
-                (line, token.attrs["src" if token.type == "image" else "href"])
-            )
+            attribute = "src" if token.type == "image" else "href"
+            found.append((line, token.attrs[attribute]))
     found += [(line, t) for line, html in _html(text) for t in html.targets]
     return found
 
@@ -129,12 +127,12 @@ def broken_links(root: Path) -> list[str]:
     problems = []
     for doc in doc_files(root):
         for number, target in links(doc):
-            if not _EXTERNAL.match(target) and (
-                problem := _link_problem(root, doc, target)
-            ):
-                problems.append(
-                    f"{doc.relative_to(root)}:{number}: {target}: {problem}"
-                )
+            problem = (
+                None if _EXTERNAL.match(target) else _link_problem(root, doc, target)
+            )
+            if problem:
+                where = f"{doc.relative_to(root)}:{number}"
+                problems.append(f"{where}: {target}: {problem}")
     return problems
 
 
@@ -219,17 +217,14 @@ def test_docs_every_page_is_linked_from_the_readme():
 
 def test_docs_readme_is_a_landing_page():
     words = len((REPO_ROOT / "README.md").read_text().split())  # as `wc -w` counts
-    assert words <= README_MAX_WORDS, (
-        f"README.md has {words} words: move detail to docs/"
-    )
+    too_long = f"README.md has {words} words: move detail to docs/"
+    assert words <= README_MAX_WORDS, too_long
 
 
 def test_make_help_lists_the_environment_and_where_logs_go_as_the_docs_do():
     make = ["make", "-s", "help", f"PYTHON={sys.executable}"]
-    done = subprocess.run(
-        make, cwd=REPO_ROOT, capture_output=True, text=True, check=True
-    )
-    text = done.stdout
+    done = subprocess.run(make, cwd=REPO_ROOT, capture_output=True, check=True)
+    text = done.stdout.decode()
     # Every VLLM_FORK_* variable forkbuild reads, found in its sources.
     source = "".join(p.read_text() for p in (REPO_ROOT / "forkbuild").rglob("*.py"))
     read = r"""environ(?:\.get\(|\[)\s*["'](VLLM_FORK_\w+)["']"""
