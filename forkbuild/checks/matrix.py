@@ -1,12 +1,10 @@
 """`forkbuild matrix`: the fork's CPU suite on stock upstream releases and on the fork.
 
-For each release of fork.toml [matrix]: its sdist (pinned) becomes a git tree under
-build/matrix/vllm-<version> with the fork's tests on top and the compiled extensions of
-its own binary wheel (pinned) beside its Python code; the suite runs there on a venv
-with the torch that release pins (the fork's venv when it is the fork's torch). The
-result is a table in docs/version-matrix.md and the per-case record
-docs/version-matrix.json that the patch-status check reads.
-"""
+Each release of fork.toml [matrix]: its pinned sdist as a git tree under
+build/matrix/vllm-<version>, the fork's tests on top, its pinned binary wheel's compiled
+extensions beside; the suite runs on a venv with that release's torch. The result:
+docs/version-matrix.md and the per-case record docs/version-matrix.json (read by the
+patch-status check)."""
 
 from __future__ import annotations
 
@@ -42,8 +40,7 @@ def matrix_dir() -> Path:
 
 
 def fork_test_modules(pins: Pins, tree_path: Path) -> list[str]:
-    """The fork's CPU test modules (tests/v1/worker/test_*.py that are not GPU-only),
-    as overlaid on TREE_PATH."""
+    """The fork's CPU test modules, as overlaid on TREE_PATH."""
     modules = [
         str(Path("tests") / p.relative_to(tree.TESTS_DIR))
         for p in tree.overlay_files()
@@ -53,14 +50,9 @@ def fork_test_modules(pins: Pins, tree_path: Path) -> list[str]:
     return [m for m in modules if m not in not_cpu and (tree_path / m).is_file()]
 
 
-# -- trees -----------------------------------------------------------------------------
-
-
 def release_tree(pins: Pins, release: Release) -> Path:
-    """build/matrix/vllm-<version>: the stock release + the fork's tests + its
-    binaries."""
-    # pip needs torch to read vLLM sdists' metadata
-    toolchain = lambda: install.ensure_toolchain(pins, "cpu")
+    """build/matrix/vllm-<version>: the stock release + the fork's tests + binaries."""
+    toolchain = lambda: install.ensure_toolchain(pins, "cpu")  # pip reads sdists: torch
     sdist = fetch.fetch(release.sdist, toolchain)
     binaries = fetch.fetch(release.binaries, toolchain)
     inputs = [release.sdist.sha256, release.binaries.sha256]
@@ -92,16 +84,9 @@ def release_tree(pins: Pins, release: Release) -> Path:
 def add_binaries(dest: Path, wheel: Path, version: str) -> None:
     """What the wheel has beside the sdist's sources (compiled extensions, vendored
     kernels' Python), plus version metadata naming the CPU platform."""
-    added = 0
     with zipfile.ZipFile(wheel) as zf:
-        for name in zf.namelist():
-            if (
-                name.startswith("vllm/")
-                and not name.endswith("/")
-                and not (dest / name).exists()
-            ):
-                zf.extract(name, dest)
-                added += 1
+        names = [n for n in zf.namelist() if n.startswith("vllm/") and n[-1] != "/"]
+        added = [zf.extract(n, dest) for n in names if not (dest / n).exists()]
     label = f"{version}+cpu"
     (dest / "vllm" / "_version.py").write_text(
         f"__version__ = version = {label!r}\n__version_tuple__ = version_tuple = "
@@ -113,10 +98,7 @@ def add_binaries(dest: Path, wheel: Path, version: str) -> None:
     (meta / "PKG-INFO").write_text(
         f"Metadata-Version: 2.1\nName: vllm\nVersion: {label}\n"
     )
-    log.step(f"matrix: {added} file(s) from {wheel.name} added beside the sources")
-
-
-# -- environments ----------------------------------------------------------------------
+    log.step(f"matrix: {len(added)} file(s) from {wheel.name} added beside the sources")
 
 
 def release_python(pins: Pins, release: Release, release_tree_path: Path) -> Path:
@@ -140,17 +122,9 @@ def release_python(pins: Pins, release: Release, release_tree_path: Path) -> Pat
     requirements = [torch_line, *pins.test]
     req_file = release_tree_path / "requirements" / "common.txt"
     key = digest_of([platform.python_version(), *requirements, req_file.read_bytes()])
-    return uv.stamped_venv(
-        pins,
-        home,
-        Path(sys.executable),
-        "".join(f"{r}\n" for r in requirements) + f"-r {req_file}\n",
-        key,
-        f"torch {release.torch} and vLLM {release.version}'s requirements",
-    )
-
-
-# -- running ---------------------------------------------------------------------------
+    text = "".join(f"{r}\n" for r in requirements) + f"-r {req_file}\n"
+    what = f"torch {release.torch} and vLLM {release.version}'s requirements"
+    return uv.stamped_venv(pins, home, Path(sys.executable), text, key, what)
 
 
 @dataclass(frozen=True)
@@ -176,14 +150,9 @@ def run_tree(pins: Pins, python: Path, tree_path: Path, name: str) -> Outcome:
     regression.check_imports_from(python, tree_path)
     results = build_dir() / "test-results"
     results.mkdir(parents=True, exist_ok=True)
-    return run_pytest(
-        python,
-        tree_path,
-        [*fork_test_modules(pins, tree_path), "-m", "cpu_test"],
-        results / f"matrix-{name}.xml",
-        output=results / f"matrix-{name}.log",
-        extra_env=CPU_ENV,
-    )
+    args = [*fork_test_modules(pins, tree_path), "-m", "cpu_test"]
+    junit, output = results / f"matrix-{name}.xml", results / f"matrix-{name}.log"
+    return run_pytest(python, tree_path, args, junit, output=output, extra_env=CPU_ENV)
 
 
 def run(pins: Pins, versions: list[str] | None = None) -> list[Row]:
@@ -194,40 +163,24 @@ def run(pins: Pins, versions: list[str] | None = None) -> list[Row]:
         path = release_tree(pins, release)
         python = release_python(pins, release, path)
         outcome = run_tree(pins, python, path, release.version)
+        binaries = release.binaries.filename
+        line = read_line(path)
         rows.append(
-            Row(
-                release.version,
-                release.version,
-                release.torch,
-                release.binaries.filename,
-                read_line(path),
-                outcome,
-            )
+            Row(*(release.version,) * 2, release.torch, binaries, line, outcome)
         )
         log.step(f"matrix: vLLM {release.version}: {outcome}")
     if not versions or pins.upstream_version in versions:
         python, fork_tree, _ = install.install(pins, "cpu")
         outcome = run_tree(pins, python, fork_tree, FORK_ROW)
-        rows.append(
-            Row(
-                FORK_ROW,
-                f"{pins.upstream_version} + patches/ (the fork)",
-                pins.torch,
-                pins.routes["cpu"].wheel.filename,
-                read_line(fork_tree),
-                outcome,
-            )
-        )
+        title = f"{pins.upstream_version} + patches/ (the fork)"
+        binaries = pins.routes["cpu"].wheel.filename
+        line = read_line(fork_tree)
+        rows.append(Row(FORK_ROW, title, pins.torch, binaries, line, outcome))
     write(pins, rows)
     return rows
 
 
-# -- the table and the record ----------------------------------------------------------
-
-
-def _statuses(
-    cases: dict[str, str], modules: tuple[str, ...], inside: bool
-) -> list[str]:
+def _statuses(cases: dict[str, str], modules: tuple[str, ...], inside: bool) -> list:
     """The statuses of the CASES in MODULES (INSIDE) or in none of them."""
     return [s for c, s in cases.items() if (c.split("::", 1)[0] in modules) == inside]
 
@@ -255,10 +208,7 @@ def write(pins: Pins, rows: list[Row]) -> None:
     for row in rows:
         release = None if row.key == FORK_ROW else pins.release(row.key)
         record["rows"][row.key] = {
-            "title": row.title,
-            "torch": row.torch,
-            "binaries": row.binaries,
-            "line": row.line,
+            **{k: getattr(row, k) for k in ("title", "torch", "binaries", "line")},
             "sdist_sha256": (release or pins).sdist.sha256,
             "note": release.note if release else "",
             "cases": dict(sorted(row.outcome.cases.items())),
@@ -271,29 +221,28 @@ def write(pins: Pins, rows: list[Row]) -> None:
     table = render(pins, record)
     TABLE.write_text(table)
     print(table)
-    log.step(
-        f"matrix: wrote {TABLE.relative_to(REPO_ROOT)} and "
-        f"{RECORD.relative_to(REPO_ROOT)}"
-    )
+    wrote = [str(p.relative_to(REPO_ROOT)) for p in (TABLE, RECORD)]
+    log.step(f"matrix: wrote {' and '.join(wrote)}")
+
+
+INTRO = """\
+# Version matrix: the fork's CPU suite on stock vLLM releases
+
+Made by `python3 -m forkbuild matrix` (about 15 minutes on 2 cores); do not edit by \
+hand.
+Each release runs from its pinned sdist with the compiled extensions of its pinned
+binary wheel, on the torch it pins; the fork's test modules are the same everywhere.
+Per patch, its regression modules (fork.toml [tests.regression]): passed / failed
+(incl. errors) / skipped, and what they say: the release still needs the patch, or
+has the fix. The last column counts every other fork case. Patches:
+
+"""
 
 
 def render(pins: Pins, record: dict) -> str:
     patches = pins.regression_by_patch
     lines = [
-        "# Version matrix: the fork's CPU suite on stock vLLM releases",
-        "",
-        "Made by `python3 -m forkbuild matrix` (about 15 minutes on 2 cores); do not "
-        "edit by hand.",
-        "Each release runs from its pinned sdist with the compiled extensions of its "
-        "pinned",
-        "binary wheel, on the torch it pins; the fork's test modules are the same "
-        "everywhere.",
-        "Per patch, its regression modules (fork.toml [tests.regression]): passed / "
-        "failed",
-        "(incl. errors) / skipped, and what they say: the release still needs the "
-        "patch, or",
-        "has the fix. The last column counts every other fork case. Patches:",
-        "",
+        *INTRO.splitlines(),
         *(f"- {_patch_id(name)}: `patches/{name}`" for name in patches),
         "",
         "| release | torch | compiled extensions from | packed branch of "

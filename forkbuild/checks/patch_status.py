@@ -60,11 +60,8 @@ def read_patch(name: str, path: Path) -> PatchInfo:
         key, sep, value = line.partition(": ")
         if sep and key.replace("-", "").isalnum() and " " not in key:
             fields[key] = value.strip()
-    files = tuple(
-        line.split(" b/", 1)[1]
-        for line in body.splitlines()
-        if line.startswith("diff --git a/")
-    )
+    diffs = [line for line in body.splitlines() if line.startswith("diff --git a/")]
+    files = tuple(line.split(" b/", 1)[1] for line in diffs)
     if not files:
         raise ForkError(f"{name} has no diff", "regenerate it with git format-patch")
     return PatchInfo(name, path, fields, files)
@@ -95,14 +92,8 @@ def try_apply(
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(files[inner])
         for args, verdict in ((["--check"], APPLIES), (["--check", "-R"], REVERSED)):
-            done = subprocess.run(
-                ["git", "apply", *args, str(patch.path.resolve())],
-                cwd=tmp,
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            if done.returncode == 0:
+            cmd = ["git", "apply", *args, str(patch.path.resolve())]
+            if subprocess.run(cmd, cwd=tmp, capture_output=True).returncode == 0:
                 return verdict
     return NEITHER
 
@@ -129,9 +120,12 @@ def _judge(
     """Whether a patch claiming CLAIM is confirmed on release VERSION, where it
     APPLIED (try_apply) and the matrix RECORDed (recorded); and what that means."""
     if claim is None:
-        if applied == REVERSED:
-            return True, "upstream has it: set Applied-Upstream"
-        return True, "carried"
+        return (
+            True,
+            "upstream has it: set Applied-Upstream"
+            if applied == REVERSED
+            else "carried",
+        )
     if versions.release(version) < claim:
         ok = applied == APPLIES or record == "fail"
         return ok, "still needed" if ok else "cannot show it is still needed"
@@ -165,10 +159,8 @@ def check(
                 "[tests.regression]",
                 "every patch needs a test that fails without it: name its module there",
             )
-        lines.append(
-            f"{patch.name}: Applied-Upstream "
-            f"{patch.fields.get('Applied-Upstream', '(none)')}"
-        )
+        header = patch.fields.get("Applied-Upstream", "(none)")
+        lines.append(f"{patch.name}: Applied-Upstream {header}")
         if claim is not None and str(claim) not in {r.version for r in pins.releases}:
             problems.append(
                 f"{patch.name} claims v{claim}, which is not in the version matrix"
@@ -183,11 +175,10 @@ def check(
             )
             if not ok:
                 problems.append(
-                    f"{patch.name} on {version}: {meaning} (patch "
-                    f"{applied}, matrix: {record})"
+                    f"{patch.name} on {version}: {meaning} (patch {applied}, matrix: "
+                    f"{record})"
                 )
-    for line in lines:
-        print(line)
+    print("\n".join(lines))
     if problems:
         raise ForkError(
             f"{len(problems)} patch header claim(s) not confirmed, e.g. {problems[0]}",

@@ -17,6 +17,8 @@ from forkbuild.core.pins import Pins, build_dir
 from forkbuild.core.pytest_runner import Outcome, run_pytest
 from forkbuild.setup import install, tree
 
+BAD = ("failed", "error")
+
 
 def stock_dir(pins: Pins) -> Path:
     return build_dir() / f"vllm-{pins.upstream_version}-stock"
@@ -26,20 +28,14 @@ def make_stock_tree(pins: Pins, fork_tree: Path) -> Path:
     """(Re)create the unpatched worktree; cheap, so it is always made afresh."""
     stock = stock_dir(pins)
     env = {**os.environ, **tree.IDENTITY, "GIT_COMMITTER_DATE": "@0 +0000"}
+    version = f"v{pins.upstream_version}"
     tree.fresh_worktree(
-        fork_tree,
-        stock,
-        f"v{pins.upstream_version}",
-        env,
-        "-B",
-        "stock",
-        hint="run `make tree`",
+        fork_tree, stock, version, env, "-B", "stock", hint="run `make tree`"
     )
     # the tests overlay: the fork branch's tip
     tree.git_ok(["cherry-pick", "fork"], stock, env, "add the fork's tests")
-    # The compiled extensions and generated version file are build outputs of the
-    # editable install, untracked in git; the unpatched tree needs the same ones to
-    # import alike.
+    # The compiled extensions and version file are the editable install's untracked
+    # outputs; the unpatched tree needs the same ones to import alike.
     for built in [*fork_tree.glob("vllm/**/*.so"), fork_tree / "vllm" / "_version.py"]:
         target = stock / built.relative_to(fork_tree)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -65,67 +61,52 @@ def imported_from(python: Path, tree_path: Path) -> Path:
 
 def _wrong_on_stock(outcome: Outcome, regression: tuple[str, ...]) -> list[str]:
     """Regression cases must fail (an error is no proof); every other case must not."""
-    wrong = []
-    for case, status in outcome.cases.items():
-        is_regression = case.split("::", 1)[0] in regression
-        if (is_regression and status != "failed") or (
-            not is_regression and status in ("failed", "error")
-        ):
-            wrong.append(f"{case} {status}")
-    return wrong
+    return [
+        f"{case} {status}"
+        for case, status in outcome.cases.items()
+        if (
+            status != "failed"
+            if case.split("::", 1)[0] in regression
+            else status in BAD
+        )
+    ]
 
 
 def check_imports_from(python: Path, path: Path) -> None:
     origin = imported_from(python, path)
     if not origin.resolve().is_relative_to(path.resolve()):
         raise ForkError(
-            f"in {path.name}, `import vllm` resolved to {origin}; the "
-            "check would be void"
+            f"in {path.name}, `import vllm` resolved to {origin}; the check would be "
+            "void"
         )
 
 
 def check(pins: Pins, python: Path, fork_tree: Path) -> Outcome:
-    """Run the suite on the unpatched tree and on the fork at once; return the fork's
-    outcome."""
+    """Run the suite on the unpatched tree and the fork at once; the fork's outcome."""
     results = build_dir() / "test-results"
     results.mkdir(exist_ok=True)
 
     def on_stock_tree() -> tuple[Path, Outcome]:
         stock = make_stock_tree(pins, fork_tree)
         check_imports_from(python, stock)
-        return stock, run_pytest(
-            python,
-            stock,
-            list(pins.suite),
-            results / "suite-stock.xml",
-            output=results / "suite-stock.log",
-        )
+        junit, output = results / "suite-stock.xml", results / "suite-stock.log"
+        return stock, run_pytest(python, stock, [*pins.suite], junit, output=output)
 
     # Both trees at once (they share only the venv); the unpatched run's expected
     # failures go to a file, the terminal shows the fork's.
     with ThreadPoolExecutor(1) as pool:
         stock_run = pool.submit(on_stock_tree)
         check_imports_from(python, fork_tree)
-        on_fork = run_pytest(
-            python, fork_tree, list(pins.suite), results / "suite-fork.xml"
-        )
+        fork_junit = results / "suite-fork.xml"
+        on_fork = run_pytest(python, fork_tree, [*pins.suite], fork_junit)
         stock, on_stock = stock_run.result()
 
     _report(pins, results, (fork_tree, on_fork), (stock, on_stock))
-    problems = [
-        f"{c} {s} on the fork"
-        for c, s in on_fork.cases.items()
-        if s in ("failed", "error")
-    ]
-    problems += [
-        f"{w} on v{pins.upstream_version}"
-        for w in _wrong_on_stock(on_stock, pins.regression_tests)
-    ]
-    problems += [
-        f"{m} ran no case"
-        for m in pins.regression_tests
-        if not any(c.startswith(m + "::") for c in on_stock.cases)
-    ]
+    problems = [f"{c} {s} on the fork" for c, s in on_fork.cases.items() if s in BAD]
+    wrong = _wrong_on_stock(on_stock, pins.regression_tests)
+    problems += [f"{w} on v{pins.upstream_version}" for w in wrong]
+    ran = {c.split("::", 1)[0] for c in on_stock.cases}
+    problems += [f"{m} ran no case" for m in pins.regression_tests if m not in ran]
     if problems:
         raise ForkError(
             f"{len(problems)} case(s) break the proof, e.g. {problems[0]}",
@@ -138,8 +119,7 @@ def check(pins: Pins, python: Path, fork_tree: Path) -> Outcome:
 def _report(
     pins: Pins, results: Path, fork: tuple[Path, Outcome], stock: tuple[Path, Outcome]
 ) -> None:
-    """Print both trees' outcomes and each regression module's failures on stock; list
-    the failing cases in a file."""
+    """Print both trees' outcomes and each regression module's failures on stock."""
     on_stock = stock[1]
     listing = results / "regression-cases-failing-on-stock.txt"
     failing = sorted(c for c, s in on_stock.cases.items() if s == "failed")
@@ -150,8 +130,6 @@ def _report(
     for module in pins.regression_tests:
         in_module = [c for c in on_stock.cases if c.startswith(module + "::")]
         failed = [c for c in in_module if on_stock.cases[c] == "failed"]
-        print(
-            f"  {module}: {len(failed)}/{len(in_module)} fail on "
-            f"v{pins.upstream_version}"
-        )
+        share = f"{len(failed)}/{len(in_module)}"
+        print(f"  {module}: {share} fail on v{pins.upstream_version}")
     print(f"  failing cases listed in {listing}")

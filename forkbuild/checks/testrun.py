@@ -1,19 +1,15 @@
 """`make test`: everything CI runs, after installing everything it needs.
 
-1. forkbuild's own tests (bad input, idempotence, the wheel, serving a tiny model), in
-   build/venv: the one environment where all their imports resolve (some import vLLM
-   and torch in-process; every route's lock holds [toolchain] forkbuild too), while
-   forkbuild itself runs in its tool environment (forkbuild/setup/bootstrap.py);
-2. without a GPU, the CUDA route (forkbuild/gpu/cuda_route.py) up to the ops'
-   dispatch, then the GPU bundle checked on a simulated host
-   (forkbuild/gpu/bundle/check.py);
-3. the CPU suite on the unpatched tree, where exactly the regression modules' cases must
-   fail, and on the fork, where everything must pass (forkbuild/checks/regression.py);
-4. the patch-status check (every patch's DEP-3 Applied-Upstream on the version matrix).
+1. forkbuild's own tests in build/venv, the one environment where all their imports
+   resolve (some import vLLM and torch in-process), while forkbuild runs in its tool
+   environment (forkbuild/setup/bootstrap.py);
+2. without a GPU, the CUDA route up to the ops' dispatch, then the GPU bundle checked on
+   a simulated host (forkbuild/gpu/cuda_route.py, forkbuild/gpu/bundle/check.py);
+3. the regression proof: the CPU suite on the unpatched tree and on the fork;
+4. the patch-status check.
 1-3 run at once, as separate processes: alone, each leaves much of a 2-core machine
 idle. The terminal shows the fork suite, the others report to build/test-results; it
-ends with one plain summary line.
-"""
+ends with one plain summary line."""
 
 from __future__ import annotations
 
@@ -36,26 +32,21 @@ def run(pins: Pins, route_name: str | None) -> str:
     results.mkdir(parents=True, exist_ok=True)
 
     with ThreadPoolExecutor(2) as pool:
+        tools_log, tools_xml = results / "forkbuild.core.log", results / "forkbuild.xml"
         tools_run = pool.submit(
             pytest_runner.run_pytest,
-            python,
-            REPO_ROOT,
-            ["-rfEs", "forkbuild/tests"],
-            results / "forkbuild.xml",
+            *(python, REPO_ROOT, ["-rfEs", "forkbuild/tests"], tools_xml),
             pythonpath=REPO_ROOT,
-            output=results / "forkbuild.core.log",
+            output=tools_log,
         )
         cuda_run = pool.submit(_check_cuda_route, pins, results)
         try:
             suite = regression.check(pins, python, tree_path)
         finally:  # a broken proof must not hide failing tool tests or a failed route
             tools = tools_run.result()
-            _report(tools, "forkbuild tool tests", results / "forkbuild.core.log")
-            if cuda_run.exception() is not None and sys.exc_info()[1] is not None:
-                print(
-                    "cuda route and gpu bundle without a GPU: error: "
-                    f"{cuda_run.exception()}"
-                )
+            _report(tools, "forkbuild tool tests", tools_log)
+            if (error := cuda_run.exception()) and sys.exc_info()[1] is not None:
+                print(f"cuda route and gpu bundle without a GPU: error: {error}")
         cuda = cuda_run.result()
     # What the suites compiled, for the next clone.
     install.keep_bytecode(pins, route, tree_path)
@@ -74,16 +65,14 @@ def run(pins: Pins, route_name: str | None) -> str:
     print(
         cuda.line()
         if cuda
-        else "cuda route without a GPU: not checked (this "
-        "machine has a GPU: `make nightly` runs the CUDA route for real)"
+        else "cuda route without a GPU: not checked (this machine has a GPU: `make "
+        "nightly` runs the CUDA route for real)"
     )
     if bundle:
         print(bundle.line())
     print(f"fork suite in {tree_path.name}: {suite}")
-    summary = (
-        f"summary: {passed} passed, {failed} failed, {skipped} skipped, "
-        f"{xfailed} xfailed"
-    )
+    summary = f"summary: {passed} passed, {failed} failed, {skipped} skipped, "
+    summary += f"{xfailed} xfailed"
     if failed:
         print(summary)
         raise ForkError(f"{failed} test(s) failed", f"JUnit reports are in {results}")
@@ -92,11 +81,9 @@ def run(pins: Pins, route_name: str | None) -> str:
 
 def _report(outcome: pytest_runner.Outcome, what: str, log: object) -> None:
     """Name the failing cases of a run whose report went to a file."""
-    bad = [
-        case for case, status in outcome.cases.items() if status in ("failed", "error")
-    ]
-    for case in bad:
-        print(f"{what}: {outcome.cases[case]}: {case}")
+    bad = [(c, s) for c, s in outcome.cases.items() if s in ("failed", "error")]
+    for case, status in bad:
+        print(f"{what}: {status}: {case}")
     if bad:
         print(f"{what}: pytest's report is in {log}")
 

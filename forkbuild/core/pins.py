@@ -56,8 +56,9 @@ class Pins:
     artifacts: dict[str, Artifact]
     uv: Artifact
     torch: str
-    # the matrix releases' torch wheels (the fork's are locked)
-    torch_sha256: dict[str, str]
+    torch_sha256: dict[
+        str, str
+    ]  # the matrix releases' torch wheels (the fork's: locks)
     build: tuple[str, ...]
     forkbuild: tuple[str, ...]  # forkbuild's own libraries (its tool environment)
     tools: tuple[str, ...]
@@ -72,21 +73,16 @@ class Pins:
     gpu: GpuTable | None = None  # fork.toml [gpu]
 
     @property
-    def regression_tests(self) -> tuple[str, ...]:
-        """Every regression module, of every patch, in fork.toml's order."""
-        return tuple(
-            dict.fromkeys(m for ms in self.regression_by_patch.values() for m in ms)
-        )
+    def regression_tests(self) -> tuple[str, ...]:  # every patch's, fork.toml's order
+        return tuple({m: 0 for ms in self.regression_by_patch.values() for m in ms})
 
-    def torch_pins(self, version: str) -> dict[str, str]:
-        """sha256 pins of VERSION's torch wheels (the toolchain's or a release's)."""
+    def torch_pins(self, version: str) -> dict[str, str]:  # its wheels' sha256
         prefix = f"torch-{version}-"
         return {k: v for k, v in self.torch_sha256.items() if k.startswith(prefix)}
 
     def release(self, version: str) -> Release:
-        for release in self.releases:
-            if release.version == version:
-                return release
+        if found := [r for r in self.releases if r.version == version]:
+            return found[0]
         known = ", ".join(r.version for r in self.releases)
         raise ForkError(
             f"vLLM {version} is not in the version matrix ({known})",
@@ -117,52 +113,32 @@ def load(path: Path = PINS_FILE) -> Pins:
     try:
         raw = tomllib.loads(path.read_text())
     except FileNotFoundError:
-        raise ForkError(
-            f"{path} is missing", "run forkbuild from a clone of the fork"
-        ) from None
+        hint = "run forkbuild from a clone of the fork"
+        raise ForkError(f"{path} is missing", hint) from None
     except tomllib.TOMLDecodeError as exc:
         raise ForkError(f"{path} is not valid TOML: {exc}", "fix the file") from None
     try:
         artifacts = {key: _artifact(key, a) for key, a in raw["artifacts"].items()}
-        routes = {
-            name: Route(
-                name,
-                artifacts[r["wheel"]],
-                r["requirements"],
-                tuple(r["extra"]),
-                r["target_device"],
-                tuple(r.get("exclude", ())),
-            )
-            for name, r in raw["routes"].items()
-        }
+        routes = {name: _route(name, r, artifacts) for name, r in raw["routes"].items()}
         tc = raw["toolchain"]
         matrix = raw.get("matrix", {})
         torch_sha256 = matrix.get("torch-sha256", {})
         releases = tuple(
-            _release(raw, artifacts, tc["torch"], version)
-            for version in matrix.get("releases", [])
+            _release(raw, artifacts, tc["torch"], v) for v in matrix.get("releases", [])
         )
+        up, tests = raw["upstream"], raw["tests"]
         return Pins(
-            label=raw["fork"]["label"],
-            upstream_version=raw["upstream"]["version"],
-            pythons=tuple(raw["upstream"]["pythons"]),
-            machines=tuple(raw["upstream"]["machines"]),
-            lock_platform=raw["upstream"]["lock_platform"],
-            artifacts=artifacts,
+            *(raw["fork"]["label"], up["version"], tuple(up["pythons"])),
+            *(tuple(up["machines"]), up["lock_platform"], artifacts),
             uv=_artifact("uv", tc["uv"]),
             torch=tc["torch"],
             torch_sha256={k: v.lower() for k, v in torch_sha256.items()},
-            build=tuple(tc["build"]),
-            forkbuild=tuple(tc["forkbuild"]),
-            tools=tuple(tc["tools"]),
-            test=tuple(tc["test"]),
+            **{k: tuple(tc[k]) for k in ("build", "forkbuild", "tools", "test")},
             routes=routes,
-            regression_by_patch={
-                k: tuple(v) for k, v in raw["tests"]["regression"].items()
-            },
-            suite=tuple(raw["tests"]["suite"]),
-            gpu_tests=tuple(raw["tests"]["gpu"]),
-            cuda_route_tests=tuple(raw["tests"].get("cuda_route", ())),
+            regression_by_patch={k: tuple(v) for k, v in tests["regression"].items()},
+            suite=tuple(tests["suite"]),
+            gpu_tests=tuple(tests["gpu"]),
+            cuda_route_tests=tuple(tests.get("cuda_route", ())),
             releases=releases,
             gpu=gpu_table(raw["gpu"]),
         )
@@ -170,6 +146,12 @@ def load(path: Path = PINS_FILE) -> Pins:
         raise ForkError(
             f"{path} lacks the key {exc}", "compare it with the fork's main branch"
         ) from None
+
+
+def _route(name: str, r: dict, artifacts: dict[str, Artifact]) -> Route:
+    extra, exclude = tuple(r["extra"]), tuple(r.get("exclude", ()))
+    wheel = artifacts[r["wheel"]]
+    return Route(name, wheel, r["requirements"], extra, r["target_device"], exclude)
 
 
 def _artifact(key: str, a: dict) -> Artifact:
@@ -207,7 +189,7 @@ def capability(text: str) -> Capability:
 @dataclass(frozen=True)
 class GpuCase:
     """A case some GPU kind must run: from KIND on, with GPUS GPUs; what the GPU bundle
-    holds for it beyond [gpu_bundle] every_case (BUNDLE), or why it does not."""
+    holds for it beyond [gpu_bundle] every_case, or why it does not."""
 
     node: str
     kind: str
@@ -232,14 +214,12 @@ class GpuKind:
 
 @dataclass(frozen=True)
 class GpuTable:
-    """The GPU kinds, oldest first, and every case some kind requires (node id ->
-    its entry)."""
+    """The GPU kinds, oldest first, and every case some kind requires, by node id."""
 
     kinds: tuple[GpuKind, ...]
     cases: dict[str, GpuCase]
 
-    def all_required(self) -> set[str]:
-        """Every node id that some GPU kind, with any GPU count, requires."""
+    def all_required(self) -> set[str]:  # of every kind, with any GPU count
         return set(self.cases)
 
     def kind_of(self, capability: Capability) -> GpuKind | None:
@@ -252,8 +232,7 @@ class GpuTable:
         return next(kind for kind in self.kinds if kind.name == name)
 
     @property
-    def queues(self) -> dict[str, tuple[GpuKind, int]]:
-        """Every agent queue: its kind and its agents' GPU count."""
+    def queues(self) -> dict[str, tuple[GpuKind, int]]:  # queue -> kind, GPUs
         return {q: (k, n) for k in self.kinds for q, n in k.queues}
 
 
@@ -268,15 +247,10 @@ def gpu_table(data: dict) -> GpuTable:
     kinds = []
     for rank, (name, entry) in enumerate(named):
         due = [c for c in cases.values() if order.index(c.kind) <= rank]
-        kinds.append(
-            GpuKind(
-                name,
-                capability(entry["capability"]),
-                tuple(c.node for c in due if c.gpus == 1),
-                tuple(c.node for c in due if c.gpus >= 2),
-                tuple(entry["queues"].items()),
-            )
-        )
+        one = tuple(c.node for c in due if c.gpus == 1)
+        more = tuple(c.node for c in due if c.gpus >= 2)
+        queues = tuple(entry["queues"].items())
+        kinds.append(GpuKind(name, capability(entry["capability"]), one, more, queues))
     return GpuTable(tuple(kinds), cases)
 
 
@@ -299,8 +273,7 @@ def _gpu_case(node: str, c: dict, kinds: list[str]) -> GpuCase:
 
 
 def cache_dir() -> Path:
-    """Downloads live outside the clone so that a fresh clone on the same machine reuses
-    them."""
+    """Outside the clone: a fresh clone on the same machine reuses the downloads."""
     if os.environ.get("VLLM_FORK_CACHE"):
         return Path(os.environ["VLLM_FORK_CACHE"])
     cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"

@@ -86,9 +86,8 @@ def check_disk(path: Path, need_gib: float, what: str) -> None:
 def has_nvidia_gpu() -> bool:
     """True where an NVIDIA driver exposes a GPU; asks the driver, not torch (torch may
     be absent)."""
-    if Path("/proc/driver/nvidia/gpus").is_dir() and any(
-        Path("/proc/driver/nvidia/gpus").iterdir()
-    ):
+    gpus = Path("/proc/driver/nvidia/gpus")
+    if gpus.is_dir() and any(gpus.iterdir()):
         return True
     smi = shutil.which("nvidia-smi")
     if smi is None:

@@ -2,15 +2,13 @@
 (forkbuild/core/pytest_runner.py copies it beside the run and loads it with `-p`).
 
 pytest writes its JUnit XML only at the end, so a killed run could not say where it
-hung, and a long run showed only dots: the cases done, the cases collected and the case
-in progress are written to FORKBUILD_PYTEST_PROGRESS as one tab-separated line. logstart
-and logfinish run in the main pytest process, also under --forked. Under --forked it
-also ends each case with what the case started: a case stopped by its own time limit
-leaves vLLM's engine cores behind, holding GPU memory that the next case's profiling
-counts. Each case's processes carry a mark of their own (set before the fork, inherited
-by all the case starts); what still carries it when the case is reported is killed.
-(Without --forked a fixture may outlive a case, so nothing is killed between cases
-there.)
+hung, and a long run showed only dots: the cases done, collected and in progress go to
+FORKBUILD_PYTEST_PROGRESS as one tab-separated line (logstart and logfinish run in the
+main pytest process, also under --forked). Under --forked it also ends what each case
+started: a case stopped by its time limit leaves vLLM's engine cores holding GPU memory
+that the next case's profiling counts. Each case's processes carry a mark of their own
+(set before the fork, inherited); what still carries it when the case is reported is
+killed. (Without --forked a fixture may outlive a case: nothing is killed there.)
 """
 
 from __future__ import annotations

@@ -22,17 +22,14 @@ from forkbuild.core.errors import ForkError
 @dataclass(frozen=True)
 class Outcome:
     """Per-case results of one pytest run: node id -> passed | failed | error | skipped
-    | xfailed (JUnit files an xfail as a skip of type pytest.xfail; it is counted
-    apart)."""
+    | xfailed (JUnit files an xfail as a skip of type pytest.xfail; counted apart)."""
 
     cases: dict[str, str]
-    # skipped case -> pytest's reason
-    reasons: dict[str, str] = field(default_factory=dict)
-    # Why the run was stopped before it ended (its time limit), "" when it ended itself:
-    # then CASES holds only what pytest reported before it was stopped.
+    reasons: dict[str, str] = field(default_factory=dict)  # skipped case -> why
+    # Why the run was stopped (its time limit), "" when it ended itself: then CASES
+    # holds only what pytest reported before it was stopped.
     killed: str = ""
-    # case -> seconds, as JUnit says; not part of what a run found (equal runs differ in
-    # it)
+    # case -> seconds, as JUnit says; not part of what a run found (equal runs differ)
     times: dict[str, float] = field(default_factory=dict, compare=False)
 
     def count(self, status: str) -> int:
@@ -58,13 +55,9 @@ def _skip_reason(skipped: ET.Element) -> str:
     if skipped.get("type") == "pytest.xfail":
         return f"xfail: {message}"
     # the reason is in the text: (file, line, 'Skipped: …')
-    if message == "collection skipped":
-        text = skipped.text or ""
-        return (
-            text.split("Skipped: ", 1)[-1].rstrip("')\"")
-            if "Skipped: " in text
-            else message
-        )
+    text = skipped.text or ""
+    if message == "collection skipped" and "Skipped: " in text:
+        return text.split("Skipped: ", 1)[-1].rstrip("')\"")
     return message
 
 
@@ -75,29 +68,22 @@ def read_junit(junit: Path, killed: str = "") -> Outcome:
         if not name:  # what pytest writes for the case a Ctrl-C (SIGINT) interrupted
             continue
         if classname:
-            # "pkg.test_mod.TestClass" -> "pkg/test_mod.py::TestClass::name" (test
-            # classes are CamelCase after pytest's python_classes = Test*; modules never
-            # are).
+            # "pkg.test_mod.TestClass" -> "pkg/test_mod.py::TestClass::name" (classes:
+            # Test* after pytest's python_classes; modules never are)
             parts = classname.split(".")
-            cut = next(
-                (i for i, part in enumerate(parts) if part[:4] == "Test"), len(parts)
-            )
+            cut = next((i for i, p in enumerate(parts) if p[:4] == "Test"), len(parts))
             node = "::".join(["/".join(parts[:cut]) + ".py", *parts[cut:], name])
         else:  # a whole module skipped (or broken) at collection: NAME is the module
             node = f"{name.replace('.', '/')}.py::(module)"
         status = "passed"
-        for child, name in (
-            ("failure", "failed"),
-            ("error", "error"),
-            ("skipped", "skipped"),
-        ):
-            found = case.find(child)
-            if found is not None:
+        for child, name in (("failure", "failed"), ("error", "error")):
+            if case.find(child) is not None:
                 status = name
-                if name == "skipped":  # pytest reports an xfail as a skip of that type
-                    reasons[node] = _skip_reason(found)
-                    if found.get("type") == "pytest.xfail":
-                        status = "xfailed"
+        skipped = case.find("skipped")
+        if skipped is not None:  # pytest reports an xfail as a skip of that type
+            reasons[node] = _skip_reason(skipped)
+            xfail = skipped.get("type") == "pytest.xfail"
+            status = "xfailed" if xfail else "skipped"
         cases[node] = status
         times[node] = float(case.get("time") or 0.0)
     return Outcome(cases, reasons, killed, times)
@@ -109,12 +95,8 @@ def read_junit(junit: Path, killed: str = "") -> Outcome:
 GRACE_S = 30
 # How often a run's cases done are logged: CI shows more than pytest's dots.
 PROGRESS_EVERY_S = 60
-
-# The plugin that names the case in progress and ends what a forked case started.
-# forkbuild/core/pytest_progress.py, copied beside the run
+# pytest_progress.py as copied beside the run: it names the case in progress.
 _PROGRESS_MODULE = "_forkbuild_progress"
-
-
 # Every process a limited run starts carries this variable with the run's own value, so
 # that what escaped its process group (a `vllm serve` in a session of its own, as the
 # serve test starts it) is found and killed too: /proc/PID/environ keeps the environment
@@ -128,8 +110,7 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 
 def _kill_all(pgid: int, token: str) -> None:
-    """SIGKILL the process group PGID and every process marked with TOKEN."""
-    _signal_group(pgid, signal.SIGKILL)
+    _signal_group(pgid, signal.SIGKILL)  # and every process marked with TOKEN
     for pid in pytest_progress.leftovers(token, _RUN_MARK):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
@@ -160,13 +141,8 @@ def run_limited(
     vLLM's engine cores, a `vllm serve`. Whatever of them is left when CMD ends,
     stopped or not, is killed, so that it does not hold the GPU for the next run."""
     token = uuid.uuid4().hex
-    proc = subprocess.Popen(
-        cmd,
-        cwd=cwd,
-        env={**env, _RUN_MARK: token},
-        start_new_session=True,
-        **popen_args,
-    )
+    env = {**env, _RUN_MARK: token}
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True, **popen_args)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         while True:
@@ -188,9 +164,8 @@ def run_limited(
 def _with_progress(
     cmd: list[str], env: dict[str, str], folder: Path
 ) -> tuple[list[str], Path]:
-    """CMD and ENV (changed in place) with the progress plugin; its file."""
-    # A copy, not forkbuild's folder on the path: the run's own `tests` package must
-    # win.
+    """CMD and ENV (changed in place) with the progress plugin; its file. A copy, not
+    forkbuild's folder on the path: the run's own `tests` package must win."""
     shutil.copyfile(
         Path(__file__).with_name("pytest_progress.py"),
         folder / f"{_PROGRESS_MODULE}.py",
@@ -215,35 +190,24 @@ def run_pytest(
     prefix: tuple[str, ...] = (),
 ) -> Outcome:
     """Run pytest with ARGS in CWD (PYTHONPATH first on sys.path); read JUnit XML.
-
-    With OUTPUT, pytest's report goes to that file instead of the terminal: used for the
-    unpatched run, whose expected failures must not read as the run's result.
-    With TIMEOUT_S, the run (and all it started) is stopped after that many seconds and
-    the Outcome holds what pytest reported until then, with `killed` saying so and
-    naming the case in progress: a hung run must still leave a result to report.
-    PREFIX goes before the interpreter (e.g. `unshare -n`: no network).
-    """
+    OUTPUT: pytest's report goes there, not to the terminal (the unpatched run's
+    expected failures must not read as the result). TIMEOUT_S: the run and all it
+    started stop then, and the Outcome holds what pytest reported, `killed` naming the
+    case in progress: a hung run still leaves a result. PREFIX goes before the
+    interpreter (e.g. `unshare -n`: no network)."""
     env = {**os.environ, **(extra_env or {}), "PYTHONPATH": str(pythonpath or cwd)}
     junit.unlink(missing_ok=True)
-    cmd = [
-        *prefix,
-        str(python),
-        "-m",
-        "pytest",
-        "-p",
-        "no:cacheprovider",
-        "-q",
-        f"--junitxml={junit}",
-        *args,
-    ]
-    log.step(
-        f"pytest in {cwd.name}: {' '.join(args)}"
-        + (f" (report: {output})" if output else "")
-    )
+    cmd = [*prefix, str(python), "-m", "pytest", "-p", "no:cacheprovider", "-q"]
+    cmd += [f"--junitxml={junit}", *args]
+    report = f" (report: {output})" if output else ""
+    log.step(f"pytest in {cwd.name}: {' '.join(args)}{report}")
     returncode, killed = _run(cmd, cwd, env, output, timeout_s)
     if killed:
         log.step(f"pytest in {cwd.name}: {killed}")
-        return _partial(junit, killed)
+        try:  # what pytest reported, if it got to write its JUnit XML whole
+            return read_junit(junit, killed)
+        except (OSError, ET.ParseError):  # not written, or cut off by the SIGKILL
+            return Outcome({}, killed=killed)
     if returncode not in (0, 1) or not junit.exists():
         raise ForkError(
             f"pytest could not run the tests in {cwd.name} (exit {returncode})",
@@ -254,11 +218,7 @@ def run_pytest(
 
 
 def _run(
-    cmd: list[str],
-    cwd: Path,
-    env: dict[str, str],
-    output: Path | None,
-    timeout_s: float | None,
+    cmd: list[str], cwd: Path, env: dict, output: Path | None, timeout_s: float | None
 ) -> tuple[int, str]:
     """Run CMD, its report to OUTPUT if given, logging the cases done now and then;
     return its exit code and, when it was stopped at TIMEOUT_S, the note naming the
@@ -267,14 +227,11 @@ def _run(
         open(output, "w") if output else open(os.devnull) as sink,
         tempfile.TemporaryDirectory(prefix="forkbuild-pytest-") as folder,
     ):
-        streams = {
-            "stdout": sink if output else None,
-            "stderr": subprocess.STDOUT if output else None,
-        }
+        streams = {"stdout": sink, "stderr": subprocess.STDOUT} if output else {}
         cmd, progress = _with_progress(cmd, env, Path(folder))
 
         def tick() -> None:
-            done, total, running = pytest_progress.read(progress.read_text())
+            done, total, _ = pytest_progress.read(progress.read_text())
             if total:
                 log.step(f"pytest in {cwd.name}: {done} of {total} cases done")
 
@@ -284,21 +241,6 @@ def _run(
         if not stopped:
             return returncode, ""
         running = pytest_progress.read(progress.read_text())[2]
-        return returncode, _killed_note(timeout_s, running)
-
-
-def _partial(junit: Path, killed: str) -> Outcome:
-    """What a stopped run reported: its JUnit XML if pytest got to write it whole."""
-    try:
-        return read_junit(junit, killed)
-    except (OSError, ET.ParseError):  # not written, or cut off by the SIGKILL
-        return Outcome({}, killed=killed)
-
-
-def _killed_note(timeout_s: float, running: str) -> str:
-    where = (
-        f"while running {running}"
-        if running
-        else ("outside a case (collecting, or in between)")
-    )
-    return f"stopped after its time limit of {timeout_s:g} s {where}"
+        where = f"while running {running}" if running else "outside a case"
+        where += "" if running else " (collecting, or in between)"
+        return returncode, f"stopped after its time limit of {timeout_s:g} s {where}"

@@ -17,6 +17,7 @@ import os
 import re
 import signal
 import subprocess
+from argparse import Namespace
 from pathlib import Path
 
 from forkbuild.core import log, preflight
@@ -46,23 +47,13 @@ DEFAULT_CPU_BYTES = 8 * 2**30
 
 def offload_47054_args(cpu_bytes: int) -> list[str]:
     """The #47054 configuration, as the report ran it (minus its model and TP size)."""
-    kv_transfer = {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "spec_name": "CPUOffloadingSpec",
-            "enable_cross_layers_blocks": "True",
-            "cpu_bytes_to_use": cpu_bytes,
-            "eviction_policy": "lru",
-        },
-    }
+    extra = {"spec_name": "CPUOffloadingSpec", "enable_cross_layers_blocks": "True"}
+    extra |= {"cpu_bytes_to_use": cpu_bytes, "eviction_policy": "lru"}
+    kv_transfer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+    kv_transfer["kv_connector_extra_config"] = extra
     return [
-        "--kv-transfer-config",
-        json.dumps(kv_transfer),
-        "--enable-prefix-caching",
-        "--no-disable-hybrid-kv-cache-manager",
-        "--attention-backend",
-        "FLASH_ATTN",
+        *("--kv-transfer-config", json.dumps(kv_transfer), "--enable-prefix-caching"),
+        *("--no-disable-hybrid-kv-cache-manager", "--attention-backend", "FLASH_ATTN"),
     ]
 
 
@@ -75,9 +66,8 @@ def add_arguments(cmd: argparse.ArgumentParser) -> None:
         help="model name or path, or an embedded model: "
         f"{', '.join(EMBEDDED)} (default: {EMBEDDED_NAME})",
     )
-    cmd.add_argument(
-        "--preset", choices=sorted(PRESETS), help="a documented vLLM configuration"
-    )
+    preset = {"choices": sorted(PRESETS), "help": "a documented vLLM configuration"}
+    cmd.add_argument("--preset", **preset)
     cmd.add_argument("--host", default="127.0.0.1")
     cmd.add_argument("--port", type=int, default=8000)
     cmd.add_argument(
@@ -86,15 +76,11 @@ def add_arguments(cmd: argparse.ArgumentParser) -> None:
         default=DEFAULT_CPU_BYTES,
         help="CPU memory for offloaded KV blocks, with --preset offload-47054",
     )
-    cmd.add_argument(
-        "vllm_args",
-        nargs=argparse.REMAINDER,
-        help="after --: passed to vllm serve unchanged",
-    )
+    passed = "after --: passed to vllm serve unchanged"
+    cmd.add_argument("vllm_args", nargs=argparse.REMAINDER, help=passed)
 
 
-# A Hugging Face hub id: org/name (the hub's rules: letters, digits, '-', '_', '.', not
-# first).
+# A Hugging Face hub id: org/name (letters, digits, '-', '_', '.', not first).
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
@@ -106,24 +92,19 @@ def _hub_cache() -> Path:
     return Path(os.environ.get("HF_HOME") or cache / "huggingface") / "hub"
 
 
-def _exists(path: str) -> bool:
-    try:
-        return Path(path).expanduser().exists()
-    except (OSError, ValueError):  # a name too long for a path, a NUL byte
-        return False
-
-
 def check_model(model: str | None) -> None:
-    """Refuse, before minutes of install and a hub lookup, a --model that names nothing
-    (served: an embedded model, a local path, a hub id org/name, a bare name the hub
-    cache holds). The hub's old bare ids (gpt2) have an org/name too; a bare name here
-    is far more often a mistyped embedded name or a missing local folder."""
-    if model is None or model in EMBEDDED or _exists(model):
+    """Refuse, before minutes of install and a hub lookup, a --model that is no embedded
+    model, local path, hub id org/name or bare name the hub cache holds. The hub's old
+    bare ids (gpt2) have an org/name too: a bare name is far more often a mistyped
+    embedded name or a missing local folder."""
+    try:
+        exists = model is not None and Path(model).expanduser().exists()
+    except (OSError, ValueError):  # a name too long for a path, a NUL byte
+        exists = False
+    if model is None or model in EMBEDDED or exists or HUB_ID.fullmatch(model):
         return
     bare = "/" not in model
-    if HUB_ID.fullmatch(model) or (
-        bare and (_hub_cache() / f"models--{model}").is_dir()
-    ):
+    if bare and (_hub_cache() / f"models--{model}").is_dir():
         return
     close = difflib.get_close_matches(model.lower(), EMBEDDED, n=1)
     if bare or close:
@@ -141,9 +122,8 @@ def check_model(model: str | None) -> None:
 
 
 def start_tiny_model(python: Path, name: str = EMBEDDED_NAME) -> subprocess.Popen[str]:
-    """Start generating embedded model NAME (a no-op when it is current). The generators
-    live with the fork's tests, so this needs only the venv and can run while the tree
-    is installed."""
+    """Start generating embedded model NAME (a no-op when current): its generator, with
+    the fork's tests, needs only the venv, so it runs while the tree is installed."""
     out = build_dir() / "models" / name
     log.step(f"serve: preparing the embedded model {name} in {out}")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -170,38 +150,21 @@ def finish_tiny_model(generating: subprocess.Popen[str]) -> Path:
     return out
 
 
-def stop_tiny_model(generating: subprocess.Popen[str]) -> None:
-    """Interrupt a generation (as Ctrl-C would: it removes its unfinished folder)."""
-    generating.send_signal(signal.SIGINT)
-    try:
-        generating.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        generating.kill()
-        generating.wait()
-
-
 def ensure_tiny_model(python: Path, name: str = EMBEDDED_NAME) -> Path:
     return finish_tiny_model(start_tiny_model(python, name))
 
 
 def command(
-    python: Path,
-    model: str,
-    args: argparse.Namespace,
-    embedded: str | None,
-    *,
-    cpu: bool = False,
+    python: Path, model: str, args: Namespace, embedded: str | None, *, cpu=False
 ) -> list[str]:
     """The `vllm serve` command; EMBEDDED: the embedded model's name, when it is one."""
     cmd = [str(python.parent / "vllm"), "serve", model]
     cmd += ["--host", args.host, "--port", str(args.port)]
     if embedded:
         cmd += ["--served-model-name", embedded, "--max-model-len", "1024"]
-        cmd += ["--dtype", "bfloat16"]
-        if cpu:
-            # A random-weight demo gains nothing from the CPU platform's Inductor
-            # compile, which costs seconds of every start.
-            cmd += ["--enforce-eager"]
+        # A random-weight demo gains nothing from the CPU platform's Inductor compile,
+        # which costs seconds of every start.
+        cmd += ["--dtype", "bfloat16", *(["--enforce-eager"] if cpu else [])]
     if args.preset:
         cmd += PRESETS[args.preset](args.cpu_bytes)
     extra = args.vllm_args
@@ -220,37 +183,32 @@ def serve(pins: Pins, args: argparse.Namespace) -> None:
             "run it on a GPU host, or serve without --preset",
         )
     if args.route == "cuda" and not gpu:
-        raise ForkError(
-            "--route cuda needs an NVIDIA GPU, and this machine has none",
-            "use --route cpu",
-        )
+        no_gpu = "--route cuda needs an NVIDIA GPU, and this machine has none"
+        raise ForkError(no_gpu, "use --route cpu")
     preflight.check_port_free(args.host, args.port)
 
     from forkbuild.setup import install
 
     route = install.pick_route(pins, args.route)
-    embedded = (
-        (args.model or EMBEDDED_NAME) if args.model in (None, *EMBEDDED) else None
-    )
-    generating = (
-        start_tiny_model(install.ensure_toolchain(pins, route.name), embedded)
-        if embedded
-        else None
-    )
+    embedded = args.model or EMBEDDED_NAME if args.model in (None, *EMBEDDED) else None
+    generating = None
+    if embedded:
+        toolchain = install.ensure_toolchain(pins, route.name)
+        generating = start_tiny_model(toolchain, embedded)
     try:
         python, _, route = install.install(pins, route.name)
     except BaseException:
-        if generating:
-            stop_tiny_model(generating)
+        if generating:  # as Ctrl-C would: it removes its unfinished folder
+            generating.send_signal(signal.SIGINT)
+            try:
+                generating.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                generating.kill()
+                generating.wait()
         raise
-    model = (
-        str(finish_tiny_model(generating))
-        if generating
-        else os.path.expanduser(args.model)
-    )
-    env = dict(os.environ)
-    if embedded:
-        env["HF_HUB_OFFLINE"] = "1"
+    model = str(finish_tiny_model(generating)) if generating else args.model
+    model = os.path.expanduser(model)
+    env = {**os.environ, **({"HF_HUB_OFFLINE": "1"} if embedded else {})}
     if route.target_device == "cpu":
         # GiB; vLLM's default is sized for big hosts
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -264,25 +222,22 @@ def serve(pins: Pins, args: argparse.Namespace) -> None:
 
 
 def demo_engine_env(embedded: str | None) -> dict[str, str]:
-    """The embedded model's CPU worker in the engine-core process (the `uni` executor,
-    not a process of its own): one vLLM import and OpenMP binding less at start-up. A
-    real model keeps vLLM's default, and so does a user who sets the variable."""
+    """The embedded model's CPU worker in the engine-core process (the `uni` executor):
+    one vLLM import and OpenMP binding less at start-up. A real model, or a user who
+    sets the variable, keeps vLLM's default."""
     if not embedded or "VLLM_ENABLE_V1_MULTIPROCESSING" in os.environ:
         return {}
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def try_lines(host: str, port: int, model: str) -> list[str]:
-    """The `try  curl ...` lines `serve` prints for the completions and chat endpoints
-    (the serve test sends both); for a model in NO_CHAT, why there is no chat line."""
+    """The `try  curl ...` lines for the completions and chat endpoints (the serve test
+    sends both); for a model in NO_CHAT, why there is no chat line."""
     base = f"curl http://{host}:{port}/v1"
     head = "-H 'Content-Type: application/json'"
     completion = {"model": model, "prompt": "Hello", "max_tokens": 8}
-    chat = {
-        "model": model,
-        "messages": [{"role": "user", "content": "Hello"}],
-        "max_tokens": 8,
-    }
+    chat = {"model": model, "messages": [{"role": "user", "content": "Hello"}]}
+    chat["max_tokens"] = 8
     lines = [f"try  {base}/completions {head} -d '{json.dumps(completion)}'"]
     if model in NO_CHAT:
         return [*lines, f"no chat line for {model}: {NO_CHAT[model]}"]

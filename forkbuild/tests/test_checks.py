@@ -26,14 +26,10 @@ def test_fixcheck_tells_released_from_fixed(released_source):
     )
     assert fixcheck.classify(fixed) == "fixed"
     # Reformatting does not fool it; code that no longer has the branch is "unknown".
-    assert (
-        fixcheck.classify(fixed.replace(".view(dtype)\n", ".view(dtype)  # note\n"))
-        == "fixed"
-    )
-    assert (
-        fixcheck.classify("def _reshape_attention_kv_cache():\n    pass\n") == "unknown"
-    )
-    assert fixcheck.classify("not python (") == "unknown"
+    noted = fixed.replace(".view(dtype)\n", ".view(dtype)  # note\n")
+    assert fixcheck.classify(noted) == "fixed"
+    for gone in ("def _reshape_attention_kv_cache():\n    pass\n", "not python ("):
+        assert fixcheck.classify(gone) == "unknown"
 
 
 def test_unsupported_python_and_machine_are_refused(fork_pins):
@@ -62,33 +58,26 @@ def test_unwritable_cache_or_build_is_refused_with_its_variable(
     it; it raised NotADirectoryError, a traceback, before."""
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv(variable, str(tmp_path / "a-file" / "folder"))
-    folder = (
-        pins.cache_dir() / "artifacts"
-        if variable == "VLLM_FORK_CACHE"
-        else pins.build_dir()
-    )
+    cache = variable == "VLLM_FORK_CACHE"
+    folder = pins.cache_dir() / "artifacts" if cache else pins.build_dir()
     with pytest.raises(
-        ForkError,
-        match=r"cannot write in .*a-file/folder.* \(Not a "
-        r"directory\)",
+        ForkError, match=r"cannot write in .*a-file/folder.* \(Not a directory\)"
     ) as err:
         preflight.check_disk(folder, 1, "the test")
     assert err.value.hint == f"make it writable, or set {variable} to a writable folder"
 
 
-def test_port_in_use_is_refused():
+def test_port_in_use_is_refused(monkeypatch):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        with pytest.raises(
-            ForkError, match=f"port {port} on 127.0.0.1 is already in use"
-        ) as err:
+        in_use = f"port {port} on 127.0.0.1 is already in use"
+        with pytest.raises(ForkError, match=in_use) as err:
             preflight.check_port_free("127.0.0.1", port)
         assert "pass --port N" in err.value.hint
         # Through `make serve` (the Makefile names its variable) the advice is PORT=N.
-        with pytest.MonkeyPatch.context() as env:
-            env.setenv("FORKBUILD_PORT_OPTION", "PORT=N (make serve PORT=8001)")
-            with pytest.raises(ForkError) as err:
-                preflight.check_port_free("127.0.0.1", port)
+        monkeypatch.setenv("FORKBUILD_PORT_OPTION", "PORT=N (make serve PORT=8001)")
+        with pytest.raises(ForkError) as err:
+            preflight.check_port_free("127.0.0.1", port)
         assert "pass PORT=N" in err.value.hint

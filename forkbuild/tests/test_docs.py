@@ -15,6 +15,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import unquote
 
+import pytest
 from markdown_it import MarkdownIt
 from markdown_it.token import Token
 from mdit_py_plugins.anchors import anchors_plugin
@@ -67,17 +68,15 @@ def _html(text: str) -> list[tuple[int, _HtmlTargets]]:
     found = []
     for line, token in _tokens(text):
         if token.type in ("html_inline", "html_block"):
-            parser = _HtmlTargets()
-            parser.feed(token.content)
-            found.append((line, parser))
+            found.append((line, _HtmlTargets()))
+            found[-1][1].feed(token.content)
     return found
 
 
 def github_anchor(heading: str) -> str:
     """The id GitHub gives a heading (github-slugger's rules)."""
-    (opening,) = [
-        t for t in _MARKDOWN.parse(f"# {heading}") if t.type == "heading_open"
-    ]
+    tokens = _MARKDOWN.parse(f"# {heading}")
+    (opening,) = [t for t in tokens if t.type == "heading_open"]
     return opening.attrs["id"]
 
 
@@ -98,24 +97,18 @@ def links(path: Path) -> list[tuple[int, str]]:
     found = [(0, ref["href"]) for ref in env.get("references", {}).values()]
     for line, token in _tokens(text):
         if token.type in ("link_open", "image"):
-            found.append(
-                (line, token.attrs["href" if token.type != "image" else "src"])
-            )
+            attribute = "src" if token.type == "image" else "href"
+            found.append((line, token.attrs[attribute]))
     found += [(line, t) for line, html in _html(text) for t in html.targets]
     return found
 
 
-def _destination(root: Path, doc: Path, path_part: str) -> Path:
-    if not path_part:
-        return doc
-    if path_part.startswith("/"):  # GitHub: from the repository's root
-        return root / path_part.lstrip("/")
-    return doc.parent / path_part
-
-
 def _link_problem(root: Path, doc: Path, target: str) -> str | None:
     path_part, _, fragment = target.partition("#")
-    dest = _destination(root, doc, unquote(path_part)).resolve()
+    path_part = unquote(path_part)
+    # from the repository's root where it starts with /, as on GitHub
+    dest = root / path_part[1:] if path_part[:1] == "/" else doc.parent / path_part
+    dest = (dest if path_part else doc).resolve()
     if not dest.is_relative_to(root.resolve()):
         return "outside the repository"
     if not dest.exists():
@@ -138,9 +131,8 @@ def broken_links(root: Path) -> list[str]:
                 None if _EXTERNAL.match(target) else _link_problem(root, doc, target)
             )
             if problem:
-                problems.append(
-                    f"{doc.relative_to(root)}:{number}: {target}: {problem}"
-                )
+                where = f"{doc.relative_to(root)}:{number}"
+                problems.append(f"{where}: {target}: {problem}")
     return problems
 
 
@@ -151,9 +143,8 @@ _MAKE = re.compile(r"(?<![\w./-])make(?![\w.-])")
 
 def makefile_targets(makefile: Path) -> set[str]:
     """The targets the Makefile has rules for (`name:`, not `name :=` assignments)."""
-    return set(
-        re.findall(r"^([A-Za-z0-9][\w.-]*)\s*:(?!=)", makefile.read_text(), re.M)
-    )
+    rule = r"^([A-Za-z0-9][\w.-]*)\s*:(?!=)"
+    return set(re.findall(rule, makefile.read_text(), re.M))
 
 
 def make_targets_named(text: str) -> list[tuple[int, str]]:
@@ -205,11 +196,8 @@ def test_docs_relative_links_lead_to_files_and_headings():
 
 
 def test_docs_name_only_make_targets_that_exist():
-    named = {
-        t
-        for doc in doc_files(REPO_ROOT)
-        for _, t in make_targets_named(doc.read_text())
-    }
+    docs = doc_files(REPO_ROOT)
+    named = {t for doc in docs for _, t in make_targets_named(doc.read_text())}
     # the checker sees them
     assert {"serve", "test", "wheel", "matrix", "help"} <= named
     assert unknown_make_targets(REPO_ROOT) == []
@@ -229,24 +217,18 @@ def test_docs_every_page_is_linked_from_the_readme():
 
 def test_docs_readme_is_a_landing_page():
     words = len((REPO_ROOT / "README.md").read_text().split())  # as `wc -w` counts
-    assert words <= README_MAX_WORDS, (
-        f"README.md has {words} words: move detail to docs/"
-    )
+    too_long = f"README.md has {words} words: move detail to docs/"
+    assert words <= README_MAX_WORDS, too_long
 
 
 def test_make_help_lists_the_environment_and_where_logs_go_as_the_docs_do():
-    text = subprocess.run(
-        ["make", "-s", "help", f"PYTHON={sys.executable}"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    make = ["make", "-s", "help", f"PYTHON={sys.executable}"]
+    done = subprocess.run(make, cwd=REPO_ROOT, capture_output=True, check=True)
+    text = done.stdout.decode()
     # Every VLLM_FORK_* variable forkbuild reads, found in its sources.
     source = "".join(p.read_text() for p in (REPO_ROOT / "forkbuild").rglob("*.py"))
-    variables = set(
-        re.findall(r"""environ(?:\.get\(|\[)\s*["'](VLLM_FORK_\w+)["']""", source)
-    )
+    read = r"""environ(?:\.get\(|\[)\s*["'](VLLM_FORK_\w+)["']"""
+    variables = set(re.findall(read, source))
     assert {"VLLM_FORK_CACHE", "VLLM_FORK_BUILD", "VLLM_FORK_DIST"} <= variables
     files_doc = (REPO_ROOT / "docs" / "files-and-uninstall.md").read_text()
     for variable in variables:
@@ -266,18 +248,23 @@ def test_make_help_lists_the_environment_and_where_logs_go_as_the_docs_do():
 # -- the checks fail where they must ---------------------------------------------------
 
 
-def test_github_anchor_rules_for_docs_headings(tmp_path):
-    assert (
-        github_anchor("vLLM 0.25.1 + the fix for #47054")
-        == "vllm-0251--the-fix-for-47054"
-    )
-    assert github_anchor("What `make test` runs") == "what-make-test-runs"
-    assert github_anchor("The fork's CPU test modules") == "the-forks-cpu-test-modules"
-    assert (
-        github_anchor("Who is affected: the connectors that reach the packed reshape")
-        == "who-is-affected-the-connectors-that-reach-the-packed-reshape"
-    )
-    assert github_anchor("Set-up and the [locks](x.md)") == "set-up-and-the-locks"
+@pytest.mark.parametrize(
+    "heading",
+    [
+        "vLLM 0.25.1 + the fix for #47054 -> vllm-0251--the-fix-for-47054",
+        "What `make test` runs -> what-make-test-runs",
+        "The fork's CPU test modules -> the-forks-cpu-test-modules",
+        "Who is affected: the connectors that reach the packed reshape -> "
+        "who-is-affected-the-connectors-that-reach-the-packed-reshape",
+        "Set-up and the [locks](x.md) -> set-up-and-the-locks",
+    ],
+)
+def test_github_anchor_rules_for_docs_headings(heading):
+    text, anchor = heading.split(" -> ")
+    assert github_anchor(text) == anchor
+
+
+def test_repeated_headings_are_numbered_and_code_is_no_heading(tmp_path):
     page = tmp_path / "page.md"
     page.write_text(
         "# Title\n\n## Notes\n\n```console\n# not a heading\n```\n\n## Notes ##\n"
@@ -288,8 +275,8 @@ def test_github_anchor_rules_for_docs_headings(tmp_path):
 def _copy_docs(tmp_path: Path) -> Path:
     root = tmp_path / "repo"
     root.mkdir()
-    shutil.copy2(REPO_ROOT / "README.md", root / "README.md")
-    shutil.copy2(REPO_ROOT / "Makefile", root / "Makefile")
+    for name in ("README.md", "Makefile"):
+        shutil.copy2(REPO_ROOT / name, root / name)
     shutil.copytree(REPO_ROOT / "docs", root / "docs")
     return root
 
@@ -311,10 +298,8 @@ def test_docs_link_check_fails_on_a_broken_link(tmp_path):
     assert f"docs/tests.md:{lines + 2}: no-such-page.md: no such file" in new
     assert any("setup-and-locks.md#no-such-heading: no heading" in p for p in new), new
     assert any("../../outside.md: outside the repository" in p for p in new), new
-    assert any(
-        p.startswith("README.md:") and "docs/affected.md: no such file" in p
-        for p in new
-    ), new
+    readme = [p for p in new if p.startswith("README.md:")]
+    assert any("docs/affected.md: no such file" in p for p in readme), new
     assert not any("no-such-file-in-code.md" in p for p in new)
 
 
@@ -323,14 +308,10 @@ def test_docs_make_target_check_fails_on_an_unknown_target(tmp_path):
     assert unknown_make_targets(root) == []
     with (root / "README.md").open("a") as readme:
         readme.write(
-            "\nRun `make frobnicate ROUTE=cpu`, or `make` alone, then redraw "
-            "with\n"
+            "\nRun `make frobnicate ROUTE=cpu`, or `make` alone, then redraw with\n"
             "`python3 docs/make_packed_block_svg.py`; make sure of it.\n\n"
-            "```console\n$ make -s VERSION=1 lint-all   # no such "
-            "target\n```\n"
+            "```console\n$ make -s VERSION=1 lint-all   # no such target\n```\n"
         )
     found = unknown_make_targets(root)
     assert len(found) == 2, found
-    assert found[0].endswith(": make frobnicate") and found[1].endswith(
-        ": make lint-all"
-    )
+    assert [f.rsplit(": ", 1)[1] for f in found] == ["make frobnicate", "make lint-all"]

@@ -17,9 +17,8 @@ BENCHMARKS = REPO_ROOT / "benchmarks"
 def _load() -> ModuleType:
     # By path: benchmarks/ is no package, and the benchmark script imports torch and
     # vLLM.
-    spec = importlib.util.spec_from_file_location(
-        "offload_figures", BENCHMARKS / "offload_figures.py"
-    )
+    path = BENCHMARKS / "offload_figures.py"
+    spec = importlib.util.spec_from_file_location("offload_figures", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -29,15 +28,9 @@ figures = _load()
 
 
 def _run(layout: str) -> dict:
-    return {
-        "layout": layout,
-        "store_bytes": 3.0e8,
-        "load_bytes": 3.0e8,
-        "store_GBps": 11.5,
-        "load_GBps": 12.1,
-        "ttft_cold_batch_s": 0.8,
-        "ttft_cpu_hit_batch_s": 0.2,
-    }
+    run = {"layout": layout, "store_bytes": 3.0e8, "load_bytes": 3.0e8}
+    run |= {"store_GBps": 11.5, "load_GBps": 12.1}
+    return run | {"ttft_cold_batch_s": 0.8, "ttft_cpu_hit_batch_s": 0.2}
 
 
 COMPLETE = {
@@ -75,15 +68,13 @@ def test_absent_figures_runs_and_pinned_copy_are_reported():
     assert missing[1:] == ["pinned_copy.h2d_GBps: None", "pinned_copy.d2h_GBps: None"]
     one_run = copy.deepcopy(COMPLETE)
     one_run["runs"].pop()
-    assert figures.missing_figures(one_run)[0].startswith(
-        "runs: expected 2 layout runs"
-    )
+    (first, *_) = figures.missing_figures(one_run)
+    assert first.startswith("runs: expected 2 layout runs")
 
 
 def test_the_benchmark_exits_non_zero_on_missing_figures():
     # The script needs a GPU to run; its source must at least apply the check.
     source = (BENCHMARKS / "offload_throughput_gpu.py").read_text()
     assert "from offload_figures import missing_figures" in source
-    assert (
-        "missing = missing_figures(report)" in source and "raise SystemExit(" in source
-    )
+    assert "missing = missing_figures(report)" in source
+    assert "raise SystemExit(" in source

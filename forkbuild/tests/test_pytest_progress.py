@@ -27,9 +27,8 @@ def test_a_run_logs_its_cases_done_and_collected(tmp_path, monkeypatch, capsys):
         sys.executable, tmp_path, ["test_cases.py"], tmp_path / "junit.xml"
     )
     assert outcome.passed == 3
-    counts = re.findall(
-        r"pytest in \S+: (\d) of (\d) cases done", capsys.readouterr().err
-    )
+    logged = capsys.readouterr().err
+    counts = re.findall(r"pytest in \S+: (\d) of (\d) cases done", logged)
     assert counts and {total for _, total in counts} == {"3"}, counts
     done = [int(d) for d, _ in counts]
     assert done == sorted(done) and done[-1] >= 1
@@ -37,9 +36,6 @@ def test_a_run_logs_its_cases_done_and_collected(tmp_path, monkeypatch, capsys):
 
 def test_the_progress_line_is_read_back_whole():
     assert pytest_progress.read("") == (0, 0, "")
-    assert pytest_progress.read("2\t5\tt.py::test_x[a b]") == (
-        2,
-        5,
-        "t.py::test_x[a b]",
-    )
+    line = "2\t5\tt.py::test_x[a b]"
+    assert pytest_progress.read(line) == (2, 5, "t.py::test_x[a b]")
     assert pytest_progress.read("5\t5\t") == (5, 5, "")

@@ -33,8 +33,7 @@ def test_failure_with_a_report_says_its_last_line_and_where_it_is(tmp_path):
 
 def test_a_silent_failure_says_so(tmp_path):
     for report in (None, tmp_path / "run.log"):
+        silent = [sys.executable, "-c", "raise SystemExit(3)"]
         with pytest.raises(ForkError) as err:
-            run_or_fail(
-                [sys.executable, "-c", "raise SystemExit(3)"], "it broke", report=report
-            )
+            run_or_fail(silent, "it broke", report=report)
         assert err.value.cause == "it broke: no output"

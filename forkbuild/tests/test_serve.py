@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
-import signal
 import socket
 import subprocess
 import sys
 import textwrap
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -21,38 +18,41 @@ from forkbuild.core import preflight
 from forkbuild.core.errors import ForkError
 from forkbuild.core.pins import REPO_ROOT
 from forkbuild.serve import server as serve
+from forkbuild.tests.test_serve_gpu import (
+    _kv_cache_reports,
+    free_port,
+    post,
+    serving,
+)
+from tests.v1.worker.offload_round_trip import KV_CACHE_INSPECTION, check_not_packed
 
 
-def _forkbuild(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+def _refused(*args: str) -> str:
+    """`forkbuild ARGS` must fail at once (no install, no hub lookup: that took ~32 s)
+    in one line, which is returned."""
+    start = time.monotonic()
+    result = subprocess.run(
         [sys.executable, "-m", "forkbuild", *args],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
-        **kwargs,
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    assert result.returncode == 1
+    assert time.monotonic() - start < 20
+    (line,) = result.stderr.strip().splitlines()
+    return line
 
 
 @pytest.mark.skipif(
     preflight.has_nvidia_gpu(), reason="checks the refusal on a machine without a GPU"
 )
 def test_gpu_preset_without_gpu_is_refused_at_once():
-    start = time.monotonic()
-    result = _forkbuild(
-        "serve", "--preset", "offload-47054", "--model", "openai/gpt-oss-20b"
+    model = ["--model", "openai/gpt-oss-20b"]
+    assert "needs an NVIDIA GPU" in _refused(
+        "serve", "--preset", "offload-47054", *model
     )
-    assert result.returncode == 1
-    assert time.monotonic() - start < 20
-    (line,) = result.stderr.strip().splitlines()
-    assert "needs an NVIDIA GPU" in line
 
 
 def test_port_in_use_is_refused_at_once():
@@ -60,18 +60,12 @@ def test_port_in_use_is_refused_at_once():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = _forkbuild("serve", "--port", str(port))
-    assert result.returncode == 1
-    (line,) = result.stderr.strip().splitlines()
+        line = _refused("serve", "--port", str(port))
     assert f"port {port} on 127.0.0.1 is already in use" in line
 
 
 def test_mistyped_model_is_refused_at_once():
-    start = time.monotonic()
-    result = _forkbuild("serve", "--model", "tiny-chta", "--port", str(_free_port()))
-    assert result.returncode == 1
-    assert time.monotonic() - start < 20  # no install, no hub lookup (it took ~32 s)
-    (line,) = result.stderr.strip().splitlines()
+    line = _refused("serve", "--model", "tiny-chta", "--port", str(free_port()))
     assert "'tiny-chta' is neither an embedded model" in line
     assert "did you mean tiny-chat?" in line and "org/name" in line
 
@@ -94,10 +88,9 @@ def test_model_that_names_nothing_is_refused(model, close, tmp_path, monkeypatch
         serve.check_model(model)
     assert (f"did you mean {close}?" in str(err.value)) == bool(close)
     assert "org/name" in err.value.hint and "\n" not in str(err.value)
+    nothing = "is not a local path that exists, nor a hub id"
     for path in ("/no/such/folder", "models/a/b"):
-        with pytest.raises(
-            ForkError, match="is not a local path that exists, nor a hub id"
-        ):
+        with pytest.raises(ForkError, match=nothing):
             serve.check_model(path)
 
 
@@ -109,37 +102,23 @@ def test_legitimate_models_are_not_refused(tmp_path, monkeypatch):
     (tmp_path / "model.gguf").write_bytes(b"")
     # a bare hub id already downloaded
     (tmp_path / "hub" / "models--gpt2").mkdir(parents=True)
-    for model in (
-        None,
-        *serve.EMBEDDED,
-        "my-model",
-        "./my-model",
-        str(tmp_path / "my-model"),
-        "~/my-model",
-        "model.gguf",
-        "openai/gpt-oss-20b",
-        "Qwen/Qwen3-0.6B",
-        "openai-community/gpt2",
-        "gpt2",
-    ):
+    local = ["my-model", "./my-model", str(tmp_path / "my-model"), "~/my-model"]
+    hub = ["openai/gpt-oss-20b", "Qwen/Qwen3-0.6B", "openai-community/gpt2", "gpt2"]
+    for model in (None, *serve.EMBEDDED, *local, "model.gguf", *hub):
         serve.check_model(model)
 
 
 def test_tiny_gpt_oss_gets_no_chat_line_and_the_reason():
     lines = serve.try_lines("127.0.0.1", 8001, "tiny-gpt-oss")
-    assert [line.split()[2] for line in lines if line.startswith("try  curl ")] == [
-        "http://127.0.0.1:8001/v1/completions"
-    ]
+    urls = [line.split()[2] for line in lines if line.startswith("try  curl ")]
+    assert urls == ["http://127.0.0.1:8001/v1/completions"]
     (reason,) = [line for line in lines if not line.startswith("try  ")]
-    assert (
-        reason.startswith("no chat line for tiny-gpt-oss: ")
-        and ("KeyError: '<|end|>'") in reason
-    )
+    assert reason.startswith("no chat line for tiny-gpt-oss: ")
+    assert "KeyError: '<|end|>'" in reason
     # a real GPT-OSS has harmony's tokens
     for model in ("tiny-chat", "openai/gpt-oss-20b"):
-        assert [
-            line.split()[2].rsplit("/", 1)[1] for line in serve.try_lines("h", 1, model)
-        ] == ["completions", "completions"]
+        urls = [line.split()[2] for line in serve.try_lines("h", 1, model)]
+        assert [url.rsplit("/", 1)[1] for url in urls] == ["completions"] * 2
 
 
 def test_tiny_gpt_oss_chat_fails_as_the_reason_says():
@@ -190,76 +169,16 @@ def _printed_requests(log_text: str) -> list[tuple[str, dict]]:
     return requests
 
 
-def _post(url: str, body: dict) -> dict:
-    request = urllib.request.Request(
-        url,
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as resp:
-        assert resp.status == 200
-        return json.load(resp)
-
-
-@contextlib.contextmanager
-def _serving(port: int, log_path: Path):
-    """`forkbuild serve` on PORT, its output in LOG_PATH, until healthy; stopped after.
-    The GPU serve test's KV cache check, exercised here on CPU: the worker extension
-    passed through to vllm serve, and the dev-mode /collective_rpc that calls it by
-    name."""
-    from tests.v1.worker.offload_round_trip import KV_CACHE_INSPECTION
-
-    extension = ["--worker-extension-cls", KV_CACHE_INSPECTION]
-    path = filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])
-    with log_path.open("w") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "forkbuild", "serve", "--port", str(port), "--"]
-            + extension,
-            cwd=REPO_ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={
-                **os.environ,
-                "VLLM_SERVER_DEV_MODE": "1",
-                "PYTHONPATH": os.pathsep.join(path),
-            },
-        )
-        try:
-            _wait_healthy(server, f"http://127.0.0.1:{port}", log_path)
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
-
-
-def _wait_healthy(server: subprocess.Popen, base: str, log_path: Path) -> None:
-    deadline = time.monotonic() + 300
-    while True:
-        assert server.poll() is None, f"server exited: {log_path.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, "server not healthy after 300 s"
-        try:
-            with urllib.request.urlopen(f"{base}/health", timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(2)
-
-
 def _check_greedy_answers(base: str) -> None:
     """Eight greedy tokens from each endpoint, text and chat message."""
     greedy = {"model": "tiny-chat", "max_tokens": 8, "temperature": 0}
     greedy["ignore_eos"] = True
-    text = _post(f"{base}/v1/completions", {**greedy, "prompt": "Hello, world!"})
+    text = post(f"{base}/v1/completions", {**greedy, "prompt": "Hello, world!"})
     assert text["usage"]["completion_tokens"] == 8
     assert isinstance(text["choices"][0]["text"], str)
     assert text["choices"][0]["text"]
     assert "+fork.1" in text["system_fingerprint"]
-    chat = _post(
+    chat = post(
         f"{base}/v1/chat/completions",
         {**greedy, "messages": [{"role": "user", "content": "Hello, world!"}]},
     )
@@ -272,9 +191,12 @@ def _check_greedy_answers(base: str) -> None:
 
 
 def test_embedded_model_answers_a_completion_and_a_chat(tmp_path):
-    port = _free_port()
+    # The GPU serve test's KV cache check, exercised here on CPU: the worker extension
+    # passed through to vllm serve, and the dev-mode /collective_rpc that calls it.
     log_path = tmp_path / "serve.log"
-    with _serving(port, log_path) as base:
+    extension = ["--", "--worker-extension-cls", KV_CACHE_INSPECTION]
+    with serving(extension, log_path, 300, stop_s=60, kill_s=30) as (port, _):
+        base = f"http://127.0.0.1:{port}"
         # The two lines the user is told to try, sent as printed: both endpoints answer.
         printed = _printed_requests(log_path.read_text())
         assert [url for url, _ in printed] == [
@@ -282,7 +204,7 @@ def test_embedded_model_answers_a_completion_and_a_chat(tmp_path):
             f"{base}/v1/chat/completions",
         ]
         for url, body in printed:
-            answer = _post(url, body)
+            answer = post(url, body)
             assert answer["model"] == "tiny-chat"
             assert 1 <= answer["usage"]["completion_tokens"] <= body["max_tokens"]
         _check_greedy_answers(base)
@@ -291,9 +213,6 @@ def test_embedded_model_answers_a_completion_and_a_chat(tmp_path):
         # What the GPU serve test asks its servers, asked here the same way: one report
         # per worker; the tiny chat model's two groups (sliding, full) per layer,
         # unpacked.
-        from forkbuild.tests.test_serve_gpu import _kv_cache_reports
-        from tests.v1.worker.offload_round_trip import check_not_packed
-
         (report,) = _kv_cache_reports(port)
         check_not_packed(report)
         assert len(report["layers"]) == 4, report["layers"]

@@ -3,21 +3,15 @@ KV blocks evicted to CPU and reloaded, next to a server without offloading.
 Runs in the nightly GPU job (.ci/gpu-nightly); skipped elsewhere.
 
 With random weights a greedy token can flip when the batch around a request changes, and
-8 concurrent requests are batched differently by the two servers (eviction, reloads). So
-the texts are compared only for one request sent alone to each server while it is cold;
-the concurrent rounds must answer every request in full, the offload server must have
-stored and loaded KV bytes, and neither log may show an error.
-
-vLLM 0.25.1 logs nothing when it packs the KV cache, and per-layer offloading passes all
-of the above too. So each server's worker reports the KV cache it holds (the worker
-extension of tests/v1/worker/offload_round_trip.py, called through the dev-mode
-`/collective_rpc` endpoint): the offload server's must be packed block rows in HND
-order, the plain server's not packed.
-
-The servers run one after the other on one GPU: the second starts only once every
-process of the first (API server, engine core, workers) has exited, or its memory
-profiling would see
-the first's memory come free and refuse to start."""
+the two servers batch 8 concurrent requests differently: the texts are compared only
+for one request sent alone to each cold server; the concurrent rounds must answer every
+request in full, the offload server must have stored and loaded KV bytes, and neither
+log may show an error. vLLM 0.25.1 logs nothing when it packs the KV cache, and
+per-layer offloading passes all of that too: so each server's worker reports its KV
+cache (tests/v1/worker/offload_round_trip.py, through the dev-mode /collective_rpc):
+the offload server's must be packed block rows in HND order, the plain one's not.
+The second server starts only once every process of the first has exited, or its
+memory profiling would see the first's memory come free and refuse to start."""
 
 from __future__ import annotations
 
@@ -53,17 +47,13 @@ def _compute_capability() -> float:
     counts them: CUDA_VISIBLE_DEVICES applies), 0.0 without nvidia-smi or a GPU."""
     from forkbuild.gpu import required as gpu_required
 
+    query = [
+        "nvidia-smi",
+        f"--query-gpu={gpu_required.NVIDIA_SMI_QUERY}",
+        "--format=csv",
+    ]
     try:
-        out = subprocess.run(
-            [
-                "nvidia-smi",
-                f"--query-gpu={gpu_required.NVIDIA_SMI_QUERY}",
-                "--format=csv",
-            ],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout
+        out = subprocess.run(query, capture_output=True, text=True).stdout
         capabilities = gpu_required.parse_nvidia_smi(
             out, os.environ.get("CUDA_VISIBLE_DEVICES")
         )
@@ -81,47 +71,29 @@ pytestmark = [
     ),
 ]
 
-# A small GPU cache, many distinct long prompts, two rounds: the first round's blocks
-# are evicted from the GPU and the second round must reload them from CPU. vLLM 0.25.1
-# refuses to start unless one request of --max-model-len fits in the override:
-# get_kv_cache_configs (vllm/v1/core/kv_cache_utils.py) sets the available memory to
-# override * _pool_bytes_per_block (2 layers per group x one page) and
-# _check_enough_kv_cache_memory compares it with _max_memory_usage_bytes_from_groups = 2
-# x page x (blocks of the full group + blocks of the sliding group). Block size 16:
-# full:    FullAttentionSpec, cdiv(1024, 16) = 64 sliding:
-# SlidingWindowSpec.max_admission_blocks_per_request, cdiv(min(128 - 1 +
-# max_num_batched_tokens, 1024), 16) + 1 = 65 (every 0.25.1 default
-# max_num_batched_tokens is >= 2048, so the cap is 1024) so the override must be >= 64 +
-# 65 = 129 (96 stops both servers at start-up); we take it. A prompt is 758-799 tokens:
-# ~48 blocks of the full group alone, so 16 prompts need ~770 blocks and round 2 must
-# reload most of round 1 from CPU. test_serve_gpu_config.py runs these arguments through
-# the same check on CPU.
+# A small GPU cache, many distinct long prompts, two rounds: round 1's blocks are
+# evicted from the GPU and round 2 must reload them from CPU. vLLM 0.25.1 refuses to
+# start unless one request of --max-model-len fits in the override
+# (get_kv_cache_configs, _check_enough_kv_cache_memory in kv_cache_utils.py): with block
+# size 16 the full group needs cdiv(1024, 16) = 64 blocks and the sliding group
+# cdiv(min(128 - 1 + max_num_batched_tokens, 1024), 16) + 1 = 65 (every default
+# max_num_batched_tokens is >= 2048), so the override must be >= 129 (96 stops both
+# servers at start-up). A prompt is 758-799 tokens, ~48 blocks of the full group: 16
+# prompts need ~770 blocks. test_serve_gpu_config.py runs these arguments through the
+# same check on CPU.
 GPU_BLOCKS = 129
-# --block-size 16 is what FLASH_ATTN picks on CUDA anyway; explicit, the CPU check plans
-# the same blocks (the CPU platform would pick 128). Both servers use the preset's
-# backend, so the cold texts come from the same kernels. --worker-extension-cls adds the
-# KV cache report to the worker's methods (vLLM's hook for collective_rpc; nothing else
-# changes); VLLM_SERVER_DEV_MODE=1 (_server) opens the /collective_rpc endpoint that
-# calls it by name.
+# --block-size 16 is FLASH_ATTN's pick on CUDA; explicit, the CPU check plans the same
+# blocks (the CPU platform would pick 128). Both servers use the preset's backend, so
+# the cold texts come from the same kernels. --worker-extension-cls adds the KV cache
+# report, which VLLM_SERVER_DEV_MODE=1's /collective_rpc endpoint calls by name.
 ENGINE_ARGS = [
-    "--num-gpu-blocks-override",
-    str(GPU_BLOCKS),
-    "--block-size",
-    "16",
-    "--max-model-len",
-    "1024",
-    "--gpu-memory-utilization",
-    "0.3",
-    "--max-num-seqs",
-    "8",
-    "--attention-backend",
-    "FLASH_ATTN",
-    "--worker-extension-cls",
+    *f"--num-gpu-blocks-override {GPU_BLOCKS} --block-size 16 --max-model-len 1024 "
+    "--gpu-memory-utilization 0.3 --max-num-seqs 8 --attention-backend FLASH_ATTN "
+    "--worker-extension-cls".split(),
     KV_CACHE_INSPECTION,
 ]
 OFFLOAD_ARGS = ["--preset", "offload-47054", "--cpu-bytes", str(2 << 30)]
-# Both servers serve the embedded tiny GPT-OSS (the #47054 model), not the default chat
-# model.
+# Both servers serve the embedded tiny GPT-OSS (the #47054 model).
 MODEL_ARGS = ["--model", "tiny-gpt-oss"]
 PROMPTS = [
     f"Request {i}: "
@@ -165,11 +137,9 @@ def session_processes(session: int) -> list[str]:
 
 
 def _signal_session(session: int, sig: signal.Signals) -> None:
-    """SIG to the process group of SESSION's leader (the server's processes, unless one
-    moved to a group of its own), and to each process of the session outside that group:
-    each process gets SIG once, as the old killpg gave it (vLLM's API server, engine
-    core
-    and workers handle SIGTERM as a shutdown request)."""
+    """SIG to the process group of SESSION's leader, and to each process of the session
+    outside that group: each gets SIG once (vLLM's API server, engine core and workers
+    handle SIGTERM as a shutdown request)."""
     with suppress(ProcessLookupError):
         os.killpg(session, sig)
     for pid, pgrp, _ in _session_table(session):
@@ -193,14 +163,10 @@ def stop_session(
     leader: subprocess.Popen, stop_s: float = STOP_S, kill_s: float = KILL_S
 ) -> None:
     """Stop LEADER (started with start_new_session=True) and every process of its
-    session, and return only once none is left: SIGTERM, SIGKILL to whatever is left
-    after STOP_S seconds, and a failure naming the processes still there KILL_S seconds
-    later.
-
-    Waiting for LEADER alone is not enough: the server's engine core and workers are its
-    children, may outlive it, and hold GPU memory until they exit; a server started
-    meanwhile fails vLLM 0.25.1's memory profiling (vllm/v1/worker/gpu_worker.py,
-    `assert self.init_snapshot.free_memory >= free_gpu_memory`)."""
+    session; return once none is left: SIGTERM, SIGKILL after STOP_S seconds, a failure
+    naming what is still there KILL_S seconds later. The engine core and workers may
+    outlive LEADER holding GPU memory, and a server started meanwhile fails vLLM
+    0.25.1's memory profiling (gpu_worker.py, `init_snapshot.free_memory >= ...`)."""
     _signal_session(leader.pid, signal.SIGTERM)
     left = _wait_session(leader, stop_s)
     if left:
@@ -212,46 +178,45 @@ def stop_session(
         left = _wait_session(leader, kill_s)
     assert not left, (
         f"processes of the server (session {leader.pid}) still running {stop_s:.0f} s "
-        "after "
-        f"SIGTERM and {kill_s:.0f} s after SIGKILL: " + "; ".join(left)
+        f"after SIGTERM and {kill_s:.0f} s after SIGKILL: " + "; ".join(left)
     )
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
+def wait_healthy(server: subprocess.Popen, port: int, log: Path, limit_s: int) -> None:
+    deadline = time.monotonic() + limit_s
+    while True:
+        assert server.poll() is None, f"server exited: {log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"server not healthy after {limit_s} s"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                return
+        except OSError:
+            time.sleep(2)
+
+
 @contextmanager
-def _server(extra: list[str], log_path: Path) -> Iterator[tuple[int, subprocess.Popen]]:
-    port = _free_port()
+def serving(
+    args: list[str], log_path: Path, limit_s: int, **stop: float
+) -> Iterator[tuple[int, subprocess.Popen]]:
+    """`forkbuild serve ARGS` on a free port, its output in LOG_PATH, until healthy;
+    stopped after (stop_session: it runs in a session of its own)."""
+    port = free_port()
     with open(log_path, "w") as log:
         server = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "forkbuild",
-                "serve",
-                "--route",
-                "cuda",
-                "--port",
-                str(port),
-                *MODEL_ARGS,
-                *extra,
-                "--",
-                *ENGINE_ARGS,
-            ],
-            # Its own session: stop_session waits for every process of the server.
+            [sys.executable, "-m", "forkbuild", "serve", "--port", str(port), *args],
             cwd=REPO_ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             env={
                 **os.environ,
-                # Unbuffered, so that the log read before shutdown holds everything so
-                # far.
-                "PYTHONUNBUFFERED": "1",
+                "PYTHONUNBUFFERED": "1",  # the log read before shutdown holds all
                 "VLLM_SERVER_DEV_MODE": "1",  # the /collective_rpc endpoint
                 # The worker imports the extension (ENGINE_ARGS) from the fork's tests.
                 "PYTHONPATH": os.pathsep.join(
@@ -260,46 +225,32 @@ def _server(extra: list[str], log_path: Path) -> Iterator[tuple[int, subprocess.
             },
         )
         try:
-            deadline = time.monotonic() + 600
-            while True:
-                assert server.poll() is None, log_path.read_text()[-3000:]
-                assert time.monotonic() < deadline, "server not healthy after 600 s"
-                try:
-                    with urllib.request.urlopen(
-                        f"http://127.0.0.1:{port}/health", timeout=5
-                    ):
-                        break
-                except OSError:
-                    time.sleep(2)
+            wait_healthy(server, port, log_path, limit_s)
             yield port, server
         finally:
-            stop_session(server)
+            stop_session(server, **stop)
+
+
+def post(url: str, body: dict, timeout: float = 120) -> dict:
+    """BODY as JSON to URL; its answer, which must be 200."""
+    data = json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    request = urllib.request.Request(url, data=data, headers=headers)
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
+        assert resp.status == 200
+        return json.load(resp)
 
 
 def _complete(port: int, prompt: str) -> dict:
-    body = json.dumps(
-        {
-            "model": "tiny-gpt-oss",
-            "prompt": prompt,
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-            "ignore_eos": True,
-        }
-    ).encode()
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions",
-        data=body,
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=300) as resp:
-        return json.load(resp)
+    body = {"model": "tiny-gpt-oss", "prompt": prompt, "max_tokens": MAX_TOKENS}
+    body |= {"temperature": 0, "ignore_eos": True}
+    return post(f"http://127.0.0.1:{port}/v1/completions", body, timeout=300)
 
 
 def _two_rounds(port: int) -> list[dict]:
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda p: _complete(port, p), PROMPTS))  # stores to CPU
-        # reloads evicted blocks
-        answers += list(pool.map(lambda p: _complete(port, p), PROMPTS))
+        answers += list(pool.map(lambda p: _complete(port, p), PROMPTS))  # reloads
     return answers
 
 
@@ -307,14 +258,8 @@ def _kv_cache_reports(port: int) -> list[dict]:
     """Each worker's kv_cache_report, through the dev-mode endpoint of vLLM 0.25.1
     (vllm/entrypoints/serve/dev/rpc/api_router.py): it takes a method name and returns
     {"results": [one per worker]}, dicts as they are."""
-    body = json.dumps({"method": KV_CACHE_REPORT, "timeout": 60}).encode()
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/collective_rpc",
-        data=body,
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as resp:
-        return json.load(resp)["results"]
+    body = {"method": KV_CACHE_REPORT, "timeout": 60}
+    return post(f"http://127.0.0.1:{port}/collective_rpc", body)["results"]
 
 
 def _packed_kv_cache() -> PackedKVCache:
@@ -346,9 +291,8 @@ def _offload_bytes(port: int) -> tuple[float, float]:
     after the last answer."""
     deadline = time.monotonic() + 60
     while True:
-        with urllib.request.urlopen(
-            f"http://127.0.0.1:{port}/metrics", timeout=10
-        ) as resp:
+        url = f"http://127.0.0.1:{port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as resp:
             metrics = resp.read().decode()
         loaded = _counter(metrics, "vllm:kv_offload_load_bytes")
         stored = _counter(metrics, "vllm:kv_offload_store_bytes")
@@ -360,7 +304,8 @@ def _offload_bytes(port: int) -> tuple[float, float]:
 def _serve(
     extra: list[str], log_path: Path, offload: bool
 ) -> tuple[str, list[dict], tuple[float, float]]:
-    with _server(extra, log_path) as (port, server):
+    args = ["--route", "cuda", *MODEL_ARGS, *extra, "--", *ENGINE_ARGS]
+    with serving(args, log_path, 600) as (port, server):
         # The KV cache under test, before any request (a config that stops packing fails
         # here, not after minutes of a test of per-layer offloading).
         (report,) = _kv_cache_reports(port)  # one worker

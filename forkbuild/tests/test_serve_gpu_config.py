@@ -1,8 +1,7 @@
-"""The engine arguments of test_serve_gpu.py through vLLM's own parser, config and
-start-up KV-cache check, on CPU: an argument vLLM rejects, or a
---num-gpu-blocks-override too small for one request of --max-model-len, fails here
-rather than in the nightly GPU job. Also on CPU: the helper that waits for every process
-of one server before the next starts."""
+"""test_serve_gpu.py's engine arguments through vLLM's parser, config and start-up KV
+cache check, on CPU: an argument vLLM rejects, or a --num-gpu-blocks-override too small
+for one request of --max-model-len, fails here, not in the nightly GPU job. Also the
+helper that waits for every process of one server before the next starts."""
 
 from __future__ import annotations
 
@@ -44,11 +43,9 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
 SERVERS = {"plain": [], "offload": OFFLOAD_ARGS}
-# What the memory profiler would report; with an override vLLM plans override blocks
-# instead.
+# What the memory profiler would report; with an override vLLM plans that instead.
 PROFILED_BYTES = 8 << 30
-# max_num_batched_tokens `vllm serve` defaults to on H100/H200
-# (EngineArgs.get_batch_defaults).
+# `vllm serve`'s default max_num_batched_tokens on H100/H200 (get_batch_defaults).
 HOPPER_SERVE_BATCHED_TOKENS = 8192
 REFUSED = "To serve at least one request with the model's max seq len"
 
@@ -72,8 +69,7 @@ def _engine_config(
     serve.add_arguments(fork_parser)
     fork_args = fork_parser.parse_args([*MODEL_ARGS, *server, "--", *engine_args])
     assert fork_args.model in serve.EMBEDDED  # generated, and served under its name
-    # [vllm, "serve", model, ...]: the embedded model's and the preset's arguments
-    # included.
+    # [vllm, "serve", model, ...], with the embedded model's and the preset's arguments
     argv = serve.command(
         Path(sys.executable), str(model), fork_args, embedded=fork_args.model
     )[2:]
@@ -94,10 +90,14 @@ def _plan(config: VllmConfig):
     return kv_cache_config
 
 
-@pytest.mark.parametrize("server", SERVERS)
-def test_serve_gpu_args_pass_the_startup_check(server, tiny_model, monkeypatch):
+@pytest.fixture
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_serve_gpu_args_pass_the_startup_check(server, tiny_model, offline):
     config = _engine_config(tiny_model, SERVERS[server], ENGINE_ARGS)
     # The GPU's values, not this CPU platform's: block size 16, both KV cache groups.
     assert config.cache_config.block_size == 16
@@ -112,35 +112,26 @@ def test_serve_gpu_args_pass_the_startup_check(server, tiny_model, monkeypatch):
 
     kv_cache_config = _plan(config)
     assert kv_cache_config.num_blocks == GPU_BLOCKS
-    specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
-    assert sorted(type(spec).__name__ for spec in specs) == [
-        FullAttentionSpec.__name__,
-        SlidingWindowSpec.__name__,
-    ]
-    assert _use_packed_kv_cache_config(config, kv_cache_config.kv_cache_groups) == (
-        server == "offload"
-    )
+    groups = kv_cache_config.kv_cache_groups
+    specs = [group.kv_cache_spec for group in groups]
+    kinds = sorted(type(spec).__name__ for spec in specs)
+    assert kinds == [FullAttentionSpec.__name__, SlidingWindowSpec.__name__]
+    assert _use_packed_kv_cache_config(config, groups) == (server == "offload")
     # The sliding group's need is capped by max_model_len, so this platform's default
     # max_num_batched_tokens plans the same blocks as a Hopper GPU's.
     (sliding,) = [spec for spec in specs if isinstance(spec, SlidingWindowSpec)]
+    need = sliding.max_admission_blocks_per_request
     here = config.scheduler_config.max_num_batched_tokens
-    assert {
-        sliding.max_admission_blocks_per_request(
-            max_num_batched_tokens=tokens, max_model_len=1024
-        )
-        for tokens in (here, HOPPER_SERVE_BATCHED_TOKENS)
-    } == {65}
+    batched = (here, HOPPER_SERVE_BATCHED_TOKENS)
+    assert {need(max_num_batched_tokens=t, max_model_len=1024) for t in batched} == {65}
 
 
 # 96: the old value; GPU_BLOCKS - 1: the check is tight at 64 + 65 blocks.
 @pytest.mark.parametrize("blocks", [96, GPU_BLOCKS - 1])
 @pytest.mark.parametrize("server", SERVERS)
-def test_too_few_gpu_blocks_are_refused(server, blocks, tiny_model, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
-    config = _engine_config(
-        tiny_model, SERVERS[server], _with_override(ENGINE_ARGS, blocks)
-    )
+def test_too_few_gpu_blocks_are_refused(server, blocks, tiny_model, offline):
+    engine_args = _with_override(ENGINE_ARGS, blocks)
+    config = _engine_config(tiny_model, SERVERS[server], engine_args)
     assert config.cache_config.num_gpu_blocks_override == blocks
     with pytest.raises(ValueError, match=REFUSED):
         _plan(config)
@@ -167,17 +158,6 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def _start_tree(*child_args: str) -> tuple[subprocess.Popen, int]:
-    """The parent in a session of its own, as _server starts a server; its child's
-    pid."""
-    parent = subprocess.Popen(
-        [sys.executable, "-c", PARENT, CHILD, *child_args],
-        stdout=subprocess.PIPE,
-        start_new_session=True,
-    )
-    return parent, int(parent.stdout.readline())
-
-
 def _alive(pid: int) -> bool:
     """PID runs (a zombie does not: it waits only to be reaped)."""
     try:
@@ -188,10 +168,21 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.fixture
-def process_trees():
-    """Process trees started by a test, killed at its end whatever happened."""
+def start_tree():
+    """Start the parent in a session of its own, as _server starts a server; return it
+    and its child's pid. What a test started is killed at its end whatever happened."""
     started: list[subprocess.Popen] = []
-    yield started
+
+    def start(*child_args: str) -> tuple[subprocess.Popen, int]:
+        parent = subprocess.Popen(
+            [sys.executable, "-c", PARENT, CHILD, *child_args],
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        )
+        started.append(parent)
+        return parent, int(parent.stdout.readline())
+
+    yield start
     for parent in started:
         with suppress(ProcessLookupError):
             os.killpg(parent.pid, signal.SIGKILL)
@@ -199,9 +190,8 @@ def process_trees():
         parent.stdout.close()
 
 
-def test_stop_session_waits_for_the_servers_children(process_trees):
-    parent, child = _start_tree()
-    process_trees.append(parent)
+def test_stop_session_waits_for_the_servers_children(start_tree):
+    parent, child = start_tree()
     # The parent alone gone: its child still runs (as an engine core may after its API
     # server), so waiting for the parent's pid is not waiting for the server.
     os.kill(parent.pid, signal.SIGTERM)
@@ -214,9 +204,8 @@ def test_stop_session_waits_for_the_servers_children(process_trees):
     assert session_processes(parent.pid) == []
 
 
-def test_stop_session_kills_what_ignores_sigterm(process_trees):
-    parent, child = _start_tree("ignore-term")
-    process_trees.append(parent)
+def test_stop_session_kills_what_ignores_sigterm(start_tree):
+    parent, child = start_tree("ignore-term")
     started = time.monotonic()
     stop_session(parent, stop_s=2, kill_s=10)
     assert time.monotonic() - started >= 2  # SIGTERM did not end the child
@@ -224,11 +213,9 @@ def test_stop_session_kills_what_ignores_sigterm(process_trees):
     assert session_processes(parent.pid) == []
 
 
-def test_stop_session_fails_naming_what_is_left(process_trees, monkeypatch):
-    parent, child = _start_tree()
-    process_trees.append(parent)
-    # Processes no signal ends (e.g. stuck in the GPU driver), simulated: no signal is
-    # sent.
+def test_stop_session_fails_naming_what_is_left(start_tree, monkeypatch):
+    parent, child = start_tree()
+    # Processes no signal ends (e.g. stuck in the GPU driver), simulated: none is sent.
     monkeypatch.setattr(test_serve_gpu, "_signal_session", lambda session, sig: None)
     with pytest.raises(AssertionError) as failure:
         stop_session(parent, stop_s=0.5, kill_s=0.5)
