@@ -53,6 +53,8 @@ __pycache__/
 
 
 Stop = threading.Event | None  # set from another thread: stop at the next step
+Env = dict[str, str] | None
+Ran = subprocess.CompletedProcess[str]
 
 
 @dataclass(frozen=True)
@@ -111,9 +113,7 @@ def _check(stop: Stop) -> None:
         raise KeyboardInterrupt
 
 
-def git(
-    args: list[str], cwd: Path, env: dict[str, str] | None = None, stop: Stop = None
-) -> subprocess.CompletedProcess[str]:
+def git(args: list[str], cwd: Path, env: Env = None, stop: Stop = None) -> Ran:
     _check(stop)
     return subprocess.run(
         ["git", *args], cwd=cwd, env=env, text=True, capture_output=True, check=False
@@ -121,12 +121,7 @@ def git(
 
 
 def git_ok(
-    args: list[str],
-    cwd: Path,
-    env: dict[str, str] | None,
-    what: str,
-    stop: Stop = None,
-    hint: str = "",
+    args: list[str], cwd: Path, env: Env, what: str, stop: Stop = None, hint: str = ""
 ) -> None:
     result = git(args, cwd, env, stop)
     if result.returncode != 0:

@@ -26,7 +26,7 @@ def _site(root: Path, source: str = "VALUE = 1\n", mtime: int = 1_700_000_000) -
     return root
 
 
-def _import(site: Path) -> str:
+def _import(site: Path) -> bytes:
     """pkg.mod's VALUE, imported in SITE by a Python free to write bytecode."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     code = "import pkg.mod; print(pkg.mod.VALUE)"
