@@ -12,11 +12,11 @@ are unchanged, and otherwise made again whole. Everything else runs in it.
 from __future__ import annotations
 
 import fcntl
+import functools
 import importlib.metadata
 import os
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from forkbuild.core import log
@@ -60,8 +60,7 @@ def tools_lock(python: str) -> Path:
     return locks_dir() / f"tools-py{python.replace('.', '')}.txt"
 
 
-def tools_digest(pins: Pins, python: str) -> str:
-    """The digest of what the tools lock for PYTHON is made from."""
+def tools_digest(pins: Pins, python: str) -> str:  # of the tools lock's inputs
     return digest_of([FORMAT, "tools", python, pins.lock_platform, *pins.forkbuild])
 
 
@@ -102,8 +101,8 @@ def _checked_lock(pins: Pins, step: str) -> Path:
 
 
 def check_holds(python: Path, lock_file: Path) -> None:
-    """PYTHON's environment holds exactly what LOCK_FILE pins: asked of it, with its own
-    `packaging` (forkbuild/setup/lock.py verify_installed)."""
+    """PYTHON's environment holds exactly LOCK_FILE: asked of it, with its own
+    `packaging` (lock.py verify_installed)."""
     done = subprocess.run(
         [str(python), "-m", "forkbuild.setup.lock", "--verify", str(lock_file)],
         cwd=REPO_ROOT,
@@ -119,13 +118,12 @@ def check_holds(python: Path, lock_file: Path) -> None:
         )
 
 
-def _filled(pins: Pins, lock_file: Path) -> Callable[[Path], None]:
-    def fill(python: Path) -> None:
-        sync = ["sync", "--require-hashes", "--python", str(python), str(lock_file)]
-        uv.install(pins, sync, what=f"the packages of {lock_file.name}", lock=lock_file)
-        check_holds(python, lock_file)
-
-    return fill
+def sync(pins: Pins, python: Path, lock_file: Path) -> None:
+    """PYTHON's environment made to hold exactly LOCK_FILE, hashes required, and asked
+    whether it does."""
+    sync = ["sync", "--require-hashes", "--python", str(python), str(lock_file)]
+    uv.install(pins, sync, what=f"the packages of {lock_file.name}", lock=lock_file)
+    check_holds(python, lock_file)
 
 
 def _missing(home: Path) -> str:
@@ -153,18 +151,9 @@ def ensure(fork: Pins, step: str = "") -> tuple[Path, bool]:
         if missing:
             log.step(f"tools: {home} lacks {missing}; making it again")
             (home / uv.STAMP).unlink()
-        return uv.venv_in_place(
-            fork,
-            home,
-            _stamp(fork, lock_file),
-            f"forkbuild's libraries ({lock_file.name})",
-            _filled(fork, lock_file),
-        )
-
-
-def inside() -> bool:
-    """Whether this process runs in the tool environment."""
-    return Path(sys.prefix).resolve() == tools_dir().resolve()
+        what = f"forkbuild's libraries ({lock_file.name})"
+        fill = functools.partial(sync, fork, lock_file=lock_file)
+        return uv.venv_in_place(fork, home, _stamp(fork, lock_file), what, fill)
 
 
 def enter(argv: list[str]) -> None:
@@ -174,6 +163,6 @@ def enter(argv: list[str]) -> None:
     python, made = ensure(load(), step)
     # Children (forkbuild in a test's own build folder) use this environment too.
     os.environ["VLLM_FORK_TOOLS"] = str(tools_dir())
-    if inside() and not made:
+    if Path(sys.prefix).resolve() == tools_dir().resolve() and not made:
         return
     os.execv(python, [str(python), "-m", "forkbuild", *argv])

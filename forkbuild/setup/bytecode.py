@@ -38,9 +38,8 @@ def _pyc_files(root: Path) -> list[Path]:
     for folder, dirs, files in os.walk(root):
         if os.path.basename(folder) == PYCACHE:
             dirs.clear()
-            found += [
-                Path(folder, f).relative_to(root) for f in files if f.endswith(".pyc")
-            ]
+            pycs = (Path(folder, f) for f in files if f.endswith(".pyc"))
+            found += [pyc.relative_to(root) for pyc in pycs]
     return found
 
 

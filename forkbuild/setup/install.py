@@ -89,16 +89,13 @@ def ensure_toolchain(
 
     def fill(python: Path) -> None:
         preflight.check_disk(build_dir(), 12, "the virtualenv")
-        sync = ["sync", "--require-hashes", "--python", str(python), str(lock_file)]
-        uv.install(pins, sync, what=f"the packages of {lock_file.name}", lock=lock_file)
-        bootstrap.check_holds(python, lock_file)
+        bootstrap.sync(pins, python, lock_file)
         venv = python.parent.parent
         linked = bytecode.restore(site_packages(venv), venv_bytecode(lock_file))
         if linked:
             log.step(f"install: {linked} bytecode files of earlier venvs linked in")
-        (venv / LOCK_RECORD).write_text(
-            f"{lock_file.relative_to(lock_file.parent.parent)}\n"
-        )
+        record = lock_file.relative_to(lock_file.parent.parent)  # locks/cpu-py311.txt
+        (venv / LOCK_RECORD).write_text(f"{record}\n")
         (venv / VENV_ID).write_text(uuid.uuid4().hex + "\n")
 
     key = digest_of([sys.version, pins.uv.sha256, lock_file.read_bytes()])
@@ -119,18 +116,15 @@ def venv_bytecode(lock_file: Path) -> Path:
 
 
 def tree_bytecode(pins: Pins) -> Path:
-    return bytecode.store(
-        "tree", pins.sdist.sha256, *(p.path.read_bytes() for p in tree.read_series())
-    )
+    patches = (p.path.read_bytes() for p in tree.read_series())
+    return bytecode.store("tree", pins.sdist.sha256, *patches)
 
 
 def keep_bytecode(pins: Pins, route: Route, tree_path: Path) -> None:
     """Keep what Python compiled in this venv and tree for the next fresh ones
     (forkbuild/setup/bytecode.py)."""
-    bytecode.keep(
-        site_packages(venv_dir()),
-        venv_bytecode(lock.path(route.name, lock.running_python())),
-    )
+    lock_file = lock.path(route.name, lock.running_python())
+    bytecode.keep(site_packages(venv_dir()), venv_bytecode(lock_file))
     bytecode.keep(tree_path / "vllm", tree_bytecode(pins))
 
 
@@ -162,8 +156,7 @@ def install(
     wheel = fetch.fetch(route.wheel, lambda: python)
     lock.check(pins, tree_path)
 
-    stamp = tree_path / INSTALL_STAMP
-    stamp_value = install_stamp(route, tree_path)
+    stamp, stamp_value = tree_path / INSTALL_STAMP, install_stamp(route, tree_path)
     if is_installed(route, tree_path):
         # Verified by the probe when stamped; what may change since is the source.
         verdict = fixcheck.classify((tree_path / fixcheck.MODULE_PATH).read_text())
@@ -184,14 +177,14 @@ def install(
         # the CPU route); what it unpacks is its own to write.
         leave = left_to_setup_py(tree_path / "setup.py")
         adding = pool.submit(add_missing_extensions, wheel, tree_path, leave=leave)
-        uv.run(
-            pins,
-            ["pip", "install", "--quiet", "--config-file", str(config)]
-            + ["--python", str(python), "--no-deps", "--no-build-isolation"]
-            + ["--offline", "--reinstall-package", "vllm", "-e", str(tree_path)],
-            what="install the tree in editable mode",
-            extra_env=precompiled_env(pins, route, wheel),
+        editable = ["pip", "install", "--quiet", "--config-file", str(config)]
+        editable += ["--python", str(python), "--no-deps", "--no-build-isolation"]
+        editable += ["--offline", "--reinstall-package", "vllm", "-e", str(tree_path)]
+        what, env = (
+            "install the tree in editable mode",
+            precompiled_env(pins, route, wheel),
         )
+        uv.run(pins, editable, what=what, extra_env=env)
         adding.result()
     # any that setup.py named and did not write
     add_missing_extensions(wheel, tree_path)
@@ -205,26 +198,20 @@ def is_installed(route: Route, tree_path: Path) -> bool:
     """The tree was installed into this very venv (the stamp names the venv's id) and
     the venv still holds it (its editable vLLM points at the tree)."""
     stamp = tree_path / INSTALL_STAMP
-    return (
-        stamp.exists()
-        and stamp.read_text().strip() == install_stamp(route, tree_path)
-        and holds_editable(tree_path)
+    same = stamp.exists() and stamp.read_text().strip() == install_stamp(
+        route, tree_path
     )
+    return same and holds_editable(tree_path)
 
 
 def install_stamp(route: Route, tree_path: Path) -> str:
     """The route's wheel, the tree's inputs, the venv's lock and the venv itself (its
     id: a venv made anew has another)."""
     venv_id = venv_dir() / VENV_ID
-    return digest_of(
-        [
-            route.name,
-            route.wheel.sha256,
-            (tree_path / ".git" / tree.INPUTS_FILE).read_text(),
-            (venv_dir() / TOOLCHAIN_STAMP).read_text(),
-            venv_id.read_text() if venv_id.exists() else "",
-        ]
-    )
+    inputs = (tree_path / ".git" / tree.INPUTS_FILE).read_text()
+    made_from = (venv_dir() / TOOLCHAIN_STAMP).read_text()
+    own_id = venv_id.read_text() if venv_id.exists() else ""
+    return digest_of([route.name, route.wheel.sha256, inputs, made_from, own_id])
 
 
 def holds_editable(tree_path: Path) -> bool:
@@ -282,20 +269,21 @@ def _venv_beside_tree(
             raise
 
 
+EDITABLE_METADATA = """\
+# Written by forkbuild's install step (forkbuild/setup/install.py: editable_config).
+[[dependency-metadata]]
+name = "vllm"
+version = "{version}"
+requires-dist = []  # installed with --no-deps: the lock holds the dependencies
+"""
+
+
 def editable_config(pins: Pins, route: Route, tree_path: Path) -> Path:
     """A uv configuration giving the editable vLLM's version (`dependency-metadata`), so
     uv runs setup.py once to build, not first to learn it (~6 s); the probe reads the
     installed version back."""
     config = tree_path / EDITABLE_CONFIG
-    config.write_text(
-        "# Written by forkbuild's install step (forkbuild/setup/install.py: "
-        "editable_config).\n"
-        "[[dependency-metadata]]\n"
-        'name = "vllm"\n'
-        f'version = "{_version_label(pins, route)}"\n'
-        "requires-dist = []  # installed with --no-deps: the lock holds the "
-        "dependencies\n"
-    )
+    config.write_text(EDITABLE_METADATA.format(version=_version_label(pins, route)))
     return config
 
 
@@ -332,11 +320,8 @@ def add_missing_extensions(
     with zipfile.ZipFile(wheel) as whl:
         for name in whl.namelist():
             target = tree_path / name
-            if (
-                not (name.startswith("vllm/") and name.endswith(".so"))
-                or target.exists()
-                or leave(name)
-            ):
+            compiled = name.startswith("vllm/") and name.endswith(".so")
+            if not compiled or target.exists() or leave(name):
                 continue
             partial = target.with_name(target.name + ".partial")
             with whl.open(name) as src, open(partial, "wb") as dst:
@@ -344,10 +329,9 @@ def add_missing_extensions(
             partial.rename(target)
             added.append(name)
     if added:
-        log.step(
-            f"install: added {len(added)} compiled extension(s) vLLM's setup.py "
-            "skips: " + ", ".join(Path(n).name for n in added)
-        )
+        names = ", ".join(Path(n).name for n in added)
+        what = f"{len(added)} compiled extension(s) vLLM's setup.py skips"
+        log.step(f"install: added {what}: {names}")
     return added
 
 
@@ -383,10 +367,8 @@ def check_install(
             "check patches/series and rebuild the tree (make tree)",
         )
     # Without a driver vLLM finds no platform at all (UnspecifiedPlatform, no device).
-    expected_device = (
-        "" if without_gpu and route.target_device == "cuda" else route.target_device
-    )
-    if info["device"] != expected_device:
+    no_driver = without_gpu and route.target_device == "cuda"
+    if info["device"] != ("" if no_driver else route.target_device):
         raise ForkError(
             f"vLLM detected {info['platform']} (device {info['device']!r}) on the "
             f"{route.name} route (version {info['version']})",

@@ -43,10 +43,8 @@ def wheel_record(wheel: Path) -> dict[str, str]:
 
 def record_digest(data: bytes) -> str:
     """DATA's sha256 as a wheel's RECORD writes it."""
-    encoded = (
-        base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-    )
-    return f"sha256={encoded}"
+    encoded = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
+    return f"sha256={encoded.decode()}"
 
 
 def loadable_here(path: str) -> bool:
@@ -90,9 +88,8 @@ def probe(wheel: Path, root: Path, only: list[str]) -> dict:
     for op in OPS:
         namespace, name = op.split(".")
         try:
-            result["ops"][op] = str(
-                getattr(getattr(torch.ops, namespace), name).default._schema
-            )
+            schema = getattr(getattr(torch.ops, namespace), name).default._schema
+            result["ops"][op] = str(schema)
         except (AttributeError, RuntimeError):
             result["ops"][op] = None
     return result

@@ -61,15 +61,10 @@ def inputs_digest(pins: Pins, route: Route, python: str, tree_path: Path) -> str
     """The digest of what the lock of ROUTE for PYTHON is made from."""
     files = _requirement_files(tree_path, route.requirements)
     return digest_of(
-        [FORMAT, route.name, python, pins.lock_platform, *_wanted(pins, route)]
+        [FORMAT, route.name, python, pins.lock_platform, *pins.toolchain, *route.extra]
         + [f"exclude {name}" for name in route.exclude]
         + [f"{f.relative_to(tree_path)}\n".encode() + f.read_bytes() for f in files]
     )
-
-
-def _wanted(pins: Pins, route: Route) -> list[str]:
-    """The requirements a lock resolves besides the tree's own file."""
-    return [*pins.toolchain, *route.extra]
 
 
 class _Lock(NamedTuple):
@@ -85,18 +80,15 @@ def _locks(pins: Pins, tree_path: Path) -> list[_Lock]:
     """Every lock fork.toml asks for."""
     made = []
     for python in pins.pythons:
-        wanted, digest = list(pins.forkbuild), bootstrap.tools_digest(pins, python)
+        digest, what = (
+            bootstrap.tools_digest(pins, python),
+            "forkbuild's tool environment",
+        )
         made.append(
-            _Lock(
-                path("tools", python),
-                digest,
-                wanted,
-                "forkbuild's tool environment",
-                python,
-            )
+            _Lock(path("tools", python), digest, [*pins.forkbuild], what, python)
         )
         for r in pins.routes.values():
-            wanted = [*_wanted(pins, r), f"-r {tree_path / r.requirements}"]
+            wanted = [*pins.toolchain, *r.extra, f"-r {tree_path / r.requirements}"]
             digest = inputs_digest(pins, r, python, tree_path)
             what = f"the {r.name} route's venv"
             made.append(
@@ -161,10 +153,8 @@ def pinned(lock_file: Path) -> dict[str, str]:
 
 def pinned_lines(text: str) -> dict[str, str]:
     """name -> version of `name==version` lines (a freeze)."""
-    pins = {}
-    for requirement in filter(None, map(_pin, text.splitlines())):
-        pins[normalize(requirement.name)] = next(iter(requirement.specifier)).version
-    return pins
+    found = filter(None, map(_pin, text.splitlines()))
+    return {normalize(r.name): next(iter(r.specifier)).version for r in found}
 
 
 def entries(lock_file: Path, names: set[str]) -> str:
@@ -203,14 +193,10 @@ def resolve(
         if exclude:
             (Path(tmp) / "excludes.txt").write_text("".join(f"{n}\n" for n in exclude))
             excludes = ["--excludes", str(Path(tmp) / "excludes.txt")]
-        uv.run(
-            pins,
-            ["pip", "compile", str(source), "--generate-hashes", "--no-header"]
-            + ["--no-annotate", "--python-version", python]
-            + ["--python-platform", pins.lock_platform, *excludes]
-            + ["--quiet", "-o", str(out)],
-            what=f"resolve {name}",
-        )
+        compile_ = ["pip", "compile", str(source), "--generate-hashes", "--no-header"]
+        compile_ += ["--no-annotate", "--python-version", python, "--quiet"]
+        compile_ += ["--python-platform", pins.lock_platform, *excludes, "-o", str(out)]
+        uv.run(pins, compile_, what=f"resolve {name}")
         return out.read_text()
 
 
@@ -240,10 +226,8 @@ def generate(pins: Pins, tree_path: Path) -> list[Path]:
 def verify_installed(lock_file: Path) -> None:
     """This interpreter's environment holds exactly what LOCK_FILE pins (the tool
     environment's check of itself, run by the bootstrap)."""
-    have = {
-        normalize(d.metadata["Name"]): d.version
-        for d in importlib.metadata.distributions()
-    }
+    dists = importlib.metadata.distributions()
+    have = {normalize(d.metadata["Name"]): d.version for d in dists}
     want = pinned(lock_file)
     if have != want:
         diff = sorted(set(have.items()) ^ set(want.items()))

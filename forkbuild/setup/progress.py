@@ -11,15 +11,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from rich import progress as bars
 from rich.console import Console
-from rich.progress import (
-    DownloadColumn,
-    Progress,
-    SpinnerColumn,
-    TextColumn,
-    TimeElapsedColumn,
-    TransferSpeedColumn,
-)
 
 
 def _size(folder: Path) -> int:
@@ -38,10 +31,9 @@ def bytes_in(folder: Path, what: str, console: Console | None = None) -> Iterato
     if not console.is_terminal:
         yield False
         return
-    columns = (SpinnerColumn(), TextColumn(what), DownloadColumn())
-    with Progress(
-        *columns, TransferSpeedColumn(), TimeElapsedColumn(), console=console
-    ) as bar:
+    columns = (bars.SpinnerColumn(), bars.TextColumn(what), bars.DownloadColumn())
+    speed = (bars.TransferSpeedColumn(), bars.TimeElapsedColumn())
+    with bars.Progress(*columns, *speed, console=console) as bar:
         task = bar.add_task(what, total=None)
         stop = threading.Event()
 

@@ -52,6 +52,11 @@ __pycache__/
 """
 
 
+Stop = threading.Event | None  # set from another thread: stop at the next step
+Env = dict[str, str] | None
+Ran = subprocess.CompletedProcess[str]
+
+
 @dataclass(frozen=True)
 class Patch:
     name: str
@@ -93,11 +98,8 @@ def overlay_files(tests_dir: Path = TESTS_DIR) -> list[Path]:
 
 def inputs_digest(pins: Pins, patches: list[Patch]) -> str:
     # The identity is part of what the commits are made of.
-    parts: list[str | bytes] = [
-        "tree-format-2",
-        pins.sdist.sha256,
-        *sorted(IDENTITY.values()),
-    ]
+    parts: list[str | bytes] = ["tree-format-2", pins.sdist.sha256]
+    parts += sorted(IDENTITY.values())
     for patch in patches:
         parts += [patch.name, patch.path.read_bytes()]
     for path in overlay_files():
@@ -105,18 +107,13 @@ def inputs_digest(pins: Pins, patches: list[Patch]) -> str:
     return digest_of(parts)
 
 
-def _check(stop: threading.Event | None) -> None:
+def _check(stop: Stop) -> None:
     """Between two files or git commands: stop when the caller was interrupted."""
     if stop is not None and stop.is_set():
         raise KeyboardInterrupt
 
 
-def git(
-    args: list[str],
-    cwd: Path,
-    env: dict[str, str] | None = None,
-    stop: threading.Event | None = None,
-) -> subprocess.CompletedProcess[str]:
+def git(args: list[str], cwd: Path, env: Env = None, stop: Stop = None) -> Ran:
     _check(stop)
     return subprocess.run(
         ["git", *args], cwd=cwd, env=env, text=True, capture_output=True, check=False
@@ -124,12 +121,7 @@ def git(
 
 
 def git_ok(
-    args: list[str],
-    cwd: Path,
-    env: dict[str, str] | None,
-    what: str,
-    stop: threading.Event | None = None,
-    hint: str = "",
+    args: list[str], cwd: Path, env: Env, what: str, stop: Stop = None, hint: str = ""
 ) -> None:
     result = git(args, cwd, env, stop)
     if result.returncode != 0:
@@ -150,7 +142,7 @@ def fresh_worktree(
     git_ok(add, repo, env, f"create a worktree of {ref}", hint=hint)
 
 
-def _extract_sdist(sdist: Path, dest: Path, stop: threading.Event | None = None) -> int:
+def _extract_sdist(sdist: Path, dest: Path, stop: Stop = None) -> int:
     """Unpack the sdist's single top folder into DEST; return the release's mtime."""
     with tarfile.open(sdist) as tar:
         members = []
@@ -174,7 +166,7 @@ def extract_data(
     tar: tarfile.TarFile,
     dest: Path,
     members: list[tarfile.TarInfo] | None = None,
-    stop: threading.Event | None = None,
+    stop: Stop = None,
 ) -> None:
     """Extract MEMBERS (default: all) of TAR into DEST as plain data: nothing outside
     DEST, no device files or set-id bits, owned by whoever runs this (git refuses other
@@ -216,10 +208,7 @@ def extract_data(
 
 
 def _apply_patches(
-    tmp: Path,
-    patches: list[Patch],
-    env: dict[str, str],
-    stop: threading.Event | None = None,
+    tmp: Path, patches: list[Patch], env: dict[str, str], stop: Stop = None
 ) -> None:
     for patch in patches:
         result = git(["am", "--keep-cr", str(patch.path)], tmp, env, stop)
@@ -241,7 +230,7 @@ def build(
     *,
     force: bool = False,
     patches_dir: Path = PATCHES_DIR,
-    stop: threading.Event | None = None,
+    stop: Stop = None,
 ) -> Path:
     """Make (or keep, when its inputs are unchanged) the patched tree; return its path.
     STOP, set from another thread, ends the build at its next file or git command
@@ -272,11 +261,7 @@ def build(
 
 
 def commit_release(
-    dest: Path,
-    sdist: Path,
-    version: str,
-    sha256: str,
-    stop: threading.Event | None = None,
+    dest: Path, sdist: Path, version: str, sha256: str, stop: Stop = None
 ) -> dict[str, str]:
     """Unpack SDIST into DEST as a git repository: one commit, tagged v<VERSION>.
     Returns the git environment (identity, the release's date) for further commits."""
@@ -312,9 +297,7 @@ def commit_release(
     return env
 
 
-def overlay_tests(
-    tree: Path, env: dict[str, str], stop: threading.Event | None = None
-) -> None:
+def overlay_tests(tree: Path, env: dict[str, str], stop: Stop = None) -> None:
     files = overlay_files()
     for src in files:
         dest = tree / "tests" / src.relative_to(TESTS_DIR)

@@ -31,19 +31,16 @@ from forkbuild.setup.load_extensions import record_digest, wheel_record
 
 
 def bootstrap_pip() -> list[str]:
-    """A pip command for the one download before uv: this interpreter's pip, else the
-    pip wheel ensurepip installs from (pip runs from a wheel file): bundled, or where
-    Debian keeps it apart, in sysconfig's WHEEL_PKG_DIR (as ensurepip reads it)."""
+    """A pip for the one download before uv: this interpreter's, else the pip wheel
+    ensurepip installs from (bundled, or where Debian keeps it: WHEEL_PKG_DIR)."""
     if importlib.util.find_spec("pip") is not None:
         return [sys.executable, "-m", "pip"]
     spec = importlib.util.find_spec("ensurepip")
     if spec is not None and spec.origin:
-        folders = [Path(spec.origin).parent / "_bundled"]
-        if sysconfig.get_config_var("WHEEL_PKG_DIR"):
-            folders.append(Path(sysconfig.get_config_var("WHEEL_PKG_DIR")))
-        for folder in folders:
-            wheels = sorted(folder.glob("pip-*.whl"))
-            if wheels:
+        kept = sysconfig.get_config_var("WHEEL_PKG_DIR")
+        for folder in filter(None, [Path(spec.origin).parent / "_bundled", kept]):
+            wheels = sorted(Path(folder).glob("pip-*.whl"))
+            if wheels:  # pip runs from a wheel file
                 return [sys.executable, str(wheels[-1] / "pip")]
     raise ForkError(
         f"{sys.executable} has neither pip nor ensurepip, which forkbuild needs once "
@@ -103,13 +100,10 @@ class _Final(ForkError):
 
 
 _MISMATCH = re.compile(
-    r"Hash mismatch for "
-    r"`(?P<what>[^`]+)`.*?Expected:\s+sha256:(?P<expected>[0-9a-f]{64})"
+    r"Hash mismatch for `(?P<what>[^`]+)`.*?Expected:\s+sha256:(?P<expected>\w{64})"
     r".*?Computed:\s+sha256:(?P<computed>[0-9a-f]{64})",
     re.DOTALL,
 )
-
-
 # uv's I/O errors end in "(os error N)"; the line names the path in `...` or "...".
 _OS_ERROR = re.compile(r"(?P<reason>[A-Z][A-Za-z -]+) \(os error (?P<errno>\d+)\)")
 _PATH = re.compile(r"[`\"](?P<path>/[^`\"]+)[`\"]")
@@ -153,12 +147,9 @@ def _failure(output: str, what: str, lock: Path | None) -> ForkError:
             "run again (the download is not kept); if it mismatches again, do not edit "
             "the lock: check the package on the index",
         )
-    disk = _disk_failure(output, what)
-    if disk:
-        return disk
     lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
     errors = [ln for ln in lines if ln.startswith(("error:", "cause:", "Caused by:"))]
-    return ForkError(
+    return _disk_failure(output, what) or ForkError(
         f"uv failed to {what}: {' '.join(errors[-2:] or lines[-1:] or ['no output'])}",
         "check the network and disk, then run again",
     )
@@ -194,8 +185,7 @@ def run(
         stderr=subprocess.STDOUT,
     )
     lines = []
-    assert proc.stdout is not None
-    for line in proc.stdout:
+    for line in proc.stdout or ():
         lines.append(line)
         if stream:
             print(f"  uv: {line.rstrip()}", flush=True)
@@ -206,23 +196,17 @@ def run(
 
 
 def install(
-    pins: Pins,
-    args: Sequence[str],
-    *,
-    what: str,
-    lock: Path | None = None,
+    pins: Pins, args: Sequence[str], *, what: str, lock: Path | None = None
 ) -> None:
     """`uv pip ARGS` (installing WHAT, e.g. "the packages of cpu-py311.txt") from uv's
     cache alone first; only what the cache lacks is downloaded."""
     try:
         run(pins, ["pip", *args, "--offline"], what=f"install {what}", lock=lock)
-        return
     except _Final:
         raise
     except ForkError:
-        pass
-    log.step(f"install: downloading what uv's cache lacks for {what}")
-    run(pins, ["pip", *args], what=f"install {what}", lock=lock, stream=True)
+        log.step(f"install: downloading what uv's cache lacks for {what}")
+        run(pins, ["pip", *args], what=f"install {what}", lock=lock, stream=True)
 
 
 STAMP = ".forkbuild-venv"  # in a venv: the digest of what it was made from
@@ -237,16 +221,15 @@ def venv_in_place(
     interpreter: Path | str = sys.executable,
 ) -> tuple[Path, bool]:
     """HOME's venv of INTERPRETER and whether it was made now: reused while its stamp
-    holds KEY, else made in HOME.partial, filled by FILL(its python) (which installs
-    and checks), stamped and renamed into place: never a half venv with a stamp
-    (relocatable: its scripts find their python anywhere)."""
+    holds KEY, else made in HOME.partial, filled by FILL(its python), stamped and
+    renamed into place: never a half venv with a stamp."""
     stamp, python = home / STAMP, home / "bin" / "python"
     if stamp.is_file() and stamp.read_text().strip() == key and python.exists():
         return python, False
     partial = home.with_name(home.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     log.step(f"install: creating {home} for {what}")
-    try:
+    try:  # relocatable: its scripts find their python anywhere
         create = ["venv", "--quiet", "--relocatable", "--python", str(interpreter)]
         run(pins, [*create, str(partial)], what=f"create the venv for {what}")
         fill(partial / "bin" / "python")

@@ -63,21 +63,15 @@ def _contents(path: Path) -> dict[str, tuple[str | None, int, int]]:
     saves inflating ~400 MB; the zip's size and CRC catch a RECORD that lies."""
     with zipfile.ZipFile(path) as whl:
         infos = [i for i in whl.infolist() if not i.is_dir()]
-        records = [
-            i.filename
-            for i in infos
-            if i.filename.endswith(".dist-info/RECORD") and i.filename.count("/") == 1
-        ]
+        names = [i.filename for i in infos]
+        records = [n for n in names if re.fullmatch(r"[^/]+\.dist-info/RECORD", n)]
         if len(records) != 1:
             raise ForkError(
                 f"{path.name} has {len(records)} .dist-info/RECORD files, expected one",
                 "rebuild it; a wheel without its RECORD cannot be compared",
             )
-        hashes = {
-            row[0]: row[1] or None
-            for row in csv.reader(io.StringIO(whl.read(records[0]).decode()))
-            if row
-        }
+        rows = csv.reader(io.StringIO(whl.read(records[0]).decode()))
+        hashes = {row[0]: row[1] or None for row in rows if row}
     return {i.filename: (hashes.get(i.filename), i.file_size, i.CRC) for i in infos}
 
 
@@ -161,9 +155,8 @@ def verify_wheel(
     series adds."""
     compiled = _compiled(official)
     missing = sorted(compiled - _compiled(path))
-    result = compare_wheels(
-        path, official, patched_paths(tree.read_series(patches_dir))
-    )
+    patched = patched_paths(tree.read_series(patches_dir))
+    result = compare_wheels(path, official, patched)
     with zipfile.ZipFile(path) as whl:
         verdict = fixcheck.classify(whl.read(fixcheck.MODULE_PATH).decode())
     version = _metadata(path)["Version"]
@@ -252,10 +245,8 @@ def build(pins: Pins) -> Path:
         clone = ["clone", "-q", str(tree_path), str(source)]
         hint = "rebuild the tree: make tree"
         tree.git_ok(clone, Path(tmp), None, f"clone {tree_path}", hint=hint)
-        log.step(
-            f"wheel: building {pins.fork_version} on {binaries.name} (takes about "
-            "a minute)"
-        )
+        about = "(takes about a minute)"
+        log.step(f"wheel: building {pins.fork_version} on {binaries.name} {about}")
         run_pip(
             python,
             ["wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out)]

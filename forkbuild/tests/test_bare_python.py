@@ -25,33 +25,36 @@ from forkbuild.setup import bootstrap, uv
 def bare_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Python with the standard library alone: no pip, no packaging."""
     home = tmp_path_factory.mktemp("bare") / "venv"
-    subprocess.run(
-        [sys.executable, "-m", "venv", "--without-pip", str(home)], check=True
-    )
+    _run([sys.executable, "-m", "venv", "--without-pip", home], check=True)
     python = home / "bin" / "python"
     for module in ("packaging", "pip"):
-        probe = subprocess.run(
-            [str(python), "-c", f"import {module}"], capture_output=True, check=False
-        )
+        probe = _run([python, "-c", f"import {module}"])
         assert probe.returncode != 0, f"{module} is importable in {home}"
     return python
 
 
-def _forkbuild(
-    python: Path, *args: str, env: dict[str, str] | None = None, timeout: int = 300
-):
+def _run(argv: list, env: dict | None = None, cwd=pins.REPO_ROOT, check=False):
+    """ARGV run to its end (5 minutes at most), its output captured."""
     return subprocess.run(
-        [str(python), "-m", "forkbuild", *args],
-        cwd=pins.REPO_ROOT,
+        [str(a) for a in argv],
+        cwd=cwd,
         capture_output=True,
         text=True,
-        timeout=timeout,
-        check=False,
+        timeout=300,
+        check=check,
         env={**os.environ, **(env or {})},
     )
 
 
-SYSTEM_PYTHON = Path("/usr/bin/python3")
+def _forkbuild(python: Path, *args: str, env: dict[str, str] | None = None):
+    return _run([python, "-m", "forkbuild", *args], env)
+
+
+def _head(tree: Path) -> str:
+    return _run(["git", "rev-parse", "HEAD"], cwd=tree, check=True).stdout.strip()
+
+
+SYSTEM_PYTHON, HERE = Path("/usr/bin/python3"), Path(sys.executable)
 # Stands in for os.execv: prints what the bootstrap imported and where it would go.
 PROBE = """
 import json, os, runpy, sys
@@ -81,15 +84,8 @@ def test_the_bootstrap_runs_on_the_system_python_with_the_standard_library_alone
     forkbuild's bootstrap and runner modules (forkbuild/setup/bootstrap.py MODULES,
     forkbuild/gpu/bundle/build.py RUNNER_MODULES)."""
     python = SYSTEM_PYTHON if SYSTEM_PYTHON.exists() else Path(sys.executable)
-    done = subprocess.run(
-        [str(python), "-I", "-c", PROBE, str(pins.REPO_ROOT), "tree", "--force"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env={**os.environ, **_fresh_tools(tmp_path)},
-    )
+    argv = [python, "-I", "-c", PROBE, pins.REPO_ROOT, "tree", "--force"]
+    done = _run(argv, _fresh_tools(tmp_path), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     tools = tmp_path / "build" / "tools"
@@ -111,13 +107,12 @@ def test_the_tool_environment_is_reused_and_made_again_when_damaged(tmp_path):
     env = _fresh_tools(tmp_path)
     tools = tmp_path / "build" / "tools"
     made = f"creating {tools}"
-    runs = [_forkbuild(Path(sys.executable), "--help", env=env)]
-    runs.append(_forkbuild(Path(sys.executable), "--help", env=env))
+    runs = [_forkbuild(HERE, "--help", env=env) for _ in range(2)]
     gone = next((tools / "lib").glob("python3*/site-packages/rich/__init__.py"))
     gone.unlink()
-    runs.append(_forkbuild(Path(sys.executable), "--help", env=env))
+    runs.append(_forkbuild(HERE, "--help", env=env))
     (tools / uv.STAMP).write_text("another lock\n")
-    runs.append(_forkbuild(Path(sys.executable), "--help", env=env))
+    runs.append(_forkbuild(HERE, "--help", env=env))
     assert [r.returncode for r in runs] == [0] * 4, runs[-1].stderr[-2000:]
     assert [made in r.stderr for r in runs] == [True, False, True, True]
     assert f"lacks {gone}; making it again" in runs[2].stderr
@@ -141,30 +136,18 @@ def other_interpreters() -> list[Path]:
     """The other Pythons of the supported versions on this machine (CI's has the same):
     Debian 12's /usr/bin/python3 (3.11.2, the oldest 3.11 patch release in use), and the
     pyenv builds of the other minor versions, oldest patch release first."""
-    supported = pins.load().pythons
-    found = []
-    for candidate in [
-        Path("/usr/bin/python3"),
-        *sorted(Path.home().glob(".pyenv/versions/3.1*/bin/python3")),
-    ]:
-        if (
-            not candidate.exists()
-            or candidate.resolve() == Path(sys.executable).resolve()
-        ):
+    pyenv = sorted(Path.home().glob(".pyenv/versions/3.1*/bin/python3"))
+    oldest: dict[tuple[int, ...], tuple[tuple[int, ...], Path]] = {}
+    for candidate in [SYSTEM_PYTHON, *pyenv]:
+        if not candidate.exists() or candidate.resolve() == HERE.resolve():
             continue
-        version = subprocess.run(
-            [str(candidate), "-c", "import sys; print(*sys.version_info[:3])"],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout.split()
-        minor = ".".join(version[:2])
-        if minor in supported:
-            found.append((tuple(map(int, version)), candidate))
-    oldest: dict[tuple[int, int], tuple[tuple[int, ...], Path]] = {}
-    for version, candidate in found:  # one per minor version: its oldest patch release
-        if version[:2] not in oldest or version < oldest[version[:2]][0]:
-            oldest[version[:2]] = (version, candidate)
+        said = _run([candidate, "-c", "import sys; print(*sys.version_info[:3])"])
+        version = tuple(map(int, said.stdout.split()))
+        minor = version[:2]  # one per minor version: its oldest patch release
+        if ".".join(map(str, minor)) in pins.load().pythons and (
+            minor not in oldest or version < oldest[minor][0]
+        ):
+            oldest[minor] = (version, candidate)
     return [candidate for _, candidate in sorted(oldest.values())]
 
 
@@ -194,26 +177,13 @@ def test_tree_is_the_same_on_every_interpreter_here(tmp_path):
     for python, process in running.items():
         output, _ = process.communicate(timeout=600)
         assert process.returncode == 0, f"{python}: {output[-2000:]}"
-        tree = builds[python] / f"vllm-{pins.load().upstream_version}"
-        heads[python] = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=tree,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+        heads[python] = _head(builds[python] / f"vllm-{pins.load().upstream_version}")
     # The running interpreter's tree: the build's own when made from the same inputs.
     made_here = pins.build_dir() / f"vllm-{pins.load().upstream_version}"
     inputs = made_here / ".git" / "forkbuild-inputs"
     theirs = next(iter(builds.values())) / made_here.name / ".git" / "forkbuild-inputs"
     if inputs.exists() and inputs.read_text() == theirs.read_text():
-        heads[Path(sys.executable)] = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=made_here,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+        heads[HERE] = _head(made_here)
     assert len(set(heads.values())) == 1, heads
 
 
@@ -225,14 +195,8 @@ def test_uv_bootstraps_without_pip_from_ensurepips_wheel(bare_python, tmp_path):
         "print(uv.bootstrap_pip()[-1])\n"
         "print(uv.binary(pins.load()))\n"
     )
-    result = subprocess.run(
-        [str(bare_python), "-c", code],
-        cwd=pins.REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env={**os.environ, "VLLM_FORK_CACHE": str(tmp_path / "cache")},
+    result = _run(
+        [bare_python, "-c", code], {"VLLM_FORK_CACHE": str(tmp_path / "cache")}
     )
     assert result.returncode == 0, result.stderr[-2000:]
     via, binary = result.stdout.strip().splitlines()[-2:]
@@ -243,12 +207,10 @@ def test_uv_bootstraps_without_pip_from_ensurepips_wheel(bare_python, tmp_path):
     assert wheel.name.startswith("pip-"), via
     assert wheel.parent.name == "_bundled" or (kept and wheel.parent == Path(kept)), via
     assert Path(binary).is_relative_to(tmp_path / "cache")
-    version = subprocess.run(
-        [binary, "--version"], capture_output=True, text=True, check=True
-    )
-    assert version.stdout.split()[:2] == [
+    uv_version = pins.load().uv.requirement.split("==")[1]
+    assert _run([binary, "--version"], check=True).stdout.split()[:2] == [
         "uv",
-        pins.load().uv.requirement.split("==")[1],
+        uv_version,
     ]
 
 
@@ -264,47 +226,17 @@ def test_a_python_without_pip_or_ensurepip_gets_one_line_naming_the_package(
 
 
 def test_help_lists_every_target_variable_and_what_test_runs():
-    text = subprocess.run(
-        ["make", "-s", "help", f"PYTHON={sys.executable}"],
-        cwd=pins.REPO_ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    for word in (
-        "make clean",
-        "PORT",
-        "HOST",
-        "PRESET",
-        "MODEL",
-        "ROUTE",
-        "VERSION",
-        "VERSIONS",
-        "ACCEPT",
-        "ARGS",
-        "CPU_BYTES",
-        "PYTHON",
-        "lock",
-    ):
+    text = _run(["make", "-s", "help", f"PYTHON={HERE}"], check=True).stdout
+    words = "PORT HOST PRESET MODEL ROUTE VERSION VERSIONS ACCEPT ARGS CPU_BYTES PYTHON"
+    for word in ["make clean", "lock", *words.split()]:
         assert word in text, word
-    test_help = " ".join(
-        _forkbuild(Path(sys.executable), "test", "--help").stdout.split()
-    )
+    test_help = " ".join(_forkbuild(HERE, "test", "--help").stdout.split())
     assert "GPU tests' clean skip" in test_help and "patch-status" in test_help
     assert "CUDA route without a GPU" in test_help
     assert "--route" in test_help
-    for step in (
-        "tree",
-        "wheel",
-        "lock",
-        "matrix",
-        "patch-status",
-        "upstream",
-        "nightly",
-    ):
-        assert (
-            "--route" not in _forkbuild(Path(sys.executable), step, "--help").stdout
-        ), step
+    steps = ("tree", "wheel", "lock", "matrix", "patch-status", "upstream", "nightly")
+    for step in steps:
+        assert "--route" not in _forkbuild(HERE, step, "--help").stdout, step
     makefile = (pins.REPO_ROOT / "Makefile").read_text()
     readme = (pins.REPO_ROOT / "README.md").read_text()
     assert "~11 min" in makefile and "11 min for all five releases" in readme

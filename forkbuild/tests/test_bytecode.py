@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from forkbuild.setup import bytecode
 
 
@@ -24,11 +26,11 @@ def _site(root: Path, source: str = "VALUE = 1\n", mtime: int = 1_700_000_000) -
     return root
 
 
-def _import(site: Path) -> None:
+def _import(site: Path) -> bytes:
+    """pkg.mod's VALUE, imported in SITE by a Python free to write bytecode."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    subprocess.run(
-        [sys.executable, "-c", "import pkg.mod"], cwd=site, env=env, check=True
-    )
+    code = "import pkg.mod; print(pkg.mod.VALUE)"
+    return subprocess.check_output([sys.executable, "-c", code], cwd=site, env=env)
 
 
 def _pyc(site: Path) -> Path:
@@ -36,9 +38,15 @@ def _pyc(site: Path) -> Path:
     return found
 
 
-def test_a_fresh_venv_gets_the_bytecode_and_python_keeps_it(tmp_path):
+@pytest.fixture
+def first(tmp_path: Path) -> Path:
+    """A venv's site-packages whose package Python has compiled."""
     first = _site(tmp_path / "first")
     _import(first)
+    return first
+
+
+def test_a_fresh_venv_gets_the_bytecode_and_python_keeps_it(tmp_path, first):
     kept = tmp_path / "cache"
     assert bytecode.keep(first, kept) == 2  # pkg/__init__ and pkg/mod
     assert bytecode.keep(first, kept) == 0  # kept once
@@ -53,10 +61,8 @@ def test_a_fresh_venv_gets_the_bytecode_and_python_keeps_it(tmp_path):
 
 
 def test_bytecode_of_a_changed_source_is_compiled_afresh_and_the_cache_is_untouched(
-    tmp_path,
+    tmp_path, first
 ):
-    first = _site(tmp_path / "first")
-    _import(first)
     kept = tmp_path / "cache"
     bytecode.keep(first, kept)
     cached = (kept / _pyc(first).relative_to(first)).read_bytes()
@@ -64,25 +70,13 @@ def test_bytecode_of_a_changed_source_is_compiled_afresh_and_the_cache_is_untouc
     # A patched file: other content, another mtime (git am writes it now).
     changed = _site(tmp_path / "changed", source="VALUE = 22\n", mtime=1_800_000_000)
     bytecode.restore(changed, kept)
-    _import(changed)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    value = subprocess.run(
-        [sys.executable, "-c", "import pkg.mod; print(pkg.mod.VALUE)"],
-        cwd=changed,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert value.stdout.strip() == "22"
+    assert _import(changed).strip() == b"22"
     # Python replaced the venv's file by a rename; the cache's file is as it was.
     assert (kept / _pyc(changed).relative_to(changed)).read_bytes() == cached
     assert _pyc(changed).read_bytes() != cached
 
 
-def test_restore_leaves_what_exists_and_folders_the_venv_lacks(tmp_path):
-    first = _site(tmp_path / "first")
-    _import(first)
+def test_restore_leaves_what_exists_and_folders_the_venv_lacks(tmp_path, first):
     kept = tmp_path / "cache"
     bytecode.keep(first, kept)
     (kept / "gone" / "__pycache__").mkdir(parents=True)
@@ -111,14 +105,15 @@ def test_the_store_is_per_source_and_per_python(tmp_path, monkeypatch):
     assert one.is_relative_to(tmp_path)
 
 
-def test_keep_copies_across_file_systems(tmp_path, monkeypatch):
-    first = _site(tmp_path / "first")
-    _import(first)
+def _refused(*errno_and_text):
+    def refused(src, dst):
+        raise OSError(*errno_and_text)
 
-    def no_links(src, dst):
-        raise OSError(18, "Invalid cross-device link")
+    return refused
 
-    monkeypatch.setattr(os, "link", no_links)
+
+def test_keep_copies_across_file_systems(tmp_path, first, monkeypatch):
+    monkeypatch.setattr(os, "link", _refused(18, "Invalid cross-device link"))
     kept = tmp_path / "cache"
     assert bytecode.keep(first, kept) == 2
     pyc = kept / _pyc(first).relative_to(first)
@@ -128,15 +123,11 @@ def test_keep_copies_across_file_systems(tmp_path, monkeypatch):
     assert pyc.exists()
 
 
-def test_an_unwritable_cache_costs_compile_time_only(tmp_path, monkeypatch, capsys):
-    first = _site(tmp_path / "first")
-    _import(first)
-
-    def refused(src, dst):
-        raise OSError(30, "Read-only file system")
-
-    monkeypatch.setattr(os, "link", refused)
-    monkeypatch.setattr(shutil, "copy2", refused)
+def test_an_unwritable_cache_costs_compile_time_only(
+    tmp_path, first, monkeypatch, capsys
+):
+    monkeypatch.setattr(os, "link", _refused(30, "Read-only file system"))
+    monkeypatch.setattr(shutil, "copy2", _refused(30, "Read-only file system"))
     kept = tmp_path / "cache"
     assert bytecode.keep(first, kept) == 0
     assert bytecode.restore(_site(tmp_path / "fresh"), first) == 0

