@@ -33,10 +33,8 @@ CORES = os.cpu_count() or 1
 CANDIDATES = {
     "off": gpu_bundle.Codec("xz", ({"id": L2, "preset": 6},), chunk=1 << 40, workers=2),
     "cores": gpu_bundle.Codec("xz", ({"id": L2, "preset": 6},)),  # 32 MiB streams
-    "x86-6": gpu_bundle.Codec("xz", ({"id": X86}, {"id": L2, "preset": 6})),
     "x86-3": gpu_bundle.Codec("xz", ({"id": X86}, {"id": L2, "preset": 3})),
-    # x86 + preset 1, or x86 + 6 where 1 keeps under 35%: make gpu-bundle's
-    "xz": gpu_bundle.XZ,
+    "xz": gpu_bundle.XZ,  # the x86 filter, preset 6, every core: make gpu-bundle's
     "plain": gpu_bundle.PLAIN,  # the simulated host's bundle: no transfer carries it
 }
 

@@ -265,9 +265,7 @@ def _assemble(pins, tmp_path, components, limit, settings, codec=gpu_bundle.XZ):
 
 
 # 1 MiB streams: the 3 MiB file is in several, which the runner reads as one.
-SMALL_XZ = gpu_bundle.Codec(
-    "xz", gpu_bundle.XZ.filters, gpu_bundle.XZ.fast, chunk=1 << 20
-)
+SMALL_XZ = gpu_bundle.Codec("xz", gpu_bundle.XZ.filters, chunk=1 << 20)
 
 
 @pytest.fixture(params=[SMALL_XZ, gpu_bundle.PLAIN], ids=["xz", "tar"])

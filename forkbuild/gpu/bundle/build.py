@@ -457,14 +457,12 @@ def models_component(python: Path, tree: Path, stub: Path, work: Path) -> Compon
 @dataclass(frozen=True)
 class Codec:
     """How components are stored: NAME, the manifest's codec ("xz", or "tar": plain);
-    the tar in streams of CHUNK bytes, compressed independently on WORKERS processes
-    and concatenated (Python's lzma, tarfile "r:*", reads them as one). Each stream is
-    FAST's, unless that keeps more than KEEP of it: then FILTERS' (the smaller)."""
+    the tar in streams of CHUNK bytes, each compressed with FILTERS independently on
+    WORKERS processes and concatenated (Python's lzma, tarfile "r:*", reads them as
+    one)."""
 
     name: str
     filters: tuple[dict, ...] = ()
-    fast: tuple[dict, ...] = ()
-    keep: float = 0.35
     chunk: int = 32 << 20
     workers: int = os.cpu_count() or 1
 
@@ -473,15 +471,10 @@ class Codec:
         return ".tar.xz" if self.filters else ".tar"
 
 
-def _xz(preset: int) -> tuple[dict, ...]:
-    """The x86 filter, then LZMA2 at PRESET: the extensions are most of the bytes."""
-    return ({"id": lzma.FILTER_X86}, {"id": lzma.FILTER_LZMA2, "preset": preset})
-
-
-# Preset 6 only where it pays: the extensions' device code (CUDA fatbins) hardly
-# compresses, and preset 6 is slowest on it (docs/setup-and-locks.md, "Cold CI";
-# benchmarks/bundle_compression.py).
-XZ = Codec("xz", _xz(6), _xz(1))
+# The x86 filter before LZMA2 preset 6: the extensions are most of the bytes, and their
+# device code (CUDA fatbins) is 5x faster to compress with it, and smaller
+# (docs/setup-and-locks.md, "Cold CI"; benchmarks/bundle_compression.py).
+XZ = Codec("xz", ({"id": lzma.FILTER_X86}, {"id": lzma.FILTER_LZMA2, "preset": 6}))
 PLAIN = Codec("tar")  # what no transfer carries: the simulated host's bundle
 
 
@@ -506,9 +499,6 @@ def _xz_stream(tar: str, offset: int, size: int, codec: Codec) -> bytes:
     with open(tar, "rb") as handle:
         handle.seek(offset)
         data = handle.read(size)
-    fast = codec.fast and lzma.compress(data, lzma.FORMAT_XZ, filters=codec.fast)
-    if fast and len(fast) > codec.keep * len(data):
-        return fast
     return lzma.compress(data, lzma.FORMAT_XZ, filters=codec.filters)
 
 
