@@ -29,20 +29,10 @@ from forkbuild.setup import lock
 
 SETTINGS = load_gpu_bundle()
 NO_GPU = pytest.mark.skipif(preflight.has_nvidia_gpu(), reason="this machine has a GPU")
-LOCK = {
-    "torch": "2.11.0",
-    "triton": "3.6.0",
-    "nvidia-cuda-runtime": "13.0.96",
-    "numpy": "2.3.5",
-    "pydantic": "2.14.4",
-    "pytest": "9.1.1",
-    "pluggy": "1.7.0",
-    "pyyaml": "6.0.3",
-    "msgspec": "0.23.0",
-    "pytest-forked": "1.7.5",
-    "tblib": "3.1.0",
-    "pytest-timeout": "2.4.0",
-}
+LOCK = {"torch": "2.11.0", "triton": "3.6.0", "nvidia-cuda-runtime": "13.0.96"}
+LOCK |= {"numpy": "2.3.5", "pydantic": "2.14.4", "pytest": "9.1.1", "pluggy": "1.7.0"}
+LOCK |= {"pyyaml": "6.0.3", "msgspec": "0.23.0", "pytest-forked": "1.7.5"}
+LOCK |= {"tblib": "3.1.0", "pytest-timeout": "2.4.0"}
 
 
 def _host(tmp_path: Path, text: str) -> Host:
@@ -99,10 +89,10 @@ def test_the_reference_host_file_is_the_notes_host():
     ],
 )
 def test_only_the_locks_torch_build_is_taken(tmp_path, torch, ok):
-    text = "# python: 3.12.3\n# glibc: 2.39\ntriton==3.6.0\n" + (
-        f"torch=={torch}\n" if torch else ""
+    torch_line = f"torch=={torch}\n" if torch else ""
+    host = _host(
+        tmp_path, "# python: 3.12.3\n# glibc: 2.39\ntriton==3.6.0\n" + torch_line
     )
-    host = _host(tmp_path, text)
     if ok:
         gpu_bundle.check_host_torch(host, LOCK)
     else:
@@ -111,19 +101,13 @@ def test_only_the_locks_torch_build_is_taken(tmp_path, torch, ok):
 
 
 def _trace(**extra) -> Trace:
-    dists = {
-        "torch": {"version": "2.11.0", "requires": ["nvidia-cuda-runtime", "sympy"]},
-        "nvidia-cuda-runtime": {"version": "13.0.96", "requires": []},
-        "triton": {"version": "3.6.0", "requires": []},
-        "vllm": {"version": "0.25.1+fork.1", "requires": []},
-        "numpy": {"version": "2.3.5", "requires": []},
-        "pydantic": {"version": "2.14.4", "requires": []},
-        "PyYAML": {"version": "6.0.3", "requires": []},
-        "pytest": {"version": "9.1.1", "requires": ["pluggy"]},
-        "pluggy": {"version": "1.7.0", "requires": []},
-        **extra,
-    }
-    return Trace(dists, ())
+    versions = {n: LOCK[n] for n in ("nvidia-cuda-runtime", "triton", "numpy")}
+    versions |= {"vllm": "0.25.1+fork.1", "pydantic": "2.14.4", "PyYAML": "6.0.3"}
+    dists = {n: {"version": v, "requires": []} for n, v in versions.items()}
+    dists["torch"] = {"version": "2.11.0", "requires": ["nvidia-cuda-runtime", "sympy"]}
+    dists["pytest"] = {"version": "9.1.1", "requires": ["pluggy"]}
+    dists["pluggy"] = {"version": "1.7.0", "requires": []}
+    return Trace(dists | extra, ())
 
 
 def test_carried_is_what_the_host_lacks_or_has_at_another_version(tmp_path):
@@ -133,15 +117,15 @@ def test_carried_is_what_the_host_lacks_or_has_at_another_version(tmp_path):
     # pydantic: absent; numpy: another version; the runner's own packages (pytest and
     # its pluggy, pytest-forked, pytest-timeout, tblib), whether the collection loaded
     # them or not.
-    assert chosen.carried == {
-        "numpy": "2.3.5",
-        "pydantic": "2.14.4",
-        "pytest": "9.1.1",
-        "pluggy": "1.7.0",
-        "pytest-forked": "1.7.5",
-        "pytest-timeout": "2.4.0",
-        "tblib": "3.1.0",
-    }
+    carried = (
+        "numpy",
+        "pydantic",
+        "pytest",
+        "pluggy",
+        "pytest-forked",
+        "pytest-timeout",
+    )
+    assert chosen.carried == {n: LOCK[n] for n in (*carried, "tblib")}
     # a bare name: the host's, version unknown
     assert chosen.from_host == {"pyyaml": None}
     assert chosen.provided == ("nvidia-cuda-runtime", "torch", "triton")
