@@ -179,9 +179,9 @@ def test_part_one_runs_a_kernel_case_on_the_reference_bundles_sizes():
     order gives part 1 a kernel case (Triton, with the cache ops stood in for), parts
     1-2 FA3's, parts 1-3 every kernel case, parts 1-4 the engine cases."""
     ext, fa = "vllm/_", "vllm/vllm_flash_attn/_vllm_"
-    sizes = {"tree": 0.1, "vllm": 6.6, "packages": 37.6, f"{fa}fa3_C.abi3.so": 10.2}
-    sizes |= {f"{ext}qutlass_C.abi3.so": 0.3, f"{ext}C_stable_libtorch.abi3.so": 51.2}
-    sizes |= {f"{fa}fa2_C.abi3.so": 51.2, f"{ext}moe_C_stable_libtorch.abi3.so": 37.7}
+    sizes = {"tree": 0.1, "vllm": 6.6, "packages": 37.7, f"{fa}fa3_C.abi3.so": 9.9}
+    sizes |= {f"{ext}qutlass_C.abi3.so": 0.3, f"{ext}C_stable_libtorch.abi3.so": 50.8}
+    sizes |= {f"{fa}fa2_C.abi3.so": 51.7, f"{ext}moe_C_stable_libtorch.abi3.so": 37.6}
     sizes |= {"models": 12.1}
     mib = 2**20
     parts = gpu_bundle.pack(
