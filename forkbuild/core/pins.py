@@ -286,3 +286,63 @@ def locks_dir() -> Path:
 
 def build_dir() -> Path:
     return Path(os.environ.get("VLLM_FORK_BUILD") or REPO_ROOT / "build")
+
+
+# --- fork.toml [gpu_bundle]: the GPU bundle's settings (forkbuild/gpu/bundle/) --------
+
+
+@dataclass(frozen=True)
+class GpuBundle:
+    """fork.toml [gpu_bundle], and what each [gpu.cases] row says of the bundle."""
+
+    host: str  # the default host file, in the repository
+    part_mib: float
+    order: tuple[str, ...]  # the order in which components fill the parts
+    every_case: tuple[str, ...]
+    needs: dict[str, tuple[str, ...]]  # node id -> components beyond every_case
+    not_carried: dict[str, str]  # node id -> why the bundle does not carry it
+    gpu: dict  # [gpu] as it is: the runner's table (forkbuild/gpu/required.py)
+    left_out: dict[str, str]  # distribution -> module
+    stand_in: dict[str, str]  # component -> module
+    harness: tuple[str, ...] = ()
+    engine_modules: tuple[str, ...] = ()
+    omit: tuple[str, ...] = ()
+
+
+def gpu_bundle_of(raw: dict) -> GpuBundle:
+    """The settings from fork.toml's parsed text RAW ([gpu_bundle] and [gpu])."""
+    table, gpu = raw["gpu_bundle"], raw["gpu"]
+    needs, not_carried = {}, {}
+    for node, case in gpu["cases"].items():
+        if ("bundle" in case) == ("not_in_bundle" in case):
+            raise ForkError(
+                f"fork.toml [gpu.cases] {node!r} gives "
+                + ("both `bundle` and" if "bundle" in case else "neither `bundle` nor")
+                + " `not_in_bundle`",
+                "give one: `bundle = [...]`, what the bundle holds for it beyond "
+                '[gpu_bundle] every_case, or `not_in_bundle = "why"`',
+            )
+        if "bundle" in case:
+            needs[node] = tuple(case["bundle"])
+        else:
+            not_carried[node] = case["not_in_bundle"]
+    lists = ("order", "every_case", "harness", "engine_modules", "omit")
+    return GpuBundle(
+        host=table["host"],
+        part_mib=float(table["part_mib"]),
+        needs=needs,
+        not_carried=not_carried,
+        gpu=gpu,
+        left_out=dict(table.get("left_out", {})),
+        stand_in=dict(table.get("stand_in", {})),
+        **{k: tuple(table.get(k, ())) for k in lists},
+    )
+
+
+def load_gpu_bundle(path: Path = PINS_FILE) -> GpuBundle:
+    try:
+        return gpu_bundle_of(tomllib.loads(path.read_text()))
+    except KeyError as exc:
+        raise ForkError(
+            f"{path} lacks the key {exc}", "compare it with the fork's main branch"
+        ) from None

@@ -18,30 +18,21 @@ import pytest
 
 from forkbuild.core import preflight
 from forkbuild.core.errors import ForkError
-from forkbuild.core.pins import REPO_ROOT
+from forkbuild.core.pins import REPO_ROOT, GpuBundle, gpu_bundle_of, load_gpu_bundle
 from forkbuild.core.pytest_runner import Outcome
 from forkbuild.gpu import required as gpu_required
 from forkbuild.gpu.bundle import build as gpu_bundle
 from forkbuild.gpu.bundle import runner as bundle_run
 from forkbuild.gpu.bundle import standin as bundle_standin
-from forkbuild.gpu.bundle.build import Component, Host, Selection, Trace
+from forkbuild.gpu.bundle.build import Component, Host, Made, Selection, Trace
 from forkbuild.setup import lock
 
+SETTINGS = load_gpu_bundle()
 NO_GPU = pytest.mark.skipif(preflight.has_nvidia_gpu(), reason="this machine has a GPU")
-LOCK = {
-    "torch": "2.11.0",
-    "triton": "3.6.0",
-    "nvidia-cuda-runtime": "13.0.96",
-    "numpy": "2.3.5",
-    "pydantic": "2.14.4",
-    "pytest": "9.1.1",
-    "pluggy": "1.7.0",
-    "pyyaml": "6.0.3",
-    "msgspec": "0.23.0",
-    "pytest-forked": "1.7.5",
-    "tblib": "3.1.0",
-    "pytest-timeout": "2.4.0",
-}
+LOCK = {"torch": "2.11.0", "triton": "3.6.0", "nvidia-cuda-runtime": "13.0.96"}
+LOCK |= {"numpy": "2.3.5", "pydantic": "2.14.4", "pytest": "9.1.1", "pluggy": "1.7.0"}
+LOCK |= {"pyyaml": "6.0.3", "msgspec": "0.23.0", "pytest-forked": "1.7.5"}
+LOCK |= {"tblib": "3.1.0", "pytest-timeout": "2.4.0"}
 
 
 def _host(tmp_path: Path, text: str) -> Host:
@@ -51,18 +42,12 @@ def _host(tmp_path: Path, text: str) -> Host:
 
 
 def test_a_host_file_gives_python_glibc_and_versions(tmp_path):
+    text = "# python: 3.12.3\n# glibc: 2.39\n# gpu: H200\nNumPy==2.5.2\npyyaml\n"
     host = _host(
-        tmp_path,
-        "# python: 3.12.3\n# glibc: 2.39\n# gpu: "
-        "H200\nNumPy==2.5.2\n"
-        "pyyaml\nmy_pkg @ file:///x.whl\n-e "
-        "/src\ntorch==2.11.0+cu130\n",
+        tmp_path, text + "my_pkg @ file:///x.whl\n-e /src\ntorch==2.11.0+cu130\n"
     )
-    assert (host.python, host.glibc, host.platform) == (
-        "3.12",
-        "2.39",
-        "x86_64-manylinux_2_39",
-    )
+    assert (host.python, host.glibc) == ("3.12", "2.39")
+    assert host.platform == "x86_64-manylinux_2_39"
     assert host.packages == {
         "numpy": "2.5.2",
         "pyyaml": None,
@@ -77,6 +62,7 @@ def test_a_host_file_gives_python_glibc_and_versions(tmp_path):
         "numpy==1\n",
         "# python: 3.12.3\nnumpy==1\n",
         "# python: 3.12.3\n# glibc: 2.39\nnot a line!\n",
+        "# python: 3.12.3\n# glibc: 2.39\nnumpy>=1\n",
     ],
 )
 def test_a_bad_host_file_is_refused_with_what_to_do(tmp_path, text):
@@ -85,12 +71,9 @@ def test_a_bad_host_file_is_refused_with_what_to_do(tmp_path, text):
 
 
 def test_the_reference_host_file_is_the_notes_host():
-    host = gpu_bundle.read_host(REPO_ROOT / gpu_bundle.bundle_settings()["host"])
-    assert (host.python, host.version("torch"), host.version("triton")) == (
-        "3.12",
-        "2.11.0+cu130",
-        "3.6.0",
-    )
+    host = gpu_bundle.read_host(REPO_ROOT / SETTINGS.host)
+    assert host.python == "3.12" and host.version("triton") == "3.6.0"
+    assert host.version("torch") == "2.11.0+cu130"
     assert host.version("numpy") == "2.5.2" and host.version("pydantic") is None
     assert "pydantic" not in host.packages and host.packages["pyyaml"] is None
 
@@ -106,10 +89,10 @@ def test_the_reference_host_file_is_the_notes_host():
     ],
 )
 def test_only_the_locks_torch_build_is_taken(tmp_path, torch, ok):
-    text = "# python: 3.12.3\n# glibc: 2.39\ntriton==3.6.0\n" + (
-        f"torch=={torch}\n" if torch else ""
+    torch_line = f"torch=={torch}\n" if torch else ""
+    host = _host(
+        tmp_path, "# python: 3.12.3\n# glibc: 2.39\ntriton==3.6.0\n" + torch_line
     )
-    host = _host(tmp_path, text)
     if ok:
         gpu_bundle.check_host_torch(host, LOCK)
     else:
@@ -118,41 +101,31 @@ def test_only_the_locks_torch_build_is_taken(tmp_path, torch, ok):
 
 
 def _trace(**extra) -> Trace:
-    dists = {
-        "torch": {"version": "2.11.0", "requires": ["nvidia-cuda-runtime", "sympy"]},
-        "nvidia-cuda-runtime": {"version": "13.0.96", "requires": []},
-        "triton": {"version": "3.6.0", "requires": []},
-        "vllm": {"version": "0.25.1+fork.1", "requires": []},
-        "numpy": {"version": "2.3.5", "requires": []},
-        "pydantic": {"version": "2.14.4", "requires": []},
-        "PyYAML": {"version": "6.0.3", "requires": []},
-        "pytest": {"version": "9.1.1", "requires": ["pluggy"]},
-        "pluggy": {"version": "1.7.0", "requires": []},
-        **extra,
-    }
-    return Trace(dists, ())
+    versions = {n: LOCK[n] for n in ("nvidia-cuda-runtime", "triton", "numpy")}
+    versions |= {"vllm": "0.25.1+fork.1", "pydantic": "2.14.4", "PyYAML": "6.0.3"}
+    dists = {n: {"version": v, "requires": []} for n, v in versions.items()}
+    dists["torch"] = {"version": "2.11.0", "requires": ["nvidia-cuda-runtime", "sympy"]}
+    dists["pytest"] = {"version": "9.1.1", "requires": ["pluggy"]}
+    dists["pluggy"] = {"version": "1.7.0", "requires": []}
+    return Trace(dists | extra, ())
 
 
 def test_carried_is_what_the_host_lacks_or_has_at_another_version(tmp_path):
-    host = _host(
-        tmp_path,
-        "# python: 3.12.3\n# glibc: "
-        "2.39\nnumpy==2.5.2\npyyaml\npytest==8.0\n"
-        "pluggy\ntorch==2.11.0\ntriton==3.6.0\n",
-    )
-    chosen = gpu_bundle.select(_trace(), host, LOCK)
+    text = "numpy==2.5.2\npyyaml\npytest==8.0\npluggy\ntorch==2.11.0\ntriton==3.6.0\n"
+    host = _host(tmp_path, "# python: 3.12.3\n# glibc: 2.39\n" + text)
+    chosen = gpu_bundle.select(_trace(), host, LOCK, SETTINGS)
     # pydantic: absent; numpy: another version; the runner's own packages (pytest and
     # its pluggy, pytest-forked, pytest-timeout, tblib), whether the collection loaded
     # them or not.
-    assert chosen.carried == {
-        "numpy": "2.3.5",
-        "pydantic": "2.14.4",
-        "pytest": "9.1.1",
-        "pluggy": "1.7.0",
-        "pytest-forked": "1.7.5",
-        "pytest-timeout": "2.4.0",
-        "tblib": "3.1.0",
-    }
+    carried = (
+        "numpy",
+        "pydantic",
+        "pytest",
+        "pluggy",
+        "pytest-forked",
+        "pytest-timeout",
+    )
+    assert chosen.carried == {n: LOCK[n] for n in (*carried, "tblib")}
     # a bare name: the host's, version unknown
     assert chosen.from_host == {"pyyaml": None}
     assert chosen.provided == ("nvidia-cuda-runtime", "torch", "triton")
@@ -161,7 +134,8 @@ def test_carried_is_what_the_host_lacks_or_has_at_another_version(tmp_path):
 def test_an_import_the_lock_does_not_pin_is_refused(tmp_path):
     host = _host(tmp_path, "# python: 3.12.3\n# glibc: 2.39\n")
     with pytest.raises(ForkError, match="does not pin"):
-        gpu_bundle.select(_trace(stray={"version": "1", "requires": []}), host, LOCK)
+        trace = _trace(stray={"version": "1", "requires": []})
+        gpu_bundle.select(trace, host, LOCK, SETTINGS)
 
 
 def test_components_fill_the_first_part_with_room_in_order():
@@ -186,47 +160,42 @@ def test_each_part_names_the_cases_it_adds():
 def test_every_required_case_says_what_the_bundle_holds_for_it():
     """Each case of fork.toml [gpu] is carried (with what it needs, each a component the
     bundle orders) or said not to be, never both."""
-    settings, gpu = gpu_bundle.bundle_settings(), gpu_bundle.gpu_table()
-    for node, case in gpu["cases"].items():
-        assert ("bundle" in case) != ("not_in_bundle" in case), node
-    named = {c for case in gpu["cases"].values() for c in case.get("bundle", [])}
-    assert named | set(settings["every_case"]) <= set(settings["order"])
-    assert set(settings["stand_in"]) <= set(settings["order"]) - set(
-        settings["every_case"]
-    )
+    assert set(SETTINGS.needs) | set(SETTINGS.not_carried) == set(SETTINGS.gpu["cases"])
+    named = {c for need in SETTINGS.needs.values() for c in need}
+    assert named | set(SETTINGS.every_case) <= set(SETTINGS.order)
+    assert set(SETTINGS.stand_in) <= set(SETTINGS.order) - set(SETTINGS.every_case)
+
+
+@pytest.mark.parametrize("row", [{}, {"bundle": [], "not_in_bundle": "why"}])
+def test_a_case_row_must_say_what_the_bundle_holds_for_it(row):
+    raw = {"gpu_bundle": {}, "gpu": {"cases": {"t.py::one": {"kind": "Hopper", **row}}}}
+    with pytest.raises(ForkError, match="'t.py::one' gives (neither|both)") as exc:
+        gpu_bundle_of(raw)
+    assert "not_in_bundle" in exc.value.hint
 
 
 def test_part_one_runs_a_kernel_case_on_the_reference_bundles_sizes():
     """With the sizes the reference bundle measured (docs/gpu-nightly.md), fork.toml's
     order gives part 1 a kernel case (Triton, with the cache ops stood in for), parts
     1-2 FA3's, parts 1-3 every kernel case, parts 1-4 the engine cases."""
-    settings, gpu = gpu_bundle.bundle_settings(), gpu_bundle.gpu_table()
+    ext, fa = "vllm/_", "vllm/vllm_flash_attn/_vllm_"
+    sizes = {"tree": 0.1, "vllm": 6.6, "packages": 37.7, f"{fa}fa3_C.abi3.so": 9.9}
+    sizes |= {f"{ext}qutlass_C.abi3.so": 0.3, f"{ext}C_stable_libtorch.abi3.so": 50.8}
+    sizes |= {f"{fa}fa2_C.abi3.so": 51.7, f"{ext}moe_C_stable_libtorch.abi3.so": 37.6}
+    sizes |= {"models": 12.1}
     mib = 2**20
-    sizes = {
-        "tree": 0.1,
-        "vllm": 6.6,
-        "packages": 37.6,
-        "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so": 10.2,
-        "vllm/_qutlass_C.abi3.so": 0.3,
-        "vllm/_C_stable_libtorch.abi3.so": 51.2,
-        "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": 51.2,
-        "vllm/_moe_C_stable_libtorch.abi3.so": 37.7,
-        "models": 12.1,
-    }
     parts = gpu_bundle.pack(
         {n: int(v * mib) for n, v in sizes.items()},
-        settings["order"],
-        settings["part_mib"] * mib,
+        SETTINGS.order,
+        SETTINGS.part_mib * mib,
         first_extra=mib // 4,
     )
-    needs = {n: c["bundle"] for n, c in gpu["cases"].items() if "bundle" in c}
-    added = gpu_bundle.cases_by_part(parts, settings["every_case"], needs)
+    added = gpu_bundle.cases_by_part(parts, SETTINGS.every_case, SETTINGS.needs)
     kernels = "tests/v1/worker/test_packed_kv_cache_gpu_kernels.py::"
     assert added["part-1"] == [f"{kernels}test_triton_attention_over_packed_views"]
     # FlashAttention's vllm_flash_attn, which the case's fixture imports, needs FA3 (or
     # FA2) on CUDA: part 1 carries it.
-    fa3 = "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so"
-    assert fa3 in parts[0].components
+    assert f"{fa}fa3_C.abi3.so" in parts[0].components
     assert added["part-2"] == [f"{kernels}test_flash_attention_over_packed_views[3]"]
     assert added["part-3"] == [f"{kernels}test_flash_attention_over_packed_views[2]"]
     assert len(parts) == 4 and len(added["part-4"]) == 5
@@ -234,55 +203,69 @@ def test_part_one_runs_a_kernel_case_on_the_reference_bundles_sizes():
 
 # --- a small bundle in the real format ------------------------------------------------
 
-SETTINGS = {
-    "order": ["tree", "site-a", "site-b"],
-    "every_case": ["tree", "site-a"],
-    "gpu": {
+
+def _settings(order: list[str], every_case: list[str], gpu: dict, **more) -> GpuBundle:
+    table = {"host": "h.txt", "part_mib": 1, "order": order, "every_case": every_case}
+    return gpu_bundle_of({"gpu_bundle": {**table, **more}, "gpu": gpu})
+
+
+HOPPER = {"kind": "Hopper"}
+SMALL = _settings(
+    ["tree", "site-a", "site-b"],
+    ["tree", "site-a"],
+    {
         "kinds": {"Hopper": {"capability": "9.0", "queues": {"q": 1}}},
         "cases": {
-            "t.py::one": {"kind": "Hopper", "bundle": []},
-            "t.py::two": {"kind": "Hopper", "bundle": ["site-b"]},
-            "t.py::three": {"kind": "Hopper", "not_in_bundle": "not here"},
+            "t.py::one": {**HOPPER, "bundle": []},
+            "t.py::two": {**HOPPER, "bundle": ["site-b"]},
+            "t.py::three": {**HOPPER, "not_in_bundle": "not here"},
         },
     },
-}
+)
 
 
-@pytest.fixture
-def small_bundle(scratch, fork_pins, tmp_path) -> Path:
-    src = tmp_path / "src"
-    src.mkdir()
-    components = []
-    for name, root, files in (
-        ("tree", "tree", {"tests/t.py": b"x = 1\n"}),
-        ("site-a", "site", {"pkg/__init__.py": b"A = 1\n"}),
-        ("site-b", "site", {"pkg/b.so": os.urandom(3 << 20)}),
-    ):
-        component = Component(name, root)
-        for path, data in files.items():
-            (src / name / path).parent.mkdir(parents=True, exist_ok=True)
-            (src / name / path).write_bytes(data)
-            component.add(path, src / name / path)
-        components.append(component)
-    archives = gpu_bundle.compress(components)
+def _components(src: Path, files: dict[tuple[str, str], bytes]) -> list[Component]:
+    """FILES ((component, path) -> content) written under SRC, as components whose
+    root is their name's part before a dash."""
+    by_name: dict[str, Component] = {}
+    for (name, path), data in files.items():
+        (src / name / path).parent.mkdir(parents=True, exist_ok=True)
+        (src / name / path).write_bytes(data)
+        component = by_name.setdefault(name, Component(name, name.split("-")[0]))
+        component.add(path, src / name / path)
+    return list(by_name.values())
+
+
+def _assemble(pins, tmp_path, components, limit, settings, codec=gpu_bundle.XZ):
     host = Host(
         f"{sys.version_info.major}.{sys.version_info.minor}", "2.17", {}, tmp_path
     )
-    selection = Selection({}, {}, (), ())
-    bundle = gpu_bundle._assemble(
-        fork_pins,
-        host,
-        selection,
-        components,
-        archives,
-        [],
-        [],
-        int(3.05 * 2**20),
-        tmp_path / "bundle",
-        SETTINGS,
-    )
+    pinned = lock.pinned(lock.path("cuda", host.python))
+    made = Made(host, pinned, Selection({}, {}, (), ()), components)
+    store = tmp_path / "store" if codec is gpu_bundle.PLAIN else None
+    archives = gpu_bundle.compress(components, codec, store)
+    out = tmp_path / "bundle"
+    return gpu_bundle.assemble(pins, made, archives, codec, limit, out, settings)
+
+
+# 1 MiB streams: the 3 MiB file is in several, which the runner reads as one.
+SMALL_XZ = gpu_bundle.Codec("xz", gpu_bundle.XZ.filters, chunk=1 << 20)
+
+
+@pytest.fixture(params=[SMALL_XZ, gpu_bundle.PLAIN], ids=["xz", "tar"])
+def small_bundle(request, scratch, fork_pins, tmp_path) -> Path:
+    files = {
+        ("tree", "tests/t.py"): b"x = 1\n",
+        ("site-a", "pkg/__init__.py"): b"A = 1\n",
+    }
+    files[("site-b", "pkg/b.so")] = os.urandom(3 << 20)
+    components = _components(tmp_path / "src", files)
+    limit = int(3.05 * 2**20)
+    bundle = _assemble(fork_pins, tmp_path, components, limit, SMALL, request.param)
     assert [p.components for p in bundle.parts] == [("tree", "site-a"), ("site-b",)]
     assert bundle.cases == {"part-1": ["t.py::one"], "part-2": ["t.py::two"]}
+    codec = {e["codec"] for e in bundle.manifest["components"].values()}
+    assert codec == {request.param.name}
     return bundle.folder
 
 
@@ -318,7 +301,8 @@ def test_run_sh_unpacks_the_parts_present_and_verifies_every_file(
 
 
 def test_a_part_not_transferred_yet_only_means_fewer_components(small_bundle, tmp_path):
-    (small_bundle / "part-2" / "site-b.tar.xz").rename(tmp_path / "moved")
+    [archive] = (small_bundle / "part-2").iterdir()
+    archive.rename(tmp_path / "moved")
     (small_bundle / "part-2").rmdir()
     done = _run_sh(small_bundle, "--install", str(tmp_path / "dest"))
     assert done.returncode == 0, done.stderr
@@ -328,13 +312,13 @@ def test_a_part_not_transferred_yet_only_means_fewer_components(small_bundle, tm
 def test_a_damaged_part_is_named_in_one_line_before_anything_is_unpacked(
     small_bundle, tmp_path
 ):
-    archive = small_bundle / "part-2" / "site-b.tar.xz"
+    [archive] = (small_bundle / "part-2").iterdir()
     archive.write_bytes(archive.read_bytes()[:-10])
     done = _run_sh(small_bundle, "--install", str(tmp_path / "dest"))
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1
     assert (
-        "part-2/site-b.tar.xz is damaged" in lines[0]
+        f"part-2/{archive.name} is damaged" in lines[0]
         and "transfer part-2 again" in lines[0]
     )
     assert not (tmp_path / "dest" / "tree").exists()
@@ -435,7 +419,7 @@ def test_the_runner_runs_what_the_parts_allow_and_says_why_not_the_rest():
             {"name": "part-1", "components": ["tree", "site-a"]},
             {"name": "part-2", "components": ["site-b"]},
         ],
-        "every_case": SETTINGS["every_case"],
+        "every_case": list(SMALL.every_case),
         "needs": {"t.py::one": [], "t.py::two": ["site-b"]},
         "not_carried": {"t.py::three": "not here"},
     }
@@ -481,7 +465,7 @@ def test_a_stand_in_is_an_empty_module_only_where_nothing_was_imported(monkeypat
 def test_a_runnable_case_that_did_not_pass_fails_the_run(tmp_path, status, code):
     manifest = {"parts": [{"name": "part-1", "components": ["tree"]}]}
     outcome = Outcome({"t.py::one": status} if status else {})
-    hopper = gpu_required.from_data(SETTINGS["gpu"]).kind("Hopper")
+    hopper = gpu_required.from_data(SMALL.gpu).kind("Hopper")
     result = bundle_run.conclude(
         manifest, hopper, ["t.py::one"], {}, ["tree"], outcome, tmp_path
     )
@@ -525,106 +509,90 @@ def gpu_host(tmp_path, monkeypatch) -> Path:
     return bin_dir
 
 
+KERNELS = "tests/v1/worker/test_packed_kv_cache_gpu_kernels.py"
+TRITON = f"{KERNELS}::test_triton_attention_over_packed_views"
+FA3, ENGINE = (
+    f"{KERNELS}::test_flash_attention_over_packed_views[3]",
+    "tests/e.py::engine",
+)
+# The stand-in cases: two required node ids, one passes, one fails.
+CASES = """import os
+
+import pytest
+
+
+def test_triton_attention_over_packed_views(request):
+    # run as the runner runs cases: forked, with its time limit, offline
+    assert request.config.option.forked
+    assert request.config.getini('timeout_func_only') is True
+    assert os.environ['HF_HUB_OFFLINE'] == '1'
+    assert os.environ['PYTEST_DISABLE_PLUGIN_AUTOLOAD'] == '1'
+    assert os.environ['VLLM_OFFLOAD_E2E_MODELS'].endswith('models')
+    # the models' part is absent: its module is the runner's stand-in
+    from vllm import _C_models
+    assert _C_models.__fork_bundle_stand_in__
+
+@pytest.mark.parametrize('fa_version', [3])
+def test_flash_attention_over_packed_views(fa_version):
+    assert False
+"""
+# A stand-in vLLM, carrying the fix, whose platform is CUDA.
+PLATFORM = """import vllm._C_models  # noqa: F401 (the probe has the stand-in too)
+class CudaPlatform:
+    def is_cuda(self):
+        return True
+
+current_platform = CudaPlatform()
+"""
+VLLM = {
+    "vllm/__init__.py": "",
+    "vllm/v1/__init__.py": "",
+    "vllm/v1/worker/__init__.py": "",
+    "vllm/v1/worker/gpu/__init__.py": "",
+    "vllm/v1/worker/gpu/attn_utils.py": FIXED,
+    "vllm/platforms/__init__.py": PLATFORM,
+}
+KINDS = {
+    "Ampere": {"capability": "8.0", "queues": {"a": 1}},
+    "Hopper": {"capability": "9.0", "queues": {"h": 1}},
+}
+AMPERE = {"kind": "Ampere"}
+STAND_IN = _settings(
+    ["tree", "site", "models"],
+    ["tree", "site"],
+    {
+        "kinds": KINDS,
+        "cases": {
+            TRITON: {**AMPERE, "bundle": []},
+            FA3: {**HOPPER, "bundle": []},
+            ENGINE: {**HOPPER, "bundle": ["models"]},
+            "tests/e.py::tp2": {**HOPPER, "gpus": 2, "bundle": []},
+            "tests/f.py::flashinfer": {**AMPERE, "not_in_bundle": "too big"},
+        },
+    },
+    stand_in={"models": "vllm._C_models"},
+)
+
+
 def test_run_sh_runs_the_cases_the_parts_allow_and_gives_the_nightlys_verdict(
     scratch, fork_pins, tmp_path, gpu_host
 ):
-    """The runner's GPU path on CPU: the host checks, the unpacking, the vLLM probe (a
-    stand-in vLLM package, carrying the fix, whose platform is CUDA), the plan, the
-    forked pytest run with the per-case limit, the reports and the exit status. The
-    stand-in cases carry two required node ids: one passes, one fails."""
-    kernels = "tests/v1/worker/test_packed_kv_cache_gpu_kernels.py"
-    triton = f"{kernels}::test_triton_attention_over_packed_views"
-    fa3, engine = (
-        f"{kernels}::test_flash_attention_over_packed_views[3]",
-        "tests/e.py::engine",
-    )
-    src = tmp_path / "src"
-    files = {
-        ("tree", "tests/v1/worker/test_packed_kv_cache_gpu_kernels.py"): (
-            "import os\n\nimport pytest\n\n\ndef "
-            "test_triton_attention_over_packed_views(request):\n"
-            "    # run as the runner runs cases: forked, with its time limit, offline\n"
-            "    assert request.config.option.forked\n"
-            "    assert request.config.getini('timeout_func_only') is True\n"
-            "    assert os.environ['HF_HUB_OFFLINE'] == '1'\n"
-            "    assert os.environ['PYTEST_DISABLE_PLUGIN_AUTOLOAD'] == '1'\n"
-            "    assert os.environ['VLLM_OFFLOAD_E2E_MODELS'].endswith('models')\n"
-            "    # the models' part is absent: its module is the runner's stand-in\n"
-            "    from vllm import _C_models\n"
-            "    assert _C_models.__fork_bundle_stand_in__\n\n"
-            "@pytest.mark.parametrize('fa_version', [3])\n"
-            "def test_flash_attention_over_packed_views(fa_version):\n    assert "
-            "False\n"
-        ),
-        ("site", "vllm/__init__.py"): "",
-        ("site", "vllm/v1/__init__.py"): "",
-        ("site", "vllm/v1/worker/__init__.py"): "",
-        ("site", "vllm/v1/worker/gpu/__init__.py"): "",
-        ("site", "vllm/v1/worker/gpu/attn_utils.py"): FIXED,
-        ("site", "vllm/platforms/__init__.py"): (
-            "import vllm._C_models  # noqa: F401 (the probe has the stand-in too)\n"
-            "class CudaPlatform:\n    def is_cuda(self):\n        return True\n\n"
-            "current_platform = CudaPlatform()\n"
-        ),
-        ("site", f"vllm-{fork_pins.fork_version}.dist-info/METADATA"): (
-            f"Metadata-Version: 2.1\nName: vllm\nVersion: {fork_pins.fork_version}\n"
-        ),
-    }
-    by_root: dict[str, Component] = {}
-    for (root, path), text in files.items():
-        (src / root / path).parent.mkdir(parents=True, exist_ok=True)
-        (src / root / path).write_text(text)
-        by_root.setdefault(root, Component(root, root)).add(path, src / root / path)
-    components = list(by_root.values())
-    settings = {
-        "order": ["tree", "site", "models"],
-        "every_case": ["tree", "site"],
-        "stand_in": {"models": "vllm._C_models"},
-        "gpu": {
-            "kinds": {
-                "Ampere": {"capability": "8.0", "queues": {"a": 1}},
-                "Hopper": {"capability": "9.0", "queues": {"h": 1}},
-            },
-            "cases": {
-                triton: {"kind": "Ampere", "bundle": []},
-                fa3: {"kind": "Hopper", "bundle": []},
-                engine: {"kind": "Hopper", "bundle": ["models"]},
-                "tests/e.py::tp2": {"kind": "Hopper", "gpus": 2, "bundle": []},
-                "tests/f.py::flashinfer": {
-                    "kind": "Ampere",
-                    "not_in_bundle": "too big",
-                },
-            },
-        },
-    }
-    models = Component("models", "models")
-    (src / "models").mkdir()
-    (src / "models" / "m.bin").write_bytes(os.urandom(250 << 10))
-    models.add("m.bin", src / "models" / "m.bin")
-    components.append(models)
-    host = Host(
-        f"{sys.version_info.major}.{sys.version_info.minor}", "2.17", {}, tmp_path
-    )
-    bundle = gpu_bundle._assemble(
-        fork_pins,
-        host,
-        Selection({}, {}, (), ()),
-        components,
-        gpu_bundle.compress(components),
-        [],
-        [],
-        300 << 10,
-        tmp_path / "bundle",
-        settings,
-    )
+    """The runner's GPU path on CPU: the host checks, the unpacking, the vLLM probe, the
+    plan, the forked pytest run with the per-case limit, the reports and the exit
+    status."""
+    version = fork_pins.fork_version
+    info = f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
+    files = {("tree", KERNELS): CASES.encode()}
+    files |= {("site", path): text.encode() for path, text in VLLM.items()}
+    files[("site", f"vllm-{version}.dist-info/METADATA")] = info.encode()
+    files[("models", "m.bin")] = os.urandom(250 << 10)
+    components = _components(tmp_path / "src", files)
+    bundle = _assemble(fork_pins, tmp_path, components, 300 << 10, STAND_IN)
     shutil.rmtree(bundle.folder / "part-2")  # the models' part has not arrived
     out = tmp_path / "out"  # given relative, from where run.sh is called
+    path = f"{gpu_host}{os.pathsep}{os.environ['PATH']}"
     done = _run_sh(
-        bundle.folder,
-        "out",
-        cwd=tmp_path,
-        PATH=f"{gpu_host}{os.pathsep}{os.environ['PATH']}",
-        FORK_BUNDLE_HOME="home",
+        bundle.folder, "out", cwd=tmp_path, PATH=path, FORK_BUNDLE_HOME="home"
     )
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stdout.strip().splitlines()[-1] == (
@@ -636,13 +604,11 @@ def test_run_sh_runs_the_cases_the_parts_allow_and_gives_the_nightlys_verdict(
     summary = json.loads((out / "summary.json").read_text())
     assert summary["gpu_kind"] == "Hopper" and summary["parts_present"] == ["part-1"]
     assert summary["stand_ins"] == ["vllm._C_models"]
-    assert summary["cases"] == {triton: "passed", fa3: "failed"}
-    not_here = summary["not_run_here"]
-    assert not_here == {
-        engine: "needs part-2 (not transferred yet)",
+    assert summary["cases"] == {TRITON: "passed", FA3: "failed"}
+    assert summary["not_run_here"] == {
+        ENGINE: "needs part-2 (not transferred yet)",
         # no TP=2: 1 GPU
         "tests/f.py::flashinfer": "not in the bundle: too big",
     }
-    assert (out / "gpu-tests.xml").is_file() and (
-        out / "gpus.csv"
-    ).read_text() == SMI_CSV
+    assert (out / "gpu-tests.xml").is_file()
+    assert (out / "gpus.csv").read_text() == SMI_CSV

@@ -6,33 +6,45 @@ the GPU cases import (forkbuild/gpu/bundle/import_trace.py), not listed by hand:
 distributions the host lacks or has at another version, vLLM's official wheel with the
 tree's patched files, the compiled extensions the cases load, the tree's test files and
 tiny models.
-Each component is a deterministic tar, compressed with xz once and cached by content.
-Components fill parts of at most PART_MIB in fork.toml [gpu_bundle] order (first fit),
-so that the parts a host has received tell which cases it can run; the manifest gives
-every archive's sha256 and the cases each part adds. The runner
-(forkbuild/gpu/bundle/runner.py, run.sh) is part 1.
+Each component is a deterministic tar. For a transfer (XZ) it is compressed once, in
+independent xz streams on every core, and cached by content; a bundle only checked here
+(PLAIN) stays a plain tar. Components fill parts of at most PART_MIB in fork.toml
+[gpu_bundle] order (first fit), so that the parts a host has received tell which cases
+it can run; the manifest gives every archive's sha256 and codec and the cases each part
+adds. The runner (forkbuild/gpu/bundle/runner.py, run.sh) is part 1.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import lzma
 import os
-import re
 import shutil
+import sys
 import tarfile
 import tempfile
-import tomllib
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
 
 from forkbuild.core import fixcheck, log
 from forkbuild.core.errors import ForkError, run_or_fail
 from forkbuild.core.hashing import sha256_file
-from forkbuild.core.pins import PINS_FILE, REPO_ROOT, Pins, build_dir, cache_dir
+from forkbuild.core.pins import (
+    REPO_ROOT,
+    GpuBundle,
+    Pins,
+    build_dir,
+    cache_dir,
+    load_gpu_bundle,
+)
 from forkbuild.gpu import cuda_route
 from forkbuild.gpu.bundle.runner import FILE_LIST
 from forkbuild.setup import fetch, lock, uv
@@ -40,7 +52,7 @@ from forkbuild.setup.load_extensions import record_digest, wheel_record
 from forkbuild.setup.tree import GENERATED, read_series, swap_into_place
 from forkbuild.setup.wheel import patched_paths
 
-FORMAT = "fork-gpu-bundle-2"
+FORMAT = "fork-gpu-bundle-3"
 RUNNER_MODULES = (  # the runner's modules, standard library only, paths in forkbuild/
     "__init__",
     "core/__init__",
@@ -60,6 +72,8 @@ RUNNER_MODULES = (  # the runner's modules, standard library only, paths in fork
 # The roots a component unpacks into on the host: site/ goes first on PYTHONPATH, tree/
 # is where pytest runs (the node ids are the tree's), models/ holds the tiny models.
 SITE, TREE, MODELS = "site", "tree", "models"
+HINT_HOST = "make the file with `bash run.sh --inventory` on the host"
+HINT_ROUTE = "rerun the CUDA route's install: rm -r build/cuda-route; make test"
 
 
 def dist_dir() -> Path:
@@ -84,7 +98,21 @@ class Host:
         return f"x86_64-manylinux_{self.glibc.replace('.', '_')}"
 
     def version(self, name: str) -> str | None:
-        return self.packages.get(lock.normalize(name))
+        return self.packages.get(canonicalize_name(name))
+
+
+def _freeze_line(text: str, where: str) -> tuple[str, str | None]:
+    """A `pip freeze` line: (normalized name, its == version or None)."""
+    try:
+        pin = Requirement(text)
+        pinned = [s.version for s in pin.specifier if s.operator == "=="]
+        if pin.extras or pin.marker or len(pinned) != len(pin.specifier) or pinned[1:]:
+            raise InvalidRequirement(text)
+    except InvalidRequirement:
+        raise ForkError(
+            f"{where}: not a `pip freeze` line: {text!r}", HINT_HOST
+        ) from None
+    return canonicalize_name(pin.name), pinned[0] if pinned else None
 
 
 def read_host(path: Path) -> Host:
@@ -97,41 +125,30 @@ def read_host(path: Path) -> Host:
             "give one made by `bash run.sh --inventory` on the host (make "
             "gpu-bundle GPU_HOST=FILE)",
         )
-    python, glibc, packages = None, None, {}
+    said, packages = {}, {}
     for number, line in enumerate(path.read_text().splitlines(), 1):
         text = line.strip()
-        found = re.fullmatch(r"#\s*python:\s*(\d+)\.(\d+)(\.\S+)?", text)
-        if found:
-            python = f"{found[1]}.{found[2]}"
-            continue
-        found = re.fullmatch(r"#\s*glibc:\s*(\d+\.\d+)", text)
-        if found:
-            glibc = found[1]
-            continue
-        if not text or text.startswith(("#", "-e ")):
-            continue
-        pin = re.fullmatch(
-            r"([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:==\s*(\S+)|@\s*\S+)?", text
-        )
-        if pin is None:
-            raise ForkError(
-                f"{path}:{number}: not a `pip freeze` line: {text!r}",
-                "make the file with `bash run.sh --inventory` on the host",
-            )
-        packages[lock.normalize(pin[1])] = pin[2]
-    if python is None or glibc is None:
+        key, colon, value = text.lstrip("#").partition(":")
+        if text.startswith("#") and colon and key.strip() in ("python", "glibc"):
+            with contextlib.suppress(InvalidVersion):
+                version = Version(value.strip())
+                said[key.strip()] = f"{version.major}.{version.minor}"
+        elif text and not text.startswith(("#", "-e ")):
+            name, version = _freeze_line(text, f"{path}:{number}")
+            packages[name] = version
+    if len(said) < 2:
         raise ForkError(
             f"{path} does not say the host's Python and C library "
             "(`# python: X.Y.Z` and `# glibc: X.Y` lines)",
-            "make the file with `bash run.sh --inventory` on the host",
+            HINT_HOST,
         )
-    return Host(python, glibc, packages, path)
+    return Host(said["python"], said["glibc"], packages, path)
 
 
 def cuda_label(lock_pins: dict[str, str]) -> str:
     """The local version label of the lock's torch build: CUDA 13.0 -> cu130."""
-    major, minor, *_ = lock_pins["nvidia-cuda-runtime"].split(".")
-    return f"cu{major}{minor}"
+    version = Version(lock_pins["nvidia-cuda-runtime"])
+    return f"cu{version.major}{version.minor}"
 
 
 def check_host_torch(host: Host, lock_pins: dict[str, str]) -> None:
@@ -141,7 +158,7 @@ def check_host_torch(host: Host, lock_pins: dict[str, str]) -> None:
         have, want = host.version(name), lock_pins[name]
         public, _, local = (have or "").partition("+")
         if have is None or public != want or (local and local != label):
-            shown = host.packages.get(lock.normalize(name), "none") or "unknown"
+            shown = host.packages.get(name, "none") or "unknown"
             raise ForkError(
                 f"the host's {name} is {shown}; the bundle needs {want}"
                 + (f" (+{label} or no label)" if name == "torch" else "")
@@ -160,20 +177,20 @@ class Trace:
 
 
 def trace_imports(
-    pins: Pins, python: Path, tree: Path, stub: Path, report: Path
+    pins: Pins, settings: GpuBundle, route: tuple[Path, Path, Path], report: Path
 ) -> Trace:
     """Collect the GPU tests (and the CUDA route's kernel-call test) in the CUDA venv
-    with forkbuild/gpu/bundle/import_trace.py, importing the engine's modules at the
-    end."""
-    settings = bundle_settings()
+    (ROUTE: its python, tree and stub folder) with forkbuild/gpu/bundle/import_trace.py,
+    importing the engine's modules at the end."""
+    python, tree, stub = route
     out = report.with_suffix(".json")
     env = {
         **os.environ,
         **cuda_route.stub_env(stub),
         "PYTHONPATH": os.pathsep.join([str(tree), str(REPO_ROOT)]),
         "FORKBUILD_TRACE_OUT": str(out),
-        "FORKBUILD_TRACE_BLOCK": ",".join(settings["left_out"].values()),
-        "FORKBUILD_TRACE_IMPORT": ",".join(settings["engine_modules"]),
+        "FORKBUILD_TRACE_BLOCK": ",".join(settings.left_out.values()),
+        "FORKBUILD_TRACE_IMPORT": ",".join(settings.engine_modules),
     }
     log.step(f"gpu bundle: tracing what the GPU cases import (report: {report})")
     run_or_fail(
@@ -197,25 +214,6 @@ def trace_imports(
     return Trace(found["distributions"], tuple(found["tree_files"]))
 
 
-def _table(name: str) -> dict:
-    try:
-        return tomllib.loads(PINS_FILE.read_text())[name]
-    except KeyError:
-        raise ForkError(
-            f"{PINS_FILE} has no [{name}] table",
-            "compare it with the fork's main branch",
-        ) from None
-
-
-def bundle_settings() -> dict:
-    return _table("gpu_bundle")
-
-
-def gpu_table() -> dict:
-    """fork.toml [gpu]: the nightly's GPU kinds and required cases, and the bundle's."""
-    return _table("gpu")
-
-
 def _closure(roots: set[str], requires: dict[str, list[str]]) -> set[str]:
     """ROOTS and every name they require, transitively (normalized names)."""
     seen, todo = set(), list(roots)
@@ -235,19 +233,19 @@ class Selection:
     left_out: tuple[str, ...]  # imported here, not needed (fork.toml)
 
 
-def select(trace: Trace, host: Host, lock_pins: dict[str, str]) -> Selection:
-    settings = bundle_settings()
-    names = {lock.normalize(n): n for n in trace.distributions}
+def select(
+    trace: Trace, host: Host, lock_pins: dict[str, str], settings: GpuBundle
+) -> Selection:
+    names = {canonicalize_name(n): n for n in trace.distributions}
     requires = {
-        lock.normalize(n): [lock.normalize(r) for r in d["requires"]]
+        canonicalize_name(n): [canonicalize_name(r) for r in d["requires"]]
         for n, d in trace.distributions.items()
     }
-    torch_family = _closure({"torch"}, requires)
     provided = {"torch", "triton"} | {
-        n for n in torch_family if n.startswith(("nvidia-", "cuda-"))
+        n for n in _closure({"torch"}, requires) if n.startswith(("nvidia-", "cuda-"))
     }
     # The runner's own packages are carried whether or not the collection loaded them.
-    roots = {lock.normalize(n) for n in settings["harness"]}
+    roots = {canonicalize_name(n) for n in settings.harness}
     missing = sorted(roots - lock_pins.keys())
     if missing:
         raise ForkError(
@@ -264,11 +262,7 @@ def select(trace: Trace, host: Host, lock_pins: dict[str, str]) -> Selection:
                 "add it to the lock's inputs (fork.toml) or to [gpu_bundle] left_out",
             )
         have = host.packages.get(name, "absent")
-        if (
-            name in harness
-            or have == "absent"
-            or (have is not None and have != lock_pins[name])
-        ):
+        if name in harness or have not in (None, lock_pins[name]):
             carried[name] = lock_pins[name]
         else:
             from_host[name] = have
@@ -276,7 +270,7 @@ def select(trace: Trace, host: Host, lock_pins: dict[str, str]) -> Selection:
         carried,
         from_host,
         tuple(sorted(provided & names.keys())),
-        tuple(sorted(settings["left_out"])),
+        tuple(sorted(settings.left_out)),
     )
 
 
@@ -303,33 +297,34 @@ class Component:
             for p, s in sorted(self.files.items())
         ]
 
-    def key(self) -> str:
-        """What the archive's bytes depend on: names, contents and modes, in order."""
+    def key(self, codec: Codec) -> str:
+        """What the archive's bytes depend on: names, contents, modes, the codec."""
         listing = [(path, digest, mode) for path, _, mode, digest in self.members()]
-        return hashlib.sha256(json.dumps([FORMAT, listing]).encode()).hexdigest()
+        return hashlib.sha256(
+            json.dumps(
+                [FORMAT, codec.name, codec.filters, codec.chunk, listing]
+            ).encode()
+        ).hexdigest()
 
-    @property
-    def archive_name(self) -> str:
-        return f"{self.name.rsplit('/', 1)[-1]}.tar.xz"
+    def raw_size(self) -> int:
+        return sum(f.stat().st_size for f in self.files.values())
 
 
 def _mode(path: Path) -> int:
     return 0o755 if os.access(path, os.X_OK) else 0o644
 
 
-def vllm_components(
-    pins: Pins, tree: Path, wheel: Path, loaded: set[str], work: Path
+def _wheel_files(
+    tree: Path, wheel: Path, loaded: set[str], patched: set[str]
 ) -> tuple[Component, list[Component], list[str]]:
-    """vLLM's Python (the official wheel's files under vllm/ with the tree's patched
-    ones, and a .dist-info), one component per compiled extension the cases load, and
-    the compiled files left out. Every byte from the wheel is held to its RECORD."""
+    """The official wheel's files under vllm/ (the tree's where patched), each held to
+    its RECORD: vLLM's Python, the extensions the cases load, the compiled files
+    left out."""
     record = wheel_record(wheel)
-    patched = patched_paths(read_series())
-    python = Component("vllm", SITE)
-    extensions, left = [], []
+    python, extensions, left = Component("vllm", SITE), [], []
     for path, digest in sorted(record.items()):
         if not path.startswith("vllm/") or path.endswith("/") or path in GENERATED:
-            # vllm/_version.py: the build's own (the fork's version), added below
+            # vllm/_version.py: the build's own (the fork's version), added after
             continue
         source = tree / path
         if path in patched:
@@ -339,28 +334,35 @@ def vllm_components(
         if data is None or record_digest(data) != digest:
             raise ForkError(
                 f"{source} is not the official wheel's {path} (its RECORD differs)",
-                "rerun the CUDA route's install: rm -r build/cuda-route; make test",
+                HINT_ROUTE,
             )
         read = hashlib.sha256(data).hexdigest()  # not read from disk a second time
-        if path.endswith(".so") or data.startswith(b"\x7fELF"):
-            if path in loaded:
-                extension = Component(path, SITE)
-                extension.add(path, source, read)
-                extensions.append(extension)
-            else:
-                left.append(path)
-            continue
-        python.add(path, source, read)
-    version_file = tree / "vllm" / "_version.py"
-    if pins.fork_version not in version_file.read_text():
-        raise ForkError(
-            f"{version_file} does not give {pins.fork_version}",
-            "rerun the CUDA route's install: rm -r build/cuda-route; make test",
-        )
-    python.add("vllm/_version.py", version_file)
+        if not (path.endswith(".so") or data.startswith(b"\x7fELF")):
+            python.add(path, source, read)
+        elif path in loaded:
+            extensions.append(Component(path, SITE))
+            extensions[-1].add(path, source, read)
+        else:
+            left.append(path)
     for path in sorted(p for p in patched - record.keys() if p.startswith("vllm/")):
         if (tree / path).is_file():  # a file the series adds
             python.add(path, tree / path)
+    return python, extensions, left
+
+
+def vllm_components(
+    pins: Pins, tree: Path, wheel: Path, loaded: set[str], work: Path
+) -> tuple[Component, list[Component], list[str]]:
+    """vLLM's Python (the official wheel's files under vllm/ with the tree's patched
+    ones, and a .dist-info), one component per compiled extension the cases load, and
+    the compiled files left out."""
+    python, extensions, left = _wheel_files(
+        tree, wheel, loaded, patched_paths(read_series())
+    )
+    version_file = tree / "vllm" / "_version.py"
+    if pins.fork_version not in version_file.read_text():
+        raise ForkError(f"{version_file} does not give {pins.fork_version}", HINT_ROUTE)
+    python.add("vllm/_version.py", version_file)
     missing = sorted(loaded - {e.name for e in extensions})
     if missing:
         raise ForkError(
@@ -398,34 +400,19 @@ def tree_component(tree: Path, trace: Trace, pins: Pins) -> Component:
 
 
 def packages_component(
-    pins: Pins, selection: Selection, host: Host, lock_file: Path, work: Path
+    pins: Pins, selection: Selection, host: Host, lock_file: Path, work: Path, omit
 ) -> tuple[Component, list[str]]:
     """The carried distributions, installed by uv from the lock (hashes required) for
-    the host's Python into a folder of their own; files fork.toml omits are left out."""
-    target = work / "packages"
-    requirements = work / "packages.txt"
+    the host's Python into a folder of their own; the files OMIT names are left out."""
+    target, requirements = work / "packages", work / "packages.txt"
     requirements.write_text(lock.entries(lock_file, set(selection.carried)))
     uv.install(
         pins,
-        [
-            "install",
-            "--target",
-            str(target),
-            "--no-deps",
-            "--require-hashes",
-            "--python-version",
-            host.python,
-            "--python-platform",
-            host.platform,
-            "--only-binary",
-            ":all:",
-            "--quiet",
-            "-r",
-            str(requirements),
-        ],
+        ["install", "--target", str(target), "--no-deps", "--require-hashes"]
+        + ["--python-version", host.python, "--python-platform", host.platform]
+        + ["--only-binary", ":all:", "--quiet", "-r", str(requirements)],
         what=f"the {len(selection.carried)} packages the bundle carries",
     )
-    omit = set(bundle_settings().get("omit", ()))
     component, omitted = Component("packages", SITE), []
     for source in sorted(p for p in target.rglob("*") if p.is_file() or p.is_symlink()):
         path = source.relative_to(target).as_posix()
@@ -438,9 +425,9 @@ def packages_component(
             )
         if path in omit:
             omitted.append(path)
-            continue
-        component.add(path, source)
-    unused = omit - set(omitted)
+        else:
+            component.add(path, source)
+    unused = set(omit) - set(omitted)
     if unused:
         raise ForkError(
             "fork.toml [gpu_bundle] omit names files no carried package has: "
@@ -468,32 +455,97 @@ def models_component(python: Path, tree: Path, stub: Path, work: Path) -> Compon
 # --- archives and parts ---------------------------------------------------------------
 
 
-def _write_archive(files: list[tuple[str, str, int, str]], out: str) -> int:
-    """A deterministic tar of FILES (path, source, mode, sha256), xz-compressed into OUT
-    in a worker process. Its first member, FILE_LIST, gives each file's sha256 as
-    `sha256sum` writes them: the manifest vouches for the archive, the list for each
-    file."""
-    partial = f"{out}.partial-{os.getpid()}"
+@dataclass(frozen=True)
+class Codec:
+    """How components are stored: NAME, the manifest's codec ("xz", or "tar": plain);
+    the tar in streams of CHUNK bytes, each compressed with FILTERS independently on
+    WORKERS processes and concatenated (Python's lzma, tarfile "r:*", reads them as
+    one)."""
+
+    name: str
+    filters: tuple[dict, ...] = ()
+    chunk: int = 32 << 20
+    workers: int = os.cpu_count() or 1
+
+    @property
+    def suffix(self) -> str:
+        return ".tar.xz" if self.filters else ".tar"
+
+
+# The x86 filter before LZMA2 preset 6: the extensions are most of the bytes, and their
+# device code (CUDA fatbins) is 5x faster to compress with it, and smaller
+# (docs/setup-and-locks.md, "Cold CI"; benchmarks/bundle_compression.py).
+XZ = Codec("xz", ({"id": lzma.FILTER_X86}, {"id": lzma.FILTER_LZMA2, "preset": 6}))
+PLAIN = Codec("tar")  # what no transfer carries: the simulated host's bundle
+
+
+def write_tar(files: list[tuple[str, str, int, str]], out: Path) -> None:
+    """A deterministic tar of FILES (path, source, mode, sha256). Its first member,
+    FILE_LIST, gives each file's sha256 as `sha256sum` writes them: the manifest
+    vouches for the archive, the list for each file."""
     listing = "".join(f"{digest}  {path}\n" for path, _, _, digest in files).encode()
+    with tarfile.open(out, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        info = tarfile.TarInfo(FILE_LIST)
+        info.size, info.mode, info.mtime = len(listing), 0o644, 0
+        tar.addfile(info, io.BytesIO(listing))
+        for path, source, mode, _ in files:
+            info = tarfile.TarInfo(path)
+            info.size, info.mode, info.mtime = os.path.getsize(source), mode, 0
+            with open(source, "rb") as handle:
+                tar.addfile(info, handle)
+
+
+def _xz_stream(tar: str, offset: int, size: int, codec: Codec) -> bytes:
+    """SIZE bytes of TAR from OFFSET as one xz stream (in a worker process)."""
+    with open(tar, "rb") as handle:
+        handle.seek(offset)
+        data = handle.read(size)
+    return lzma.compress(data, lzma.FORMAT_XZ, filters=codec.filters)
+
+
+def _progress(total: int):
+    """Bytes done, on stderr (every 30 s where it is a log, not a terminal)."""
     try:
-        with (
-            lzma.open(partial, "wb", preset=6) as xz,
-            tarfile.open(fileobj=xz, mode="w", format=tarfile.GNU_FORMAT) as tar,
-        ):
-            info = tarfile.TarInfo(FILE_LIST)
-            info.size, info.mode, info.mtime = len(listing), 0o644, 0
-            tar.addfile(info, io.BytesIO(listing))
-            for path, source, mode, _ in files:
-                info = tarfile.TarInfo(path)
-                info.size, info.mode, info.mtime = os.path.getsize(source), mode, 0
-                with open(source, "rb") as handle:
-                    tar.addfile(info, handle)
-        # A cached archive is reused only if it matches its sha256 beside it.
-        Path(f"{out}.sha256").write_text(sha256_file(Path(partial)) + "\n")
-        os.replace(partial, out)
-    finally:
-        Path(partial).unlink(missing_ok=True)
-    return os.path.getsize(out)
+        from tqdm import tqdm
+    except ImportError:  # a python3 without the tool environment: the lines only
+        return contextlib.nullcontext(type("Quiet", (), {"update": lambda *_: None})())
+    tty = sys.stderr.isatty()
+    return tqdm(
+        total=total,
+        desc="gpu bundle: xz",
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        mininterval=0.5 if tty else 30,
+        ascii=not tty,
+    )
+
+
+def _xz_all(tars: dict[str, Path], codec: Codec, outs: dict[str, Path]) -> None:
+    """Each of TARS into OUTS (name -> path), in CODEC.chunk streams on every worker."""
+    jobs = [
+        (name, offset, min(codec.chunk, tar.stat().st_size - offset))
+        for name, tar in tars.items()
+        for offset in range(0, max(tar.stat().st_size, 1), codec.chunk)
+    ]
+    streams: dict[str, dict[int, bytes]] = {name: {} for name in tars}
+    with (
+        _progress(sum(size for _, _, size in jobs)) as bar,
+        ProcessPoolExecutor(max_workers=codec.workers) as pool,
+    ):
+        futures = {
+            pool.submit(_xz_stream, str(tars[n]), o, s, codec): (n, o, s)
+            for n, o, s in jobs
+        }
+        for future in as_completed(futures):
+            name, offset, size = futures[future]
+            streams[name][offset] = future.result()
+            bar.update(size)
+            if len(streams[name]) == sum(1 for n, _, _ in jobs if n == name):
+                with open(outs[name], "wb") as out:
+                    out.writelines(b for _, b in sorted(streams.pop(name).items()))
+                mib = outs[name].stat().st_size / 2**20
+                log.step(f"gpu bundle: {name}: {mib:.1f} MiB compressed")
 
 
 def _cached(archive: Path) -> bool:
@@ -506,28 +558,34 @@ def _cached(archive: Path) -> bool:
     )
 
 
-def compress(components: list[Component]) -> dict[str, Path]:
-    """Each component's archive, from the cache when the same content was compressed
-    before; the others xz-compressed side by side (xz is slow: minutes for the lot)."""
-    store = cache_dir() / "gpu-bundle"
+def compress(
+    components: list[Component], codec: Codec = XZ, store: Path | None = None
+) -> dict[str, Path]:
+    """Each component's archive in STORE (default: the cache, where one with the same
+    content and codec is reused): plain tars for PLAIN, else xz on every core."""
+    store = store or cache_dir() / "gpu-bundle"
     store.mkdir(parents=True, exist_ok=True)
-    archives = {c.name: store / f"{c.key()}.tar.xz" for c in components}
+    archives = {c.name: store / f"{c.key(codec)}{codec.suffix}" for c in components}
     todo = [c for c in components if not _cached(archives[c.name])]
-    if todo:
-        mib = sum(f.stat().st_size for c in todo for f in c.files.values()) / 2**20
-        log.step(
-            f"gpu bundle: compressing {len(todo)} component(s), {mib:.0f} MiB, with xz "
-            f"({', '.join(c.name for c in todo)}); kept in {store} for the next time"
-        )
-        with ProcessPoolExecutor(max_workers=2) as pool:
-            jobs = {
-                c.name: pool.submit(_write_archive, c.members(), str(archives[c.name]))
-                for c in todo
-            }
-            for name, job in jobs.items():
-                log.step(
-                    f"gpu bundle: {name}: {job.result() / 2**20:.1f} MiB compressed"
-                )
+    if not todo:
+        return archives
+    log.step(
+        f"gpu bundle: {len(todo)} component(s), "
+        f"{sum(c.raw_size() for c in todo) / 2**20:.0f} MiB, as {codec.name} "
+        f"({', '.join(c.name for c in todo)}) in {store}"
+    )
+    with tempfile.TemporaryDirectory(prefix=".partial-", dir=store) as tmp:
+        tars = {c.name: Path(tmp) / f"{c.key(codec)}.tar" for c in todo}
+        for c in todo:
+            write_tar(c.members(), tars[c.name])
+        outs = {n: Path(f"{t}.xz") for n, t in tars.items()} if codec.filters else tars
+        if codec.filters:
+            _xz_all(tars, codec, outs)
+        for c in todo:  # a cached archive is reused only if it matches its sha256
+            Path(f"{archives[c.name]}.sha256").write_text(
+                sha256_file(outs[c.name]) + "\n"
+            )
+            os.replace(outs[c.name], archives[c.name])
     return archives
 
 
@@ -547,21 +605,20 @@ def pack(
     used: list[int] = []
     for name in order:
         size = sizes[name]
-        for index, room in enumerate(used):
-            if room + size <= limit:
-                filled[index].append(name)
-                used[index] += size
-                break
-        else:
-            start = first_extra if not filled else 0
-            if start + size > limit:
-                raise ForkError(
-                    f"{name} is {size / 2**20:.1f} MiB compressed, more than a part of "
-                    f"{limit / 2**20:.0f} MiB can hold",
-                    "raise PART_MIB, or omit files of it (fork.toml [gpu_bundle] omit)",
-                )
-            filled.append([name])
-            used.append(start + size)
+        room = [i for i, u in enumerate(used) if u + size <= limit]
+        if room:
+            filled[room[0]].append(name)
+            used[room[0]] += size
+            continue
+        start = 0 if filled else first_extra
+        if start + size > limit:
+            raise ForkError(
+                f"{name} is {size / 2**20:.1f} MiB compressed, more than a part of "
+                f"{limit / 2**20:.0f} MiB can hold",
+                "raise PART_MIB, or omit files of it (fork.toml [gpu_bundle] omit)",
+            )
+        filled.append([name])
+        used.append(start + size)
     return [
         Part(f"part-{i + 1}", tuple(names), size)
         for i, (names, size) in enumerate(zip(filled, used))
@@ -577,7 +634,7 @@ def cases_by_part(
     added = {}
     for part in parts:
         have |= set(part.components)
-        now = {n for n, need in needs.items() if set(base + need) <= have}
+        now = {n for n, need in needs.items() if set(base) | set(need) <= have}
         added[part.name] = sorted(now - met)
         met = now
     return added
@@ -608,12 +665,13 @@ class Bundle:
 @dataclass(frozen=True)
 class Source:
     """What every bundle is made from: the CUDA route's venv, tree and driver stub, and
-    what the GPU cases import there."""
+    what the GPU cases import there, and fork.toml [gpu_bundle]."""
 
     python: Path
     tree: Path
     stub: Path  # the folder of the driver stub
     trace: Trace
+    settings: GpuBundle
 
 
 def prepare(
@@ -624,22 +682,26 @@ def prepare(
     if route is None:
         python, tree = cuda_route.install_cuda_route(pins, results)
         route = (python, tree, cuda_route.build_driver_stub(python, tree))
-    python, tree, stub = route
-    trace = trace_imports(pins, python, tree, stub, results / "gpu-bundle-trace.log")
-    return Source(python, tree, stub, trace)
+    settings = load_gpu_bundle()
+    trace = trace_imports(pins, settings, route, results / "gpu-bundle-trace.log")
+    return Source(*route, trace, settings)
 
 
-def build(
-    pins: Pins,
-    host_file: Path | None = None,
-    out: Path | None = None,
-    part_mib: float | None = None,
-    source: Source | None = None,
-) -> Bundle:
-    """The bundle for HOST_FILE (default: fork.toml's reference host) in OUT (default
-    dist/gpu-bundle), in parts of at most PART_MIB."""
-    settings = bundle_settings()
-    host = read_host(host_file or REPO_ROOT / settings["host"])
+@dataclass
+class Made:
+    """What a bundle is made of, for a host: its components and what was left out."""
+
+    host: Host
+    lock_pins: dict[str, str]
+    selection: Selection
+    components: list[Component]
+    left: list[str] = field(default_factory=list)  # the wheel's compiled files
+    omitted: list[str] = field(default_factory=list)  # fork.toml [gpu_bundle] omit
+
+
+def target(pins: Pins, host_file: Path) -> tuple[Host, Path, dict[str, str]]:
+    """The host, its CUDA lock and the lock's pins; its torch and triton checked."""
+    host = read_host(host_file)
     lock_file = lock.path("cuda", host.python)
     if not lock_file.is_file():
         raise ForkError(
@@ -648,13 +710,13 @@ def build(
         )
     lock_pins = lock.pinned(lock_file)
     check_host_torch(host, lock_pins)
-    limit = int(
-        (part_mib or float(os.environ.get("PART_MIB") or settings["part_mib"])) * 2**20
-    )
-    results = build_dir() / "test-results"
-    results.mkdir(parents=True, exist_ok=True)
-    source = source or prepare(pins, results)
-    selection = select(source.trace, host, lock_pins)
+    return host, lock_file, lock_pins
+
+
+def components(pins: Pins, source: Source, host_file: Path, work: Path) -> Made:
+    """The components of the bundle for HOST_FILE, their files gathered in WORK."""
+    host, lock_file, lock_pins = target(pins, host_file)
+    selection = select(source.trace, host, lock_pins, source.settings)
     wheel = fetch.artifacts_dir() / pins.routes["cuda"].wheel.filename
     loaded = {
         f
@@ -667,86 +729,77 @@ def build(
         f"host's, {', '.join(selection.provided)} the host's by rule; extensions the "
         f"cases load: {', '.join(sorted(loaded))}"
     )
+    python, extensions, left = vllm_components(pins, source.tree, wheel, loaded, work)
+    packages, omitted = packages_component(
+        pins, selection, host, lock_file, work, source.settings.omit
+    )
+    tiny = models_component(source.python, source.tree, source.stub, work)
+    tree = tree_component(source.tree, source.trace, pins)
+    parts = [tree, python, packages, *extensions, tiny]
+    return Made(host, lock_pins, selection, parts, left, omitted)
+
+
+def build(
+    pins: Pins,
+    host_file: Path | None = None,
+    out: Path | None = None,
+    part_mib: float | None = None,
+    source: Source | None = None,
+    codec: Codec = XZ,
+) -> Bundle:
+    """The bundle for HOST_FILE (default: fork.toml's reference host) in OUT (default
+    dist/gpu-bundle), in parts of at most PART_MIB, its archives stored as CODEC."""
+    results = build_dir() / "test-results"
+    results.mkdir(parents=True, exist_ok=True)
+    source = source or prepare(pins, results)
+    settings = source.settings
+    mib = part_mib or float(os.environ.get("PART_MIB") or settings.part_mib)
     with tempfile.TemporaryDirectory(prefix=".gpu-bundle-", dir=build_dir()) as tmp:
         work = Path(tmp)
-        vllm_python, extensions, left = vllm_components(
-            pins, source.tree, wheel, loaded, work
-        )
-        packages, omitted = packages_component(pins, selection, host, lock_file, work)
-        components = [
-            tree_component(source.tree, source.trace, pins),
-            vllm_python,
-            packages,
-            *extensions,
-            models_component(source.python, source.tree, source.stub, work),
-        ]
-        archives = compress(components)
-        return _assemble(
-            pins,
-            host,
-            selection,
-            components,
-            archives,
-            left,
-            omitted,
-            limit,
-            out or dist_dir(),
+        made = components(pins, source, host_file or REPO_ROOT / settings.host, work)
+        # A plain tar is quick to write again: only the xz archives are cached.
+        archives = compress(made.components, codec, None if codec.filters else work)
+        return assemble(
+            pins, made, archives, codec, int(mib * 2**20), out or dist_dir(), settings
         )
 
 
-def _assemble(
-    pins: Pins,
-    host: Host,
-    selection: Selection,
-    components: list[Component],
-    archives: dict[str, Path],
-    left: list[str],
-    omitted: list[str],
-    limit: int,
-    out: Path,
-    settings: dict | None = None,
-) -> Bundle:
-    """Write the bundle to OUT (beside it first, then renamed): run.sh, the runner, the
-    manifest, SHA256SUMS and the parts' archives. SETTINGS: fork.toml [gpu_bundle]."""
-    settings = settings or bundle_settings()
-    by_name = {c.name: c for c in components}
-    order = [name for name in settings["order"] if name in by_name]
-    unordered = sorted(by_name.keys() - set(order))
+def runner_files() -> dict[str, Path]:
+    """Part 1's loose files: run.sh and the runner's modules (path in the bundle)."""
+    runner = {"run.sh": REPO_ROOT / "forkbuild" / "gpu" / "bundle" / "run.sh"}
+    for m in RUNNER_MODULES:
+        runner[f"runner/forkbuild/{m}.py"] = REPO_ROOT / "forkbuild" / f"{m}.py"
+    return runner
+
+
+def _order(settings: GpuBundle, names: set[str]) -> list[str]:
+    """The components in fork.toml's order; every name the settings use, one of them."""
+    order = [name for name in settings.order if name in names]
+    unordered = sorted(names - set(order))
     if unordered:
         raise ForkError(
             f"fork.toml [gpu_bundle] order does not place {', '.join(unordered)}",
             "add them to the order list",
         )
-    runner = {"run.sh": REPO_ROOT / "forkbuild" / "gpu" / "bundle" / "run.sh"}
-    for m in RUNNER_MODULES:
-        runner[f"runner/forkbuild/{m}.py"] = REPO_ROOT / "forkbuild" / f"{m}.py"
-    # 64 KiB for the manifest
-    runner_bytes = sum(p.stat().st_size for p in runner.values()) + (64 << 10)
-    sizes = {name: archives[name].stat().st_size for name in order}
-    parts = pack(sizes, order, limit, runner_bytes)
-    gpu = settings.get("gpu") or gpu_table()
-    needs, not_carried = {}, {}
-    for node, case in gpu["cases"].items():
-        if "bundle" in case:
-            needs[node] = list(case["bundle"])
-        else:
-            not_carried[node] = case["not_in_bundle"]
-    base = list(settings["every_case"])
-    stand_in = dict(settings.get("stand_in", {}))
-    unknown = sorted(
-        {c for need in [base, list(stand_in), *needs.values()] for c in need}
-        - set(by_name)
-    )
+    used = [settings.every_case, settings.stand_in, *settings.needs.values()]
+    unknown = sorted({c for need in used for c in need} - names)
     if unknown:
         raise ForkError(
             "fork.toml [gpu_bundle] needs names what the bundle does not hold: "
             f"{', '.join(unknown)}",
             "name components: " + ", ".join(order),
         )
-    cases = cases_by_part(parts, base, needs)
-    where = {name: part.name for part in parts for name in part.components}
-    lock_pins = lock.pinned(lock.path("cuda", host.python))
-    manifest = {
+    return order
+
+
+def manifest(
+    pins: Pins, made: Made, entries: dict[str, dict], parts: list[Part], settings
+) -> dict:
+    """manifest.json: what the runner checks the host and the parts against, and
+    what it runs (ENTRIES: each component's archive, root, sha256, codec, size)."""
+    host, lock_pins, selection = made.host, made.lock_pins, made.selection
+    cases = cases_by_part(parts, list(settings.every_case), settings.needs)
+    return {
         "format": FORMAT,
         "fork_version": pins.fork_version,
         "made_for": host.source.name,
@@ -760,37 +813,61 @@ def _assemble(
             {"name": p.name, "components": list(p.components), "adds": cases[p.name]}
             for p in parts
         ],
-        "components": {
-            c.name: {
-                "archive": f"{where[c.name]}/{c.archive_name}",
-                "root": c.root,
-                "sha256": sha256_file(archives[c.name]),
-                "bytes": sizes[c.name],
-                "files": len(c.files),
-            }
-            for c in components
-        },
-        "every_case": base,
-        "stand_in": stand_in,
-        "needs": needs,
-        "not_carried": not_carried,
-        "gpu": gpu,  # the nightly's table (forkbuild/gpu/required.py), for the runner
+        "components": entries,
+        "every_case": list(settings.every_case),
+        "stand_in": dict(settings.stand_in),
+        "needs": {node: list(need) for node, need in settings.needs.items()},
+        "not_carried": dict(settings.not_carried),
+        "gpu": settings.gpu,  # the nightly's table (forkbuild/gpu/required.py)
         "carried": selection.carried,
         "from_host": selection.from_host,
         "provided_by_host": list(selection.provided),
         "left_out": list(selection.left_out),
-        "compiled_left_out": left,
-        "omitted": omitted,
+        "compiled_left_out": made.left,
+        "omitted": made.omitted,
     }
+
+
+def assemble(
+    pins: Pins,
+    made: Made,
+    archives: dict[str, Path],
+    codec: Codec,
+    limit: int,
+    out: Path,
+    settings: GpuBundle,
+) -> Bundle:
+    """Write the bundle to OUT (beside it first, then renamed): run.sh, the runner, the
+    manifest, SHA256SUMS and the parts' archives, in parts of at most LIMIT bytes."""
+    order = _order(settings, {c.name for c in made.components})
+    runner = runner_files()
+    sizes = {name: archives[name].stat().st_size for name in order}
+    # 64 KiB for the manifest
+    extra = sum(p.stat().st_size for p in runner.values()) + (64 << 10)
+    parts = pack(sizes, order, limit, extra)
+    where = {name: part.name for part in parts for name in part.components}
+    entries = {
+        c.name: {
+            "archive": f"{where[c.name]}/{c.name.rsplit('/', 1)[-1]}{codec.suffix}",
+            "root": c.root,
+            "sha256": sha256_file(archives[c.name]),
+            "codec": codec.name,
+            "bytes": sizes[c.name],
+            "files": len(c.files),
+        }
+        for c in made.components
+    }
+    content = manifest(pins, made, entries, parts, settings)
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     try:
-        measured = _write_bundle(partial, runner, archives, manifest, parts, limit)
+        measured = _write_bundle(partial, runner, archives, content, parts, limit)
         out.parent.mkdir(parents=True, exist_ok=True)
         swap_into_place(partial, out)  # OUT is the old bundle or the new one
     finally:
         shutil.rmtree(partial, ignore_errors=True)
-    bundle = Bundle(out, measured, cases, manifest)
+    cases = {p["name"]: p["adds"] for p in content["parts"]}
+    bundle = Bundle(out, measured, cases, content)
     log.step(f"gpu bundle: {out}: {bundle.line()}")
     return bundle
 

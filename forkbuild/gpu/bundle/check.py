@@ -22,7 +22,7 @@ from pathlib import Path
 from forkbuild.core import log, pytest_runner
 from forkbuild.core.errors import ForkError, run_or_fail
 from forkbuild.core.hashing import digest_of
-from forkbuild.core.pins import REPO_ROOT, Pins, build_dir
+from forkbuild.core.pins import REPO_ROOT, Pins, build_dir, load_gpu_bundle
 from forkbuild.gpu import cuda_route
 from forkbuild.gpu.bundle import build as gpu_bundle
 from forkbuild.gpu.bundle import runner as bundle_run
@@ -159,9 +159,15 @@ def check(pins: Pins, results: Path, route: tuple[Path, Path, Path]) -> Result:
     source = gpu_bundle.prepare(pins, results, route)
     reference = gpu_bundle.build(pins, out=home() / "reference", source=source)
     python, host_file = simulated_host(pins)
-    # The parts' size matters only for transfers: here one part holds everything.
+    # The parts' size matters only for transfers: here one part holds everything,
+    # plain tars (no transfer carries them).
     simulated = gpu_bundle.build(
-        pins, host_file, out=home() / "bundle", part_mib=4096, source=source
+        pins,
+        host_file,
+        out=home() / "bundle",
+        part_mib=4096,
+        source=source,
+        codec=gpu_bundle.PLAIN,
     )
     dest = home() / "installed"
     shutil.rmtree(dest, ignore_errors=True)
@@ -243,13 +249,14 @@ def verify(
     """The GPU cases and kernel calls run from the unpacked bundle as its runner runs
     them, then the engine's modules imported: each must import, each GPU case skip
     only for want of a device, the calls reach dispatch. Returns (GPU cases, calls)."""
+    settings = load_gpu_bundle()
     outcome, failed = _run_traced(
         host,
         name,
         [*pins.gpu_tests, *pins.cuda_route_tests],
-        gpu_bundle.bundle_settings()["engine_modules"],
+        settings.engine_modules,
     )
-    results, cases = host.results, gpu_bundle.gpu_table()["cases"]
+    results = host.results
     logs, report = str(results / f"{name}-tests.log"), results / f"{name}-imports.json"
     if failed:
         raise ForkError(
@@ -263,7 +270,7 @@ def verify(
         results,
         where=f"the bundle ({name})",
         logs=logs,
-        required={n for n, c in cases.items() if "not_in_bundle" not in c},
+        required=set(settings.needs),
     )
     if calls.failed or calls.errors or calls.skipped or not calls.passed:
         raise ForkError(

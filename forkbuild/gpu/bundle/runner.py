@@ -224,7 +224,7 @@ def present(manifest: dict, bundle: Path) -> list[str]:
 def _extract(archive: Path, root: Path, listing: Path) -> None:
     """Unpack ARCHIVE into ROOT (regular files only, every path inside ROOT); its file
     list goes to LISTING."""
-    with tarfile.open(archive, "r:xz") as tar:
+    with tarfile.open(archive, "r:*") as tar:  # xz (in streams) or plain: the codec
         for number, member in enumerate(tar):
             if number == 0:
                 if member.name != FILE_LIST or not member.isfile():
