@@ -1,8 +1,6 @@
-"""The nightly GPU job's toolchain and time limits, on CPU: the host compilers and lock
-pins checked before the install, the environment the GPU runs get (the lock's CUDA
-toolkit, ninja, the link names FlashInfer's link step needs), and runs stopped at their
-limit that still leave a summary naming the case in progress. Fake venvs and PATHs in
-tmp_path; the limited runs are tiny pytest projects."""
+"""The nightly GPU job's toolchain and time limits, on CPU: lock pins and host compilers
+before the install, the GPU runs' environment, and runs stopped at their limit that
+still leave a summary. Fake venvs and PATHs; the limited runs are tiny projects."""
 
 from __future__ import annotations
 
@@ -61,23 +59,26 @@ def _lock(tmp_path: Path, names: list[str], runtime: str = "13.2.51") -> Path:
 ALL_PINS = list(cuda_toolchain.LOCK_PINS)
 
 
-def test_the_lock_must_pin_the_gpu_toolchain(tmp_path):
+@pytest.mark.parametrize(
+    ("names", "runtime", "match"),
+    [
+        (ALL_PINS[1:-1], "13.2.51", r"cuda-py311\.txt does not pin ninja, pytest-t"),
+        # nvcc 13.2 with nvidia-cuda-runtime 13.0's headers: every FlashInfer JIT build
+        # stops in CCCL: "CUDA compiler and CUDA toolkit headers are incompatible".
+        (
+            ALL_PINS,
+            "13.0.96",
+            r"nvcc 13\.2\.86 but nvidia-cuda-runtime 13\.0\.96.*"
+            r"of CUDA 13\.0 in fork",
+        ),
+        (None, "", r"cuda-py311\.txt\.gone is missing"),
+    ],
+)
+def test_the_lock_must_pin_the_gpu_toolchain(tmp_path, names, runtime, match):
     assert cuda_toolchain.check_lock_pins(_lock(tmp_path, ALL_PINS)) == NVCC
-    without = [name for name in ALL_PINS if name not in ("ninja", "pytest-timeout")]
-    with pytest.raises(
-        ForkError, match=r"cuda-py311\.txt does not pin ninja, pytest-t"
-    ):
-        cuda_toolchain.check_lock_pins(_lock(tmp_path, without))
-    with pytest.raises(ForkError, match=r"cuda-py311\.txt\.gone is missing"):
-        cuda_toolchain.check_lock_pins(tmp_path / "cuda-py311.txt.gone")
-
-
-def test_the_locks_nvcc_must_be_of_the_cuda_version_of_its_headers(tmp_path):
-    # nvcc 13.2 with nvidia-cuda-runtime 13.0's headers: every FlashInfer JIT build
-    # stops in CCCL with "CUDA compiler and CUDA toolkit headers are incompatible".
-    match = r"nvcc 13\.2\.86 but nvidia-cuda-runtime 13\.0\.96.*of CUDA 13\.0 in fork"
+    bad = _lock(tmp_path, names, runtime) if names else tmp_path / "cuda-py311.txt.gone"
     with pytest.raises(ForkError, match=match):
-        cuda_toolchain.check_lock_pins(_lock(tmp_path, ALL_PINS, runtime="13.0.96"))
+        cuda_toolchain.check_lock_pins(bad)
 
 
 @pytest.mark.parametrize("python", ["3.11", "3.12", "3.13"])
@@ -299,10 +300,8 @@ def _gone(pid: int, within_s: float = 10) -> bool:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         try:
-            if (
-                Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-                == "Z"
-            ):
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state == "Z":
                 return True
         except (FileNotFoundError, ProcessLookupError):
             return True
