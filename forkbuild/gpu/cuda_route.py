@@ -135,9 +135,8 @@ def load_extensions(
 def check_flashinfer_jit(python: Path, stub: Path, results: Path) -> int:
     """FlashInfer's JIT in the nightly's environment, the stub as libcuda.so.1."""
     venv = python.parent.parent
-    nvcc_version = cuda_toolchain.check_lock_pins(
-        lock.path("cuda", lock.running_python())
-    )
+    lock_file = lock.path("cuda", lock.running_python())
+    nvcc_version = cuda_toolchain.check_lock_pins(lock_file)
     cuda_toolchain.make_link_dir(venv, nvcc_version, stub / driver_stub.SONAME)
     env = cuda_toolchain.toolchain_env(venv, nvcc_version)
     if missing := cuda_toolchain.missing_tools(env, cuda_toolchain.link_dir(venv)):
@@ -145,13 +144,9 @@ def check_flashinfer_jit(python: Path, stub: Path, results: Path) -> int:
             f"the CUDA lock's toolchain is incomplete: {', '.join(missing)}",
             "check the CUDA lock's nvidia-cuda-* and ninja pins",
         )
-    return cuda_toolchain.probe_flashinfer_jit(
-        python,
-        {**env, **stub_env(stub)},
-        nvcc_version,
-        home() / "flashinfer-jit",
-        results / "cuda-route-flashinfer-jit.log",
-    )
+    work, report = home() / "flashinfer-jit", results / "cuda-route-flashinfer-jit.log"
+    env |= stub_env(stub)
+    return cuda_toolchain.probe_flashinfer_jit(python, env, nvcc_version, work, report)
 
 
 def run_gpu_tests(
@@ -161,20 +156,18 @@ def run_gpu_tests(
     for lack of a device), and the kernel calls (must pass): the GPU modules and the
     kernel calls share one pytest run (one vLLM import less)."""
 
-    def run(where: Path, args: list[str], name: str, **kwargs):
-        xml, output = results / f"{name}.xml", results / f"{name}.log"
+    def run(where: Path, args: list[str], xml: Path, **kwargs) -> pytest_runner.Outcome:
+        output, env = xml.with_suffix(".log"), stub_env(stub)
         return pytest_runner.run_pytest(
-            python, where, args, xml, output=output, extra_env=stub_env(stub), **kwargs
+            python, where, args, xml, output=output, extra_env=env, **kwargs
         )
 
-    in_tree = run(
-        tree, ["-rfEs", *pins.gpu_tests, *pins.cuda_route_tests], "cuda-route-tests"
-    )
+    tests = ["-rfEs", *pins.gpu_tests, *pins.cuda_route_tests]
+    in_tree = run(tree, tests, results / "cuda-route-tests.xml")
     # The required cases of forkbuild's own tests (the serve test), from the GPU table.
     own = {c.split("::")[0] for c in pins.gpu.all_required()} - set(pins.gpu_tests)
-    serve = run(
-        REPO_ROOT, ["-rs", *sorted(own)], "cuda-route-serve-gpu", pythonpath=REPO_ROOT
-    )
+    xml = results / "cuda-route-serve-gpu.xml"
+    serve = run(REPO_ROOT, ["-rs", *sorted(own)], xml, pythonpath=REPO_ROOT)
     gpu = part_of(in_tree, pins.gpu_tests)
     collected = pytest_runner.Outcome(
         gpu.cases | serve.cases, gpu.reasons | serve.reasons

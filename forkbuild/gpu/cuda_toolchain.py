@@ -198,19 +198,12 @@ def probe_flashinfer_jit(
     FlashInfer case. Returns the modules whose build graph it checked."""
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
+    command = [str(python), "-m", "forkbuild.gpu.flashinfer_jit_probe", str(work)]
+    run_env = {**os.environ, **env, "PYTHONPATH": str(REPO_ROOT)}
+    run_env["FLASHINFER_WORKSPACE_BASE"] = str(work)
+    run_env["FLASHINFER_CUDA_ARCH_LIST"] = "8.0 9.0a"
     done = subprocess.run(
-        [str(python), "-m", "forkbuild.gpu.flashinfer_jit_probe", str(work)],
-        cwd=work,
-        env={
-            **os.environ,
-            **env,
-            "PYTHONPATH": str(REPO_ROOT),
-            "FLASHINFER_WORKSPACE_BASE": str(work),
-            "FLASHINFER_CUDA_ARCH_LIST": "8.0 9.0a",
-        },
-        capture_output=True,
-        text=True,
-        check=False,
+        command, cwd=work, env=run_env, capture_output=True, text=True
     )
     report.write_text(done.stdout + done.stderr)
     if done.returncode != 0:
