@@ -42,10 +42,6 @@ class PatchFacts:
     def added(self) -> int:
         return sum(a for a, _, _ in self.numstat)
 
-    @property
-    def removed(self) -> int:
-        return sum(r for _, r, _ in self.numstat)
-
 
 def read_mail(path: Path) -> PatchFacts:
     message = email.message_from_bytes(path.read_bytes(), policy=email.policy.default)

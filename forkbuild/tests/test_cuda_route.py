@@ -43,9 +43,8 @@ def test_the_cuda_route_is_refused_at_once_without_a_driver(scratch, step):
 
 
 def _shared(out: Path, source: Path, *flags: str) -> None:
-    subprocess.run(
-        ["cc", "-shared", "-fPIC", "-o", str(out), str(source), *flags], check=True
-    )
+    command = ["cc", "-shared", "-fPIC", "-o", str(out), str(source), *flags]
+    subprocess.run(command, check=True)
 
 
 def test_the_stub_defines_every_imported_driver_entry_point(tmp_path):

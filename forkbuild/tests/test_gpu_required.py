@@ -3,6 +3,7 @@ or absence of one fails the job with its reason (synthetic pytest outcomes)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
@@ -18,12 +19,8 @@ ENGINE = (
     "tests/v1/worker/test_packed_kv_cache_offload_e2e.py"
     "::test_offload_reload_matches_baseline"
 )
-FA2 = f"{KERNELS}::test_flash_attention_over_packed_views[2]"
 FA3 = f"{KERNELS}::test_flash_attention_over_packed_views[3]"
 TRITON = f"{KERNELS}::test_triton_attention_over_packed_views"
-FLASHINFER = {
-    f"{KERNELS}::test_flashinfer_over_packed_views[{m}]" for m in ("prefill", "decode")
-}
 SERVE = "forkbuild/tests/test_serve_gpu.py::test_offload_preset_serves_and_reloads"
 # The table of fork.toml [gpu]: what each kind must run comes from there, never retyped.
 TABLE = pins.load().gpu
@@ -220,8 +217,6 @@ def test_every_required_case_must_be_collected_on_cpu():
 def test_the_required_serve_case_is_a_test_of_the_serve_module():
     # The tree's cases are checked by `make test` after collecting them with vLLM; the
     # serve test is forkbuild's own, so a rename of it fails right here too.
-    import importlib
-
     path, _, name = SERVE.partition("::")
     assert SERVE in EVERY_CASE
     module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
@@ -229,19 +224,12 @@ def test_the_required_serve_case_is_a_test_of_the_serve_module():
 
 
 def test_a_case_is_required_from_its_kind_on_with_its_gpu_count():
-    table = gpu_required.from_data(
-        {
-            "kinds": {
-                "Hopper": {"capability": "9.0", "queues": {"h1": 1, "h2": 2}},
-                "Ampere": {"capability": "8.0", "queues": {"a1": 1}},
-            },
-            "cases": {
-                "a": {"kind": "Ampere", "bundle": []},
-                "h": {"kind": "Hopper", "not_in_bundle": "why"},
-                "tp2": {"kind": "Hopper", "gpus": 2, "bundle": ["x"]},
-            },
-        }
-    )
+    kinds = {"Hopper": {"capability": "9.0", "queues": {"h1": 1, "h2": 2}}}
+    kinds["Ampere"] = {"capability": "8.0", "queues": {"a1": 1}}
+    cases = {"a": {"kind": "Ampere", "bundle": []}}
+    cases["h"] = {"kind": "Hopper", "not_in_bundle": "why"}
+    cases["tp2"] = {"kind": "Hopper", "gpus": 2, "bundle": ["x"]}
+    table = gpu_required.from_data({"kinds": kinds, "cases": cases})
     assert [k.name for k in table.kinds] == ["Ampere", "Hopper"]  # by capability
     assert table.kind("Ampere").required(2) == ("a",)
     assert table.kind("Hopper").required(1) == ("a", "h")

@@ -103,9 +103,8 @@ def test_the_cuda_locks_pin_the_gpu_toolchain(python):
     ids=["gcc", "clang-CC", "ccache", "none", "gcc-only", "clang", "no-CC", "no-CXX"],
 )
 def test_missing_host_compilers(tmp_path, names, env, missing):
-    found = cuda_toolchain.missing_host_compilers(
-        {"PATH": _bin(tmp_path, *names), **env}
-    )
+    env = {"PATH": _bin(tmp_path, *names), **env}
+    found = cuda_toolchain.missing_host_compilers(env)
     assert len(found) == len(missing)
     assert all(line.startswith(start) for line, start in zip(found, missing)), found
 
@@ -128,16 +127,11 @@ def test_the_toolchain_check_names_what_is_missing_before_the_install(tmp_path):
 
 
 def _venv(tmp_path: Path) -> Path:
-    """A venv as the CUDA lock fills it: ninja in bin/, the nvidia-cuda-* wheels'
-    toolkit in site-packages/nvidia/cu13 (bin/nvcc, nvvm/bin/cicc, lib/libcudart.so.13:
-    no lib64)."""
+    """A venv as the CUDA lock fills it: ninja, and the toolkit of the nvidia-cuda-*
+    wheels in site-packages/nvidia/cu13 (no lib64)."""
     venv = tmp_path / "venv"
     toolkit = install.site_packages(venv) / "nvidia" / "cu13"
-    for tool in (
-        venv / "bin" / "ninja",
-        toolkit / "bin/nvcc",
-        toolkit / "nvvm/bin/cicc",
-    ):
+    for tool in (venv / "bin/ninja", toolkit / "bin/nvcc", toolkit / "nvvm/bin/cicc"):
         _executable(tool)
     _executable(toolkit / "lib" / "libcudart.so.13", "")
     return venv
@@ -318,16 +312,13 @@ def _run_until_hung(tmp_path: Path, forked: bool = True, **env: str):
     """SLEEPER's run under the first of LIMITS_S at which it reached test_b_hangs
     (which writes the PIDS file): the outcome, the limit and the run's seconds."""
     project, pids = _project(tmp_path, SLEEPER), tmp_path / "pids"
+    args, junit = ["--forked"] * forked + ["test_cases.py"], tmp_path / "junit.xml"
+    extra = {"PIDS": str(pids), **env}
     for limit in LIMITS_S:
         pids.unlink(missing_ok=True)
         started = time.monotonic()
         outcome = pytest_runner.run_pytest(
-            PYTHON,
-            project,
-            [*(["--forked"] if forked else []), "test_cases.py"],
-            tmp_path / "junit.xml",
-            extra_env={"PIDS": str(pids), **env},
-            timeout_s=limit,
+            PYTHON, project, args, junit, extra_env=extra, timeout_s=limit
         )
         if pids.exists():
             return outcome, limit, time.monotonic() - started
@@ -391,11 +382,9 @@ def test_a_run_that_ends_in_time_is_unchanged(tmp_path):
 
 
 def test_a_benchmark_stopped_at_its_limit_fails_the_job(tmp_path):
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
     code, stopped = pytest_runner.run_limited(
-        [sys.executable, "-c", "import time; time.sleep(60)"],
-        cwd=tmp_path,
-        env=dict(os.environ),
-        timeout_s=1,
+        sleep, cwd=tmp_path, env=dict(os.environ), timeout_s=1
     )
     assert stopped and code != 0
     kind = gpu_required.Kind("Made-up", (8, 0), ())
@@ -414,13 +403,9 @@ def _per_case_run(tmp_path: Path, body: str) -> Outcome:
         "--timeout=2" if o.startswith("--timeout=") else o
         for o in nightly.PER_CASE_TIMEOUT
     ]
-    return pytest_runner.run_pytest(
-        PYTHON,
-        _project(tmp_path, body),
-        ["--forked", *options, "test_cases.py"],
-        tmp_path / "junit.xml",
-        timeout_s=300,
-    )
+    project, args = _project(tmp_path, body), ["--forked", *options, "test_cases.py"]
+    junit = tmp_path / "junit.xml"
+    return pytest_runner.run_pytest(PYTHON, project, args, junit, timeout_s=300)
 
 
 def test_a_hung_forked_case_fails_alone_under_the_per_case_limit(tmp_path):
@@ -555,9 +540,7 @@ def test_a_run_pytest_cannot_carry_out_still_leaves_the_summary(fake_job, monkey
     ]
 
 
-def test_a_missing_host_compiler_stops_the_job_before_the_install(
-    fake_job, tmp_path, monkeypatch
-):
+def test_a_missing_host_compiler_stops_the_job_before_the_install(fake_job, tmp_path):
     pins, calls, _ = fake_job
     (tmp_path / "path" / "g++").unlink()
     (tmp_path / "path" / "c++").unlink()
