@@ -30,8 +30,8 @@ COMMAND = "make generate"
 
 @dataclass(frozen=True)
 class PatchFacts:
-    """What the series and one mail say: the subject, the DEP-3 fields, and per file
-    the lines added and removed (as `git apply --numstat` counts them)."""
+    """One mail of the series: subject, DEP-3 fields, per file the lines added and
+    removed (as `git apply --numstat` counts them)."""
 
     name: str
     subject: str
@@ -41,10 +41,6 @@ class PatchFacts:
     @property
     def added(self) -> int:
         return sum(a for a, _, _ in self.numstat)
-
-    @property
-    def removed(self) -> int:
-        return sum(r for _, r, _ in self.numstat)
 
 
 def read_mail(path: Path) -> PatchFacts:
@@ -58,12 +54,8 @@ def read_mail(path: Path) -> PatchFacts:
         key, sep, value = line.partition(": ")
         if sep and key.replace("-", "").isalnum():
             fields[key] = value.strip()
-    done = subprocess.run(
-        ["git", "apply", "--numstat", str(path)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    numstat = ["git", "apply", "--numstat", str(path)]
+    done = subprocess.run(numstat, capture_output=True, text=True, check=False)
     if done.returncode != 0 or not done.stdout.strip():
         raise ForkError(
             f"{path.name} is no diff git reads: {done.stderr.strip()}",
@@ -85,11 +77,8 @@ def _cell(text: str) -> str:
 
 
 def patch_table(p: Pins, patches_dir: Path = tree.PATCHES_DIR) -> str:
-    rows = [
-        "| patch | subject | lines changed | origin (DEP-3) | upstream | "
-        "regression modules |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
+    head = "patch | subject | lines changed | origin (DEP-3) | upstream | regression"
+    rows = [f"| {head} modules |", "| --- | --- | --- | --- | --- | --- |"]
     for patch in series(patches_dir):
         changes = "; ".join(f"`{f}` +{a} -{r}" for a, r, f in patch.numstat)
         origin = patch.fields.get("Origin", "none given")
@@ -129,31 +118,12 @@ def tree_log(p: Pins, patches_dir: Path = tree.PATCHES_DIR) -> str:
 
 # (file, block, source, text): what each block holds.
 Render = Callable[[Pins], str]
+GPU, PIPELINE = "fork.toml [gpu]", ".buildkite/fork_nightly_gpu.yaml"
 BLOCKS: tuple[tuple[str, str, str, Render], ...] = (
-    (
-        "README.md",
-        "gpu-kinds",
-        "fork.toml [gpu]",
-        lambda p: pipeline.readme_prose(p.gpu),
-    ),
-    (
-        "docs/gpu-nightly.md",
-        "gpu-kinds",
-        "fork.toml [gpu]",
-        lambda p: pipeline.kinds_prose(p.gpu),
-    ),
-    (
-        ".buildkite/fork_nightly_gpu.yaml",
-        "gpu-kinds",
-        "fork.toml [gpu]",
-        lambda p: pipeline.kinds_prose(p.gpu),
-    ),
-    (
-        ".buildkite/fork_nightly_gpu.yaml",
-        "steps",
-        "fork.toml [gpu]",
-        lambda p: pipeline.steps_yaml(p.gpu).rstrip("\n"),
-    ),
+    ("README.md", "gpu-kinds", GPU, lambda p: pipeline.readme_prose(p.gpu)),
+    ("docs/gpu-nightly.md", "gpu-kinds", GPU, lambda p: pipeline.kinds_prose(p.gpu)),
+    (PIPELINE, "gpu-kinds", GPU, lambda p: pipeline.kinds_prose(p.gpu)),
+    (PIPELINE, "steps", GPU, lambda p: pipeline.steps_yaml(p.gpu).rstrip("\n")),
     ("docs/patches-and-tree.md", "patch-table", "patches/", patch_table),
     ("docs/patches-and-tree.md", "tree-log", "patches/", tree_log),
 )

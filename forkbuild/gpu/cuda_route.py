@@ -1,20 +1,11 @@
-"""The CUDA route checked on a machine without a GPU (part of `make test`).
-
-The nightly GPU job is the only place the CUDA route runs for real, and most of what can
-break there is not the GPU. This checks here:
-
-1. `forkbuild install --route cuda` in build/cuda-route, as a GPU host runs it (the CUDA
-   lock, the patched tree, the editable install on the official CUDA wheel, its own
-   `import vllm` probe);
-2. a stand-in for the driver library, generated from the wheel's own undefined driver
-   symbols (forkbuild/gpu/driver_stub.py), on LD_LIBRARY_PATH of this check's processes;
-3. every compiled extension of the wheel that this Python can load: in the tree byte for
-   byte as the wheel's RECORD says, and loaded against the locked torch;
-4. FlashInfer's JIT toolchain (forkbuild/gpu/cuda_toolchain.py);
-5. the GPU tests collected under that build, each skipped for lack of a device, every
-   node id the nightly requires among them; the kernel test's calls with CPU tensors up
-   to the real ops' dispatch ([tests] cuda_route in fork.toml).
-It ends in one line: `cuda route without a GPU: ...`.
+"""The CUDA route checked on a machine without a GPU (part of `make test`): most of what
+can break in the nightly GPU job is not the GPU. In build/cuda-route: `forkbuild install
+--route cuda` as a GPU host runs it; a driver stub (forkbuild/gpu/driver_stub.py) on
+LD_LIBRARY_PATH; every compiled extension of the wheel this Python can load, byte for
+byte as RECORD says, loaded against the locked torch; FlashInfer's JIT toolchain
+(cuda_toolchain.py); the GPU tests collected and each skipped for lack of a device,
+every node id the nightly requires among them; the kernel test's calls with CPU tensors
+up to the real ops' dispatch ([tests] cuda_route in fork.toml).
 """
 
 from __future__ import annotations
@@ -59,22 +50,14 @@ class Result:
 
 
 def install_cuda_route(pins: Pins, results: Path) -> tuple[Path, Path]:
-    """Run the install step itself, for the CUDA route, in build/cuda-route: what a GPU
-    host runs, minus the GPU. Returns (python, tree)."""
+    """What a GPU host runs, minus the GPU, in build/cuda-route: (python, tree)."""
     report = results / "cuda-route-install.log"
     log.step(
         f"cuda route: forkbuild install --route cuda in {home()} (report: {report})"
     )
+    args = ("-m", "forkbuild", "install", "--route", "cuda", "--without-gpu")
     run_or_fail(
-        [
-            sys.executable,
-            "-m",
-            "forkbuild",
-            "install",
-            "--route",
-            "cuda",
-            "--without-gpu",
-        ],
+        [sys.executable, *args],
         "the CUDA route's install failed",
         report=report,
         cwd=REPO_ROOT,
@@ -104,8 +87,7 @@ def build_driver_stub(python: Path, tree: Path) -> Path:
 
 
 def stub_env(stub: Path) -> dict[str, str]:
-    """The environment of this check's processes: the stub found before any other
-    libcuda.so.1."""
+    """The stub found before any other libcuda.so.1."""
     paths = [str(stub), *filter(None, os.environ.get("LD_LIBRARY_PATH", "").split(":"))]
     return {"LD_LIBRARY_PATH": ":".join(paths)}
 
@@ -151,12 +133,10 @@ def load_extensions(
 
 
 def check_flashinfer_jit(python: Path, stub: Path, results: Path) -> int:
-    """FlashInfer's JIT in the nightly's environment (forkbuild/gpu/cuda_toolchain.py),
-    the driver stub standing in for libcuda.so.1. Returns the modules checked."""
+    """FlashInfer's JIT in the nightly's environment, the stub as libcuda.so.1."""
     venv = python.parent.parent
-    nvcc_version = cuda_toolchain.check_lock_pins(
-        lock.path("cuda", lock.running_python())
-    )
+    lock_file = lock.path("cuda", lock.running_python())
+    nvcc_version = cuda_toolchain.check_lock_pins(lock_file)
     cuda_toolchain.make_link_dir(venv, nvcc_version, stub / driver_stub.SONAME)
     env = cuda_toolchain.toolchain_env(venv, nvcc_version)
     if missing := cuda_toolchain.missing_tools(env, cuda_toolchain.link_dir(venv)):
@@ -164,43 +144,30 @@ def check_flashinfer_jit(python: Path, stub: Path, results: Path) -> int:
             f"the CUDA lock's toolchain is incomplete: {', '.join(missing)}",
             "check the CUDA lock's nvidia-cuda-* and ninja pins",
         )
-    return cuda_toolchain.probe_flashinfer_jit(
-        python,
-        {**env, **stub_env(stub)},
-        nvcc_version,
-        home() / "flashinfer-jit",
-        results / "cuda-route-flashinfer-jit.log",
-    )
+    work, report = home() / "flashinfer-jit", results / "cuda-route-flashinfer-jit.log"
+    env |= stub_env(stub)
+    return cuda_toolchain.probe_flashinfer_jit(python, env, nvcc_version, work, report)
 
 
 def run_gpu_tests(
     pins: Pins, python: Path, tree: Path, stub: Path, results: Path
 ) -> tuple[pytest_runner.Outcome, pytest_runner.Outcome]:
-    """The GPU tests and the serve test collected under the CUDA build (each case must
-    skip for lack of a device, with a reason), and the kernel-call module (must pass).
-    The GPU modules and the kernel calls share one pytest run (one vLLM import less)."""
-    env = stub_env(stub)
-    in_tree = pytest_runner.run_pytest(
-        python,
-        tree,
-        ["-rfEs", *pins.gpu_tests, *pins.cuda_route_tests],
-        results / "cuda-route-tests.xml",
-        output=results / "cuda-route-tests.log",
-        extra_env=env,
-    )
+    """The GPU tests and the serve test collected under the CUDA build (each must skip
+    for lack of a device), and the kernel calls (must pass): the GPU modules and the
+    kernel calls share one pytest run (one vLLM import less)."""
+
+    def run(where: Path, args: list[str], xml: Path, **kwargs) -> pytest_runner.Outcome:
+        output, env = xml.with_suffix(".log"), stub_env(stub)
+        return pytest_runner.run_pytest(
+            python, where, args, xml, output=output, extra_env=env, **kwargs
+        )
+
+    tests = ["-rfEs", *pins.gpu_tests, *pins.cuda_route_tests]
+    in_tree = run(tree, tests, results / "cuda-route-tests.xml")
     # The required cases of forkbuild's own tests (the serve test), from the GPU table.
-    own = sorted(
-        {c.split("::")[0] for c in pins.gpu.all_required()} - set(pins.gpu_tests)
-    )
-    serve = pytest_runner.run_pytest(
-        python,
-        REPO_ROOT,
-        ["-rs", *own],
-        results / "cuda-route-serve-gpu.xml",
-        pythonpath=REPO_ROOT,
-        output=results / "cuda-route-serve-gpu.log",
-        extra_env=env,
-    )
+    own = {c.split("::")[0] for c in pins.gpu.all_required()} - set(pins.gpu_tests)
+    xml = results / "cuda-route-serve-gpu.xml"
+    serve = run(REPO_ROOT, ["-rs", *sorted(own)], xml, pythonpath=REPO_ROOT)
     gpu = part_of(in_tree, pins.gpu_tests)
     collected = pytest_runner.Outcome(
         gpu.cases | serve.cases, gpu.reasons | serve.reasons
@@ -231,9 +198,9 @@ def check_skipped(
     logs: str = "",
     required: Collection[str] | None = None,
 ) -> None:
-    """Every GPU case skipped, each for lack of a device: an import error or a missing
-    module would also skip (or error), and would only show on the GPU runner. Every node
-    id of REQUIRED (default: every one the nightly requires) must be among them."""
+    """Every GPU case skipped, each for lack of a device (an import error would also
+    skip, and show only on the GPU runner); every node id of REQUIRED (default: all the
+    nightly requires) among them."""
     logs = logs or (
         f"{results / 'cuda-route-tests.log'} and {results / 'cuda-route-serve-gpu.log'}"
     )
@@ -244,9 +211,8 @@ def check_skipped(
             + (f", e.g. {not_skipped[0]}" if not_skipped else ""),
             f"see {logs}",
         )
-    if wrong := {
-        c: r for c, r in collected.reasons.items() if not r.startswith(NO_DEVICE)
-    }:
+    reasons = collected.reasons.items()
+    if wrong := {c: r for c, r in reasons if not r.startswith(NO_DEVICE)}:
         case, why = next(iter(wrong.items()))
         raise ForkError(
             f"{len(wrong)} GPU case(s) skipped under {where} for another reason than "
@@ -284,12 +250,5 @@ def check(pins: Pins, results: Path) -> Result:
             f"the kernel test's calls do not reach the CUDA ops' dispatch: {calls}",
             f"see {results / 'cuda-route-tests.log'}",
         )
-    return Result(
-        len(loaded["loaded"]),
-        loaded["candidates"],
-        len(loaded["other_pythons"]),
-        jit_modules,
-        collected,
-        calls,
-        (python, tree, stub),
-    )
+    counts = len(loaded["loaded"]), loaded["candidates"], len(loaded["other_pythons"])
+    return Result(*counts, jit_modules, collected, calls, (python, tree, stub))

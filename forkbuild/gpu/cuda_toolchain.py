@@ -1,8 +1,6 @@
-"""The CUDA lock's toolchain for the GPU runs, as the nightly GPU job and `make test`'s
-CUDA route check both need it: the lock's pins (nvcc and the CUDA headers of one CUDA
-version, ninja, pytest-timeout), the host compilers an agent must bring, CUDA_HOME, the
-link names FlashInfer's JIT links against, and the JIT probe (flashinfer_jit_probe.py).
-"""
+"""The CUDA lock's toolchain for the nightly and `make test`'s CUDA route check: the
+lock's pins, the agent's host compilers, CUDA_HOME, FlashInfer's link names, the JIT
+probe (flashinfer_jit_probe.py)."""
 
 from __future__ import annotations
 
@@ -28,8 +26,8 @@ LOCK_PINS += ("nvidia-cuda-runtime", "pytest-timeout")
 
 
 def check_lock_pins(lock_file: Path) -> str:
-    """Fail unless LOCK_FILE pins every package of LOCK_PINS; return nvcc's version.
-    Read from the lock before minutes of install, not found missing after it."""
+    """nvcc's version, failing unless LOCK_FILE pins all LOCK_PINS (before minutes of
+    install, not after)."""
     if not lock_file.is_file():
         raise ForkError(f"{lock_file} is missing", "run `make lock` and commit locks/")
     pinned = lock.pinned(lock_file)
@@ -64,15 +62,13 @@ def _major_minor(version: str) -> tuple[str, str]:
 
 
 def _resolves(command: str | None, path: str) -> bool:
-    """Whether COMMAND (a name, a path, or a command line such as `ccache gcc`) is an
-    executable on PATH."""
+    """Whether COMMAND (or a command line such as `ccache gcc`) is on PATH."""
     words = shlex.split(command) if command else []
     return bool(words) and shutil.which(words[0], path=path) is not None
 
 
 def missing_host_compilers(env: Mapping[str, str]) -> list[str]:
-    """The host compilers the GPU runs need and ENV lacks, each with who needs it. The
-    CUDA lock brings nvcc and ninja, not these."""
+    """The host compilers (not in the CUDA lock) that ENV lacks, each with its user."""
     path, cc = env.get("PATH", ""), env.get("CC")
     missing = []
     # Triton 3.6 builds each kernel's launcher with $CC, else gcc, else clang (not cc).
@@ -91,9 +87,8 @@ def missing_host_compilers(env: Mapping[str, str]) -> list[str]:
 
 
 def check_gpu_toolchain(lock_file: Path, env: Mapping[str, str] = os.environ) -> str:
-    """Before the install: the agent's host compilers and the pins of the CUDA lock that
-    the GPU runs need. Returns the lock's nvcc version (which names its toolkit
-    folder)."""
+    """Before the install: the host compilers and the lock's pins; the lock's nvcc
+    version (which names its toolkit folder)."""
     if missing := missing_host_compilers(env):
         raise ForkError(
             "the GPU tests need a host compiler that this agent lacks: "
@@ -105,9 +100,8 @@ def check_gpu_toolchain(lock_file: Path, env: Mapping[str, str] = os.environ) ->
 
 
 def cuda_home(venv: Path, nvcc_version: str) -> Path:
-    """Where the lock's nvidia-cuda-* wheels put the toolkit: site-packages/nvidia/cuNN
-    with bin/nvcc, nvvm/bin/cicc, include/, and lib/libcudart.so.NN (no lib64, and no
-    unversioned libcudart.so: see link_dir)."""
+    """The lock's toolkit: bin/nvcc, nvvm/bin/cicc, include/, lib/libcudart.so.NN (no
+    lib64, no unversioned libcudart.so: see link_dir)."""
     return install.site_packages(venv) / "nvidia" / f"cu{nvcc_version.split('.')[0]}"
 
 
@@ -121,23 +115,17 @@ def link_dir(venv: Path) -> Path:
 def toolchain_env(
     venv: Path, nvcc_version: str, base: Mapping[str, str] = os.environ
 ) -> dict[str, str]:
-    """The variables the GPU runs get on top of BASE. CUDA_HOME is the lock's toolkit
-    even where the agent has its own: FlashInfer takes nvcc, headers and libcudart from
-    it, and the nightly tests the CUDA torch was built for. PATH: ninja's bin/ first."""
+    """On top of BASE. CUDA_HOME is the lock's even where the agent has one: FlashInfer
+    takes nvcc, headers and libcudart from it, for the CUDA torch was built for."""
     home = cuda_home(venv, nvcc_version)
-    return {
-        "PATH": os.pathsep.join(
-            [str(venv / "bin"), str(home / "bin"), *_entries(base, "PATH")]
-        ),
-        "CUDA_HOME": str(home),
-        "LIBRARY_PATH": os.pathsep.join(
-            [str(link_dir(venv)), *_entries(base, "LIBRARY_PATH")]
-        ),
-    }
+    path = _join(venv / "bin", home / "bin", base.get("PATH", ""))
+    library_path = _join(link_dir(venv), base.get("LIBRARY_PATH", ""))
+    return {"PATH": path, "CUDA_HOME": str(home), "LIBRARY_PATH": library_path}
 
 
-def _entries(env: Mapping[str, str], name: str) -> list[str]:
-    return [entry for entry in env.get(name, "").split(os.pathsep) if entry]
+def _join(*parts: Path | str) -> str:
+    """PARTS (paths, or lists such as PATH) as one list, without empty entries."""
+    return os.pathsep.join(e for p in parts for e in str(p).split(os.pathsep) if e)
 
 
 def driver_libcuda(ldconfig_output: str) -> Path | None:
@@ -157,8 +145,7 @@ def _ldconfig_cache() -> str:
 
 
 def make_link_dir(venv: Path, nvcc_version: str, libcuda: Path | None) -> None:
-    """Write link_dir(VENV) afresh: libcudart.so to the lock's runtime, libcuda.so to
-    the driver's LIBCUDA (None: not found)."""
+    """link_dir(VENV) afresh, libcuda.so to LIBCUDA (None: not found)."""
     if libcuda is None:
         raise ForkError(
             "the driver's libcuda.so.1 is not in the dynamic linker's cache (ldconfig "
@@ -174,7 +161,7 @@ def make_link_dir(venv: Path, nvcc_version: str, libcuda: Path | None) -> None:
 
 
 def missing_tools(env: Mapping[str, str], links: Path) -> list[str]:
-    """What of the installed toolchain ENV (toolchain_env) and LINKS (link_dir) lack."""
+    """What ENV (toolchain_env) and LINKS (link_dir) lack."""
     home = Path(env["CUDA_HOME"])
     missing = [] if shutil.which("ninja", path=env["PATH"]) else ["ninja on PATH"]
     tools = (home / "bin" / "nvcc", home / "nvvm" / "bin" / "cicc")
@@ -185,8 +172,7 @@ def missing_tools(env: Mapping[str, str], links: Path) -> list[str]:
 
 
 def prepare_toolchain(venv: Path, nvcc_version: str) -> dict[str, str]:
-    """After the install: the link names, then check that nvcc, cicc, ninja and the
-    libraries resolve in toolchain_env; return that environment."""
+    """After the install: the link names, and toolchain_env once all resolve there."""
     make_link_dir(venv, nvcc_version, driver_libcuda(_ldconfig_cache()))
     env = toolchain_env(venv, nvcc_version)
     if os.environ.get("CUDA_HOME", env["CUDA_HOME"]) != env["CUDA_HOME"]:
@@ -207,25 +193,17 @@ def prepare_toolchain(venv: Path, nvcc_version: str) -> dict[str, str]:
 def probe_flashinfer_jit(
     python: Path, env: dict[str, str], nvcc_version: str, work: Path, report: Path
 ) -> int:
-    """Run forkbuild/gpu/flashinfer_jit_probe.py in PYTHON's venv with ENV
-    (toolchain_env, plus the driver stub where there is no driver); fail naming what
-    FlashInfer's JIT would miss: on the GPU host, in seconds rather than in the first
+    """flashinfer_jit_probe.py with ENV (toolchain_env, plus the stub where there is no
+    driver): what FlashInfer's JIT would miss, in seconds rather than in the first
     FlashInfer case. Returns the modules whose build graph it checked."""
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
+    command = [str(python), "-m", "forkbuild.gpu.flashinfer_jit_probe", str(work)]
+    run_env = {**os.environ, **env, "PYTHONPATH": str(REPO_ROOT)}
+    run_env["FLASHINFER_WORKSPACE_BASE"] = str(work)
+    run_env["FLASHINFER_CUDA_ARCH_LIST"] = "8.0 9.0a"
     done = subprocess.run(
-        [str(python), "-m", "forkbuild.gpu.flashinfer_jit_probe", str(work)],
-        cwd=work,
-        env={
-            **os.environ,
-            **env,
-            "PYTHONPATH": str(REPO_ROOT),
-            "FLASHINFER_WORKSPACE_BASE": str(work),
-            "FLASHINFER_CUDA_ARCH_LIST": "8.0 9.0a",
-        },
-        capture_output=True,
-        text=True,
-        check=False,
+        command, cwd=work, env=run_env, capture_output=True, text=True
     )
     report.write_text(done.stdout + done.stderr)
     if done.returncode != 0:

@@ -1,15 +1,11 @@
-"""FlashInfer's JIT toolchain checked without compiling its kernels (a probe). Run in
-the CUDA venv with the nightly's toolchain environment
-(forkbuild/gpu/cuda_toolchain.py):
+"""FlashInfer's JIT toolchain checked without compiling its kernels, in the CUDA venv
+with cuda_toolchain.toolchain_env: `python -m forkbuild.gpu.flashinfer_jit_probe WORK`.
 
-    python -m forkbuild.gpu.flashinfer_jit_probe WORK
-
-It reports as one JSON line where FlashInfer's JIT finds CUDA, nvcc and ninja; whether
-`ninja -n` (which compiles nothing: a module takes minutes of nvcc) resolves the build
-graphs of the paged prefill modules the kernel test's wrappers ask for (FA2: Ampere's
-prefill and tensor-core decode; FA3: Hopper's prefill; sliding and full layers, bf16,
-head size 64); and whether one small CUDA file compiles and links as FlashInfer links,
-needing the runtime and the driver library by soname.
+One JSON line: where FlashInfer finds CUDA, nvcc and ninja; whether `ninja -n` (a real
+module takes minutes of nvcc) resolves the build graphs of the paged prefill modules
+the kernel test asks for (FA2: Ampere's prefill and tensor-core decode; FA3: Hopper's;
+sliding and full, bf16, head size 64); whether a small CUDA file compiles and links as
+FlashInfer links, needing the runtime and the driver library by soname.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""The nightly GPU job: build the fork on the CUDA route, run the GPU tests (each case
-in its own process: a kernel crash fails one case, not the job), the serve-level test
-and the offload benchmark; JUnit XML and JSON land in one folder for the pipeline.
-A case that this GPU kind must run (forkbuild/gpu/required.py) and that skipped or is
-absent fails the job like a failure: a skip is how a missing kernel shows."""
+"""The nightly GPU job: the fork on the CUDA route, the GPU tests (each case forked: a
+kernel crash fails one case, not the job), the serve test and the offload benchmark,
+their reports in one folder. A case this GPU kind must run (required.py) that skipped or
+is absent fails the job: a skip is how a missing kernel shows."""
 
 from __future__ import annotations
 
@@ -30,9 +29,8 @@ STEP_LIMIT_MIN = 60  # the pipeline's timeout_in_minutes (forkbuild/gpu/pipeline
 
 
 def out_dir() -> Path:
-    """FORK_NIGHTLY_OUT, a relative one taken from the repository root (where the
-    pipeline's artifact_paths are), so that pytest and the benchmark, which run in the
-    tree, write to the same place."""
+    """FORK_NIGHTLY_OUT, a relative one from the repository root (as the pipeline's
+    artifact_paths), so that pytest and the benchmark in the tree write there too."""
     return REPO_ROOT / (
         os.environ.get("FORK_NIGHTLY_OUT") or build_dir() / "gpu-nightly"
     )
@@ -69,36 +67,24 @@ def run(pins: Pins) -> str:
     python, tree_path, _ = install.install(pins, "cuda")
     env = cuda_toolchain.prepare_toolchain(python.parent.parent, nvcc_version)
     check_jit(python, env, nvcc_version, out)
-    gpu_tests, serve, code, killed = _runs(pins, python, tree_path, env, out)
-    return conclude(
-        kind, required, gpu_tests, serve, code, out, benchmark_killed=killed
-    )
+    *runs, killed = _runs(pins, python, tree_path, env, out)
+    return conclude(kind, required, *runs, out, benchmark_killed=killed)
 
 
 def _runs(
     pins: Pins, python: Path, tree: Path, env: dict[str, str], out: Path
 ) -> tuple[pytest_runner.Outcome, pytest_runner.Outcome, int, str]:
-    """The GPU tests, the serve test and the benchmark, each under its limit: their
-    outcomes, the benchmark's exit status and why it was stopped (or "")."""
-    forked = ["--forked", "-v", "-rs", *PER_CASE_TIMEOUT]
-    limits = RUN_LIMITS_S
-    gpu_tests = _run_or_note(
-        python,
-        tree,
-        [*forked, *pins.gpu_tests],
-        out / "gpu-tests.xml",
-        extra_env=env,
-        timeout_s=limits["gpu-tests"],
-    )
-    serve = _run_or_note(
-        python,
-        REPO_ROOT,
-        [*forked, "forkbuild/tests/test_serve_gpu.py"],
-        out / "serve-gpu.xml",
-        pythonpath=REPO_ROOT,
-        extra_env=env,
-        timeout_s=limits["serve"],
-    )
+    """The GPU tests, the serve test and the benchmark under their limits: outcomes,
+    the benchmark's exit status and why it was stopped (or "")."""
+    forked, limits = ["--forked", "-v", "-rs", *PER_CASE_TIMEOUT], RUN_LIMITS_S
+
+    def run(where: Path, tests, xml: str, limit: str, **kw) -> pytest_runner.Outcome:
+        kw |= {"extra_env": env, "timeout_s": limits[limit]}
+        return _run_or_note(python, where, [*forked, *tests], out / xml, **kw)
+
+    gpu_tests = run(tree, pins.gpu_tests, "gpu-tests.xml", "gpu-tests")
+    serve_test = ["forkbuild/tests/test_serve_gpu.py"]
+    serve = run(REPO_ROOT, serve_test, "serve-gpu.xml", "serve", pythonpath=REPO_ROOT)
     log.step("nightly: offload benchmark")
     code, stopped = pytest_runner.run_limited(
         [str(python), str(BENCHMARK), "--out", str(out / "benchmark.json")],
@@ -111,8 +97,7 @@ def _runs(
 
 
 def check_jit(python: Path, env: dict[str, str], nvcc_version: str, out: Path) -> None:
-    """FlashInfer's JIT toolchain on this agent, in seconds, before the tests: the
-    probe of `make test`'s CUDA route check, with the agent's driver and compiler."""
+    """FlashInfer's JIT toolchain on this agent, in seconds, before the tests."""
     work, report = out / "flashinfer-jit", out / "flashinfer-jit.log"
     modules = cuda_toolchain.probe_flashinfer_jit(
         python, env, nvcc_version, work, report
@@ -124,9 +109,8 @@ def check_jit(python: Path, env: dict[str, str], nvcc_version: str, out: Path) -
 
 
 def _run_or_note(*args, **kwargs) -> pytest_runner.Outcome:
-    """run_pytest, but a run that pytest could not carry out (a collection error, an
-    internal error: exit status 2 to 5) becomes an outcome that says so, so that the
-    later runs still happen and summary.json still names what went wrong."""
+    """run_pytest, but a run pytest could not carry out (exit status 2 to 5) becomes an
+    outcome that says so: the later runs still happen, summary.json names it."""
     try:
         return pytest_runner.run_pytest(*args, **kwargs)
     except ForkError as exc:

@@ -1,7 +1,6 @@
-"""fork.toml [gpu] written out for Buildkite and for readers: the nightly pipeline's
-steps (one per agent queue) and the GPU kinds' prose of README.md, the pipeline's
-header and docs/gpu-nightly.md. `make generate` (forkbuild/checks/generate.py) writes
-them into their marked blocks; a tool test fails when one is out of date."""
+"""fork.toml [gpu] written out: the nightly pipeline's steps (one per agent queue) and
+the GPU kinds' prose of README.md, the pipeline and docs/gpu-nightly.md, which `make
+generate` (checks/generate.py) writes into their marked blocks."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ def _short(node: str) -> str:
 
 
 def steps(table: GpuTable) -> list[dict]:
-    """One step per agent queue of TABLE, newest kind first: `make nightly`, its
-    reports uploaded from the step's own output folder."""
+    """One step per agent queue, newest kind first, its reports from its own folder."""
     found = []
     for kind in reversed(table.kinds):
         for queue, count in kind.queues:
@@ -59,8 +57,8 @@ def _queues(kind: GpuKind) -> str:
 
 
 def kinds_prose(table: GpuTable) -> str:
-    """Markdown: per kind, from which compute capability, its queues and the cases it
-    adds to the older kinds' (newer kinds run every older kind's cases too)."""
+    """Markdown: per kind, its compute capability, queues and the cases it adds to the
+    older kinds' (which it runs too)."""
     lines, seen = [], set()
     for kind in table.kinds:
         major, minor = kind.min_capability

@@ -1,13 +1,8 @@
-"""The GPU cases the nightly job must run, per GPU kind and GPU count.
-
-Counting failures is not enough: every GPU case skips itself when the hardware or a
-kernel is missing (FA3 that does not import, one GPU for TP=2), so a broken install on
-a Hopper runner would skip all FA3 and FLASH_ATTN cases and still leave the job green.
-fork.toml [gpu] says what each kind must run; a skip or an absence of one of those fails
-the job with pytest's reason. Standard library only: nightly.py runs on the system
-python3, and the GPU bundle's runner on a GPU host's (with the table its manifest
-carries); `make test` checks on CPU that every node id of the table is collected. The
-table is read by forkbuild/core/pins.py (GpuTable).
+"""The GPU cases the nightly job must run, per GPU kind and GPU count (fork.toml [gpu],
+read by core/pins.py). Counting failures is not enough: every GPU case skips itself
+when the hardware or a kernel is missing, so a broken install on a Hopper runner would
+skip all FA3 cases and leave the job green; a skip or absence of a required case fails
+it with pytest's reason. Standard library only: the GPU bundle's runner imports it.
 """
 
 from __future__ import annotations
@@ -47,8 +42,7 @@ class Gpu:
 
 
 def parse_gpus(csv_text: str) -> list[Gpu]:
-    """Every GPU of `nvidia-smi --query-gpu=NVIDIA_SMI_QUERY --format=csv` (with its
-    header line), whatever CUDA_VISIBLE_DEVICES says."""
+    """Every GPU of `nvidia-smi --query-gpu=NVIDIA_SMI_QUERY --format=csv`."""
     rows = list(csv.reader(io.StringIO(csv_text), skipinitialspace=True))
     header = [name.strip() for name in rows[0]] if rows else []
     if not {"index", "uuid", "compute_cap"} <= set(header):
@@ -58,21 +52,18 @@ def parse_gpus(csv_text: str) -> list[Gpu]:
             f"check the driver with `nvidia-smi --query-gpu={NVIDIA_SMI_QUERY} "
             "--format=csv`",
         )
-    gpus = [dict(zip(header, row)) for row in rows[1:] if row]
+    gpus = [dict(zip(header, (cell.strip() for cell in row))) for row in rows[1:]]
     return [
-        Gpu(int(g["index"]), g["uuid"].strip(), capability(g["compute_cap"].strip()))
-        for g in gpus
+        Gpu(int(g["index"]), g["uuid"], capability(g["compute_cap"])) for g in gpus if g
     ]
 
 
 def visible_gpus(gpus: list[Gpu], cuda_visible_devices: str | None) -> list[Gpu]:
-    """The GPUs a CUDA process sees under CUDA_VISIBLE_DEVICES, as
-    torch.cuda.device_count() (which the TP=2 case skips on) counts them: unset, all; a
-    comma-separated list of indices, or of UUIDs or UUID prefixes when it starts with
-    `GPU-`; the list ends at the first entry that names no GPU (so an empty value means
-    none), and a GPU named twice leaves none. Indices are taken as nvidia-smi's, as
-    torch does: CUDA numbers the fastest GPU first unless CUDA_DEVICE_ORDER=PCI_BUS_ID,
-    which only differs on a host with GPUs of different kinds."""
+    """The GPUs a CUDA process sees, as torch.cuda.device_count() (which the TP=2 case
+    skips on) counts them: unset, all; else indices, or UUIDs (prefixes) when it starts
+    with `GPU-`, up to the first entry that names no GPU (empty: none); a GPU named
+    twice leaves none. Indices are nvidia-smi's, as torch takes them (CUDA's fastest
+    first differs only on a host with GPUs of different kinds)."""
     if cuda_visible_devices is None:
         return gpus
     if cuda_visible_devices.strip().startswith("MIG-"):
@@ -102,9 +93,8 @@ def visible_gpus(gpus: list[Gpu], cuda_visible_devices: str | None) -> list[Gpu]
 def parse_nvidia_smi(
     csv_text: str, cuda_visible_devices: str | None = None
 ) -> list[Capability]:
-    """Compute capabilities, one per GPU that CUDA_VISIBLE_DEVICES (its value, None when
-    unset) exposes, from `nvidia-smi --query-gpu=NVIDIA_SMI_QUERY --format=csv`. An
-    agent pinned to one GPU of a larger host must not be asked for the TP=2 case."""
+    """The compute capability of each GPU that CUDA_VISIBLE_DEVICES (None: unset)
+    exposes: an agent given one GPU of two must not be asked for the TP=2 case."""
     gpus = parse_gpus(csv_text)
     visible = visible_gpus(gpus, cuda_visible_devices)
     if gpus and not visible:
@@ -148,8 +138,8 @@ def _table() -> GpuTable:
 
 
 def not_run(required: Iterable[str], outcomes: Iterable[Outcome]) -> list[str]:
-    """One line per required case that was skipped (with pytest's reason) or never
-    reported. Failures and errors are not listed: the job counts those already."""
+    """One line per required case skipped (with pytest's reason) or never reported;
+    not failures and errors, which the job counts already."""
     cases: dict[str, str] = {}
     reasons: dict[str, str] = {}
     for outcome in outcomes:
@@ -170,9 +160,8 @@ def not_run(required: Iterable[str], outcomes: Iterable[Outcome]) -> list[str]:
 def check_collected(
     collected: Collection[str], required: Collection[str] | None = None
 ) -> None:
-    """Fail unless every node id a GPU kind requires (or REQUIRED) is among COLLECTED
-    (as collected on CPU): a renamed test or parameter id must fail here, not as
-    'required but not run' on the GPU runner at night."""
+    """Every node id a kind requires (or REQUIRED) among COLLECTED on CPU: a renamed
+    test must fail here, not as 'required but not run' on the GPU runner at night."""
     required = _table().all_required() if required is None else required
     if missing := sorted(set(required) - set(collected)):
         raise ForkError(

@@ -4,6 +4,7 @@ the check's verdicts on the GPU tests' collection."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -27,15 +28,9 @@ def test_the_cuda_route_is_refused_at_once_without_a_driver(scratch, step):
     venv = scratch / "build" / "venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "marker").write_text("the working CPU venv")
-    env = dict(os.environ)
+    command = [sys.executable, "-m", "forkbuild", step, "--route", "cuda"]
     done = subprocess.run(
-        [sys.executable, "-m", "forkbuild", step, "--route", "cuda"],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+        command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode == 1
     lines = done.stderr.strip().splitlines()
@@ -48,9 +43,8 @@ def test_the_cuda_route_is_refused_at_once_without_a_driver(scratch, step):
 
 
 def _shared(out: Path, source: Path, *flags: str) -> None:
-    subprocess.run(
-        ["cc", "-shared", "-fPIC", "-o", str(out), str(source), *flags], check=True
-    )
+    command = ["cc", "-shared", "-fPIC", "-o", str(out), str(source), *flags]
+    subprocess.run(command, check=True)
 
 
 def test_the_stub_defines_every_imported_driver_entry_point(tmp_path):
@@ -116,35 +110,31 @@ def test_the_stub_comes_first_on_the_library_path(monkeypatch, tmp_path):
 REQUIRED = sorted(pins.load().gpu.all_required())
 
 
-def _collected(
-    reason: str = "needs an NVIDIA GPU: runs vLLM's CUDA kernels", drop: str = ""
-):
+def _collected(reason: str = "needs an NVIDIA GPU: runs vLLM's CUDA kernels", drop=""):
     cases = {case: "skipped" for case in REQUIRED if case != drop}
     cases["tests/v1/worker/test_x.py::test_more"] = "skipped"
     return Outcome(cases, {case: reason for case in cases})
 
 
-def test_every_gpu_case_skipped_for_lack_of_a_device_passes(tmp_path):
-    cuda_route.check_skipped(_collected(), tmp_path)
+NOT_SKIPPED = Outcome(_collected().cases | {REQUIRED[0]: "error"}, _collected().reasons)
 
 
-def test_a_gpu_case_skipped_for_another_reason_fails(tmp_path):
-    broken = _collected("could not import 'flashinfer': No module named 'flashinfer'")
-    with pytest.raises(ForkError, match="another reason than the missing GPU"):
-        cuda_route.check_skipped(broken, tmp_path)
-
-
-def test_a_gpu_case_that_did_not_skip_fails(tmp_path):
-    outcome = _collected()
-    cases = dict(outcome.cases)
-    cases[REQUIRED[0]] = "error"
-    with pytest.raises(ForkError, match="did not all skip"):
-        cuda_route.check_skipped(Outcome(cases, outcome.reasons), tmp_path)
-
-
-def test_a_required_case_that_is_not_collected_fails(tmp_path):
-    with pytest.raises(ForkError, match="not collected"):
-        cuda_route.check_skipped(_collected(drop=REQUIRED[0]), tmp_path)
+@pytest.mark.parametrize(
+    ("collected", "match"),
+    [
+        (_collected(), None),  # every GPU case skipped for lack of a device
+        (
+            _collected("could not import 'flashinfer': No module named 'flashinfer'"),
+            "another reason than the missing GPU",
+        ),
+        (NOT_SKIPPED, "did not all skip"),
+        (_collected(drop=REQUIRED[0]), "not collected"),  # a required case
+    ],
+    ids=["skipped", "another-reason", "not-skipped", "not-collected"],
+)
+def test_the_verdict_on_the_gpu_cases_collected(tmp_path, collected, match):
+    with pytest.raises(ForkError, match=match) if match else contextlib.nullcontext():
+        cuda_route.check_skipped(collected, tmp_path)
 
 
 def test_the_check_splits_one_run_by_module():

@@ -1,6 +1,5 @@
-"""`make generate` (forkbuild/checks/generate.py): the blocks that restate fork.toml
-and patches/ are up to date, and a change to the GPU table is one edit of fork.toml,
-shown in a scratch copy of the files with blocks."""
+"""`make generate`: the blocks that restate fork.toml and patches/ are up to date, and a
+change to the GPU table is one edit of fork.toml (in a scratch copy)."""
 
 from __future__ import annotations
 
@@ -74,9 +73,8 @@ def test_moving_a_gpu_case_to_another_kind_is_one_edit(tmp_path):
         assert name in items[1] and name not in items[0].split(f"- {OLDEST.name} (")[1]
     since = ".".join(map(str, OLDEST.min_capability))
     count = len(edited.gpu.kind(OLDEST.name).cases)
-    assert (
-        f"{OLDEST.name} ({since} and newer) {count}" in (root / "README.md").read_text()
-    )
+    readme = (root / "README.md").read_text()
+    assert f"{OLDEST.name} ({since} and newer) {count}" in readme
 
 
 def test_adding_a_queue_is_one_edit(tmp_path):

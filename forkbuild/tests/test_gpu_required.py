@@ -1,9 +1,9 @@
-"""The nightly GPU job's verdict: per GPU kind and count the cases that must run, and a
-skip or absence of one of them fails the job with its reason (synthetic pytest outcomes,
-no GPU needed)."""
+"""The nightly GPU job's verdict: the cases each GPU kind and count must run, and a skip
+or absence of one fails the job with its reason (synthetic pytest outcomes)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
@@ -19,12 +19,8 @@ ENGINE = (
     "tests/v1/worker/test_packed_kv_cache_offload_e2e.py"
     "::test_offload_reload_matches_baseline"
 )
-FA2 = f"{KERNELS}::test_flash_attention_over_packed_views[2]"
 FA3 = f"{KERNELS}::test_flash_attention_over_packed_views[3]"
 TRITON = f"{KERNELS}::test_triton_attention_over_packed_views"
-FLASHINFER = {
-    f"{KERNELS}::test_flashinfer_over_packed_views[{m}]" for m in ("prefill", "decode")
-}
 SERVE = "forkbuild/tests/test_serve_gpu.py::test_offload_preset_serves_and_reloads"
 # The table of fork.toml [gpu]: what each kind must run comes from there, never retyped.
 TABLE = pins.load().gpu
@@ -120,40 +116,32 @@ def test_cuda_visible_devices_picks_the_gpus_whose_kind_counts():
     assert _select(gpus, uuid(0))[0].name == "Ampere"
 
 
-@pytest.mark.parametrize(
-    "visible",
-    ["", "7", "-1", "0,0", "GPU-", "GPU-ffff", "GPU-1a5e1c1f-0b0e,GPU-1a5e1c1f-0b0e"],
-    ids=[
-        "empty",
-        "unknown-index",
-        "negative",
-        "repeated",
-        "ambiguous-uuid",
-        "unknown-uuid",
-        "repeated-uuid",
-    ],
-)
+# Empty, an unknown index, a negative one, repeated; an ambiguous, unknown or repeated
+# UUID (prefix).
+HIDING = ["", "7", "-1", "0,0", "GPU-", "GPU-ffff"]
+HIDING += ["GPU-1a5e1c1f-0b0e,GPU-1a5e1c1f-0b0e"]
+
+
+@pytest.mark.parametrize("visible", HIDING)
 def test_cuda_visible_devices_that_hides_every_gpu_is_refused(visible):
     with pytest.raises(ForkError, match=r"leaves none of the 2 GPU\(s\)"):
         gpu_required.parse_nvidia_smi(_csv(H100, H100), visible)
 
 
 def test_mig_instances_are_refused():
-    with pytest.raises(
-        ForkError, match="MIG instances: the nightly GPU job needs whole"
-    ):
+    with pytest.raises(ForkError, match="MIG instances: the nightly GPU job needs wh"):
         _select(_csv(H100), "MIG-4b0c2c7e-2b0f-5a59-8e2c-1d8f3b0c9a11")
 
 
 def _outcomes(statuses: dict[str, str], reasons: dict[str, str] | None = None):
     """The two pytest runs of the nightly job: GPU tests in the tree, the serve test."""
-    reasons = reasons or {}
-    tree = {n: s for n, s in statuses.items() if n != SERVE}
-    serve = {n: s for n, s in statuses.items() if n == SERVE}
-    return (
-        Outcome(tree, {n: r for n, r in reasons.items() if n in tree}),
-        Outcome(serve, {n: r for n, r in reasons.items() if n in serve}),
-    )
+    runs = [
+        {n: s for n, s in statuses.items() if (n == SERVE) == serve} for serve in (0, 1)
+    ]
+    return [
+        Outcome(run, {n: r for n, r in (reasons or {}).items() if n in run})
+        for run in runs
+    ]
 
 
 def _conclude(gpus, statuses, reasons=None, *, out, benchmark_exit: int = 0) -> str:
@@ -174,10 +162,8 @@ def test_all_required_cases_run_passes(tmp_path):
 def test_ampere_may_skip_what_only_hopper_runs(tmp_path):
     statuses = {case: "passed" for case in AMPERE}
     statuses |= {case: "skipped" for case in EVERY_CASE - AMPERE}
-    skipped = len(EVERY_CASE - AMPERE)
-    assert _conclude((A100,), statuses, out=tmp_path).endswith(
-        f"0 failed, {skipped} skipped, 0 xfailed"
-    )
+    line = _conclude((A100,), statuses, out=tmp_path)
+    assert line.endswith(f"0 failed, {len(EVERY_CASE - AMPERE)} skipped, 0 xfailed")
 
 
 def test_a_skipped_required_case_fails_the_job_with_its_reason(tmp_path, capsys):
@@ -223,9 +209,7 @@ def test_every_required_case_must_be_collected_on_cpu():
     gpu_required.check_collected(EVERY_CASE | {f"{ENGINE}[some-new-case]"})
     renamed = (EVERY_CASE - {TP2}) | {f"{ENGINE}[FLASH_ATTN-v1-tp2-renamed]"}
     with pytest.raises(
-        ForkError,
-        match=r"1 node id.* not collected: "
-        r".*FLASH_ATTN-v1-tp2\]",
+        ForkError, match=r"1 node id.* not collected: .*FLASH_ATTN-v1-tp2\]"
     ):
         gpu_required.check_collected(renamed)
 
@@ -233,8 +217,6 @@ def test_every_required_case_must_be_collected_on_cpu():
 def test_the_required_serve_case_is_a_test_of_the_serve_module():
     # The tree's cases are checked by `make test` after collecting them with vLLM; the
     # serve test is forkbuild's own, so a rename of it fails right here too.
-    import importlib
-
     path, _, name = SERVE.partition("::")
     assert SERVE in EVERY_CASE
     module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
@@ -242,19 +224,12 @@ def test_the_required_serve_case_is_a_test_of_the_serve_module():
 
 
 def test_a_case_is_required_from_its_kind_on_with_its_gpu_count():
-    table = gpu_required.from_data(
-        {
-            "kinds": {
-                "Hopper": {"capability": "9.0", "queues": {"h1": 1, "h2": 2}},
-                "Ampere": {"capability": "8.0", "queues": {"a1": 1}},
-            },
-            "cases": {
-                "a": {"kind": "Ampere", "bundle": []},
-                "h": {"kind": "Hopper", "not_in_bundle": "why"},
-                "tp2": {"kind": "Hopper", "gpus": 2, "bundle": ["x"]},
-            },
-        }
-    )
+    kinds = {"Hopper": {"capability": "9.0", "queues": {"h1": 1, "h2": 2}}}
+    kinds["Ampere"] = {"capability": "8.0", "queues": {"a1": 1}}
+    cases = {"a": {"kind": "Ampere", "bundle": []}}
+    cases["h"] = {"kind": "Hopper", "not_in_bundle": "why"}
+    cases["tp2"] = {"kind": "Hopper", "gpus": 2, "bundle": ["x"]}
+    table = gpu_required.from_data({"kinds": kinds, "cases": cases})
     assert [k.name for k in table.kinds] == ["Ampere", "Hopper"]  # by capability
     assert table.kind("Ampere").required(2) == ("a",)
     assert table.kind("Hopper").required(1) == ("a", "h")

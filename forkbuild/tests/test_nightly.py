@@ -1,8 +1,6 @@
-"""The nightly GPU job's toolchain and time limits, on CPU: the host compilers and lock
-pins checked before the install, the environment the GPU runs get (the lock's CUDA
-toolkit, ninja, the link names FlashInfer's link step needs), and runs stopped at their
-limit that still leave a summary naming the case in progress. Fake venvs and PATHs in
-tmp_path; the limited runs are tiny pytest projects."""
+"""The nightly GPU job's toolchain and time limits, on CPU: lock pins and host compilers
+before the install, the GPU runs' environment, and runs stopped at their limit that
+still leave a summary. Fake venvs and PATHs; the limited runs are tiny projects."""
 
 from __future__ import annotations
 
@@ -61,23 +59,26 @@ def _lock(tmp_path: Path, names: list[str], runtime: str = "13.2.51") -> Path:
 ALL_PINS = list(cuda_toolchain.LOCK_PINS)
 
 
-def test_the_lock_must_pin_the_gpu_toolchain(tmp_path):
+@pytest.mark.parametrize(
+    ("names", "runtime", "match"),
+    [
+        (ALL_PINS[1:-1], "13.2.51", r"cuda-py311\.txt does not pin ninja, pytest-t"),
+        # nvcc 13.2 with nvidia-cuda-runtime 13.0's headers: every FlashInfer JIT build
+        # stops in CCCL: "CUDA compiler and CUDA toolkit headers are incompatible".
+        (
+            ALL_PINS,
+            "13.0.96",
+            r"nvcc 13\.2\.86 but nvidia-cuda-runtime 13\.0\.96.*"
+            r"of CUDA 13\.0 in fork",
+        ),
+        (None, "", r"cuda-py311\.txt\.gone is missing"),
+    ],
+)
+def test_the_lock_must_pin_the_gpu_toolchain(tmp_path, names, runtime, match):
     assert cuda_toolchain.check_lock_pins(_lock(tmp_path, ALL_PINS)) == NVCC
-    without = [name for name in ALL_PINS if name not in ("ninja", "pytest-timeout")]
-    with pytest.raises(
-        ForkError, match=r"cuda-py311\.txt does not pin ninja, pytest-t"
-    ):
-        cuda_toolchain.check_lock_pins(_lock(tmp_path, without))
-    with pytest.raises(ForkError, match=r"cuda-py311\.txt\.gone is missing"):
-        cuda_toolchain.check_lock_pins(tmp_path / "cuda-py311.txt.gone")
-
-
-def test_the_locks_nvcc_must_be_of_the_cuda_version_of_its_headers(tmp_path):
-    # nvcc 13.2 with nvidia-cuda-runtime 13.0's headers: every FlashInfer JIT build
-    # stops in CCCL with "CUDA compiler and CUDA toolkit headers are incompatible".
-    match = r"nvcc 13\.2\.86 but nvidia-cuda-runtime 13\.0\.96.*of CUDA 13\.0 in fork"
+    bad = _lock(tmp_path, names, runtime) if names else tmp_path / "cuda-py311.txt.gone"
     with pytest.raises(ForkError, match=match):
-        cuda_toolchain.check_lock_pins(_lock(tmp_path, ALL_PINS, runtime="13.0.96"))
+        cuda_toolchain.check_lock_pins(bad)
 
 
 @pytest.mark.parametrize("python", ["3.11", "3.12", "3.13"])
@@ -102,9 +103,8 @@ def test_the_cuda_locks_pin_the_gpu_toolchain(python):
     ids=["gcc", "clang-CC", "ccache", "none", "gcc-only", "clang", "no-CC", "no-CXX"],
 )
 def test_missing_host_compilers(tmp_path, names, env, missing):
-    found = cuda_toolchain.missing_host_compilers(
-        {"PATH": _bin(tmp_path, *names), **env}
-    )
+    env = {"PATH": _bin(tmp_path, *names), **env}
+    found = cuda_toolchain.missing_host_compilers(env)
     assert len(found) == len(missing)
     assert all(line.startswith(start) for line, start in zip(found, missing)), found
 
@@ -127,16 +127,13 @@ def test_the_toolchain_check_names_what_is_missing_before_the_install(tmp_path):
 
 
 def _venv(tmp_path: Path) -> Path:
-    """A venv as the CUDA lock fills it: ninja in bin/, the nvidia-cuda-* wheels'
-    toolkit in site-packages/nvidia/cu13 (bin/nvcc, nvvm/bin/cicc, lib/libcudart.so.13:
-    no lib64)."""
+    """A venv as the CUDA lock fills it: ninja, and the toolkit of the nvidia-cuda-*
+    wheels in site-packages/nvidia/cu13 (no lib64)."""
     venv = tmp_path / "venv"
-    _executable(venv / "bin" / "ninja")
     toolkit = install.site_packages(venv) / "nvidia" / "cu13"
-    _executable(toolkit / "bin" / "nvcc")
-    _executable(toolkit / "nvvm" / "bin" / "cicc")
-    (toolkit / "lib").mkdir(parents=True)
-    (toolkit / "lib" / "libcudart.so.13").write_bytes(b"")
+    for tool in (venv / "bin/ninja", toolkit / "bin/nvcc", toolkit / "nvvm/bin/cicc"):
+        _executable(tool)
+    _executable(toolkit / "lib" / "libcudart.so.13", "")
     return venv
 
 
@@ -158,9 +155,7 @@ def test_the_gpu_runs_get_the_locks_toolkit_and_ninja_first(tmp_path):
 
 def test_the_installed_toolchain_is_checked(tmp_path):
     venv = _venv(tmp_path)
-    libcuda = tmp_path / "driver" / "libcuda.so.1"
-    libcuda.parent.mkdir()
-    libcuda.write_bytes(b"")
+    libcuda = _executable(tmp_path / "driver" / "libcuda.so.1", "")
     cuda_toolchain.make_link_dir(venv, NVCC, libcuda)
     env = cuda_toolchain.toolchain_env(venv, NVCC, {"PATH": ""})
     links = cuda_toolchain.link_dir(venv)
@@ -299,10 +294,8 @@ def _gone(pid: int, within_s: float = 10) -> bool:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         try:
-            if (
-                Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-                == "Z"
-            ):
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state == "Z":
                 return True
         except (FileNotFoundError, ProcessLookupError):
             return True
@@ -319,16 +312,13 @@ def _run_until_hung(tmp_path: Path, forked: bool = True, **env: str):
     """SLEEPER's run under the first of LIMITS_S at which it reached test_b_hangs
     (which writes the PIDS file): the outcome, the limit and the run's seconds."""
     project, pids = _project(tmp_path, SLEEPER), tmp_path / "pids"
+    args, junit = ["--forked"] * forked + ["test_cases.py"], tmp_path / "junit.xml"
+    extra = {"PIDS": str(pids), **env}
     for limit in LIMITS_S:
         pids.unlink(missing_ok=True)
         started = time.monotonic()
         outcome = pytest_runner.run_pytest(
-            PYTHON,
-            project,
-            [*(["--forked"] if forked else []), "test_cases.py"],
-            tmp_path / "junit.xml",
-            extra_env={"PIDS": str(pids), **env},
-            timeout_s=limit,
+            PYTHON, project, args, junit, extra_env=extra, timeout_s=limit
         )
         if pids.exists():
             return outcome, limit, time.monotonic() - started
@@ -369,11 +359,9 @@ def test_a_killed_run_still_writes_the_summary_and_fails_the_job(tmp_path, capsy
     outcome, limit, _ = _run_until_hung(tmp_path)
     passes, hangs = "test_cases.py::test_a_passes", "test_cases.py::test_b_hangs"
     kind = gpu_required.Kind("Made-up", (8, 0), (passes, hangs))
-    with pytest.raises(
-        ForkError, match=r"0 failed .*, 1 required case.*, 1 run\(s\) s"
-    ):
+    with pytest.raises(ForkError, match=r"0 failed .*, 1 required case.*, 1 run\(s"):
         nightly.conclude(kind, kind.cases, outcome, Outcome({}), 0, tmp_path)
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = _summary(tmp_path)
     stopped = f"stopped after its time limit of {limit} s while running {hangs}"
     assert summary["killed"] == [f"gpu-tests.xml: {stopped}"]
     assert summary["required_not_run"] == [
@@ -394,24 +382,18 @@ def test_a_run_that_ends_in_time_is_unchanged(tmp_path):
 
 
 def test_a_benchmark_stopped_at_its_limit_fails_the_job(tmp_path):
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
     code, stopped = pytest_runner.run_limited(
-        [sys.executable, "-c", "import time; time.sleep(60)"],
-        cwd=tmp_path,
-        env=dict(os.environ),
-        timeout_s=1,
+        sleep, cwd=tmp_path, env=dict(os.environ), timeout_s=1
     )
     assert stopped and code != 0
-    kind, stop = (
-        gpu_required.Kind("Made-up", (8, 0), ()),
-        "stopped after its time limit of 1 s",
-    )
+    kind = gpu_required.Kind("Made-up", (8, 0), ())
+    stop = "stopped after its time limit of 1 s"
     with pytest.raises(ForkError, match=r"1 failed \(benchmark exit -?\d+\), 0 requi"):
         nightly.conclude(
             kind, (), Outcome({}), Outcome({}), code, tmp_path, benchmark_killed=stop
         )
-    assert json.loads((tmp_path / "summary.json").read_text())["killed"] == [
-        "benchmark: stopped after its time limit of 1 s"
-    ]
+    assert _summary(tmp_path)["killed"] == [f"benchmark: {stop}"]
 
 
 def _per_case_run(tmp_path: Path, body: str) -> Outcome:
@@ -421,13 +403,9 @@ def _per_case_run(tmp_path: Path, body: str) -> Outcome:
         "--timeout=2" if o.startswith("--timeout=") else o
         for o in nightly.PER_CASE_TIMEOUT
     ]
-    return pytest_runner.run_pytest(
-        PYTHON,
-        _project(tmp_path, body),
-        ["--forked", *options, "test_cases.py"],
-        tmp_path / "junit.xml",
-        timeout_s=300,
-    )
+    project, args = _project(tmp_path, body), ["--forked", *options, "test_cases.py"]
+    junit = tmp_path / "junit.xml"
+    return pytest_runner.run_pytest(PYTHON, project, args, junit, timeout_s=300)
 
 
 def test_a_hung_forked_case_fails_alone_under_the_per_case_limit(tmp_path):
@@ -480,16 +458,15 @@ def fake_job(tmp_path, monkeypatch, fork_pins):
     monkeypatch.setenv("FORK_NIGHTLY_OUT", str(tmp_path / "out"))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     monkeypatch.setenv("PATH", _bin(tmp_path, "gcc", "g++", "c++"))
-    monkeypatch.delenv("CC", raising=False)
-    monkeypatch.delenv("CXX", raising=False)
+    for compiler in ("CC", "CXX"):
+        monkeypatch.delenv(compiler, raising=False)
     monkeypatch.setattr(nightly.preflight, "has_nvidia_gpu", lambda: True)
     h100 = "NVIDIA H100 80GB HBM3, 9.0, 81559 MiB\n"
     gpus = f"index, uuid, name, compute_cap, memory.total [MiB]\n0, GPU-0000, {h100}"
     monkeypatch.setattr(nightly, "_query_gpus", lambda: f"{gpus}1, GPU-1111, {h100}")
     lock_file = _lock(tmp_path, ALL_PINS)
     monkeypatch.setattr(nightly.lock, "path", lambda route, python: lock_file)
-    venv, libcuda = _venv(tmp_path), tmp_path / "libcuda.so.1"
-    libcuda.write_bytes(b"")
+    venv, libcuda = _venv(tmp_path), _executable(tmp_path / "libcuda.so.1", "")
     ldconfig = f"\tlibcuda.so.1 (libc6,x86-64) => {libcuda}\n"
     monkeypatch.setattr(cuda_toolchain, "_ldconfig_cache", lambda: ldconfig)
     calls: list[tuple] = []
@@ -497,17 +474,12 @@ def fake_job(tmp_path, monkeypatch, fork_pins):
     def record(name: str, result=None):
         return lambda *args, **kwargs: calls.append((name, args, kwargs)) or result
 
-    python = venv / "bin" / "python"
-    monkeypatch.setattr(
-        nightly.install, "install", record("install", (python, tmp_path / "tree", None))
-    )
+    installed = (venv / "bin" / "python", tmp_path / "tree", None)
+    monkeypatch.setattr(nightly.install, "install", record("install", installed))
     monkeypatch.setattr(nightly, "check_jit", record("jit"))
-    monkeypatch.setattr(
-        nightly.pytest_runner, "run_pytest", record("pytest", Outcome({}))
-    )
-    monkeypatch.setattr(
-        nightly.pytest_runner, "run_limited", record("benchmark", (0, False))
-    )
+    runner = nightly.pytest_runner
+    monkeypatch.setattr(runner, "run_pytest", record("pytest", Outcome({})))
+    monkeypatch.setattr(runner, "run_limited", record("benchmark", (0, False)))
     fake = dataclasses.replace(fork_pins, gpu_tests=("tests/v1/worker/test_gpu.py",))
     return fake, calls, venv
 
@@ -519,10 +491,9 @@ def home(venv: Path) -> str:
     return str(install.site_packages(venv) / "nvidia" / "cu13")
 
 
-def _summary() -> dict:
-    return json.loads(
-        (Path(os.environ["FORK_NIGHTLY_OUT"]) / "summary.json").read_text()
-    )
+def _summary(out: str | Path = "") -> dict:
+    out = out or os.environ["FORK_NIGHTLY_OUT"]
+    return json.loads((Path(out) / "summary.json").read_text())
 
 
 def test_the_job_runs_the_gpu_tests_with_the_toolchain_and_the_limits(fake_job):
@@ -569,14 +540,10 @@ def test_a_run_pytest_cannot_carry_out_still_leaves_the_summary(fake_job, monkey
     ]
 
 
-def test_a_missing_host_compiler_stops_the_job_before_the_install(
-    fake_job, tmp_path, monkeypatch
-):
+def test_a_missing_host_compiler_stops_the_job_before_the_install(fake_job, tmp_path):
     pins, calls, _ = fake_job
     (tmp_path / "path" / "g++").unlink()
     (tmp_path / "path" / "c++").unlink()
-    with pytest.raises(
-        ForkError, match=r"lacks: c\+\+ \(FlashInfer's JIT builds\); gcc"
-    ):
+    with pytest.raises(ForkError, match=r"lacks: c\+\+ \(FlashInfer's JIT builds\); g"):
         nightly.run(pins)
     assert calls == []
