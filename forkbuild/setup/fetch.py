@@ -56,7 +56,10 @@ def fetch(
     # Also refuses a cache that cannot be written.
     preflight.check_disk(artifacts_dir(), 1, f"downloading {artifact.filename}")
     log.step(f"fetch: downloading {artifact.requirement} with pip")
-    with tempfile.TemporaryDirectory(prefix=".download-", dir=artifacts_dir()) as tmp:
+    # The owner's pid in the name: a concurrent fetch (make test fetches in two
+    # threads, CI jobs share a cache) leaves a live download alone.
+    owned = f".download-{os.getpid()}-"
+    with tempfile.TemporaryDirectory(prefix=owned, dir=artifacts_dir()) as tmp:
         _download(artifact, pip(), Path(tmp), quiet)
         got = Path(tmp) / artifact.filename
         if not got.exists():
@@ -96,6 +99,19 @@ def _download(artifact: Artifact, pip: PipCommand, into: Path, quiet: bool) -> N
 
 
 def clean_partial_downloads() -> None:
-    """Remove temporary folders that an interrupted fetch left behind."""
+    """Remove temporary folders that an interrupted fetch left behind: those of a
+    process that is gone, never one still downloading."""
     for stale in artifacts_dir().glob(".download-*"):
-        shutil.rmtree(stale, ignore_errors=True)
+        pid = stale.name.split("-")[1]
+        if not (pid.isdigit() and _alive(int(pid))):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

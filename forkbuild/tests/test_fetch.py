@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import io
+import os
 import time
 
 import pytest
@@ -80,3 +81,16 @@ def test_a_download_on_a_terminal_shows_its_bytes_done(tmp_path):
     assert shown and "file.whl" in out.getvalue() and "3.0/? MB" in out.getvalue()
     with progress.bytes_in(tmp_path, "file.whl", Console(file=io.StringIO())) as shown:
         assert not shown
+
+
+def test_a_concurrent_download_is_left_alone_and_a_dead_ones_removed(scratch):
+    """make test fetches in two threads: the second fetch must not delete the first
+    one's download in progress (it did: FileNotFoundError in its pip-tmp)."""
+    artifacts = fetch.artifacts_dir()
+    live = artifacts / f".download-{os.getpid()}-abc"
+    dead = artifacts / ".download-999999999-abc"  # beyond pid_max: no such process
+    old = artifacts / ".download-abc"  # the earlier name, without an owner
+    for folder in (live, dead, old):
+        (folder / "pip-tmp").mkdir(parents=True)
+    fetch.clean_partial_downloads()
+    assert live.is_dir() and not dead.exists() and not old.exists()
