@@ -32,7 +32,7 @@ def run(pins: Pins, route_name: str | None) -> str:
     results.mkdir(parents=True, exist_ok=True)
 
     with ThreadPoolExecutor(2) as pool:
-        tools_log, tools_xml = results / "forkbuild.core.log", results / "forkbuild.xml"
+        tools_log, tools_xml = results / "forkbuild.log", results / "forkbuild.xml"
         tools_run = pool.submit(
             pytest_runner.run_pytest,
             *(python, REPO_ROOT, ["-rfEs", "forkbuild/tests"], tools_xml),
