@@ -472,8 +472,8 @@ class Codec:
         return ".tar.xz" if self.filters else ".tar"
 
 
-# The x86 filter before LZMA2 preset 6: the extensions are most of the bytes, and their
-# device code (CUDA fatbins) is 5x faster to compress with it, and smaller
+# The x86 filter before LZMA2 preset 6: the extensions, most of the bytes, come out
+# smaller with it at no cost in time. Faster presets do not fit: FA3 leaves part 1
 # (docs/setup-and-locks.md, "Cold CI"; benchmarks/bundle_compression.py).
 XZ = Codec("xz", ({"id": lzma.FILTER_X86}, {"id": lzma.FILTER_LZMA2, "preset": 6}))
 PLAIN = Codec("tar")  # what no transfer carries: the simulated host's bundle
