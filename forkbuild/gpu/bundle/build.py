@@ -505,10 +505,9 @@ def _xz_stream(tar: str, offset: int, size: int, codec: Codec) -> bytes:
 
 def _progress(total: int):
     """Bytes done, on stderr (every 30 s where it is a log, not a terminal)."""
-    try:
-        from tqdm import tqdm
-    except ImportError:  # a python3 without the tool environment: the lines only
-        return contextlib.nullcontext(type("Quiet", (), {"update": lambda *_: None})())
+    # Imported here: `make lock` runs on the previous tool lock, maybe without it.
+    from tqdm import tqdm
+
     tty = sys.stderr.isatty()
     return tqdm(
         total=total,
