@@ -38,6 +38,11 @@ def read(text: str) -> tuple[int, int, str]:
 
 def pytest_configure(config) -> None:
     global _forked
+    # A run started in the background of a shell without job control inherits SIGINT
+    # ignored: the graceful stop at a time limit would then never end the session and
+    # only the SIGKILL would, losing the JUnit XML of the cases that finished.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     _forked = bool(config.getoption("forked", default=False))
 
 

@@ -50,7 +50,10 @@ def worktree(tmp_path: Path) -> Path:
 
 def _commit(work: Path, message: str) -> None:
     env = {**os.environ, **tree.IDENTITY}
-    for args in (["add", "-A"], ["commit", "-qm", message]):
+    # Not the bytecode earlier runs wrote: a release commits none, and a mutant's
+    # applying removes it (a tracked .pyc gone reads as a change left behind).
+    add = ["add", "-A", "--", ".", ":(exclude,glob)**/__pycache__/**"]
+    for args in (add, ["commit", "-qm", message]):
         tree.git_ok(args, work, env, f"commit {message}")
 
 

@@ -331,12 +331,8 @@ def _all_gone(tmp_path: Path) -> bool:
 
 @pytest.mark.parametrize("forked", [True, False], ids=["forked", "in-process"])
 def test_a_run_stopped_at_its_limit_reports_what_it_finished_and_where_it_hung(
-    tmp_path, forked, monkeypatch
+    tmp_path, forked
 ):
-    # A loaded machine (make test runs its suites side by side) may take longer than
-    # the nightly's grace to end a session: a longer one here still tells a graceful
-    # stop (JUnit XML written) from the SIGKILL after it.
-    monkeypatch.setattr(pytest_runner, "GRACE_S", 90)
     outcome, limit, took = _run_until_hung(tmp_path, forked)
     # Stopped by the limit, gracefully: not by the case's own 120 s, nor by SIGKILL.
     assert took < limit + pytest_runner.GRACE_S
@@ -357,12 +353,9 @@ def test_what_ignores_the_graceful_stop_is_killed(tmp_path, monkeypatch):
     assert _all_gone(tmp_path)
 
 
-def test_a_killed_run_still_writes_the_summary_and_fails_the_job(
-    tmp_path, capsys, monkeypatch
-):
+def test_a_killed_run_still_writes_the_summary_and_fails_the_job(tmp_path, capsys):
     # The kill path end to end on CPU: the required case that hung is named twice, as
     # where the run was stopped and as a required case that did not run.
-    monkeypatch.setattr(pytest_runner, "GRACE_S", 90)  # as above: a loaded machine
     outcome, limit, _ = _run_until_hung(tmp_path)
     passes, hangs = "test_cases.py::test_a_passes", "test_cases.py::test_b_hangs"
     kind = gpu_required.Kind("Made-up", (8, 0), (passes, hangs))

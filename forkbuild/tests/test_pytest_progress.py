@@ -4,6 +4,7 @@ dots; the progress file's line is read back whole (the killed-run note's case)."
 from __future__ import annotations
 
 import re
+import signal
 import sys
 
 from forkbuild.core import pytest_progress, pytest_runner
@@ -39,3 +40,35 @@ def test_the_progress_line_is_read_back_whole():
     line = "2\t5\tt.py::test_x[a b]"
     assert pytest_progress.read(line) == (2, 5, "t.py::test_x[a b]")
     assert pytest_progress.read("5\t5\t") == (5, 5, "")
+
+
+HANGS = """
+import time
+
+
+def test_a_passes():
+    pass
+
+
+def test_b_hangs():
+    time.sleep(120)
+"""
+
+
+def test_a_run_started_with_sigint_ignored_still_stops_gracefully(tmp_path):
+    """`bash run.sh OUT &` or nohup in a script: SIGINT comes ignored, and the limit's
+    graceful stop must still end the session with the finished cases' XML."""
+    (tmp_path / "test_cases.py").write_text(HANGS)
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the run
+    try:
+        outcome = pytest_runner.run_pytest(
+            sys.executable,
+            tmp_path,
+            ["test_cases.py"],
+            tmp_path / "junit.xml",
+            timeout_s=20,
+        )
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert outcome.cases == {"test_cases.py::test_a_passes": "passed"}
+    assert outcome.killed.endswith("while running test_cases.py::test_b_hangs")
