@@ -12,7 +12,7 @@ from pathlib import Path
 
 from forkbuild.core import log, preflight, pytest_runner
 from forkbuild.core.errors import ForkError
-from forkbuild.core.pins import REPO_ROOT, Pins, build_dir
+from forkbuild.core.pins import REPO_ROOT, GpuKind, Pins, build_dir
 from forkbuild.gpu import cuda_toolchain
 from forkbuild.gpu import required as gpu_required
 from forkbuild.gpu.required import PER_CASE_TIMEOUT
@@ -119,7 +119,7 @@ def _run_or_note(*args, **kwargs) -> pytest_runner.Outcome:
 
 
 def conclude(
-    kind: gpu_required.Kind,
+    kind: GpuKind,
     required: tuple[str, ...],
     gpu_tests: pytest_runner.Outcome,
     serve: pytest_runner.Outcome,

@@ -14,11 +14,8 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from forkbuild.core.errors import ForkError
-from forkbuild.core.pins import Capability, GpuKind, GpuTable, capability, gpu_table
+from forkbuild.core.pins import Capability, GpuKind, GpuTable, capability
 from forkbuild.core.pytest_runner import Outcome
-
-# The names the GPU bundle's runner reads the table of its manifest with.
-Kind, Table, from_data = GpuKind, GpuTable, gpu_table
 
 # One case's time limit, in seconds: a FlashInfer JIT build plus its kernels, or two
 # tiny engines.
@@ -108,8 +105,8 @@ def parse_nvidia_smi(
 
 
 def select(
-    capabilities: list[Capability], table: Table | None = None
-) -> tuple[Kind, tuple[str, ...]]:
+    capabilities: list[Capability], table: GpuTable | None = None
+) -> tuple[GpuKind, tuple[str, ...]]:
     """The kind of this machine and the cases it must run. With mixed GPUs the weakest
     decides: a case may land on any of them (TP=2 uses two)."""
     table = table or _table()

@@ -18,9 +18,14 @@ import pytest
 
 from forkbuild.core import preflight
 from forkbuild.core.errors import ForkError
-from forkbuild.core.pins import REPO_ROOT, GpuBundle, gpu_bundle_of, load_gpu_bundle
+from forkbuild.core.pins import (
+    REPO_ROOT,
+    GpuBundle,
+    gpu_bundle_of,
+    gpu_table,
+    load_gpu_bundle,
+)
 from forkbuild.core.pytest_runner import Outcome
-from forkbuild.gpu import required as gpu_required
 from forkbuild.gpu.bundle import build as gpu_bundle
 from forkbuild.gpu.bundle import runner as bundle_run
 from forkbuild.gpu.bundle import standin as bundle_standin
@@ -465,7 +470,7 @@ def test_a_stand_in_is_an_empty_module_only_where_nothing_was_imported(monkeypat
 def test_a_runnable_case_that_did_not_pass_fails_the_run(tmp_path, status, code):
     manifest = {"parts": [{"name": "part-1", "components": ["tree"]}]}
     outcome = Outcome({"t.py::one": status} if status else {})
-    hopper = gpu_required.from_data(SMALL.gpu).kind("Hopper")
+    hopper = gpu_table(SMALL.gpu).kind("Hopper")
     result = bundle_run.conclude(
         manifest, hopper, ["t.py::one"], {}, ["tree"], outcome, tmp_path
     )

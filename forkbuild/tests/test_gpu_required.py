@@ -10,6 +10,7 @@ import pytest
 
 from forkbuild.core import pins
 from forkbuild.core.errors import ForkError
+from forkbuild.core.pins import gpu_table
 from forkbuild.core.pytest_runner import Outcome
 from forkbuild.gpu import nightly
 from forkbuild.gpu import required as gpu_required
@@ -229,7 +230,7 @@ def test_a_case_is_required_from_its_kind_on_with_its_gpu_count():
     cases = {"a": {"kind": "Ampere", "bundle": []}}
     cases["h"] = {"kind": "Hopper", "not_in_bundle": "why"}
     cases["tp2"] = {"kind": "Hopper", "gpus": 2, "bundle": ["x"]}
-    table = gpu_required.from_data({"kinds": kinds, "cases": cases})
+    table = gpu_table({"kinds": kinds, "cases": cases})
     assert [k.name for k in table.kinds] == ["Ampere", "Hopper"]  # by capability
     assert table.kind("Ampere").required(2) == ("a",)
     assert table.kind("Hopper").required(1) == ("a", "h")
@@ -239,4 +240,4 @@ def test_a_case_is_required_from_its_kind_on_with_its_gpu_count():
     assert table.cases["tp2"].bundle == ("x",) and table.cases["a"].bundle == ()
     assert table.cases["h"].bundle is None and table.cases["h"].not_in_bundle == "why"
     with pytest.raises(ForkError, match="unknown kinds: Blackwell"):
-        gpu_required.from_data({"kinds": {}, "cases": {"b": {"kind": "Blackwell"}}})
+        gpu_table({"kinds": {}, "cases": {"b": {"kind": "Blackwell"}}})

@@ -18,7 +18,7 @@ import yaml
 
 from forkbuild.core import pytest_runner
 from forkbuild.core.errors import ForkError
-from forkbuild.core.pins import REPO_ROOT
+from forkbuild.core.pins import REPO_ROOT, GpuKind
 from forkbuild.core.pytest_runner import Outcome
 from forkbuild.gpu import cuda_toolchain, nightly
 from forkbuild.gpu import required as gpu_required
@@ -358,7 +358,7 @@ def test_a_killed_run_still_writes_the_summary_and_fails_the_job(tmp_path, capsy
     # where the run was stopped and as a required case that did not run.
     outcome, limit, _ = _run_until_hung(tmp_path)
     passes, hangs = "test_cases.py::test_a_passes", "test_cases.py::test_b_hangs"
-    kind = gpu_required.Kind("Made-up", (8, 0), (passes, hangs))
+    kind = GpuKind("Made-up", (8, 0), (passes, hangs))
     with pytest.raises(ForkError, match=r"0 failed .*, 1 required case.*, 1 run\(s"):
         nightly.conclude(kind, kind.cases, outcome, Outcome({}), 0, tmp_path)
     summary = _summary(tmp_path)
@@ -387,7 +387,7 @@ def test_a_benchmark_stopped_at_its_limit_fails_the_job(tmp_path):
         sleep, cwd=tmp_path, env=dict(os.environ), timeout_s=1
     )
     assert stopped and code != 0
-    kind = gpu_required.Kind("Made-up", (8, 0), ())
+    kind = GpuKind("Made-up", (8, 0), ())
     stop = "stopped after its time limit of 1 s"
     with pytest.raises(ForkError, match=r"1 failed \(benchmark exit -?\d+\), 0 requi"):
         nightly.conclude(

@@ -33,6 +33,7 @@ from pathlib import Path
 from forkbuild.core import fixcheck, log, pytest_runner
 from forkbuild.core.errors import ForkError
 from forkbuild.core.hashing import sha256_file
+from forkbuild.core.pins import GpuKind, gpu_table
 from forkbuild.gpu import required as gpu_required
 from forkbuild.gpu.bundle import standin as bundle_standin
 
@@ -437,7 +438,7 @@ def run(bundle: Path, out: Path) -> int:
     (out / "gpus.csv").write_text(gpus)
     kind, required = gpu_required.select(
         gpu_required.parse_nvidia_smi(gpus, os.environ.get("CUDA_VISIBLE_DEVICES")),
-        gpu_required.from_data(manifest["gpu"]),
+        gpu_table(manifest["gpu"]),
     )
     dest = home(bundle)
     install(manifest, bundle, dest, components)
@@ -469,7 +470,7 @@ def run(bundle: Path, out: Path) -> int:
 
 def conclude(
     manifest: dict,
-    kind: gpu_required.Kind,
+    kind: GpuKind,
     runnable: list[str],
     apart: dict[str, str],
     components: list[str],
