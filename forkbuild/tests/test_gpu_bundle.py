@@ -4,6 +4,7 @@ the real format, made by the builder and unpacked by the bundle's own run.sh."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import lzma
@@ -12,32 +13,28 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
 
-from forkbuild.core import preflight
+from forkbuild.core import pins, preflight
 from forkbuild.core.errors import ForkError
-from forkbuild.core.pins import (
-    REPO_ROOT,
-    GpuBundle,
-    gpu_bundle_of,
-    gpu_table,
-    load_gpu_bundle,
-)
 from forkbuild.core.pytest_runner import Outcome
 from forkbuild.gpu.bundle import build as gpu_bundle
+from forkbuild.gpu.bundle import check as bundle_check
 from forkbuild.gpu.bundle import runner as bundle_run
 from forkbuild.gpu.bundle import standin as bundle_standin
 from forkbuild.gpu.bundle.build import Component, Host, Made, Selection, Trace
 from forkbuild.setup import lock
 
-SETTINGS = load_gpu_bundle()
+SETTINGS = pins.load_gpu_bundle()
 NO_GPU = pytest.mark.skipif(preflight.has_nvidia_gpu(), reason="this machine has a GPU")
 LOCK = {"torch": "2.11.0", "triton": "3.6.0", "nvidia-cuda-runtime": "13.0.96"}
 LOCK |= {"numpy": "2.3.5", "pydantic": "2.14.4", "pytest": "9.1.1", "pluggy": "1.7.0"}
 LOCK |= {"pyyaml": "6.0.3", "msgspec": "0.23.0", "pytest-forked": "1.7.5"}
 LOCK |= {"tblib": "3.1.0", "pytest-timeout": "2.4.0"}
+HEAD = "# python: 3.12.3\n# glibc: 2.39\n"
 
 
 def _host(tmp_path: Path, text: str) -> Host:
@@ -47,18 +44,12 @@ def _host(tmp_path: Path, text: str) -> Host:
 
 
 def test_a_host_file_gives_python_glibc_and_versions(tmp_path):
-    text = "# python: 3.12.3\n# glibc: 2.39\n# gpu: H200\nNumPy==2.5.2\npyyaml\n"
-    host = _host(
-        tmp_path, text + "my_pkg @ file:///x.whl\n-e /src\ntorch==2.11.0+cu130\n"
-    )
+    text = f"{HEAD}# gpu: H200\nNumPy==2.5.2\npyyaml\nmy_pkg @ file:///x.whl\n-e /src\n"
+    host = _host(tmp_path, text + "torch==2.11.0+cu130\n")
     assert (host.python, host.glibc) == ("3.12", "2.39")
     assert host.platform == "x86_64-manylinux_2_39"
-    assert host.packages == {
-        "numpy": "2.5.2",
-        "pyyaml": None,
-        "my-pkg": None,
-        "torch": "2.11.0+cu130",
-    }
+    want = {"numpy": "2.5.2", "pyyaml": None, "my-pkg": None, "torch": "2.11.0+cu130"}
+    assert host.packages == want
 
 
 @pytest.mark.parametrize(
@@ -66,8 +57,8 @@ def test_a_host_file_gives_python_glibc_and_versions(tmp_path):
     [
         "numpy==1\n",
         "# python: 3.12.3\nnumpy==1\n",
-        "# python: 3.12.3\n# glibc: 2.39\nnot a line!\n",
-        "# python: 3.12.3\n# glibc: 2.39\nnumpy>=1\n",
+        f"{HEAD}not a line!\n",
+        f"{HEAD}numpy>=1\n",
     ],
 )
 def test_a_bad_host_file_is_refused_with_what_to_do(tmp_path, text):
@@ -76,7 +67,7 @@ def test_a_bad_host_file_is_refused_with_what_to_do(tmp_path, text):
 
 
 def test_the_reference_host_file_is_the_notes_host():
-    host = gpu_bundle.read_host(REPO_ROOT / SETTINGS.host)
+    host = gpu_bundle.read_host(pins.REPO_ROOT / SETTINGS.host)
     assert host.python == "3.12" and host.version("triton") == "3.6.0"
     assert host.version("torch") == "2.11.0+cu130"
     assert host.version("numpy") == "2.5.2" and host.version("pydantic") is None
@@ -85,24 +76,15 @@ def test_the_reference_host_file_is_the_notes_host():
 
 @pytest.mark.parametrize(
     "torch, ok",
-    [
-        ("2.11.0+cu130", True),
-        ("2.11.0", True),
-        ("2.11.0+cu128", False),
-        ("2.10.0+cu130", False),
-        (None, False),
-    ],
+    [(t, True) for t in ("2.11.0+cu130", "2.11.0")]
+    + [(t, False) for t in ("2.11.0+cu128", "2.10.0+cu130", None)],
 )
 def test_only_the_locks_torch_build_is_taken(tmp_path, torch, ok):
     torch_line = f"torch=={torch}\n" if torch else ""
-    host = _host(
-        tmp_path, "# python: 3.12.3\n# glibc: 2.39\ntriton==3.6.0\n" + torch_line
-    )
-    if ok:
+    host = _host(tmp_path, f"{HEAD}triton==3.6.0\n{torch_line}")
+    refused = pytest.raises(ForkError, match="the host's torch")
+    with contextlib.nullcontext() if ok else refused:
         gpu_bundle.check_host_torch(host, LOCK)
-    else:
-        with pytest.raises(ForkError, match="the host's torch"):
-            gpu_bundle.check_host_torch(host, LOCK)
 
 
 def _trace(**extra) -> Trace:
@@ -117,27 +99,20 @@ def _trace(**extra) -> Trace:
 
 def test_carried_is_what_the_host_lacks_or_has_at_another_version(tmp_path):
     text = "numpy==2.5.2\npyyaml\npytest==8.0\npluggy\ntorch==2.11.0\ntriton==3.6.0\n"
-    host = _host(tmp_path, "# python: 3.12.3\n# glibc: 2.39\n" + text)
+    host = _host(tmp_path, HEAD + text)
     chosen = gpu_bundle.select(_trace(), host, LOCK, SETTINGS)
     # pydantic: absent; numpy: another version; the runner's own packages (pytest and
     # its pluggy, pytest-forked, pytest-timeout, tblib), whether the collection loaded
     # them or not.
-    carried = (
-        "numpy",
-        "pydantic",
-        "pytest",
-        "pluggy",
-        "pytest-forked",
-        "pytest-timeout",
-    )
-    assert chosen.carried == {n: LOCK[n] for n in (*carried, "tblib")}
+    carried = ["numpy", "pydantic", "pytest", "pluggy", "pytest-forked"]
+    assert chosen.carried == {n: LOCK[n] for n in (*carried, "pytest-timeout", "tblib")}
     # a bare name: the host's, version unknown
     assert chosen.from_host == {"pyyaml": None}
     assert chosen.provided == ("nvidia-cuda-runtime", "torch", "triton")
 
 
 def test_an_import_the_lock_does_not_pin_is_refused(tmp_path):
-    host = _host(tmp_path, "# python: 3.12.3\n# glibc: 2.39\n")
+    host = _host(tmp_path, HEAD)
     with pytest.raises(ForkError, match="does not pin"):
         trace = _trace(stray={"version": "1", "requires": []})
         gpu_bundle.select(trace, host, LOCK, SETTINGS)
@@ -154,9 +129,8 @@ def test_components_fill_the_first_part_with_room_in_order():
 
 def test_each_part_names_the_cases_it_adds():
     parts = [
-        gpu_bundle.Part("part-1", ("py",), 0),
-        gpu_bundle.Part("part-2", ("c",), 0),
-        gpu_bundle.Part("part-3", ("fa",), 0),
+        gpu_bundle.Part(f"part-{i}", (c,), 0)
+        for i, c in enumerate(["py", "c", "fa"], 1)
     ]
     cases = gpu_bundle.cases_by_part(parts, ["py", "c"], {"k": [], "f": ["fa"]})
     assert cases == {"part-1": [], "part-2": ["k"], "part-3": ["f"]}
@@ -175,7 +149,7 @@ def test_every_required_case_says_what_the_bundle_holds_for_it():
 def test_a_case_row_must_say_what_the_bundle_holds_for_it(row):
     raw = {"gpu_bundle": {}, "gpu": {"cases": {"t.py::one": {"kind": "Hopper", **row}}}}
     with pytest.raises(ForkError, match="'t.py::one' gives (neither|both)") as exc:
-        gpu_bundle_of(raw)
+        pins.gpu_bundle_of(raw)
     assert "not_in_bundle" in exc.value.hint
 
 
@@ -189,12 +163,8 @@ def test_part_one_runs_a_kernel_case_on_the_reference_bundles_sizes():
     sizes |= {f"{fa}fa2_C.abi3.so": 51.7, f"{ext}moe_C_stable_libtorch.abi3.so": 37.6}
     sizes |= {"models": 12.1}
     mib = 2**20
-    parts = gpu_bundle.pack(
-        {n: int(v * mib) for n, v in sizes.items()},
-        SETTINGS.order,
-        SETTINGS.part_mib * mib,
-        first_extra=mib // 4,
-    )
+    sizes = {n: int(v * mib) for n, v in sizes.items()}
+    parts = gpu_bundle.pack(sizes, SETTINGS.order, SETTINGS.part_mib * mib, mib // 4)
     added = gpu_bundle.cases_by_part(parts, SETTINGS.every_case, SETTINGS.needs)
     kernels = "tests/v1/worker/test_packed_kv_cache_gpu_kernels.py::"
     assert added["part-1"] == [f"{kernels}test_triton_attention_over_packed_views"]
@@ -209,22 +179,24 @@ def test_part_one_runs_a_kernel_case_on_the_reference_bundles_sizes():
 # --- a small bundle in the real format ------------------------------------------------
 
 
-def _settings(order: list[str], every_case: list[str], gpu: dict, **more) -> GpuBundle:
-    table = {"host": "h.txt", "part_mib": 1, "order": order, "every_case": every_case}
-    return gpu_bundle_of({"gpu_bundle": {**table, **more}, "gpu": gpu})
+def _settings(order: str, every_case: str, kinds: dict, cases: dict, **more):
+    """fork.toml's [gpu_bundle] and [gpu] (ORDER and EVERY_CASE: names by spaces)."""
+    table = {"host": "h.txt", "part_mib": 1, "order": order.split()}
+    table |= {"every_case": every_case.split(), **more}
+    return pins.gpu_bundle_of(
+        {"gpu_bundle": table, "gpu": {"kinds": kinds, "cases": cases}}
+    )
 
 
-HOPPER = {"kind": "Hopper"}
+HOPPER, AMPERE = {"kind": "Hopper"}, {"kind": "Ampere"}
 SMALL = _settings(
-    ["tree", "site-a", "site-b"],
-    ["tree", "site-a"],
+    "tree site-a site-b",
+    "tree site-a",
+    {"Hopper": {"capability": "9.0", "queues": {"q": 1}}},
     {
-        "kinds": {"Hopper": {"capability": "9.0", "queues": {"q": 1}}},
-        "cases": {
-            "t.py::one": {**HOPPER, "bundle": []},
-            "t.py::two": {**HOPPER, "bundle": ["site-b"]},
-            "t.py::three": {**HOPPER, "not_in_bundle": "not here"},
-        },
+        "t.py::one": {**HOPPER, "bundle": []},
+        "t.py::two": {**HOPPER, "bundle": ["site-b"]},
+        "t.py::three": {**HOPPER, "not_in_bundle": "not here"},
     },
 )
 
@@ -241,16 +213,17 @@ def _components(src: Path, files: dict[tuple[str, str], bytes]) -> list[Componen
     return list(by_name.values())
 
 
-def _assemble(pins, tmp_path, components, limit, settings, codec=gpu_bundle.XZ):
-    host = Host(
-        f"{sys.version_info.major}.{sys.version_info.minor}", "2.17", {}, tmp_path
-    )
+PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def _assemble(fork_pins, tmp_path, components, limit, settings, codec=gpu_bundle.XZ):
+    host = Host(PYTHON, "2.17", {}, tmp_path)
     pinned = lock.pinned(lock.path("cuda", host.python))
     made = Made(host, pinned, Selection({}, {}, (), ()), components)
     store = tmp_path / "store" if codec is gpu_bundle.PLAIN else None
     archives = gpu_bundle.compress(components, codec, store)
     out = tmp_path / "bundle"
-    return gpu_bundle.assemble(pins, made, archives, codec, limit, out, settings)
+    return gpu_bundle.assemble(fork_pins, made, archives, codec, limit, out, settings)
 
 
 # 1 MiB streams: the 3 MiB file is in several, which the runner reads as one.
@@ -274,19 +247,14 @@ def small_bundle(request, scratch, fork_pins, tmp_path) -> Path:
     return bundle.folder
 
 
-def _run_sh(
-    bundle: Path, *args: str, cwd: Path | None = None, **env: str
-) -> subprocess.CompletedProcess:
+def _run_sh(bundle: Path, *args: str, cwd: Path | None = None, **env: str):
     """run.sh from a folder of its own (default: the bundle's parent), so that the
     bundle's runner runs, never this checkout's forkbuild."""
+    env = {**os.environ, "PYTHON": sys.executable, **env}
+    command = ["bash", str(bundle / "run.sh"), *args]
+    cwd = cwd or bundle.parent
     return subprocess.run(
-        ["bash", str(bundle / "run.sh"), *args],
-        cwd=cwd or bundle.parent,
-        env={**os.environ, "PYTHON": sys.executable, **env},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=120
     )
 
 
@@ -321,18 +289,16 @@ def test_a_damaged_part_is_named_in_one_line_before_anything_is_unpacked(
     archive.write_bytes(archive.read_bytes()[:-10])
     done = _run_sh(small_bundle, "--install", str(tmp_path / "dest"))
     lines = done.stderr.strip().splitlines()
-    assert done.returncode == 2 and len(lines) == 1
     assert (
-        f"part-2/{archive.name} is damaged" in lines[0]
-        and "transfer part-2 again" in lines[0]
+        done.returncode == 2 and len(lines) == 1 and "transfer part-2 again" in lines[0]
     )
+    assert f"part-2/{archive.name} is damaged" in lines[0]
     assert not (tmp_path / "dest" / "tree").exists()
 
 
 def test_a_damaged_runner_does_not_run(small_bundle, tmp_path):
-    (small_bundle / "runner" / "forkbuild" / "gpu" / "bundle" / "runner.py").write_text(
-        "raise SystemExit(0)\n"
-    )
+    runner = small_bundle / "runner" / "forkbuild" / "gpu" / "bundle" / "runner.py"
+    runner.write_text("raise SystemExit(0)\n")
     done = _run_sh(small_bundle, "--install", str(tmp_path / "dest"))
     assert done.returncode == 2 and "part 1 is damaged" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
@@ -350,7 +316,7 @@ def test_the_inventory_is_a_host_file_the_bundle_step_reads(small_bundle, tmp_pa
     done = _run_sh(small_bundle, "--inventory")
     assert done.returncode == 0, done.stderr
     host = _host(tmp_path, done.stdout)
-    assert host.python == f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert host.python == PYTHON
     assert host.version("pytest") is not None
 
 
@@ -385,9 +351,8 @@ def test_the_inventory_of_a_gpu_host_names_its_gpus_driver_and_nvcc(
     assert "# gpu: 0, GPU-8c3e1f2a, NVIDIA H200, 9.0, 143771 MiB" in lines
     assert "# gpu: 1, GPU-5b07d9e4, NVIDIA H200, 9.0, 143771 MiB" in lines
     assert "# driver: 570.124.06" in lines and "570.124.06" not in lines  # once
-    assert f"# nvcc: {tools / 'nvcc'}: Build cuda_13.0.r13.0/compiler.36424714_0" in (
-        lines
-    )
+    nvcc = f"# nvcc: {tools / 'nvcc'}: Build cuda_13.0.r13.0/compiler.36424714_0"
+    assert nvcc in lines
     assert _host(tmp_path, text).version("pytest") is not None
 
 
@@ -419,20 +384,13 @@ def test_an_archive_that_writes_outside_or_lacks_its_list_is_refused(tmp_path, m
 
 
 def test_the_runner_runs_what_the_parts_allow_and_says_why_not_the_rest():
-    manifest = {
-        "parts": [
-            {"name": "part-1", "components": ["tree", "site-a"]},
-            {"name": "part-2", "components": ["site-b"]},
-        ],
-        "every_case": list(SMALL.every_case),
-        "needs": {"t.py::one": [], "t.py::two": ["site-b"]},
-        "not_carried": {"t.py::three": "not here"},
-    }
-    runnable, apart = bundle_run.plan(
-        manifest,
-        ("t.py::one", "t.py::two", "t.py::three", "t.py::four"),
-        ["tree", "site-a"],
-    )
+    parts = [{"name": "part-1", "components": ["tree", "site-a"]}]
+    parts.append({"name": "part-2", "components": ["site-b"]})
+    manifest = {"parts": parts, "every_case": list(SMALL.every_case)}
+    manifest["needs"] = {"t.py::one": [], "t.py::two": ["site-b"]}
+    manifest["not_carried"] = {"t.py::three": "not here"}
+    nodes = tuple(f"t.py::{n}" for n in ("one", "two", "three", "four"))
+    runnable, apart = bundle_run.plan(manifest, nodes, ["tree", "site-a"])
     assert runnable == ["t.py::one"]
     assert apart == {
         "t.py::two": "needs part-2 (not transferred yet)",
@@ -470,16 +428,15 @@ def test_a_stand_in_is_an_empty_module_only_where_nothing_was_imported(monkeypat
 def test_a_runnable_case_that_did_not_pass_fails_the_run(tmp_path, status, code):
     manifest = {"parts": [{"name": "part-1", "components": ["tree"]}]}
     outcome = Outcome({"t.py::one": status} if status else {})
-    hopper = gpu_table(SMALL.gpu).kind("Hopper")
+    hopper = pins.gpu_table(SMALL.gpu).kind("Hopper")
     result = bundle_run.conclude(
         manifest, hopper, ["t.py::one"], {}, ["tree"], outcome, tmp_path
     )
     assert result == code
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["parts_present"] == ["part-1"]
-    assert (
-        (tmp_path / "summary.txt").read_text().startswith(f"{outcome.passed} passed, ")
-    )
+    summary = (tmp_path / "summary.txt").read_text()
+    assert summary.startswith(f"{outcome.passed} passed, ")
 
 
 def test_lock_entries_are_the_locks_own_lines():
@@ -516,10 +473,8 @@ def gpu_host(tmp_path, monkeypatch) -> Path:
 
 KERNELS = "tests/v1/worker/test_packed_kv_cache_gpu_kernels.py"
 TRITON = f"{KERNELS}::test_triton_attention_over_packed_views"
-FA3, ENGINE = (
-    f"{KERNELS}::test_flash_attention_over_packed_views[3]",
-    "tests/e.py::engine",
-)
+FA3 = f"{KERNELS}::test_flash_attention_over_packed_views[3]"
+ENGINE = "tests/e.py::engine"
 # The stand-in cases: two required node ids, one passes, one fails.
 CASES = """import os
 
@@ -549,11 +504,10 @@ class CudaPlatform:
 
 current_platform = CudaPlatform()
 """
-VLLM = {
-    "vllm/__init__.py": "",
-    "vllm/v1/__init__.py": "",
-    "vllm/v1/worker/__init__.py": "",
-    "vllm/v1/worker/gpu/__init__.py": "",
+VLLM = dict.fromkeys(
+    f"vllm/{p}__init__.py" for p in ("", "v1/", "v1/worker/", "v1/worker/gpu/")
+)
+VLLM |= {
     "vllm/v1/worker/gpu/attn_utils.py": FIXED,
     "vllm/platforms/__init__.py": PLATFORM,
 }
@@ -561,19 +515,16 @@ KINDS = {
     "Ampere": {"capability": "8.0", "queues": {"a": 1}},
     "Hopper": {"capability": "9.0", "queues": {"h": 1}},
 }
-AMPERE = {"kind": "Ampere"}
 STAND_IN = _settings(
-    ["tree", "site", "models"],
-    ["tree", "site"],
+    "tree site models",
+    "tree site",
+    KINDS,
     {
-        "kinds": KINDS,
-        "cases": {
-            TRITON: {**AMPERE, "bundle": []},
-            FA3: {**HOPPER, "bundle": []},
-            ENGINE: {**HOPPER, "bundle": ["models"]},
-            "tests/e.py::tp2": {**HOPPER, "gpus": 2, "bundle": []},
-            "tests/f.py::flashinfer": {**AMPERE, "not_in_bundle": "too big"},
-        },
+        TRITON: {**AMPERE, "bundle": []},
+        FA3: {**HOPPER, "bundle": []},
+        ENGINE: {**HOPPER, "bundle": ["models"]},
+        "tests/e.py::tp2": {**HOPPER, "gpus": 2, "bundle": []},
+        "tests/f.py::flashinfer": {**AMPERE, "not_in_bundle": "too big"},
     },
     stand_in={"models": "vllm._C_models"},
 )
@@ -588,7 +539,7 @@ def test_run_sh_runs_the_cases_the_parts_allow_and_gives_the_nightlys_verdict(
     version = fork_pins.fork_version
     info = f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
     files = {("tree", KERNELS): CASES.encode()}
-    files |= {("site", path): text.encode() for path, text in VLLM.items()}
+    files |= {("site", path): (text or "").encode() for path, text in VLLM.items()}
     files[("site", f"vllm-{version}.dist-info/METADATA")] = info.encode()
     files[("models", "m.bin")] = os.urandom(250 << 10)
     components = _components(tmp_path / "src", files)
@@ -617,3 +568,32 @@ def test_run_sh_runs_the_cases_the_parts_allow_and_gives_the_nightlys_verdict(
     }
     assert (out / "gpu-tests.xml").is_file()
     assert (out / "gpus.csv").read_text() == SMI_CSV
+
+
+@pytest.mark.parametrize(
+    "failing", [(), ("background",), ("foreground",), ("background", "foreground")]
+)
+def test_the_reference_bundle_made_meanwhile_loses_no_error(failing, capsys):
+    """check's two builds at once: either's error raised (the foreground's first, the
+    other's said), never before both have ended."""
+    ended = []
+
+    def job(name: str, delay: float) -> str:
+        time.sleep(delay)
+        ended.append(name)
+        if name in failing:
+            raise ForkError(f"{name} failed")
+        return name
+
+    background, foreground = (
+        lambda: job("background", 0.3),
+        lambda: job("foreground", 0),
+    )
+    if failing:
+        with pytest.raises(ForkError, match=f"{failing[-1]} failed"):
+            bundle_check.meanwhile(background, foreground)
+    else:
+        assert bundle_check.meanwhile(background, foreground) == tuple(ended[::-1])
+    assert sorted(ended) == ["background", "foreground"]  # the slow one ended too
+    said = "meanwhile, this failed too: background failed" in capsys.readouterr().err
+    assert said == (len(failing) == 2)

@@ -1,17 +1,13 @@
 """`make gpu-bundle`: the GPU cases for an air-gapped GPU host, in parts it can take.
 
 The host (docs/gpu-nightly.md, "On an air-gapped GPU host") keeps its own torch and
-triton, which must be the CUDA lock's. The bundle brings the rest, computed from what
-the GPU cases import (forkbuild/gpu/bundle/import_trace.py), not listed by hand: the
-distributions the host lacks or has at another version, vLLM's official wheel with the
-tree's patched files, the compiled extensions the cases load, the tree's test files and
-tiny models.
-Each component is a deterministic tar. For a transfer (XZ) it is compressed once, in
-independent xz streams on every core, and cached by content; a bundle only checked here
-(PLAIN) stays a plain tar. Components fill parts of at most PART_MIB in fork.toml
-[gpu_bundle] order (first fit), so that the parts a host has received tell which cases
-it can run; the manifest gives every archive's sha256 and codec and the cases each part
-adds. The runner (forkbuild/gpu/bundle/runner.py, run.sh) is part 1.
+triton, the CUDA lock's. The bundle brings the rest, from what the GPU cases import
+(import_trace.py), not listed by hand: the distributions the host lacks or has at
+another version, vLLM's official wheel with the tree's patched files, the extensions
+the cases load, the tree's test files and tiny models. Each component is a
+deterministic tar, for a transfer (XZ) compressed once in independent xz streams on
+every core and cached by content. Components fill parts of at most PART_MIB in fork.toml
+[gpu_bundle] order (first fit): the parts a host has tell which cases it can run.
 """
 
 from __future__ import annotations
@@ -21,6 +17,7 @@ import hashlib
 import io
 import json
 import lzma
+import multiprocessing
 import os
 import shutil
 import sys
@@ -55,20 +52,12 @@ from forkbuild.setup.wheel import patched_paths
 FORMAT = "fork-gpu-bundle-3"
 RUNNER_MODULES = (  # the runner's modules, standard library only, paths in forkbuild/
     "__init__",
-    "core/__init__",
-    "core/errors",
-    "core/log",
-    "core/hashing",
-    "core/pins",
-    "core/pytest_runner",
-    "core/pytest_progress",
-    "core/fixcheck",
-    "gpu/__init__",
-    "gpu/required",
-    "gpu/bundle/__init__",
-    "gpu/bundle/standin",
-    "gpu/bundle/runner",
+    *(f"core/{m}" for m in ("__init__", "errors", "log", "hashing", "pins")),
+    *(f"core/{m}" for m in ("pytest_runner", "pytest_progress", "fixcheck")),
+    *(f"gpu/{m}" for m in ("__init__", "required", "bundle/__init__")),
+    *(f"gpu/bundle/{m}" for m in ("standin", "runner")),
 )
+TRACE = ["-p", "forkbuild.gpu.bundle.import_trace"]  # import_trace.py, a pytest plugin
 # The roots a component unpacks into on the host: site/ goes first on PYTHONPATH, tree/
 # is where pytest runs (the node ids are the tree's), models/ holds the tiny models.
 SITE, TREE, MODELS = "site", "tree", "models"
@@ -78,9 +67,6 @@ HINT_ROUTE = "rerun the CUDA route's install: rm -r build/cuda-route; make test"
 
 def dist_dir() -> Path:
     return Path(os.environ.get("VLLM_FORK_DIST") or REPO_ROOT / "dist") / "gpu-bundle"
-
-
-# --- the target host ------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -93,8 +79,7 @@ class Host:
     source: Path
 
     @property
-    def platform(self) -> str:
-        """uv's --python-platform for the host's wheels: x86_64-manylinux_2_39."""
+    def platform(self) -> str:  # uv's --python-platform: x86_64-manylinux_2_39
         return f"x86_64-manylinux_{self.glibc.replace('.', '_')}"
 
     def version(self, name: str) -> str | None:
@@ -116,9 +101,8 @@ def _freeze_line(text: str, where: str) -> tuple[str, str | None]:
 
 
 def read_host(path: Path) -> Host:
-    """A host file: `# python: X.Y.Z`, `# glibc: X.Y`, then `pip freeze` lines
-    (`name==version`; a line with a bare name, or `name @ url`, is a package of unknown
-    version)."""
+    """`# python: X.Y.Z`, `# glibc: X.Y`, then `pip freeze` lines (a bare name, or
+    `name @ url`: a package of unknown version)."""
     if not path.is_file():
         raise ForkError(
             f"no host file {path}",
@@ -146,13 +130,13 @@ def read_host(path: Path) -> Host:
 
 
 def cuda_label(lock_pins: dict[str, str]) -> str:
-    """The local version label of the lock's torch build: CUDA 13.0 -> cu130."""
+    """The local version label of the lock's torch: CUDA 13.0 -> cu130."""
     version = Version(lock_pins["nvidia-cuda-runtime"])
     return f"cu{version.major}{version.minor}"
 
 
 def check_host_torch(host: Host, lock_pins: dict[str, str]) -> None:
-    """The host's torch and triton must be the lock's (torch's CUDA build included)."""
+    """The host's torch and triton must be the lock's (and torch's CUDA build)."""
     label = cuda_label(lock_pins)
     for name in ("torch", "triton"):
         have, want = host.version(name), lock_pins[name]
@@ -167,9 +151,6 @@ def check_host_torch(host: Host, lock_pins: dict[str, str]) -> None:
             )
 
 
-# --- what the cases import ---------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Trace:
     distributions: dict[str, dict]  # name -> {"version", "requires"}
@@ -179,9 +160,8 @@ class Trace:
 def trace_imports(
     pins: Pins, settings: GpuBundle, route: tuple[Path, Path, Path], report: Path
 ) -> Trace:
-    """Collect the GPU tests (and the CUDA route's kernel-call test) in the CUDA venv
-    (ROUTE: its python, tree and stub folder) with forkbuild/gpu/bundle/import_trace.py,
-    importing the engine's modules at the end."""
+    """The GPU tests and kernel-call test collected in the CUDA venv (ROUTE: its python,
+    tree and stub folder) with import_trace.py, the engine's modules imported last."""
     python, tree, stub = route
     out = report.with_suffix(".json")
     env = {
@@ -194,9 +174,8 @@ def trace_imports(
     }
     log.step(f"gpu bundle: tracing what the GPU cases import (report: {report})")
     run_or_fail(
-        [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-q"]
-        + ["--collect-only", "-p", "forkbuild.gpu.bundle.import_trace"]
-        + [*pins.gpu_tests, *pins.cuda_route_tests],
+        [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-q", "--collect-only"]
+        + [*TRACE, *pins.gpu_tests, *pins.cuda_route_tests],
         "collecting the GPU tests to trace their imports failed",
         report=report,
         cwd=tree,
@@ -215,7 +194,6 @@ def trace_imports(
 
 
 def _closure(roots: set[str], requires: dict[str, list[str]]) -> set[str]:
-    """ROOTS and every name they require, transitively (normalized names)."""
     seen, todo = set(), list(roots)
     while todo:
         name = todo.pop()
@@ -266,20 +244,13 @@ def select(
             carried[name] = lock_pins[name]
         else:
             from_host[name] = have
-    return Selection(
-        carried,
-        from_host,
-        tuple(sorted(provided & names.keys())),
-        tuple(sorted(settings.left_out)),
-    )
-
-
-# --- components --------------------------------------------------------------------
+    by_host = tuple(sorted(provided & names.keys()))
+    return Selection(carried, from_host, by_host, tuple(sorted(settings.left_out)))
 
 
 @dataclass
 class Component:
-    """Files bound for one root on the host, packed into one archive."""
+    """Files bound for one root on the host, in one archive."""
 
     name: str
     root: str  # SITE, TREE or MODELS
@@ -292,34 +263,24 @@ class Component:
 
     def members(self) -> list[tuple[str, str, int, str]]:
         """(path, source, mode, sha256) of each file, in the archive's order."""
+        mode = {True: 0o755, False: 0o644}
+        files = sorted(self.files.items())
         return [
-            (p, str(s), _mode(s), self.digests[p])
-            for p, s in sorted(self.files.items())
+            (p, str(s), mode[os.access(s, os.X_OK)], self.digests[p]) for p, s in files
         ]
 
     def key(self, codec: Codec) -> str:
         """What the archive's bytes depend on: names, contents, modes, the codec."""
         listing = [(path, digest, mode) for path, _, mode, digest in self.members()]
-        return hashlib.sha256(
-            json.dumps(
-                [FORMAT, codec.name, codec.filters, codec.chunk, listing]
-            ).encode()
-        ).hexdigest()
-
-    def raw_size(self) -> int:
-        return sum(f.stat().st_size for f in self.files.values())
-
-
-def _mode(path: Path) -> int:
-    return 0o755 if os.access(path, os.X_OK) else 0o644
+        text = json.dumps([FORMAT, codec.name, codec.filters, codec.chunk, listing])
+        return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _wheel_files(
     tree: Path, wheel: Path, loaded: set[str], patched: set[str]
 ) -> tuple[Component, list[Component], list[str]]:
     """The official wheel's files under vllm/ (the tree's where patched), each held to
-    its RECORD: vLLM's Python, the extensions the cases load, the compiled files
-    left out."""
+    its RECORD: vLLM's Python, the extensions the cases load, the rest left out."""
     record = wheel_record(wheel)
     python, extensions, left = Component("vllm", SITE), [], []
     for path, digest in sorted(record.items()):
@@ -353,12 +314,10 @@ def _wheel_files(
 def vllm_components(
     pins: Pins, tree: Path, wheel: Path, loaded: set[str], work: Path
 ) -> tuple[Component, list[Component], list[str]]:
-    """vLLM's Python (the official wheel's files under vllm/ with the tree's patched
-    ones, and a .dist-info), one component per compiled extension the cases load, and
-    the compiled files left out."""
-    python, extensions, left = _wheel_files(
-        tree, wheel, loaded, patched_paths(read_series())
-    )
+    """vLLM's Python (with the tree's patched files and a .dist-info), a component per
+    extension the cases load, and the compiled files left out."""
+    patched = patched_paths(read_series())
+    python, extensions, left = _wheel_files(tree, wheel, loaded, patched)
     version_file = tree / "vllm" / "_version.py"
     if pins.fork_version not in version_file.read_text():
         raise ForkError(f"{version_file} does not give {pins.fork_version}", HINT_ROUTE)
@@ -388,8 +347,7 @@ def vllm_components(
 
 
 def tree_component(tree: Path, trace: Trace, pins: Pins) -> Component:
-    """The tree's test files the collection loaded (the fork's GPU tests and helpers,
-    vLLM's conftest and what it imports) and pyproject.toml (pytest's settings)."""
+    """The tree's test files the collection loaded, and pyproject.toml (pytest's)."""
     component = Component("tree", TREE)
     wanted = {f for f in trace.tree_files if f.startswith("tests/")}
     wanted |= {*pins.gpu_tests, *pins.cuda_route_tests}
@@ -402,8 +360,8 @@ def tree_component(tree: Path, trace: Trace, pins: Pins) -> Component:
 def packages_component(
     pins: Pins, selection: Selection, host: Host, lock_file: Path, work: Path, omit
 ) -> tuple[Component, list[str]]:
-    """The carried distributions, installed by uv from the lock (hashes required) for
-    the host's Python into a folder of their own; the files OMIT names are left out."""
+    """The carried distributions, installed by uv from the lock for the host's Python;
+    the files OMIT names left out."""
     target, requirements = work / "packages", work / "packages.txt"
     requirements.write_text(lock.entries(lock_file, set(selection.carried)))
     uv.install(
@@ -452,15 +410,11 @@ def models_component(python: Path, tree: Path, stub: Path, work: Path) -> Compon
     return component
 
 
-# --- archives and parts ---------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Codec:
-    """How components are stored: NAME, the manifest's codec ("xz", or "tar": plain);
-    the tar in streams of CHUNK bytes, each compressed with FILTERS independently on
-    WORKERS processes and concatenated (Python's lzma, tarfile "r:*", reads them as
-    one)."""
+    """NAME: the manifest's codec ("xz", or "tar": plain); the tar in streams of CHUNK
+    bytes, each compressed with FILTERS on WORKERS processes and concatenated (lzma,
+    tarfile "r:*", reads them as one)."""
 
     name: str
     filters: tuple[dict, ...] = ()
@@ -480,9 +434,8 @@ PLAIN = Codec("tar")  # what no transfer carries: the simulated host's bundle
 
 
 def write_tar(files: list[tuple[str, str, int, str]], out: Path) -> None:
-    """A deterministic tar of FILES (path, source, mode, sha256). Its first member,
-    FILE_LIST, gives each file's sha256 as `sha256sum` writes them: the manifest
-    vouches for the archive, the list for each file."""
+    """A deterministic tar of FILES (path, source, mode, sha256), first FILE_LIST, as
+    `sha256sum` writes: the manifest vouches for the archive, the list for each file."""
     listing = "".join(f"{digest}  {path}\n" for path, _, _, digest in files).encode()
     with tarfile.open(out, mode="w", format=tarfile.GNU_FORMAT) as tar:
         info = tarfile.TarInfo(FILE_LIST)
@@ -496,7 +449,6 @@ def write_tar(files: list[tuple[str, str, int, str]], out: Path) -> None:
 
 
 def _xz_stream(tar: str, offset: int, size: int, codec: Codec) -> bytes:
-    """SIZE bytes of TAR from OFFSET as one xz stream (in a worker process)."""
     with open(tar, "rb") as handle:
         handle.seek(offset)
         data = handle.read(size)
@@ -509,14 +461,14 @@ def _progress(total: int):
     from tqdm import tqdm
 
     tty = sys.stderr.isatty()
+    bytes_shown = dict(unit="B", unit_scale=True, unit_divisor=1024)
+    every = 0.5 if tty else 30
     return tqdm(
         total=total,
         desc="gpu bundle: xz",
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        mininterval=0.5 if tty else 30,
+        mininterval=every,
         ascii=not tty,
+        **bytes_shown,
     )
 
 
@@ -528,9 +480,12 @@ def _xz_all(tars: dict[str, Path], codec: Codec, outs: dict[str, Path]) -> None:
         for offset in range(0, max(tar.stat().st_size, 1), codec.chunk)
     ]
     streams: dict[str, dict[int, bytes]] = {name: {} for name in tars}
+    # Spawned: forked from a process with threads (check.py's), a worker could inherit
+    # a lock held in another thread (stdout's, flushed at exit) and hang.
+    spawn = multiprocessing.get_context("spawn")
     with (
         _progress(sum(size for _, _, size in jobs)) as bar,
-        ProcessPoolExecutor(max_workers=codec.workers) as pool,
+        ProcessPoolExecutor(max_workers=codec.workers, mp_context=spawn) as pool,
     ):
         futures = {
             pool.submit(_xz_stream, str(tars[n]), o, s, codec): (n, o, s)
@@ -547,16 +502,6 @@ def _xz_all(tars: dict[str, Path], codec: Codec, outs: dict[str, Path]) -> None:
                 log.step(f"gpu bundle: {name}: {mib:.1f} MiB compressed")
 
 
-def _cached(archive: Path) -> bool:
-    """Whether ARCHIVE is in the cache as it was written (its sha256 file says so)."""
-    recorded = Path(f"{archive}.sha256")
-    return (
-        archive.is_file()
-        and recorded.is_file()
-        and recorded.read_text().strip() == sha256_file(archive)
-    )
-
-
 def compress(
     components: list[Component], codec: Codec = XZ, store: Path | None = None
 ) -> dict[str, Path]:
@@ -565,12 +510,17 @@ def compress(
     store = store or cache_dir() / "gpu-bundle"
     store.mkdir(parents=True, exist_ok=True)
     archives = {c.name: store / f"{c.key(codec)}{codec.suffix}" for c in components}
-    todo = [c for c in components if not _cached(archives[c.name])]
+    # A cached archive is reused only as it was written (its .sha256 file says so).
+    sums = {n: Path(f"{a}.sha256") for n, a in archives.items()}
+    kept = {n for n, a in archives.items() if a.is_file() and sums[n].is_file()}
+    kept = {n for n in kept if sums[n].read_text().strip() == sha256_file(archives[n])}
+    todo = [c for c in components if c.name not in kept]
     if not todo:
         return archives
     log.step(
         f"gpu bundle: {len(todo)} component(s), "
-        f"{sum(c.raw_size() for c in todo) / 2**20:.0f} MiB, as {codec.name} "
+        f"{sum(p.stat().st_size for c in todo for p in c.files.values()) / 2**20:.0f} "
+        f"MiB, as {codec.name} "
         f"({', '.join(c.name for c in todo)}) in {store}"
     )
     with tempfile.TemporaryDirectory(prefix=".partial-", dir=store) as tmp:
@@ -580,10 +530,8 @@ def compress(
         outs = {n: Path(f"{t}.xz") for n, t in tars.items()} if codec.filters else tars
         if codec.filters:
             _xz_all(tars, codec, outs)
-        for c in todo:  # a cached archive is reused only if it matches its sha256
-            Path(f"{archives[c.name]}.sha256").write_text(
-                sha256_file(outs[c.name]) + "\n"
-            )
+        for c in todo:
+            sums[c.name].write_text(sha256_file(outs[c.name]) + "\n")
             os.replace(outs[c.name], archives[c.name])
     return archives
 
@@ -601,7 +549,7 @@ def pack(
     """Components into parts of at most LIMIT bytes, each going to the first part with
     room, in ORDER (part 1 also holds FIRST_EXTRA bytes: the runner and manifest)."""
     filled: list[list[str]] = []
-    used: list[int] = []
+    used: list[int] = []  # bytes, per part
     for name in order:
         size = sizes[name]
         room = [i for i, u in enumerate(used) if u + size <= limit]
@@ -628,18 +576,13 @@ def cases_by_part(
     parts: list[Part], base: list[str], needs: dict[str, list[str]]
 ) -> dict[str, list[str]]:
     """Part name -> the node ids whose needs the parts up to it first meet."""
-    have: set[str] = set()
-    met: set[str] = set()
-    added = {}
+    have, met, added = set(), set(), {}
     for part in parts:
         have |= set(part.components)
         now = {n for n, need in needs.items() if set(base) | set(need) <= have}
         added[part.name] = sorted(now - met)
         met = now
     return added
-
-
-# --- the step -------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -663,8 +606,7 @@ class Bundle:
 
 @dataclass(frozen=True)
 class Source:
-    """What every bundle is made from: the CUDA route's venv, tree and driver stub, and
-    what the GPU cases import there, and fork.toml [gpu_bundle]."""
+    """What every bundle is made from: the CUDA route, the trace there, the settings."""
 
     python: Path
     tree: Path
@@ -676,8 +618,8 @@ class Source:
 def prepare(
     pins: Pins, results: Path, route: tuple[Path, Path, Path] | None = None
 ) -> Source:
-    """The CUDA route (installed in build/cuda-route unless ROUTE gives its python, tree
-    and stub folder) and the trace of the GPU cases' imports there."""
+    """The CUDA route (made in build/cuda-route unless ROUTE gives its python, tree and
+    stub folder) and the trace of the GPU cases' imports there."""
     if route is None:
         python, tree = cuda_route.install_cuda_route(pins, results)
         route = (python, tree, cuda_route.build_driver_stub(python, tree))
@@ -688,7 +630,7 @@ def prepare(
 
 @dataclass
 class Made:
-    """What a bundle is made of, for a host: its components and what was left out."""
+    """A bundle for a host: its components and what was left out."""
 
     host: Host
     lock_pins: dict[str, str]
@@ -717,11 +659,8 @@ def components(pins: Pins, source: Source, host_file: Path, work: Path) -> Made:
     host, lock_file, lock_pins = target(pins, host_file)
     selection = select(source.trace, host, lock_pins, source.settings)
     wheel = fetch.artifacts_dir() / pins.routes["cuda"].wheel.filename
-    loaded = {
-        f
-        for f in source.trace.tree_files
-        if f.startswith("vllm/") and f.endswith(".so")
-    }
+    files = source.trace.tree_files
+    loaded = {f for f in files if f.startswith("vllm/") and f.endswith(".so")}
     log.step(
         f"gpu bundle: for {host.source.name} (Python {host.python}): "
         f"{len(selection.carried)} packages carried, {len(selection.from_host)} the "
@@ -765,10 +704,9 @@ def build(
 
 def runner_files() -> dict[str, Path]:
     """Part 1's loose files: run.sh and the runner's modules (path in the bundle)."""
-    runner = {"run.sh": REPO_ROOT / "forkbuild" / "gpu" / "bundle" / "run.sh"}
-    for m in RUNNER_MODULES:
-        runner[f"runner/forkbuild/{m}.py"] = REPO_ROOT / "forkbuild" / f"{m}.py"
-    return runner
+    code = REPO_ROOT / "forkbuild"
+    runner = {f"runner/forkbuild/{m}.py": code / f"{m}.py" for m in RUNNER_MODULES}
+    return {"run.sh": code / "gpu" / "bundle" / "run.sh", **runner}
 
 
 def _order(settings: GpuBundle, names: set[str]) -> list[str]:

@@ -16,8 +16,11 @@ import json
 import os
 import shutil
 import subprocess
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
 from forkbuild.core import log, pytest_runner
 from forkbuild.core.errors import ForkError, run_or_fail
@@ -42,6 +45,10 @@ PART_ONE_IMPORTS = (
     "vllm.v1.attention.ops.triton_unified_attention",
     "vllm.v1.attention.backends.triton_attn",
 )
+NO_INDEX = dict.fromkeys(
+    ("PIP_NO_INDEX", "UV_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"), "1"
+)
+T, U = TypeVar("T"), TypeVar("U")
 
 
 def home() -> Path:
@@ -52,34 +59,17 @@ def _offline() -> tuple[str, ...]:
     """A command prefix that refuses the network (a new network namespace), or nothing
     where the kernel does not let this user make one."""
     unshare = shutil.which("unshare")
-    if (
-        unshare
-        and subprocess.run([unshare, "-n", "true"], capture_output=True).returncode == 0
-    ):
-        return (unshare, "-n")
-    return ()
-
-
-NO_INDEX = {
-    "PIP_NO_INDEX": "1",
-    "UV_OFFLINE": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-}
+    tried = unshare and subprocess.run([unshare, "-n", "true"], capture_output=True)
+    return (unshare, "-n") if tried and tried.returncode == 0 else ()
 
 
 def interpreter(version: str) -> Path:
     """A working Python VERSION (X.Y) here: on PATH, pyenv's, or the system's (a pyenv
     shim of a version pyenv does not select fails, so each is asked for its version)."""
-    candidates = [
-        shutil.which(f"python{version}"),
-        *sorted(map(str, Path.home().glob(f".pyenv/versions/{version}.*/bin/python3"))),
-        f"/usr/bin/python{version}",
-    ]
-    for candidate in filter(None, candidates):
-        done = subprocess.run(
-            [candidate, "--version"], capture_output=True, text=True, check=False
-        )
+    pyenv = Path.home().glob(f".pyenv/versions/{version}.*/bin/python3")
+    candidates = [shutil.which(f"python{version}"), *sorted(map(str, pyenv))]
+    for candidate in filter(None, [*candidates, f"/usr/bin/python{version}"]):
+        done = subprocess.run([candidate, "--version"], capture_output=True, text=True)
         if done.returncode == 0 and done.stdout.split()[-1].startswith(f"{version}."):
             return Path(candidate)
     raise ForkError(
@@ -99,17 +89,14 @@ def simulated_host(pins: Pins) -> tuple[Path, Path]:
         if n in ("torch", "triton") or n.startswith(("nvidia-", "cuda-"))
     }
     entries = lock.entries(lock_file, names)
-    python = uv.stamped_venv(
-        pins,
-        home() / "venv",
-        interpreter(HOST_PYTHON),
-        entries,
-        digest_of([entries]),
+    what = (
         f"a simulated GPU host: Python {HOST_PYTHON}, {len(names)} packages of "
-        f"{lock_file.name} (torch, triton, NVIDIA's)",
-        "--quiet",
-        "--no-deps",
-        "--require-hashes",
+        f"{lock_file.name} (torch, triton, NVIDIA's)"
+    )
+    flags = ("--quiet", "--no-deps", "--require-hashes")
+    venv, key = home() / "venv", digest_of([entries])
+    python = uv.stamped_venv(
+        pins, venv, interpreter(HOST_PYTHON), entries, key, what, *flags
     )
     # Described as a GPU host describes itself: the runner's inventory.
     done = run_or_fail(
@@ -125,14 +112,26 @@ def simulated_host(pins: Pins) -> tuple[Path, Path]:
 
 
 @dataclass(frozen=True)
+class SimHost:
+    """The simulated host: its python, the bundle's site/ unpacked there (its tree/
+    beside it), the driver stub's folder, where reports go, the offline prefix."""
+
+    python: Path
+    site: Path
+    stub: Path
+    results: Path
+    offline: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Result:
     reference: gpu_bundle.Bundle
+    part_one: str
     simulated: gpu_bundle.Bundle
     extensions: int
     collected: pytest_runner.Outcome
     calls: pytest_runner.Outcome
     breakage: str
-    part_one: str
     offline: bool  # the network refused (unshare -n), not only no index
 
     def line(self) -> str:
@@ -154,21 +153,47 @@ class Result:
         )
 
 
+def meanwhile(background: Callable[[], T], foreground: Callable[[], U]) -> tuple[T, U]:
+    """BACKGROUND in a thread while FOREGROUND runs here. Either's error is raised, and
+    only once both have ended: nothing is left running unnoticed."""
+    with ThreadPoolExecutor(1, thread_name_prefix="forkbuild-meanwhile") as pool:
+        pending = pool.submit(background)
+        try:
+            here = foreground()
+        except BaseException:
+            if pending.exception():  # waits for it
+                log.step(f"meanwhile, this failed too: {pending.exception()}")
+            raise
+        return pending.result(), here
+
+
 def check(pins: Pins, results: Path, route: tuple[Path, Path, Path]) -> Result:
     """ROUTE: the CUDA route's python, tree and stub folder (cuda_route.check)."""
     source = gpu_bundle.prepare(pins, results, route)
-    reference = gpu_bundle.build(pins, out=home() / "reference", source=source)
+    # The reference bundle (xz on every core: minutes on a cold cache) is needed only by
+    # _part_one, so it is made while the simulated host is. The two share no scratch
+    # path: their own work folders (tempfile), outputs (home()/reference, .../bundle)
+    # and stores (the cache's gpu-bundle/ vs. the work folder); uv's cache takes
+    # concurrent installs. The uv binary is extracted here first (both would write its
+    # uv.partial), and the xz workers are spawned, not forked, from a threaded process.
+    uv.binary(pins)
+    reference, (host, found) = meanwhile(
+        lambda: gpu_bundle.build(pins, out=home() / "reference", source=source),
+        lambda: _on_simulated_host(pins, source, results),
+    )
+    return Result(reference, _part_one(reference, host), *found)
+
+
+def _on_simulated_host(
+    pins: Pins, source: gpu_bundle.Source, results: Path
+) -> tuple[SimHost, tuple]:
+    """The simulated host's bundle installed offline by its run.sh and verified: the
+    host, and the rest of a Result."""
     python, host_file = simulated_host(pins)
     # The parts' size matters only for transfers: here one part holds everything,
     # plain tars (no transfer carries them).
-    simulated = gpu_bundle.build(
-        pins,
-        host_file,
-        out=home() / "bundle",
-        part_mib=4096,
-        source=source,
-        codec=gpu_bundle.PLAIN,
-    )
+    plain = dict(part_mib=4096, source=source, codec=gpu_bundle.PLAIN)
+    bundle = gpu_bundle.build(pins, host_file, out=home() / "bundle", **plain)
     dest = home() / "installed"
     shutil.rmtree(dest, ignore_errors=True)
     offline = _offline()
@@ -183,7 +208,7 @@ def check(pins: Pins, results: Path, route: tuple[Path, Path, Path]) -> Result:
     # From a folder of its own: run.sh must start the bundle's runner, not this
     # checkout's.
     done = run_or_fail(
-        [*offline, "bash", str(simulated.folder / "run.sh"), "--install", str(dest)],
+        [*offline, "bash", str(bundle.folder / "run.sh"), "--install", str(dest)],
         "the bundle does not install offline on the simulated host",
         f"see {home()}",
         tail=600,
@@ -191,24 +216,17 @@ def check(pins: Pins, results: Path, route: tuple[Path, Path, Path]) -> Result:
         cwd=home(),
     )
     site = Path(done.stdout.strip().splitlines()[-1].split(os.pathsep)[-1])
-    _refuses_without_gpu(simulated.folder, env)
-    extensions = [n for n in simulated.manifest["components"] if n.endswith(".so")]
+    _refuses_without_gpu(bundle.folder, env)
+    extensions = tuple(n for n in bundle.manifest["components"] if n.endswith(".so"))
     wheel = fetch.artifacts_dir() / pins.routes["cuda"].wheel.filename
     loaded = cuda_route.load_extensions(
-        python, site, wheel, source.stub, tuple(extensions), pythonpath=str(site)
+        python, site, wheel, source.stub, extensions, pythonpath=str(site)
     )
     host = SimHost(python, site, source.stub, results, offline)
     collected, calls = verify(pins, host, "bundle-host")
-    return Result(
-        reference,
-        simulated,
-        len(loaded["loaded"]),
-        collected,
-        calls,
-        _without(BREAKAGE, pins, host),
-        _part_one(reference, host),
-        bool(offline),
-    )
+    breakage = _without(BREAKAGE, pins, host)
+    found = (bundle, len(loaded["loaded"]), collected, calls, breakage, bool(offline))
+    return host, found
 
 
 def _refuses_without_gpu(bundle: Path, env: dict[str, str]) -> None:
@@ -220,7 +238,6 @@ def _refuses_without_gpu(bundle: Path, env: dict[str, str]) -> None:
         cwd=home(),
         capture_output=True,
         text=True,
-        check=False,
     )
     lines = done.stderr.strip().splitlines()
     one_line = len(lines) == 1 and "no NVIDIA GPU" in lines[0]
@@ -231,18 +248,6 @@ def _refuses_without_gpu(bundle: Path, env: dict[str, str]) -> None:
         )
 
 
-@dataclass(frozen=True)
-class SimHost:
-    """The simulated host: its python, the bundle's site/ unpacked there (its tree/
-    beside it), the driver stub's folder, where reports go, the offline prefix."""
-
-    python: Path
-    site: Path
-    stub: Path
-    results: Path
-    offline: tuple[str, ...]
-
-
 def verify(
     pins: Pins, host: SimHost, name: str
 ) -> tuple[pytest_runner.Outcome, pytest_runner.Outcome]:
@@ -250,27 +255,20 @@ def verify(
     them, then the engine's modules imported: each must import, each GPU case skip
     only for want of a device, the calls reach dispatch. Returns (GPU cases, calls)."""
     settings = load_gpu_bundle()
-    outcome, failed = _run_traced(
-        host,
-        name,
-        [*pins.gpu_tests, *pins.cuda_route_tests],
-        settings.engine_modules,
-    )
-    results = host.results
-    logs, report = str(results / f"{name}-tests.log"), results / f"{name}-imports.json"
+    nodes = [*pins.gpu_tests, *pins.cuda_route_tests]
+    outcome, failed = _run_traced(host, name, nodes, settings.engine_modules)
+    logs = str(host.results / f"{name}-tests.log")
     if failed:
         raise ForkError(
             f"the engine's modules do not import from the bundle: {'; '.join(failed)}",
-            f"see {report}",
+            f"see {host.results / f'{name}-imports.json'}",
         )
     collected = cuda_route.part_of(outcome, pins.gpu_tests)
     calls = cuda_route.part_of(outcome, pins.cuda_route_tests)
+    where = f"the bundle ({name})"
+    required = set(settings.needs)
     cuda_route.check_skipped(
-        collected,
-        results,
-        where=f"the bundle ({name})",
-        logs=logs,
-        required=set(settings.needs),
+        collected, host.results, where=where, logs=logs, required=required
     )
     if calls.failed or calls.errors or calls.skipped or not calls.passed:
         raise ForkError(
@@ -280,13 +278,19 @@ def verify(
     return collected, calls
 
 
+def _site_copy(host: SimHost, name: str) -> Path:
+    """A fresh copy of the host's SITE beside it, hard-linked, as NAME."""
+    copy = host.site.parent / name
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(host.site, copy, copy_function=os.link)
+    return copy
+
+
 def _without(dist: tuple[str, str], pins: Pins, host: SimHost) -> str:
     """The check again with DIST's files (name, module) taken out of a copy of SITE: it
     must fail, naming the module."""
     name, module = dist
-    broken = host.site.parent / f"site-without-{name}"
-    shutil.rmtree(broken, ignore_errors=True)
-    shutil.copytree(host.site, broken, copy_function=os.link)
+    broken = _site_copy(host, f"site-without-{name}")
     infos = list(broken.glob(f"{name.replace('-', '_')}-*.dist-info"))
     if not infos:
         raise ForkError(
@@ -331,15 +335,12 @@ def _part_one(reference: gpu_bundle.Bundle, host: SimHost) -> str:
             "case",
             "fork.toml [gpu_bundle] order, every_case and stand_in decide what it adds",
         )
+    components = reference.manifest["components"]
     absent = sorted(
-        c
-        for c in reference.manifest["components"]
-        if c.endswith(".so") and c not in first.components
+        c for c in components if c.endswith(".so") and c not in first.components
     )
     standing_in = bundle_run.stand_ins(reference.manifest, list(first.components))
-    alone = host.site.parent / "site-part-1"
-    shutil.rmtree(alone, ignore_errors=True)
-    shutil.copytree(host.site, alone, copy_function=os.link)
+    alone = _site_copy(host, "site-part-1")
     part = replace(host, site=alone)
     for name in absent:
         (alone / name).unlink(missing_ok=True)
@@ -374,49 +375,41 @@ def _run_part_one(host: SimHost, nodes: list[str], standing_in: list[str]) -> li
     name = "bundle-part-1" + ("" if standing_in else "-without-stand-ins")
     outcome, errors = _run_traced(host, name, nodes, PART_ONE_IMPORTS, standing_in)
     if standing_in:
+        logs = str(host.results / f"{name}-tests.log")
+        where = "part 1 of the bundle"
         cuda_route.check_skipped(
-            outcome,
-            host.results,
-            where="part 1 of the bundle",
-            logs=str(host.results / f"{name}-tests.log"),
-            required=nodes,
+            outcome, host.results, where=where, logs=logs, required=nodes
         )
     return errors
 
 
 def _run_traced(
-    host: SimHost,
-    name: str,
-    nodes: list[str],
-    imports: tuple[str, ...] | list[str],
-    standing_in: list[str] = (),
+    host: SimHost, name: str, nodes: list[str], imports: tuple[str, ...], standing_in=()
 ) -> tuple[pytest_runner.Outcome, list[str]]:
     """NODES run from the bundle unpacked at SITE as its runner runs cases (STANDING_IN
     stood in for), through the driver stub, with IMPORTS imported at the end
     (forkbuild/gpu/bundle/import_trace.py): the outcome, and the import errors."""
     site, results = host.site, host.results
     tree, report = site.parent / "tree", results / f"{name}-imports.json"
+    logs = results / f"{name}-tests.log"
     report.unlink(missing_ok=True)
+    env = {
+        **bundle_run.case_env(site.parent, standing_in),
+        **cuda_route.stub_env(host.stub),
+        **NO_INDEX,
+        "FORKBUILD_TRACE_OUT": str(report),
+        "FORKBUILD_TRACE_IMPORT": ",".join(imports),
+    }
     outcome = pytest_runner.run_pytest(
         host.python,
         tree,
-        [
-            "-p",
-            "forkbuild.gpu.bundle.import_trace",
-            *bundle_run.case_args(nodes, standing_in),
-        ],
+        [*gpu_bundle.TRACE, *bundle_run.case_args(nodes, standing_in)],
         results / f"{name}-tests.xml",
         pythonpath=os.pathsep.join([str(tree), str(site), str(REPO_ROOT)]),
-        output=results / f"{name}-tests.log",
-        extra_env={
-            **bundle_run.case_env(site.parent, standing_in),
-            **cuda_route.stub_env(host.stub),
-            **NO_INDEX,
-            "FORKBUILD_TRACE_OUT": str(report),
-            "FORKBUILD_TRACE_IMPORT": ",".join(imports),
-        },
+        output=logs,
+        extra_env=env,
         prefix=host.offline,
     )
     if not report.is_file():
-        return outcome, [f"no report (see {results / f'{name}-tests.log'})"]
+        return outcome, [f"no report (see {logs})"]
     return outcome, json.loads(report.read_text())["import_errors"]

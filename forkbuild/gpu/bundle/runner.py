@@ -1,20 +1,16 @@
-"""The GPU bundle's runner, on the GPU host (forkbuild/gpu/bundle/build.py makes it).
-
-Runs on the host's own `python3` with the standard library and the fork modules that
-ship beside it (run.sh checks them and sets PYTHONPATH), no network:
+"""The GPU bundle's runner, on the GPU host's own `python3`: the standard library and
+the fork modules beside it (run.sh checks them and sets PYTHONPATH), no network:
 
     python3 -m forkbuild.gpu.bundle.runner inventory            this host, as host file
     python3 -m forkbuild.gpu.bundle.runner install BUNDLE DEST  unpack, verify the parts
     python3 -m forkbuild.gpu.bundle.runner run BUNDLE OUT       check, install, run
 
 `run` stops with one line, before anything runs, on no GPU, another Python, torch or
-triton than the bundle's, or a missing or damaged archive. It then unpacks what the
-parts present hold (a part not yet transferred only means fewer cases), verifies every
-file by sha256, checks that the patched vLLM imports from the bundle and carries the
-fix, and runs, forked and each under a time limit, the cases this GPU kind must run
-(forkbuild/gpu/required.py) that the parts present allow. It writes gpu-tests.xml,
-summary.json and summary.txt to OUT and exits non-zero when such a case failed, skipped
-or never ran.
+triton than the bundle's, or a missing or damaged archive. It unpacks what the parts
+present hold, verifies every file, checks the bundle's vLLM and its fix, and runs,
+forked and each under a time limit, the cases this GPU kind must run that the parts
+allow; gpu-tests.xml, summary.json and summary.txt go to OUT, and it exits non-zero
+when such a case failed, skipped or never ran.
 """
 
 from __future__ import annotations
@@ -38,9 +34,8 @@ from forkbuild.gpu import required as gpu_required
 from forkbuild.gpu.bundle import standin as bundle_standin
 
 MANIFEST = "manifest.json"
-FILE_LIST = (
-    "FILES.sha256"  # every archive's first member (forkbuild/gpu/bundle/build.py)
-)
+MODULE = "forkbuild.gpu.bundle.runner"
+FILE_LIST = "FILES.sha256"  # every archive's first member (build.py's write_tar)
 RUNNER = str(Path(__file__).resolve().parents[3])  # where these modules are
 # For a host whose GPU time is counted in minutes: a kernel case takes seconds, an
 # engine case two tiny engines; the bundle carries no JIT build to wait for.
@@ -49,22 +44,15 @@ RUN_LIMIT_S = 12 * 60
 # No hub, no telemetry; pytest loads only the runner's plugins (not the host's
 # pytest-cov, xdist, ...), and vLLM's conftest does not reach for its GPU-memory helper
 # (tests/utils.py, not carried).
-OFFLINE = {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "PIP_NO_INDEX": "1",
-    "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
-    "VLLM_TEST_CLEAN_GPU_MEMORY": "0",
-}
+OFFLINE = dict.fromkeys(("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "DO_NOT_TRACK"), "1")
+OFFLINE |= dict.fromkeys(("VLLM_NO_USAGE_STATS", "PIP_NO_INDEX"), "1")
+OFFLINE |= {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "VLLM_TEST_CLEAN_GPU_MEMORY": "0"}
 PLUGINS = ["-p", "pytest_forked", "-p", "pytest_timeout"]
 SMI = ["nvidia-smi", f"--query-gpu={gpu_required.NVIDIA_SMI_QUERY}", "--format=csv"]
 
 
 def home(bundle: Path) -> Path:
-    """Where the bundle unpacks: FORK_BUNDLE_HOME, else a folder of /tmp named by the
-    manifest (so a warm host reuses what an earlier call unpacked)."""
+    """FORK_BUNDLE_HOME, else /tmp; a folder named by the manifest (reused warm)."""
     base = os.environ.get("FORK_BUNDLE_HOME") or "/tmp/vllm-fork-gpu-bundle"
     return Path(base).resolve() / sha256_file(bundle / MANIFEST)[:16]
 
@@ -79,15 +67,10 @@ def read_manifest(bundle: Path) -> dict:
         ) from None
 
 
-# --- the host -------------------------------------------------------------------------
-
-
 def query_gpus() -> str:
     """nvidia-smi's GPU table, or ForkError when this host has no usable NVIDIA GPU."""
     try:
-        done = subprocess.run(
-            SMI, capture_output=True, text=True, timeout=60, check=False
-        )
+        done = subprocess.run(SMI, capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise ForkError(
             f"no NVIDIA GPU on this host (nvidia-smi: {exc})",
@@ -143,14 +126,12 @@ def _numbers(version: str) -> tuple[int, ...]:
 
 
 def _output(*command: str) -> str:
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    return done.stdout.strip()
+    return subprocess.run(command, capture_output=True, text=True).stdout.strip()
 
 
 def inventory() -> str:
     """A host file for `make gpu-bundle GPU_HOST=FILE`: Python, torch, GPUs, driver,
-    toolkit as comments, then every distribution this python3 has, as `pip freeze` lists
-    them."""
+    toolkit as comments, then this python3's distributions as `pip freeze` does."""
     lines = [
         f"# python: {platform.python_version()}",
         f"# executable: {sys.executable}",
@@ -175,24 +156,11 @@ def inventory() -> str:
     except ForkError as exc:
         lines.append(f"# gpu: none ({exc.cause})")
     nvcc = shutil.which("nvcc")
-    if nvcc:
-        release = _output(nvcc, "--version").splitlines()
-        lines.append(f"# nvcc: {nvcc}: {release[-1] if release else 'unknown'}")
-    else:
-        lines.append("# nvcc: not on PATH")
-    dists = {
-        d.metadata["Name"]: d.version
-        for d in importlib.metadata.distributions()
-        if d.metadata["Name"]
-    }
-    lines += [
-        f"{name}=={version}"
-        for name, version in sorted(dists.items(), key=lambda i: i[0].lower())
-    ]
+    release = (_output(nvcc, "--version").splitlines() or ["unknown"]) if nvcc else []
+    lines.append(f"# nvcc: {nvcc}: {release[-1]}" if nvcc else "# nvcc: not on PATH")
+    dists = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions()}
+    lines += [f"{n}=={dists[n]}" for n in sorted(filter(None, dists), key=str.lower)]
     return "\n".join(lines) + "\n"
-
-
-# --- the parts ------------------------------------------------------------------------
 
 
 def present(manifest: dict, bundle: Path) -> list[str]:
@@ -223,8 +191,7 @@ def present(manifest: dict, bundle: Path) -> list[str]:
 
 
 def _extract(archive: Path, root: Path, listing: Path) -> None:
-    """Unpack ARCHIVE into ROOT (regular files only, every path inside ROOT); its file
-    list goes to LISTING."""
+    """ARCHIVE into ROOT (plain files, inside ROOT only); its file list to LISTING."""
     with tarfile.open(archive, "r:*") as tar:  # xz (in streams) or plain: the codec
         for number, member in enumerate(tar):
             if number == 0:
@@ -249,8 +216,8 @@ def _extract(archive: Path, root: Path, listing: Path) -> None:
 
 
 def install(manifest: dict, bundle: Path, dest: Path, components: list[str]) -> None:
-    """Unpack COMPONENTS into DEST (those unpacked before, by their stamp, are not
-    unpacked again), then hold every file of each to its archive's file list."""
+    """COMPONENTS unpacked into DEST (not again where stamped), every file held to its
+    archive's file list."""
     stamps = dest / ".unpacked"
     stamps.mkdir(parents=True, exist_ok=True)
     for name in components:
@@ -258,10 +225,8 @@ def install(manifest: dict, bundle: Path, dest: Path, components: list[str]) -> 
         stamp, listing = stamps / entry["sha256"], stamps / f"{entry['sha256']}.sha256"
         root = dest / entry["root"]
         if not (stamp.exists() and listing.exists()):
-            log.step(
-                f"bundle: unpacking {entry['archive']} "
-                f"({entry['bytes'] / 2**20:.1f} MiB)"
-            )
+            mib = entry["bytes"] / 2**20
+            log.step(f"bundle: unpacking {entry['archive']} ({mib:.1f} MiB)")
             _extract(bundle / entry["archive"], root, listing)
         lines = (line.partition("  ") for line in listing.read_text().splitlines())
         files = {path: digest for digest, _, path in lines}  # `sha256sum` lines
@@ -282,16 +247,14 @@ def install(manifest: dict, bundle: Path, dest: Path, components: list[str]) -> 
 
 
 def stand_ins(manifest: dict, components: list[str]) -> list[str]:
-    """The modules the runner stands in for: those of fork.toml [gpu_bundle] stand_in
-    whose component has not arrived (forkbuild/gpu/bundle/standin.py)."""
+    """The modules of [gpu_bundle] stand_in whose component has not arrived."""
     table = manifest.get("stand_in", {})
     return sorted(table[c] for c in table if c not in components)
 
 
 def case_args(nodes: list[str], standing_in: list[str] = ()) -> list[str]:
-    """pytest's arguments for NODES: forked, each case under CASE_LIMIT_S
-    (pytest-timeout in the forked child, as the nightly runs it:
-    docs/gpu-nightly.md); with the stand-ins' plugin where modules are stood in for."""
+    """pytest's arguments for NODES: forked, each under CASE_LIMIT_S (pytest-timeout in
+    the forked child, as the nightly runs it), with the stand-ins' plugin if any."""
     limit = [
         f"--timeout={CASE_LIMIT_S}" if a.startswith("--timeout=") else a
         for a in gpu_required.PER_CASE_TIMEOUT
@@ -310,16 +273,14 @@ def case_env(dest: Path, standing_in: list[str] = ()) -> dict[str, str]:
 
 
 def pythonpath(dest: Path, runner: bool = False) -> str:
-    """The cases' path: the tree, the bundle's site, and the runner's own modules where
-    RUNNER (the stand-ins' plugin)."""
-    return os.pathsep.join(
-        [str(dest / "tree"), str(dest / "site"), *([RUNNER] if runner else [])]
-    )
+    """The tree, the bundle's site, and where RUNNER the runner's (the stand-ins')."""
+    paths = [str(dest / "tree"), str(dest / "site"), *([RUNNER] if runner else [])]
+    return os.pathsep.join(paths)
 
 
 def probe(platform_too: bool) -> dict:
-    """What `import vllm` gives with the bundle first on sys.path (`probe`
-    subcommand), with the stand-ins FORK_BUNDLE_STAND_INS names."""
+    """What `import vllm` gives with the bundle first on sys.path, FORK_BUNDLE_STAND_INS
+    stood in for (the `probe` subcommand)."""
     standing_in = bundle_standin.install(bundle_standin.from_env())
     import vllm
 
@@ -347,25 +308,11 @@ def check_vllm(
     platform_too = set(manifest["every_case"]) <= set(components)
     report = dest / "probe.json"  # a file: vLLM logs to stdout
     report.unlink(missing_ok=True)
-    flag = "1" if platform_too else "0"
+    argv = [sys.executable, "-m", MODULE, "probe", str(int(platform_too)), str(report)]
+    env = {**os.environ, **case_env(dest, standing_in)}
+    env["PYTHONPATH"] = pythonpath(dest, runner=True)
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "forkbuild.gpu.bundle.runner",
-            "probe",
-            flag,
-            str(report),
-        ],
-        env={
-            **os.environ,
-            **case_env(dest, standing_in),
-            "PYTHONPATH": pythonpath(dest, runner=True),
-        },
-        cwd=dest / "tree",
-        capture_output=True,
-        text=True,
-        check=False,
+        argv, env=env, cwd=dest / "tree", capture_output=True, text=True
     )
     if done.returncode != 0 or not report.is_file():
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -397,18 +344,12 @@ def check_vllm(
     return found
 
 
-# --- the cases ------------------------------------------------------------------------
-
-
 def plan(
     manifest: dict, required: tuple[str, ...], components: list[str]
 ) -> tuple[list[str], dict[str, str]]:
-    """The required cases the parts present allow, and why each other one does not
-    run."""
+    """The required cases the parts present allow, and why each other one does not."""
     have = set(components)
-    where = {
-        name: part["name"] for part in manifest["parts"] for name in part["components"]
-    }
+    where = {c: part["name"] for part in manifest["parts"] for c in part["components"]}
     runnable, apart = [], {}
     for node in required:
         if node in manifest["not_carried"]:
@@ -416,11 +357,8 @@ def plan(
         elif node not in manifest["needs"]:
             apart[node] = "not in the bundle: the manifest does not list what it needs"
         else:
-            missing = [
-                c
-                for c in manifest["every_case"] + manifest["needs"][node]
-                if c not in have
-            ]
+            need = manifest["every_case"] + manifest["needs"][node]
+            missing = [c for c in need if c not in have]
             if missing:
                 parts = sorted({where[c] for c in missing})
                 apart[node] = f"needs {', '.join(parts)} (not transferred yet)"
