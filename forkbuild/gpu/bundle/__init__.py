@@ -1,4 +1,2 @@
-"""The GPU bundle: its build (build), its check on a simulated host (check), and
-the GPU host's runner (runner, run.sh, standin, import_trace), which use the standard
-library only.
-"""
+"""The GPU bundle: build, check (on a simulated host), and the GPU host's runner
+(runner, run.sh, standin, import_trace: the standard library only)."""

@@ -56,8 +56,7 @@ def home() -> Path:
 
 
 def _offline() -> tuple[str, ...]:
-    """A command prefix that refuses the network (a new network namespace), or nothing
-    where the kernel does not let this user make one."""
+    """A prefix that refuses the network (unshare -n), where this user may use it."""
     unshare = shutil.which("unshare")
     tried = unshare and subprocess.run([unshare, "-n", "true"], capture_output=True)
     return (unshare, "-n") if tried and tried.returncode == 0 else ()
@@ -113,8 +112,7 @@ def simulated_host(pins: Pins) -> tuple[Path, Path]:
 
 @dataclass(frozen=True)
 class SimHost:
-    """The simulated host: its python, the bundle's site/ unpacked there (its tree/
-    beside it), the driver stub's folder, where reports go, the offline prefix."""
+    """The simulated host; SITE: the bundle's site/ unpacked there, its tree/ beside."""
 
     python: Path
     site: Path
@@ -232,13 +230,8 @@ def _on_simulated_host(
 def _refuses_without_gpu(bundle: Path, env: dict[str, str]) -> None:
     """`run.sh OUT` on this machine: one line, no NVIDIA GPU, nothing run."""
     out = home() / "run-out"
-    done = subprocess.run(
-        ["bash", str(bundle / "run.sh"), str(out)],
-        env=env,
-        cwd=home(),
-        capture_output=True,
-        text=True,
-    )
+    command = ["bash", str(bundle / "run.sh"), str(out)]
+    done = subprocess.run(command, env=env, cwd=home(), capture_output=True, text=True)
     lines = done.stderr.strip().splitlines()
     one_line = len(lines) == 1 and "no NVIDIA GPU" in lines[0]
     if done.returncode == 0 or not one_line or out.exists():
@@ -251,9 +244,9 @@ def _refuses_without_gpu(bundle: Path, env: dict[str, str]) -> None:
 def verify(
     pins: Pins, host: SimHost, name: str
 ) -> tuple[pytest_runner.Outcome, pytest_runner.Outcome]:
-    """The GPU cases and kernel calls run from the unpacked bundle as its runner runs
-    them, then the engine's modules imported: each must import, each GPU case skip
-    only for want of a device, the calls reach dispatch. Returns (GPU cases, calls)."""
+    """(GPU cases, kernel calls) run from the bundle as its runner runs them, the
+    engine's modules imported last: each imports, each case skips only for want of a
+    device, the calls reach dispatch."""
     settings = load_gpu_bundle()
     nodes = [*pins.gpu_tests, *pins.cuda_route_tests]
     outcome, failed = _run_traced(host, name, nodes, settings.engine_modules)
@@ -324,9 +317,8 @@ def _without(dist: tuple[str, str], pins: Pins, host: SimHost) -> str:
 
 
 def _part_one(reference: gpu_bundle.Bundle, host: SimHost) -> str:
-    """Part 1 of the reference bundle alone, on the simulated host: a copy of SITE
-    without the extensions that part lacks, run as the runner runs part 1's cases.
-    Their modules must import with the stand-ins, and must not without them."""
+    """Part 1 of the reference bundle alone (a copy of SITE without the extensions it
+    lacks), its cases run as the runner runs them: they import with stand-ins only."""
     first = reference.parts[0]
     nodes = reference.cases[first.name]
     if not nodes:
@@ -386,9 +378,8 @@ def _run_part_one(host: SimHost, nodes: list[str], standing_in: list[str]) -> li
 def _run_traced(
     host: SimHost, name: str, nodes: list[str], imports: tuple[str, ...], standing_in=()
 ) -> tuple[pytest_runner.Outcome, list[str]]:
-    """NODES run from the bundle unpacked at SITE as its runner runs cases (STANDING_IN
-    stood in for), through the driver stub, with IMPORTS imported at the end
-    (forkbuild/gpu/bundle/import_trace.py): the outcome, and the import errors."""
+    """NODES run from the bundle at SITE as its runner runs them (STANDING_IN stood in
+    for), IMPORTS imported last (import_trace.py): the outcome and import errors."""
     site, results = host.site, host.results
     tree, report = site.parent / "tree", results / f"{name}-imports.json"
     logs = results / f"{name}-tests.log"

@@ -1,15 +1,12 @@
-"""A pytest plugin (`-p forkbuild.gpu.bundle.import_trace`) that records what a
-session imported: the distributions and the run folder's (the tree's) files a GPU host
-must have, for forkbuild/gpu/bundle/build.py. At the end it imports the modules the
-cases import only while they run (inside functions, in the engine's processes).
+"""A pytest plugin (`-p forkbuild.gpu.bundle.import_trace`): the distributions and the
+run folder's (the tree's) files a session imported, which a GPU host must have
+(build.py), after importing last what the cases import only while they run.
 
-Settings, from the environment:
   FORKBUILD_TRACE_OUT     the JSON file to write
-  FORKBUILD_TRACE_BLOCK   comma-separated top-level modules made unimportable first
-                          (what the bundle leaves out) by `sys.modules[name] = None`,
-                          which find_spec, and so vLLM's has_flashinfer(), reads as
-                          "not installed"
-  FORKBUILD_TRACE_IMPORT  comma-separated modules to import at the end of the session
+  FORKBUILD_TRACE_BLOCK   top-level modules (comma-separated) the bundle leaves out,
+                          made unimportable first (`sys.modules[name] = None`: "not
+                          installed" to find_spec, and so to vLLM's has_flashinfer())
+  FORKBUILD_TRACE_IMPORT  modules (comma-separated) to import at the session's end
 """
 
 from __future__ import annotations
@@ -32,26 +29,19 @@ for _blocked in _names("FORKBUILD_TRACE_BLOCK"):
 
 def loaded_files() -> set[Path]:
     """The resolved files of every module loaded now (sources and extensions)."""
-    files = set()
-    for module in list(sys.modules.values()):
-        location = getattr(module, "__file__", None)
-        # torch's _ops and _classes have a relative __file__
-        if location and Path(location).is_absolute():
-            files.add(Path(location).resolve())
-    return files
+    found = [getattr(module, "__file__", None) for module in list(sys.modules.values())]
+    # torch's _ops and _classes have a relative __file__
+    return {Path(f).resolve() for f in found if f and Path(f).is_absolute()}
 
 
 def _requirement_names(dist: importlib.metadata.Distribution) -> list[str]:
-    """The names DIST requires here (markers evaluated, extras not taken), as
-    installers read them, with the venv's own `packaging`."""
+    """What DIST requires here (markers evaluated, no extras), by the venv's own."""
     from packaging.requirements import Requirement
 
-    names = []
-    for text in dist.requires or ():
-        requirement = Requirement(text)
-        if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
-            names.append(requirement.name)
-    return names
+    wanted = [Requirement(text) for text in dist.requires or ()]
+    return [
+        w.name for w in wanted if w.marker is None or w.marker.evaluate({"extra": ""})
+    ]
 
 
 def distributions_of(files: set[Path]) -> dict[str, dict]:
@@ -61,9 +51,8 @@ def distributions_of(files: set[Path]) -> dict[str, dict]:
     owners: dict[Path, list[importlib.metadata.Distribution]] = {}
     for dist in importlib.metadata.distributions():
         for entry in dist.files or ():
-            owners.setdefault(Path(str(dist.locate_file(entry))).resolve(), []).append(
-                dist
-            )
+            path = Path(str(dist.locate_file(entry))).resolve()
+            owners.setdefault(path, []).append(dist)
 
     def vendored(dist: importlib.metadata.Distribution) -> bool:
         metadata = Path(str(dist._path)).resolve() / "METADATA"  # type: ignore[attr-defined]

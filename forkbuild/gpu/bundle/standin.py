@@ -1,11 +1,10 @@
 """Empty modules in place of compiled vLLM extensions a GPU bundle's parts lack yet.
 
-vLLM's CUDA platform imports its cache ops' extension (`vllm._C_stable_libtorch`) only
-to register the ops, and that extension is a part of its own. Until that part arrives,
-the runner imports an empty module in its place (fork.toml [gpu_bundle] stand_in) and
-runs only cases read to call none of its ops (docs/gpu-nightly.md). Loaded as a pytest
-plugin (`-p`) and by the runner's vLLM probe, before anything imports vLLM; the modules
-come from FORK_BUNDLE_STAND_INS (comma-separated).
+vLLM's CUDA platform imports its cache ops' extension (`vllm._C_stable_libtorch`), a
+part of its own, only to register the ops: until it arrives the runner imports an empty
+module instead (fork.toml [gpu_bundle] stand_in) and runs only cases that call none of
+them. A pytest plugin (`-p`), also loaded by the runner's vLLM probe before vLLM is;
+the modules: FORK_BUNDLE_STAND_INS (comma-separated).
 """
 
 from __future__ import annotations
