@@ -546,8 +546,8 @@ class Part:
 def pack(
     sizes: dict[str, int], order: list[str], limit: int, first_extra: int
 ) -> list[Part]:
-    """Components into parts of at most LIMIT bytes, each going to the first part with
-    room, in ORDER (part 1 also holds FIRST_EXTRA bytes: the runner and manifest)."""
+    """Components, in ORDER, into the first part of at most LIMIT bytes with room (part
+    1 also holds FIRST_EXTRA bytes: the runner and manifest)."""
     filled: list[list[str]] = []
     used: list[int] = []  # bytes, per part
     for name in order:
@@ -615,9 +615,7 @@ class Source:
     settings: GpuBundle
 
 
-def prepare(
-    pins: Pins, results: Path, route: tuple[Path, Path, Path] | None = None
-) -> Source:
+def prepare(pins: Pins, results: Path, route: tuple[Path, ...] | None = None) -> Source:
     """The CUDA route (made in build/cuda-route unless ROUTE gives its python, tree and
     stub folder) and the trace of the GPU cases' imports there."""
     if route is None:
@@ -685,8 +683,8 @@ def build(
     source: Source | None = None,
     codec: Codec = XZ,
 ) -> Bundle:
-    """The bundle for HOST_FILE (default: fork.toml's reference host) in OUT (default
-    dist/gpu-bundle), in parts of at most PART_MIB, its archives stored as CODEC."""
+    """The bundle for HOST_FILE (default: fork.toml's) in OUT (dist/gpu-bundle), in
+    parts of at most PART_MIB, its archives as CODEC."""
     results = build_dir() / "test-results"
     results.mkdir(parents=True, exist_ok=True)
     source = source or prepare(pins, results)
@@ -732,8 +730,7 @@ def _order(settings: GpuBundle, names: set[str]) -> list[str]:
 def manifest(
     pins: Pins, made: Made, entries: dict[str, dict], parts: list[Part], settings
 ) -> dict:
-    """manifest.json: what the runner checks the host and the parts against, and
-    what it runs (ENTRIES: each component's archive, root, sha256, codec, size)."""
+    """manifest.json: what the runner checks and runs (ENTRIES: the components')."""
     host, lock_pins, selection = made.host, made.lock_pins, made.selection
     cases = cases_by_part(parts, list(settings.every_case), settings.needs)
     return {
@@ -798,7 +795,8 @@ def assemble(
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     try:
-        measured = _write_bundle(partial, runner, archives, content, parts, limit)
+        loose = _write_bundle(partial, archives, content)
+        measured = _measure(partial, parts, loose, limit)
         out.parent.mkdir(parents=True, exist_ok=True)
         swap_into_place(partial, out)  # OUT is the old bundle or the new one
     finally:
@@ -810,14 +808,10 @@ def assemble(
 
 
 def _write_bundle(
-    partial: Path,
-    runner: dict[str, Path],
-    archives: dict[str, Path],
-    manifest: dict,
-    parts: list[Part],
-    limit: int,
-) -> list[Part]:
-    """The bundle's files in PARTIAL; the parts as they measure there."""
+    partial: Path, archives: dict[str, Path], manifest: dict
+) -> list[str]:
+    """The bundle's files in PARTIAL; part 1's loose files."""
+    runner = runner_files()
     for path, source in runner.items():
         (partial / path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, partial / path)
@@ -837,7 +831,13 @@ def _write_bundle(
     (partial / "SHA256SUMS").write_text(
         "".join(f"{sha256_file(partial / p)}  {p}\n" for p in loose)
     )
-    loose.append("SHA256SUMS")
+    return [*loose, "SHA256SUMS"]
+
+
+def _measure(
+    partial: Path, parts: list[Part], loose: list[str], limit: int
+) -> list[Part]:
+    """The parts as they measure in PARTIAL, each at most LIMIT bytes."""
     measured = []
     for part in parts:
         files = [*(partial / part.name).iterdir()]
