@@ -275,6 +275,9 @@ class Component:
         text = json.dumps([FORMAT, codec.name, codec.filters, codec.chunk, listing])
         return hashlib.sha256(text.encode()).hexdigest()
 
+    def raw_size(self) -> int:
+        return sum(f.stat().st_size for f in self.files.values())
+
 
 def _wheel_files(
     tree: Path, wheel: Path, loaded: set[str], patched: set[str]
@@ -519,8 +522,7 @@ def compress(
         return archives
     log.step(
         f"gpu bundle: {len(todo)} component(s), "
-        f"{sum(p.stat().st_size for c in todo for p in c.files.values()) / 2**20:.0f} "
-        f"MiB, as {codec.name} "
+        f"{sum(c.raw_size() for c in todo) / 2**20:.0f} MiB, as {codec.name} "
         f"({', '.join(c.name for c in todo)}) in {store}"
     )
     with tempfile.TemporaryDirectory(prefix=".partial-", dir=store) as tmp:
