@@ -100,25 +100,11 @@ def _with_pr(worktree: Path) -> Path:
     return with_pr
 
 
-def _rows(
-    worktree: Path,
-    tmp_path: Path,
-    found: tuple[mutants.Mutant, ...],
-    cache: Path | None = None,
-    stock: Path | None = None,
-) -> list[mutants.Row]:
-    """The differential of FOUND: the release's tests on STOCK (WORKTREE unless given),
-    the PR's case on a second worktree."""
-    return mutants.differential(
-        Path(sys.executable),
-        stock or worktree,
-        _with_pr(worktree),
-        found,
-        [PR_CASE],
-        {"01-pages": lambda case: case.startswith("tests/test_pr.py::")},
-        tmp_path / "results",
-        cache=cache,
-    )
+def _rows(work: Path, tmp: Path, found, cache=None, stock=None) -> list[mutants.Row]:
+    """FOUND's differential: release tests on STOCK (or WORK), the PR's beside."""
+    runs = mutants.Runs(Path(sys.executable), tmp / "results", cache=cache)
+    prs = {"01-pages": (PR_CASE,)}
+    return mutants.differential(runs, stock or work, _with_pr(work), found, prs)
 
 
 def test_the_differential_credits_a_pr_only_with_what_the_release_tests_miss(
@@ -136,10 +122,8 @@ def test_the_differential_credits_a_pr_only_with_what_the_release_tests_miss(
         "`test_pages_of_a_longer_row` |" in text
     )
     assert "offset ignored" not in text.split("Mutants tried")[0]
-    assert (
-        "Mutants tried on the code these tests cover: 2" in text
-        and "kill 1 of them" in text
-    )
+    assert "Mutants tried on the code these tests cover: 2" in text
+    assert "kill 1 of them" in text
     # Each listed mutant as the diff the tool applied, which `git apply` takes on the
     # release as the description shows it; not the caught one.
     assert text.count("```diff") == 1
@@ -202,14 +186,9 @@ def test_a_run_made_before_is_read_back_and_a_changed_tree_is_run_again(
 
 def test_a_kill_is_a_case_that_passed_unmutated_under_its_id_or_a_new_one():
     case = "tests/test_layouts.py::test_views"
-    baseline = Outcome(
-        {
-            f"{case}[BLHNC]": "passed",
-            f"{case}[BLNHC]": "passed",
-            "tests/test_layouts.py::test_download": "failed",
-            "tests/test_layouts.py::test_gpu": "skipped",
-        }
-    )
+    cases = {f"{case}[BLHNC]": "passed", f"{case}[BLNHC]": "passed"}
+    cases |= {"tests/test_layouts.py::test_download": "failed"}
+    baseline = Outcome(cases | {"tests/test_layouts.py::test_gpu": "skipped"})
     # BLNHC made an alias of BLHNC: the enum has one member fewer, and its case is
     # renamed (pytest makes ids unique by a suffix); the renamed case failing is a kill.
     mutated = dict(baseline.cases)
@@ -219,9 +198,8 @@ def test_a_kill_is_a_case_that_passed_unmutated_under_its_id_or_a_new_one():
     # A module that no longer collects is a kill where its cases passed unmutated.
     broken = {"tests/test_layouts.py::(module)": "error"}
     broken["tests/test_other.py::(module)"] = "error"
-    assert mutants.killers(Outcome(broken), baseline) == [
-        "tests/test_layouts.py::(module)"
-    ]
+    killed = mutants.killers(Outcome(broken), baseline)
+    assert killed == ["tests/test_layouts.py::(module)"]
     # A case skipped unmutated (a GPU case whose skip condition a mutant changed) that
     # now fails here, or a case of a function nothing of which passed, kills nothing.
     other = {"tests/test_layouts.py::test_gpu": "failed"}
@@ -300,9 +278,7 @@ def test_the_newest_release_has_mutants_that_git_apply_takes(fork_pins, tmp_path
         )
     with tarfile.open(sdist) as tar:
         top = tar.getmembers()[0].name.split("/", 1)[0]
-        paths = sorted(
-            {m.path for m in wanted}
-        )  # the release's files the mutants change
+        paths = sorted({m.path for m in wanted})  # the release's files they change
         # forkbuild's own extraction: tarfile's filter= is not in Debian's 3.11.2
         tree.extract_data(tar, tmp_path, [tar.getmember(f"{top}/{p}") for p in paths])
     tmp_path = tmp_path / top
