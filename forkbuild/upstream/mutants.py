@@ -186,10 +186,8 @@ class Runs:
         for suffix in (".xml", ".log"):
             if (kept := self.cache / f"{key}{suffix}").is_file():
                 shutil.copyfile(kept, self.results / f"{name}{suffix}")
-        log.step(
-            f"mutants: {name}: the same run was made before "
-            f"({self.cache / key}.xml): {outcome}"
-        )
+        said = f"the same run was made before ({self.cache / key}.xml): {outcome}"
+        log.step(f"mutants: {name}: {said}")
         return outcome
 
     def _key(

@@ -197,9 +197,8 @@ def lock_hooks(pins: Pins, config_text: str) -> Path:
     if target.is_file() and lock.recorded_digest(target) == digest:
         log.step(f"lock: {target.name} is up to date")
         return target
-    body = lock.resolve(
-        pins, "".join(f"{r}\n" for r in requirements), "3.11", target.name
-    )
+    inputs = "".join(f"{r}\n" for r in requirements)
+    body = lock.resolve(pins, inputs, "3.11", target.name)
     target.write_text(f"""\
 # {target.name}: the mypy hook of vLLM's .pre-commit-config.yaml
 # ({", ".join(requirements)}),
@@ -337,17 +336,16 @@ def apply_mails(work: Path, mails: list[Path], env: dict[str, str]) -> None:
     if (applied := tree.git(am, work, env)).returncode != 0:
         tree.git(["am", "--abort"], work, env)
         said = (applied.stdout + applied.stderr).strip()[-300:]
+        names, hint = ", ".join(m.name for m in mails), "refresh the PR's patch"
         raise ForkError(
-            f"{', '.join(m.name for m in mails)} do not apply with git am "
-            f"on {work.name}: {said}",
-            "refresh the PR's patch against the release",
+            f"{names} do not apply with git am on {work.name}: {said}",
+            f"{hint} against the release",
         )
 
 
 def changed_files(work: Path, base: str) -> list[str]:
-    return sorted(
-        tree.git(["diff", "--name-only", f"{base}..HEAD"], work).stdout.split()
-    )
+    diff = tree.git(["diff", "--name-only", f"{base}..HEAD"], work)
+    return sorted(diff.stdout.split())
 
 
 def lines_added(work: Path, base: str) -> int:
@@ -426,10 +424,8 @@ class Proof:
         return sum(self.outcome.times.values())
 
     def case_lines(self, form: str) -> list[str]:
-        times, cases = self.outcome.times, sorted(self.outcome.cases.items())
-        return [
-            form.format(case=c, status=s, seconds=times.get(c, 0)) for c, s in cases
-        ]
+        t, cases = self.outcome.times, sorted(self.outcome.cases.items())
+        return [form.format(case=c, status=s, seconds=t.get(c, 0)) for c, s in cases]
 
 
 def prove(ctx: Context, pr: PullRequest, mail: Path, mypy_python: Path) -> Proof:
@@ -443,11 +439,9 @@ def prove(ctx: Context, pr: PullRequest, mail: Path, mypy_python: Path) -> Proof
     job = check_job(pr, collecting_jobs(ctx.python, work, tests))
     proof = Proof(pr, mail, outcome, hooks, job, lines_added(work, ctx.tag))
     if proof.seconds > MAX_CASES_S:
-        raise ForkError(
-            f"{pr.name}: its cases take {proof.seconds:.1f} s on CPU, "
-            f"over {MAX_CASES_S:.0f} s",
-            "make them smaller: the CPU job runs them beside everything else",
-        )
+        took = f"{proof.seconds:.1f} s on CPU, over {MAX_CASES_S:.0f} s"
+        hint = "make them smaller: the CPU job runs them beside everything else"
+        raise ForkError(f"{pr.name}: its cases take {took}", hint)
     return proof
 
 

@@ -182,11 +182,8 @@ def trial(pins: Pins, version: str) -> tuple[list[Outcome], Found]:
 
 
 def _print_audit(base_sdist: Path, new_sdist: Path, version: str) -> None:
-    # The backport audit sorts the changes of the #47054 path up to AUDIT_RELEASE: a
-    # file of that path that changed in VERSION and has no row there is unsorted. Its
-    # second part sorts upstream's fixes up to the release it went through: a fix up to
-    # VERSION without a decision, or a VERSION past that release, is work left before
-    # --accept.
+    # Work left before --accept: a changed file of the #47054 path without a row, a
+    # fix up to VERSION without a decision, a VERSION past what the audit went through.
     text = AUDIT_DOC.read_text()
     unsorted = unsorted_files(base_sdist, new_sdist, audited_set(), text)
     pending, through = unsorted_fixes(text, version), audited_through(text)
@@ -197,12 +194,10 @@ def _print_audit(base_sdist: Path, new_sdist: Path, version: str) -> None:
         else "every changed file of the #47054 path has a row (changes sorted up "
         f"to {AUDIT_RELEASE}; review newer hunks of those files by hand)"
     )
-    fixes = (
-        f"{len(pending)} fix(es) up to {version} without a decision: "
-        + ", ".join(pending)
-        if pending
-        else f"every fix it lists up to {version} has a decision"
-    )
+    fixes = f"every fix it lists up to {version} has a decision"
+    if pending:
+        fixes = f"{len(pending)} fix(es) up to {version} without a decision: "
+        fixes += ", ".join(pending)
     if through is None or Version(version) > Version(through):
         fixes += f"; fixes after {through} are unsorted: sort those up to {version} "
         fixes += "before accepting"
@@ -212,18 +207,11 @@ def _print_audit(base_sdist: Path, new_sdist: Path, version: str) -> None:
 
 def _effect_recorded(pins: Pins, patch: patch_status.PatchInfo, version: str) -> bool:
     """The patch's claim covers VERSION and its regression cases pass there."""
-    claim = patch.applied_upstream
-    if (
-        claim is None
-        or Version(version).release < tuple(claim)
-        or version not in {r.version for r in pins.releases}
-    ):
+    claim, modules = patch.applied_upstream, pins.regression_by_patch.get(patch.name)
+    if claim is None or not modules or Version(version).release < tuple(claim):
         return False
-    modules = pins.regression_by_patch.get(patch.name, ())
-    return (
-        bool(modules)
-        and patch_status.recorded(pins.release(version), modules) == "pass"
-    )
+    listed = version in {r.version for r in pins.releases}
+    return listed and patch_status.recorded(pins.release(version), modules) == "pass"
 
 
 def rewrite_pins(text: str, pins: Pins, version: str, found: Found) -> str:
@@ -254,9 +242,8 @@ def rewrite_pins(text: str, pins: Pins, version: str, found: Found) -> str:
     old.update(torch=pins.torch, sdist=inline(pins.sdist))
     old["binaries"] = inline(pins.routes["cpu"].wheel)
     old.add(tomlkit.nl())
-    later = {
-        k: t for k, t in releases.items() if Version(k) > Version(pins.upstream_version)
-    }
+    base = Version(pins.upstream_version)
+    later = {k: t for k, t in releases.items() if Version(k) > base}
     for key in later:
         releases.remove(key)
     for key, table in {pins.upstream_version: old, **later}.items():
@@ -302,8 +289,7 @@ def accept(pins: Pins, version: str) -> None:
     )
 
 
-# -- The backport audit: which changed files of the #47054 path are still unsorted -----
-
+# The backport audit: which changed files of the #47054 path are still unsorted.
 AUDIT_DOC = PINS_FILE.parent / "docs" / "backport-audit.md"
 AUDIT_FILES = PINS_FILE.parent / "docs" / "backport-audit-files.txt"
 AUDIT_RELEASE = "0.26.0"  # the release the audit sorts the changes of
@@ -319,7 +305,6 @@ def differing_files(old_sdist: Path, new_sdist: Path, names: list[str]) -> list[
 
 
 def audited_set(path: Path = AUDIT_FILES) -> list[str]:
-    """The [audited] section of PATH: one path a line, # comments."""
     files, section = [], None
     for line in path.read_text().splitlines():
         line = line.split("#", 1)[0].strip()
@@ -331,7 +316,6 @@ def audited_set(path: Path = AUDIT_FILES) -> list[str]:
 
 
 def audit_table_files(text: str) -> set[str]:
-    """The files of the rows whose first cell opens with a `vllm/...` code span."""
     return {m[1] for line in text.splitlines() if (m := _AUDIT_ROW.match(line))}
 
 
