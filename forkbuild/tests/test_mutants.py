@@ -38,11 +38,10 @@ def test_second_page():
 @pytest.fixture
 def worktree(tmp_path: Path) -> Path:
     work = tmp_path / "release"
-    (work / "pkg").mkdir(parents=True)
-    (work / "pkg" / "__init__.py").write_text("")
-    (work / "pkg" / "views.py").write_text(VIEWS)
-    (work / "tests").mkdir()
-    (work / "tests" / "test_views.py").write_text(TEST)
+    files = {"pkg/__init__.py": "", "pkg/views.py": VIEWS, "tests/test_views.py": TEST}
+    for name, text in files.items():
+        (work / name).parent.mkdir(parents=True, exist_ok=True)
+        (work / name).write_text(text)
     tree.git_ok(["init", "-q"], work, None, "make the fake release")
     _commit(work, "release")
     return work
@@ -73,10 +72,8 @@ KILL = "tests/test_views.py::test_second_page"  # the release's case a kill fail
 
 def _mutant(name: str, line: str, was: str = "    return raw[offset::stride]"):
     """A mutant of the fake release's second line (WAS) into LINE, as a diff file."""
-    diff = (
-        "--- a/pkg/views.py\n+++ b/pkg/views.py\n@@ -1,2 +1,2 @@\n"
-        f" def page_view(raw, offset, stride):\n-{was}\n+{line}\n"
-    )
+    head = "--- a/pkg/views.py\n+++ b/pkg/views.py\n@@ -1,2 +1,2 @@\n"
+    diff = f"{head} def page_view(raw, offset, stride):\n-{was}\n+{line}\n"
     return mutants.Mutant(name, diff, ("tests/test_views.py",))
 
 
@@ -89,8 +86,7 @@ NOBODY = _mutant("copy instead of view", "    return list(raw[offset::stride])")
 
 
 def _with_pr(worktree: Path) -> Path:
-    """A second worktree of the release with the PR committed, as `make upstream`
-    has."""
+    """A second worktree of the release, the PR committed, as `make upstream` has."""
     with_pr = worktree.parent / "with-pr"
     if not with_pr.exists():
         clone = ["clone", "-q", str(worktree), str(with_pr)]
@@ -100,46 +96,27 @@ def _with_pr(worktree: Path) -> Path:
     return with_pr
 
 
-def _rows(
-    worktree: Path,
-    tmp_path: Path,
-    found: tuple[mutants.Mutant, ...],
-    cache: Path | None = None,
-    stock: Path | None = None,
-) -> list[mutants.Row]:
-    """The differential of FOUND: the release's tests on STOCK (WORKTREE unless given),
-    the PR's case on a second worktree."""
-    return mutants.differential(
-        Path(sys.executable),
-        stock or worktree,
-        _with_pr(worktree),
-        found,
-        [PR_CASE],
-        {"01-pages": lambda case: case.startswith("tests/test_pr.py::")},
-        tmp_path / "results",
-        cache=cache,
-    )
+def _rows(work: Path, tmp: Path, found, cache=None, stock=None) -> list[mutants.Row]:
+    """FOUND's differential: release tests on STOCK (or WORK), the PR's beside."""
+    runs = mutants.Runs(Path(sys.executable), tmp / "results", cache=cache)
+    prs = {"01-pages": (PR_CASE,)}
+    return mutants.differential(runs, stock or work, _with_pr(work), found, prs)
 
 
 def test_the_differential_credits_a_pr_only_with_what_the_release_tests_miss(
     worktree, tmp_path
 ):
     caught, missed = _rows(worktree, tmp_path, (CAUGHT, MISSED))
-    assert caught.upstream_killers == [KILL]
-    assert not caught.survivor
+    assert caught.upstream_killers == [KILL] and not caught.survivor
     assert _clean(_with_pr(worktree))
     assert missed.survivor and missed.by_pr == {"01-pages": [PR_CASE]}
     assert _clean(worktree)
     text = mutants.table([caught, missed], "01-pages")
-    assert (
-        "| the row cut at 8 items | `pkg/views.py` | no | "
-        "`test_pages_of_a_longer_row` |" in text
-    )
+    row = "| the row cut at 8 items | `pkg/views.py` | no | "
+    assert row + "`test_pages_of_a_longer_row` |" in text
     assert "offset ignored" not in text.split("Mutants tried")[0]
-    assert (
-        "Mutants tried on the code these tests cover: 2" in text
-        and "kill 1 of them" in text
-    )
+    assert "Mutants tried on the code these tests cover: 2" in text
+    assert "kill 1 of them" in text
     # Each listed mutant as the diff the tool applied, which `git apply` takes on the
     # release as the description shows it; not the caught one.
     assert text.count("```diff") == 1
@@ -202,14 +179,9 @@ def test_a_run_made_before_is_read_back_and_a_changed_tree_is_run_again(
 
 def test_a_kill_is_a_case_that_passed_unmutated_under_its_id_or_a_new_one():
     case = "tests/test_layouts.py::test_views"
-    baseline = Outcome(
-        {
-            f"{case}[BLHNC]": "passed",
-            f"{case}[BLNHC]": "passed",
-            "tests/test_layouts.py::test_download": "failed",
-            "tests/test_layouts.py::test_gpu": "skipped",
-        }
-    )
+    cases = {f"{case}[BLHNC]": "passed", f"{case}[BLNHC]": "passed"}
+    cases |= {"tests/test_layouts.py::test_download": "failed"}
+    baseline = Outcome(cases | {"tests/test_layouts.py::test_gpu": "skipped"})
     # BLNHC made an alias of BLHNC: the enum has one member fewer, and its case is
     # renamed (pytest makes ids unique by a suffix); the renamed case failing is a kill.
     mutated = dict(baseline.cases)
@@ -219,9 +191,8 @@ def test_a_kill_is_a_case_that_passed_unmutated_under_its_id_or_a_new_one():
     # A module that no longer collects is a kill where its cases passed unmutated.
     broken = {"tests/test_layouts.py::(module)": "error"}
     broken["tests/test_other.py::(module)"] = "error"
-    assert mutants.killers(Outcome(broken), baseline) == [
-        "tests/test_layouts.py::(module)"
-    ]
+    killed = mutants.killers(Outcome(broken), baseline)
+    assert killed == ["tests/test_layouts.py::(module)"]
     # A case skipped unmutated (a GPU case whose skip condition a mutant changed) that
     # now fails here, or a case of a function nothing of which passed, kills nothing.
     other = {"tests/test_layouts.py::test_gpu": "failed"}
@@ -250,9 +221,8 @@ def test_a_survivor_nothing_kills_and_an_idle_pr_stop_the_step(worktree, tmp_pat
 
 
 def test_a_mutant_a_triggered_gpu_job_would_catch_does_not_count(worktree, tmp_path):
-    """Missed on CPU, killed by the PR, but a GPU job that a change to the file
-    triggers would likely catch it (read): it is named beside the table, not in it,
-    and measures no PR."""
+    """Missed on CPU, killed by the PR, but a triggered GPU job would likely catch it
+    (read): named beside the table, not in it, it measures no PR."""
     on_gpu = dataclasses.replace(MISSED, gpu_job="`gpu-job`")
     (row,) = _rows(worktree, tmp_path, (on_gpu,))
     assert row.survivor and row.by_pr["01-pages"] and not row.counts
@@ -300,9 +270,7 @@ def test_the_newest_release_has_mutants_that_git_apply_takes(fork_pins, tmp_path
         )
     with tarfile.open(sdist) as tar:
         top = tar.getmembers()[0].name.split("/", 1)[0]
-        paths = sorted(
-            {m.path for m in wanted}
-        )  # the release's files the mutants change
+        paths = sorted({m.path for m in wanted})  # the release's files they change
         # forkbuild's own extraction: tarfile's filter= is not in Debian's 3.11.2
         tree.extract_data(tar, tmp_path, [tar.getmember(f"{top}/{p}") for p in paths])
     tmp_path = tmp_path / top

@@ -31,14 +31,9 @@ NEWER = [r.version for r in FORK.releases if Version(r.version) > Version(BASE)]
 
 
 def _forkbuild(args: list[str], env=None, timeout=60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "forkbuild", *args],
-        cwd=pins.REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    cmd = [sys.executable, "-m", "forkbuild", *args]
+    kw = {"cwd": pins.REPO_ROOT, "env": env, "capture_output": True, "text": True}
+    return subprocess.run(cmd, **kw, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -133,9 +128,8 @@ def test_rebase_moves_every_pin_together_and_keeps_fork_toml_as_written(
     # The old base joins the matrix as a stock release; the new base leaves it.
     assert raw["matrix"]["release"][BASE]["sdist"]["sha256"] == fork_pins.sdist.sha256
     assert version not in raw["matrix"]["release"]
-    assert list(raw["matrix"]["release"]) == sorted(
-        raw["matrix"]["release"], key=Version
-    )
+    releases = list(raw["matrix"]["release"])
+    assert releases == sorted(releases, key=Version)
 
     # Every comment stays, in order, and only the moved lines change.
     def comments(text: str) -> list[str]:
@@ -161,10 +155,8 @@ def _git_home(tmp_path: Path, config: str | None) -> dict[str, str]:
     if config is not None:
         (tmp_path / "gitconfig").write_text(config)
     home = {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path)}
-    return home | {
-        "GIT_CONFIG_GLOBAL": str(tmp_path / "gitconfig"),
-        "GIT_CONFIG_NOSYSTEM": "1",
-    }
+    config_file = {"GIT_CONFIG_GLOBAL": str(tmp_path / "gitconfig")}
+    return home | config_file | {"GIT_CONFIG_NOSYSTEM": "1"}
 
 
 def test_upstream_without_a_git_identity_stops_at_once(tmp_path):
@@ -227,19 +219,12 @@ def test_a_broken_pr_folder_is_refused_with_what_it_lacks(tmp_path):
         upstream.check_words(pr, BASE)
 
 
-@pytest.mark.parametrize(
-    ("marker", "runs"),
-    [
-        (None, True),
-        ("cpu_test", True),
-        ("'cpu_test'", True),
-        ("not cpu_test", False),
-        ("cpu_test and not slow_test", True),
-        ("slow_test", False),
-    ],
-)
-def test_a_job_runs_cpu_test_cases_only_when_its_marker_selects_them(marker, runs):
-    assert upstream.selects_cpu_test(marker) is runs
+SELECTS = (None, "cpu_test", "'cpu_test'", "cpu_test and not slow_test")
+
+
+@pytest.mark.parametrize("marker", [*SELECTS, "not cpu_test", "slow_test"])
+def test_a_job_runs_cpu_test_cases_only_when_its_marker_selects_them(marker):
+    assert upstream.selects_cpu_test(marker) is (marker in SELECTS)
 
 
 def _job(key: str, device: str, marker: str | None) -> dict:
@@ -277,9 +262,7 @@ def test_the_mypy_hook_is_read_from_the_release_and_locked(fork_pins, toolchain)
 
 @pytest.fixture(scope="module")
 def release_hooks(fork_pins, toolchain, tmp_path_factory) -> Path:
-    """The newest release's tree, unpacked from its sdist, with every PR applied in
-    sending order: what its hooks read (their scripts and configuration, ruff's
-    settings and its view of the packages, the Buildkite jobs)."""
+    """The newest release's tree with every PR applied in order: what its hooks read."""
     sdist = fetch.fetch(upstream.newest(fork_pins).sdist, lambda: toolchain)
     out = tmp_path_factory.mktemp("release")
     tree._extract_sdist(sdist, out)
@@ -299,9 +282,8 @@ def series_files() -> list[str]:
 def test_every_pr_case_runs_in_the_cpu_job_it_names(release_hooks, toolchain):
     for pr in upstream.load_prs(NEWEST):
         files = sorted({c.split("::", 1)[0] for c in pr.cases})
-        said = upstream.check_job(
-            pr, upstream.collecting_jobs(toolchain, release_hooks, files)
-        )
+        jobs = upstream.collecting_jobs(toolchain, release_hooks, files)
+        said = upstream.check_job(pr, jobs)
         assert f"({pr.job}, cpu" in said, said
 
 
@@ -310,9 +292,8 @@ def test_the_release_hooks_pass_on_the_series(release_hooks, toolchain):
     assert ".buildkite/test_areas/misc.yaml" in files  # the PRs' CI lines
     lines = upstream.run_hooks(toolchain, release_hooks, files)
     hooks = ("ruff check", "ruff format", *upstream.HOOK_SCRIPTS)
-    assert lines == [
-        f"{hook}: passed" for hook in (*hooks, "check_buildkite_step_keys")
-    ]
+    hooks += ("check_buildkite_step_keys",)
+    assert lines == [f"{hook}: passed" for hook in hooks]
 
 
 def test_a_hook_finding_stops_the_upstream_step(release_hooks, toolchain, tmp_path):
@@ -336,7 +317,7 @@ def test_a_pipeline_step_without_a_key_stops_the_upstream_step(
     try:
         with pytest.raises(ForkError, match="check_buildkite_step_keys"):
             upstream.run_hooks(
-                toolchain, release_hooks, [".buildkite/test_areas/misc.yaml"]
+                toolchain, release_hooks, [str(misc.relative_to(release_hooks))]
             )
     finally:
         misc.write_text(kept)

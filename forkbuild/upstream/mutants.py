@@ -1,8 +1,7 @@
-"""The differential mutation proof of `forkbuild upstream`: small breakages of the
-release's packed KV cache path (unified diffs: upstream-prs/mutants/<release>/NN-*.diff,
-with names, GPU jobs and the release's tests of each file in mutants.toml), applied one
-at a time, run against the release's own tests of that path (as shipped) and the PRs'
-cases. A PR is worth what it kills that the release's tests miss."""
+"""The differential mutation proof of `forkbuild upstream`: breakages of the release's
+packed KV cache path (upstream-prs/mutants/<release>/), applied one at a time, run
+against the release's own tests and the PRs' cases. A PR is worth what it kills that
+the release's tests miss."""
 
 from __future__ import annotations
 
@@ -29,6 +28,7 @@ from forkbuild.setup import tree
 MUTANTS_DIR = REPO_ROOT / "upstream-prs" / "mutants"
 # A PR set must prove itself on at least this many breakages the release's tests miss.
 MIN_SURVIVORS = 8
+PrCases = dict[str, tuple[str, ...]]  # each PR's name -> its cases
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,6 @@ def for_release(version: str, folder: Path = MUTANTS_DIR) -> tuple[Mutant, ...]:
 
 
 def apply(worktree: Path, mutant: Mutant) -> None:
-    """Apply MUTANT's diff to WORKTREE with `git apply`."""
     # Outside the worktree: its untracked files are part of a run's key.
     with tempfile.NamedTemporaryFile("w", suffix=".diff", newline="") as patch:
         patch.write(mutant.diff), patch.flush()
@@ -103,9 +102,8 @@ def _drop_bytecode(source: Path) -> None:
 
 
 def killers(outcome: Outcome, baseline: Outcome | None = None) -> list[str]:
-    """The cases that fail (or error) in OUTCOME and, with BASELINE, passed there (what
-    fails or skips unmutated kills nothing). A case BASELINE lacks counts when its
-    function (or module, if it no longer collects) passed: a mutant can rename ids."""
+    """The cases failing in OUTCOME that passed in BASELINE; a case BASELINE lacks
+    counts when its function (or module) passed: a mutant can rename ids."""
     failed = sorted(c for c, s in outcome.cases.items() if s in ("failed", "error"))
     if baseline is None:
         return failed
@@ -130,9 +128,7 @@ _TOOL_CACHES = ("__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache")
 
 @dataclass(frozen=True)
 class Runs:
-    """The pytest runs of one differential: PYTHON runs them, each with EXTRA_ENV, its
-    report in RESULTS/NAME.{xml,log}; with CACHE, each is kept there by what decides
-    its result (see _key)."""
+    """The pytest runs of one differential; with CACHE, each kept by its _key."""
 
     python: Path
     results: Path
@@ -142,13 +138,10 @@ class Runs:
     def mutated(
         self, work: Path, mutant: Mutant, args: list[str], name: str
     ) -> Outcome:
-        """ARGS in WORK with MUTANT applied alone, and undone."""
         log.step(f"mutants: {mutant.name} vs {name}")
         outcome = self.run(work, args, name, mutant)
-        found = killers(outcome)  # raw: differential() subtracts what fails unmutated
-        log.step(
-            f"mutants: {name}: {len(found) or 'no'} case{'(s)' * bool(found)} failed"
-        )
+        n = len(killers(outcome))  # raw: differential() subtracts what fails unmutated
+        log.step(f"mutants: {name}: {n or 'no'} case{'(s)' * bool(n)} failed")
         return outcome
 
     def run(
@@ -159,20 +152,17 @@ class Runs:
         mutant: Mutant | None = None,
         keep: Callable[[Outcome], bool] = lambda outcome: True,
     ) -> Outcome:
-        """One pytest run in WORKTREE, with MUTANT applied and undone when given. With
-        CACHE, a run made before of the same content is read back, so a stopped step
-        resumes where it stopped; a run is kept only when it ended by itself and KEEP
-        accepts it (an unmutated run the step rejects is made again next time)."""
+        """One pytest run, MUTANT applied and undone; with CACHE, a run made before is
+        read back (a stopped step resumes), kept if it ended and KEEP agrees."""
         self.results.mkdir(parents=True, exist_ok=True)
         key = self._key(worktree, mutant, pytest_args) if self.cache else ""
         if self.cache and (outcome := self._read_back(key, name)) is not None:
             return outcome
-        if mutant is not None:
+        if mutant is not None:  # git apply is all or nothing: a refusal changes nothing
             pytest_args = [*pytest_args, "--continue-on-collection-errors"]
+            apply(worktree, mutant)
         report, output = self.results / f"{name}.xml", self.results / f"{name}.log"
         try:
-            if mutant is not None:
-                apply(worktree, mutant)
             args = (self.python, worktree, pytest_args, report)
             outcome = run_pytest(*args, output=output, extra_env=self.extra_env)
         finally:
@@ -196,20 +186,15 @@ class Runs:
         for suffix in (".xml", ".log"):
             if (kept := self.cache / f"{key}{suffix}").is_file():
                 shutil.copyfile(kept, self.results / f"{name}{suffix}")
-        log.step(
-            f"mutants: {name}: the same run was made before "
-            f"({self.cache / key}.xml): {outcome}"
-        )
+        said = f"the same run was made before ({self.cache / key}.xml): {outcome}"
+        log.step(f"mutants: {name}: {said}")
         return outcome
 
     def _key(
         self, worktree: Path, mutant: Mutant | None, pytest_args: list[str]
     ) -> str:
-        """What decides a run's result: the interpreter and the packages beside it, the
-        worktree's tree object (not its commit: the PRs' mails are re-signed with a new
-        date each time), its untracked files' names and sizes (the release's binaries),
-        the mutant, the arguments, the environment given and what of the caller's
-        pytest or vLLM read."""
+        """What decides a run's result; the tree object, not the commit: the PRs' mails
+        are re-signed with a new date each time."""
 
         def git_out(*args: str) -> str:
             failed = f"git {' '.join(args)} failed in {worktree}"
@@ -256,22 +241,18 @@ class Row:
     by_pr: dict[str, list[str]]  # PR name -> its cases that failed
 
     @property
-    def survivor(self) -> bool:
-        """Missed by the release's own tests of the mutated code, run here (CPU)."""
+    def survivor(self) -> bool:  # missed by the release's own tests, run here (CPU)
         return not self.upstream_killers
 
     @property
     def counts(self) -> bool:
-        """Caught by no CI job that a change to the mutated file triggers: missed by the
-        release's tests run here, and by the triggered GPU jobs as read. Only such a
-        mutant measures a PR."""
+        """Caught by no CI job a change to the file triggers: it measures a PR."""
         return self.survivor and not self.mutant.gpu_job
 
 
 def deselect(baseline: Outcome) -> list[str]:
-    """pytest arguments leaving out each case that fails unmutated: it can kill nothing,
-    costs time (a model download refused offline, a CUDA call), and would stop `-x` at a
-    failure that is no kill."""
+    """pytest arguments leaving out each case failing unmutated: it kills nothing, costs
+    time and would stop `-x` at a failure that is no kill."""
     return [
         arg
         for case, status in sorted(baseline.cases.items())
@@ -283,9 +264,8 @@ def deselect(baseline: Outcome) -> list[str]:
 def _upstream_killers(
     runs: Runs, stock: Path, mutant: Mutant, baseline: Outcome, what: str
 ) -> list[str]:
-    """The release's cases that MUTANT makes fail, run without those failing unmutated
-    up to the first failure (-x). Were a deselection to miss pytest's node id, -x could
-    stop at an old failure and hide a kill: such a run is made again whole."""
+    """The release's cases MUTANT makes fail, up to the first (-x); were a deselection
+    to miss, -x could stop at an old failure and hide a kill: then run it whole."""
     args = [*mutant.tests, *deselect(baseline), "-x"]
     found = killers(fast := runs.mutated(stock, mutant, args, what), baseline)
     if (fast.failed or fast.errors) and not found:
@@ -322,56 +302,50 @@ def _baselines(
     return baselines
 
 
+def owns(cases: tuple[str, ...], case: str) -> bool:
+    """CASE is one of CASES, or a parameter set or a case of one of them."""
+    return any(case == c or case.startswith((c + "[", c + "::")) for c in cases)
+
+
 def differential(
-    python: Path,
-    stock: Path,
-    with_prs: Path,
-    mutants: tuple[Mutant, ...],
-    pr_cases: list[str],
-    owners: dict[str, Callable[[str], bool]],
-    results: Path,
-    extra_env: dict[str, str] | None = None,
-    cache: Path | None = None,
+    runs: Runs, stock: Path, with_prs: Path, found: tuple[Mutant, ...], prs: PrCases
 ) -> list[Row]:
-    """Every mutant against the release's own tests of the file it changes (STOCK
-    worktree, Mutant.tests) and against the PRs' cases (WITH_PRS: all PRs applied; a
-    case is credited to the PR that OWNS it). Each set of release tests runs once
-    unmutated first: what fails there already is no kill. When STOCK and WITH_PRS are
-    two worktrees, a mutant's two runs go side by side (two cores)."""
-    side_by_side = stock.resolve() != with_prs.resolve()
-    if side_by_side:
-        # Two runs at once: each gets its share of the cores (torch takes them all
-        # otherwise), and the unmutated runs get the same, so that load cannot make a
-        # mutated run fail where its unmutated one passed.
+    """Every mutant against the release's tests of its file (on STOCK) and the PRs'
+    cases (WITH_PRS, each credited to the PR that owns it); each set of release tests
+    runs unmutated first: what fails there is no kill. Two worktrees: side by side."""
+    cases = [case for pr_cases in prs.values() for case in pr_cases]
+    if side_by_side := stock.resolve() != with_prs.resolve():
+        # Each of two runs at once gets its share of the cores (torch takes them all
+        # otherwise), the unmutated runs too: load cannot make a mutated run fail.
         threads = str(max(1, (os.cpu_count() or 2) // 2))
-        extra_env = {**(extra_env or {}), "OMP_NUM_THREADS": threads}
-    runs = Runs(python, results, extra_env, cache)
-    clean = runs.run(with_prs, pr_cases, "clean-prs", keep=_all_pass)
+        env = {**(runs.extra_env or {}), "OMP_NUM_THREADS": threads}
+        runs = dataclasses.replace(runs, extra_env=env)
+    clean = runs.run(with_prs, cases, "clean-prs", keep=_all_pass)
     if not _all_pass(clean):
         raise ForkError(
             f"the PRs' cases do not pass unmutated: {clean}",
-            f"see {results / 'clean-prs.log'}",
+            f"see {runs.results / 'clean-prs.log'}",
         )
-    baselines = _baselines(runs, stock, mutants)
+    baselines = _baselines(runs, stock, found)
     rows = []
     with ThreadPoolExecutor(max_workers=2 if side_by_side else 1) as pool:
-        for number, mutant in enumerate(mutants, 1):
+        for number, mutant in enumerate(found, 1):
             mine = pool.submit(
-                runs.mutated, with_prs, mutant, pr_cases, f"pr-cases-{number}"
+                runs.mutated, with_prs, mutant, cases, f"pr-cases-{number}"
             )
             if not side_by_side:
                 mine.result()
             base, what = baselines[mutant.tests], f"release-tests-{number}"
             up = _upstream_killers(runs, stock, mutant, base, what)
             failed = killers(mine.result(), clean)
-            by_pr = {n: [c for c in failed if owns(c)] for n, owns in owners.items()}
+            by_pr = {n: [c for c in failed if owns(cs, c)] for n, cs in prs.items()}
             rows.append(Row(mutant, up, by_pr))
     return rows
 
 
 def check(rows: list[Row], pr_names: list[str]) -> None:
-    """Every mutant that no triggered CI job catches (Row.counts) is killed by some PR,
-    each PR kills at least one of them, and they are at least MIN_SURVIVORS."""
+    """Each mutant that counts is killed by some PR, each PR kills one, and they are at
+    least MIN_SURVIVORS."""
     survivors = [r for r in rows if r.counts]
     unkilled = [r.mutant.name for r in survivors if not any(r.by_pr.values())]
     idle = [n for n in pr_names if not any(r.by_pr[n] for r in survivors)]
@@ -392,16 +366,13 @@ def check(rows: list[Row], pr_names: list[str]) -> None:
             f"triggered GPU jobs ({MIN_SURVIVORS} wanted across the packed path)"
         )
     if problems:
-        raise ForkError(
-            "; ".join(problems),
-            "see dist/upstream/mutants/ and upstream-prs/mutants/",
-        )
+        hint = "see dist/upstream/mutants/ and upstream-prs/mutants/"
+        raise ForkError("; ".join(problems), hint)
 
 
 def table(rows: list[Row], pr: str) -> str:
-    """PR's table for its description: the mutants that no CI job a change to the
-    mutated file triggers catches and that it kills, then each of them as a diff, so
-    that a reviewer can apply it and run both again."""
+    """PR's table: the mutants it kills that no triggered CI job catches, then each
+    as a diff, for a reviewer to apply and run both again."""
     listed = [row for row in rows if row.counts and row.by_pr[pr]]
     paths = {r.mutant.path for r in rows if r.by_pr[pr]}
     mine = [r for r in rows if r.mutant.path in paths]
@@ -437,8 +408,8 @@ def table(rows: list[Row], pr: str) -> str:
 
 
 def _cases(cases: list[str]) -> str:
-    """Failed cases by test function: a parametrized one with how many of its parameter
-    sets failed (a mutant can rename them: two enum members made one)."""
+    """Failed cases by function, a parametrized one with how many parameter sets failed
+    (a mutant can rename them)."""
     names = [case.split("::", 1)[1].split("[", 1)[0] for case in cases]
     parametrized = {n for n, case in zip(names, cases) if "[" in case}
     return ", ".join(

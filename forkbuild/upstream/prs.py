@@ -1,15 +1,8 @@
-"""`forkbuild upstream`: the fork's tests as small vLLM pull requests (upstream-prs/,
-see its README.md), each with proof of what it adds beyond upstream's own tests.
-
-Each PR is proved alone on a fresh worktree of the newest fork.toml [matrix] release
-(its cases pass on CPU, the release's pre-commit hooks pass on its files, the CPU job it
-names collects its cases with `cpu_test` selected), then all together, then by the
-differential mutation check (mutants.py): every mutant the release's tests miss must be
-killed by some PR, and each PR must kill one. Runs are kept in build/upstream/runs/ by
-what decides them, so a stopped step resumes. Into dist/upstream/<name>/: the commit
-signed off (DCO) by whoever runs the step, PROOF.txt and PR_DESCRIPTION.md. Nothing sent
-refers to the fork or its tooling.
-"""
+"""`forkbuild upstream`: the fork's tests as small vLLM pull requests (upstream-prs/),
+each proved alone on a fresh worktree of the newest [matrix] release (cases pass on CPU,
+the release's hooks pass, its CPU job collects them), then together, then by the
+differential mutants (mutants.py). Into dist/upstream/<name>/: the commit signed off
+(DCO) by whoever runs the step, PROOF.txt and PR_DESCRIPTION.md."""
 
 from __future__ import annotations
 
@@ -64,11 +57,6 @@ class PullRequest:
     def description(self) -> str:
         return (self.folder / "description.md").read_text()
 
-    def owns(self, case: str) -> bool:
-        return any(
-            case == c or case.startswith((c + "[", c + "::")) for c in self.cases
-        )
-
 
 def load_prs(version: str, folder: Path = PRS_DIR) -> list[PullRequest]:
     """The PRs for vLLM VERSION, in sending order; each folder is checked whole."""
@@ -85,20 +73,18 @@ def load_prs(version: str, folder: Path = PRS_DIR) -> list[PullRequest]:
             ) from None
         keys = ("release", "title", "cases", "job")
         patches = tuple(sorted(sub.glob("*.patch")))
-        missing = ", ".join(k for k in keys if k not in meta)
-        lacks = (
-            f"pr.toml lacks {missing}" if missing else "" if patches else "no *.patch"
-        )
+        if missing := ", ".join(k for k in keys if k not in meta):
+            lacks = f"pr.toml lacks {missing}"
+        else:
+            lacks = "" if patches else "no *.patch"
         if not lacks and not (sub / "description.md").is_file():
             lacks = "no description.md"
         if lacks:
             hint = "see upstream-prs/README.md for what a PR folder holds"
             raise ForkError(f"{sub.name}: {lacks}", hint)
         release, title, cases, job = (meta[k] for k in keys)
-        if release == version:
-            prs.append(
-                PullRequest(sub.name, sub, release, title, (*cases,), job, patches)
-            )
+        pr = PullRequest(sub.name, sub, release, title, (*cases,), job, patches)
+        prs += [pr] if release == version else []
     return prs
 
 
@@ -111,9 +97,8 @@ def newest(pins: Pins) -> Release:
 
 
 def submitter() -> dict[str, str]:
-    """The git identity of whoever runs `make upstream` (git config user.name and
-    user.email, as `git commit` reads them from here): the PRs' author, and its DCO
-    sign-off. Without one, stop: a sign-off is a statement only its author makes."""
+    """The git identity of whoever runs the step: the PRs' author and DCO sign-off, a
+    statement only its author makes."""
     found = {}
     for key in ("name", "email"):
         got = tree.git(["config", "--get", f"user.{key}"], REPO_ROOT)
@@ -133,8 +118,7 @@ def submitter() -> dict[str, str]:
 
 
 def check_words(pr: PullRequest, fork_of: str) -> None:
-    """Nothing a PR sends may speak of this repository (its patches and description)
-    or of FORK_OF, the release the fork is of."""
+    """Nothing a PR sends may speak of this repository or of FORK_OF, its release."""
     words = (*NOT_FOR_UPSTREAM_WORDS, fork_of)
     for path in (*pr.patches, pr.folder / "description.md"):
         text = path.read_text().lower()
@@ -145,8 +129,6 @@ def check_words(pr: PullRequest, fork_of: str) -> None:
                 "a PR speaks of vLLM only: rewrite those lines",
             )
 
-
-# -- the release's hooks ---------------------------------------------------------------
 
 # The release's own hooks (tools/pre_commit/) that its .pre-commit-config.yaml
 # applies to test files, beside ruff check, ruff format and mypy.
@@ -208,17 +190,15 @@ def release_hook_config(pins: Pins) -> str:
 
 
 def lock_hooks(pins: Pins, config_text: str) -> Path:
-    """locks/release-hooks-py311.txt: what pre-commit installs for the release's mypy
-    hook (mypy and its additional_dependencies), every package with its sha256.
-    Rewritten only when the release's hook asks for something else."""
+    """locks/release-hooks-py311.txt: the release's mypy hook, hash-locked; rewritten
+    only when the hook asks for something else."""
     _, requirements = mypy_hook(config_text)
     target, digest = hooks_lock_path(), hooks_inputs_digest(requirements)
     if target.is_file() and lock.recorded_digest(target) == digest:
         log.step(f"lock: {target.name} is up to date")
         return target
-    body = lock.resolve(
-        pins, "".join(f"{r}\n" for r in requirements), "3.11", target.name
-    )
+    inputs = "".join(f"{r}\n" for r in requirements)
+    body = lock.resolve(pins, inputs, "3.11", target.name)
     target.write_text(f"""\
 # {target.name}: the mypy hook of vLLM's .pre-commit-config.yaml
 # ({", ".join(requirements)}),
@@ -231,8 +211,7 @@ def lock_hooks(pins: Pins, config_text: str) -> Path:
 
 
 def hooks_python(pins: Pins, release_tree: Path) -> Path:
-    """The venv of the release's mypy hook, installed from the hash-locked
-    release-hooks lock; refused when the release asks for something the lock lacks."""
+    """The venv of the release's mypy hook from its lock, which must match the hook."""
     _, requirements = mypy_hook(_config(release_tree))
     lock_file = hooks_lock_path()
     made_for = hooks_inputs_digest(requirements)
@@ -242,23 +221,19 @@ def hooks_python(pins: Pins, release_tree: Path) -> Path:
             f"{release_tree.name}'s ({', '.join(requirements)})",
             "run `make lock` to resolve it again",
         )
-    return uv.stamped_venv(
-        pins,
+    venv, tools = (
         build_dir() / "upstream" / "hooks-venv",
         install.ensure_toolchain(pins),
-        lock_file.read_text(),
-        digest_of([lock_file.read_bytes()]),
-        "the release's mypy hook (hash-locked)",
-        "--require-hashes",
     )
+    text, key = lock_file.read_text(), digest_of([lock_file.read_bytes()])
+    what = "the release's mypy hook (hash-locked)"
+    return uv.stamped_venv(pins, venv, tools, text, key, what, "--require-hashes")
 
 
 def _hooks(
     python: Path, ruff: str, release_tree: Path, files: list[str], mypy: Path | None
 ) -> list[tuple[str, list[str], dict[str, str] | None]]:
-    """(name, command, environment) of each hook, with the files its `files`/`types`
-    filter in .pre-commit-config.yaml passes: Python for all but the tethering check,
-    which also reads pipeline YAMLs."""
+    """(name, command, environment) of each hook, with the files its filter passes."""
     py_files = [f for f in files if f.endswith(".py")]
     tethered = [
         f for f in files if re.match(r"(tests/.*\.py|\.buildkite/.*\.yaml)$", f)
@@ -269,9 +244,8 @@ def _hooks(
     ]
     for name in HOOK_SCRIPTS:
         hook_files = tethered if name == "check_test_tethering" else py_files
-        hooks.append(
-            (name, [str(python), f"tools/pre_commit/{name}.py", *hook_files], None)
-        )
+        script = [str(python), f"tools/pre_commit/{name}.py"]
+        hooks.append((name, [*script, *hook_files], None))
     if any(re.match(r"\.buildkite/.*\.ya?ml$", f) for f in files):
         # pass_filenames: false; it reads every pipeline file itself
         step_keys = [str(python), "tools/pre_commit/check_buildkite_step_keys.py"]
@@ -286,10 +260,8 @@ def _hooks(
 def run_hooks(
     python: Path, release_tree: Path, files: list[str], mypy_python: Path | None = None
 ) -> list[str]:
-    """Run the release's pre-commit hooks for FILES from RELEASE_TREE (its ruff
-    settings, hook scripts and Buildkite jobs) with the ruff it pins, which must be the
-    fork's venv's; with MYPY_PYTHON, its mypy hook too, as pre-commit runs it. Returns
-    one line per hook; raises with every finding."""
+    """The release's hooks for FILES in RELEASE_TREE, with the ruff it pins (the fork's
+    venv's) and with MYPY_PYTHON its mypy hook: one line per hook, or every finding."""
     ruff, wanted = str(python.parent / "ruff"), pinned_ruff(release_tree)
     have = subprocess.run([ruff, "--version"], capture_output=True, text=True)
     if have.returncode != 0 or have.stdout.split()[-1:] != [wanted]:
@@ -301,9 +273,8 @@ def run_hooks(
     lines, findings = [], []
     for name, cmd, env in _hooks(python, ruff, release_tree, files, mypy_python):
         env = {**os.environ, **env} if env else None
-        done = subprocess.run(
-            cmd, cwd=release_tree, capture_output=True, text=True, env=env
-        )
+        kw = {"cwd": release_tree, "capture_output": True, "text": True, "env": env}
+        done = subprocess.run(cmd, **kw)
         said = (done.stdout + done.stderr).strip()
         lines.append(f"{name}: {'passed' if done.returncode == 0 else 'FAILED'}")
         if done.returncode != 0:
@@ -322,25 +293,19 @@ def run_hooks(
     return lines
 
 
-# -- the CPU job -----------------------------------------------------------------------
-
-
 def collecting_jobs(
     python: Path, release_tree: Path, files: list[str]
 ) -> dict[str, list[dict]]:
     """The release's Buildkite jobs that collect each test file (release_ci_jobs.py)."""
+    cmd, what = [str(python), str(JOBS_SCRIPT), *files], f"{release_tree.name}'s"
     done = run_or_fail(
-        [str(python), str(JOBS_SCRIPT), *files],
-        f"could not read {release_tree.name}'s Buildkite jobs",
-        tail=300,
-        cwd=release_tree,
+        cmd, f"could not read {what} Buildkite jobs", tail=300, cwd=release_tree
     )
     return json.loads(done.stdout)
 
 
 def selects_cpu_test(marker: str | None) -> bool:
-    """Whether a pytest `-m` expression runs cases marked cpu_test (and nothing else
-    distinguishes them): no filter, or one that names cpu_test without negating it."""
+    """Whether a pytest `-m` expression (None: no filter) selects cpu_test cases."""
     return marker is None or bool(re.search(r"(?<!not )\bcpu_test\b", marker))
 
 
@@ -359,15 +324,10 @@ def check_job(pr: PullRequest, jobs: dict[str, list[dict]]) -> str:
                 "mark the cases cpu_test and add the file to that job's commands "
                 "in the PR",
             )
-        hit = hits[0]
-        lines.append(
-            f"{test_file}: collected by '{hit['label']}' ({pr.job}, "
-            f"{hit['device']}): {hit['command']}"
-        )
+        label, device, command = (hits[0][k] for k in ("label", "device", "command"))
+        by = f"collected by '{label}' ({pr.job}, {device}): {command}"
+        lines.append(f"{test_file}: {by}")
     return "\n".join(lines)
-
-
-# -- worktrees -------------------------------------------------------------------------
 
 
 def apply_mails(work: Path, mails: list[Path], env: dict[str, str]) -> None:
@@ -376,17 +336,16 @@ def apply_mails(work: Path, mails: list[Path], env: dict[str, str]) -> None:
     if (applied := tree.git(am, work, env)).returncode != 0:
         tree.git(["am", "--abort"], work, env)
         said = (applied.stdout + applied.stderr).strip()[-300:]
+        names, hint = ", ".join(m.name for m in mails), "refresh the PR's patch"
         raise ForkError(
-            f"{', '.join(m.name for m in mails)} do not apply with git am "
-            f"on {work.name}: {said}",
-            "refresh the PR's patch against the release",
+            f"{names} do not apply with git am on {work.name}: {said}",
+            f"{hint} against the release",
         )
 
 
 def changed_files(work: Path, base: str) -> list[str]:
-    return sorted(
-        tree.git(["diff", "--name-only", f"{base}..HEAD"], work).stdout.split()
-    )
+    diff = tree.git(["diff", "--name-only", f"{base}..HEAD"], work)
+    return sorted(diff.stdout.split())
 
 
 def lines_added(work: Path, base: str) -> int:
@@ -426,8 +385,7 @@ class Context:
     def cases_pass(
         self, work: Path, cases: list[str], out: Path, name: str, what: str
     ) -> Outcome:
-        """CASES in WORK on CPU, offline, reported in OUT as NAME-junit.xml and
-        NAME-pytest.log: every one must pass, or WHAT stops the step."""
+        """CASES in WORK on CPU, offline, reports in OUT as NAME-*: all pass or WHAT."""
         log_file = out / f"{name}-pytest.log"
         args = (self.python, work, [*cases, "-rs"], out / f"{name}-junit.xml")
         env = {**matrix.CPU_ENV, **OFFLINE}
@@ -466,11 +424,8 @@ class Proof:
         return sum(self.outcome.times.values())
 
     def case_lines(self, form: str) -> list[str]:
-        """One FORM line ({case}, {status}, {seconds}) per case, in order."""
-        times, cases = self.outcome.times, sorted(self.outcome.cases.items())
-        return [
-            form.format(case=c, status=s, seconds=times.get(c, 0.0)) for c, s in cases
-        ]
+        t, cases = self.outcome.times, sorted(self.outcome.cases.items())
+        return [form.format(case=c, status=s, seconds=t.get(c, 0)) for c, s in cases]
 
 
 def prove(ctx: Context, pr: PullRequest, mail: Path, mypy_python: Path) -> Proof:
@@ -484,15 +439,10 @@ def prove(ctx: Context, pr: PullRequest, mail: Path, mypy_python: Path) -> Proof
     job = check_job(pr, collecting_jobs(ctx.python, work, tests))
     proof = Proof(pr, mail, outcome, hooks, job, lines_added(work, ctx.tag))
     if proof.seconds > MAX_CASES_S:
-        raise ForkError(
-            f"{pr.name}: its cases take {proof.seconds:.1f} s on CPU, "
-            f"over {MAX_CASES_S:.0f} s",
-            "make them smaller: the CPU job runs them beside everything else",
-        )
+        took = f"{proof.seconds:.1f} s on CPU, over {MAX_CASES_S:.0f} s"
+        hint = "make them smaller: the CPU job runs them beside everything else"
+        raise ForkError(f"{pr.name}: its cases take {took}", hint)
     return proof
-
-
-# -- the step --------------------------------------------------------------------------
 
 
 def build(pins: Pins) -> Path:
@@ -513,8 +463,7 @@ def build(pins: Pins) -> Path:
     tools = install.ensure_toolchain(pins)
     ctx = Context(pins, release, repo, python, cpu, author, tools)
     mypy_python = hooks_python(pins, ctx.repo)
-    if DIST.exists():
-        shutil.rmtree(DIST)
+    shutil.rmtree(DIST, ignore_errors=True)
     proofs = []
     for number, pr in enumerate(prs, 1):
         log.step(
@@ -528,12 +477,10 @@ def build(pins: Pins) -> Path:
     joint = ctx.cases_pass(together, all_cases, DIST, "all", failing)
     changed = changed_files(together, ctx.tag)
     joint_hooks = run_hooks(ctx.toolchain, together, changed, mypy_python)
-    owners = {pr.name: pr.owns for pr in prs}
-    env, runs = {**matrix.CPU_ENV, **OFFLINE}, build_dir() / "upstream" / "runs"
-    stock, results = ctx.fresh("stock", []), DIST / "mutants"
-    rows = mutants.differential(
-        python, stock, together, found, all_cases, owners, results, env, runs
-    )
+    env, kept = {**matrix.CPU_ENV, **OFFLINE}, build_dir() / "upstream" / "runs"
+    runs = mutants.Runs(python, DIST / "mutants", env, kept)
+    cases = {pr.name: pr.cases for pr in prs}
+    rows = mutants.differential(runs, ctx.fresh("stock", []), together, found, cases)
     mutants.check(rows, [pr.name for pr in prs])
     for proof in proofs:
         write_pr(ctx, proof, rows)

@@ -1,16 +1,9 @@
 """`forkbuild rebase VERSION`: try the patch series on a newer upstream release.
 
-Without --accept nothing of the fork changes: the release's sdist and wheels are
-downloaded by name and hashed, and on a trial tree (build/rebase/vllm-VERSION) each
-patch is sorted into one of
-    upstream   the release has the change (it reverse-applies): drop it
-    applies    git am takes it as it is (or with a 3-way merge: refreshed)
-    conflict   neither; refresh it by hand
-The refreshed series goes to build/rebase/patches-VERSION/, the hashes to pin to
-build/rebase/pins-VERSION.toml. With --accept (after review; refused while a patch
-conflicts) the series replaces patches/ and fork.toml moves to VERSION and the sha256 of
-its sdist and both wheels, in one step.
-"""
+Each patch is sorted on a trial tree (build/rebase/vllm-VERSION) into upstream (it
+reverse-applies: drop it), applies (git am takes it; refreshed: with -3) or conflict.
+The series and the hashes to pin go to build/rebase/; --accept (refused while a patch
+conflicts) moves patches/ and fork.toml to VERSION in one step."""
 
 from __future__ import annotations
 
@@ -53,8 +46,8 @@ def rebase_dir() -> Path:
 
 
 def download(python: Path, package: str, version: str, binary: bool) -> Path:
-    """An upstream file by name, into <cache>/rebase/VERSION; its hash is not known yet.
-    pip downloads into a temporary folder beside it, so a failure leaves nothing."""
+    """An upstream file by name, into <cache>/rebase/VERSION (by way of a temporary
+    folder: a failure leaves nothing); its hash is not known yet."""
     dest = cache_dir() / "rebase" / version
     names = (f"{package.replace('-', '_')}-{version}", f"{package}-{version}")
     kind, what = (".whl", "wheel") if binary else (".tar.gz", "sdist")
@@ -69,12 +62,10 @@ def download(python: Path, package: str, version: str, binary: bool) -> Path:
     args = ["download", "--no-deps", "--progress-bar", "off", *only]
     args += [] if binary else ["--no-build-isolation"]
     with tempfile.TemporaryDirectory(prefix=f".{version}-", dir=dest.parent) as tmp:
+        spec = f"{package}=={version}"
         try:
             run_pip(
-                python,
-                [*args, "-d", tmp, f"{package}=={version}"],
-                what=f"download {package}=={version}",
-                quiet=True,
+                python, [*args, "-d", tmp, spec], what=f"download {spec}", quiet=True
             )
         except ForkError as exc:
             if "No matching distribution" in str(exc) or "from versions:" in str(exc):
@@ -92,8 +83,7 @@ def download(python: Path, package: str, version: str, binary: bool) -> Path:
 
 
 def check_newer(pins: Pins, version: str) -> None:
-    """A rebase moves the fork forward: VERSION must be a release newer than its base
-    (an older one would carry the fix back to releases the fork does not serve)."""
+    """VERSION must be newer than the base: an older one would carry the fix back."""
     base = versions.release(pins.upstream_version)
     if versions.release(version, what="VERSION") <= base:
         raise ForkError(
@@ -110,8 +100,7 @@ Found = dict[str, tuple[str, str, str]]  # artifact key -> (requirement, file, s
 
 
 def _download_all(python: Path, version: str) -> tuple[dict[str, Path], Found]:
-    """VERSION's sdist and wheels by name, and what to pin of each; a missing wheel
-    is said (--accept refuses then), a missing sdist stops."""
+    """VERSION's sdist and wheels (a missing wheel is said, a missing sdist stops)."""
     log.step(f"rebase: fetching vLLM {version} (sdist and wheels) by name")
     files: dict[str, Path] = {}
     for key, (pkg, binary) in ARTIFACTS.items():
@@ -120,10 +109,8 @@ def _download_all(python: Path, version: str) -> tuple[dict[str, Path], Found]:
         except ForkError as exc:
             if key == "sdist":
                 raise
-            log.step(
-                f"rebase: no {key} for vLLM {version} ({exc.cause}); --accept "
-                "will refuse"
-            )
+            said = f"no {key} for vLLM {version} ({exc.cause})"
+            log.step(f"rebase: {said}; --accept will refuse")
     found = {
         key: (f"{ARTIFACTS[key][0]}=={version}", path.name, sha256_file(path))
         for key, path in files.items()
@@ -159,7 +146,6 @@ def _sort_series(
 def _write_series(
     work: Path, env: dict[str, str], version: str, found: Found
 ) -> tuple[Path, Path]:
-    """The series into build/rebase/patches-VERSION/, hashes into pins-VERSION.toml."""
     out = rebase_dir() / f"patches-{version}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
@@ -188,21 +174,16 @@ def trial(pins: Pins, version: str) -> tuple[list[Outcome], Found]:
     outcomes = _sort_series(pins, work, env, files["sdist"], version)
     out, pins_file = _write_series(work, env, version, found)
     print(f"\nvLLM {version} vs the series ({work}):")
-    for o in outcomes:
-        print(f"  {o.status:10} {o.name}")
+    print("".join(f"  {o.status:10} {o.name}\n" for o in outcomes), end="")
     print(f"refreshed series: {out}\nhashes to pin:    {pins_file}")
-    for key, (_, name, sha) in found.items():
-        print(f"  {key:10} {name}  {sha}")
+    print("".join(f"  {k:10} {n}  {sha}\n" for k, (_, n, sha) in found.items()), end="")
     _print_audit(fetch.fetch(pins.sdist, lambda: python), files["sdist"], version)
     return outcomes, found
 
 
 def _print_audit(base_sdist: Path, new_sdist: Path, version: str) -> None:
-    # The backport audit sorts the changes of the #47054 path up to AUDIT_RELEASE: a
-    # file of that path that changed in VERSION and has no row there is unsorted. Its
-    # second part sorts upstream's fixes up to the release it went through: a fix up to
-    # VERSION without a decision, or a VERSION past that release, is work left before
-    # --accept.
+    # Work left before --accept: a changed file of the #47054 path without a row, a
+    # fix up to VERSION without a decision, a VERSION past what the audit went through.
     text = AUDIT_DOC.read_text()
     unsorted = unsorted_files(base_sdist, new_sdist, audited_set(), text)
     pending, through = unsorted_fixes(text, version), audited_through(text)
@@ -213,12 +194,10 @@ def _print_audit(base_sdist: Path, new_sdist: Path, version: str) -> None:
         else "every changed file of the #47054 path has a row (changes sorted up "
         f"to {AUDIT_RELEASE}; review newer hunks of those files by hand)"
     )
-    fixes = (
-        f"{len(pending)} fix(es) up to {version} without a decision: "
-        + ", ".join(pending)
-        if pending
-        else f"every fix it lists up to {version} has a decision"
-    )
+    fixes = f"every fix it lists up to {version} has a decision"
+    if pending:
+        fixes = f"{len(pending)} fix(es) up to {version} without a decision: "
+        fixes += ", ".join(pending)
     if through is None or Version(version) > Version(through):
         fixes += f"; fixes after {through} are unsorted: sort those up to {version} "
         fixes += "before accepting"
@@ -227,27 +206,16 @@ def _print_audit(base_sdist: Path, new_sdist: Path, version: str) -> None:
 
 
 def _effect_recorded(pins: Pins, patch: patch_status.PatchInfo, version: str) -> bool:
-    """Upstream rewrote the code: the patch's claim covers VERSION and the matrix record
-    shows the regression cases passing there."""
-    claim = patch.applied_upstream
-    if (
-        claim is None
-        or Version(version).release < tuple(claim)
-        or version not in {r.version for r in pins.releases}
-    ):
+    """The patch's claim covers VERSION and its regression cases pass there."""
+    claim, modules = patch.applied_upstream, pins.regression_by_patch.get(patch.name)
+    if claim is None or not modules or Version(version).release < tuple(claim):
         return False
-    modules = pins.regression_by_patch.get(patch.name, ())
-    return (
-        bool(modules)
-        and patch_status.recorded(pins.release(version), modules) == "pass"
-    )
+    listed = version in {r.version for r in pins.releases}
+    return listed and patch_status.recorded(pins.release(version), modules) == "pass"
 
 
-def rewrite_pins(
-    text: str, pins: Pins, version: str, found: dict[str, tuple[str, str, str]]
-) -> str:
-    """fork.toml TEXT moved to VERSION, its comments and layout kept: FOUND gives each
-    artifact's (requirement, filename, sha256)."""
+def rewrite_pins(text: str, pins: Pins, version: str, found: Found) -> str:
+    """fork.toml TEXT moved to VERSION and FOUND, its comments and layout kept."""
     doc = tomlkit.parse(text)
     doc["upstream"]["version"] = version
     for key, values in found.items():
@@ -274,9 +242,8 @@ def rewrite_pins(
     old.update(torch=pins.torch, sdist=inline(pins.sdist))
     old["binaries"] = inline(pins.routes["cpu"].wheel)
     old.add(tomlkit.nl())
-    later = {
-        k: t for k, t in releases.items() if Version(k) > Version(pins.upstream_version)
-    }
+    base = Version(pins.upstream_version)
+    later = {k: t for k, t in releases.items() if Version(k) > base}
     for key in later:
         releases.remove(key)
     for key, table in {pins.upstream_version: old, **later}.items():
@@ -322,8 +289,7 @@ def accept(pins: Pins, version: str) -> None:
     )
 
 
-# -- The backport audit: which changed files of the #47054 path are still unsorted -----
-
+# The backport audit: which changed files of the #47054 path are still unsorted.
 AUDIT_DOC = PINS_FILE.parent / "docs" / "backport-audit.md"
 AUDIT_FILES = PINS_FILE.parent / "docs" / "backport-audit-files.txt"
 AUDIT_RELEASE = "0.26.0"  # the release the audit sorts the changes of
@@ -331,8 +297,7 @@ _AUDIT_ROW = re.compile(r"^\|\s*`(vllm/[^`]+)`")
 
 
 def differing_files(old_sdist: Path, new_sdist: Path, names: list[str]) -> list[str]:
-    """The NAMES (paths inside a release, vllm/...) whose bytes differ between the two
-    sdists; a file that only one of them has differs too."""
+    """The NAMES (vllm/...) whose bytes differ between the sdists (or one lacks)."""
     wanted = frozenset(names)
     old = patch_status.sdist_files(old_sdist, wanted)
     new = patch_status.sdist_files(new_sdist, wanted)
@@ -340,7 +305,6 @@ def differing_files(old_sdist: Path, new_sdist: Path, names: list[str]) -> list[
 
 
 def audited_set(path: Path = AUDIT_FILES) -> list[str]:
-    """The [audited] section of PATH: one path a line, # comments."""
     files, section = [], None
     for line in path.read_text().splitlines():
         line = line.split("#", 1)[0].strip()
@@ -352,7 +316,6 @@ def audited_set(path: Path = AUDIT_FILES) -> list[str]:
 
 
 def audit_table_files(text: str) -> set[str]:
-    """The files of the rows whose first cell opens with a `vllm/...` code span."""
     return {m[1] for line in text.splitlines() if (m := _AUDIT_ROW.match(line))}
 
 
@@ -385,8 +348,7 @@ def audited_fixes(text: str) -> list[Fix]:
 
 
 def _first_release(cell: str) -> tuple[int, ...] | None:
-    """The first X.Y.Z release a cell names ("0.27.0 (by date)", "before 0.25.1"), or
-    None ("none")."""
+    """The first X.Y.Z release a cell names ("before 0.25.1"), or None ("none")."""
     for word in cell.split():
         try:
             found = Version(word.strip(",;:()`")).release
@@ -398,7 +360,6 @@ def _first_release(cell: str) -> tuple[int, ...] | None:
 
 
 def audited_through(text: str) -> str | None:
-    """The release the audit's fixes are sorted up to (its "Audited through:" line)."""
     lines = [line for line in text.splitlines() if line.startswith(THROUGH)]
     return lines[0].removeprefix(THROUGH).split()[0] if lines else None
 
@@ -417,7 +378,6 @@ def unsorted_fixes(text: str, version: str) -> list[str]:
 def unsorted_files(
     old_sdist: Path, new_sdist: Path, audited: list[str], audit_text: str
 ) -> list[str]:
-    """The files of AUDITED that differ between the two sdists and have no row in the
-    audit (AUDIT_TEXT): changes a rebase onto NEW_SDIST would take unsorted."""
+    """The files of AUDITED that differ between the sdists and have no audit row."""
     rows = audit_table_files(audit_text)
     return [n for n in differing_files(old_sdist, new_sdist, audited) if n not in rows]

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 
-def _load_hook(tree: Path):
+def _load_hook(tree: Path):  # the release's own reading of its pipelines
     path = tree / "tools" / "pre_commit" / "check_test_tethering.py"
     spec = importlib.util.spec_from_file_location("release_tethering", path)
     if spec is None or spec.loader is None:
@@ -51,24 +51,18 @@ def jobs_running(tree: Path, test_files: list[str]) -> dict[str, list[dict]]:
         doc = yaml.safe_load(yaml_path.read_text()) or {}
         if not isinstance(doc, dict):
             continue
+        pipeline = str(yaml_path.relative_to(tree))
         for step in hook._iter_job_steps(doc):
             commands = [*(step.get("commands") or []), step.get("command")]
+            job = {k: step.get(k, "") for k in ("label", "key", "device")}
+            job |= {"timeout_in_minutes": step.get("timeout_in_minutes")}
             for command in (c for c in commands if isinstance(c, str) and c):
+                said = {"command": command, "marker": _marker(command)}
                 selections = hook._parse_command(command)
                 for test_file in test_files:
                     normalized = hook.normalize_test_path(test_file)
                     if any(s.runs(normalized) for s in selections):
-                        found[test_file].append(
-                            {
-                                "label": step.get("label", ""),
-                                "key": step.get("key", ""),
-                                "device": step.get("device", ""),
-                                "timeout_in_minutes": step.get("timeout_in_minutes"),
-                                "command": command,
-                                "marker": _marker(command),
-                                "pipeline": str(yaml_path.relative_to(tree)),
-                            }
-                        )
+                        found[test_file].append(job | said | {"pipeline": pipeline})
     return found
 
 
