@@ -1,13 +1,9 @@
 """The bootstrap: from a bare python3 to forkbuild running in its own tool environment.
 
 `python3 -m forkbuild STEP` starts here, on the standard library alone (Debian 12's
-/usr/bin/python3 has no `packaging`): it gets the pinned uv (forkbuild/setup/uv.py),
-makes the tool environment (VLLM_FORK_TOOLS, default $VLLM_FORK_BUILD/tools) holding
-exactly locks/tools-pyXY.txt with `uv pip sync --require-hashes`, and re-executes the
-same command there. The environment is made beside its place, verified inside itself,
-stamped and then renamed into place: it is reused while the lock and the interpreter
-are unchanged, and otherwise made again whole. Everything else runs in it.
-"""
+/usr/bin/python3 has no `packaging`): it gets the pinned uv, makes the tool environment
+(VLLM_FORK_TOOLS, default $VLLM_FORK_BUILD/tools) holding exactly locks/tools-pyXY.txt,
+verified inside itself, and re-executes the same command there."""
 
 from __future__ import annotations
 
@@ -103,24 +99,19 @@ def _checked_lock(pins: Pins, step: str) -> Path:
 def check_holds(python: Path, lock_file: Path) -> None:
     """PYTHON's environment holds exactly LOCK_FILE: asked of it, with its own
     `packaging` (lock.py verify_installed)."""
+    verify = [str(python), "-m", "forkbuild.setup.lock", "--verify", str(lock_file)]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     done = subprocess.run(
-        [str(python), "-m", "forkbuild.setup.lock", "--verify", str(lock_file)],
-        cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-        capture_output=True,
-        text=True,
-        check=False,
+        verify, cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=False
     )
     if done.returncode != 0:
         lines = (done.stderr or done.stdout).strip().splitlines() or ["no output"]
-        raise ForkError(
-            lines[-1], "run again: the environment is made afresh from the lock"
-        )
+        hint = "run again: the environment is made afresh from the lock"
+        raise ForkError(lines[-1], hint)
 
 
 def sync(pins: Pins, python: Path, lock_file: Path) -> None:
-    """PYTHON's environment made to hold exactly LOCK_FILE, hashes required, and asked
-    whether it does."""
+    """PYTHON's environment made to hold exactly LOCK_FILE, then asked if it does."""
     sync = ["sync", "--require-hashes", "--python", str(python), str(lock_file)]
     uv.install(pins, sync, what=f"the packages of {lock_file.name}", lock=lock_file)
     check_holds(python, lock_file)
@@ -140,8 +131,7 @@ def _missing(home: Path) -> str:
 
 
 def ensure(fork: Pins, step: str = "") -> tuple[Path, bool]:
-    """The tool environment's python, and whether it was made just now (where missing,
-    damaged or out of date)."""
+    """The tool environment's python, and whether it was made (again) just now."""
     lock_file = _checked_lock(fork, step)
     home = tools_dir()
     home.parent.mkdir(parents=True, exist_ok=True)

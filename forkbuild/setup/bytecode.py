@@ -1,16 +1,8 @@
-"""Bytecode that Python compiled in one venv or tree, kept for the next fresh one.
-
-uv installs no bytecode, so every fresh venv and tree compiled the ~2,200 modules of
-`import vllm` again (docs/setup-and-locks.md, "Bytecode"). Each .pyc is linked into the
-fork's cache under a key of what the sources came from (the lock, the sdist and
-patches), and from there into the next venv or tree made from the same sources.
-
-Safe by Python's own rule: a .pyc records its source's mtime and size and is recompiled
-when they differ (uv links the same files into every venv; the tree keeps the sdist's
-mtimes, a patched file gets a new one). Python renames a new .pyc over an old one, never
-writes into it, so a linked file is never changed through a venv. A missing or
-unwritable cache only costs the compile time.
-"""
+"""Bytecode that Python compiled in one venv or tree, kept for the next fresh one (uv
+installs none: docs/setup-and-locks.md, "Bytecode"), linked into the cache under a key
+of the sources (the lock; the sdist and patches). Safe by Python's own rule: a .pyc
+records its source's mtime and size, and Python renames a new .pyc over an old one,
+never writing into it. A missing or unwritable cache only costs the compile time."""
 
 from __future__ import annotations
 
@@ -27,8 +19,8 @@ PYCACHE = "__pycache__"
 
 
 def store(kind: str, *sources: str | bytes) -> Path:
-    """The cache folder for bytecode of KIND ("venv", "tree") made from SOURCES, for
-    this interpreter (bytecode is specific to the Python version)."""
+    """The cache folder for bytecode of KIND ("venv", "tree") from SOURCES, for this
+    interpreter."""
     return cache_dir() / "bytecode" / f"{kind}-{digest_of([sys.version, *sources])}"
 
 
@@ -44,8 +36,7 @@ def _pyc_files(root: Path) -> list[Path]:
 
 
 def _link(src: Path, dest: Path) -> None:
-    """DEST becomes SRC's file (a hard link; a copy across file systems, or where links
-    are not allowed), in one rename."""
+    """DEST becomes SRC's file (a hard link, else a copy), in one rename."""
     partial = dest.with_name(f"{dest.name}.{os.getpid()}.partial")
     try:
         try:
@@ -59,7 +50,7 @@ def _link(src: Path, dest: Path) -> None:
 
 
 def restore(root: Path, kept: Path) -> int:
-    """Link the bytecode kept in KEPT into ROOT where ROOT has the source folder and no
+    """Link the bytecode in KEPT into ROOT where ROOT has the source folder and no
     bytecode of its own yet; return how many files were linked."""
     return _link_missing(kept, root, f"linked into {root}", source_folder_only=True)
 
@@ -72,9 +63,8 @@ def keep(root: Path, kept: Path) -> int:
 def _link_missing(
     src: Path, dst: Path, what: str, source_folder_only: bool = False
 ) -> int:
-    """Link each .pyc under SRC (none if SRC is missing) that DST lacks into DST; with
-    SOURCE_FOLDER_ONLY, only where DST has the folder above its __pycache__. Return how
-    many were linked; those that cannot be (a full or read-only cache) are skipped."""
+    """Link each .pyc under SRC that DST lacks into DST (with SOURCE_FOLDER_ONLY, where
+    DST has its source folder); return how many; those that cannot be are skipped."""
     linked, failed = 0, []
     for rel in _pyc_files(src):
         dest = dst / rel

@@ -1,9 +1,6 @@
-"""Step 1: get the pinned upstream artifacts by package name with pip, verified by
-sha256.
-
-Files land in <cache>/artifacts only after their hash matched, so an interrupted or
-tampered download never looks like a good one; a second run downloads nothing.
-"""
+"""Step 1: the pinned upstream artifacts, downloaded by name with pip into
+<cache>/artifacts only once their sha256 matched: an interrupted or tampered download
+never looks like a good one."""
 
 from __future__ import annotations
 
@@ -44,16 +41,15 @@ def fetch(
     artifact: Artifact, pip: Callable[[], PipCommand], *, quiet: bool = False
 ) -> Path:
     """The verified local path of ARTIFACT, downloaded with PIP() (an interpreter or a
-    whole command, asked for only when not cached). pip prepares an sdist's metadata,
-    and vLLM's setup.py imports torch: its PIP is the venv's (no build isolation)."""
+    whole command, asked for only when not cached; the sdist's is the venv's: pip runs
+    vLLM's setup.py, which imports torch)."""
     clean_partial_downloads()
     target = artifacts_dir() / artifact.filename
     if target.exists():
         verify(target, artifact)
         log.step(f"fetch: {artifact.filename} already cached and verified")
         return target
-    # One file: the largest, the CUDA wheel, is 239 MiB (uv checks its own packages).
-    # Also refuses a cache that cannot be written.
+    # 1 GiB: the largest file, the CUDA wheel, is 239 MiB; refuses an unwritable cache.
     preflight.check_disk(artifacts_dir(), 1, f"downloading {artifact.filename}")
     log.step(f"fetch: downloading {artifact.requirement} with pip")
     # The owner's pid in the name: a concurrent fetch (make test fetches in two
@@ -99,8 +95,7 @@ def _download(artifact: Artifact, pip: PipCommand, into: Path, quiet: bool) -> N
 
 
 def clean_partial_downloads() -> None:
-    """Remove temporary folders that an interrupted fetch left behind: those of a
-    process that is gone, never one still downloading."""
+    """Remove the temporary folders of interrupted fetches, never one still running."""
     for stale in artifacts_dir().glob(".download-*"):
         pid = stale.name.split("-")[1]
         if not (pid.isdigit() and _alive(int(pid))):
@@ -113,5 +108,5 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process
-        return True
+        pass
     return True

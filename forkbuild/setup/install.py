@@ -1,10 +1,7 @@
 """Step 3: build/venv holding exactly the route's lock (hash-checked, installed by uv)
 and an editable, python-only install of the patched tree on vLLM's precompiled binaries.
-
-The venv is made in build/venv.partial and moved into place only once verified, so a
-failed install leaves no half venv. VLLM_PRECOMPILED_WHEEL_LOCATION always names the
-verified local wheel: unset, vLLM 0.25.1's setup.py fetches a nightly one instead.
-"""
+VLLM_PRECOMPILED_WHEEL_LOCATION always names the verified local wheel: unset, vLLM
+0.25.1's setup.py fetches a nightly one instead."""
 
 from __future__ import annotations
 
@@ -54,9 +51,8 @@ def pick_route(pins: Pins, requested: str | None) -> Route:
 
 
 def refuse_without_gpu(route: Route, without_gpu: bool = False) -> None:
-    """A GPU route installed here would take a minute, replace the working CPU venv and
-    then fail on the missing driver: refuse before anything is touched, unless asked for
-    WITHOUT_GPU (the CUDA route check of `make test`, in a build folder of its own)."""
+    """A GPU route here would replace the working CPU venv, then fail on the missing
+    driver: refused unless WITHOUT_GPU (`make test`'s CUDA check, in its own build)."""
     if route.target_device != "cuda" or without_gpu or preflight.has_nvidia_gpu():
         return
     raise ForkError(
@@ -70,8 +66,7 @@ def refuse_without_gpu(route: Route, without_gpu: bool = False) -> None:
 def ensure_toolchain(
     pins: Pins, route_name: str | None = None, without_gpu: bool = False
 ) -> Path:
-    """build/venv with exactly the route's lock for this Python: torch, vLLM's
-    requirements, its build requirements, forkbuild's libraries and the test runner."""
+    """build/venv with exactly the route's lock for this Python."""
     preflight.check_all(pins)
     record = venv_dir() / LOCK_RECORD
     if route_name is None and record.is_file():
@@ -99,9 +94,8 @@ def ensure_toolchain(
         (venv / VENV_ID).write_text(uuid.uuid4().hex + "\n")
 
     key = digest_of([sys.version, pins.uv.sha256, lock_file.read_bytes()])
-    python, made = uv.venv_in_place(
-        pins, venv_dir(), key, f"the packages of {lock_file.name}", fill
-    )
+    what = f"the packages of {lock_file.name}"
+    python, made = uv.venv_in_place(pins, venv_dir(), key, what, fill)
     count = f" ({len(lock.pinned(lock_file))} packages)" if made else ""
     log.step(f"install: {venv_dir()} holds exactly {lock_file.name}{count}")
     return python
@@ -121,8 +115,7 @@ def tree_bytecode(pins: Pins) -> Path:
 
 
 def keep_bytecode(pins: Pins, route: Route, tree_path: Path) -> None:
-    """Keep what Python compiled in this venv and tree for the next fresh ones
-    (forkbuild/setup/bytecode.py)."""
+    """Keep what Python compiled in this venv and tree for the next fresh ones."""
     lock_file = lock.path(route.name, lock.running_python())
     bytecode.keep(site_packages(venv_dir()), venv_bytecode(lock_file))
     bytecode.keep(tree_path / "vllm", tree_bytecode(pins))
@@ -130,8 +123,7 @@ def keep_bytecode(pins: Pins, route: Route, tree_path: Path) -> None:
 
 def _version_label(pins: Pins, route: Route) -> str:
     # vLLM picks the CPU platform only when its version contains "cpu".
-    suffix = ".cpu" if route.target_device == "cpu" else ""
-    return f"{pins.fork_version}{suffix}"
+    return pins.fork_version + (".cpu" if route.target_device == "cpu" else "")
 
 
 def precompiled_env(pins: Pins, route: Route, wheel: Path) -> dict[str, str]:
@@ -147,8 +139,7 @@ def precompiled_env(pins: Pins, route: Route, wheel: Path) -> dict[str, str]:
 def install(
     pins: Pins, route_name: str | None = None, *, without_gpu: bool = False
 ) -> tuple[Path, Path, Route]:
-    """Make sure fetch, tree and the venv are complete; return (python, tree, route).
-    WITHOUT_GPU: the CUDA route without a driver, where vLLM finds no platform."""
+    """Make sure fetch, tree and the venv are complete; return (python, tree, route)."""
     route = pick_route(pins, route_name)
     preflight.check_all(pins)
     refuse_without_gpu(route, without_gpu)
@@ -180,14 +171,10 @@ def install(
         editable = ["pip", "install", "--quiet", "--config-file", str(config)]
         editable += ["--python", str(python), "--no-deps", "--no-build-isolation"]
         editable += ["--offline", "--reinstall-package", "vllm", "-e", str(tree_path)]
-        what, env = (
-            "install the tree in editable mode",
-            precompiled_env(pins, route, wheel),
-        )
-        uv.run(pins, editable, what=what, extra_env=env)
+        env = precompiled_env(pins, route, wheel)
+        uv.run(pins, editable, what="install the tree in editable mode", extra_env=env)
         adding.result()
-    # any that setup.py named and did not write
-    add_missing_extensions(wheel, tree_path)
+    add_missing_extensions(wheel, tree_path)  # any setup.py named and did not write
     check_install(python, tree_path, route, without_gpu)
     keep_bytecode(pins, route, tree_path)
     stamp.write_text(stamp_value + "\n")
@@ -215,33 +202,28 @@ def install_stamp(route: Route, tree_path: Path) -> str:
 
 
 def holds_editable(tree_path: Path) -> bool:
-    """Whether the venv's vLLM is the editable install of TREE_PATH (its metadata, as
-    the install wrote it): a cheap look that needs no interpreter."""
-    for direct_url in site_packages(venv_dir()).glob(
-        "vllm-*.dist-info/direct_url.json"
-    ):
-        try:
-            info = json.loads(direct_url.read_text())
-        except (OSError, ValueError):
-            return False
-        url = urllib.parse.urlparse(info.get("url", ""))
-        if url.scheme != "file" or not info.get("dir_info", {}).get("editable"):
-            return False
-        # Resolved on both sides: uv may write it as given (VLLM_FORK_BUILD a link).
-        return Path(urllib.parse.unquote(url.path)).resolve() == tree_path.resolve()
-    return False
+    """Whether the venv's vLLM is the editable install of TREE_PATH, read from its
+    metadata: a cheap look that needs no interpreter."""
+    found = site_packages(venv_dir()).glob("vllm-*.dist-info/direct_url.json")
+    try:
+        info = json.loads(next(found).read_text())
+    except (StopIteration, OSError, ValueError):
+        return False
+    url = urllib.parse.urlparse(info.get("url", ""))
+    if url.scheme != "file" or not info.get("dir_info", {}).get("editable"):
+        return False
+    # Resolved on both sides: uv may write it as given (VLLM_FORK_BUILD a link).
+    return Path(urllib.parse.unquote(url.path)).resolve() == tree_path.resolve()
 
 
 def _venv_beside_tree(
     pins: Pins, route: Route, without_gpu: bool = False
 ) -> tuple[Path, Path]:
-    """The venv and the patched tree, made at the same time: the tree needs only the
-    sdist (~8 s on one core), the venv only the lock, so uv fills it on another core."""
+    """The venv and the patched tree, made at the same time on two cores."""
     venv_ready = threading.Event()
     made: list[Path] = []
 
-    def pip_once_the_venv_exists() -> Path:
-        # Only a download of the sdist needs pip, and pip comes with the venv.
+    def venv_pip() -> Path:  # only an sdist download needs pip
         venv_ready.wait()
         if not made:
             raise ForkError(
@@ -252,9 +234,7 @@ def _venv_beside_tree(
     stop = threading.Event()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tree") as pool:
         making_tree = pool.submit(
-            lambda: tree.build(
-                pins, fetch.fetch(pins.sdist, pip_once_the_venv_exists), stop=stop
-            )
+            lambda: tree.build(pins, fetch.fetch(pins.sdist, venv_pip), stop=stop)
         )
         try:
             try:
@@ -262,9 +242,7 @@ def _venv_beside_tree(
             finally:
                 venv_ready.set()
             return made[0], making_tree.result()
-        except KeyboardInterrupt:
-            # Ctrl-C: the tree step stops at its next file or git command (leaving this
-            # block waits for it).
+        except KeyboardInterrupt:  # the tree step stops at its next file or git command
             stop.set()
             raise
 
@@ -279,9 +257,8 @@ requires-dist = []  # installed with --no-deps: the lock holds the dependencies
 
 
 def editable_config(pins: Pins, route: Route, tree_path: Path) -> Path:
-    """A uv configuration giving the editable vLLM's version (`dependency-metadata`), so
-    uv runs setup.py once to build, not first to learn it (~6 s); the probe reads the
-    installed version back."""
+    """A uv configuration giving the editable vLLM's version, so that uv runs setup.py
+    once to build, not first to learn it (~6 s)."""
     config = tree_path / EDITABLE_CONFIG
     config.write_text(EDITABLE_METADATA.format(version=_version_label(pins, route)))
     return config
@@ -294,15 +271,13 @@ PER_ISA_KERNEL = re.compile(r"vllm/_C_[A-Z0-9]+\.abi3\.so")
 
 def left_to_setup_py(setup_py: Path) -> Callable[[str], bool]:
     """The wheel members that the unpacking beside setup.py leaves alone: all but the
-    per-ISA kernels it does not name. (setup.py also unpacks members by pattern, the
-    Rust extensions and DeepGEMM's, so "not named" alone would race it on those.)"""
+    per-ISA kernels it does not name (setup.py also unpacks some by pattern)."""
     named = named_in(setup_py)
     return lambda member: not PER_ISA_KERNEL.fullmatch(member) or named(member)
 
 
 def named_in(setup_py: Path) -> Callable[[str], bool]:
-    """Whether setup.py names a wheel member (in quotes): vLLM's precompiled install
-    unpacks exactly the members its setup.py lists."""
+    """Whether setup.py names a wheel member (in quotes), which it then unpacks."""
     text = setup_py.read_text()
     return lambda member: f'"{member}"' in text
 
@@ -310,12 +285,9 @@ def named_in(setup_py: Path) -> Callable[[str], bool]:
 def add_missing_extensions(
     wheel: Path, tree_path: Path, *, leave: Callable[[str], bool] = lambda member: False
 ) -> list[str]:
-    """Copy the wheel's compiled extensions that vLLM's precompiled install left out
-    (each written beside its name, then renamed); LEAVE: those setup.py writes itself.
-
-    vLLM 0.25.1's setup.py lacks the CPU build's per-ISA `_C_AVX2` and `_C_AVX512`. The
-    CPU platform loads `_C` only where AVX-512 BF16 exists, so without them an
-    AVX2-only host has no kernels (`torch.ops._C` has no `init_cpu_memory_env`)."""
+    """Copy the wheel's compiled extensions that vLLM's precompiled install left out;
+    LEAVE: those setup.py writes itself. 0.25.1's lacks the per-ISA `_C_AVX2` and
+    `_C_AVX512`: `_C` needs AVX-512 BF16, so an AVX2-only host had no CPU kernels."""
     added = []
     with zipfile.ZipFile(wheel) as whl:
         for name in whl.namelist():
@@ -336,8 +308,7 @@ def add_missing_extensions(
 
 
 def probe_path(tree_path: Path) -> str:
-    """PYTHONPATH of forkbuild/setup/install_probe.py: the tree first (as the tests run:
-    nothing there may shadow the installed metadata), then forkbuild."""
+    """install_probe's PYTHONPATH: the tree first (as the tests run), then forkbuild."""
     return os.pathsep.join([str(tree_path), str(REPO_ROOT)])
 
 

@@ -1,11 +1,6 @@
-"""What `import vllm` gives in a venv (a probe for forkbuild/setup/install.py and
-forkbuild/checks/regression.py), run from inside the tree with it first on sys.path:
-
-    python -m forkbuild.setup.install_probe          one JSON line: the package, its
-                                                     version, its platform, the fixed
-                                                     module
-    python -m forkbuild.setup.install_probe origin   the file `import vllm` loads
-"""
+"""What `import vllm` gives in a venv, run from inside the tree with it first on
+sys.path: one JSON line (the package, its version and platform, the fixed module), or
+with `origin` the file `import vllm` loads."""
 
 from __future__ import annotations
 

@@ -1,16 +1,11 @@
-"""Load the CUDA wheel's compiled extensions where an install put them (a probe).
-
-Run in the environment to check, with the driver stub on LD_LIBRARY_PATH where there is
-no driver (forkbuild/gpu/cuda_route.py, forkbuild/gpu/bundle/build.py):
+"""A probe, run in the environment to check (with the driver stub where there is none):
 
     python -m forkbuild.setup.load_extensions WHEEL ROOT [PATH ...]
 
-Every `vllm/**.so` of WHEEL's RECORD that this Python can load (abi3, or built for this
-Python) is read from ROOT, held to RECORD's sha256 and loaded against the torch that
-ROOT's environment imports; with PATHs, only those. Prints one JSON line: what loaded,
-what failed and why, the extensions for other Pythons, whether torch sees a GPU, and the
-schemas of the ops the kernel test calls.
-"""
+loads every `vllm/**.so` of WHEEL's RECORD that this Python can (or only PATHs) from
+ROOT, held to RECORD's sha256, against ROOT's torch. Prints one JSON line: what loaded,
+what failed and why, those for other Pythons, whether torch sees a GPU, and the schemas
+of the ops the kernel test calls."""
 
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
-"""`forkbuild lock`: the hash-locked environments, one per route and supported Python,
-and forkbuild's own tool environment per Python.
-
-locks/ROUTE-pyXY.txt pins every package of the route's venv (fork.toml's toolchain, the
-route's extras and vLLM's requirement file in the tree) with its sha256, resolved by
-`uv pip compile --generate-hashes` for fork.toml's lock_platform; locks/tools-pyXY.txt
-pins [toolchain] forkbuild (forkbuild/setup/bootstrap.py installs it). Each lock records
-a digest of its inputs; an install refuses a lock whose inputs changed since, so the
-venv installed is the one locked and tested. Only `forkbuild lock` needs the network; it
-keeps the versions a lock already pins where its inputs allow them.
-"""
+"""`forkbuild lock`: the hash-locked environments, one per route and supported Python
+(locks/ROUTE-pyXY.txt: fork.toml's toolchain, the route's extras and vLLM's requirement
+file), and forkbuild's own tool environment (locks/tools-pyXY.txt), resolved by `uv pip
+compile --generate-hashes` for fork.toml's lock_platform. Each lock records a digest of
+its inputs; an install refuses a lock whose inputs changed since, so the venv installed
+is the one locked and tested."""
 
 from __future__ import annotations
 
@@ -78,22 +73,15 @@ class _Lock(NamedTuple):
 
 def _locks(pins: Pins, tree_path: Path) -> list[_Lock]:
     """Every lock fork.toml asks for."""
-    made = []
-    for python in pins.pythons:
-        digest, what = (
-            bootstrap.tools_digest(pins, python),
-            "forkbuild's tool environment",
-        )
-        made.append(
-            _Lock(path("tools", python), digest, [*pins.forkbuild], what, python)
-        )
+    made, tools = [], "forkbuild's tool environment"
+    for py in pins.pythons:
+        digest = bootstrap.tools_digest(pins, py)
+        made.append(_Lock(path("tools", py), digest, [*pins.forkbuild], tools, py))
         for r in pins.routes.values():
             wanted = [*pins.toolchain, *r.extra, f"-r {tree_path / r.requirements}"]
-            digest = inputs_digest(pins, r, python, tree_path)
+            digest = inputs_digest(pins, r, py, tree_path)
             what = f"the {r.name} route's venv"
-            made.append(
-                _Lock(path(r.name, python), digest, wanted, what, python, r.exclude)
-            )
+            made.append(_Lock(path(r.name, py), digest, wanted, what, py, r.exclude))
     return made
 
 
@@ -151,16 +139,14 @@ def pinned(lock_file: Path) -> dict[str, str]:
     return pinned_lines(lock_file.read_text())
 
 
-def pinned_lines(text: str) -> dict[str, str]:
-    """name -> version of `name==version` lines (a freeze)."""
+def pinned_lines(text: str) -> dict[str, str]:  # of a lock's or a freeze's text
     found = filter(None, map(_pin, text.splitlines()))
     return {normalize(r.name): next(iter(r.specifier)).version for r in found}
 
 
 def entries(lock_file: Path, names: set[str]) -> str:
     """The lock's own lines (the pin and its --hash lines) for the packages NAMES
-    (normalized), as a requirements file that `uv pip install --require-hashes`
-    takes."""
+    (normalized), as a requirements file for `uv pip install --require-hashes`."""
     kept, keep = [], False
     for line in lock_file.read_text().splitlines():
         requirement = _pin(line)
@@ -181,9 +167,8 @@ def resolve(
     exclude: tuple[str, ...] | list[str] = (),
     previous: str = "",
 ) -> str:
-    """uv pip compile of REQUIREMENTS (requirements.in text) for PYTHON on the lock
-    platform, every package with its sha256, EXCLUDE left out, preferring the versions
-    of PREVIOUS (the lock's lines before); the lock's lines."""
+    """The lock's lines for REQUIREMENTS (requirements.in text) on PYTHON and the lock
+    platform, EXCLUDE left out, keeping the versions PREVIOUS (the old lines) pins."""
     locks_dir().mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".lock-", dir=locks_dir()) as tmp:
         source, out = Path(tmp) / "requirements.in", Path(tmp) / "lock.txt"

@@ -1,9 +1,5 @@
-"""Run pip with the machine's own pip configuration; never name an index here.
-
-pip only downloads: the pinned upstream files by name (uv, the one installer, has no
-download command) and, once, uv itself. PYTHON is an interpreter with pip, or a whole
-pip command (the bootstrap's pip may be the wheel inside ensurepip).
-"""
+"""Run pip with the machine's own pip configuration; never name an index here. pip only
+downloads (uv, the one installer, has no download command): the pinned files and uv."""
 
 from __future__ import annotations
 
@@ -22,9 +18,8 @@ def run_pip(
     env: Mapping[str, str] | None = None,
     quiet: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """Run `python -m pip ARGS`; on failure raise with pip's last error line. QUIET
-    captures the output (attempts whose failure is expected); otherwise it streams, so
-    that long downloads show pip's own progress."""
+    """Run `PYTHON -m pip ARGS` (PYTHON may be a whole pip command); on failure raise
+    with pip's last error line. QUIET captures the output, else it streams."""
     pip = [str(python), "-m", "pip"] if isinstance(python, (str, Path)) else python
     result = subprocess.run(
         [*pip, *args], env=env, text=True, capture_output=quiet, check=False

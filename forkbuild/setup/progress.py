@@ -1,8 +1,5 @@
-"""Progress of long set-up steps, with rich: the bytes a download has written so far.
-
-Not for the bootstrap's modules (standard library only): forkbuild/setup/fetch.py
-imports it only for the downloads that run in the tool environment.
-"""
+"""The bytes a download has written so far, shown with rich: not for the bootstrap's
+(standard library only) downloads."""
 
 from __future__ import annotations
 
@@ -25,8 +22,8 @@ def _size(folder: Path) -> int:
 
 @contextmanager
 def bytes_in(folder: Path, what: str, console: Console | None = None) -> Iterator[bool]:
-    """While the block runs, show the bytes written under FOLDER; yields whether it
-    shows them (on a terminal only: a log gets the step's lines)."""
+    """While the block runs, show the bytes written under FOLDER on a terminal; yields
+    whether it shows them."""
     console = console or Console(stderr=True)
     if not console.is_terminal:
         yield False

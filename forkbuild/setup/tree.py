@@ -5,10 +5,9 @@ tests.
     HEAD~1   one commit per patch          git am of patches/series
     HEAD     "fork: overlay the fork's tests"
 
-`git log` and `git diff v0.25.1` in the tree show exactly what the fork changes. It is
-built in a temporary folder and renamed into place (never a half tree), with fixed
-commit dates (the same inputs give the same commits; an unchanged tree is not rebuilt).
-"""
+`git diff v0.25.1` in the tree shows exactly what the fork changes. It is built in a
+temporary folder and renamed into place (never a half tree), with fixed commit dates
+(the same inputs give the same commits)."""
 
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ import subprocess
 import tarfile
 import tempfile
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,8 +27,7 @@ from forkbuild.core.pins import REPO_ROOT, Pins, build_dir
 
 PATCHES_DIR = REPO_ROOT / "patches"
 TESTS_DIR = REPO_ROOT / "tests"
-# inside .git: the digest of what the tree was made from
-INPUTS_FILE = "forkbuild-inputs"
+INPUTS_FILE = "forkbuild-inputs"  # in .git: the digest of what the tree is made from
 IDENTITY = {
     "GIT_AUTHOR_NAME": "vLLM fork",
     "GIT_AUTHOR_EMAIL": "fork-maintainers@example.invalid",
@@ -55,6 +52,7 @@ __pycache__/
 Stop = threading.Event | None  # set from another thread: stop at the next step
 Env = dict[str, str] | None
 Ran = subprocess.CompletedProcess[str]
+Members = list[tarfile.TarInfo] | None
 
 
 @dataclass(frozen=True)
@@ -76,15 +74,13 @@ def read_series(patches_dir: Path = PATCHES_DIR) -> list[Patch]:
     patches = []
     for lineno, line in enumerate(series.read_text().splitlines(), 1):
         name = line.split("#", 1)[0].strip()
-        if not name:
-            continue
-        path = patches_dir / name
-        if not path.is_file():
+        if name and not (patches_dir / name).is_file():
             raise ForkError(
                 f"patches/series line {lineno} names {name}, but there is no such file",
                 "add the patch file or remove the line",
             )
-        patches.append(Patch(name, path))
+        if name:
+            patches.append(Patch(name, patches_dir / name))
     return patches
 
 
@@ -107,14 +103,15 @@ def inputs_digest(pins: Pins, patches: list[Patch]) -> str:
     return digest_of(parts)
 
 
-def _check(stop: Stop) -> None:
-    """Between two files or git commands: stop when the caller was interrupted."""
+def _go_on(stop: Stop) -> bool:
+    """True, or KeyboardInterrupt once STOP is set (looked at between two steps)."""
     if stop is not None and stop.is_set():
         raise KeyboardInterrupt
+    return True
 
 
 def git(args: list[str], cwd: Path, env: Env = None, stop: Stop = None) -> Ran:
-    _check(stop)
+    _go_on(stop)
     return subprocess.run(
         ["git", *args], cwd=cwd, env=env, text=True, capture_output=True, check=False
     )
@@ -145,10 +142,7 @@ def fresh_worktree(
 def _extract_sdist(sdist: Path, dest: Path, stop: Stop = None) -> int:
     """Unpack the sdist's single top folder into DEST; return the release's mtime."""
     with tarfile.open(sdist) as tar:
-        members = []
-        for member in tar:  # reading the index decompresses the archive (~1 s)
-            _check(stop)
-            members.append(member)
+        members = [m for m in tar if _go_on(stop)]  # decompresses it all (~1 s)
         tops = {m.name.split("/", 1)[0] for m in members}
         if len(tops) != 1:
             raise ForkError(
@@ -163,24 +157,16 @@ def _extract_sdist(sdist: Path, dest: Path, stop: Stop = None) -> int:
 
 
 def extract_data(
-    tar: tarfile.TarFile,
-    dest: Path,
-    members: list[tarfile.TarInfo] | None = None,
-    stop: Stop = None,
+    tar: tarfile.TarFile, dest: Path, members: Members = None, stop: Stop = None
 ) -> None:
     """Extract MEMBERS (default: all) of TAR into DEST as plain data: nothing outside
     DEST, no device files or set-id bits, owned by whoever runs this (git refuses other
-    owners; as root tarfile would chown). tarfile's "data" filter does this, but only
-    from Python 3.11.4, and Debian 12 has 3.11.2: so the same rules are applied here."""
+    owners). tarfile's "data" filter does this from Python 3.11.4; Debian 12 has 3.11.2.
+    """
     members = tar.getmembers() if members is None else members
-
-    def checked() -> Iterator[tarfile.TarInfo]:  # STOP is looked at before each member
-        for member in members:
-            _check(stop)
-            yield member
-
+    checked = (m for m in members if _go_on(stop))
     if hasattr(tarfile, "data_filter"):
-        tar.extractall(dest, members=checked(), filter="data")
+        tar.extractall(dest, members=checked, filter="data")
         return
     root = dest.resolve()
     for member in members:
@@ -204,7 +190,7 @@ def extract_data(
         member.mode &= 0o755 if member.isdir() or member.mode & 0o100 else 0o644
         member.uid, member.gid = os.getuid(), os.getgid()
         member.uname = member.gname = ""
-    tar.extractall(dest, members=checked())
+    tar.extractall(dest, members=checked)
 
 
 def _apply_patches(
@@ -233,8 +219,7 @@ def build(
     stop: Stop = None,
 ) -> Path:
     """Make (or keep, when its inputs are unchanged) the patched tree; return its path.
-    STOP, set from another thread, ends the build at its next file or git command
-    (KeyboardInterrupt), leaving no tree behind."""
+    STOP, set from another thread, ends it (KeyboardInterrupt), leaving no tree."""
     patches = read_series(patches_dir)
     digest = inputs_digest(pins, patches)
     final = tree_dir(pins)
@@ -242,7 +227,6 @@ def build(
     if not force and marker.exists() and marker.read_text().strip() == digest:
         log.step(f"tree: {final} is up to date ({digest})")
         return final
-
     build_dir().mkdir(parents=True, exist_ok=True)
     for stale in build_dir().glob(".tree-*"):  # left by an interrupted build
         shutil.rmtree(stale, ignore_errors=True)
@@ -263,21 +247,16 @@ def build(
 def commit_release(
     dest: Path, sdist: Path, version: str, sha256: str, stop: Stop = None
 ) -> dict[str, str]:
-    """Unpack SDIST into DEST as a git repository: one commit, tagged v<VERSION>.
-    Returns the git environment (identity, the release's date) for further commits."""
+    """Unpack SDIST into DEST as a git repository: one commit, tagged v<VERSION>; return
+    the git environment (identity, the release's date) for further commits."""
     log.step(f"tree: unpacking {sdist.name}")
     stamp = _extract_sdist(sdist, dest, stop)
     # The sdist's egg-info carries the bare version (no "+cpu"): first on sys.path
     # (tests run inside the tree) it shadows the installed metadata and vLLM then
     # detects no platform. pip regenerates metadata on install; the tree needs none.
     shutil.rmtree(dest / "vllm.egg-info", ignore_errors=True)
-    date = f"@{stamp} +0000"
-    env = {
-        **os.environ,
-        **IDENTITY,
-        "GIT_AUTHOR_DATE": date,
-        "GIT_COMMITTER_DATE": date,
-    }
+    dates = dict.fromkeys(["GIT_AUTHOR_DATE", "GIT_COMMITTER_DATE"], f"@{stamp} +0000")
+    env = {**os.environ, **IDENTITY, **dates}
     git_ok(["init", "-q", "-b", "fork"], dest, env, "init the tree", stop)
     (dest / ".git" / "info").mkdir(exist_ok=True)
     (dest / ".git" / "info" / "exclude").write_text(BUILD_OUTPUTS)

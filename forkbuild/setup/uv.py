@@ -1,14 +1,8 @@
-"""uv, the fork's one installer, at the version fork.toml pins.
-
-Bootstrap, once per cache: pip (this interpreter's, else the wheel ensurepip bundles)
-downloads the pinned uv wheel, checked against fork.toml's sha256; its `uv` binary is
-extracted and checked against the wheel's RECORD. Later runs need no network, no pip.
-
-uv keeps its downloads in <cache>/uv-cache, outside the clone, so a fresh clone installs
-offline; what it lacks comes from uv's own index configuration (UV_INDEX, uv.toml; the
-tree's offline editable install passes its own --config-file instead). An unwritable
-cache is refused before uv runs; a full disk is said in one line.
-"""
+"""uv, the fork's one installer, at the version fork.toml pins: once per cache pip
+downloads its wheel (sha256-checked) and the binary is extracted, checked against the
+wheel's RECORD. uv keeps its downloads in <cache>/uv-cache, outside the clone, so a
+fresh clone installs offline; what it lacks comes from uv's own index configuration
+(UV_INDEX, uv.toml)."""
 
 from __future__ import annotations
 
@@ -95,8 +89,7 @@ _writable: set[Path] = set()  # per process: the cache is checked once
 
 
 class _Final(ForkError):
-    """A uv failure that downloading cannot mend: a hash mismatch, a full or unwritable
-    disk."""
+    """A uv failure no download mends: a hash mismatch, a full or unwritable disk."""
 
 
 _MISMATCH = re.compile(
@@ -171,18 +164,12 @@ def run(
         # VLLM_FORK_CACHE) before uv fails in its own words.
         preflight.check_writable(uv_cache(), "uv")
         _writable.add(uv_cache())
+    env = {**os.environ, **(extra_env or {}), "UV_CACHE_DIR": str(uv_cache())}
+    # UV_PYTHON_DOWNLOADS: venvs use forkbuild's own interpreter
+    env |= {"UV_PYTHON_DOWNLOADS": "never", "UV_NO_PROGRESS": "1"}
+    command = [str(binary(pins)), *args]
     proc = subprocess.Popen(
-        [str(binary(pins)), *args],
-        env={
-            **os.environ,
-            **(extra_env or {}),
-            "UV_CACHE_DIR": str(uv_cache()),
-            "UV_PYTHON_DOWNLOADS": "never",  # venvs use forkbuild's own interpreter
-            "UV_NO_PROGRESS": "1",
-        },
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        command, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
     lines = []
     for line in proc.stdout or ():
@@ -198,8 +185,8 @@ def run(
 def install(
     pins: Pins, args: Sequence[str], *, what: str, lock: Path | None = None
 ) -> None:
-    """`uv pip ARGS` (installing WHAT, e.g. "the packages of cpu-py311.txt") from uv's
-    cache alone first; only what the cache lacks is downloaded."""
+    """`uv pip ARGS` (installing WHAT) from uv's cache alone first; only what the cache
+    lacks is downloaded."""
     try:
         run(pins, ["pip", *args, "--offline"], what=f"install {what}", lock=lock)
     except _Final:

@@ -1,10 +1,7 @@
 """A distributable patched wheel for GPU hosts: vllm-<version>+<label>, on the official
 CUDA wheel's binaries, built from a clean clone of the tree (the dev tree holds the
-editable install's CPU binaries, which must not leak into it).
-
-A clone, not a `git archive` export: some of vLLM's package data (chat templates, tuned
-configs: ~40 files) reaches the wheel through `include_package_data`, which takes what
-setuptools-scm lists, the files git tracks: from an export they were silently left out.
+editable install's CPU binaries). A clone, not a `git archive` export: ~40 files of
+package data reach the wheel only as files git tracks (setuptools-scm).
 
 verify_wheel holds the result to the official wheel file by file: the same content but
 for what the patch series changes, vllm/_version.py and the .dist-info metadata."""
@@ -42,13 +39,8 @@ GENERATED = tree.GENERATED  # setuptools-scm writes the version into it: never e
 SHOWN = 5  # file names an error names at most, per kind
 
 
-def _is_metadata(name: str) -> bool:
-    return name.split("/", 1)[0].endswith(".dist-info")
-
-
 def patched_paths(patches: list[tree.Patch]) -> set[str]:
-    """Every path a `diff --git` header of the series names (old and new side): the
-    files the fork changes, adds or removes on purpose."""
+    """Every path a `diff --git` header of the series names (old and new side)."""
     paths: set[str] = set()
     for patch in patches:
         for line in patch.path.read_text(errors="replace").splitlines():
@@ -59,8 +51,8 @@ def patched_paths(patches: list[tree.Patch]) -> set[str]:
 
 
 def _contents(path: Path) -> dict[str, tuple[str | None, int, int]]:
-    """File name -> (sha256 as RECORD states it, size, CRC-32) of every file: RECORD
-    saves inflating ~400 MB; the zip's size and CRC catch a RECORD that lies."""
+    """Name -> (sha256 as RECORD states it, size, CRC-32) of each file but .dist-info's:
+    RECORD saves inflating ~400 MB; the size and CRC catch a RECORD that lies."""
     with zipfile.ZipFile(path) as whl:
         infos = [i for i in whl.infolist() if not i.is_dir()]
         names = [i.filename for i in infos]
@@ -72,7 +64,8 @@ def _contents(path: Path) -> dict[str, tuple[str | None, int, int]]:
             )
         rows = csv.reader(io.StringIO(whl.read(records[0]).decode()))
         hashes = {row[0]: row[1] or None for row in rows if row}
-    return {i.filename: (hashes.get(i.filename), i.file_size, i.CRC) for i in infos}
+    data = [i for i in infos if not i.filename.split("/")[0].endswith(".dist-info")]
+    return {i.filename: (hashes.get(i.filename), i.file_size, i.CRC) for i in data}
 
 
 @dataclass(frozen=True)
@@ -91,8 +84,7 @@ class Comparison:
 
 
 def compare_wheels(fork: Path, official: Path, patched: set[str]) -> Comparison:
-    mine = {n: v for n, v in _contents(fork).items() if not _is_metadata(n)}
-    theirs = {n: v for n, v in _contents(official).items() if not _is_metadata(n)}
+    mine, theirs = _contents(fork), _contents(official)
     exempt = patched | set(GENERATED)
     both = sorted(theirs.keys() & mine.keys())
     return Comparison(
@@ -109,50 +101,37 @@ def _some(names: list[str]) -> str:
     return f"{shown}, ... ({len(names) - SHOWN} more)" if len(names) > SHOWN else shown
 
 
+HINTS = {  # what to do about each kind of file a comparison finds
+    "missing": "package data comes from the files git tracks in the tree "
+    "(setuptools-scm's file finder): build from a git clone of the tree, as `make "
+    "wheel` does, and check that `git ls-files` in build/vllm-<version> lists them",
+    "differing": "rebuild the tree from the pinned sdist (python3 -m forkbuild tree "
+    "--force); a change the fork means must be a patch in patches/series",
+    "extra": "they leaked into the package (build outputs, the fork's tests?): only "
+    "the tree's tracked files belong in it; a file the fork adds must come from a "
+    "patch",
+}
+
+
 def comparison_problems(
     result: Comparison, official: Path
 ) -> tuple[list[str], list[str]]:
     """(problems, what to do) for a comparison that is not ok."""
-    problems, hints = [], []
-    if result.missing:
-        problems.append(
-            f"{len(result.missing)} file(s) of {official.name} missing: "
-            f"{_some(result.missing)}"
-        )
-        hints.append(
-            "package data comes from the files git tracks in the tree "
-            "(setuptools-scm's file finder): build from a git clone of the tree, as "
-            "`make wheel` does, and check that `git ls-files` in build/vllm-<version> "
-            "lists them"
-        )
-    if result.differing:
-        problems.append(
-            f"{len(result.differing)} file(s) differ from {official.name} although no "
-            f"patch changes them: {_some(result.differing)}"
-        )
-        hints.append(
-            "rebuild the tree from the pinned sdist (python3 -m forkbuild tree "
-            "--force); a change the fork means must be a patch in patches/series"
-        )
-    if result.extra:
-        problems.append(
-            f"{len(result.extra)} file(s) not in {official.name} and added by no "
-            f"patch: {_some(result.extra)}"
-        )
-        hints.append(
-            "they leaked into the package (build outputs, the fork's tests?): only the "
-            "tree's tracked files belong in it; a file the fork adds must come from a "
-            "patch"
-        )
-    return problems, hints
+    said = {
+        "missing": f"of {official.name} missing",
+        "differing": f"differ from {official.name} although no patch changes them",
+        "extra": f"not in {official.name} and added by no patch",
+    }
+    found = {kind: getattr(result, kind) for kind in said if getattr(result, kind)}
+    problems = [f"{len(n)} file(s) {said[k]}: {_some(n)}" for k, n in found.items()]
+    return problems, [HINTS[kind] for kind in found]
 
 
 def verify_wheel(
     path: Path, pins: Pins, official: Path, patches_dir: Path = tree.PATCHES_DIR
 ) -> None:
     """The wheel must carry the fix and the fork's version, and hold the OFFICIAL wheel
-    it was built on file for file (module docstring); nothing else besides the files the
-    series adds."""
+    it was built on file for file, and nothing else but the files the series adds."""
     compiled = _compiled(official)
     missing = sorted(compiled - _compiled(path))
     patched = patched_paths(tree.read_series(patches_dir))
@@ -197,8 +176,7 @@ def verify_wheel(
 
 
 def _requirements(path: Path) -> list[str]:
-    """The Requires-Dist and Requires-Python lines of the wheel's METADATA, sorted: what
-    an installer takes (the rest of .dist-info names the build, not the needs)."""
+    """The Requires-Dist and Requires-Python lines of the wheel's METADATA, sorted."""
     needs = ("Requires-Dist", "Requires-Python")
     return sorted(f"{k}: {v}" for k, v in _metadata(path).items() if k in needs)
 
@@ -216,9 +194,8 @@ def _tags(wheel: Path) -> list[str]:
 
 
 def _tag_options(official: Path) -> list[str]:
-    """bdist_wheel is told the official wheel's tags (cp38-abi3-manylinux_2_28), whose
-    binaries it holds, not the building interpreter's, so it installs wherever that one
-    does (and is zipped once: retagging afterwards rewrote all ~400 MB)."""
+    """bdist_wheel is told the official wheel's tags, whose binaries it holds, so it
+    installs wherever that one does (retagging it afterwards rewrote all ~400 MB)."""
     interpreter, abi, platform_tag = _tags(official)
     if abi != "abi3":
         raise ForkError(
@@ -247,14 +224,10 @@ def build(pins: Pins) -> Path:
         tree.git_ok(clone, Path(tmp), None, f"clone {tree_path}", hint=hint)
         about = "(takes about a minute)"
         log.step(f"wheel: building {pins.fork_version} on {binaries.name} {about}")
-        run_pip(
-            python,
-            ["wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out)]
-            + [*_tag_options(binaries), str(source)],
-            what="build the wheel",
-            env=install.precompiled_env(pins, route, binaries),
-            quiet=True,
-        )
+        args = ["wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out)]
+        args += [*_tag_options(binaries), str(source)]
+        env = install.precompiled_env(pins, route, binaries)
+        run_pip(python, args, what="build the wheel", env=env, quiet=True)
         built = sorted(out.glob("vllm-*.whl"))
         tags = "-".join(_tags(binaries))
         if len(built) != 1 or not built[0].name.endswith(f"-{tags}.whl"):

@@ -122,10 +122,9 @@ def test_the_tool_environment_is_reused_and_made_again_when_damaged(tmp_path):
 def test_fetch_and_tree_run_on_a_bare_python_and_make_no_venv(bare_python, tmp_path):
     """With the files cached, `make fetch` and `make tree` need no venv of vLLM's, only
     the tool environment, made by the bootstrap from a python without pip."""
-    env = _fresh_tools(tmp_path)
     build = tmp_path / "build"
     for step in (["fetch", "--route", "cpu"], ["tree"]):
-        result = _forkbuild(bare_python, *step, env=env)
+        result = _forkbuild(bare_python, *step, env=_fresh_tools(tmp_path))
         assert result.returncode == 0, result.stderr[-2000:]
     assert (build / f"vllm-{pins.load().upstream_version}" / "vllm").is_dir()
     assert not (build / "venv").exists() and not (build / "venv.partial").exists()
@@ -190,28 +189,21 @@ def test_tree_is_the_same_on_every_interpreter_here(tmp_path):
 def test_uv_bootstraps_without_pip_from_ensurepips_wheel(bare_python, tmp_path):
     """An empty cache and a Python without pip: uv arrives through the pip wheel that
     ensurepip bundles, verified (needs the package index, as a cold `make` does)."""
-    code = (
-        "from forkbuild.core import pins\nfrom forkbuild.setup import uv\n"
-        "print(uv.bootstrap_pip()[-1])\n"
-        "print(uv.binary(pins.load()))\n"
-    )
-    result = _run(
-        [bare_python, "-c", code], {"VLLM_FORK_CACHE": str(tmp_path / "cache")}
-    )
+    code = "from forkbuild.core import pins\nfrom forkbuild.setup import uv\n"
+    code += "print(uv.bootstrap_pip()[-1])\nprint(uv.binary(pins.load()))\n"
+    env = {"VLLM_FORK_CACHE": str(tmp_path / "cache")}
+    result = _run([bare_python, "-c", code], env)
     assert result.returncode == 0, result.stderr[-2000:]
     via, binary = result.stdout.strip().splitlines()[-2:]
-    # ensurepip's own wheel: bundled with it, or where the distribution keeps it
-    # (Debian)
+    # ensurepip's own wheel: bundled with it, or where Debian keeps it
     kept = sysconfig.get_config_var("WHEEL_PKG_DIR")
     wheel = Path(via).parent  # .../pip-X-py3-none-any.whl/pip
     assert wheel.name.startswith("pip-"), via
     assert wheel.parent.name == "_bundled" or (kept and wheel.parent == Path(kept)), via
     assert Path(binary).is_relative_to(tmp_path / "cache")
     uv_version = pins.load().uv.requirement.split("==")[1]
-    assert _run([binary, "--version"], check=True).stdout.split()[:2] == [
-        "uv",
-        uv_version,
-    ]
+    said = _run([binary, "--version"], check=True).stdout.split()[:2]
+    assert said == ["uv", uv_version]
 
 
 def test_a_python_without_pip_or_ensurepip_gets_one_line_naming_the_package(

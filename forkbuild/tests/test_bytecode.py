@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest.mock import Mock
 
 import pytest
 
@@ -15,8 +16,7 @@ from forkbuild.setup import bytecode
 
 
 def _site(root: Path, source: str = "VALUE = 1\n", mtime: int = 1_700_000_000) -> Path:
-    """A site-packages folder with one package, its file dated MTIME (as uv's links and
-    the sdist's files keep theirs)."""
+    """A site-packages folder with one package dated MTIME (as uv and the sdist do)."""
     module = root / "pkg" / "mod.py"
     module.parent.mkdir(parents=True)
     (module.parent / "__init__.py").write_text("")
@@ -50,7 +50,6 @@ def test_a_fresh_venv_gets_the_bytecode_and_python_keeps_it(tmp_path, first):
     kept = tmp_path / "cache"
     assert bytecode.keep(first, kept) == 2  # pkg/__init__ and pkg/mod
     assert bytecode.keep(first, kept) == 0  # kept once
-
     fresh = _site(tmp_path / "fresh")
     assert bytecode.restore(fresh, kept) == 2
     linked = _pyc(fresh).stat().st_ino
@@ -66,7 +65,6 @@ def test_bytecode_of_a_changed_source_is_compiled_afresh_and_the_cache_is_untouc
     kept = tmp_path / "cache"
     bytecode.keep(first, kept)
     cached = (kept / _pyc(first).relative_to(first)).read_bytes()
-
     # A patched file: other content, another mtime (git am writes it now).
     changed = _site(tmp_path / "changed", source="VALUE = 22\n", mtime=1_800_000_000)
     bytecode.restore(changed, kept)
@@ -80,10 +78,7 @@ def test_restore_leaves_what_exists_and_folders_the_venv_lacks(tmp_path, first):
     kept = tmp_path / "cache"
     bytecode.keep(first, kept)
     (kept / "gone" / "__pycache__").mkdir(parents=True)
-    (kept / "gone" / "__pycache__" / "x.cpython-311.pyc").write_bytes(
-        b"of a package not installed"
-    )
-
+    (kept / "gone" / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"not installed")
     fresh = _site(tmp_path / "fresh")
     own = fresh / "pkg" / "__pycache__" / _pyc(first).name
     own.parent.mkdir()
@@ -105,15 +100,10 @@ def test_the_store_is_per_source_and_per_python(tmp_path, monkeypatch):
     assert one.is_relative_to(tmp_path)
 
 
-def _refused(*errno_and_text):
-    def refused(src, dst):
-        raise OSError(*errno_and_text)
-
-    return refused
-
-
 def test_keep_copies_across_file_systems(tmp_path, first, monkeypatch):
-    monkeypatch.setattr(os, "link", _refused(18, "Invalid cross-device link"))
+    monkeypatch.setattr(
+        os, "link", Mock(side_effect=OSError(18, "Invalid cross-device link"))
+    )
     kept = tmp_path / "cache"
     assert bytecode.keep(first, kept) == 2
     pyc = kept / _pyc(first).relative_to(first)
@@ -126,8 +116,9 @@ def test_keep_copies_across_file_systems(tmp_path, first, monkeypatch):
 def test_an_unwritable_cache_costs_compile_time_only(
     tmp_path, first, monkeypatch, capsys
 ):
-    monkeypatch.setattr(os, "link", _refused(30, "Read-only file system"))
-    monkeypatch.setattr(shutil, "copy2", _refused(30, "Read-only file system"))
+    read_only = Mock(side_effect=OSError(30, "Read-only file system"))
+    monkeypatch.setattr(os, "link", read_only)
+    monkeypatch.setattr(shutil, "copy2", read_only)
     kept = tmp_path / "cache"
     assert bytecode.keep(first, kept) == 0
     assert bytecode.restore(_site(tmp_path / "fresh"), first) == 0

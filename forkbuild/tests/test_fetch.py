@@ -26,20 +26,21 @@ def test_cached_artifact_is_verified_not_downloaded(
     assert fetch.fetch(fork_pins.sdist, _no_pip) == scratch_sdist
 
 
-@pytest.mark.parametrize("damage", ["tampered", "truncated"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda d: d[:1000] + bytes([d[1000] ^ 0xFF]) + d[1001:],
+        lambda d: d[: len(d) // 2],
+    ],
+    ids=["tampered", "truncated"],
+)
 def test_bad_artifact_is_deleted_and_refused(
     fork_pins, scratch_sdist, monkeypatch, damage
 ):
     monkeypatch.setattr(fetch, "run_pip", _no_download)
-    data = scratch_sdist.read_bytes()
-    if damage == "tampered":
-        data = data[:1000] + bytes([data[1000] ^ 0xFF]) + data[1001:]
-    else:
-        data = data[: len(data) // 2]
-    scratch_sdist.write_bytes(data)
-    with pytest.raises(
-        ForkError, match=f"sha256 mismatch for {fork_pins.sdist.filename}"
-    ) as err:
+    scratch_sdist.write_bytes(damage(scratch_sdist.read_bytes()))
+    said = f"sha256 mismatch for {fork_pins.sdist.filename}"
+    with pytest.raises(ForkError, match=said) as err:
         fetch.fetch(fork_pins.sdist, _no_pip)
     assert "\n" not in str(err.value)
     assert not scratch_sdist.exists()
@@ -62,10 +63,8 @@ def test_unwritable_cache_is_refused_naming_vllm_fork_cache(
     monkeypatch.setattr(fetch, "run_pip", _no_download)
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("VLLM_FORK_CACHE", str(tmp_path / "a-file" / "cache"))
-    with pytest.raises(
-        ForkError,
-        match=f"cannot write in .*, which downloading {fork_pins.sdist.filename} needs",
-    ) as err:
+    said = f"cannot write in .*, which downloading {fork_pins.sdist.filename} needs"
+    with pytest.raises(ForkError, match=said) as err:
         fetch.fetch(fork_pins.sdist, _no_pip)
     assert "VLLM_FORK_CACHE" in err.value.hint and "\n" not in str(err.value)
 

@@ -4,6 +4,7 @@ overwritten."""
 
 from __future__ import annotations
 
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -35,9 +36,7 @@ def test_adds_only_the_missing_compiled_extensions(tmp_path):
     into = tmp_path / "tree"
     (into / "vllm" / "vllm_flash_attn").mkdir(parents=True)
     (into / "vllm" / "_C.abi3.so").write_bytes(b"installed by setup.py")
-
     added = install.add_missing_extensions(wheel, into)
-
     assert sorted(added) == [
         "vllm/_C_AVX2.abi3.so",
         "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",
@@ -53,10 +52,9 @@ def test_the_real_cpu_wheel_brings_the_avx2_kernels(fork_pins, tmp_path):
     wheel = fetch.artifacts_dir() / fork_pins.routes["cpu"].wheel.filename
     if not wheel.exists():
         pytest.skip("the CPU wheel is not cached yet: run `make install` first")
-    into = tmp_path / "tree"
-    (into / "vllm").mkdir(parents=True)
-    (into / "vllm" / "_C.abi3.so").write_bytes(b"")
-    added = install.add_missing_extensions(wheel, into)
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "_C.abi3.so").write_bytes(b"")
+    added = install.add_missing_extensions(wheel, tmp_path)
     assert {"vllm/_C_AVX2.abi3.so", "vllm/_C_AVX512.abi3.so"} <= set(added)
 
 
@@ -78,16 +76,14 @@ def test_leaves_what_setup_py_unpacks_itself(tmp_path):
         'exact_members = {\n    "vllm/_C.abi3.so",\n}\n'
         'RUST = re.compile(r"vllm/_rust_[^/]*\\.so$")\n'
     )
-
-    added = install.add_missing_extensions(
-        wheel, into, leave=install.left_to_setup_py(into / "setup.py")
-    )
-
-    assert added == ["vllm/_C_AVX2.abi3.so"]
+    leave = install.left_to_setup_py(into / "setup.py")
+    assert install.add_missing_extensions(wheel, into, leave=leave) == [
+        "vllm/_C_AVX2.abi3.so"
+    ]
     assert sorted(p.name for p in (into / "vllm").iterdir()) == ["_C_AVX2.abi3.so"]
 
 
-def test_the_real_setup_py_unpacks_the_base_kernels_only(fork_pins, tmp_path):
+def test_the_real_setup_py_unpacks_the_base_kernels_only(fork_pins):
     # 0.25.1's list: _C and its helpers, not the per-ISA variants (the reason for the
     # step).
     setup_py = tree.tree_dir(fork_pins) / "setup.py"
@@ -99,10 +95,7 @@ def test_the_real_setup_py_unpacks_the_base_kernels_only(fork_pins, tmp_path):
 
 
 def test_the_editable_install_is_told_the_version_it_builds(fork_pins, tmp_path):
-    import tomllib
-
-    route = fork_pins.routes["cpu"]
-    config = install.editable_config(fork_pins, route, tmp_path)
+    config = install.editable_config(fork_pins, fork_pins.routes["cpu"], tmp_path)
     (entry,) = tomllib.loads(config.read_text())["dependency-metadata"]
     assert entry == {
         "name": "vllm",
@@ -112,35 +105,30 @@ def test_the_editable_install_is_told_the_version_it_builds(fork_pins, tmp_path)
     assert config.name.startswith(".forkbuild-")  # git-ignored inside the tree
 
 
-def _stub_steps(monkeypatch, tmp_path, toolchain):
-    calls = []
+def _no_venv(pins, route, without_gpu):
+    raise ForkError("uv failed to install the lock")
+
+
+@pytest.mark.parametrize("venv_made", [True, False])
+def test_the_tree_is_made_beside_the_venv_and_downloads_with_its_pip(
+    fork_pins, tmp_path, monkeypatch, venv_made
+):
+    """The tree step waits for the venv's pip to download the sdist; a failed venv
+    stops it waiting."""
+    venv, calls = tmp_path / "venv" / "python", []
 
     def fetched(artifact, pip, quiet=False):  # an sdist not cached yet: needs pip
         calls.append(("pip", str(pip())))
         return tmp_path / "vllm.tar.gz"
 
+    toolchain = (lambda *_: venv) if venv_made else _no_venv
     monkeypatch.setattr(install, "ensure_toolchain", toolchain)
     monkeypatch.setattr(fetch, "fetch", fetched)
     monkeypatch.setattr(tree, "build", lambda pins, sdist, stop=None: tmp_path / "tree")
-    return calls
-
-
-def test_the_tree_is_made_beside_the_venv_and_downloads_with_its_pip(
-    fork_pins, tmp_path, monkeypatch
-):
-    venv = tmp_path / "venv" / "python"
-    calls = _stub_steps(monkeypatch, tmp_path, lambda *_: venv)
+    if not venv_made:
+        with pytest.raises(ForkError, match="uv failed to install the lock"):
+            install._venv_beside_tree(fork_pins, fork_pins.routes["cpu"])
+        return
     made = install._venv_beside_tree(fork_pins, fork_pins.routes["cpu"])
     assert made == (venv, tmp_path / "tree")
     assert calls == [("pip", str(venv))]
-
-
-def test_a_failed_venv_stops_the_tree_step_waiting_for_it(
-    fork_pins, tmp_path, monkeypatch
-):
-    def no_venv(pins, route, without_gpu):
-        raise ForkError("uv failed to install the lock")
-
-    _stub_steps(monkeypatch, tmp_path, no_venv)
-    with pytest.raises(ForkError, match="uv failed to install the lock"):
-        install._venv_beside_tree(fork_pins, fork_pins.routes["cpu"])

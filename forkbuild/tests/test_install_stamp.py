@@ -15,6 +15,7 @@ from forkbuild.core import pins
 from forkbuild.setup import install
 
 FORK = pins.load()
+CPU = FORK.routes["cpu"]
 
 
 def _site(build: Path) -> Path:
@@ -32,13 +33,12 @@ def _editable(site: Path, tree: Path, editable: bool = True) -> None:
     )
 
 
-def _venv(build: Path, venv_id: str, stamp: str = "the lock\n") -> Path:
+def _venv(build: Path, venv_id: str, stamp: str = "the lock\n") -> None:
     """A venv as ensure_toolchain leaves it: its toolchain stamp and its id."""
     venv = build / "venv"
     venv.mkdir(exist_ok=True)
     (venv / install.TOOLCHAIN_STAMP).write_text(stamp)
     (venv / install.VENV_ID).write_text(venv_id * 32 + "\n")
-    return venv
 
 
 @pytest.fixture
@@ -50,61 +50,48 @@ def tree(scratch: Path) -> Path:
     return tree
 
 
-def test_the_editable_install_of_this_tree_is_recognized(tree):
-    _editable(_site(tree.parent), tree)
-    assert install.holds_editable(tree)
-
-
-def test_a_fresh_venv_without_vllm_is_not_the_installed_one(tree):
-    _site(tree.parent)
-    assert not install.holds_editable(tree)
-
-
-def test_vllm_of_another_tree_or_not_editable_is_not_this_install(tree):
+@pytest.mark.parametrize(
+    ("vllm_of", "editable", "held"),
+    [("tree", True, True), ("", True, False), ("elsewhere", True, False)]
+    + [("tree", False, False)],
+    ids=["this tree", "a fresh venv without vllm", "another tree", "not editable"],
+)
+def test_only_the_editable_install_of_this_tree_is_recognized(
+    tree, vllm_of, editable, held
+):
     site = _site(tree.parent)
-    _editable(site, tree.parent / "elsewhere")
-    assert not install.holds_editable(tree)
-    _editable(site, tree, editable=False)
-    assert not install.holds_editable(tree)
+    if vllm_of:
+        _editable(site, tree if vllm_of == "tree" else tree.parent / vllm_of, editable)
+    assert install.holds_editable(tree) is held
 
 
-def test_a_venv_made_anew_changes_the_install_stamp(tree, fork_pins):
+def test_a_venv_made_anew_changes_the_install_stamp(tree):
     """`make install; rm -r build/venv; make install`: the new venv has the same lock
     (same toolchain stamp) but another id, so the tree's stamp no longer matches and the
     editable install is redone."""
-    route = fork_pins.routes["cpu"]
     _venv(tree.parent, "a", "same lock\n")
-    first = install.install_stamp(route, tree)
-    assert install.install_stamp(route, tree) == first
+    first = install.install_stamp(CPU, tree)
+    assert install.install_stamp(CPU, tree) == first
     _venv(tree.parent, "b", "same lock\n")
-    assert install.install_stamp(route, tree) != first
+    assert install.install_stamp(CPU, tree) != first
 
 
-@pytest.fixture
-def installed(tree: Path, fork_pins) -> Path:
-    """A build folder as an install leaves it: a venv with an id and the tree's editable
-    vLLM, the tree stamped with both."""
+@pytest.mark.parametrize("change", ["venv made anew", "vllm lost"])
+def test_an_install_whose_venv_changed_is_not_up_to_date(tree, change):
+    """A build folder as an install leaves it (a venv with an id and the tree's editable
+    vLLM, the tree stamped with both) is up to date until its venv changes."""
     _editable(_site(tree.parent), tree)
     _venv(tree.parent, "c")
-    route = fork_pins.routes["cpu"]
-    (tree / install.INSTALL_STAMP).write_text(install.install_stamp(route, tree) + "\n")
-    assert install.is_installed(route, tree)
-    return tree
-
-
-def test_rm_venv_then_install_is_not_up_to_date(installed, fork_pins):
-    """The issue's sequence: the venv made anew has the same lock, another id, no
-    vLLM."""
-    shutil.rmtree(installed.parent / "venv")
-    _site(installed.parent)
-    _venv(installed.parent, "d")
-    assert not install.is_installed(fork_pins.routes["cpu"], installed)
-
-
-def test_a_venv_that_lost_the_editable_vllm_is_not_up_to_date(installed, fork_pins):
-    for info in (installed.parent / "venv").rglob("vllm-*.dist-info"):
-        shutil.rmtree(info)
-    assert not install.is_installed(fork_pins.routes["cpu"], installed)
+    (tree / install.INSTALL_STAMP).write_text(install.install_stamp(CPU, tree) + "\n")
+    assert install.is_installed(CPU, tree)
+    if change == "venv made anew":  # the issue's: the same lock, another id, no vLLM
+        shutil.rmtree(tree.parent / "venv")
+        _site(tree.parent)
+        _venv(tree.parent, "d")
+    else:
+        for info in (tree.parent / "venv").rglob("vllm-*.dist-info"):
+            shutil.rmtree(info)
+    assert not install.is_installed(CPU, tree)
 
 
 def test_the_venvs_forkbuild_makes_carry_an_id():

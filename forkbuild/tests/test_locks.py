@@ -16,6 +16,8 @@ from forkbuild.core.errors import ForkError
 from forkbuild.core.pytest_runner import read_junit
 from forkbuild.setup import bootstrap, install, lock, uv
 
+SIX = "six==1.17.0"  # a requirement added to the inputs
+
 
 @pytest.fixture(scope="module")
 def fork_tree(fork_pins: pins.Pins) -> Path:
@@ -26,8 +28,7 @@ def fork_tree(fork_pins: pins.Pins) -> Path:
 
 
 def _pins_with_hashes(lock_file: Path, requirements) -> dict[str, str]:
-    """LOCK_FILE pins each of REQUIREMENTS, and every package with its sha256 (uv
-    compile --generate-hashes)."""
+    """LOCK_FILE pins each of REQUIREMENTS, and every package with its sha256."""
     locked = lock.pinned(lock_file)
     for requirement in requirements:
         name, _, version = requirement.partition("==")
@@ -55,11 +56,9 @@ def test_the_tools_lock_pins_forkbuilds_libraries_with_hashes(fork_pins, python)
 
 
 def test_a_changed_tool_list_makes_the_tools_locks_stale(fork_pins, fork_tree):
-    """A library added to [toolchain] forkbuild: every lock is stale, the bootstrap
-    refuses to make the tool environment, and only `make lock` runs on the old lock."""
-    bumped = dataclasses.replace(
-        fork_pins, forkbuild=(*fork_pins.forkbuild, "six==1.17.0")
-    )
+    """A library added to [toolchain] forkbuild: every lock is stale, and the bootstrap
+    makes the tool environment of the old lock for `make lock` only."""
+    bumped = dataclasses.replace(fork_pins, forkbuild=(*fork_pins.forkbuild, SIX))
     stale = lock.stale(bumped, fork_tree)
     assert len(stale) == (len(fork_pins.routes) + 1) * len(fork_pins.pythons)
     tools = lock.path("tools", lock.running_python())
@@ -76,31 +75,30 @@ def test_a_changed_input_makes_the_locks_stale(fork_pins, fork_tree, tmp_path):
     shutil.copytree(fork_tree / "requirements", copy / "requirements")
     assert lock.stale(fork_pins, copy) == []
     common = copy / "requirements" / "common.txt"
-    common.write_text(common.read_text() + "six==1.17.0\n")
+    common.write_text(f"{common.read_text()}{SIX}\n")
     stale = lock.stale(fork_pins, copy)
     # requirements/cuda.txt includes common.txt: both routes' locks are stale
     assert len(stale) == len(fork_pins.routes) * len(fork_pins.pythons)
     with pytest.raises(ForkError, match="no longer match the requirements") as err:
         lock.check(fork_pins, copy)
     assert "make lock" in err.value.hint
-    bumped = dataclasses.replace(fork_pins, test=(*fork_pins.test, "six==1.17.0"))
+    bumped = dataclasses.replace(fork_pins, test=(*fork_pins.test, SIX))
     assert len(lock.stale(bumped, fork_tree)) == len(stale)
 
 
 def test_a_changed_exclusion_makes_the_route_locks_stale(fork_pins, fork_tree):
     """A dependency left out of a route's lock (fork.toml `exclude`) is an input too."""
     cpu = fork_pins.routes["cpu"]
-    # FlashInfer's CUDA compiler, never on CPU
-    assert "nvidia-cutlass-dsl" in cpu.exclude
+    assert "nvidia-cutlass-dsl" in cpu.exclude  # FlashInfer's CUDA compiler
     locked = lock.pinned(lock.path("cpu", fork_pins.pythons[0]))
     assert "flashinfer-python" in locked
     assert not {lock.normalize(n) for n in cpu.exclude} & set(locked)
     fewer = dataclasses.replace(cpu, exclude=cpu.exclude[1:])
     changed = dataclasses.replace(fork_pins, routes={**fork_pins.routes, "cpu": fewer})
-    assert sorted(lock.stale(changed, fork_tree)) == sorted(
-        f"cpu-py{v.replace('.', '')}.txt (its inputs changed)"
-        for v in fork_pins.pythons
-    )
+    said = [
+        f"{lock.path('cpu', v).name} (its inputs changed)" for v in fork_pins.pythons
+    ]
+    assert sorted(lock.stale(changed, fork_tree)) == sorted(said)
 
 
 def test_the_venv_holds_exactly_its_lock():
@@ -119,8 +117,7 @@ def test_the_venv_holds_exactly_its_lock():
 
 @pytest.fixture
 def scratch_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A throw-away build folder; the download cache (uv and its packages) stays
-    shared."""
+    """A throw-away build folder; the download cache stays shared."""
     monkeypatch.setenv("VLLM_FORK_BUILD", str(tmp_path / "build"))
     return tmp_path / "build"
 
@@ -136,10 +133,8 @@ def test_a_hash_mismatch_stops_the_install_and_leaves_no_venv(
     with pytest.raises(ForkError) as err:
         install.ensure_toolchain(fork_pins, "cpu")
     message = str(err.value)
-    assert "\n" not in message
-    assert f"sha256 mismatch for tblib=={tblib}" in message
-    assert f"cpu-py311.txt pins {wrong}" in message
-    assert "the download has " in message
+    assert "\n" not in message and f"sha256 mismatch for tblib=={tblib}" in message
+    assert f"cpu-py311.txt pins {wrong}" in message and "the download has " in message
     computed = message.split("the download has ", 1)[1][:64]
     assert len(computed) == 64 and computed != wrong
     assert not (scratch_build / "venv").exists()
@@ -173,10 +168,8 @@ def test_xfails_are_counted_as_xfails(tmp_path):
 
 @pytest.mark.parametrize("route", ["cpu", "cuda", "tools"])
 def test_each_lock_of_this_python_installs_on_its_platform(fork_pins, route, tmp_path):
-    """uv resolves every pinned file of the lock for the platform it was made for, with
-    hashes required: what a GPU host installs (the CUDA lock) is checked here without
-    one (a dry run: nothing is installed; needs the package index for what uv's cache
-    lacks)."""
+    """uv resolves every pinned file of the lock for its platform, hashes required:
+    what a GPU host installs is checked here without one (a dry run)."""
     lock_file, venv = lock.path(route, lock.running_python()), tmp_path / "venv"
     create = ["venv", "--quiet", "--python", sys.executable, str(venv)]
     uv.run(fork_pins, create, what="create a venv")

