@@ -30,8 +30,7 @@ COMMAND = "make generate"
 
 @dataclass(frozen=True)
 class PatchFacts:
-    """One mail of the series: subject, DEP-3 fields, per file the lines added and
-    removed (as `git apply --numstat` counts them)."""
+    """One mail of the series: subject, DEP-3 fields, `git apply --numstat`."""
 
     name: str
     subject: str
