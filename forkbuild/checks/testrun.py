@@ -16,6 +16,11 @@ from forkbuild.gpu import cuda_route
 from forkbuild.gpu.bundle import check as bundle_check
 from forkbuild.setup import install
 
+NO_CUDA_CHECK = (
+    "cuda route without a GPU: not checked (this machine has a GPU: `make nightly` "
+    "runs the CUDA route for real)"
+)
+
 
 def run(pins: Pins, route_name: str | None) -> str:
     """Run everything; return the plain summary line (the caller prints it last)."""
@@ -54,12 +59,7 @@ def run(pins: Pins, route_name: str | None) -> str:
     skipped = tools.skipped + suite.skipped + gpu_skipped
     xfailed = tools.xfailed + suite.xfailed
     print(f"\nforkbuild tool tests: {tools}")
-    print(
-        cuda.line()
-        if cuda
-        else "cuda route without a GPU: not checked (this machine has a GPU: `make "
-        "nightly` runs the CUDA route for real)"
-    )
+    print(cuda.line() if cuda else NO_CUDA_CHECK)
     if bundle:
         print(bundle.line())
     print(f"fork suite in {tree_path.name}: {suite}")
