@@ -159,10 +159,8 @@ def _with_progress(
 ) -> tuple[list[str], Path]:
     """CMD and ENV (in place) with a copy of the progress plugin (the run's own `tests`
     package must win over forkbuild's), and its file."""
-    shutil.copyfile(
-        Path(__file__).with_name("pytest_progress.py"),
-        folder / f"{_PROGRESS_MODULE}.py",
-    )
+    plugin = folder / f"{_PROGRESS_MODULE}.py"
+    shutil.copyfile(Path(__file__).with_name("pytest_progress.py"), plugin)
     progress = folder / "running"
     progress.write_text("")
     env["PYTHONPATH"] = f"{folder}{os.pathsep}{env['PYTHONPATH']}"

@@ -59,9 +59,8 @@ def test_unwritable_cache_or_build_is_refused_with_its_variable(
     monkeypatch.setenv(variable, str(tmp_path / "a-file" / "folder"))
     cache = variable == "VLLM_FORK_CACHE"
     folder = pins.cache_dir() / "artifacts" if cache else pins.build_dir()
-    with pytest.raises(
-        ForkError, match=r"cannot write in .*a-file/folder.* \(Not a directory\)"
-    ) as err:
+    refused = r"cannot write in .*a-file/folder.* \(Not a directory\)"
+    with pytest.raises(ForkError, match=refused) as err:
         preflight.check_disk(folder, 1, "the test")
     assert err.value.hint == f"make it writable, or set {variable} to a writable folder"
 
