@@ -7,6 +7,7 @@ import os
 import platform
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -86,8 +87,6 @@ def has_nvidia_gpu() -> bool:
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return False
-    import subprocess
-
     result = subprocess.run([smi, "-L"], capture_output=True, text=True, check=False)
     return result.returncode == 0 and "GPU" in result.stdout
 

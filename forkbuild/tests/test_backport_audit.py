@@ -104,11 +104,8 @@ def test_every_fix_the_audit_lists_has_a_decision(fork_pins):
 
 def test_every_carried_fix_is_a_patch_of_the_series():
     series = [p.name for p in tree.read_series()]
-    carried = [
-        fix
-        for fix in rebase.audited_fixes(rebase.AUDIT_DOC.read_text())
-        if fix.decision.startswith("**carry**")
-    ]
+    fixes = rebase.audited_fixes(rebase.AUDIT_DOC.read_text())
+    carried = [fix for fix in fixes if fix.decision.startswith("**carry**")]
     assert carried
     for fix in carried:
         number = fix.decision.split("patch ", 1)[1][:4]
