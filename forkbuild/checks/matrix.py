@@ -231,20 +231,19 @@ has the fix. The last column counts every other fork case. Patches:
 
 
 def render(pins: Pins, record: dict) -> str:
-    patches = pins.regression_by_patch
+    patches, rows = pins.regression_by_patch, record["rows"].values()
+    ids = [_patch_id(name) for name in patches]
     lines = [
         *INTRO.splitlines(),
         *(f"- {_patch_id(name)}: `patches/{name}`" for name in patches),
         "",
         "| release | torch | compiled extensions from | packed branch of "
         "`_reshape_attention_kv_cache` "
-        + "".join(
-            f"| patch {_patch_id(n)} cases | patch {_patch_id(n)} " for n in patches
-        )
+        + "".join(f"| patch {n} cases | patch {n} " for n in ids)
         + "| other fork cases |",
         "| --- | --- | --- | --- " + "| --- | --- " * len(patches) + "| --- |",
     ]
-    for row in record["rows"].values():
+    for row in rows:
         per_patch = [_statuses(row["cases"], m, True) for m in patches.values()]
         others = _statuses(row["cases"], pins.regression_tests, False)
         lines.append(
@@ -252,15 +251,11 @@ def render(pins: Pins, record: dict) -> str:
             + "".join(f"| {_counts(s)} | {reading(s)} " for s in per_patch)
             + f"| {_counts(others)} |"
         )
-    notes = [
-        f"- {row['title']}: {row['note']}"
-        for row in record["rows"].values()
-        if row.get("note")
-    ]
+    notes = [f"- {row['title']}: {row['note']}" for row in rows if row.get("note")]
     if notes:
         lines += ["", "## Notes", "", *notes]
     lines += ["", "## Why cases skip (or xfail: pytest reports them as skipped)", ""]
-    for row in record["rows"].values():
+    for row in rows:
         for reason, count in sorted(Counter(row["skip_reasons"].values()).items()):
             lines.append(f"- {row['title']}: {count} case(s): {reason}")
     return "\n".join(lines) + "\n"
