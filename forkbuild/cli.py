@@ -188,31 +188,30 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
+def _fail(message: str, status: int = 1) -> int:
+    print(message, file=sys.stderr)
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
     # uv installs no bytecode, so the venv's processes must be free to write it on first
     # import (docs/setup-and-locks.md, "Bytecode").
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     args = parser().parse_args(argv)
+    where = f"forkbuild {args.step}"
     try:
         closing = args.func(args, pins.load())
     except ForkError as exc:
-        print(f"forkbuild {args.step}: error: {exc}", file=sys.stderr)
-        return 1
+        return _fail(f"{where}: error: {exc}")
     except KeyboardInterrupt:
-        print(
-            f"forkbuild {args.step}: interrupted; run it again to resume",
-            file=sys.stderr,
-        )
-        return 130
+        return _fail(f"{where}: interrupted; run it again to resume", 130)
     except OSError as exc:
         if exc.errno != 28:  # ENOSPC
             raise
-        print(
-            f"forkbuild {args.step}: error: no space left on device "
-            f"({exc.filename}) -- free disk space and run again",
-            file=sys.stderr,
+        free = "free disk space and run again"
+        return _fail(
+            f"{where}: error: no space left on device ({exc.filename}) -- {free}"
         )
-        return 1
     log.step(f"{args.step}: done")
     if isinstance(closing, str) and closing:  # the test summary, where CI looks
         print(closing, flush=True)

@@ -1,14 +1,6 @@
-"""`make generate`: rewrite what restates fork.toml and patches/ from them.
-
-Each generated text sits in a marked block of its file (a Markdown comment pair, or a
-`#` comment pair in YAML) and nothing outside the blocks is touched:
-
-    README.md, docs/gpu-nightly.md, .buildkite/fork_nightly_gpu.yaml   fork.toml [gpu]
-    .buildkite/fork_nightly_gpu.yaml steps                              fork.toml [gpu]
-    docs/patches-and-tree.md patch table and tree log     patches/series and the mails
-
-forkbuild/tests/test_generate.py fails when a block is out of date.
-"""
+"""`make generate`: rewrite the blocks (BLOCKS) that restate fork.toml and patches/,
+each between a Markdown or YAML `#` comment pair; nothing outside them is touched.
+forkbuild/tests/test_generate.py fails when a block is out of date."""
 
 from __future__ import annotations
 
@@ -30,8 +22,7 @@ COMMAND = "make generate"
 
 @dataclass(frozen=True)
 class PatchFacts:
-    """One mail of the series: subject, DEP-3 fields, per file the lines added and
-    removed (as `git apply --numstat` counts them)."""
+    """One mail of the series: subject, DEP-3 fields, `git apply --numstat`."""
 
     name: str
     subject: str

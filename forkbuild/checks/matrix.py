@@ -1,10 +1,6 @@
-"""`forkbuild matrix`: the fork's CPU suite on stock upstream releases and on the fork.
-
-Each release of fork.toml [matrix]: its pinned sdist as a git tree under
-build/matrix/vllm-<version>, the fork's tests on top, its pinned binary wheel's compiled
-extensions beside; the suite runs on a venv with that release's torch. The result:
-docs/version-matrix.md and the per-case record docs/version-matrix.json (read by the
-patch-status check)."""
+"""`forkbuild matrix`: the fork's CPU suite on each [matrix] release (its sdist as git
+in build/matrix/vllm-<version>, the fork's tests, its wheel's compiled extensions, its
+torch) and on the fork: docs/version-matrix.md and .json (read by patch-status)."""
 
 from __future__ import annotations
 
@@ -82,8 +78,7 @@ def release_tree(pins: Pins, release: Release) -> Path:
 
 
 def add_binaries(dest: Path, wheel: Path, version: str) -> None:
-    """What the wheel has beside the sdist's sources (compiled extensions, vendored
-    kernels' Python), plus version metadata naming the CPU platform."""
+    """The wheel's files beside the sdist's, and version metadata naming the CPU."""
     with zipfile.ZipFile(wheel) as zf:
         names = [n for n in zf.namelist() if n.startswith("vllm/") and n[-1] != "/"]
         added = [zf.extract(n, dest) for n in names if not (dest / n).exists()]
@@ -102,8 +97,8 @@ def add_binaries(dest: Path, wheel: Path, version: str) -> None:
 
 
 def release_python(pins: Pins, release: Release, release_tree_path: Path) -> Path:
-    """The fork's venv for releases on the fork's torch; else a venv per torch version
-    with that release's own requirements."""
+    """The fork's venv on the fork's torch, else one per torch with the release's own
+    requirements."""
     if release.torch == pins.torch:
         python, _, _ = install.install(pins, "cpu")
         return python
@@ -163,19 +158,15 @@ def run(pins: Pins, versions: list[str] | None = None) -> list[Row]:
         path = release_tree(pins, release)
         python = release_python(pins, release, path)
         outcome = run_tree(pins, python, path, release.version)
-        binaries = release.binaries.filename
-        line = read_line(path)
-        rows.append(
-            Row(*(release.version,) * 2, release.torch, binaries, line, outcome)
-        )
+        files, line = release.binaries.filename, read_line(path)
+        rows.append(Row(*(release.version,) * 2, release.torch, files, line, outcome))
         log.step(f"matrix: vLLM {release.version}: {outcome}")
     if not versions or pins.upstream_version in versions:
         python, fork_tree, _ = install.install(pins, "cpu")
         outcome = run_tree(pins, python, fork_tree, FORK_ROW)
         title = f"{pins.upstream_version} + patches/ (the fork)"
-        binaries = pins.routes["cpu"].wheel.filename
-        line = read_line(fork_tree)
-        rows.append(Row(FORK_ROW, title, pins.torch, binaries, line, outcome))
+        files, line = pins.routes["cpu"].wheel.filename, read_line(fork_tree)
+        rows.append(Row(FORK_ROW, title, pins.torch, files, line, outcome))
     write(pins, rows)
     return rows
 
@@ -240,20 +231,19 @@ has the fix. The last column counts every other fork case. Patches:
 
 
 def render(pins: Pins, record: dict) -> str:
-    patches = pins.regression_by_patch
+    patches, rows = pins.regression_by_patch, record["rows"].values()
+    ids = [_patch_id(name) for name in patches]
     lines = [
         *INTRO.splitlines(),
         *(f"- {_patch_id(name)}: `patches/{name}`" for name in patches),
         "",
         "| release | torch | compiled extensions from | packed branch of "
         "`_reshape_attention_kv_cache` "
-        + "".join(
-            f"| patch {_patch_id(n)} cases | patch {_patch_id(n)} " for n in patches
-        )
+        + "".join(f"| patch {n} cases | patch {n} " for n in ids)
         + "| other fork cases |",
         "| --- | --- | --- | --- " + "| --- | --- " * len(patches) + "| --- |",
     ]
-    for row in record["rows"].values():
+    for row in rows:
         per_patch = [_statuses(row["cases"], m, True) for m in patches.values()]
         others = _statuses(row["cases"], pins.regression_tests, False)
         lines.append(
@@ -261,15 +251,11 @@ def render(pins: Pins, record: dict) -> str:
             + "".join(f"| {_counts(s)} | {reading(s)} " for s in per_patch)
             + f"| {_counts(others)} |"
         )
-    notes = [
-        f"- {row['title']}: {row['note']}"
-        for row in record["rows"].values()
-        if row.get("note")
-    ]
+    notes = [f"- {row['title']}: {row['note']}" for row in rows if row.get("note")]
     if notes:
         lines += ["", "## Notes", "", *notes]
     lines += ["", "## Why cases skip (or xfail: pytest reports them as skipped)", ""]
-    for row in record["rows"].values():
+    for row in rows:
         for reason, count in sorted(Counter(row["skip_reasons"].values()).items()):
             lines.append(f"- {row['title']}: {count} case(s): {reason}")
     return "\n".join(lines) + "\n"

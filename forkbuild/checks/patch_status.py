@@ -1,14 +1,8 @@
-"""`forkbuild patch-status`: is each patch of the series still needed?
-
-A patch's DEP-3 header `Applied-Upstream: v0.26.0` claims the change is in 0.26.0 and
-every later release. The check confirms it on every release of fork.toml [matrix]:
-before the claimed release the patch applies to that release's sdist, or the matrix
-record (docs/version-matrix.json) shows the regression cases failing there; from it on,
-the patch reverse-applies, or (where upstream rewrote the code) the record shows
-regression cases running there and none failing. A claim not confirmed fails the check;
-a patch that claims nothing is carried, and the check says where it would apply, so a
-rebase knows what to drop.
-"""
+"""`forkbuild patch-status`: is each patch still needed? `Applied-Upstream: v0.26.0`
+(DEP-3) is confirmed on every [matrix] release: before it the patch applies or the
+matrix record shows its regression cases failing; from it on it reverse-applies or the
+record shows them run and none failing. A patch that claims nothing is carried; the
+report says where it would apply, so a rebase knows what to drop."""
 
 from __future__ import annotations
 
@@ -51,8 +45,7 @@ class PatchInfo:
 
 
 def read_patch(name: str, path: Path) -> PatchInfo:
-    """The DEP-3 fields of a `git format-patch` mail: `Key: value` lines of the body,
-    before the `---` that starts the diffstat."""
+    """A `git format-patch` mail's DEP-3 `Key: value` lines (before the diffstat)."""
     message = email.message_from_bytes(path.read_bytes())
     body = message.get_payload(decode=True).decode("utf-8", "replace")
     fields: dict[str, str] = {}
@@ -81,8 +74,8 @@ def sdist_files(sdist: Path, names: frozenset[str]) -> dict[str, bytes]:
 def try_apply(
     patch: PatchInfo, sdist: Path, files: dict[str, bytes] | None = None
 ) -> str:
-    """Does PATCH apply to SDIST, reverse-apply, or neither? Only the files it touches
-    are unpacked (or taken from FILES, read once for several patches)."""
+    """Does PATCH apply to SDIST, reverse-apply, or neither (only its files unpacked,
+    or taken from FILES)?"""
     if files is None:
         files = sdist_files(sdist, frozenset(patch.files))
     with tempfile.TemporaryDirectory(prefix="patch-status-") as tmp:
@@ -99,8 +92,7 @@ def try_apply(
 
 
 def recorded(release: Release, modules: tuple[str, ...]) -> str:
-    """What the matrix record says about the cases of MODULES on RELEASE:
-    'fail', 'pass', or why it says nothing."""
+    """The matrix record on MODULES' cases on RELEASE: 'fail', 'pass', or why not."""
     if not matrix.RECORD.exists():
         return "no matrix record"
     row = json.loads(matrix.RECORD.read_text())["rows"].get(release.version)
@@ -117,15 +109,10 @@ def recorded(release: Release, modules: tuple[str, ...]) -> str:
 def _judge(
     claim: versions.Release | None, version: str, applied: str, record: str
 ) -> tuple[bool, str]:
-    """Whether a patch claiming CLAIM is confirmed on release VERSION, where it
-    APPLIED (try_apply) and the matrix RECORDed (recorded); and what that means."""
+    """Is CLAIM confirmed on VERSION, given try_apply and recorded; what it means."""
     if claim is None:
-        return (
-            True,
-            "upstream has it: set Applied-Upstream"
-            if applied == REVERSED
-            else "carried",
-        )
+        has = applied == REVERSED
+        return True, "upstream has it: set Applied-Upstream" if has else "carried"
     if versions.release(version) < claim:
         ok = applied == APPLIES or record == "fail"
         return ok, "still needed" if ok else "cannot show it is still needed"
@@ -141,8 +128,7 @@ def _judge(
 def check(
     pins: Pins, python: Path | None = None, patches_dir: Path = tree.PATCHES_DIR
 ) -> list[str]:
-    """Confirm every patch's claim; return the report lines. Raises on a claim that
-    the releases do not confirm."""
+    """Confirm every patch's claim (raise if one is not); the report lines."""
     pip = lambda: python or install.ensure_toolchain(pins)
     sdists = {r.version: fetch.fetch(r.sdist, pip) for r in pins.releases}
     patches = [read_patch(p.name, p.path) for p in tree.read_series(patches_dir)]

@@ -1,15 +1,7 @@
-"""`make test`: everything CI runs, after installing everything it needs.
-
-1. forkbuild's own tests in build/venv, the one environment where all their imports
-   resolve (some import vLLM and torch in-process), while forkbuild runs in its tool
-   environment (forkbuild/setup/bootstrap.py);
-2. without a GPU, the CUDA route up to the ops' dispatch, then the GPU bundle checked on
-   a simulated host (forkbuild/gpu/cuda_route.py, forkbuild/gpu/bundle/check.py);
-3. the regression proof: the CPU suite on the unpatched tree and on the fork;
-4. the patch-status check.
-1-3 run at once, as separate processes: alone, each leaves much of a 2-core machine
-idle. The terminal shows the fork suite, the others report to build/test-results; it
-ends with one plain summary line."""
+"""`make test`: everything CI runs. At once (alone, each leaves 2 cores half idle):
+forkbuild's tests in build/venv (some import vLLM in-process); without a GPU, the CUDA
+route and the GPU bundle on a simulated host; the regression proof. Then patch status.
+The terminal shows the fork suite (the rest: build/test-results), then one summary."""
 
 from __future__ import annotations
 
@@ -23,6 +15,11 @@ from forkbuild.core.pins import REPO_ROOT, Pins, build_dir
 from forkbuild.gpu import cuda_route
 from forkbuild.gpu.bundle import check as bundle_check
 from forkbuild.setup import install
+
+NO_CUDA_CHECK = (
+    "cuda route without a GPU: not checked (this machine has a GPU: `make nightly` "
+    "runs the CUDA route for real)"
+)
 
 
 def run(pins: Pins, route_name: str | None) -> str:
@@ -62,12 +59,7 @@ def run(pins: Pins, route_name: str | None) -> str:
     skipped = tools.skipped + suite.skipped + gpu_skipped
     xfailed = tools.xfailed + suite.xfailed
     print(f"\nforkbuild tool tests: {tools}")
-    print(
-        cuda.line()
-        if cuda
-        else "cuda route without a GPU: not checked (this machine has a GPU: `make "
-        "nightly` runs the CUDA route for real)"
-    )
+    print(cuda.line() if cuda else NO_CUDA_CHECK)
     if bundle:
         print(bundle.line())
     print(f"fork suite in {tree_path.name}: {suite}")
@@ -91,8 +83,7 @@ def _report(outcome: pytest_runner.Outcome, what: str, log: object) -> None:
 def _check_cuda_route(
     pins: Pins, results
 ) -> tuple[cuda_route.Result, bundle_check.Result] | None:
-    """The CUDA route without a GPU, then the GPU bundle made from it and checked on a
-    simulated host; on a GPU host the nightly job runs the CUDA route for real."""
+    """Without a GPU: the CUDA route, then its GPU bundle on a simulated host."""
     if preflight.has_nvidia_gpu():
         return None
     cuda = cuda_route.check(pins, results)

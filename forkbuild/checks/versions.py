@@ -1,8 +1,5 @@
-"""Release versions as forkbuild compares them: packaging's, plain X.Y.Z only.
-
-vLLM's releases (and the fork's pins) are plain X.Y.Z; a pre-release, a local label or
-anything else is refused with a clear message rather than guessed at.
-"""
+"""Release versions as forkbuild compares them: packaging's, plain X.Y.Z only (as
+vLLM's releases are); anything else is refused, not guessed at."""
 
 from __future__ import annotations
 

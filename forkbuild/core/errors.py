@@ -10,8 +10,7 @@ from typing import Any
 
 
 class ForkError(Exception):
-    """A failure the user can act on; the CLI prints it as one line and exits
-    non-zero."""
+    """A failure the user can act on; the CLI prints it as one line, exits non-zero."""
 
     def __init__(self, cause: str, hint: str = "") -> None:
         super().__init__(cause)

@@ -22,9 +22,8 @@ def _is_packing_branch(test: ast.expr) -> bool:
 
 
 def classify(source: str) -> Verdict:
-    """'fixed' when the packed branch views with permuted_kv_cache_shape, 'buggy' when
-    it views with kv_cache_shape, 'unknown' when the code no longer looks like
-    either."""
+    """The packed branch's view: permuted_kv_cache_shape 'fixed', kv_cache_shape
+    'buggy', else 'unknown'."""
     try:
         tree = ast.parse(source)
     except SyntaxError:

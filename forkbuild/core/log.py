@@ -9,8 +9,5 @@ _START = time.monotonic()
 
 
 def step(message: str) -> None:
-    print(
-        f"[forkbuild {time.monotonic() - _START:6.1f}s] {message}",
-        file=sys.stderr,
-        flush=True,
-    )
+    elapsed = time.monotonic() - _START
+    print(f"[forkbuild {elapsed:6.1f}s] {message}", file=sys.stderr, flush=True)

@@ -56,9 +56,7 @@ class Pins:
     artifacts: dict[str, Artifact]
     uv: Artifact
     torch: str
-    torch_sha256: dict[
-        str, str
-    ]  # the matrix releases' torch wheels (the fork's: locks)
+    torch_sha256: dict[str, str]  # matrix releases' torch wheels (the fork's: locks)
     build: tuple[str, ...]
     forkbuild: tuple[str, ...]  # forkbuild's own libraries (its tool environment)
     tools: tuple[str, ...]
@@ -90,15 +88,13 @@ class Pins:
         )
 
     @property
-    def toolchain(self) -> tuple[str, ...]:
-        """What every venv of the fork has beside vLLM's own requirements."""
+    def toolchain(self) -> tuple[str, ...]:  # every venv's, beside vLLM's requirements
         return (
             f"torch=={self.torch}",
             *self.build,
             *self.forkbuild,
             *self.tools,
-            *self.test,
-        )
+        ) + self.test
 
     @property
     def sdist(self) -> Artifact:
@@ -143,9 +139,13 @@ def load(path: Path = PINS_FILE) -> Pins:
             gpu=gpu_table(raw["gpu"]),
         )
     except KeyError as exc:
-        raise ForkError(
-            f"{path} lacks the key {exc}", "compare it with the fork's main branch"
-        ) from None
+        raise _lacks(path, exc) from None
+
+
+def _lacks(path: Path, exc: KeyError) -> ForkError:
+    return ForkError(
+        f"{path} lacks the key {exc}", "compare it with the fork's main branch"
+    )
 
 
 def _route(name: str, r: dict, artifacts: dict[str, Artifact]) -> Route:
@@ -158,20 +158,13 @@ def _artifact(key: str, a: dict) -> Artifact:
     return Artifact(key, a["requirement"], a["filename"], a["sha256"].lower())
 
 
-def _release(
-    raw: dict, artifacts: dict[str, Artifact], torch: str, version: str
-) -> Release:
-    # the fork's base: its files are [artifacts]
-    if version == raw["upstream"]["version"]:
-        return Release(version, torch, artifacts["sdist"], artifacts["wheel-cpu"])
-    entry = raw["matrix"]["release"][version]
-    return Release(
-        version,
-        entry["torch"],
-        _artifact(f"sdist-{version}", entry["sdist"]),
-        _artifact(f"binaries-{version}", entry["binaries"]),
-        entry.get("note", ""),
-    )
+def _release(raw: dict, artifacts: dict[str, Artifact], torch: str, v: str) -> Release:
+    if v == raw["upstream"]["version"]:  # the fork's base: its files are [artifacts]
+        return Release(v, torch, artifacts["sdist"], artifacts["wheel-cpu"])
+    entry = raw["matrix"]["release"][v]
+    sdist = _artifact(f"sdist-{v}", entry["sdist"])
+    binaries = _artifact(f"binaries-{v}", entry["binaries"])
+    return Release(v, entry["torch"], sdist, binaries, entry.get("note", ""))
 
 
 # -- fork.toml [gpu]: the nightly GPU job's kinds, queues and required cases ----------
@@ -188,8 +181,7 @@ def capability(text: str) -> Capability:
 
 @dataclass(frozen=True)
 class GpuCase:
-    """A case some GPU kind must run: from KIND on, with GPUS GPUs; what the GPU bundle
-    holds for it beyond [gpu_bundle] every_case, or why it does not."""
+    """A case due from KIND on, with GPUS GPUs; the bundle's extras, or why none."""
 
     node: str
     kind: str
@@ -223,8 +215,7 @@ class GpuTable:
         return set(self.cases)
 
     def kind_of(self, capability: Capability) -> GpuKind | None:
-        """A GPU is of the newest kind whose minimum it reaches (so 10.0 counts as
-        Hopper and must run FA3 too; add a kind when a newer one needs other cases)."""
+        """The newest kind whose minimum it reaches (10.0 is Hopper: runs FA3 too)."""
         fitting = [k for k in self.kinds if capability >= k.min_capability]
         return fitting[-1] if fitting else None
 
@@ -237,8 +228,8 @@ class GpuTable:
 
 
 def gpu_table(data: dict) -> GpuTable:
-    """The table of a [gpu] mapping (fork.toml's, or a GPU bundle manifest's): a case is
-    required from its `kind` on (newer kinds too), with two GPUs when `gpus` is 2."""
+    """A [gpu] mapping's table (fork.toml's or a bundle manifest's): a case is due from
+    its `kind` on (newer kinds too), with two GPUs when `gpus` is 2."""
     named = sorted(
         data["kinds"].items(), key=lambda kv: capability(kv[1]["capability"])
     )
@@ -272,12 +263,9 @@ def _gpu_case(node: str, c: dict, kinds: list[str]) -> GpuCase:
     )
 
 
-def cache_dir() -> Path:
-    """Outside the clone: a fresh clone on the same machine reuses the downloads."""
-    if os.environ.get("VLLM_FORK_CACHE"):
-        return Path(os.environ["VLLM_FORK_CACHE"])
+def cache_dir() -> Path:  # outside the clone: a fresh clone reuses the downloads
     cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "vllm-fork"
+    return Path(os.environ.get("VLLM_FORK_CACHE") or Path(cache) / "vllm-fork")
 
 
 def locks_dir() -> Path:
@@ -289,8 +277,6 @@ def build_dir() -> Path:
 
 
 # --- fork.toml [gpu_bundle]: the GPU bundle's settings (forkbuild/gpu/bundle/) --------
-
-
 @dataclass(frozen=True)
 class GpuBundle:
     """fork.toml [gpu_bundle], and what each [gpu.cases] row says of the bundle."""
@@ -343,6 +329,4 @@ def load_gpu_bundle(path: Path = PINS_FILE) -> GpuBundle:
     try:
         return gpu_bundle_of(tomllib.loads(path.read_text()))
     except KeyError as exc:
-        raise ForkError(
-            f"{path} lacks the key {exc}", "compare it with the fork's main branch"
-        ) from None
+        raise _lacks(path, exc) from None

@@ -1,8 +1,5 @@
-"""Checks that fail fast, before any download or build starts.
-
-forkbuild runs on the standard library alone until its venv exists: this module is the
-first it imports, on whatever python3 the user has.
-"""
+"""Checks that fail fast, before any download or build: stdlib only, as the first
+module forkbuild imports on whatever python3 the user has."""
 
 from __future__ import annotations
 
@@ -10,6 +7,7 @@ import os
 import platform
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -42,8 +40,7 @@ def check_machine(pins: Pins) -> None:
 
 
 def setting_for(path: Path) -> str:
-    """The variable that moves PATH: VLLM_FORK_CACHE for the download cache (default
-    ~/.cache/vllm-fork), VLLM_FORK_BUILD for the build folder (default build/)."""
+    """The variable that moves PATH (the download cache's or the build folder's)."""
     for variable, root in (
         ("VLLM_FORK_CACHE", cache_dir()),
         ("VLLM_FORK_BUILD", build_dir()),
@@ -54,9 +51,8 @@ def setting_for(path: Path) -> str:
 
 
 def check_writable(path: Path, what: str) -> None:
-    """PATH exists (made if need be) and a file can be written in it, else the variable
-    that moves it is named. It writes a file, as root passes os.access and still cannot
-    write to a read-only file system."""
+    """PATH exists and takes a file, else its variable is named (a file, not os.access:
+    root passes that on a read-only file system)."""
     try:
         path.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".forkbuild-write-test-", dir=path)
@@ -84,16 +80,13 @@ def check_disk(path: Path, need_gib: float, what: str) -> None:
 
 
 def has_nvidia_gpu() -> bool:
-    """True where an NVIDIA driver exposes a GPU; asks the driver, not torch (torch may
-    be absent)."""
+    """Whether an NVIDIA driver exposes a GPU (asked, not torch: it may be absent)."""
     gpus = Path("/proc/driver/nvidia/gpus")
     if gpus.is_dir() and any(gpus.iterdir()):
         return True
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return False
-    import subprocess
-
     result = subprocess.run([smi, "-L"], capture_output=True, text=True, check=False)
     return result.returncode == 0 and "GPU" in result.stdout
 

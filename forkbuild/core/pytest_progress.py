@@ -1,15 +1,8 @@
-"""A pytest plugin that names the case in progress and counts the cases done
-(forkbuild/core/pytest_runner.py copies it beside the run and loads it with `-p`).
-
-pytest writes its JUnit XML only at the end, so a killed run could not say where it
-hung, and a long run showed only dots: the cases done, collected and in progress go to
-FORKBUILD_PYTEST_PROGRESS as one tab-separated line (logstart and logfinish run in the
-main pytest process, also under --forked). Under --forked it also ends what each case
-started: a case stopped by its time limit leaves vLLM's engine cores holding GPU memory
-that the next case's profiling counts. Each case's processes carry a mark of their own
-(set before the fork, inherited); what still carries it when the case is reported is
-killed. (Without --forked a fixture may outlive a case: nothing is killed there.)
-"""
+"""A pytest plugin (pytest_runner loads a copy with `-p`): JUnit XML comes only at the
+end, so the cases done, collected and in progress go to FORKBUILD_PYTEST_PROGRESS as one
+tab-separated line. Under --forked, what a case started (marked, inherited) and left is
+killed when it is reported: engine cores of a stopped case hold GPU memory the next
+one's profiling counts. (Without --forked a fixture may outlive a case.)"""
 
 from __future__ import annotations
 
@@ -30,17 +23,15 @@ def _write(running: str) -> None:
 
 
 def read(text: str) -> tuple[int, int, str]:
-    """(cases done, cases collected, the case in progress) from the progress file's
-    TEXT; zeros and "" before the first case."""
+    """(done, collected, in progress) from the progress file; 0, 0, "" at first."""
     done, total, running = (text.split("\t", 2) + ["", "", ""])[:3]
     return int(done or 0), int(total or 0), running.strip()
 
 
 def pytest_configure(config) -> None:
     global _forked
-    # A run started in the background of a shell without job control inherits SIGINT
-    # ignored: the graceful stop at a time limit would then never end the session and
-    # only the SIGKILL would, losing the JUnit XML of the cases that finished.
+    # Started in the background without job control, SIGINT comes ignored: the graceful
+    # stop would never end the session, and the SIGKILL would lose the JUnit XML.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     _forked = bool(config.getoption("forked", default=False))

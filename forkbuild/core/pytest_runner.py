@@ -21,13 +21,11 @@ from forkbuild.core.errors import ForkError
 
 @dataclass(frozen=True)
 class Outcome:
-    """Per-case results of one pytest run: node id -> passed | failed | error | skipped
-    | xfailed (JUnit files an xfail as a skip of type pytest.xfail; counted apart)."""
+    """One pytest run's node id -> passed | failed | error | skipped | xfailed."""
 
     cases: dict[str, str]
     reasons: dict[str, str] = field(default_factory=dict)  # skipped case -> why
-    # Why the run was stopped (its time limit), "" when it ended itself: then CASES
-    # holds only what pytest reported before it was stopped.
+    # Why the run was stopped ("" if it ended itself): CASES is what came before.
     killed: str = ""
     # case -> seconds, as JUnit says; not part of what a run found (equal runs differ)
     times: dict[str, float] = field(default_factory=dict, compare=False)
@@ -89,18 +87,15 @@ def read_junit(junit: Path, killed: str = "") -> Outcome:
     return Outcome(cases, reasons, killed, times)
 
 
-# After its time limit, a run gets SIGINT first: pytest then ends the session as on
-# Ctrl-C and still writes the JUnit XML of every case it finished (a forked case's child
-# gets it too and exits). What still runs GRACE_S later is killed.
+# At its time limit a run gets SIGINT: pytest ends as on Ctrl-C and still writes the
+# JUnit XML of the cases it finished. What still runs GRACE_S later is killed.
 GRACE_S = 30
 # How often a run's cases done are logged: CI shows more than pytest's dots.
 PROGRESS_EVERY_S = 60
 # pytest_progress.py as copied beside the run: it names the case in progress.
 _PROGRESS_MODULE = "_forkbuild_progress"
-# Every process a limited run starts carries this variable with the run's own value, so
-# that what escaped its process group (a `vllm serve` in a session of its own, as the
-# serve test starts it) is found and killed too: /proc/PID/environ keeps the environment
-# a process was started with.
+# Every process a limited run starts carries this variable (its value the run's): what
+# escaped its process group (a `vllm serve` in its own session) is found in /proc too.
 _RUN_MARK = "FORKBUILD_LIMITED_RUN"
 
 
@@ -135,11 +130,9 @@ def run_limited(
     tick: Callable[[], None] = lambda: None,
     **popen_args,
 ) -> tuple[int, bool]:
-    """Run CMD in a session of its own, calling TICK every PROGRESS_EVERY_S; stop it
-    with all it started after TIMEOUT_S (None: no limit). Return (exit status, whether
-    it was stopped). What hangs is often not pytest but what it started: a forked case,
-    vLLM's engine cores, a `vllm serve`. Whatever of them is left when CMD ends,
-    stopped or not, is killed, so that it does not hold the GPU for the next run."""
+    """Run CMD in its own session, TICK every PROGRESS_EVERY_S, stopped after TIMEOUT_S
+    (None: never); (exit status, stopped?). What it started and left is killed either
+    way (forked cases, engine cores, `vllm serve`): it must not hold the GPU."""
     token = uuid.uuid4().hex
     env = {**env, _RUN_MARK: token}
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True, **popen_args)
@@ -164,12 +157,10 @@ def run_limited(
 def _with_progress(
     cmd: list[str], env: dict[str, str], folder: Path
 ) -> tuple[list[str], Path]:
-    """CMD and ENV (changed in place) with the progress plugin; its file. A copy, not
-    forkbuild's folder on the path: the run's own `tests` package must win."""
-    shutil.copyfile(
-        Path(__file__).with_name("pytest_progress.py"),
-        folder / f"{_PROGRESS_MODULE}.py",
-    )
+    """CMD and ENV (in place) with a copy of the progress plugin (the run's own `tests`
+    package must win over forkbuild's), and its file."""
+    plugin = folder / f"{_PROGRESS_MODULE}.py"
+    shutil.copyfile(Path(__file__).with_name("pytest_progress.py"), plugin)
     progress = folder / "running"
     progress.write_text("")
     env["PYTHONPATH"] = f"{folder}{os.pathsep}{env['PYTHONPATH']}"
@@ -189,12 +180,9 @@ def run_pytest(
     timeout_s: float | None = None,
     prefix: tuple[str, ...] = (),
 ) -> Outcome:
-    """Run pytest with ARGS in CWD (PYTHONPATH first on sys.path); read JUnit XML.
-    OUTPUT: pytest's report goes there, not to the terminal (the unpatched run's
-    expected failures must not read as the result). TIMEOUT_S: the run and all it
-    started stop then, and the Outcome holds what pytest reported, `killed` naming the
-    case in progress: a hung run still leaves a result. PREFIX goes before the
-    interpreter (e.g. `unshare -n`: no network)."""
+    """Run pytest with ARGS in CWD; read its JUnit XML. OUTPUT takes the report off the
+    terminal; after TIMEOUT_S the Outcome is what was reported, `killed` naming the case
+    in progress; PREFIX goes before the interpreter (e.g. `unshare -n`)."""
     env = {**os.environ, **(extra_env or {}), "PYTHONPATH": str(pythonpath or cwd)}
     junit.unlink(missing_ok=True)
     cmd = [*prefix, str(python), "-m", "pytest", "-p", "no:cacheprovider", "-q"]
@@ -220,9 +208,7 @@ def run_pytest(
 def _run(
     cmd: list[str], cwd: Path, env: dict, output: Path | None, timeout_s: float | None
 ) -> tuple[int, str]:
-    """Run CMD, its report to OUTPUT if given, logging the cases done now and then;
-    return its exit code and, when it was stopped at TIMEOUT_S, the note naming the
-    case in progress."""
+    """CMD's exit code, and the note naming the case in progress if it was stopped."""
     with (
         open(output, "w") if output else open(os.devnull) as sink,
         tempfile.TemporaryDirectory(prefix="forkbuild-pytest-") as folder,

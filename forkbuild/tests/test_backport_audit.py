@@ -1,8 +1,6 @@
-"""The backport audit (docs/backport-audit.md) sorts every change its release
-(rebase.AUDIT_RELEASE) made to the files the #47054 configuration runs: every audited
-file that differs between the fork's sdist and that release's has a row in the audit's
-file table, so a rebase cannot take a change unsorted. The check is
-forkbuild.upstream.rebase.unsorted_files, shown to fail on a broken copy."""
+"""docs/backport-audit.md sorts every change rebase.AUDIT_RELEASE made to the files the
+#47054 configuration runs: each differing audited file has a row in its table
+(rebase.unsorted_files, shown to fail on a broken copy)."""
 
 from __future__ import annotations
 
@@ -59,14 +57,10 @@ def _sdist_of(path: Path, files: dict[str, str]) -> Path:
 
 
 def test_a_changed_file_without_a_row_is_reported(tmp_path):
-    old = _sdist_of(
-        tmp_path / "old.tar.gz",
-        {"a.py": "a = 1\n", "b.py": "b = 1\n", "same.py": "s\n", "gone.py": "g\n"},
-    )
-    new = _sdist_of(
-        tmp_path / "new.tar.gz",
-        {"a.py": "a = 2\n", "b.py": "b = 2\n", "same.py": "s\n"},
-    )
+    old_files = {"a.py": "a = 1\n", "b.py": "b = 1\n", "same.py": "s\n"}
+    old = _sdist_of(tmp_path / "old.tar.gz", {**old_files, "gone.py": "g\n"})
+    new_files = {"a.py": "a = 2\n", "b.py": "b = 2\n", "same.py": "s\n"}
+    new = _sdist_of(tmp_path / "new.tar.gz", new_files)
     audited = ["vllm/a.py", "vllm/b.py", "vllm/same.py", "vllm/gone.py"]
     changed = ["vllm/a.py", "vllm/b.py", "vllm/gone.py"]
     assert rebase.differing_files(old, new, audited) == changed
@@ -110,11 +104,8 @@ def test_every_fix_the_audit_lists_has_a_decision(fork_pins):
 
 def test_every_carried_fix_is_a_patch_of_the_series():
     series = [p.name for p in tree.read_series()]
-    carried = [
-        fix
-        for fix in rebase.audited_fixes(rebase.AUDIT_DOC.read_text())
-        if fix.decision.startswith("**carry**")
-    ]
+    fixes = rebase.audited_fixes(rebase.AUDIT_DOC.read_text())
+    carried = [fix for fix in fixes if fix.decision.startswith("**carry**")]
     assert carried
     for fix in carried:
         number = fix.decision.split("patch ", 1)[1][:4]

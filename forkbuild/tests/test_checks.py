@@ -53,16 +53,14 @@ def test_no_space_is_refused_before_work(tmp_path, monkeypatch):
 def test_unwritable_cache_or_build_is_refused_with_its_variable(
     tmp_path, monkeypatch, variable
 ):
-    """A folder that cannot be made or written (here: below a file; a read-only file
-    system in test_uv_cache.py) is refused in one line that names the variable moving
-    it; it raised NotADirectoryError, a traceback, before."""
+    """A folder that cannot be made (below a file; read-only: test_uv_cache.py) is
+    refused in one line naming its variable, not a NotADirectoryError traceback."""
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv(variable, str(tmp_path / "a-file" / "folder"))
     cache = variable == "VLLM_FORK_CACHE"
     folder = pins.cache_dir() / "artifacts" if cache else pins.build_dir()
-    with pytest.raises(
-        ForkError, match=r"cannot write in .*a-file/folder.* \(Not a directory\)"
-    ) as err:
+    refused = r"cannot write in .*a-file/folder.* \(Not a directory\)"
+    with pytest.raises(ForkError, match=refused) as err:
         preflight.check_disk(folder, 1, "the test")
     assert err.value.hint == f"make it writable, or set {variable} to a writable folder"
 

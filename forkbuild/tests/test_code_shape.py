@@ -1,8 +1,7 @@
-"""forkbuild's shape: areas that import only the core and the areas below them, never
-a sibling's private names; no import circle among its modules (imports inside
-functions count); no program handed to an interpreter as text (`python -c`): every
-probe is a module run with `-m`, linted and tested like the rest; no function over 60
-lines; and the fork's own code passes ruff as vLLM configures it (ruff.toml)."""
+"""forkbuild's shape: areas import only the core and lower areas, no private names of
+another module; no import circle (imports in functions count); no `python -c` program
+(probes are modules run with `-m`); no function over 60 lines; ruff (ruff.toml) passes.
+"""
 
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ MODULES = {_dotted(p): p for p in PACKAGE.rglob("*.py") if "tests" not in p.part
 
 
 def imports(path: Path) -> dict[str, set[str]]:
-    """The forkbuild modules PATH imports, anywhere in it, each with the names it takes
-    from that module (a module imported whole: the attributes read off it)."""
+    """The forkbuild modules PATH imports anywhere, each with the names it takes."""
     tree = ast.parse(path.read_text())
     found: dict[str, set[str]] = {}
     aliases: dict[str, str] = {}
@@ -63,8 +61,7 @@ def area(module: str) -> str:
 
 
 def crossings(graph: dict[str, dict[str, set[str]]]) -> list[str]:
-    """Every import of GRAPH that its areas' ranks forbid, and every private name one
-    module takes from another."""
+    """Every import of GRAPH the ranks forbid, and every private name taken."""
     bad = []
     for module, targets in sorted(graph.items()):
         mine = area(module)
@@ -114,7 +111,7 @@ def test_every_area_imports_only_the_core_and_the_areas_below_it():
         ("forkbuild.setup.x", "from forkbuild.cli import main\n", "imports"),
         (
             "forkbuild.checks.x",
-            "from forkbuild.setup import tree\ntree._git_ok()",
+            "from forkbuild.setup import tree\ntree._x()",
             "private",
         ),
         ("forkbuild.gpu.x", "from forkbuild.setup.tree import _git_ok\n", "private"),
@@ -167,9 +164,8 @@ def test_the_length_check_finds_a_long_function(tmp_path):
 
 
 def program_arguments(path: Path) -> list[int]:
-    """Lines of PATH where a list of arguments holds "-c" right after the program it
-    runs and before something that is not an option: a program passed as text (nvcc's
-    `-c` is followed by options)."""
+    """Lines of PATH whose argument list has "-c" second, then no option: a program
+    passed as text (nvcc's `-c` is followed by options)."""
     lines = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.List) and len(node.elts) > 2:
@@ -196,8 +192,7 @@ def test_the_program_finder_finds_one(tmp_path):
 
 
 def test_the_forks_code_passes_ruff():
-    """`ruff check` and `ruff format --check` over ruff.toml's files, with the ruff of
-    fork.toml's test tools."""
+    """`ruff check` and `ruff format --check`, with fork.toml's pinned ruff."""
     for args in (["check", "--no-cache"], ["format", "--check", "--no-cache"]):
         ruff = [sys.executable, "-m", "ruff", *args]
         done = subprocess.run(ruff, cwd=REPO_ROOT, capture_output=True, text=True)

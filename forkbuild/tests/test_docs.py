@@ -1,8 +1,6 @@
-"""The README and docs/ hold together: every relative link points at a file of this
-repository, and at a heading of it where the link names one (by GitHub's anchor rules);
-every `make TARGET` they show is a target of the Makefile; the README links every page
-of docs/ and stays a landing page; `make help` names the environment variables forkbuild
-reads and where the logs go. Each check is shown to fail on a broken copy."""
+"""README and docs/: relative links reach files and headings (GitHub's anchors); each
+`make TARGET` shown exists; the README links every page and stays short; `make help`
+names forkbuild's variables and log folders. Each check fails on a broken copy."""
 
 from __future__ import annotations
 
@@ -81,16 +79,14 @@ def github_anchor(heading: str) -> str:
 
 
 def anchors(path: Path) -> set[str]:
-    """Every heading id of PATH as GitHub numbers repeats (x, x-1, ...), plus HTML
-    anchors."""
+    """PATH's heading ids (repeats numbered x, x-1, ... as GitHub), HTML anchors."""
     text = path.read_text()
     ids = {t.attrs["id"] for _, t in _tokens(text) if t.type == "heading_open"}
     return ids.union(*(html.anchors for _, html in _html(text)))
 
 
 def links(path: Path) -> list[tuple[int, str]]:
-    """(line, target) of every link and image of PATH outside code, and of every
-    reference definition."""
+    """(line, target) of PATH's links, images and reference definitions, not code."""
     text = path.read_text()
     env: dict = {}
     _MARKDOWN.parse(text, env)  # fills env with the reference definitions
@@ -122,8 +118,7 @@ def _link_problem(root: Path, doc: Path, target: str) -> str | None:
 
 
 def broken_links(root: Path) -> list[str]:
-    """'FILE:LINE: TARGET: why' for each relative link of the docs under ROOT that leads
-    nowhere."""
+    """'FILE:LINE: TARGET: why' for each relative link under ROOT leading nowhere."""
     problems = []
     for doc in doc_files(root):
         for number, target in links(doc):
@@ -148,9 +143,8 @@ def makefile_targets(makefile: Path) -> set[str]:
 
 
 def make_targets_named(text: str) -> list[tuple[int, str]]:
-    """(line, target) of every `make ...` command in code: inline code and fenced blocks
-    (in prose, "make" is a verb). Options and VAR=value are skipped; `make` alone names
-    none."""
+    """(line, target) of each `make ...` in code (in prose "make" is a verb); options
+    and VAR=value skipped, `make` alone names none."""
     snippets = [
         (line + (index if token.type != "code_inline" else 0), code_line)
         for line, token in _tokens(text)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-from types import ModuleType
 
 import pytest
 
@@ -14,17 +13,12 @@ from forkbuild.core.pins import REPO_ROOT
 BENCHMARKS = REPO_ROOT / "benchmarks"
 
 
-def _load() -> ModuleType:
-    # By path: benchmarks/ is no package, and the benchmark script imports torch and
-    # vLLM.
-    path = BENCHMARKS / "offload_figures.py"
-    spec = importlib.util.spec_from_file_location("offload_figures", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-figures = _load()
+# By path: benchmarks/ is no package, and the benchmark script imports torch and vLLM.
+_SPEC = importlib.util.spec_from_file_location(
+    "offload_figures", BENCHMARKS / "offload_figures.py"
+)
+figures = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(figures)
 
 
 def _run(layout: str) -> dict:

@@ -61,13 +61,8 @@ def test_a_run_started_with_sigint_ignored_still_stops_gracefully(tmp_path):
     (tmp_path / "test_cases.py").write_text(HANGS)
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the run
     try:
-        outcome = pytest_runner.run_pytest(
-            sys.executable,
-            tmp_path,
-            ["test_cases.py"],
-            tmp_path / "junit.xml",
-            timeout_s=20,
-        )
+        args = (sys.executable, tmp_path, ["test_cases.py"], tmp_path / "junit.xml")
+        outcome = pytest_runner.run_pytest(*args, timeout_s=20)
     finally:
         signal.signal(signal.SIGINT, before)
     assert outcome.cases == {"test_cases.py::test_a_passes": "passed"}
