@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -282,34 +283,34 @@ def test_a_part_not_transferred_yet_only_means_fewer_components(small_bundle, tm
     assert not (tmp_path / "dest" / "site" / "pkg" / "b.so").exists()
 
 
-def test_a_damaged_part_is_named_in_one_line_before_anything_is_unpacked(
-    small_bundle, tmp_path
-):
-    [archive] = (small_bundle / "part-2").iterdir()
+def _damage_part(bundle: Path) -> list[str]:
+    [archive] = (bundle / "part-2").iterdir()
     archive.write_bytes(archive.read_bytes()[:-10])
-    done = _run_sh(small_bundle, "--install", str(tmp_path / "dest"))
-    lines = done.stderr.strip().splitlines()
-    assert (
-        done.returncode == 2 and len(lines) == 1 and "transfer part-2 again" in lines[0]
-    )
-    assert f"part-2/{archive.name} is damaged" in lines[0]
-    assert not (tmp_path / "dest" / "tree").exists()
+    return ["transfer part-2 again", f"part-2/{archive.name} is damaged"]
 
 
-def test_a_damaged_runner_does_not_run(small_bundle, tmp_path):
-    runner = small_bundle / "runner" / "forkbuild" / "gpu" / "bundle" / "runner.py"
+def _damage_runner(bundle: Path) -> list[str]:
+    runner = bundle / "runner" / "forkbuild" / "gpu" / "bundle" / "runner.py"
     runner.write_text("raise SystemExit(0)\n")
-    done = _run_sh(small_bundle, "--install", str(tmp_path / "dest"))
-    assert done.returncode == 2 and "part 1 is damaged" in done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1
+    return ["part 1 is damaged"]
 
 
-@NO_GPU
-def test_run_sh_without_a_gpu_stops_at_once_in_one_line(small_bundle, tmp_path):
-    done = _run_sh(small_bundle, str(tmp_path / "out"))
+@pytest.mark.parametrize(
+    "damage, install",
+    [(_damage_part, True), (_damage_runner, True)]
+    + [pytest.param(lambda bundle: ["no NVIDIA GPU"], False, marks=NO_GPU)],
+    ids=["damaged-part", "damaged-runner", "no-gpu"],
+)
+def test_a_bundle_that_cannot_run_stops_at_once_in_one_line(
+    small_bundle, tmp_path, damage, install
+):
+    said = damage(small_bundle)
+    dest = tmp_path / "dest"
+    done = _run_sh(small_bundle, *(["--install"] if install else []), str(dest))
     lines = done.stderr.strip().splitlines()
-    assert done.returncode == 2 and len(lines) == 1 and "no NVIDIA GPU" in lines[0]
-    assert not (tmp_path / "out").exists()
+    assert done.returncode == 2 and len(lines) == 1
+    assert all(s in lines[0] for s in said), lines
+    assert not dest.exists()  # nothing unpacked, no OUT made
 
 
 def test_the_inventory_is_a_host_file_the_bundle_step_reads(small_bundle, tmp_path):
@@ -320,8 +321,24 @@ def test_the_inventory_is_a_host_file_the_bundle_step_reads(small_bundle, tmp_pa
     assert host.version("pytest") is not None
 
 
-# What nvidia-smi (both of the runner's queries) and nvcc print on an H200 host; as
-# executables on PATH they stand in for the GPU host's own, which only it has.
+@pytest.fixture
+def on_path(tmp_path, monkeypatch) -> Callable[[dict[str, str]], Path]:
+    """Executables (name -> script) first on PATH: they stand in for the GPU host's
+    own nvidia-smi and nvcc, which only it has."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+
+    def put(scripts: dict[str, str]) -> Path:
+        for name, text in scripts.items():
+            (tools / name).write_text(text)
+            (tools / name).chmod(0o755)
+        return tools
+
+    return put
+
+
+# What nvidia-smi (both of the runner's queries) and nvcc print on an H200 host.
 FAKE_SMI = """#!/bin/sh
 case "$*" in
   *noheader*) printf '570.124.06\n570.124.06\n' ;;
@@ -337,15 +354,8 @@ echo "Build cuda_13.0.r13.0/compiler.36424714_0"
 """
 
 
-def test_the_inventory_of_a_gpu_host_names_its_gpus_driver_and_nvcc(
-    tmp_path, monkeypatch
-):
-    tools = tmp_path / "bin"
-    tools.mkdir()
-    for name, text in (("nvidia-smi", FAKE_SMI), ("nvcc", FAKE_NVCC)):
-        (tools / name).write_text(text)
-        (tools / name).chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+def test_the_inventory_of_a_gpu_host_names_its_gpus_driver_and_nvcc(tmp_path, on_path):
+    tools = on_path({"nvidia-smi": FAKE_SMI, "nvcc": FAKE_NVCC})
     text = bundle_run.inventory()
     lines = text.splitlines()
     assert "# gpu: 0, GPU-8c3e1f2a, NVIDIA H200, 9.0, 143771 MiB" in lines
@@ -459,18 +469,6 @@ def _reshape_attention_kv_cache(packing, raw, permuted_kv_cache_shape):
 """
 
 
-@pytest.fixture
-def gpu_host(tmp_path, monkeypatch) -> Path:
-    """A PATH whose nvidia-smi lists one H200: all that run.sh asks of the GPU before
-    the cases, which here are stand-ins that need none."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    smi = bin_dir / "nvidia-smi"
-    smi.write_text(f"#!/bin/sh\ncat <<'EOF'\n{SMI_CSV}EOF\n")
-    smi.chmod(0o755)
-    return bin_dir
-
-
 KERNELS = "tests/v1/worker/test_packed_kv_cache_gpu_kernels.py"
 TRITON = f"{KERNELS}::test_triton_attention_over_packed_views"
 FA3 = f"{KERNELS}::test_flash_attention_over_packed_views[3]"
@@ -531,7 +529,7 @@ STAND_IN = _settings(
 
 
 def test_run_sh_runs_the_cases_the_parts_allow_and_gives_the_nightlys_verdict(
-    scratch, fork_pins, tmp_path, gpu_host
+    scratch, fork_pins, tmp_path, on_path
 ):
     """The runner's GPU path on CPU: the host checks, the unpacking, the vLLM probe, the
     plan, the forked pytest run with the per-case limit, the reports and the exit
@@ -546,10 +544,9 @@ def test_run_sh_runs_the_cases_the_parts_allow_and_gives_the_nightlys_verdict(
     bundle = _assemble(fork_pins, tmp_path, components, 300 << 10, STAND_IN)
     shutil.rmtree(bundle.folder / "part-2")  # the models' part has not arrived
     out = tmp_path / "out"  # given relative, from where run.sh is called
-    path = f"{gpu_host}{os.pathsep}{os.environ['PATH']}"
-    done = _run_sh(
-        bundle.folder, "out", cwd=tmp_path, PATH=path, FORK_BUNDLE_HOME="home"
-    )
+    # all that run.sh asks of the GPU before the cases, which here need none
+    on_path({"nvidia-smi": f"#!/bin/sh\ncat <<'EOF'\n{SMI_CSV}EOF\n"})
+    done = _run_sh(bundle.folder, "out", cwd=tmp_path, FORK_BUNDLE_HOME="home")
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stdout.strip().splitlines()[-1] == (
         "1 passed, 1 failed, 0 skipped, 2 required not run here "
@@ -585,10 +582,8 @@ def test_the_reference_bundle_made_meanwhile_loses_no_error(failing, capsys):
             raise ForkError(f"{name} failed")
         return name
 
-    background, foreground = (
-        lambda: job("background", 0.3),
-        lambda: job("foreground", 0),
-    )
+    background = lambda: job("background", 0.3)
+    foreground = lambda: job("foreground", 0)
     if failing:
         with pytest.raises(ForkError, match=f"{failing[-1]} failed"):
             bundle_check.meanwhile(background, foreground)
