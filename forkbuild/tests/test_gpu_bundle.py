@@ -220,11 +220,13 @@ PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 def _assemble(fork_pins, tmp_path, components, limit, settings, codec=gpu_bundle.XZ):
     host = Host(PYTHON, "2.17", {}, tmp_path)
     pinned = lock.pinned(lock.path("cuda", host.python))
-    made = Made(host, pinned, Selection({}, {}, (), ()), components)
+    made = Made(
+        fork_pins, settings, host, pinned, Selection({}, {}, (), ()), components
+    )
     store = tmp_path / "store" if codec is gpu_bundle.PLAIN else None
     archives = gpu_bundle.compress(components, codec, store)
     out = tmp_path / "bundle"
-    return gpu_bundle.assemble(fork_pins, made, archives, codec, limit, out, settings)
+    return gpu_bundle.assemble(made, archives, codec, limit, out)
 
 
 # 1 MiB streams: the 3 MiB file is in several, which the runner reads as one.

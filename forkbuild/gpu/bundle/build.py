@@ -632,6 +632,8 @@ def prepare(pins: Pins, results: Path, route: tuple[Path, ...] | None = None) ->
 class Made:
     """A bundle for a host: its components and what was left out."""
 
+    pins: Pins
+    settings: GpuBundle
     host: Host
     lock_pins: dict[str, str]
     selection: Selection
@@ -640,8 +642,9 @@ class Made:
     omitted: list[str] = field(default_factory=list)  # fork.toml [gpu_bundle] omit
 
 
-def target(pins: Pins, host_file: Path) -> tuple[Host, Path, dict[str, str]]:
-    """The host, its CUDA lock and the lock's pins; its torch and triton checked."""
+def components(pins: Pins, source: Source, host_file: Path, work: Path) -> Made:
+    """The components of the bundle for HOST_FILE (its torch and triton checked), their
+    files gathered in WORK."""
     host = read_host(host_file)
     lock_file = lock.path("cuda", host.python)
     if not lock_file.is_file():
@@ -651,12 +654,6 @@ def target(pins: Pins, host_file: Path) -> tuple[Host, Path, dict[str, str]]:
         )
     lock_pins = lock.pinned(lock_file)
     check_host_torch(host, lock_pins)
-    return host, lock_file, lock_pins
-
-
-def components(pins: Pins, source: Source, host_file: Path, work: Path) -> Made:
-    """The components of the bundle for HOST_FILE, their files gathered in WORK."""
-    host, lock_file, lock_pins = target(pins, host_file)
     selection = select(source.trace, host, lock_pins, source.settings)
     wheel = fetch.artifacts_dir() / pins.routes["cuda"].wheel.filename
     files = source.trace.tree_files
@@ -674,7 +671,7 @@ def components(pins: Pins, source: Source, host_file: Path, work: Path) -> Made:
     tiny = models_component(source.python, source.tree, source.stub, work)
     tree = tree_component(source.tree, source.trace, pins)
     parts = [tree, python, packages, *extensions, tiny]
-    return Made(host, lock_pins, selection, parts, left, omitted)
+    return Made(pins, source.settings, host, lock_pins, selection, parts, left, omitted)
 
 
 def build(
@@ -697,9 +694,7 @@ def build(
         made = components(pins, source, host_file or REPO_ROOT / settings.host, work)
         # A plain tar is quick to write again: only the xz archives are cached.
         archives = compress(made.components, codec, None if codec.filters else work)
-        return assemble(
-            pins, made, archives, codec, int(mib * 2**20), out or dist_dir(), settings
-        )
+        return assemble(made, archives, codec, int(mib * 2**20), out or dist_dir())
 
 
 def runner_files() -> dict[str, Path]:
@@ -729,15 +724,14 @@ def _order(settings: GpuBundle, names: set[str]) -> list[str]:
     return order
 
 
-def manifest(
-    pins: Pins, made: Made, entries: dict[str, dict], parts: list[Part], settings
-) -> dict:
+def manifest(made: Made, entries: dict[str, dict], parts: list[Part]) -> dict:
     """manifest.json: what the runner checks and runs (ENTRIES: the components')."""
     host, lock_pins, selection = made.host, made.lock_pins, made.selection
+    settings = made.settings
     cases = cases_by_part(parts, list(settings.every_case), settings.needs)
     return {
         "format": FORMAT,
-        "fork_version": pins.fork_version,
+        "fork_version": made.pins.fork_version,
         "made_for": host.source.name,
         "python": host.python,
         "glibc": host.glibc,
@@ -765,17 +759,11 @@ def manifest(
 
 
 def assemble(
-    pins: Pins,
-    made: Made,
-    archives: dict[str, Path],
-    codec: Codec,
-    limit: int,
-    out: Path,
-    settings: GpuBundle,
+    made: Made, archives: dict[str, Path], codec: Codec, limit: int, out: Path
 ) -> Bundle:
     """Write the bundle to OUT (beside it first, then renamed): run.sh, the runner, the
     manifest, SHA256SUMS and the parts' archives, in parts of at most LIMIT bytes."""
-    order = _order(settings, {c.name for c in made.components})
+    order = _order(made.settings, {c.name for c in made.components})
     runner = runner_files()
     sizes = {name: archives[name].stat().st_size for name in order}
     # 64 KiB for the manifest
@@ -793,7 +781,7 @@ def assemble(
         }
         for c in made.components
     }
-    content = manifest(pins, made, entries, parts, settings)
+    content = manifest(made, entries, parts)
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     try:
