@@ -101,8 +101,7 @@ def _freeze_line(text: str, where: str) -> tuple[str, str | None]:
 
 
 def read_host(path: Path) -> Host:
-    """`# python: X.Y.Z`, `# glibc: X.Y`, then `pip freeze` lines (a bare name, or
-    `name @ url`: a package of unknown version)."""
+    """`# python:`, `# glibc:`, then `pip freeze` lines (a bare name: no version)."""
     if not path.is_file():
         raise ForkError(
             f"no host file {path}",
@@ -160,8 +159,7 @@ class Trace:
 def trace_imports(
     pins: Pins, settings: GpuBundle, route: tuple[Path, Path, Path], report: Path
 ) -> Trace:
-    """The GPU tests and kernel-call test collected in the CUDA venv (ROUTE: its python,
-    tree and stub folder) with import_trace.py, the engine's modules imported last."""
+    """The GPU cases collected in ROUTE (python, tree, stub) with import_trace.py."""
     python, tree, stub = route
     out = report.with_suffix(".json")
     env = {
@@ -317,8 +315,7 @@ def _wheel_files(
 def vllm_components(
     pins: Pins, tree: Path, wheel: Path, loaded: set[str], work: Path
 ) -> tuple[Component, list[Component], list[str]]:
-    """vLLM's Python (with the tree's patched files and a .dist-info), a component per
-    extension the cases load, and the compiled files left out."""
+    """vLLM's Python (patched, a .dist-info), its loaded extensions, the rest left."""
     patched = patched_paths(read_series())
     python, extensions, left = _wheel_files(tree, wheel, loaded, patched)
     version_file = tree / "vllm" / "_version.py"
@@ -363,8 +360,7 @@ def tree_component(tree: Path, trace: Trace, pins: Pins) -> Component:
 def packages_component(
     pins: Pins, selection: Selection, host: Host, lock_file: Path, work: Path, omit
 ) -> tuple[Component, list[str]]:
-    """The carried distributions, installed by uv from the lock for the host's Python;
-    the files OMIT names left out."""
+    """The carried distributions, from the lock for the host, less what OMIT names."""
     target, requirements = work / "packages", work / "packages.txt"
     requirements.write_text(lock.entries(lock_file, set(selection.carried)))
     uv.install(
@@ -464,15 +460,8 @@ def _progress(total: int):
     from tqdm import tqdm
 
     tty = sys.stderr.isatty()
-    bytes_shown = dict(unit="B", unit_scale=True, unit_divisor=1024)
-    every = 0.5 if tty else 30
-    return tqdm(
-        total=total,
-        desc="gpu bundle: xz",
-        mininterval=every,
-        ascii=not tty,
-        **bytes_shown,
-    )
+    shown = dict(desc="gpu bundle: xz", mininterval=0.5 if tty else 30, ascii=not tty)
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, **shown)
 
 
 def _xz_all(tars: dict[str, Path], codec: Codec, outs: dict[str, Path]) -> None:
@@ -508,8 +497,7 @@ def _xz_all(tars: dict[str, Path], codec: Codec, outs: dict[str, Path]) -> None:
 def compress(
     components: list[Component], codec: Codec = XZ, store: Path | None = None
 ) -> dict[str, Path]:
-    """Each component's archive in STORE (default: the cache, where one with the same
-    content and codec is reused): plain tars for PLAIN, else xz on every core."""
+    """Each component's archive in STORE (default: the cache, reused by content)."""
     store = store or cache_dir() / "gpu-bundle"
     store.mkdir(parents=True, exist_ok=True)
     archives = {c.name: store / f"{c.key(codec)}{codec.suffix}" for c in components}
@@ -618,8 +606,7 @@ class Source:
 
 
 def prepare(pins: Pins, results: Path, route: tuple[Path, ...] | None = None) -> Source:
-    """The CUDA route (made in build/cuda-route unless ROUTE gives its python, tree and
-    stub folder) and the trace of the GPU cases' imports there."""
+    """The CUDA route (ROUTE, else made in build/cuda-route) and the trace there."""
     if route is None:
         python, tree = cuda_route.install_cuda_route(pins, results)
         route = (python, tree, cuda_route.build_driver_stub(python, tree))
@@ -682,8 +669,7 @@ def build(
     source: Source | None = None,
     codec: Codec = XZ,
 ) -> Bundle:
-    """The bundle for HOST_FILE (default: fork.toml's) in OUT (dist/gpu-bundle), in
-    parts of at most PART_MIB, its archives as CODEC."""
+    """The bundle for HOST_FILE (default: fork.toml's) in OUT (dist/gpu-bundle)."""
     results = build_dir() / "test-results"
     results.mkdir(parents=True, exist_ok=True)
     source = source or prepare(pins, results)
@@ -761,8 +747,7 @@ def manifest(made: Made, entries: dict[str, dict], parts: list[Part]) -> dict:
 def assemble(
     made: Made, archives: dict[str, Path], codec: Codec, limit: int, out: Path
 ) -> Bundle:
-    """Write the bundle to OUT (beside it first, then renamed): run.sh, the runner, the
-    manifest, SHA256SUMS and the parts' archives, in parts of at most LIMIT bytes."""
+    """The bundle in OUT (written beside it, then renamed), parts of at most LIMIT."""
     order = _order(made.settings, {c.name for c in made.components})
     runner = runner_files()
     sizes = {name: archives[name].stat().st_size for name in order}

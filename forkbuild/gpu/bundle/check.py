@@ -63,8 +63,7 @@ def _offline() -> tuple[str, ...]:
 
 
 def interpreter(version: str) -> Path:
-    """A working Python VERSION (X.Y) here: on PATH, pyenv's, or the system's (a pyenv
-    shim of a version pyenv does not select fails, so each is asked for its version)."""
+    """A working Python VERSION (X.Y) here (each is asked: a pyenv shim may fail)."""
     pyenv = Path.home().glob(f".pyenv/versions/{version}.*/bin/python3")
     candidates = [shutil.which(f"python{version}"), *sorted(map(str, pyenv))]
     for candidate in filter(None, [*candidates, f"/usr/bin/python{version}"]):
@@ -79,8 +78,7 @@ def interpreter(version: str) -> Path:
 
 
 def simulated_host(pins: Pins) -> tuple[Path, Path]:
-    """build/bundle-host/venv: the host's Python with the CUDA lock's torch, triton and
-    NVIDIA packages (nvidia-*, cuda-*) and nothing else; and its host file."""
+    """build/bundle-host/venv (the host's Python, torch, triton, NVIDIA's); its file."""
     lock_file = lock.path("cuda", HOST_PYTHON)
     names = {
         n
@@ -134,9 +132,8 @@ class Result:
 
     def line(self) -> str:
         network = "network refused" if self.offline else "no index; network not refused"
-        host = (
-            f"Python {HOST_PYTHON}, torch, triton and NVIDIA's packages only, {network}"
-        )
+        host = f"Python {HOST_PYTHON}, torch, triton and NVIDIA's packages only, "
+        host += network
         found = (
             f"{len(self.simulated.parts)} part(s), {self.extensions} compiled "
             f"extensions load, {len(self.collected.cases)} GPU cases collected and "
@@ -185,8 +182,7 @@ def check(pins: Pins, results: Path, route: tuple[Path, Path, Path]) -> Result:
 def _on_simulated_host(
     pins: Pins, source: gpu_bundle.Source, results: Path
 ) -> tuple[SimHost, tuple]:
-    """The simulated host's bundle installed offline by its run.sh and verified: the
-    host, and the rest of a Result."""
+    """The simulated host's bundle installed offline by run.sh and verified."""
     python, host_file = simulated_host(pins)
     # The parts' size matters only for transfers: here one part holds everything,
     # plain tars (no transfer carries them).
@@ -195,16 +191,11 @@ def _on_simulated_host(
     dest = home() / "installed"
     shutil.rmtree(dest, ignore_errors=True)
     offline = _offline()
-    env = {
-        **os.environ,
-        **NO_INDEX,
-        "PYTHON": str(python),
-        "FORK_BUNDLE_HOME": str(dest),
-    }
+    env = {**os.environ, **NO_INDEX, "PYTHON": str(python)}
+    env["FORK_BUNDLE_HOME"] = str(dest)
     network = "unshare -n: no network" if offline else "no index; unshare unavailable"
     log.step(f"bundle check: run.sh --install {dest} ({network})")
-    # From a folder of its own: run.sh must start the bundle's runner, not this
-    # checkout's.
+    # From a folder of its own: run.sh must start the bundle's runner, not this one.
     done = run_or_fail(
         [*offline, "bash", str(bundle.folder / "run.sh"), "--install", str(dest)],
         "the bundle does not install offline on the simulated host",
@@ -280,8 +271,7 @@ def _site_copy(host: SimHost, name: str) -> Path:
 
 
 def _without(dist: tuple[str, str], pins: Pins, host: SimHost) -> str:
-    """The check again with DIST's files (name, module) taken out of a copy of SITE: it
-    must fail, naming the module."""
+    """The check without DIST (name, module) in a copy of SITE: it must name MODULE."""
     name, module = dist
     broken = _site_copy(host, f"site-without-{name}")
     infos = list(broken.glob(f"{name.replace('-', '_')}-*.dist-info"))
@@ -362,8 +352,7 @@ def _part_one(reference: gpu_bundle.Bundle, host: SimHost) -> str:
 
 
 def _run_part_one(host: SimHost, nodes: list[str], standing_in: list[str]) -> list[str]:
-    """NODES as the runner runs them with STANDING_IN (each must skip for want of a
-    device); the import errors of PART_ONE_IMPORTS."""
+    """NODES with STANDING_IN (each skips for want of a device): the import errors."""
     name = "bundle-part-1" + ("" if standing_in else "-without-stand-ins")
     outcome, errors = _run_traced(host, name, nodes, PART_ONE_IMPORTS, standing_in)
     if standing_in:
@@ -378,8 +367,7 @@ def _run_part_one(host: SimHost, nodes: list[str], standing_in: list[str]) -> li
 def _run_traced(
     host: SimHost, name: str, nodes: list[str], imports: tuple[str, ...], standing_in=()
 ) -> tuple[pytest_runner.Outcome, list[str]]:
-    """NODES run from the bundle at SITE as its runner runs them (STANDING_IN stood in
-    for), IMPORTS imported last (import_trace.py): the outcome and import errors."""
+    """NODES run as the runner runs them, IMPORTS last: outcome and import errors."""
     site, results = host.site, host.results
     tree, report = site.parent / "tree", results / f"{name}-imports.json"
     logs = results / f"{name}-tests.log"
