@@ -53,15 +53,10 @@ def test_a_host_file_gives_python_glibc_and_versions(tmp_path):
     assert host.packages == want
 
 
-@pytest.mark.parametrize(
-    "text",
-    [
-        "numpy==1\n",
-        "# python: 3.12.3\nnumpy==1\n",
-        f"{HEAD}not a line!\n",
-        f"{HEAD}numpy>=1\n",
-    ],
-)
+BAD_HOSTS = ["numpy==1\n", "# python: 3.12.3\nnumpy==1\n", f"{HEAD}not a line!\n"]
+
+
+@pytest.mark.parametrize("text", [*BAD_HOSTS, f"{HEAD}numpy>=1\n"])
 def test_a_bad_host_file_is_refused_with_what_to_do(tmp_path, text):
     with pytest.raises(ForkError, match="inventory"):
         _host(tmp_path, text)
@@ -129,10 +124,8 @@ def test_components_fill_the_first_part_with_room_in_order():
 
 
 def test_each_part_names_the_cases_it_adds():
-    parts = [
-        gpu_bundle.Part(f"part-{i}", (c,), 0)
-        for i, c in enumerate(["py", "c", "fa"], 1)
-    ]
+    names = ["py", "c", "fa"]
+    parts = [gpu_bundle.Part(f"part-{i}", (c,), 0) for i, c in enumerate(names, 1)]
     cases = gpu_bundle.cases_by_part(parts, ["py", "c"], {"k": [], "f": ["fa"]})
     assert cases == {"part-1": [], "part-2": ["k"], "part-3": ["f"]}
 
@@ -378,14 +371,10 @@ def _archive(members: list[tuple[str, bytes]]) -> bytes:
     return lzma.compress(raw.getvalue())
 
 
-@pytest.mark.parametrize(
-    "members",
-    [
-        [("FILES.sha256", b""), ("../escape", b"x")],
-        [("FILES.sha256", b""), ("/etc/escape", b"x")],
-        [("tests/t.py", b"no list first")],
-    ],
-)
+ESCAPES = [[("FILES.sha256", b""), (n, b"x")] for n in ("../escape", "/etc/escape")]
+
+
+@pytest.mark.parametrize("members", [*ESCAPES, [("tests/t.py", b"no list first")]])
 def test_an_archive_that_writes_outside_or_lacks_its_list_is_refused(tmp_path, members):
     archive = tmp_path / "a.tar.xz"
     archive.write_bytes(_archive(members))
