@@ -770,8 +770,7 @@ def assemble(
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     try:
-        loose = _write_bundle(partial, archives, content)
-        measured = _measure(partial, parts, loose, limit)
+        measured = _write_bundle(partial, archives, content, parts, limit)
         out.parent.mkdir(parents=True, exist_ok=True)
         swap_into_place(partial, out)  # OUT is the old bundle or the new one
     finally:
@@ -783,9 +782,9 @@ def assemble(
 
 
 def _write_bundle(
-    partial: Path, archives: dict[str, Path], manifest: dict
-) -> list[str]:
-    """The bundle's files in PARTIAL; part 1's loose files."""
+    partial: Path, archives: dict[str, Path], manifest: dict, parts: list[Part], limit
+) -> list[Part]:
+    """The bundle's files in PARTIAL; the PARTS as they measure (at most LIMIT)."""
     runner = runner_files()
     for path, source in runner.items():
         (partial / path).parent.mkdir(parents=True, exist_ok=True)
@@ -806,13 +805,7 @@ def _write_bundle(
     (partial / "SHA256SUMS").write_text(
         "".join(f"{sha256_file(partial / p)}  {p}\n" for p in loose)
     )
-    return [*loose, "SHA256SUMS"]
-
-
-def _measure(
-    partial: Path, parts: list[Part], loose: list[str], limit: int
-) -> list[Part]:
-    """The parts as they measure in PARTIAL, each at most LIMIT bytes."""
+    loose.append("SHA256SUMS")
     measured = []
     for part in parts:
         files = [*(partial / part.name).iterdir()]
