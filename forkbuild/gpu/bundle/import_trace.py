@@ -87,6 +87,5 @@ def pytest_sessionfinish(session, exitstatus) -> None:
         "collected": len(session.items),
         "exitstatus": int(exitstatus),
     }
-    Path(os.environ["FORKBUILD_TRACE_OUT"]).write_text(
-        json.dumps(report, indent=1) + "\n"
-    )
+    out = Path(os.environ["FORKBUILD_TRACE_OUT"])
+    out.write_text(json.dumps(report, indent=1) + "\n")

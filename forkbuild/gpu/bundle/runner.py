@@ -216,8 +216,7 @@ def _extract(archive: Path, root: Path, listing: Path) -> None:
 
 
 def install(manifest: dict, bundle: Path, dest: Path, components: list[str]) -> None:
-    """COMPONENTS unpacked into DEST (not again where stamped), every file held to its
-    archive's file list."""
+    """COMPONENTS unpacked into DEST (once: stamped), each file checked by its list."""
     stamps = dest / ".unpacked"
     stamps.mkdir(parents=True, exist_ok=True)
     for name in components:
@@ -279,14 +278,12 @@ def pythonpath(dest: Path, runner: bool = False) -> str:
 
 
 def probe(platform_too: bool) -> dict:
-    """What `import vllm` gives with the bundle first on sys.path, FORK_BUNDLE_STAND_INS
-    stood in for (the `probe` subcommand)."""
+    """`probe`: what `import vllm` gives, the bundle first and the stand-ins in."""
     standing_in = bundle_standin.install(bundle_standin.from_env())
     import vllm
 
-    module = importlib.util.find_spec(
-        fixcheck.MODULE_PATH[:-3].replace("/", ".")
-    ).origin
+    name = fixcheck.MODULE_PATH[:-3].replace("/", ".")
+    module = importlib.util.find_spec(name).origin
     found = {
         "vllm": vllm.__file__,
         "version": importlib.metadata.version("vllm"),
@@ -374,10 +371,8 @@ def run(bundle: Path, out: Path) -> int:
     components = present(manifest, bundle)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpus.csv").write_text(gpus)
-    kind, required = gpu_required.select(
-        gpu_required.parse_nvidia_smi(gpus, os.environ.get("CUDA_VISIBLE_DEVICES")),
-        gpu_table(manifest["gpu"]),
-    )
+    listed = gpu_required.parse_nvidia_smi(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    kind, required = gpu_required.select(listed, gpu_table(manifest["gpu"]))
     dest = home(bundle)
     install(manifest, bundle, dest, components)
     standing_in = stand_ins(manifest, components)
@@ -418,9 +413,8 @@ def conclude(
 ) -> int:
     not_run = gpu_required.not_run(runnable, [outcome])
     failed = outcome.failed + outcome.errors
-    parts = [
-        p["name"] for p in manifest["parts"] if set(p["components"]) <= set(components)
-    ]
+    have = set(components)
+    parts = [p["name"] for p in manifest["parts"] if set(p["components"]) <= have]
     line = (
         f"{outcome.passed} passed, {failed} failed, {outcome.skipped} skipped, "
         f"{len(apart)} required not run here"
