@@ -177,9 +177,8 @@ def _settings(order: str, every_case: str, kinds: dict, cases: dict, **more):
     """fork.toml's [gpu_bundle] and [gpu] (ORDER and EVERY_CASE: names by spaces)."""
     table = {"host": "h.txt", "part_mib": 1, "order": order.split()}
     table |= {"every_case": every_case.split(), **more}
-    return pins.gpu_bundle_of(
-        {"gpu_bundle": table, "gpu": {"kinds": kinds, "cases": cases}}
-    )
+    gpu = {"kinds": kinds, "cases": cases}
+    return pins.gpu_bundle_of({"gpu_bundle": table, "gpu": gpu})
 
 
 HOPPER, AMPERE = {"kind": "Hopper"}, {"kind": "Ampere"}
@@ -213,13 +212,11 @@ PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 def _assemble(fork_pins, tmp_path, components, limit, settings, codec=gpu_bundle.XZ):
     host = Host(PYTHON, "2.17", {}, tmp_path)
     pinned = lock.pinned(lock.path("cuda", host.python))
-    made = Made(
-        fork_pins, settings, host, pinned, Selection({}, {}, (), ()), components
-    )
+    selection = Selection({}, {}, (), ())
+    made = Made(fork_pins, settings, host, pinned, selection, components)
     store = tmp_path / "store" if codec is gpu_bundle.PLAIN else None
     archives = gpu_bundle.compress(components, codec, store)
-    out = tmp_path / "bundle"
-    return gpu_bundle.assemble(made, archives, codec, limit, out)
+    return gpu_bundle.assemble(made, archives, codec, limit, tmp_path / "bundle")
 
 
 # 1 MiB streams: the 3 MiB file is in several, which the runner reads as one.
@@ -228,10 +225,8 @@ SMALL_XZ = gpu_bundle.Codec("xz", gpu_bundle.XZ.filters, chunk=1 << 20)
 
 @pytest.fixture(params=[SMALL_XZ, gpu_bundle.PLAIN], ids=["xz", "tar"])
 def small_bundle(request, scratch, fork_pins, tmp_path) -> Path:
-    files = {
-        ("tree", "tests/t.py"): b"x = 1\n",
-        ("site-a", "pkg/__init__.py"): b"A = 1\n",
-    }
+    files = {("tree", "tests/t.py"): b"x = 1\n"}
+    files[("site-a", "pkg/__init__.py")] = b"A = 1\n"
     files[("site-b", "pkg/b.so")] = os.urandom(3 << 20)
     components = _components(tmp_path / "src", files)
     limit = int(3.05 * 2**20)
