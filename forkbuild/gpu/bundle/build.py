@@ -583,13 +583,11 @@ class Bundle:
     manifest: dict
 
     def line(self) -> str:
-        def short(node: str) -> str:
-            return node.split("::", 1)[1] if "::" in node else node
-
+        cases = {k: [n.split("::", 1)[-1] for n in v] for k, v in self.cases.items()}
         return "; ".join(
             f"{p.name} {p.size / 2**20:.1f} MiB "
             f"({', '.join(c.rsplit('/', 1)[-1] for c in p.components)})"
-            f": {', '.join(map(short, self.cases[p.name])) or 'no case yet'}"
+            f": {', '.join(cases[p.name]) or 'no case yet'}"
             for p in self.parts
         )
 
