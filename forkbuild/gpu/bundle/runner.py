@@ -111,9 +111,8 @@ def check_host(manifest: dict) -> None:
             have = None
         want = manifest[name]
         public, _, local = (have or "").partition("+")
-        if public != want or (
-            name == "torch" and local not in ("", manifest["cuda_label"])
-        ):
+        other_build = name == "torch" and local not in ("", manifest["cuda_label"])
+        if public != want or other_build:
             raise ForkError(
                 f"this host's {name} is {have or 'not installed'}; the bundle needs "
                 f"{want} (the fork's CUDA lock)",
@@ -149,9 +148,8 @@ def inventory() -> str:
     try:
         gpus = query_gpus().strip().splitlines()
         lines += [f"# gpu: {row}" for row in gpus]
-        driver = _output(
-            "nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"
-        )
+        query = ("--query-gpu=driver_version", "--format=csv,noheader")
+        driver = _output("nvidia-smi", *query)
         lines.append(f"# driver: {driver.split()[0] if driver else 'unknown'}")
     except ForkError as exc:
         lines.append(f"# gpu: none ({exc.cause})")
