@@ -195,8 +195,7 @@ SMALL = _settings(
 
 
 def _components(src: Path, files: dict[tuple[str, str], bytes]) -> list[Component]:
-    """FILES ((component, path) -> content) written under SRC, as components whose
-    root is their name's part before a dash."""
+    """FILES ((component, path) -> data) under SRC; a root: the name before a dash."""
     by_name: dict[str, Component] = {}
     for (name, path), data in files.items():
         (src / name / path).parent.mkdir(parents=True, exist_ok=True)
@@ -239,8 +238,7 @@ def small_bundle(request, scratch, fork_pins, tmp_path) -> Path:
 
 
 def _run_sh(bundle: Path, *args: str, cwd: Path | None = None, **env: str):
-    """run.sh from a folder of its own (default: the bundle's parent), so that the
-    bundle's runner runs, never this checkout's forkbuild."""
+    """run.sh away from this checkout (default: the bundle's parent): its own runner."""
     env = {**os.environ, "PYTHON": sys.executable, **env}
     command = ["bash", str(bundle / "run.sh"), *args]
     cwd = cwd or bundle.parent
@@ -313,8 +311,7 @@ def test_the_inventory_is_a_host_file_the_bundle_step_reads(small_bundle, tmp_pa
 
 @pytest.fixture
 def on_path(tmp_path, monkeypatch) -> Callable[[dict[str, str]], Path]:
-    """Executables (name -> script) first on PATH: they stand in for the GPU host's
-    own nvidia-smi and nvcc, which only it has."""
+    """Executables (name -> script) first on PATH: the GPU host's nvidia-smi, nvcc."""
     tools = tmp_path / "bin"
     tools.mkdir()
     monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")

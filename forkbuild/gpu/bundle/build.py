@@ -628,8 +628,7 @@ class Made:
 
 
 def components(pins: Pins, source: Source, host_file: Path, work: Path) -> Made:
-    """The components of the bundle for HOST_FILE (its torch and triton checked), their
-    files gathered in WORK."""
+    """The components for HOST_FILE (its torch and triton checked), gathered in WORK."""
     host = read_host(host_file)
     lock_file = lock.path("cuda", host.python)
     if not lock_file.is_file():
