@@ -422,10 +422,8 @@ def test_a_runnable_case_that_did_not_pass_fails_the_run(tmp_path, status, code)
     manifest = {"parts": [{"name": "part-1", "components": ["tree"]}]}
     outcome = Outcome({"t.py::one": status} if status else {})
     hopper = pins.gpu_table(SMALL.gpu).kind("Hopper")
-    result = bundle_run.conclude(
-        manifest, hopper, ["t.py::one"], {}, ["tree"], outcome, tmp_path
-    )
-    assert result == code
+    ran = (["t.py::one"], {}, ["tree"], outcome, tmp_path)  # runnable, apart, ...
+    assert bundle_run.conclude(manifest, hopper, *ran) == code
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["parts_present"] == ["part-1"]
     summary = (tmp_path / "summary.txt").read_text()
