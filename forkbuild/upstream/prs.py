@@ -90,9 +90,8 @@ def load_prs(version: str, folder: Path = PRS_DIR) -> list[PullRequest]:
 
 def newest(pins: Pins) -> Release:
     if not pins.releases:
-        raise ForkError(
-            "fork.toml lists no [matrix] releases", "add the newest upstream release"
-        )
+        hint = "add the newest upstream release"
+        raise ForkError("fork.toml lists no [matrix] releases", hint)
     return pins.releases[-1]
 
 
@@ -124,10 +123,8 @@ def check_words(pr: PullRequest, fork_of: str) -> None:
         text = path.read_text().lower()
         said = [w for w in words if re.search(rf"\b{re.escape(w)}\b", text)]
         if said:
-            raise ForkError(
-                f"{pr.name}/{path.name} mentions {', '.join(said)}",
-                "a PR speaks of vLLM only: rewrite those lines",
-            )
+            hint = "a PR speaks of vLLM only: rewrite those lines"
+            raise ForkError(f"{pr.name}/{path.name} mentions {', '.join(said)}", hint)
 
 
 # The release's own hooks (tools/pre_commit/) that its .pre-commit-config.yaml
@@ -221,10 +218,8 @@ def hooks_python(pins: Pins, release_tree: Path) -> Path:
             f"{release_tree.name}'s ({', '.join(requirements)})",
             "run `make lock` to resolve it again",
         )
-    venv, tools = (
-        build_dir() / "upstream" / "hooks-venv",
-        install.ensure_toolchain(pins),
-    )
+    venv = build_dir() / "upstream" / "hooks-venv"
+    tools = install.ensure_toolchain(pins)
     text, key = lock_file.read_text(), digest_of([lock_file.read_bytes()])
     what = "the release's mypy hook (hash-locked)"
     return uv.stamped_venv(pins, venv, tools, text, key, what, "--require-hashes")
@@ -235,9 +230,8 @@ def _hooks(
 ) -> list[tuple[str, list[str], dict[str, str] | None]]:
     """(name, command, environment) of each hook, with the files its filter passes."""
     py_files = [f for f in files if f.endswith(".py")]
-    tethered = [
-        f for f in files if re.match(r"(tests/.*\.py|\.buildkite/.*\.yaml)$", f)
-    ]
+    tethers = re.compile(r"(tests/.*\.py|\.buildkite/.*\.yaml)$")
+    tethered = [f for f in files if tethers.match(f)]
     hooks = [
         ("ruff check", [ruff, "check", "--no-cache", *py_files], None),
         ("ruff format", [ruff, "format", "--check", "--no-cache", *py_files], None),
@@ -282,12 +276,10 @@ def run_hooks(
             findings.append(f"{name}: {last}")
             log.step(f"upstream: hook {name} failed:\n{said}")
     if findings:
-        raise ForkError(
-            f"{len(findings)} of the release's pre-commit hooks fail: "
-            + "; ".join(findings),
-            "fix the test files (vLLM's CI runs the same hooks) "
-            "and run `make upstream` again",
-        )
+        said = f"{len(findings)} of the release's pre-commit hooks fail: "
+        hint = "fix the test files (vLLM's CI runs the same hooks)"
+        again = f"{hint} and run `make upstream` again"
+        raise ForkError(said + "; ".join(findings), again)
     said = f"the release's hooks pass on {len(files)} file(s) (ruff {wanted}"
     log.step(f"upstream: {said}{', mypy' if mypy_python else ''})")
     return lines
@@ -297,11 +289,9 @@ def collecting_jobs(
     python: Path, release_tree: Path, files: list[str]
 ) -> dict[str, list[dict]]:
     """The release's Buildkite jobs that collect each test file (release_ci_jobs.py)."""
-    cmd, what = [str(python), str(JOBS_SCRIPT), *files], f"{release_tree.name}'s"
-    done = run_or_fail(
-        cmd, f"could not read {what} Buildkite jobs", tail=300, cwd=release_tree
-    )
-    return json.loads(done.stdout)
+    cmd = [str(python), str(JOBS_SCRIPT), *files]
+    what = f"could not read {release_tree.name}'s Buildkite jobs"
+    return json.loads(run_or_fail(cmd, what, tail=300, cwd=release_tree).stdout)
 
 
 def selects_cpu_test(marker: str | None) -> bool:
@@ -449,10 +439,8 @@ def build(pins: Pins) -> Path:
     author = submitter()  # before minutes of work
     version = newest(pins).version
     if not (prs := load_prs(version)):
-        raise ForkError(
-            f"upstream-prs/ has no PR for vLLM {version}",
-            "write them against the newest release (upstream-prs/README.md)",
-        )
+        hint = "write them against the newest release (upstream-prs/README.md)"
+        raise ForkError(f"upstream-prs/ has no PR for vLLM {version}", hint)
     for pr in prs:
         check_words(pr, pins.upstream_version)
     found = mutants.for_release(version)  # before minutes of work too
@@ -466,9 +454,8 @@ def build(pins: Pins) -> Path:
     shutil.rmtree(DIST, ignore_errors=True)
     proofs = []
     for number, pr in enumerate(prs, 1):
-        log.step(
-            f"upstream: [{number}/{len(prs)}] {pr.name}: alone on a fresh {ctx.tag}"
-        )
+        at = f"[{number}/{len(prs)}] {pr.name}"
+        log.step(f"upstream: {at}: alone on a fresh {ctx.tag}")
         proofs.append(prove(ctx, pr, signed_mail(ctx, pr, DIST / pr.name), mypy_python))
     log.step(f"upstream: all {len(prs)} PRs together on a fresh {ctx.tag}")
     together = ctx.fresh("proof-all", [p.mail for p in proofs])
@@ -525,10 +512,8 @@ def write_pr(ctx: Context, proof: Proof, rows: list[mutants.Row]) -> None:
     text = pr.description
     for marker in MARKERS:
         if text.count(marker) != 1:
-            raise ForkError(
-                f"{pr.name}/description.md must hold {marker} exactly once",
-                "see upstream-prs/README.md",
-            )
+            said = f"{pr.name}/description.md must hold {marker} exactly once"
+            raise ForkError(said, "see upstream-prs/README.md")
     text = text.replace("@@VALIDATION@@", validation(ctx, proof))
     text = text.replace("@@MUTANTS@@", mutants.table(rows, pr.name))
     (out / "PR_DESCRIPTION.md").write_text(f"# {pr.title}\n\n{text}")
