@@ -51,11 +51,10 @@ def for_release(version: str, folder: Path = MUTANTS_DIR) -> tuple[Mutant, ...]:
     try:
         meta = tomllib.loads((where / "mutants.toml").read_text())
     except (OSError, tomllib.TOMLDecodeError) as err:
-        raise ForkError(
-            f"there are no mutants of vLLM {version}'s packed-view code ({err})",
-            f"read the release's packed path and its own tests of it, and write "
-            f"them in {where}/ (NN-name.diff and mutants.toml)",
-        ) from None
+        said = f"there are no mutants of vLLM {version}'s packed-view code ({err})"
+        read = "read the release's packed path and its own tests of it, and write them"
+        hint = f"{read} in {where}/ (NN-name.diff and mutants.toml)"
+        raise ForkError(said, hint) from None
     tests = {path: tuple(t["run"]) for t in meta["tests"].values() for path in t["of"]}
     found = []
     for stem, about in sorted(meta["mutants"].items()):
@@ -343,15 +342,11 @@ def check(rows: list[Row], pr_names: list[str]) -> None:
     idle = [n for n in pr_names if not any(r.by_pr[n] for r in survivors)]
     problems = []
     if unkilled:
-        problems.append(
-            f"{len(unkilled)} mutant(s) survive the triggered CI jobs and every PR: "
-            + "; ".join(unkilled)
-        )
+        said = f"{len(unkilled)} mutant(s) survive the triggered CI jobs and every PR: "
+        problems.append(said + "; ".join(unkilled))
     if idle:
-        problems.append(
-            f"{', '.join(idle)} kill(s) no mutant the triggered CI jobs miss: "
-            "not worth sending"
-        )
+        miss = "kill(s) no mutant the triggered CI jobs miss: not worth sending"
+        problems.append(f"{', '.join(idle)} {miss}")
     if len(survivors) < MIN_SURVIVORS:
         problems.append(
             f"only {len(survivors)} mutant(s) survive the release's tests and the "

@@ -68,10 +68,9 @@ def download(python: Path, package: str, version: str, binary: bool) -> Path:
             run_pip(python, [*args, "-d", tmp, spec], what=what_pip, quiet=True)
         except ForkError as exc:
             if "No matching distribution" in str(exc) or "from versions:" in str(exc):
-                raise ForkError(
-                    f"the package index has no {package} {version} {what}",
-                    "check the version against vLLM's releases",
-                ) from None
+                said = f"the package index has no {package} {version} {what}"
+                hint = "check the version against vLLM's releases"
+                raise ForkError(said, hint) from None
             raise
         found = ours(Path(tmp))
         if not found:
@@ -149,9 +148,8 @@ def _write_series(
     kept = tree.git([*args, f"v{version}..HEAD"], work, env)
     if kept.returncode != 0:
         raise ForkError(f"git format-patch failed in {work}: {kept.stderr.strip()}")
-    (out / "series").write_text(
-        "".join(f"{p.name}\n" for p in sorted(out.glob("*.patch")))
-    )
+    series = "".join(f"{p.name}\n" for p in sorted(out.glob("*.patch")))
+    (out / "series").write_text(series)
     pins_file = rebase_dir() / f"pins-{version}.toml"
     artifacts = {key: dict(zip(PIN_FIELDS, values)) for key, values in found.items()}
     pins_file.write_text(tomlkit.dumps({"artifacts": artifacts}))
@@ -183,13 +181,11 @@ def _print_audit(base_sdist: Path, new_sdist: Path, version: str) -> None:
     text = AUDIT_DOC.read_text()
     unsorted = unsorted_files(base_sdist, new_sdist, audited_set(), text)
     pending, through = unsorted_fixes(text, version), audited_through(text)
-    files = (
-        f"{len(unsorted)} changed file(s) of the #47054 path without a row: "
-        f"{', '.join(unsorted)}; sort their changes before accepting"
-        if unsorted
-        else "every changed file of the #47054 path has a row (changes sorted up "
-        f"to {AUDIT_RELEASE}; review newer hunks of those files by hand)"
-    )
+    files = "every changed file of the #47054 path has a row (changes sorted up "
+    files += f"to {AUDIT_RELEASE}; review newer hunks of those files by hand)"
+    if unsorted:
+        files = f"{len(unsorted)} changed file(s) of the #47054 path without a row: "
+        files += f"{', '.join(unsorted)}; sort their changes before accepting"
     fixes = f"every fix it lists up to {version} has a decision"
     if pending:
         fixes = f"{len(pending)} fix(es) up to {version} without a decision: "
@@ -218,9 +214,8 @@ def rewrite_pins(text: str, pins: Pins, version: str, found: Found) -> str:
         artifact = doc.get("artifacts", {}).get(key)
         if not isinstance(artifact, dict) or set(artifact) != set(PIN_FIELDS):
             form = f"in the expected form ({', '.join(PIN_FIELDS)})"
-            raise ForkError(
-                f"fork.toml's [artifacts.{key}] is not {form}", "edit it by hand"
-            )
+            said = f"fork.toml's [artifacts.{key}] is not {form}"
+            raise ForkError(said, "edit it by hand")
         artifact.update(zip(PIN_FIELDS, values))
     # The old base stays in the matrix as a stock release, in version order; the new
     # one leaves it.
@@ -271,11 +266,10 @@ def accept(pins: Pins, version: str) -> None:
         os.replace(staged / "fork.toml", PINS_FILE)
     finally:
         shutil.rmtree(staged, ignore_errors=True)
-    log.step(
-        f"rebase: fork.toml and patches/ now target vLLM {version}; review the "
-        "[matrix] and [toolchain] pins (torch) by hand, run `make lock` (the "
-        "release's requirements are the locks' inputs), then `make test`"
-    )
+    now = f"rebase: fork.toml and patches/ now target vLLM {version}"
+    review = "review the [matrix] and [toolchain] pins (torch) by hand, run `make lock`"
+    then = "(the release's requirements are the locks' inputs), then `make test`"
+    log.step(f"{now}; {review} {then}")
 
 
 # The backport audit: which changed files of the #47054 path are still unsorted.
