@@ -103,10 +103,13 @@ def _rows(work: Path, tmp: Path, found, cache=None, stock=None) -> list[mutants.
     return mutants.differential(runs, stock or work, _with_pr(work), found, prs)
 
 
+# One worktree for both runs (stock is the one with the PR) takes them in turn.
+@pytest.mark.parametrize("one_tree", [False, True])
 def test_the_differential_credits_a_pr_only_with_what_the_release_tests_miss(
-    worktree, tmp_path
+    worktree, tmp_path, one_tree
 ):
-    caught, missed = _rows(worktree, tmp_path, (CAUGHT, MISSED))
+    stock = _with_pr(worktree) if one_tree else None
+    caught, missed = _rows(worktree, tmp_path, (CAUGHT, MISSED), stock=stock)
     assert caught.upstream_killers == [KILL] and not caught.survivor
     assert _clean(_with_pr(worktree))
     assert missed.survivor and missed.by_pr == {"01-pages": [PR_CASE]}
@@ -202,13 +205,6 @@ def test_a_kill_is_a_case_that_passed_unmutated_under_its_id_or_a_new_one():
     assert mutants.killers(baseline) == ["tests/test_layouts.py::test_download"]
 
 
-def test_one_worktree_for_both_runs_takes_them_in_turn(worktree, tmp_path):
-    with_pr = _with_pr(worktree)
-    (missed,) = _rows(worktree, tmp_path, (MISSED,), stock=with_pr)
-    assert missed.survivor and missed.by_pr == {"01-pages": [PR_CASE]}
-    assert _clean(with_pr)
-
-
 def test_a_survivor_nothing_kills_and_an_idle_pr_stop_the_step(worktree, tmp_path):
     (nobody,) = _rows(worktree, tmp_path, (NOBODY,))
     assert nobody.survivor and nobody.by_pr == {"01-pages": []}
@@ -265,9 +261,8 @@ def test_the_newest_release_has_mutants_that_git_apply_takes(fork_pins, tmp_path
     wanted = mutants.for_release(release.version)
     sdist = fetch.artifacts_dir() / release.sdist.filename
     if not sdist.exists():
-        pytest.skip(
-            f"{sdist.name} is not cached yet: run `make matrix` or `make upstream`"
-        )
+        why = "is not cached yet: run `make matrix` or `make upstream`"
+        pytest.skip(f"{sdist.name} {why}")
     with tarfile.open(sdist) as tar:
         top = tar.getmembers()[0].name.split("/", 1)[0]
         paths = sorted({m.path for m in wanted})  # the release's files they change

@@ -53,10 +53,8 @@ def test_dep3_header_is_read_from_the_mail():
 
 def test_fix_applies_to_the_bug_and_reverse_applies_to_the_fix(fork_pins, toolchain):
     patch = patch_status.read_patch(PATCH.name, PATCH.path)
-    for version, expected in (
-        (BASE, patch_status.APPLIES),
-        (NEWER[0], patch_status.REVERSED),
-    ):
+    expect = {BASE: patch_status.APPLIES, NEWER[0]: patch_status.REVERSED}
+    for version, expected in expect.items():
         sdist = fetch.fetch(fork_pins.release(version).sdist, lambda: toolchain)
         assert patch_status.try_apply(patch, sdist) == expected, version
 
@@ -219,6 +217,7 @@ def test_a_broken_pr_folder_is_refused_with_what_it_lacks(tmp_path):
         upstream.check_words(pr, BASE)
 
 
+PIPE = ".buildkite/test_areas/misc.yaml"  # the pipeline file of the PRs' CPU job
 SELECTS = (None, "cpu_test", "'cpu_test'", "cpu_test and not slow_test")
 
 
@@ -289,7 +288,7 @@ def test_every_pr_case_runs_in_the_cpu_job_it_names(release_hooks, toolchain):
 
 def test_the_release_hooks_pass_on_the_series(release_hooks, toolchain):
     files = series_files()
-    assert ".buildkite/test_areas/misc.yaml" in files  # the PRs' CI lines
+    assert PIPE in files  # the PRs' CI lines
     lines = upstream.run_hooks(toolchain, release_hooks, files)
     hooks = ("ruff check", "ruff format", *upstream.HOOK_SCRIPTS)
     hooks += ("check_buildkite_step_keys",)
@@ -311,14 +310,12 @@ def test_a_hook_finding_stops_the_upstream_step(release_hooks, toolchain, tmp_pa
 def test_a_pipeline_step_without_a_key_stops_the_upstream_step(
     release_hooks, toolchain
 ):
-    misc = release_hooks / ".buildkite" / "test_areas" / "misc.yaml"
+    misc = release_hooks / PIPE
     kept = misc.read_text()
     misc.write_text(kept.replace("  key: v1-others-cpu\n", "", 1))
     try:
         with pytest.raises(ForkError, match="check_buildkite_step_keys"):
-            upstream.run_hooks(
-                toolchain, release_hooks, [str(misc.relative_to(release_hooks))]
-            )
+            upstream.run_hooks(toolchain, release_hooks, [PIPE])
     finally:
         misc.write_text(kept)
 

@@ -51,11 +51,10 @@ def for_release(version: str, folder: Path = MUTANTS_DIR) -> tuple[Mutant, ...]:
     try:
         meta = tomllib.loads((where / "mutants.toml").read_text())
     except (OSError, tomllib.TOMLDecodeError) as err:
-        raise ForkError(
-            f"there are no mutants of vLLM {version}'s packed-view code ({err})",
-            f"read the release's packed path and its own tests of it, and write "
-            f"them in {where}/ (NN-name.diff and mutants.toml)",
-        ) from None
+        said = f"there are no mutants of vLLM {version}'s packed-view code ({err})"
+        read = "read the release's packed path and its own tests of it, and write them"
+        hint = f"{read} in {where}/ (NN-name.diff and mutants.toml)"
+        raise ForkError(said, hint) from None
     tests = {path: tuple(t["run"]) for t in meta["tests"].values() for path in t["of"]}
     found = []
     for stem, about in sorted(meta["mutants"].items()):
@@ -63,11 +62,9 @@ def for_release(version: str, folder: Path = MUTANTS_DIR) -> tuple[Mutant, ...]:
         diff = (where / f"{stem}.diff").open(newline="").read()
         mutant = Mutant(about["name"], diff, (), about.get("gpu_job", ""))
         if mutant.path not in tests:
-            raise ForkError(
-                f"{where}/mutants.toml names no release tests of {mutant.path}",
-                "grep the release's tests/ for the code the mutant changes and list "
-                "them in its [tests]",
-            )
+            said = f"{where}/mutants.toml names no release tests of {mutant.path}"
+            grep = "grep the release's tests/ for the code the mutant changes"
+            raise ForkError(said, f"{grep} and list them in its [tests]")
         found.append(dataclasses.replace(mutant, tests=tests[mutant.path]))
     return tuple(found)
 
@@ -78,13 +75,12 @@ def apply(worktree: Path, mutant: Mutant) -> None:
         patch.write(mutant.diff), patch.flush()
         done = tree.git(["apply", "--whitespace=nowarn", patch.name], worktree)
     if done.returncode != 0:
-        raise ForkError(
-            f"git apply refused mutant '{mutant.name}' on {mutant.path}: "
-            f"{'; '.join(done.stderr.split(chr(10))).strip('; ')}: the release's code "
-            "is not what the mutant was written against",
-            "rewrite the mutant's diff in upstream-prs/mutants/<release>/ from the "
-            "release's code",
-        )
+        errs = "; ".join(done.stderr.split("\n")).strip("; ")
+        said = f"git apply refused mutant '{mutant.name}' on {mutant.path}: {errs}"
+        against = "the release's code is not what the mutant was written against"
+        redo = "upstream-prs/mutants/<release>/"
+        hint = f"rewrite the mutant's diff in {redo} from the release's code"
+        raise ForkError(f"{said}: {against}", hint)
     _drop_bytecode(worktree / mutant.path)
 
 
@@ -203,9 +199,8 @@ class Runs:
         if changed := git_out("status", "--porcelain", "--untracked-files=no").strip():
             # a mutant left behind by a killed run: every result would be wrong
             first = changed.splitlines()[0]
-            raise ForkError(
-                f"{worktree} has changes its commit does not hold: {first}", AFRESH
-            )
+            said = f"{worktree} has changes its commit does not hold: {first}"
+            raise ForkError(said, AFRESH)
         untracked = sorted(
             f"{name}:{(worktree / name).stat().st_size}"
             for name in git_out("ls-files", "--others", "-z").split("\0")
@@ -292,11 +287,9 @@ def _baselines(
         paths = ", ".join(sorted({m.path for m in mutants if m.tests == tests}))
         baseline = runs.run(stock, list(tests), f"baseline-{number}", keep=_some_pass)
         if not _some_pass(baseline):
-            raise ForkError(
-                f"no case of the release's own tests of {paths} passes unmutated: "
-                f"{baseline}",
-                f"see {runs.results / f'baseline-{number}.log'}",
-            )
+            said = f"no case of the release's own tests of {paths} passes unmutated"
+            see = f"see {runs.results / f'baseline-{number}.log'}"
+            raise ForkError(f"{said}: {baseline}", see)
         log.step(f"mutants: the release's tests of {paths}, unmutated: {baseline}")
         baselines[tests] = baseline
     return baselines
@@ -322,10 +315,8 @@ def differential(
         runs = dataclasses.replace(runs, extra_env=env)
     clean = runs.run(with_prs, cases, "clean-prs", keep=_all_pass)
     if not _all_pass(clean):
-        raise ForkError(
-            f"the PRs' cases do not pass unmutated: {clean}",
-            f"see {runs.results / 'clean-prs.log'}",
-        )
+        see = f"see {runs.results / 'clean-prs.log'}"
+        raise ForkError(f"the PRs' cases do not pass unmutated: {clean}", see)
     baselines = _baselines(runs, stock, found)
     rows = []
     with ThreadPoolExecutor(max_workers=2 if side_by_side else 1) as pool:
@@ -351,15 +342,11 @@ def check(rows: list[Row], pr_names: list[str]) -> None:
     idle = [n for n in pr_names if not any(r.by_pr[n] for r in survivors)]
     problems = []
     if unkilled:
-        problems.append(
-            f"{len(unkilled)} mutant(s) survive the triggered CI jobs and every PR: "
-            + "; ".join(unkilled)
-        )
+        said = f"{len(unkilled)} mutant(s) survive the triggered CI jobs and every PR: "
+        problems.append(said + "; ".join(unkilled))
     if idle:
-        problems.append(
-            f"{', '.join(idle)} kill(s) no mutant the triggered CI jobs miss: "
-            "not worth sending"
-        )
+        miss = "kill(s) no mutant the triggered CI jobs miss: not worth sending"
+        problems.append(f"{', '.join(idle)} {miss}")
     if len(survivors) < MIN_SURVIVORS:
         problems.append(
             f"only {len(survivors)} mutant(s) survive the release's tests and the "
@@ -378,9 +365,8 @@ def table(rows: list[Row], pr: str) -> str:
     mine = [r for r in rows if r.mutant.path in paths]
     caught = sum(1 for r in mine if not r.survivor)
     on_gpu = [r for r in mine if r.survivor and r.mutant.gpu_job]
-    tests = ", ".join(
-        f"`{t}`" for t in sorted({t for r in mine for t in r.mutant.tests})
-    )
+    names = sorted({t for r in mine for t in r.mutant.tests})
+    tests = ", ".join(f"`{t}`" for t in names)
     return (
         "| mutant | file | caught by a CI job that a change to the file triggers "
         "| killed by this PR |\n| --- | --- | --- | --- |\n"
@@ -436,10 +422,8 @@ def summary(rows: list[Row], pr: str | None = None) -> str:
             first = row.upstream_killers[0]
             up = f"the release's tests kill it (first failing case: {first})"
         elif row.mutant.gpu_job:
-            up = (
-                "the release's tests miss it; a triggered GPU job would likely catch "
-                f"it: {row.mutant.gpu_job}"
-            )
+            gpu = f"a triggered GPU job would likely catch it: {row.mutant.gpu_job}"
+            up = f"the release's tests miss it; {gpu}"
         else:
             up = "the release's tests miss it; no triggered GPU job executes it (read)"
         out.append(f"mutant {row.mutant.name} [{row.mutant.path}]: {up}; {verdict}")

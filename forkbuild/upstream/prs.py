@@ -67,10 +67,9 @@ def load_prs(version: str, folder: Path = PRS_DIR) -> list[PullRequest]:
         try:
             meta = tomllib.loads((sub / "pr.toml").read_text())
         except (OSError, tomllib.TOMLDecodeError) as err:
-            raise ForkError(
-                f"{sub / 'pr.toml'} cannot be read: {err}",
-                "each upstream-prs/<name>/ needs pr.toml (see upstream-prs/README.md)",
-            ) from None
+            readme = "see upstream-prs/README.md"
+            hint = f"each upstream-prs/<name>/ needs pr.toml ({readme})"
+            raise ForkError(f"{sub / 'pr.toml'} cannot be read: {err}", hint) from None
         keys = ("release", "title", "cases", "job")
         patches = tuple(sorted(sub.glob("*.patch")))
         if missing := ", ".join(k for k in keys if k not in meta):
@@ -90,9 +89,8 @@ def load_prs(version: str, folder: Path = PRS_DIR) -> list[PullRequest]:
 
 def newest(pins: Pins) -> Release:
     if not pins.releases:
-        raise ForkError(
-            "fork.toml lists no [matrix] releases", "add the newest upstream release"
-        )
+        hint = "add the newest upstream release"
+        raise ForkError("fork.toml lists no [matrix] releases", hint)
     return pins.releases[-1]
 
 
@@ -104,12 +102,10 @@ def submitter() -> dict[str, str]:
         got = tree.git(["config", "--get", f"user.{key}"], REPO_ROOT)
         found[key] = got.stdout.strip() if got.returncode == 0 else ""
     if missing := [f"user.{key}" for key, value in found.items() if not value]:
-        raise ForkError(
-            f"git has no {' and no '.join(missing)}: the PRs are signed off (DCO) by "
-            "whoever runs `make upstream`",
-            'set yours: git config --global user.name "Your Name" && '
-            "git config --global user.email you@example.com",
-        )
+        said = f"git has no {' and no '.join(missing)}: the PRs are signed off (DCO)"
+        yours = 'git config --global user.name "Your Name" && git config --global'
+        hint = f"set yours: {yours} user.email you@example.com"
+        raise ForkError(f"{said} by whoever runs `make upstream`", hint)
     return {
         f"GIT_{who}_{key.upper()}": value
         for who in ("AUTHOR", "COMMITTER")
@@ -124,16 +120,15 @@ def check_words(pr: PullRequest, fork_of: str) -> None:
         text = path.read_text().lower()
         said = [w for w in words if re.search(rf"\b{re.escape(w)}\b", text)]
         if said:
-            raise ForkError(
-                f"{pr.name}/{path.name} mentions {', '.join(said)}",
-                "a PR speaks of vLLM only: rewrite those lines",
-            )
+            hint = "a PR speaks of vLLM only: rewrite those lines"
+            raise ForkError(f"{pr.name}/{path.name} mentions {', '.join(said)}", hint)
 
 
 # The release's own hooks (tools/pre_commit/) that its .pre-commit-config.yaml
 # applies to test files, beside ruff check, ruff format and mypy.
 HOOK_SCRIPTS = ("check_spdx_header", "check_forbidden_imports", "check_test_tethering")
 HOOKS_LOCK = "release-hooks-py311.txt"
+UPDATE = "forkbuild/upstream/prs.py"  # what reads the release's hooks
 
 
 def _repos(config_text: str) -> list[dict]:
@@ -152,10 +147,8 @@ def pinned_ruff(release_tree: Path) -> str:
                 return str(Version(str(repo.get("rev"))))  # v0.14.0 -> 0.14.0
             except InvalidVersion:
                 break
-    raise ForkError(
-        f"{release_tree.name}/.pre-commit-config.yaml pins no ruff-pre-commit rev",
-        "read the release's hooks and update forkbuild/upstream/prs.py",
-    )
+    said = f"{release_tree.name}/.pre-commit-config.yaml pins no ruff-pre-commit rev"
+    raise ForkError(said, "read the release's hooks and update " + UPDATE)
 
 
 def mypy_hook(config_text: str) -> tuple[str, list[str]]:
@@ -165,11 +158,9 @@ def mypy_hook(config_text: str) -> tuple[str, list[str]]:
             deps = hook.get("additional_dependencies")
             if hook.get("id") == "mypy" and hook.get("entry") and deps:
                 return str(hook["entry"]), [str(d) for d in deps]
-    raise ForkError(
-        "the release's .pre-commit-config.yaml has no mypy hook with an entry "
-        "and additional_dependencies",
-        "read its hooks and update forkbuild/upstream/prs.py",
-    )
+    said = "the release's .pre-commit-config.yaml has no mypy hook with an entry"
+    hint = "read its hooks and update " + UPDATE
+    raise ForkError(f"{said} and additional_dependencies", hint)
 
 
 def hooks_lock_path() -> Path:
@@ -216,15 +207,11 @@ def hooks_python(pins: Pins, release_tree: Path) -> Path:
     lock_file = hooks_lock_path()
     made_for = hooks_inputs_digest(requirements)
     if not lock_file.is_file() or lock.recorded_digest(lock_file) != made_for:
-        raise ForkError(
-            f"{lock_file.name} is missing or was made for another mypy hook than "
-            f"{release_tree.name}'s ({', '.join(requirements)})",
-            "run `make lock` to resolve it again",
-        )
-    venv, tools = (
-        build_dir() / "upstream" / "hooks-venv",
-        install.ensure_toolchain(pins),
-    )
+        said = f"{lock_file.name} is missing or was made for another mypy hook than"
+        hook = f"{release_tree.name}'s ({', '.join(requirements)})"
+        raise ForkError(f"{said} {hook}", "run `make lock` to resolve it again")
+    venv = build_dir() / "upstream" / "hooks-venv"
+    tools = install.ensure_toolchain(pins)
     text, key = lock_file.read_text(), digest_of([lock_file.read_bytes()])
     what = "the release's mypy hook (hash-locked)"
     return uv.stamped_venv(pins, venv, tools, text, key, what, "--require-hashes")
@@ -235,9 +222,8 @@ def _hooks(
 ) -> list[tuple[str, list[str], dict[str, str] | None]]:
     """(name, command, environment) of each hook, with the files its filter passes."""
     py_files = [f for f in files if f.endswith(".py")]
-    tethered = [
-        f for f in files if re.match(r"(tests/.*\.py|\.buildkite/.*\.yaml)$", f)
-    ]
+    tethers = re.compile(r"(tests/.*\.py|\.buildkite/.*\.yaml)$")
+    tethered = [f for f in files if tethers.match(f)]
     hooks = [
         ("ruff check", [ruff, "check", "--no-cache", *py_files], None),
         ("ruff format", [ruff, "format", "--check", "--no-cache", *py_files], None),
@@ -265,11 +251,9 @@ def run_hooks(
     ruff, wanted = str(python.parent / "ruff"), pinned_ruff(release_tree)
     have = subprocess.run([ruff, "--version"], capture_output=True, text=True)
     if have.returncode != 0 or have.stdout.split()[-1:] != [wanted]:
-        raise ForkError(
-            f"{release_tree.name} runs its hooks with ruff {wanted}; "
-            f"the fork's venv has {have.stdout.strip() or 'none'}",
-            f"pin ruff=={wanted} in fork.toml [toolchain] test, then `make lock`",
-        )
+        said = f"{release_tree.name} runs its hooks with ruff {wanted}; the fork's"
+        hint = f"pin ruff=={wanted} in fork.toml [toolchain] test, then `make lock`"
+        raise ForkError(f"{said} venv has {have.stdout.strip() or 'none'}", hint)
     lines, findings = [], []
     for name, cmd, env in _hooks(python, ruff, release_tree, files, mypy_python):
         env = {**os.environ, **env} if env else None
@@ -282,12 +266,10 @@ def run_hooks(
             findings.append(f"{name}: {last}")
             log.step(f"upstream: hook {name} failed:\n{said}")
     if findings:
-        raise ForkError(
-            f"{len(findings)} of the release's pre-commit hooks fail: "
-            + "; ".join(findings),
-            "fix the test files (vLLM's CI runs the same hooks) "
-            "and run `make upstream` again",
-        )
+        said = f"{len(findings)} of the release's pre-commit hooks fail: "
+        hint = "fix the test files (vLLM's CI runs the same hooks)"
+        again = f"{hint} and run `make upstream` again"
+        raise ForkError(said + "; ".join(findings), again)
     said = f"the release's hooks pass on {len(files)} file(s) (ruff {wanted}"
     log.step(f"upstream: {said}{', mypy' if mypy_python else ''})")
     return lines
@@ -297,11 +279,9 @@ def collecting_jobs(
     python: Path, release_tree: Path, files: list[str]
 ) -> dict[str, list[dict]]:
     """The release's Buildkite jobs that collect each test file (release_ci_jobs.py)."""
-    cmd, what = [str(python), str(JOBS_SCRIPT), *files], f"{release_tree.name}'s"
-    done = run_or_fail(
-        cmd, f"could not read {what} Buildkite jobs", tail=300, cwd=release_tree
-    )
-    return json.loads(done.stdout)
+    cmd = [str(python), str(JOBS_SCRIPT), *files]
+    what = f"could not read {release_tree.name}'s Buildkite jobs"
+    return json.loads(run_or_fail(cmd, what, tail=300, cwd=release_tree).stdout)
 
 
 def selects_cpu_test(marker: str | None) -> bool:
@@ -317,13 +297,11 @@ def check_job(pr: PullRequest, jobs: dict[str, list[dict]]) -> str:
         cpu = [j for j in runs if j["key"] == pr.job and "cpu" in str(j["device"])]
         if not (hits := [j for j in cpu if selects_cpu_test(j["marker"])]):
             others = ", ".join(sorted({j["key"] or j["label"] for j in runs}))
-            raise ForkError(
-                f"{pr.name}: no CPU job '{pr.job}' of the release collects "
-                f"{test_file} with cpu_test selected "
-                f"(jobs that run it: {others or 'none'})",
-                "mark the cases cpu_test and add the file to that job's commands "
-                "in the PR",
-            )
+            said = f"{pr.name}: no CPU job '{pr.job}' of the release collects"
+            said += f" {test_file} with cpu_test selected"
+            mark = "mark the cases cpu_test and add the file to that job's commands"
+            runs_it = f"(jobs that run it: {others or 'none'})"
+            raise ForkError(f"{said} {runs_it}", f"{mark} in the PR")
         label, device, command = (hits[0][k] for k in ("label", "device", "command"))
         by = f"collected by '{label}' ({pr.job}, {device}): {command}"
         lines.append(f"{test_file}: {by}")
@@ -337,10 +315,8 @@ def apply_mails(work: Path, mails: list[Path], env: dict[str, str]) -> None:
         tree.git(["am", "--abort"], work, env)
         said = (applied.stdout + applied.stderr).strip()[-300:]
         names, hint = ", ".join(m.name for m in mails), "refresh the PR's patch"
-        raise ForkError(
-            f"{names} do not apply with git am on {work.name}: {said}",
-            f"{hint} against the release",
-        )
+        why = f"{names} do not apply with git am on {work.name}: {said}"
+        raise ForkError(why, f"{hint} against the release")
 
 
 def changed_files(work: Path, base: str) -> list[str]:
@@ -449,10 +425,8 @@ def build(pins: Pins) -> Path:
     author = submitter()  # before minutes of work
     version = newest(pins).version
     if not (prs := load_prs(version)):
-        raise ForkError(
-            f"upstream-prs/ has no PR for vLLM {version}",
-            "write them against the newest release (upstream-prs/README.md)",
-        )
+        hint = "write them against the newest release (upstream-prs/README.md)"
+        raise ForkError(f"upstream-prs/ has no PR for vLLM {version}", hint)
     for pr in prs:
         check_words(pr, pins.upstream_version)
     found = mutants.for_release(version)  # before minutes of work too
@@ -466,9 +440,8 @@ def build(pins: Pins) -> Path:
     shutil.rmtree(DIST, ignore_errors=True)
     proofs = []
     for number, pr in enumerate(prs, 1):
-        log.step(
-            f"upstream: [{number}/{len(prs)}] {pr.name}: alone on a fresh {ctx.tag}"
-        )
+        at = f"[{number}/{len(prs)}] {pr.name}"
+        log.step(f"upstream: {at}: alone on a fresh {ctx.tag}")
         proofs.append(prove(ctx, pr, signed_mail(ctx, pr, DIST / pr.name), mypy_python))
     log.step(f"upstream: all {len(prs)} PRs together on a fresh {ctx.tag}")
     together = ctx.fresh("proof-all", [p.mail for p in proofs])
@@ -525,10 +498,8 @@ def write_pr(ctx: Context, proof: Proof, rows: list[mutants.Row]) -> None:
     text = pr.description
     for marker in MARKERS:
         if text.count(marker) != 1:
-            raise ForkError(
-                f"{pr.name}/description.md must hold {marker} exactly once",
-                "see upstream-prs/README.md",
-            )
+            said = f"{pr.name}/description.md must hold {marker} exactly once"
+            raise ForkError(said, "see upstream-prs/README.md")
     text = text.replace("@@VALIDATION@@", validation(ctx, proof))
     text = text.replace("@@MUTANTS@@", mutants.table(rows, pr.name))
     (out / "PR_DESCRIPTION.md").write_text(f"# {pr.title}\n\n{text}")

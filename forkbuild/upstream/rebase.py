@@ -64,15 +64,13 @@ def download(python: Path, package: str, version: str, binary: bool) -> Path:
     with tempfile.TemporaryDirectory(prefix=f".{version}-", dir=dest.parent) as tmp:
         spec = f"{package}=={version}"
         try:
-            run_pip(
-                python, [*args, "-d", tmp, spec], what=f"download {spec}", quiet=True
-            )
+            what_pip = f"download {spec}"
+            run_pip(python, [*args, "-d", tmp, spec], what=what_pip, quiet=True)
         except ForkError as exc:
             if "No matching distribution" in str(exc) or "from versions:" in str(exc):
-                raise ForkError(
-                    f"the package index has no {package} {version} {what}",
-                    "check the version against vLLM's releases",
-                ) from None
+                said = f"the package index has no {package} {version} {what}"
+                hint = "check the version against vLLM's releases"
+                raise ForkError(said, hint) from None
             raise
         found = ours(Path(tmp))
         if not found:
@@ -86,14 +84,11 @@ def check_newer(pins: Pins, version: str) -> None:
     """VERSION must be newer than the base: an older one would carry the fix back."""
     base = versions.release(pins.upstream_version)
     if versions.release(version, what="VERSION") <= base:
-        raise ForkError(
-            f"VERSION {version} is not newer than the fork's base "
-            f"{pins.upstream_version}",
-            "give a later release, e.g. make rebase "
-            f"VERSION={base.major}.{base.minor + 1}.0; the "
-            "series on older releases is what `make matrix` and `make patch-status` "
-            "report",
-        )
+        said = f"VERSION {version} is not newer than the fork's base "
+        later = f"make rebase VERSION={base.major}.{base.minor + 1}.0"
+        older = "releases is what `make matrix` and `make patch-status` report"
+        hint = f"give a later release, e.g. {later}; the series on older {older}"
+        raise ForkError(said + pins.upstream_version, hint)
 
 
 Found = dict[str, tuple[str, str, str]]  # artifact key -> (requirement, file, sha256)
@@ -153,9 +148,8 @@ def _write_series(
     kept = tree.git([*args, f"v{version}..HEAD"], work, env)
     if kept.returncode != 0:
         raise ForkError(f"git format-patch failed in {work}: {kept.stderr.strip()}")
-    (out / "series").write_text(
-        "".join(f"{p.name}\n" for p in sorted(out.glob("*.patch")))
-    )
+    series = "".join(f"{p.name}\n" for p in sorted(out.glob("*.patch")))
+    (out / "series").write_text(series)
     pins_file = rebase_dir() / f"pins-{version}.toml"
     artifacts = {key: dict(zip(PIN_FIELDS, values)) for key, values in found.items()}
     pins_file.write_text(tomlkit.dumps({"artifacts": artifacts}))
@@ -187,13 +181,11 @@ def _print_audit(base_sdist: Path, new_sdist: Path, version: str) -> None:
     text = AUDIT_DOC.read_text()
     unsorted = unsorted_files(base_sdist, new_sdist, audited_set(), text)
     pending, through = unsorted_fixes(text, version), audited_through(text)
-    files = (
-        f"{len(unsorted)} changed file(s) of the #47054 path without a row: "
-        f"{', '.join(unsorted)}; sort their changes before accepting"
-        if unsorted
-        else "every changed file of the #47054 path has a row (changes sorted up "
-        f"to {AUDIT_RELEASE}; review newer hunks of those files by hand)"
-    )
+    files = "every changed file of the #47054 path has a row (changes sorted up "
+    files += f"to {AUDIT_RELEASE}; review newer hunks of those files by hand)"
+    if unsorted:
+        files = f"{len(unsorted)} changed file(s) of the #47054 path without a row: "
+        files += f"{', '.join(unsorted)}; sort their changes before accepting"
     fixes = f"every fix it lists up to {version} has a decision"
     if pending:
         fixes = f"{len(pending)} fix(es) up to {version} without a decision: "
@@ -221,11 +213,9 @@ def rewrite_pins(text: str, pins: Pins, version: str, found: Found) -> str:
     for key, values in found.items():
         artifact = doc.get("artifacts", {}).get(key)
         if not isinstance(artifact, dict) or set(artifact) != set(PIN_FIELDS):
-            raise ForkError(
-                f"fork.toml's [artifacts.{key}] is not in the expected form "
-                f"({', '.join(PIN_FIELDS)})",
-                "edit it by hand",
-            )
+            form = f"in the expected form ({', '.join(PIN_FIELDS)})"
+            said = f"fork.toml's [artifacts.{key}] is not {form}"
+            raise ForkError(said, "edit it by hand")
         artifact.update(zip(PIN_FIELDS, values))
     # The old base stays in the matrix as a stock release, in version order; the new
     # one leaves it.
@@ -253,28 +243,22 @@ def rewrite_pins(text: str, pins: Pins, version: str, found: Found) -> str:
 
 def accept(pins: Pins, version: str) -> None:
     outcomes, found = trial(pins, version)
-    if missing := sorted(set(ARTIFACTS) - set(found)):
-        raise ForkError(
-            f"vLLM {version} lacks {', '.join(missing)} on the package index",
-            "the fork needs the sdist and both wheels of a release; "
-            "nothing was changed",
-        )
+    unchanged = "nothing was changed"
+    if missing := ", ".join(sorted(set(ARTIFACTS) - set(found))):
+        hint = f"the fork needs the sdist and both wheels of a release; {unchanged}"
+        raise ForkError(f"vLLM {version} lacks {missing} on the package index", hint)
     if conflicts := [o.name for o in outcomes if o.status == "conflict"]:
-        raise ForkError(
-            f"{len(conflicts)} patch(es) conflict with vLLM {version}: "
-            f"{', '.join(conflicts)}",
-            "refresh them by hand against the trial tree, then run again; nothing was "
-            "changed",
-        )
+        said = f"{len(conflicts)} patch(es) conflict with vLLM {version}: "
+        hint = "refresh them by hand against the trial tree, then run again"
+        raise ForkError(said + ", ".join(conflicts), f"{hint}; {unchanged}")
     new = rewrite_pins(PINS_FILE.read_text(), pins, version, found)
     # Write fork.toml and patches/ only once both are ready, each by an atomic rename.
     staged = Path(tempfile.mkdtemp(prefix=".rebase-", dir=PINS_FILE.parent))
     try:
         (staged / "fork.toml").write_text(new)
         if load(staged / "fork.toml").upstream_version != version:
-            raise ForkError(
-                "the rewritten fork.toml does not read back with the new version"
-            )
+            said = "the rewritten fork.toml does not read back with the new version"
+            raise ForkError(said)
         shutil.copytree(rebase_dir() / f"patches-{version}", staged / "patches")
         old_patches = PINS_FILE.parent / "patches"
         os.replace(old_patches, staged / "patches.old")
@@ -282,11 +266,10 @@ def accept(pins: Pins, version: str) -> None:
         os.replace(staged / "fork.toml", PINS_FILE)
     finally:
         shutil.rmtree(staged, ignore_errors=True)
-    log.step(
-        f"rebase: fork.toml and patches/ now target vLLM {version}; review the "
-        "[matrix] and [toolchain] pins (torch) by hand, run `make lock` (the "
-        "release's requirements are the locks' inputs), then `make test`"
-    )
+    now = f"rebase: fork.toml and patches/ now target vLLM {version}"
+    review = "review the [matrix] and [toolchain] pins (torch) by hand, run `make lock`"
+    then = "(the release's requirements are the locks' inputs), then `make test`"
+    log.step(f"{now}; {review} {then}")
 
 
 # The backport audit: which changed files of the #47054 path are still unsorted.
