@@ -1,12 +1,10 @@
-"""The CUDA route checked on a machine without a GPU (part of `make test`): most of what
-can break in the nightly GPU job is not the GPU. In build/cuda-route: `forkbuild install
---route cuda` as a GPU host runs it; a driver stub (forkbuild/gpu/driver_stub.py) on
-LD_LIBRARY_PATH; every compiled extension of the wheel this Python can load, byte for
-byte as RECORD says, loaded against the locked torch; FlashInfer's JIT toolchain
-(cuda_toolchain.py); the GPU tests collected and each skipped for lack of a device,
-every node id the nightly requires among them; the kernel test's calls with CPU tensors
-up to the real ops' dispatch ([tests] cuda_route in fork.toml).
-"""
+"""The CUDA route checked without a GPU (in `make test`): most of what can break in the
+nightly is not the GPU. In build/cuda-route, `forkbuild install --route cuda` as a GPU
+host runs it, with a driver stub (driver_stub.py) on LD_LIBRARY_PATH: the wheel's
+extensions load against the locked torch, byte for byte as RECORD says; FlashInfer's JIT
+toolchain (cuda_toolchain.py); the GPU tests collected and skipped for lack of a device,
+every required node id among them; the kernel test's calls with CPU tensors up to the
+ops' dispatch ([tests] cuda_route)."""
 
 from __future__ import annotations
 
@@ -52,9 +50,7 @@ class Result:
 def install_cuda_route(pins: Pins, results: Path) -> tuple[Path, Path]:
     """What a GPU host runs, minus the GPU, in build/cuda-route: (python, tree)."""
     report = results / "cuda-route-install.log"
-    log.step(
-        f"cuda route: forkbuild install --route cuda in {home()} (report: {report})"
-    )
+    log.step(f"cuda route: forkbuild install --route cuda in {home()} ({report})")
     args = ("-m", "forkbuild", "install", "--route", "cuda", "--without-gpu")
     run_or_fail(
         [sys.executable, *args],
@@ -100,8 +96,7 @@ def load_extensions(
     only: tuple[str, ...] = (),
     pythonpath: str = "",
 ) -> dict:
-    """forkbuild/setup/load_extensions.py in PYTHON's environment with the stub: every
-    extension of WHEEL (or ONLY those) from TREE, checked against RECORD and loaded."""
+    """setup/load_extensions.py with the stub: WHEEL's extensions (or ONLY) in TREE."""
     path = os.pathsep.join(filter(None, [pythonpath, str(REPO_ROOT)]))
     module = "forkbuild.setup.load_extensions"
     done = run_or_fail(
@@ -152,9 +147,8 @@ def check_flashinfer_jit(python: Path, stub: Path, results: Path) -> int:
 def run_gpu_tests(
     pins: Pins, python: Path, tree: Path, stub: Path, results: Path
 ) -> tuple[pytest_runner.Outcome, pytest_runner.Outcome]:
-    """The GPU tests and the serve test collected under the CUDA build (each must skip
-    for lack of a device), and the kernel calls (must pass): the GPU modules and the
-    kernel calls share one pytest run (one vLLM import less)."""
+    """The GPU tests and the serve test collected (each must skip), and the kernel
+    calls (must pass), which share the GPU modules' run (one vLLM import less)."""
 
     def run(where: Path, args: list[str], xml: Path, **kwargs) -> pytest_runner.Outcome:
         output, env = xml.with_suffix(".log"), stub_env(stub)
@@ -178,7 +172,6 @@ def run_gpu_tests(
 def part_of(
     outcome: pytest_runner.Outcome, modules: tuple[str, ...]
 ) -> pytest_runner.Outcome:
-    """The cases of OUTCOME in MODULES."""
     cases = {c: s for c, s in outcome.cases.items() if c.split("::")[0] in modules}
     return pytest_runner.Outcome(
         cases, {c: r for c, r in outcome.reasons.items() if c in cases}
@@ -198,9 +191,8 @@ def check_skipped(
     logs: str = "",
     required: Collection[str] | None = None,
 ) -> None:
-    """Every GPU case skipped, each for lack of a device (an import error would also
-    skip, and show only on the GPU runner); every node id of REQUIRED (default: all the
-    nightly requires) among them."""
+    """Every GPU case skipped for lack of a device (an import error skips too, and
+    would show only on the GPU runner); every node id of REQUIRED among them."""
     logs = logs or (
         f"{results / 'cuda-route-tests.log'} and {results / 'cuda-route-serve-gpu.log'}"
     )

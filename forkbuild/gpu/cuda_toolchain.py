@@ -1,6 +1,5 @@
-"""The CUDA lock's toolchain for the nightly and `make test`'s CUDA route check: the
-lock's pins, the agent's host compilers, CUDA_HOME, FlashInfer's link names, the JIT
-probe (flashinfer_jit_probe.py)."""
+"""The CUDA lock's toolchain for the nightly and the CUDA route check: its pins, the
+host compilers, CUDA_HOME, FlashInfer's link names, the JIT probe."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ LOCK_PINS += ("nvidia-cuda-runtime", "pytest-timeout")
 
 
 def check_lock_pins(lock_file: Path) -> str:
-    """nvcc's version, failing unless LOCK_FILE pins all LOCK_PINS (before minutes of
-    install, not after)."""
+    """nvcc's version; fails, before minutes of install, unless LOCK_FILE pins all."""
     if not lock_file.is_file():
         raise ForkError(f"{lock_file} is missing", "run `make lock` and commit locks/")
     pinned = lock.pinned(lock_file)
@@ -87,8 +85,7 @@ def missing_host_compilers(env: Mapping[str, str]) -> list[str]:
 
 
 def check_gpu_toolchain(lock_file: Path, env: Mapping[str, str] = os.environ) -> str:
-    """Before the install: the host compilers and the lock's pins; the lock's nvcc
-    version (which names its toolkit folder)."""
+    """Before the install: the host compilers and the lock's pins; its nvcc version."""
     if missing := missing_host_compilers(env):
         raise ForkError(
             "the GPU tests need a host compiler that this agent lacks: "
@@ -100,15 +97,13 @@ def check_gpu_toolchain(lock_file: Path, env: Mapping[str, str] = os.environ) ->
 
 
 def cuda_home(venv: Path, nvcc_version: str) -> Path:
-    """The lock's toolkit: bin/nvcc, nvvm/bin/cicc, include/, lib/libcudart.so.NN (no
-    lib64, no unversioned libcudart.so: see link_dir)."""
+    """The lock's toolkit: bin/, nvvm/, include/, lib/ (no lib64: see link_dir)."""
     return install.site_packages(venv) / "nvidia" / f"cu{nvcc_version.split('.')[0]}"
 
 
 def link_dir(venv: Path) -> Path:
     """Link names for FlashInfer's `c++ ... -lcudart -lcuda`: the wheels have only
-    libcudart.so.NN and many drivers only libcuda.so.1, so libcudart.so and libcuda.so
-    point at those (the sonames torch and Triton load). In the venv, to go with it."""
+    libcudart.so.NN, many drivers only libcuda.so.1 (the sonames torch loads)."""
     return venv / "fork-cuda-links"
 
 
@@ -193,9 +188,8 @@ def prepare_toolchain(venv: Path, nvcc_version: str) -> dict[str, str]:
 def probe_flashinfer_jit(
     python: Path, env: dict[str, str], nvcc_version: str, work: Path, report: Path
 ) -> int:
-    """flashinfer_jit_probe.py with ENV (toolchain_env, plus the stub where there is no
-    driver): what FlashInfer's JIT would miss, in seconds rather than in the first
-    FlashInfer case. Returns the modules whose build graph it checked."""
+    """flashinfer_jit_probe.py with ENV: what FlashInfer's JIT would miss, in seconds,
+    not in the first FlashInfer case. Returns how many build graphs it checked."""
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     command = [str(python), "-m", "forkbuild.gpu.flashinfer_jit_probe", str(work)]
@@ -223,25 +217,19 @@ def probe_flashinfer_jit(
 
 def jit_problems(found: dict, home: str, venv: Path, nvcc_version: str) -> list[str]:
     """What the probe's report FOUND shows FlashInfer's JIT would miss."""
-    problems = []
-    if Path(found["cuda_home"]) != Path(home):
-        problems.append(
-            f"FlashInfer takes CUDA from {found['cuda_home']}, not the lock's"
-        )
+    problems, cuda_at = [], found["cuda_home"]
+    if Path(cuda_at) != Path(home):
+        problems.append(f"FlashInfer takes CUDA from {cuda_at}, not the lock's")
     if not found["ninja"] or Path(found["ninja"]).parent != venv / "bin":
         problems.append(f"ninja resolves to {found['ninja']}, not the venv's")
     if not found["cuda_version"].startswith(nvcc_version.rsplit(".", 1)[0]):
         cuda = found["cuda_version"]
         problems.append(f"FlashInfer reads CUDA {cuda}, the lock pins {nvcc_version}")
-    problems += [
-        f"no build graph for {m}" for m, ok in found["modules"].items() if not ok
-    ]
+    modules = found["modules"].items()
+    problems += [f"no build graph for {m}" for m, ok in modules if not ok]
     if not found["compiled"]:
-        problems.append(
-            f"the lock's nvcc cannot compile and link: {found['compile_error']}"
-        )
-    elif len(found["links"]) != 2:  # the runtime and the driver, by soname
-        problems.append(
-            f"the linked module needs only {found['links']} of libcudart, libcuda"
-        )
+        why = found["compile_error"]
+        problems.append(f"the lock's nvcc cannot compile and link: {why}")
+    elif len(links := found["links"]) != 2:  # the runtime and the driver, by soname
+        problems.append(f"the linked module needs only {links} of libcudart, libcuda")
     return problems

@@ -1,11 +1,8 @@
 """A stand-in for the driver's libcuda.so.1, to load the CUDA build without a GPU: each
-driver entry point the wheel's extensions import (undefined `cu[A-Z]*`) returns
-CUDA_ERROR_NO_DEVICE, so they load against the locked torch, torch sees no GPU, and a
-CUDA op called with CPU tensors stops at the dispatcher. For cuda_route.py alone, under
-build/cuda-route/: never in a wheel, a venv, `make serve` or on a GPU host.
-
-    python -m forkbuild.gpu.driver_stub TREE OUT_DIR   # in the CUDA venv (pyelftools)
-"""
+driver entry point the extensions import returns CUDA_ERROR_NO_DEVICE, so torch sees no
+GPU and a CUDA op called with CPU tensors stops at the dispatcher. Only under
+build/cuda-route, never in a wheel, a venv or on a GPU host. `python -m
+forkbuild.gpu.driver_stub TREE OUT_DIR` in the CUDA venv (pyelftools)."""
 
 from __future__ import annotations
 
@@ -21,8 +18,7 @@ DRIVER_SYMBOL = re.compile(r"cu[A-Z][A-Za-z0-9_]*")
 
 
 def _dynamic_segment(elf):
-    """The PT_DYNAMIC segment of ELF, or None when it is statically linked. Segments,
-    not section headers: a stripped object may have no section table."""
+    """The PT_DYNAMIC segment of ELF or None (a stripped object may lack sections)."""
     return next(
         (seg for seg in elf.iter_segments() if seg.header.p_type == "PT_DYNAMIC"), None
     )
@@ -42,8 +38,7 @@ def needed_libraries(path: Path) -> list[str]:
 
 
 def needs_driver(path: Path) -> list[str] | None:
-    """The driver entry points PATH imports; None when it does not link the driver
-    library (some link it and import none)."""
+    """The driver entry points PATH imports; None when it does not link the driver."""
     from elftools.elf.elffile import ELFFile
 
     if SONAME not in needed_libraries(path):
@@ -66,8 +61,7 @@ def c_source(symbols: list[str]) -> str:
 
 
 def build(tree: Path, out_dir: Path) -> tuple[Path, list[str], list[str]]:
-    """OUT_DIR/libcuda.so.1 for the extensions under TREE/vllm, the extensions that
-    need the driver, and the symbols defined."""
+    """OUT_DIR/libcuda.so.1 for TREE/vllm, the extensions that need it, its symbols."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise SystemExit(
@@ -76,8 +70,7 @@ def build(tree: Path, out_dir: Path) -> tuple[Path, list[str], list[str]]:
     users: list[str] = []
     symbols: set[str] = set()
     for path in sorted((tree / "vllm").rglob("*.so")):
-        imported = needs_driver(path)
-        if imported is not None:
+        if (imported := needs_driver(path)) is not None:
             users.append(str(path.relative_to(tree)))
             symbols.update(imported)
     if not symbols:

@@ -1,12 +1,10 @@
-"""FlashInfer's JIT toolchain checked without compiling its kernels, in the CUDA venv
-with cuda_toolchain.toolchain_env: `python -m forkbuild.gpu.flashinfer_jit_probe WORK`.
-
-One JSON line: where FlashInfer finds CUDA, nvcc and ninja; whether `ninja -n` (a real
-module takes minutes of nvcc) resolves the build graphs of the paged prefill modules
-the kernel test asks for (FA2: Ampere's prefill and tensor-core decode; FA3: Hopper's;
-sliding and full, bf16, head size 64); whether a small CUDA file compiles and links as
-FlashInfer links, needing the runtime and the driver library by soname.
-"""
+"""FlashInfer's JIT toolchain checked without compiling its kernels (a real module takes
+minutes of nvcc), in the CUDA venv with toolchain_env: `python -m
+forkbuild.gpu.flashinfer_jit_probe WORK` prints one JSON line: where FlashInfer finds
+CUDA, nvcc and ninja; whether `ninja -n` resolves the build graphs of the kernel test's
+paged prefill modules (FA2 and FA3, sliding and full, bf16, head size 64); whether a
+small CUDA file compiles and links as FlashInfer links, needing the runtime and the
+driver by soname."""
 
 from __future__ import annotations
 
@@ -50,8 +48,7 @@ def build_graphs() -> dict[str, bool]:
 
 
 def compile_and_link(cuda_home: str, work: Path) -> tuple[bool, str, list[str]]:
-    """(compiled, error, the sonames it needs of LINKED), as FlashInfer's build.ninja
-    does it: nvcc compiles, the C++ compiler links."""
+    """(compiled, error, sonames of LINKED needed): nvcc compiles, c++ links."""
     source, obj, lib = work / "probe.cu", work / "probe.cuda.o", work / "probe.so"
     source.write_text(PROBE_CU)
     nvcc = os.path.join(cuda_home, "bin", "nvcc")

@@ -1,7 +1,6 @@
-"""The nightly GPU job: the fork on the CUDA route, the GPU tests (each case forked: a
-kernel crash fails one case, not the job), the serve test and the offload benchmark,
-their reports in one folder. A case this GPU kind must run (required.py) that skipped or
-is absent fails the job: a skip is how a missing kernel shows."""
+"""The nightly GPU job: the GPU tests (each case forked: a kernel crash fails one case),
+the serve test and the offload benchmark on the CUDA route. A required case that skipped
+or is absent fails the job (required.py): a skip is how a missing kernel shows."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ STEP_LIMIT_MIN = 60  # the pipeline's timeout_in_minutes (forkbuild/gpu/pipeline
 
 
 def out_dir() -> Path:
-    """FORK_NIGHTLY_OUT, a relative one from the repository root (as the pipeline's
-    artifact_paths), so that pytest and the benchmark in the tree write there too."""
+    """FORK_NIGHTLY_OUT, relative to the repository root as the artifact_paths are."""
     return REPO_ROOT / (
         os.environ.get("FORK_NIGHTLY_OUT") or build_dir() / "gpu-nightly"
     )
@@ -74,8 +72,7 @@ def run(pins: Pins) -> str:
 def _runs(
     pins: Pins, python: Path, tree: Path, env: dict[str, str], out: Path
 ) -> tuple[pytest_runner.Outcome, pytest_runner.Outcome, int, str]:
-    """The GPU tests, the serve test and the benchmark under their limits: outcomes,
-    the benchmark's exit status and why it was stopped (or "")."""
+    """The runs' outcomes, the benchmark's exit status, why it was stopped (or "")."""
     forked, limits = ["--forked", "-v", "-rs", *PER_CASE_TIMEOUT], RUN_LIMITS_S
 
     def run(where: Path, tests, xml: str, limit: str, **kw) -> pytest_runner.Outcome:
@@ -98,10 +95,8 @@ def _runs(
 
 def check_jit(python: Path, env: dict[str, str], nvcc_version: str, out: Path) -> None:
     """FlashInfer's JIT toolchain on this agent, in seconds, before the tests."""
-    work, report = out / "flashinfer-jit", out / "flashinfer-jit.log"
-    modules = cuda_toolchain.probe_flashinfer_jit(
-        python, env, nvcc_version, work, report
-    )
+    where = (out / "flashinfer-jit", out / "flashinfer-jit.log")
+    modules = cuda_toolchain.probe_flashinfer_jit(python, env, nvcc_version, *where)
     log.step(
         f"nightly: FlashInfer's JIT finds the lock's nvcc and ninja ({modules} module "
         "build graphs), and a CUDA file compiles and links on this agent"
@@ -109,8 +104,7 @@ def check_jit(python: Path, env: dict[str, str], nvcc_version: str, out: Path) -
 
 
 def _run_or_note(*args, **kwargs) -> pytest_runner.Outcome:
-    """run_pytest, but a run pytest could not carry out (exit status 2 to 5) becomes an
-    outcome that says so: the later runs still happen, summary.json names it."""
+    """run_pytest; a run pytest could not carry out becomes an outcome that says so."""
     try:
         return pytest_runner.run_pytest(*args, **kwargs)
     except ForkError as exc:
@@ -128,9 +122,8 @@ def conclude(
     *,
     benchmark_killed: str = "",
 ) -> str:
-    """Write summary.json; return the summary line, or fail on a failure, a benchmark
-    that exited non-zero, a run stopped at its time limit, or a case KIND requires that
-    skipped or never ran (a stopped run's unfinished cases among them)."""
+    """Write summary.json; the summary line, or fail on a failure, a failed benchmark,
+    a stopped run, or a required case that skipped or never ran."""
     outcomes = (gpu_tests, serve)
     not_run = gpu_required.not_run(required, outcomes)
     failed = sum(o.failed + o.errors for o in outcomes) + (benchmark_exit != 0)

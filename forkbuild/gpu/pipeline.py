@@ -1,6 +1,6 @@
-"""fork.toml [gpu] written out: the nightly pipeline's steps (one per agent queue) and
-the GPU kinds' prose of README.md, the pipeline and docs/gpu-nightly.md, which `make
-generate` (checks/generate.py) writes into their marked blocks."""
+"""fork.toml [gpu] written out for `make generate` (checks/generate.py): the nightly
+pipeline's steps (one per agent queue) and the GPU kinds' prose of README.md, the
+pipeline and docs/gpu-nightly.md."""
 
 from __future__ import annotations
 
@@ -57,8 +57,7 @@ def _queues(kind: GpuKind) -> str:
 
 
 def kinds_prose(table: GpuTable) -> str:
-    """Markdown: per kind, its compute capability, queues and the cases it adds to the
-    older kinds' (which it runs too)."""
+    """Markdown: per kind, its capability, queues and the cases older kinds lack."""
     lines, seen = [], set()
     for kind in table.kinds:
         major, minor = kind.min_capability

@@ -1,9 +1,7 @@
-"""The GPU cases the nightly job must run, per GPU kind and GPU count (fork.toml [gpu],
-read by core/pins.py). Counting failures is not enough: every GPU case skips itself
-when the hardware or a kernel is missing, so a broken install on a Hopper runner would
-skip all FA3 cases and leave the job green; a skip or absence of a required case fails
-it with pytest's reason. Standard library only: the GPU bundle's runner imports it.
-"""
+"""The GPU cases the nightly job must run, per GPU kind and count (fork.toml [gpu]). A
+GPU case skips itself when a kernel is missing, so a broken FA3 install would leave the
+job green: a required case's skip or absence fails it with pytest's reason. Standard
+library only: the GPU bundle's runner imports it."""
 
 from __future__ import annotations
 
@@ -17,14 +15,11 @@ from forkbuild.core.errors import ForkError
 from forkbuild.core.pins import Capability, GpuKind, GpuTable, capability
 from forkbuild.core.pytest_runner import Outcome
 
-# One case's time limit, in seconds: a FlashInfer JIT build plus its kernels, or two
-# tiny engines.
-CASE_LIMIT_S = 600
+CASE_LIMIT_S = 600  # seconds: a FlashInfer JIT build and its kernels, or two engines
 # pytest-timeout in the forked child, thread method: the hung case alone fails and the
 # run goes on (docs/gpu-nightly.md, "Why the per-case limit is set so").
 PER_CASE_TIMEOUT = [f"--timeout={CASE_LIMIT_S}", "--timeout-method=thread"]
 PER_CASE_TIMEOUT += ["-o", "timeout_func_only=true"]
-
 
 # What the nightly asks nvidia-smi (with --format=csv): index and uuid to apply
 # CUDA_VISIBLE_DEVICES, compute_cap to choose the kind; name and memory for the record.
@@ -90,8 +85,7 @@ def visible_gpus(gpus: list[Gpu], cuda_visible_devices: str | None) -> list[Gpu]
 def parse_nvidia_smi(
     csv_text: str, cuda_visible_devices: str | None = None
 ) -> list[Capability]:
-    """The compute capability of each GPU that CUDA_VISIBLE_DEVICES (None: unset)
-    exposes: an agent given one GPU of two must not be asked for the TP=2 case."""
+    """Each visible GPU's compute capability: one GPU of two is asked no TP=2 case."""
     gpus = parse_gpus(csv_text)
     visible = visible_gpus(gpus, cuda_visible_devices)
     if gpus and not visible:
@@ -140,14 +134,12 @@ def not_run(required: Iterable[str], outcomes: Iterable[Outcome]) -> list[str]:
     cases: dict[str, str] = {}
     reasons: dict[str, str] = {}
     for outcome in outcomes:
-        cases.update(outcome.cases)
-        reasons.update(outcome.reasons)
-    lines = []
+        cases |= outcome.cases
+        reasons |= outcome.reasons
+    lines, absent = [], "required but not run (not collected or not reported)"
     for node in required:
         if (status := cases.get(node)) is None:
-            lines.append(
-                f"{node}: required but not run (not collected or not reported)"
-            )
+            lines.append(f"{node}: {absent}")
         elif status in ("skipped", "xfailed"):
             why = reasons.get(node) or "no reason given"
             lines.append(f"{node}: required but skipped: {why}")
@@ -157,8 +149,7 @@ def not_run(required: Iterable[str], outcomes: Iterable[Outcome]) -> list[str]:
 def check_collected(
     collected: Collection[str], required: Collection[str] | None = None
 ) -> None:
-    """Every node id a kind requires (or REQUIRED) among COLLECTED on CPU: a renamed
-    test must fail here, not as 'required but not run' on the GPU runner at night."""
+    """Every required node id among COLLECTED on CPU: a rename fails here, not later."""
     required = _table().all_required() if required is None else required
     if missing := sorted(set(required) - set(collected)):
         raise ForkError(

@@ -1,12 +1,9 @@
-"""`vllm serve` through the fork.
-
-Without --model it serves the embedded tiny chat model (a random-weight Gemma 2
-generated locally, no network): its layers alternate sliding-window and full attention,
-so vLLM plans the same two KV cache groups as for GPT-OSS, and its ChatML template
-answers /v1/chat/completions offline (the tiny GPT-OSS cannot: see NO_CHAT).
---preset offload-47054 adds the configuration of vLLM issue #47054: cross-layer CPU KV
-offloading on FlashAttention, with prefix caching and the hybrid KV cache manager on.
-"""
+"""`vllm serve` through the fork. Without --model: the embedded tiny chat model (a
+random-weight Gemma 2 generated locally, offline), whose sliding-window and full layers
+make vLLM plan GPT-OSS's two KV cache groups, and whose ChatML template answers
+/v1/chat/completions (the tiny GPT-OSS cannot: NO_CHAT). --preset offload-47054: vLLM
+issue #47054's cross-layer CPU KV offloading on FlashAttention, with prefix caching and
+the hybrid KV cache manager."""
 
 from __future__ import annotations
 
@@ -70,12 +67,8 @@ def add_arguments(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--preset", **preset)
     cmd.add_argument("--host", default="127.0.0.1")
     cmd.add_argument("--port", type=int, default=8000)
-    cmd.add_argument(
-        "--cpu-bytes",
-        type=int,
-        default=DEFAULT_CPU_BYTES,
-        help="CPU memory for offloaded KV blocks, with --preset offload-47054",
-    )
+    cpu = "CPU memory for offloaded KV blocks, with --preset offload-47054"
+    cmd.add_argument("--cpu-bytes", type=int, default=DEFAULT_CPU_BYTES, help=cpu)
     passed = "after --: passed to vllm serve unchanged"
     cmd.add_argument("vllm_args", nargs=argparse.REMAINDER, help=passed)
 
@@ -93,10 +86,8 @@ def _hub_cache() -> Path:
 
 
 def check_model(model: str | None) -> None:
-    """Refuse, before minutes of install and a hub lookup, a --model that is no embedded
-    model, local path, hub id org/name or bare name the hub cache holds. The hub's old
-    bare ids (gpt2) have an org/name too: a bare name is far more often a mistyped
-    embedded name or a missing local folder."""
+    """Refuse, before the install and hub lookups, a --model that is no embedded model,
+    path, hub id org/name or cached bare name (more often a typo than hub's gpt2)."""
     try:
         exists = model is not None and Path(model).expanduser().exists()
     except (OSError, ValueError):  # a name too long for a path, a NUL byte
@@ -122,8 +113,7 @@ def check_model(model: str | None) -> None:
 
 
 def start_tiny_model(python: Path, name: str = EMBEDDED_NAME) -> subprocess.Popen[str]:
-    """Start generating embedded model NAME (a no-op when current): its generator, with
-    the fork's tests, needs only the venv, so it runs while the tree is installed."""
+    """Start generating model NAME (no-op when current) while the tree is installed."""
     out = build_dir() / "models" / name
     log.step(f"serve: preparing the embedded model {name} in {out}")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -222,17 +212,15 @@ def serve(pins: Pins, args: argparse.Namespace) -> None:
 
 
 def demo_engine_env(embedded: str | None) -> dict[str, str]:
-    """The embedded model's CPU worker in the engine-core process (the `uni` executor):
-    one vLLM import and OpenMP binding less at start-up. A real model, or a user who
-    sets the variable, keeps vLLM's default."""
+    """The embedded model's CPU worker in the engine core: one vLLM import and OpenMP
+    binding less at start-up. A real model, or the user's setting, keeps the default."""
     if not embedded or "VLLM_ENABLE_V1_MULTIPROCESSING" in os.environ:
         return {}
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def try_lines(host: str, port: int, model: str) -> list[str]:
-    """The `try  curl ...` lines for the completions and chat endpoints (the serve test
-    sends both); for a model in NO_CHAT, why there is no chat line."""
+    """The `try  curl ...` lines (the serve test sends them); NO_CHAT's reason."""
     base = f"curl http://{host}:{port}/v1"
     head = "-H 'Content-Type: application/json'"
     completion = {"model": model, "prompt": "Hello", "max_tokens": 8}

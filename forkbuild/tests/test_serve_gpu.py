@@ -1,17 +1,14 @@
-"""`forkbuild serve --preset offload-47054` on a GPU: concurrent greedy completions with
-KV blocks evicted to CPU and reloaded, next to a server without offloading.
-Runs in the nightly GPU job (.ci/gpu-nightly); skipped elsewhere.
-
-With random weights a greedy token can flip when the batch around a request changes, and
-the two servers batch 8 concurrent requests differently: the texts are compared only
-for one request sent alone to each cold server; the concurrent rounds must answer every
-request in full, the offload server must have stored and loaded KV bytes, and neither
-log may show an error. vLLM 0.25.1 logs nothing when it packs the KV cache, and
-per-layer offloading passes all of that too: so each server's worker reports its KV
-cache (tests/v1/worker/offload_round_trip.py, through the dev-mode /collective_rpc):
-the offload server's must be packed block rows in HND order, the plain one's not.
-The second server starts only once every process of the first has exited, or its
-memory profiling would see the first's memory come free and refuse to start."""
+"""`forkbuild serve --preset offload-47054` on a GPU (the nightly job; skipped
+elsewhere): concurrent greedy completions with KV blocks evicted to CPU and reloaded,
+next to a server without offloading. With random weights a greedy token can flip when
+the batch around a request changes: texts are compared only for one request sent alone
+to each cold server; the concurrent rounds must answer every request in full, the
+offload server must have stored and loaded KV bytes, and no log may show an error. vLLM
+0.25.1 logs nothing when it packs the KV cache, and per-layer offloading passes all of
+that too: so each worker reports its KV cache (offload_round_trip.py, through the
+dev-mode /collective_rpc), packed HND block rows on the offload server only. The second
+server starts once every process of the first has exited, or its memory profiling would
+see the first's memory come free and refuse to start."""
 
 from __future__ import annotations
 
@@ -43,15 +40,12 @@ from tests.v1.worker.offload_round_trip import (
 
 
 def _compute_capability() -> float:
-    """The weakest compute capability among the GPUs this process sees (as the nightly
-    counts them: CUDA_VISIBLE_DEVICES applies), 0.0 without nvidia-smi or a GPU."""
+    """The weakest compute capability among the visible GPUs (as the nightly counts),
+    0.0 without nvidia-smi or a GPU."""
     from forkbuild.gpu import required as gpu_required
 
-    query = [
-        "nvidia-smi",
-        f"--query-gpu={gpu_required.NVIDIA_SMI_QUERY}",
-        "--format=csv",
-    ]
+    query = ["nvidia-smi", f"--query-gpu={gpu_required.NVIDIA_SMI_QUERY}"]
+    query.append("--format=csv")
     try:
         out = subprocess.run(query, capture_output=True, text=True).stdout
         capabilities = gpu_required.parse_nvidia_smi(
@@ -72,20 +66,17 @@ pytestmark = [
 ]
 
 # A small GPU cache, many distinct long prompts, two rounds: round 1's blocks are
-# evicted from the GPU and round 2 must reload them from CPU. vLLM 0.25.1 refuses to
-# start unless one request of --max-model-len fits in the override
-# (get_kv_cache_configs, _check_enough_kv_cache_memory in kv_cache_utils.py): with block
-# size 16 the full group needs cdiv(1024, 16) = 64 blocks and the sliding group
-# cdiv(min(128 - 1 + max_num_batched_tokens, 1024), 16) + 1 = 65 (every default
-# max_num_batched_tokens is >= 2048), so the override must be >= 129 (96 stops both
-# servers at start-up). A prompt is 758-799 tokens, ~48 blocks of the full group: 16
-# prompts need ~770 blocks. test_serve_gpu_config.py runs these arguments through the
-# same check on CPU.
+# evicted and round 2 reloads them from CPU. vLLM 0.25.1 starts only if one request of
+# --max-model-len fits the override (kv_cache_utils.py): at block size 16 the full group
+# needs cdiv(1024, 16) = 64 blocks, the sliding one cdiv(min(127 +
+# max_num_batched_tokens, 1024), 16) + 1 = 65 (every default max_num_batched_tokens is
+# >= 2048): >= 129 (96 stops both servers). 16 prompts of 758-799 tokens need ~770
+# blocks. test_serve_gpu_config.py runs this check on CPU.
 GPU_BLOCKS = 129
 # --block-size 16 is FLASH_ATTN's pick on CUDA; explicit, the CPU check plans the same
-# blocks (the CPU platform would pick 128). Both servers use the preset's backend, so
-# the cold texts come from the same kernels. --worker-extension-cls adds the KV cache
-# report, which VLLM_SERVER_DEV_MODE=1's /collective_rpc endpoint calls by name.
+# blocks (CPU would pick 128). Both servers use the preset's backend: the cold texts
+# come from the same kernels. --worker-extension-cls adds the KV cache report that
+# VLLM_SERVER_DEV_MODE=1's /collective_rpc calls by name.
 ENGINE_ARGS = [
     *f"--num-gpu-blocks-override {GPU_BLOCKS} --block-size 16 --max-model-len 1024 "
     "--gpu-memory-utilization 0.3 --max-num-seqs 8 --attention-backend FLASH_ATTN "
@@ -93,8 +84,7 @@ ENGINE_ARGS = [
     KV_CACHE_INSPECTION,
 ]
 OFFLOAD_ARGS = ["--preset", "offload-47054", "--cpu-bytes", str(2 << 30)]
-# Both servers serve the embedded tiny GPT-OSS (the #47054 model).
-MODEL_ARGS = ["--model", "tiny-gpt-oss"]
+MODEL_ARGS = ["--model", "tiny-gpt-oss"]  # both servers: the #47054 model, embedded
 PROMPTS = [
     f"Request {i}: "
     + " ".join(f"key and value block {i}.{j} goes to CPU memory" for j in range(40))
@@ -103,16 +93,13 @@ PROMPTS = [
 MAX_TOKENS = 16
 ERRORS = re.compile(r"Traceback|illegal memory access|CUDA error|\bERROR\b")
 
-
 # How long the processes of a server may take to exit after SIGTERM, and after SIGKILL.
-STOP_S = 120
-KILL_S = 30
+STOP_S, KILL_S = 120, 30
 
 
 def _session_table(session: int) -> list[tuple[int, int, str]]:
-    """(pid, process group, 'PID COMMAND') of each live process of SESSION (Linux
-    /proc). Zombies are left out: they hold no memory, and an orphan's zombie lasts
-    until PID 1 reaps it, which a container's PID 1 may never do."""
+    """(pid, group, 'PID COMMAND') of each live process of SESSION (/proc); no zombies:
+    they hold no memory, and a container's PID 1 may never reap an orphan's."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -137,9 +124,8 @@ def session_processes(session: int) -> list[str]:
 
 
 def _signal_session(session: int, sig: signal.Signals) -> None:
-    """SIG to the process group of SESSION's leader, and to each process of the session
-    outside that group: each gets SIG once (vLLM's API server, engine core and workers
-    handle SIGTERM as a shutdown request)."""
+    """SIG once to each process of SESSION: its leader's group, then the others (vLLM's
+    API server, engine core and workers take SIGTERM as a shutdown request)."""
     with suppress(ProcessLookupError):
         os.killpg(session, sig)
     for pid, pgrp, _ in _session_table(session):
@@ -162,14 +148,12 @@ def _wait_session(leader: subprocess.Popen, timeout: float) -> list[str]:
 def stop_session(
     leader: subprocess.Popen, stop_s: float = STOP_S, kill_s: float = KILL_S
 ) -> None:
-    """Stop LEADER (started with start_new_session=True) and every process of its
-    session; return once none is left: SIGTERM, SIGKILL after STOP_S seconds, a failure
-    naming what is still there KILL_S seconds later. The engine core and workers may
-    outlive LEADER holding GPU memory, and a server started meanwhile fails vLLM
-    0.25.1's memory profiling (gpu_worker.py, `init_snapshot.free_memory >= ...`)."""
+    """Stop LEADER's session (start_new_session=True), returning once it is empty:
+    SIGTERM, SIGKILL after STOP_S, a failure naming what is left KILL_S later. Engine
+    cores and workers may outlive LEADER holding GPU memory, which fails the next
+    server's memory profiling (gpu_worker.py, `init_snapshot.free_memory >= ...`)."""
     _signal_session(leader.pid, signal.SIGTERM)
-    left = _wait_session(leader, stop_s)
-    if left:
+    if left := _wait_session(leader, stop_s):
         print(
             f"server session {leader.pid}: SIGKILL after {stop_s:.0f} s: "
             f"{'; '.join(left)}"
@@ -214,21 +198,20 @@ def serving(
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env={
-                **os.environ,
-                "PYTHONUNBUFFERED": "1",  # the log read before shutdown holds all
-                "VLLM_SERVER_DEV_MODE": "1",  # the /collective_rpc endpoint
-                # The worker imports the extension (ENGINE_ARGS) from the fork's tests.
-                "PYTHONPATH": os.pathsep.join(
-                    filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])
-                ),
-            },
+            env=_server_env(),
         )
         try:
             wait_healthy(server, port, log_path, limit_s)
             yield port, server
         finally:
             stop_session(server, **stop)
+
+
+def _server_env() -> dict[str, str]:
+    # The worker imports the extension (ENGINE_ARGS) from the fork's tests.
+    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "VLLM_SERVER_DEV_MODE": "1"}  # the RPC
+    return env | {"PYTHONUNBUFFERED": "1"}  # the log read before shutdown holds all
 
 
 def post(url: str, body: dict, timeout: float = 120) -> dict:
@@ -255,20 +238,17 @@ def _two_rounds(port: int) -> list[dict]:
 
 
 def _kv_cache_reports(port: int) -> list[dict]:
-    """Each worker's kv_cache_report, through the dev-mode endpoint of vLLM 0.25.1
-    (vllm/entrypoints/serve/dev/rpc/api_router.py): it takes a method name and returns
-    {"results": [one per worker]}, dicts as they are."""
+    """Each worker's kv_cache_report through vLLM 0.25.1's dev-mode endpoint
+    (entrypoints/serve/dev/rpc/api_router.py): {"results": [one per worker]}."""
     body = {"method": KV_CACHE_REPORT, "timeout": 60}
     return post(f"http://127.0.0.1:{port}/collective_rpc", body)["results"]
 
 
 def _packed_kv_cache() -> PackedKVCache:
-    """The packed cache the offload server's worker must hold: the embedded tiny GPT-OSS
-    (generated by forkbuild serve under the build folder), served in bfloat16
-    (serve.command), with ENGINE_ARGS' block size, backend and block count."""
-    config = json.loads(
-        (build_dir() / "models" / MODEL_ARGS[1] / "config.json").read_text()
-    )
+    """The offload server's packed cache: the embedded tiny GPT-OSS (as forkbuild serve
+    generated it) in bfloat16 (serve.command), with ENGINE_ARGS' blocks and backend."""
+    config_file = build_dir() / "models" / MODEL_ARGS[1] / "config.json"
+    config = json.loads(config_file.read_text())
     return PackedKVCache(
         backend="FLASH_ATTN",
         layer_types=tuple(config["layer_types"]),
@@ -287,8 +267,7 @@ def _counter(metrics: str, name: str) -> float:
 
 
 def _offload_bytes(port: int) -> tuple[float, float]:
-    """(loaded, stored) bytes from /metrics; waits briefly, as the last stores finish
-    after the last answer."""
+    """(loaded, stored) bytes from /metrics; waits for stores after the last answer."""
     deadline = time.monotonic() + 60
     while True:
         url = f"http://127.0.0.1:{port}/metrics"
@@ -319,9 +298,7 @@ def _serve(
         moved = _offload_bytes(port) if offload else (0.0, 0.0)
         assert server.poll() is None, f"server died: {log_path.read_text()[-3000:]}"
         # Read before shutdown: what a stopping server logs is not under test.
-        errors = [
-            line for line in log_path.read_text().splitlines() if ERRORS.search(line)
-        ]
+        errors = list(filter(ERRORS.search, log_path.read_text().splitlines()))
     assert not errors, "\n".join(errors[:20])
     return alone, answers, moved
 
