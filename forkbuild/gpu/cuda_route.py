@@ -215,7 +215,22 @@ def check_skipped(
     gpu_required.check_collected(collected.cases, required)
 
 
-def check(pins: Pins, results: Path) -> Result:
+@dataclass
+class Installed:
+    """The CUDA route installed, its driver stub built and its extensions loaded."""
+
+    python: Path
+    tree: Path
+    stub: Path
+    loaded: dict
+
+    @property
+    def route(self) -> tuple[Path, Path, Path]:
+        return self.python, self.tree, self.stub
+
+
+def install(pins: Pins, results: Path) -> Installed:
+    """The route's first half: what the GPU bundle is made from (bundle/check.py)."""
     from forkbuild.core import preflight
 
     if preflight.has_nvidia_gpu():  # the stub is for machines without a driver only
@@ -230,6 +245,12 @@ def check(pins: Pins, results: Path) -> Result:
         f"cuda route: {len(loaded['loaded'])} compiled extensions load against the "
         "locked torch through the driver stub"
     )
+    return Installed(python, tree, stub, loaded)
+
+
+def check(pins: Pins, results: Path, route: Installed) -> Result:
+    """The route's second half: FlashInfer's JIT, the GPU cases and the kernel calls."""
+    python, tree, stub = route.route
     jit_modules = check_flashinfer_jit(python, stub, results)
     log.step(
         f"cuda route: FlashInfer's JIT finds the lock's nvcc and ninja; {jit_modules} "
@@ -242,5 +263,6 @@ def check(pins: Pins, results: Path) -> Result:
             f"the kernel test's calls do not reach the CUDA ops' dispatch: {calls}",
             f"see {results / 'cuda-route-tests.log'}",
         )
+    loaded = route.loaded
     counts = len(loaded["loaded"]), loaded["candidates"], len(loaded["other_pythons"])
-    return Result(*counts, jit_modules, collected, calls, (python, tree, stub))
+    return Result(*counts, jit_modules, collected, calls, route.route)

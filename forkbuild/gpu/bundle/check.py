@@ -163,7 +163,7 @@ def meanwhile(background: Callable[[], T], foreground: Callable[[], U]) -> tuple
 
 
 def check(pins: Pins, results: Path, route: tuple[Path, Path, Path]) -> Result:
-    """ROUTE: the CUDA route's python, tree and stub folder (cuda_route.check)."""
+    """ROUTE: the CUDA route's python, tree and stub folder (cuda_route.install)."""
     source = gpu_bundle.prepare(pins, results, route)
     # The reference bundle (xz on every core: minutes on a cold cache) is needed only by
     # _part_one, so it is made while the simulated host is. The two share no scratch
