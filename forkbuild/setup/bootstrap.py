@@ -7,9 +7,9 @@ verified inside itself, and re-executes the same command there."""
 
 from __future__ import annotations
 
+import csv
 import fcntl
 import functools
-import importlib.metadata
 import os
 import subprocess
 import sys
@@ -120,13 +120,16 @@ def sync(pins: Pins, python: Path, lock_file: Path) -> None:
 def _missing(home: Path) -> str:
     """A file of the environment's packages that is gone (their RECORDs), or ''."""
     site = home / "lib" / f"python{running_python()}" / "site-packages"
-    found = list(importlib.metadata.distributions(path=[str(site)]))
-    if not found:
+    records = sorted(site.glob("*.dist-info/RECORD"))
+    if not records:
         return str(site)
-    for dist in found:
-        for file in dist.files or ():
-            if not (site / file).exists():
-                return str(site / file)
+    # csv, not importlib.metadata: 3.12.1's Distribution.files leaves out a package's
+    # __init__.py (the first row of rich's RECORD), so its loss went unseen.
+    for record in records:
+        with open(record, newline="") as rows:
+            for row in csv.reader(rows):
+                if row and not (site / row[0]).exists():
+                    return str(site / row[0])
     return ""
 
 
