@@ -134,8 +134,7 @@ def ensure(fork: Pins, step: str = "") -> tuple[Path, bool]:
 
 
 def enter(argv: list[str]) -> None:
-    """Re-execute `python -m forkbuild ARGV` in the tool environment (made first if
-    needed); return only when already running there, up to date."""
+    """Re-execute `python -m forkbuild ARGV` in the tool environment, unless in it."""
     step = next((a for a in argv if not a.startswith("-")), "")
     python, made = ensure(load(), step)
     # Children (forkbuild in a test's own build folder) use this environment too.

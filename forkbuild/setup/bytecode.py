@@ -60,8 +60,7 @@ def keep(root: Path, kept: Path) -> int:
 def _link_missing(
     src: Path, dst: Path, what: str, source_folder_only: bool = False
 ) -> int:
-    """Link each .pyc under SRC that DST lacks into DST (SOURCE_FOLDER_ONLY: where DST
-    has its source folder), skipping those that cannot be; return how many."""
+    """Link SRC's .pyc files DST lacks (SOURCE_FOLDER_ONLY: by DST's sources); count."""
     linked, failed = 0, []
     for rel in _pyc_files(src):
         dest = dst / rel

@@ -40,9 +40,7 @@ PipCommand = Path | str | Sequence[str]
 def fetch(
     artifact: Artifact, pip: Callable[[], PipCommand], *, quiet: bool = False
 ) -> Path:
-    """The verified local path of ARTIFACT, downloaded with PIP() (an interpreter or a
-    command, asked for only when not cached; the sdist's is the venv's: vLLM's setup.py
-    imports torch)."""
+    """ARTIFACT's verified path; PIP() only to download (the sdist's: the venv's)."""
     clean_partial_downloads()
     target = artifacts_dir() / artifact.filename
     if target.exists():

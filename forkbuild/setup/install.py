@@ -50,8 +50,7 @@ def pick_route(pins: Pins, requested: str | None) -> Route:
 
 
 def refuse_without_gpu(route: Route, without_gpu: bool = False) -> None:
-    """A GPU route here would replace the working CPU venv, then fail on the missing
-    driver: refused unless WITHOUT_GPU (`make test`'s CUDA check, in its own build)."""
+    """It would replace the CPU venv, then fail: only WITHOUT_GPU (`make test`'s)."""
     if route.target_device != "cuda" or without_gpu or preflight.has_nvidia_gpu():
         return
     raise ForkError(
@@ -277,8 +276,7 @@ def named_in(setup_py: Path) -> Callable[[str], bool]:
 def add_missing_extensions(
     wheel: Path, tree_path: Path, *, leave: Callable[[str], bool] = lambda member: False
 ) -> list[str]:
-    """Copy the wheel's compiled extensions that vLLM's precompiled install left out
-    (PER_ISA_KERNEL); LEAVE: those setup.py writes itself."""
+    """Copy the wheel's extensions the install left out; LEAVE: what setup.py writes."""
     added = []
     with zipfile.ZipFile(wheel) as whl:
         for name in whl.namelist():

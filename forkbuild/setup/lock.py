@@ -144,8 +144,7 @@ def pinned_lines(text: str) -> dict[str, str]:  # of a lock's or a freeze's text
 
 
 def entries(lock_file: Path, names: set[str]) -> str:
-    """The lock's own lines (pins, --hash lines) of the packages NAMES (normalized): a
-    requirements file for `uv pip install --require-hashes`."""
+    """The pin and --hash lines of NAMES: for `uv pip install --require-hashes`."""
     kept, keep = [], False
     for line in lock_file.read_text().splitlines():
         requirement = _pin(line)
@@ -166,8 +165,7 @@ def resolve(
     exclude: tuple[str, ...] | list[str] = (),
     previous: str = "",
 ) -> str:
-    """The lock's lines for REQUIREMENTS (requirements.in text) on PYTHON, EXCLUDE left
-    out, keeping the versions PREVIOUS (the old lines) pins."""
+    """Lock lines for REQUIREMENTS on PYTHON, less EXCLUDE, keeping PREVIOUS's pins."""
     locks_dir().mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".lock-", dir=locks_dir()) as tmp:
         source, out = Path(tmp) / "requirements.in", Path(tmp) / "lock.txt"

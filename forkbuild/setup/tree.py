@@ -150,9 +150,7 @@ def _extract_sdist(sdist: Path, dest: Path, stop: Stop = None) -> int:
 def extract_data(
     tar: tarfile.TarFile, dest: Path, members: Members = None, stop: Stop = None
 ) -> None:
-    """Extract MEMBERS (default: all) of TAR into DEST as tarfile's "data" filter does
-    (Python 3.11.4+; Debian 12 has 3.11.2), owned by whoever runs this (git refuses
-    others)."""
+    """MEMBERS of TAR into DEST as data, owned by us (git's rule), before 3.11.4 too."""
     members = tar.getmembers() if members is None else members
     checked = (m for m in members if _go_on(stop))
     if hasattr(tarfile, "data_filter"):
@@ -233,8 +231,7 @@ def build(
 def commit_release(
     dest: Path, sdist: Path, version: str, sha256: str, stop: Stop = None
 ) -> dict[str, str]:
-    """SDIST in DEST as a git repository tagged v<VERSION>; return the git environment
-    (identity, the release's date) for further commits."""
+    """SDIST in DEST as a git repository tagged v<VERSION>; return its git env."""
     log.step(f"tree: unpacking {sdist.name}")
     stamp = _extract_sdist(sdist, dest, stop)
     # The sdist's egg-info carries the bare version (no "+cpu"): first on sys.path

@@ -24,8 +24,7 @@ from forkbuild.setup.load_extensions import record_digest, wheel_record
 
 
 def bootstrap_pip() -> list[str]:
-    """A pip to download uv: this interpreter's, else ensurepip's wheel (bundled, or
-    where Debian keeps it: WHEEL_PKG_DIR)."""
+    """A pip to download uv: this Python's, else ensurepip's wheel (or Debian's)."""
     if importlib.util.find_spec("pip") is not None:
         return [sys.executable, "-m", "pip"]
     spec = importlib.util.find_spec("ensurepip")
@@ -199,8 +198,7 @@ def venv_in_place(
     fill: Callable[[Path], None],
     interpreter: Path | str = sys.executable,
 ) -> tuple[Path, bool]:
-    """HOME's venv of INTERPRETER, and whether made now: reused while its stamp holds
-    KEY, else made in HOME.partial, FILL(its python), stamped, renamed into place."""
+    """HOME's venv, and if made now: kept while stamped KEY, else made whole, FILLed."""
     stamp, python = home / STAMP, home / "bin" / "python"
     if stamp.is_file() and stamp.read_text().strip() == key and python.exists():
         return python, False

@@ -43,8 +43,7 @@ def patched_paths(patches: list[tree.Patch]) -> set[str]:
 
 
 def _contents(path: Path) -> dict[str, tuple[str | None, int, int]]:
-    """Name -> (RECORD's sha256, size, CRC-32) of each file but .dist-info's: RECORD
-    saves inflating ~400 MB; the size and CRC catch a RECORD that lies."""
+    """Name -> (RECORD's sha256: no inflating, size, CRC: a RECORD that lies)."""
     with zipfile.ZipFile(path) as whl:
         infos = [i for i in whl.infolist() if not i.is_dir()]
         names = [i.filename for i in infos]
@@ -122,8 +121,7 @@ def comparison_problems(
 def verify_wheel(
     path: Path, pins: Pins, official: Path, patches_dir: Path = tree.PATCHES_DIR
 ) -> None:
-    """The wheel must carry the fix and the fork's version, and hold the OFFICIAL wheel
-    it was built on file for file, and nothing else but the files the series adds."""
+    """The fix, the version, OFFICIAL's files and only the series' files added."""
     patched = patched_paths(tree.read_series(patches_dir))
     result = compare_wheels(path, official, patched)
     compiled = [n for n in _contents(official) if n.endswith(".so")]
@@ -186,8 +184,7 @@ def _tags(wheel: Path) -> list[str]:
 
 
 def _tag_options(official: Path) -> list[str]:
-    """bdist_wheel is told the official wheel's tags, whose binaries it holds, so it
-    installs wherever that one does (retagging it afterwards rewrote all ~400 MB)."""
+    """The official wheel's tags for bdist_wheel (retagging rewrote all ~400 MB)."""
     interpreter, abi, platform_tag = _tags(official)
     if abi != "abi3":
         raise ForkError(

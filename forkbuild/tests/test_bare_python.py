@@ -112,8 +112,7 @@ def test_the_tool_environment_is_reused_and_made_again_when_damaged(tmp_path):
 
 
 def test_fetch_and_tree_run_on_a_bare_python_and_make_no_venv(bare_python, tmp_path):
-    """With the files cached, `make fetch` and `make tree` need only the tool
-    environment, made by the bootstrap from a python without pip: no venv of vLLM's."""
+    """With the files cached, they need only the tool environment: no vLLM venv."""
     build = tmp_path / "build"
     for step in (["fetch", "--route", "cpu"], ["tree"]):
         result = _forkbuild(bare_python, *step, env=_fresh_tools(tmp_path))
@@ -124,8 +123,7 @@ def test_fetch_and_tree_run_on_a_bare_python_and_make_no_venv(bare_python, tmp_p
 
 
 def other_interpreters() -> list[Path]:
-    """The other supported Pythons here (as on CI): Debian 12's python3 (3.11.2, the
-    oldest 3.11 in use), and pyenv's of the other minor versions, oldest patch first."""
+    """The other supported Pythons here, each minor version's oldest (3.11.2 Debian)."""
     pyenv = sorted(Path.home().glob(".pyenv/versions/3.1*/bin/python3"))
     oldest: dict[tuple[int, ...], tuple[tuple[int, ...], Path]] = {}
     for candidate in [SYSTEM_PYTHON, *pyenv]:
@@ -142,8 +140,7 @@ def other_interpreters() -> list[Path]:
 
 
 def test_tree_is_the_same_on_every_interpreter_here(tmp_path):
-    """`make fetch` and `make tree PYTHON=...` with each other supported Python here
-    (tarfile's data filter is missing before 3.11.4) make the very same commits."""
+    """`make tree PYTHON=...` on other Pythons (3.11.2: no data filter): same tree."""
     interpreters = other_interpreters()
     if not interpreters:
         pytest.skip("no other supported Python on this machine")
@@ -171,8 +168,7 @@ def test_tree_is_the_same_on_every_interpreter_here(tmp_path):
 
 
 def test_uv_bootstraps_without_pip_from_ensurepips_wheel(bare_python, tmp_path):
-    """An empty cache and a Python without pip: uv arrives, verified, through
-    ensurepip's pip wheel (needs the package index, as a cold `make` does)."""
+    """No cache, no pip: uv comes via ensurepip's wheel (needs the package index)."""
     code = "from forkbuild.core import pins\nfrom forkbuild.setup import uv\n"
     code += "print(uv.bootstrap_pip()[-1])\nprint(uv.binary(pins.load()))\n"
     env = {"VLLM_FORK_CACHE": str(tmp_path / "cache")}

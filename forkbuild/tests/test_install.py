@@ -117,8 +117,7 @@ def _no_venv(pins, route, without_gpu):
 def test_the_tree_is_made_beside_the_venv_and_downloads_with_its_pip(
     fork_pins, tmp_path, monkeypatch, venv_made
 ):
-    """The tree step waits for the venv's pip to download the sdist; a failed venv
-    stops it waiting."""
+    """The tree step waits for the venv's pip; a failed venv stops it waiting."""
     venv, calls = tmp_path / "venv" / "python", []
 
     def fetched(artifact, pip, quiet=False):  # an sdist not cached yet: needs pip
@@ -189,9 +188,7 @@ def test_only_the_editable_install_of_this_tree_is_recognized(
 
 
 def test_a_venv_made_anew_changes_the_install_stamp(built):
-    """`make install; rm -r build/venv; make install`: the new venv has the same lock
-    (same toolchain stamp) but another id, so the tree's stamp no longer matches and the
-    editable install is redone."""
+    """`rm -r build/venv` between two installs: the same lock, but another id."""
     _venv(built.parent, "a", "same lock\n")
     first = install.install_stamp(CPU, built)
     assert install.install_stamp(CPU, built) == first
@@ -201,8 +198,7 @@ def test_a_venv_made_anew_changes_the_install_stamp(built):
 
 @pytest.mark.parametrize("change", ["venv made anew", "vllm lost"])
 def test_an_install_whose_venv_changed_is_not_up_to_date(built, change):
-    """A build folder as an install leaves it (a venv with an id and the tree's editable
-    vLLM, the tree stamped with both) is up to date until its venv changes."""
+    """A build folder as an install leaves it is up to date until its venv changes."""
     _editable(_site(built.parent), built)
     _venv(built.parent, "c")
     (built / install.INSTALL_STAMP).write_text(install.install_stamp(CPU, built) + "\n")
@@ -218,8 +214,7 @@ def test_an_install_whose_venv_changed_is_not_up_to_date(built, change):
 
 
 def test_the_venvs_forkbuild_makes_carry_an_id():
-    """ensure_toolchain writes the id the stamp needs (the build's own venv, made by the
-    install that `make test` ran first)."""
+    """ensure_toolchain writes the id the stamp needs (in this build's own venv)."""
     venv = pins.build_dir() / "venv"
     if not (venv / install.TOOLCHAIN_STAMP).exists():
         pytest.skip("no venv made by forkbuild here yet")

@@ -30,8 +30,7 @@ def _git(tree_path: Path, *args: str) -> str:
 
 
 def check_tree_carries(built: Path, pins, patches_dir: Path = tree.PATCHES_DIR) -> None:
-    """The tree is the release, one commit per mail of the series (its subject, its
-    lines added and removed per file) and the overlay, and nothing else."""
+    """The release, a commit per mail (subject, numstat), the overlay; nothing else."""
     facts = generate.series(patches_dir)
     version = pins.upstream_version
     subjects = _git(built, "log", "--format=%s").splitlines()
@@ -91,9 +90,7 @@ new file mode 100644
 def test_adding_a_patch_is_its_mail_its_series_line_and_its_modules(
     fork_pins, scratch_sdist, patches
 ):
-    """Issue 35: the patch file, its patches/series line and its regression modules in
-    fork.toml, and nothing else by hand: the tree, this module's expectations and the
-    docs' patch table follow."""
+    """Issue 35: a patch, its series line and its modules; the rest follows."""
     name = "0007-fork-a-throwaway-patch-of-the-tool-tests.patch"
     (patches / name).write_text(THROWAWAY)
     with (patches / "series").open("a") as series:
@@ -250,8 +247,7 @@ def test_the_pinned_sdist_holds_no_link(real_sdist):
 def test_ctrl_c_beside_the_venv_does_not_wait_for_the_tree(
     fork_pins, scratch_sdist, monkeypatch, after
 ):
-    """Ctrl-C in the venv's step (the main thread) while the tree thread unpacks or
-    commits: no wait for the tree (8 s and more on 2 cores), and no tree in place."""
+    """Ctrl-C in the venv's step: no wait for the tree thread (8 s+), and no tree."""
     started, raised_at, finished_before = threading.Event(), [], []
     monkeypatch.setattr(
         log,

@@ -1,6 +1,5 @@
-"""The distributable wheel: built on the official CUDA binaries, carries the fix, and
-holds every file of the official wheel with the same content but what the patch series
-changes."""
+"""The distributable wheel carries the fix, and the official one's files but for what
+the patch series changes."""
 
 from __future__ import annotations
 
@@ -97,8 +96,7 @@ def make_wheel(
     lie: dict[str, bytes] | None = None,
     requires: tuple[str, ...] = ("torch==2.11.0",),
 ) -> Path:
-    """vllm-VERSION's wheel in FOLDER: FILES and its .dist-info; LIE: files whose
-    RECORD states other bytes; REQUIRES: its Requires-Dist."""
+    """vllm-VERSION's wheel of FILES; LIE: RECORD's bytes; REQUIRES: its deps."""
     info = f"vllm-{version}.dist-info"
     needs = "".join(f"Requires-Dist: {r}\n" for r in requires)
     metadata = f"Metadata-Version: 2.4\nName: vllm\nVersion: {version}\n{needs}\n"
