@@ -108,13 +108,8 @@ def _missing(home: Path) -> str:
     """A file of the environment's packages that is gone (their RECORDs), or ''."""
     site = home / "lib" / f"python{running_python()}" / "site-packages"
     found = list(importlib.metadata.distributions(path=[str(site)]))
-    if not found:
-        return str(site)
-    for dist in found:
-        for file in dist.files or ():
-            if not (site / file).exists():
-                return str(site / file)
-    return ""
+    files = (site / file for dist in found for file in dist.files or ())
+    return next((str(f) for f in files if not f.exists()), "") if found else str(site)
 
 
 def ensure(fork: Pins, step: str = "") -> tuple[Path, bool]:
