@@ -1,3 +1,1 @@
-"""Set-up: the pinned upstream files fetched and verified, the patched tree, the
-locks, uv, the venv's install, the bytecode cache and the patched wheel.
-"""
+"""Set-up: pinned files fetched, the patched tree, locks, uv, venv, bytecode, wheel."""

@@ -1,7 +1,5 @@
-"""The bootstrap: from a bare python3 to forkbuild running in its own tool environment.
-
-`python3 -m forkbuild STEP` starts here, on the standard library alone (Debian 12's
-/usr/bin/python3 has no `packaging`): it gets the pinned uv, makes the tool environment
+"""The bootstrap: `python3 -m forkbuild STEP` starts here, on the standard library alone
+(Debian 12's python3 has no `packaging`), gets the pinned uv, makes the tool environment
 (VLLM_FORK_TOOLS, default $VLLM_FORK_BUILD/tools) holding exactly locks/tools-pyXY.txt,
 verified inside itself, and re-executes the same command there."""
 
@@ -26,19 +24,9 @@ from forkbuild.setup import uv
 MODULES = (
     "__init__",
     "__main__",
-    "core/__init__",
-    "core/errors",
-    "core/log",
-    "core/hashing",
-    "core/pins",
-    "core/preflight",
-    "setup/__init__",
-    "setup/bootstrap",
-    "setup/uv",
-    "setup/tree",
-    "setup/fetch",
-    "setup/pip_runner",
-    "setup/load_extensions",
+    *(f"core/{m}" for m in ("__init__", "errors", "log", "hashing", "pins")),
+    *(f"setup/{m}" for m in ("__init__", "bootstrap", "uv", "tree", "fetch")),
+    *("core/preflight", "setup/pip_runner", "setup/load_extensions"),
 )
 FORMAT = "forkbuild-lock-1"  # every lock's inputs digest starts with it
 DIGEST_LINE = "# inputs-sha256: "
@@ -97,8 +85,7 @@ def _checked_lock(pins: Pins, step: str) -> Path:
 
 
 def check_holds(python: Path, lock_file: Path) -> None:
-    """PYTHON's environment holds exactly LOCK_FILE: asked of it, with its own
-    `packaging` (lock.py verify_installed)."""
+    """PYTHON holds exactly LOCK_FILE: asked of itself (lock.verify_installed)."""
     verify = [str(python), "-m", "forkbuild.setup.lock", "--verify", str(lock_file)]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     done = subprocess.run(
@@ -150,8 +137,7 @@ def ensure(fork: Pins, step: str = "") -> tuple[Path, bool]:
 
 
 def enter(argv: list[str]) -> None:
-    """Re-execute `python -m forkbuild ARGV` in the tool environment, made first if
-    needed; return only when already running there (and it is up to date)."""
+    """Re-execute `python -m forkbuild ARGV` in the tool environment, unless in it."""
     step = next((a for a in argv if not a.startswith("-")), "")
     python, made = ensure(load(), step)
     # Children (forkbuild in a test's own build folder) use this environment too.

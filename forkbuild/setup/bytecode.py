@@ -1,8 +1,7 @@
-"""Bytecode that Python compiled in one venv or tree, kept for the next fresh one (uv
-installs none: docs/setup-and-locks.md, "Bytecode"), linked into the cache under a key
-of the sources (the lock; the sdist and patches). Safe by Python's own rule: a .pyc
-records its source's mtime and size, and Python renames a new .pyc over an old one,
-never writing into it. A missing or unwritable cache only costs the compile time."""
+"""Bytecode Python compiled in one venv or tree, linked into the cache under a key of
+the sources (the lock; the sdist and patches) for the next fresh one (uv installs none).
+Safe by Python's own rule: a .pyc records its source's mtime and size, and Python
+renames a new .pyc over an old one. A missing or unwritable cache costs compile time."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ PYCACHE = "__pycache__"
 
 
 def store(kind: str, *sources: str | bytes) -> Path:
-    """The cache folder for bytecode of KIND ("venv", "tree") from SOURCES, for this
-    interpreter."""
+    """The cache folder of KIND's ("venv", "tree") bytecode from SOURCES, per Python."""
     return cache_dir() / "bytecode" / f"{kind}-{digest_of([sys.version, *sources])}"
 
 
@@ -50,8 +48,7 @@ def _link(src: Path, dest: Path) -> None:
 
 
 def restore(root: Path, kept: Path) -> int:
-    """Link the bytecode in KEPT into ROOT where ROOT has the source folder and no
-    bytecode of its own yet; return how many files were linked."""
+    """Link KEPT's bytecode into ROOT's source folders lacking it; return how many."""
     return _link_missing(kept, root, f"linked into {root}", source_folder_only=True)
 
 
@@ -63,8 +60,7 @@ def keep(root: Path, kept: Path) -> int:
 def _link_missing(
     src: Path, dst: Path, what: str, source_folder_only: bool = False
 ) -> int:
-    """Link each .pyc under SRC that DST lacks into DST (with SOURCE_FOLDER_ONLY, where
-    DST has its source folder); return how many; those that cannot be are skipped."""
+    """Link SRC's .pyc files DST lacks (SOURCE_FOLDER_ONLY: by DST's sources); count."""
     linked, failed = 0, []
     for rel in _pyc_files(src):
         dest = dst / rel

@@ -40,9 +40,7 @@ PipCommand = Path | str | Sequence[str]
 def fetch(
     artifact: Artifact, pip: Callable[[], PipCommand], *, quiet: bool = False
 ) -> Path:
-    """The verified local path of ARTIFACT, downloaded with PIP() (an interpreter or a
-    whole command, asked for only when not cached; the sdist's is the venv's: pip runs
-    vLLM's setup.py, which imports torch)."""
+    """ARTIFACT's verified path; PIP() only to download (the sdist's: the venv's)."""
     clean_partial_downloads()
     target = artifacts_dir() / artifact.filename
     if target.exists():
@@ -68,9 +66,8 @@ def fetch(
             )
         verify(got, artifact)
         os.replace(got, target)
-    log.step(
-        f"fetch: {artifact.filename} verified ({target.stat().st_size / 2**20:.0f} MiB)"
-    )
+    size = f"{target.stat().st_size / 2**20:.0f} MiB"
+    log.step(f"fetch: {artifact.filename} verified ({size})")
     return target
 
 

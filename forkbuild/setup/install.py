@@ -1,7 +1,6 @@
-"""Step 3: build/venv holding exactly the route's lock (hash-checked, installed by uv)
-and an editable, python-only install of the patched tree on vLLM's precompiled binaries.
-VLLM_PRECOMPILED_WHEEL_LOCATION always names the verified local wheel: unset, vLLM
-0.25.1's setup.py fetches a nightly one instead."""
+"""Step 3: build/venv holding exactly the route's lock, and an editable install of the
+patched tree on vLLM's precompiled binaries (VLLM_PRECOMPILED_WHEEL_LOCATION names the
+verified local wheel: unset, vLLM 0.25.1's setup.py fetches a nightly one instead)."""
 
 from __future__ import annotations
 
@@ -51,8 +50,7 @@ def pick_route(pins: Pins, requested: str | None) -> Route:
 
 
 def refuse_without_gpu(route: Route, without_gpu: bool = False) -> None:
-    """A GPU route here would replace the working CPU venv, then fail on the missing
-    driver: refused unless WITHOUT_GPU (`make test`'s CUDA check, in its own build)."""
+    """It would replace the CPU venv, then fail: only WITHOUT_GPU (`make test`'s)."""
     if route.target_device != "cuda" or without_gpu or preflight.has_nvidia_gpu():
         return
     raise ForkError(
@@ -146,8 +144,6 @@ def install(
     python, tree_path = _venv_beside_tree(pins, route, without_gpu)
     wheel = fetch.fetch(route.wheel, lambda: python)
     lock.check(pins, tree_path)
-
-    stamp, stamp_value = tree_path / INSTALL_STAMP, install_stamp(route, tree_path)
     if is_installed(route, tree_path):
         # Verified by the probe when stamped; what may change since is the source.
         verdict = fixcheck.classify((tree_path / fixcheck.MODULE_PATH).read_text())
@@ -159,6 +155,7 @@ def install(
         keep_bytecode(pins, route, tree_path)
         log.step("install: the venv and the editable tree are up to date and verified")
         return python, tree_path, route
+    stamp = tree_path / INSTALL_STAMP
     stamp.unlink(missing_ok=True)
     bytecode.restore(tree_path / "vllm", tree_bytecode(pins))
     log.step(f"install: editable install of {tree_path} on {route.wheel.filename}")
@@ -177,23 +174,19 @@ def install(
     add_missing_extensions(wheel, tree_path)  # any setup.py named and did not write
     check_install(python, tree_path, route, without_gpu)
     keep_bytecode(pins, route, tree_path)
-    stamp.write_text(stamp_value + "\n")
+    stamp.write_text(install_stamp(route, tree_path) + "\n")
     return python, tree_path, route
 
 
 def is_installed(route: Route, tree_path: Path) -> bool:
-    """The tree was installed into this very venv (the stamp names the venv's id) and
-    the venv still holds it (its editable vLLM points at the tree)."""
+    """The tree was installed into this very venv (its id), which still holds it."""
     stamp = tree_path / INSTALL_STAMP
-    same = stamp.exists() and stamp.read_text().strip() == install_stamp(
-        route, tree_path
-    )
-    return same and holds_editable(tree_path)
+    held = stamp.exists() and holds_editable(tree_path)
+    return held and stamp.read_text().strip() == install_stamp(route, tree_path)
 
 
 def install_stamp(route: Route, tree_path: Path) -> str:
-    """The route's wheel, the tree's inputs, the venv's lock and the venv itself (its
-    id: a venv made anew has another)."""
+    """The route's wheel, the tree's inputs, the venv's lock and the venv's own id."""
     venv_id = venv_dir() / VENV_ID
     inputs = (tree_path / ".git" / tree.INPUTS_FILE).read_text()
     made_from = (venv_dir() / TOOLCHAIN_STAMP).read_text()
@@ -202,8 +195,7 @@ def install_stamp(route: Route, tree_path: Path) -> str:
 
 
 def holds_editable(tree_path: Path) -> bool:
-    """Whether the venv's vLLM is the editable install of TREE_PATH, read from its
-    metadata: a cheap look that needs no interpreter."""
+    """Whether the venv's vLLM is TREE_PATH's editable install (its metadata: cheap)."""
     found = site_packages(venv_dir()).glob("vllm-*.dist-info/direct_url.json")
     try:
         info = json.loads(next(found).read_text())
@@ -220,7 +212,7 @@ def _venv_beside_tree(
     pins: Pins, route: Route, without_gpu: bool = False
 ) -> tuple[Path, Path]:
     """The venv and the patched tree, made at the same time on two cores."""
-    venv_ready = threading.Event()
+    venv_ready, stop = threading.Event(), threading.Event()
     made: list[Path] = []
 
     def venv_pip() -> Path:  # only an sdist download needs pip
@@ -231,11 +223,11 @@ def _venv_beside_tree(
             )
         return made[0]
 
-    stop = threading.Event()
+    def make_tree() -> Path:
+        return tree.build(pins, fetch.fetch(pins.sdist, venv_pip), stop=stop)
+
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tree") as pool:
-        making_tree = pool.submit(
-            lambda: tree.build(pins, fetch.fetch(pins.sdist, venv_pip), stop=stop)
-        )
+        making_tree = pool.submit(make_tree)
         try:
             try:
                 made.append(ensure_toolchain(pins, route.name, without_gpu))
@@ -257,21 +249,20 @@ requires-dist = []  # installed with --no-deps: the lock holds the dependencies
 
 
 def editable_config(pins: Pins, route: Route, tree_path: Path) -> Path:
-    """A uv configuration giving the editable vLLM's version, so that uv runs setup.py
-    once to build, not first to learn it (~6 s)."""
+    """A uv configuration giving the editable vLLM's version: uv runs setup.py once."""
     config = tree_path / EDITABLE_CONFIG
     config.write_text(EDITABLE_METADATA.format(version=_version_label(pins, route)))
     return config
 
 
 # The CPU build's per-ISA kernels, which vLLM 0.25.1's setup.py does not unpack: the
-# only extensions unpacked while it runs.
+# only extensions unpacked while it runs. `_C` needs AVX-512 BF16, so without
+# `_C_AVX2` and `_C_AVX512` an AVX2-only host had no CPU kernels.
 PER_ISA_KERNEL = re.compile(r"vllm/_C_[A-Z0-9]+\.abi3\.so")
 
 
 def left_to_setup_py(setup_py: Path) -> Callable[[str], bool]:
-    """The wheel members that the unpacking beside setup.py leaves alone: all but the
-    per-ISA kernels it does not name (setup.py also unpacks some by pattern)."""
+    """The wheel members setup.py writes: all but per-ISA kernels it does not name."""
     named = named_in(setup_py)
     return lambda member: not PER_ISA_KERNEL.fullmatch(member) or named(member)
 
@@ -285,9 +276,7 @@ def named_in(setup_py: Path) -> Callable[[str], bool]:
 def add_missing_extensions(
     wheel: Path, tree_path: Path, *, leave: Callable[[str], bool] = lambda member: False
 ) -> list[str]:
-    """Copy the wheel's compiled extensions that vLLM's precompiled install left out;
-    LEAVE: those setup.py writes itself. 0.25.1's lacks the per-ISA `_C_AVX2` and
-    `_C_AVX512`: `_C` needs AVX-512 BF16, so an AVX2-only host had no CPU kernels."""
+    """Copy the wheel's extensions the install left out; LEAVE: what setup.py writes."""
     added = []
     with zipfile.ZipFile(wheel) as whl:
         for name in whl.namelist():

@@ -1,6 +1,5 @@
-"""What `import vllm` gives in a venv, run from inside the tree with it first on
-sys.path: one JSON line (the package, its version and platform, the fixed module), or
-with `origin` the file `import vllm` loads."""
+"""What `import vllm` gives in a venv, run in the tree (first on sys.path): one JSON
+line (the package, its version, platform, fixed module), or with `origin` its path."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
-"""A probe, run in the environment to check (with the driver stub where there is none):
-
-    python -m forkbuild.setup.load_extensions WHEEL ROOT [PATH ...]
-
-loads every `vllm/**.so` of WHEEL's RECORD that this Python can (or only PATHs) from
-ROOT, held to RECORD's sha256, against ROOT's torch. Prints one JSON line: what loaded,
-what failed and why, those for other Pythons, whether torch sees a GPU, and the schemas
-of the ops the kernel test calls."""
+"""`python -m forkbuild.setup.load_extensions WHEEL ROOT [PATH ...]`, run in the
+environment to check (with the driver stub where there is none): loads every
+`vllm/**.so` of WHEEL's RECORD this Python can (or only PATHs) from ROOT, held to
+RECORD's sha256, against ROOT's torch. Prints one JSON line: what loaded, what failed
+and why, those for other Pythons, whether torch sees a GPU, the kernel test's ops."""
 
 from __future__ import annotations
 

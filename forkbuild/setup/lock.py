@@ -1,9 +1,8 @@
-"""`forkbuild lock`: the hash-locked environments, one per route and supported Python
-(locks/ROUTE-pyXY.txt: fork.toml's toolchain, the route's extras and vLLM's requirement
-file), and forkbuild's own tool environment (locks/tools-pyXY.txt), resolved by `uv pip
-compile --generate-hashes` for fork.toml's lock_platform. Each lock records a digest of
-its inputs; an install refuses a lock whose inputs changed since, so the venv installed
-is the one locked and tested."""
+"""`forkbuild lock`: hash-locked environments per route and supported Python
+(locks/ROUTE-pyXY.txt) and forkbuild's own (locks/tools-pyXY.txt), by `uv pip compile
+--generate-hashes` for fork.toml's lock_platform. Each records a digest of its inputs;
+an install refuses a lock whose inputs changed, so the venv is the one locked and
+tested."""
 
 from __future__ import annotations
 
@@ -145,8 +144,7 @@ def pinned_lines(text: str) -> dict[str, str]:  # of a lock's or a freeze's text
 
 
 def entries(lock_file: Path, names: set[str]) -> str:
-    """The lock's own lines (the pin and its --hash lines) for the packages NAMES
-    (normalized), as a requirements file for `uv pip install --require-hashes`."""
+    """The pin and --hash lines of NAMES: for `uv pip install --require-hashes`."""
     kept, keep = [], False
     for line in lock_file.read_text().splitlines():
         requirement = _pin(line)
@@ -167,8 +165,7 @@ def resolve(
     exclude: tuple[str, ...] | list[str] = (),
     previous: str = "",
 ) -> str:
-    """The lock's lines for REQUIREMENTS (requirements.in text) on PYTHON and the lock
-    platform, EXCLUDE left out, keeping the versions PREVIOUS (the old lines) pins."""
+    """Lock lines for REQUIREMENTS on PYTHON, less EXCLUDE, keeping PREVIOUS's pins."""
     locks_dir().mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".lock-", dir=locks_dir()) as tmp:
         source, out = Path(tmp) / "requirements.in", Path(tmp) / "lock.txt"
@@ -209,8 +206,7 @@ def generate(pins: Pins, tree_path: Path) -> list[Path]:
 
 
 def verify_installed(lock_file: Path) -> None:
-    """This interpreter's environment holds exactly what LOCK_FILE pins (the tool
-    environment's check of itself, run by the bootstrap)."""
+    """This environment holds exactly what LOCK_FILE pins (the bootstrap asks it)."""
     dists = importlib.metadata.distributions()
     have = {normalize(d.metadata["Name"]): d.version for d in dists}
     want = pinned(lock_file)

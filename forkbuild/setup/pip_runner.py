@@ -18,8 +18,7 @@ def run_pip(
     env: Mapping[str, str] | None = None,
     quiet: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """Run `PYTHON -m pip ARGS` (PYTHON may be a whole pip command); on failure raise
-    with pip's last error line. QUIET captures the output, else it streams."""
+    """`PYTHON -m pip ARGS`; a failure says pip's last error; QUIET captures."""
     pip = [str(python), "-m", "pip"] if isinstance(python, (str, Path)) else python
     result = subprocess.run(
         [*pip, *args], env=env, text=True, capture_output=quiet, check=False

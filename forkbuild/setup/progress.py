@@ -1,5 +1,4 @@
-"""The bytes a download has written so far, shown with rich: not for the bootstrap's
-(standard library only) downloads."""
+"""A download's bytes so far, shown with rich (not the stdlib-only bootstrap's)."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ def _size(folder: Path) -> int:
 
 @contextmanager
 def bytes_in(folder: Path, what: str, console: Console | None = None) -> Iterator[bool]:
-    """While the block runs, show the bytes written under FOLDER on a terminal; yields
-    whether it shows them."""
+    """Show the bytes written under FOLDER on a terminal; yield whether it does."""
     console = console or Console(stderr=True)
     if not console.is_terminal:
         yield False

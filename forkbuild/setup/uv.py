@@ -1,8 +1,7 @@
-"""uv, the fork's one installer, at the version fork.toml pins: once per cache pip
-downloads its wheel (sha256-checked) and the binary is extracted, checked against the
-wheel's RECORD. uv keeps its downloads in <cache>/uv-cache, outside the clone, so a
-fresh clone installs offline; what it lacks comes from uv's own index configuration
-(UV_INDEX, uv.toml)."""
+"""uv, the fork's one installer, as fork.toml pins it: extracted from its wheel (pip
+downloads it once per cache, sha256-checked) and held to the wheel's RECORD. Its cache
+(<cache>/uv-cache) lets a fresh clone install offline; what it lacks comes from uv's own
+index configuration (UV_INDEX, uv.toml)."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ from forkbuild.setup.load_extensions import record_digest, wheel_record
 
 
 def bootstrap_pip() -> list[str]:
-    """A pip for the one download before uv: this interpreter's, else the pip wheel
-    ensurepip installs from (bundled, or where Debian keeps it: WHEEL_PKG_DIR)."""
+    """A pip to download uv: this Python's, else ensurepip's wheel (or Debian's)."""
     if importlib.util.find_spec("pip") is not None:
         return [sys.executable, "-m", "pip"]
     spec = importlib.util.find_spec("ensurepip")
@@ -62,12 +60,8 @@ def binary(pins: Pins) -> Path:
     if not (target.exists() and record_digest(target.read_bytes()) == expected):
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name("uv.partial")
-        with (
-            zipfile.ZipFile(wheel_path) as wheel,
-            wheel.open(member) as src,
-            open(partial, "wb") as dst,
-        ):
-            shutil.copyfileobj(src, dst)
+        with zipfile.ZipFile(wheel_path) as wheel:
+            partial.write_bytes(wheel.read(member))
         if record_digest(partial.read_bytes()) != expected:
             partial.unlink()
             raise ForkError(
@@ -104,18 +98,17 @@ _UNWRITABLE = {1, 13, 20, 30}  # EPERM, EACCES, ENOTDIR, EROFS
 
 
 def _disk_failure(output: str, what: str) -> ForkError | None:
-    """A full or unwritable disk, said with the folder it hit and the variable that
-    moves it."""
+    """A full or unwritable disk, said with its folder and the setting that moves it."""
     for line in output.splitlines():
         found = _OS_ERROR.search(line)
         if not found or int(found["errno"]) not in {28, *_UNWRITABLE}:
             continue
         named = _PATH.search(line)
         path = Path(named["path"]) if named else uv_cache()
-        roots = [
+        roots = (
             r for r in (uv_cache(), build_dir()) if path.is_relative_to(r.absolute())
-        ]
-        folder = (roots or [path])[0]
+        )
+        folder = next(roots, path)
         setting = preflight.setting_for(path)
         if int(found["errno"]) == 28:
             return _Final(
@@ -157,8 +150,7 @@ def run(
     extra_env: dict[str, str] | None = None,
     stream: bool = False,
 ) -> str:
-    """Run `uv ARGS`; return its output. With STREAM its lines are shown as they come
-    (long downloads); either way a failure raises with uv's own cause."""
+    """`uv ARGS`' output (STREAM: also shown as it comes); a failure says uv's cause."""
     if uv_cache() not in _writable:
         # uv locks its cache even to read: refuse one it cannot write (naming
         # VLLM_FORK_CACHE) before uv fails in its own words.
@@ -185,8 +177,7 @@ def run(
 def install(
     pins: Pins, args: Sequence[str], *, what: str, lock: Path | None = None
 ) -> None:
-    """`uv pip ARGS` (installing WHAT) from uv's cache alone first; only what the cache
-    lacks is downloaded."""
+    """`uv pip ARGS` (installing WHAT) offline first: then what the cache lacks."""
     try:
         run(pins, ["pip", *args, "--offline"], what=f"install {what}", lock=lock)
     except _Final:
@@ -207,9 +198,7 @@ def venv_in_place(
     fill: Callable[[Path], None],
     interpreter: Path | str = sys.executable,
 ) -> tuple[Path, bool]:
-    """HOME's venv of INTERPRETER and whether it was made now: reused while its stamp
-    holds KEY, else made in HOME.partial, filled by FILL(its python), stamped and
-    renamed into place: never a half venv with a stamp."""
+    """HOME's venv, and if made now: kept while stamped KEY, else made whole, FILLed."""
     stamp, python = home / STAMP, home / "bin" / "python"
     if stamp.is_file() and stamp.read_text().strip() == key and python.exists():
         return python, False
@@ -237,8 +226,7 @@ def stamped_venv(
     what: str,
     *flags: str,
 ) -> Path:
-    """HOME's venv of INTERPRETER with REQUIREMENTS (a requirements file's text)
-    installed with `uv pip install FLAGS`, reused while its stamp holds KEY."""
+    """HOME's venv of INTERPRETER with REQUIREMENTS (text) `uv pip install FLAGS`-ed."""
 
     def fill(python: Path) -> None:
         listed = python.parent.parent / "requirements.txt"

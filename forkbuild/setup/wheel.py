@@ -1,10 +1,7 @@
-"""A distributable patched wheel for GPU hosts: vllm-<version>+<label>, on the official
-CUDA wheel's binaries, built from a clean clone of the tree (the dev tree holds the
-editable install's CPU binaries). A clone, not a `git archive` export: ~40 files of
-package data reach the wheel only as files git tracks (setuptools-scm).
-
-verify_wheel holds the result to the official wheel file by file: the same content but
-for what the patch series changes, vllm/_version.py and the .dist-info metadata."""
+"""A distributable patched wheel for GPU hosts on the official CUDA wheel's binaries,
+built from a clean clone of the tree (the dev tree holds the editable install's CPU
+binaries; not a `git archive` export: ~40 files of package data reach the wheel only as
+files git tracks). verify_wheel holds it to the official wheel file by file."""
 
 from __future__ import annotations
 
@@ -30,11 +27,6 @@ def dist_dir() -> Path:
     return Path(os.environ.get("VLLM_FORK_DIST") or REPO_ROOT / "dist")
 
 
-def _compiled(path: Path) -> set[str]:
-    with zipfile.ZipFile(path) as whl:
-        return {n for n in whl.namelist() if n.endswith(".so")}
-
-
 GENERATED = tree.GENERATED  # setuptools-scm writes the version into it: never equal
 SHOWN = 5  # file names an error names at most, per kind
 
@@ -51,8 +43,7 @@ def patched_paths(patches: list[tree.Patch]) -> set[str]:
 
 
 def _contents(path: Path) -> dict[str, tuple[str | None, int, int]]:
-    """Name -> (sha256 as RECORD states it, size, CRC-32) of each file but .dist-info's:
-    RECORD saves inflating ~400 MB; the size and CRC catch a RECORD that lies."""
+    """Name -> (RECORD's sha256: no inflating, size, CRC: a RECORD that lies)."""
     with zipfile.ZipFile(path) as whl:
         infos = [i for i in whl.infolist() if not i.is_dir()]
         names = [i.filename for i in infos]
@@ -130,12 +121,11 @@ def comparison_problems(
 def verify_wheel(
     path: Path, pins: Pins, official: Path, patches_dir: Path = tree.PATCHES_DIR
 ) -> None:
-    """The wheel must carry the fix and the fork's version, and hold the OFFICIAL wheel
-    it was built on file for file, and nothing else but the files the series adds."""
-    compiled = _compiled(official)
-    missing = sorted(compiled - _compiled(path))
+    """The fix, the version, OFFICIAL's files and only the series' files added."""
     patched = patched_paths(tree.read_series(patches_dir))
     result = compare_wheels(path, official, patched)
+    compiled = [n for n in _contents(official) if n.endswith(".so")]
+    missing = [n for n in result.missing if n.endswith(".so")]
     with zipfile.ZipFile(path) as whl:
         verdict = fixcheck.classify(whl.read(fixcheck.MODULE_PATH).decode())
     version = _metadata(path)["Version"]
@@ -194,8 +184,7 @@ def _tags(wheel: Path) -> list[str]:
 
 
 def _tag_options(official: Path) -> list[str]:
-    """bdist_wheel is told the official wheel's tags, whose binaries it holds, so it
-    installs wherever that one does (retagging it afterwards rewrote all ~400 MB)."""
+    """The official wheel's tags for bdist_wheel (retagging rewrote all ~400 MB)."""
     interpreter, abi, platform_tag = _tags(official)
     if abi != "abi3":
         raise ForkError(

@@ -1,7 +1,6 @@
-"""The README's commands start from a bare python3: the bootstrap needs nothing but the
-standard library until the tool environment exists, bootstraps uv without pip, and a
-step makes only what it uses. The help says what each step does and which options it
-takes."""
+"""The README's commands start from a bare python3: the bootstrap needs only the
+standard library until the tool environment exists, gets uv without pip, and a step
+makes only what it uses. The help says what each step does and which options it has."""
 
 from __future__ import annotations
 
@@ -35,15 +34,10 @@ def bare_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _run(argv: list, env: dict | None = None, cwd=pins.REPO_ROOT, check=False):
     """ARGV run to its end (5 minutes at most), its output captured."""
-    return subprocess.run(
-        [str(a) for a in argv],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=check,
-        env={**os.environ, **(env or {})},
-    )
+    env = {**os.environ, **(env or {})}
+    argv = [str(a) for a in argv]
+    options = {"capture_output": True, "text": True, "timeout": 300, "check": check}
+    return subprocess.run(argv, cwd=cwd, env=env, **options)
 
 
 def _forkbuild(python: Path, *args: str, env: dict[str, str] | None = None):
@@ -81,10 +75,8 @@ def _fresh_tools(tmp_path: Path) -> dict[str, str]:
 def test_the_bootstrap_runs_on_the_system_python_with_the_standard_library_alone(
     tmp_path,
 ):
-    """`python3 -I -m forkbuild` (no site-packages, no PYTHONPATH) makes the tool
-    environment and re-executes there having imported only the standard library and
-    forkbuild's bootstrap and runner modules (forkbuild/setup/bootstrap.py MODULES,
-    forkbuild/gpu/bundle/build.py RUNNER_MODULES)."""
+    """`python3 -I -m forkbuild` makes the tool environment and re-executes there having
+    imported only the standard library and forkbuild's bootstrap and runner modules."""
     python = SYSTEM_PYTHON if SYSTEM_PYTHON.exists() else Path(sys.executable)
     argv = [python, "-I", "-c", PROBE, pins.REPO_ROOT, "tree", "--force"]
     done = _run(argv, _fresh_tools(tmp_path), cwd=tmp_path)
@@ -122,8 +114,7 @@ def test_the_tool_environment_is_reused_and_made_again_when_damaged(tmp_path):
 
 
 def test_fetch_and_tree_run_on_a_bare_python_and_make_no_venv(bare_python, tmp_path):
-    """With the files cached, `make fetch` and `make tree` need no venv of vLLM's, only
-    the tool environment, made by the bootstrap from a python without pip."""
+    """With the files cached, they need only the tool environment: no vLLM venv."""
     build = tmp_path / "build"
     for step in (["fetch", "--route", "cpu"], ["tree"]):
         result = _forkbuild(bare_python, *step, env=_fresh_tools(tmp_path))
@@ -134,9 +125,7 @@ def test_fetch_and_tree_run_on_a_bare_python_and_make_no_venv(bare_python, tmp_p
 
 
 def other_interpreters() -> list[Path]:
-    """The other Pythons of the supported versions on this machine (CI's has the same):
-    Debian 12's /usr/bin/python3 (3.11.2, the oldest 3.11 patch release in use), and the
-    pyenv builds of the other minor versions, oldest patch release first."""
+    """The other supported Pythons here, each minor version's oldest (3.11.2 Debian)."""
     pyenv = sorted(Path.home().glob(".pyenv/versions/3.1*/bin/python3"))
     oldest: dict[tuple[int, ...], tuple[tuple[int, ...], Path]] = {}
     for candidate in [SYSTEM_PYTHON, *pyenv]:
@@ -153,27 +142,19 @@ def other_interpreters() -> list[Path]:
 
 
 def test_tree_is_the_same_on_every_interpreter_here(tmp_path):
-    """`make fetch` and `make tree PYTHON=...` with each other supported interpreter of
-    this machine (the standard library alone; tarfile's data filter is missing before
-    3.11.4) make the very commits the running one makes: same inputs, same tree."""
+    """`make tree PYTHON=...` on other Pythons (3.11.2: no data filter): same tree."""
     interpreters = other_interpreters()
     if not interpreters:
         pytest.skip("no other supported Python on this machine")
     builds = {python: tmp_path / f"build-{i}" for i, python in enumerate(interpreters)}
-    # `make fetch` (the cached files verified) then `make tree`, as the README runs
-    # them.
+    # `make fetch` (the cached files verified) then `make tree`, as the README says.
     steps = "{0} -m forkbuild fetch --route cpu && {0} -m forkbuild tree"
-    running = {
-        python: subprocess.Popen(
-            ["sh", "-c", steps.format(shlex.quote(str(python)))],
-            cwd=pins.REPO_ROOT,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "VLLM_FORK_BUILD": str(build), "VLLM_FORK_TOOLS": ""},
-        )
-        for python, build in builds.items()
-    }
+    out = {"text": True, "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
+    running = {}
+    for python, build in builds.items():
+        argv = ["sh", "-c", steps.format(shlex.quote(str(python)))]
+        env = {**os.environ, "VLLM_FORK_BUILD": str(build), "VLLM_FORK_TOOLS": ""}
+        running[python] = subprocess.Popen(argv, cwd=pins.REPO_ROOT, env=env, **out)
     heads = {}
     for python, process in running.items():
         output, _ = process.communicate(timeout=600)
@@ -189,8 +170,7 @@ def test_tree_is_the_same_on_every_interpreter_here(tmp_path):
 
 
 def test_uv_bootstraps_without_pip_from_ensurepips_wheel(bare_python, tmp_path):
-    """An empty cache and a Python without pip: uv arrives through the pip wheel that
-    ensurepip bundles, verified (needs the package index, as a cold `make` does)."""
+    """No cache, no pip: uv comes via ensurepip's wheel (needs the package index)."""
     code = "from forkbuild.core import pins\nfrom forkbuild.setup import uv\n"
     code += "print(uv.bootstrap_pip()[-1])\nprint(uv.binary(pins.load()))\n"
     env = {"VLLM_FORK_CACHE": str(tmp_path / "cache")}

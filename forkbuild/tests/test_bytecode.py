@@ -1,5 +1,5 @@
-"""forkbuild.setup.bytecode: what Python compiled in one venv reaches the next fresh
-venv made from the same files, and Python itself still decides whether it is used."""
+"""What Python compiled in one venv reaches the next fresh one made from the same files,
+and Python itself still decides whether it is used."""
 
 from __future__ import annotations
 
@@ -17,12 +17,10 @@ from forkbuild.setup import bytecode
 
 def _site(root: Path, source: str = "VALUE = 1\n", mtime: int = 1_700_000_000) -> Path:
     """A site-packages folder with one package dated MTIME (as uv and the sdist do)."""
-    module = root / "pkg" / "mod.py"
-    module.parent.mkdir(parents=True)
-    (module.parent / "__init__.py").write_text("")
-    module.write_text(source)
-    for path in (module, module.parent / "__init__.py"):
-        os.utime(path, (mtime, mtime))
+    (root / "pkg").mkdir(parents=True)
+    for name, text in (("__init__.py", ""), ("mod.py", source)):
+        (root / "pkg" / name).write_text(text)
+        os.utime(root / "pkg" / name, (mtime, mtime))
     return root
 
 
@@ -101,9 +99,8 @@ def test_the_store_is_per_source_and_per_python(tmp_path, monkeypatch):
 
 
 def test_keep_copies_across_file_systems(tmp_path, first, monkeypatch):
-    monkeypatch.setattr(
-        os, "link", Mock(side_effect=OSError(18, "Invalid cross-device link"))
-    )
+    cross_device = Mock(side_effect=OSError(18, "Invalid cross-device link"))
+    monkeypatch.setattr(os, "link", cross_device)
     kept = tmp_path / "cache"
     assert bytecode.keep(first, kept) == 2
     pyc = kept / _pyc(first).relative_to(first)

@@ -46,20 +46,10 @@ def test_bad_artifact_is_deleted_and_refused(
     assert not scratch_sdist.exists()
 
 
-def test_interrupted_download_leftovers_are_removed(scratch, fork_pins):
-    leftover = fetch.artifacts_dir() / ".download-abc123"
-    leftover.mkdir()
-    (leftover / fork_pins.sdist.filename).write_bytes(b"partial")
-    fetch.clean_partial_downloads()
-    assert not leftover.exists()
-
-
 def test_unwritable_cache_is_refused_naming_vllm_fork_cache(
     fork_pins, tmp_path, monkeypatch
 ):
-    """A cold fetch into a cache that cannot be written: one line naming
-    VLLM_FORK_CACHE, before pip runs (it was a NotADirectoryError or PermissionError
-    traceback)."""
+    """One line naming VLLM_FORK_CACHE before pip runs (it was a traceback)."""
     monkeypatch.setattr(fetch, "run_pip", _no_download)
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("VLLM_FORK_CACHE", str(tmp_path / "a-file" / "cache"))
@@ -82,14 +72,16 @@ def test_a_download_on_a_terminal_shows_its_bytes_done(tmp_path):
         assert not shown
 
 
-def test_a_concurrent_download_is_left_alone_and_a_dead_ones_removed(scratch):
-    """make test fetches in two threads: the second fetch must not delete the first
-    one's download in progress (it did: FileNotFoundError in its pip-tmp)."""
+def test_a_concurrent_download_is_left_alone_and_a_dead_ones_removed(
+    scratch, fork_pins
+):
+    """make test fetches in two threads: the second must leave the first's download."""
     artifacts = fetch.artifacts_dir()
     live = artifacts / f".download-{os.getpid()}-abc"
     dead = artifacts / ".download-999999999-abc"  # beyond pid_max: no such process
     old = artifacts / ".download-abc"  # the earlier name, without an owner
     for folder in (live, dead, old):
         (folder / "pip-tmp").mkdir(parents=True)
+    (old / fork_pins.sdist.filename).write_bytes(b"partial")  # an interrupted fetch's
     fetch.clean_partial_downloads()
     assert live.is_dir() and not dead.exists() and not old.exists()

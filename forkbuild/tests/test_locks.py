@@ -56,8 +56,7 @@ def test_the_tools_lock_pins_forkbuilds_libraries_with_hashes(fork_pins, python)
 
 
 def test_a_changed_tool_list_makes_the_tools_locks_stale(fork_pins, fork_tree):
-    """A library added to [toolchain] forkbuild: every lock is stale, and the bootstrap
-    makes the tool environment of the old lock for `make lock` only."""
+    """Every lock is stale; only `make lock` runs on the old tools lock."""
     bumped = dataclasses.replace(fork_pins, forkbuild=(*fork_pins.forkbuild, SIX))
     stale = lock.stale(bumped, fork_tree)
     assert len(stale) == (len(fork_pins.routes) + 1) * len(fork_pins.pythons)
@@ -108,11 +107,9 @@ def test_the_venv_holds_exactly_its_lock():
     if not record.is_file():
         pytest.skip(f"{venv} is not a forkbuild venv")
     lock_file = pins.REPO_ROOT / record.read_text().strip()
-    freeze = subprocess.check_output(
-        [sys.executable, "-m", "pip", "freeze", "--all", "--exclude-editable"],
-        text=True,
-    )
-    assert lock.pinned_lines(freeze) == lock.pinned(lock_file)
+    freeze = [sys.executable, "-m", "pip", "freeze", "--all", "--exclude-editable"]
+    freeze_text = subprocess.check_output(freeze, text=True)
+    assert lock.pinned_lines(freeze_text) == lock.pinned(lock_file)
 
 
 @pytest.fixture
@@ -154,11 +151,11 @@ def test_xfails_are_counted_as_xfails(tmp_path):
     junit = tmp_path / "r.xml"
     skipped = '<testcase classname="tests.t" name="{}"><skipped type="pytest.{}" '
     skipped += 'message="{}"/></testcase>'
+    cases = skipped.format("b", "skip", "no GPU")
+    cases += "".join(skipped.format(name, "xfail", "known") for name in "cd")
     junit.write_text(
         '<testsuites><testsuite><testcase classname="tests.t" name="a"/>'
-        + skipped.format("b", "skip", "no GPU")
-        + "".join(skipped.format(name, "xfail", "known") for name in "cd")
-        + "</testsuite></testsuites>"
+        f"{cases}</testsuite></testsuites>"
     )
     outcome = read_junit(junit)
     assert (outcome.passed, outcome.skipped, outcome.xfailed) == (1, 1, 2)
@@ -168,8 +165,7 @@ def test_xfails_are_counted_as_xfails(tmp_path):
 
 @pytest.mark.parametrize("route", ["cpu", "cuda", "tools"])
 def test_each_lock_of_this_python_installs_on_its_platform(fork_pins, route, tmp_path):
-    """uv resolves every pinned file of the lock for its platform, hashes required:
-    what a GPU host installs is checked here without one (a dry run)."""
+    """A dry run for the lock's platform: a GPU host's install, checked without one."""
     lock_file, venv = lock.path(route, lock.running_python()), tmp_path / "venv"
     create = ["venv", "--quiet", "--python", sys.executable, str(venv)]
     uv.run(fork_pins, create, what="create a venv")

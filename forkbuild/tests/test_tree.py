@@ -1,8 +1,16 @@
+"""The patched tree: the release, the series and the overlay, nothing else; the same
+inputs give the same commits; a stopped or failed build leaves no tree (Ctrl-C beside
+the venv included); the sdist unpacked as data where tarfile has no "data" filter."""
+
 from __future__ import annotations
 
 import dataclasses
+import io
+import os
 import shutil
 import subprocess
+import tarfile
+import threading
 import time
 from pathlib import Path
 from unittest.mock import Mock
@@ -10,8 +18,9 @@ from unittest.mock import Mock
 import pytest
 
 from forkbuild.checks import generate
+from forkbuild.core import log
 from forkbuild.core.errors import ForkError
-from forkbuild.setup import tree
+from forkbuild.setup import install, tree
 
 
 def _git(tree_path: Path, *args: str) -> str:
@@ -21,8 +30,7 @@ def _git(tree_path: Path, *args: str) -> str:
 
 
 def check_tree_carries(built: Path, pins, patches_dir: Path = tree.PATCHES_DIR) -> None:
-    """The tree is the release, one commit per mail of the series (its subject, its
-    lines added and removed per file) and the overlay, and nothing else."""
+    """The release, a commit per mail (subject, numstat), the overlay; nothing else."""
     facts = generate.series(patches_dir)
     version = pins.upstream_version
     subjects = _git(built, "log", "--format=%s").splitlines()
@@ -82,9 +90,7 @@ new file mode 100644
 def test_adding_a_patch_is_its_mail_its_series_line_and_its_modules(
     fork_pins, scratch_sdist, patches
 ):
-    """Issue 35: the patch file, its patches/series line and its regression modules in
-    fork.toml, and nothing else by hand: the tree, this module's expectations and the
-    docs' patch table follow."""
+    """Issue 35: a patch, its series line and its modules; the rest follows."""
     name = "0007-fork-a-throwaway-patch-of-the-tool-tests.patch"
     (patches / name).write_text(THROWAWAY)
     with (patches / "series").open("a") as series:
@@ -145,13 +151,123 @@ def test_series_entry_without_file_is_refused(fork_pins, scratch_sdist, patches)
         tree.build(fork_pins, scratch_sdist, patches_dir=patches)
 
 
-def test_interrupted_rebuild_keeps_the_previous_tree(
+def test_a_stopped_build_leaves_no_tree_and_a_stopped_rebuild_the_previous_one(
     fork_pins, scratch_sdist, monkeypatch
 ):
-    good = tree.build(fork_pins, scratch_sdist)
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(KeyboardInterrupt):
+        tree.build(fork_pins, scratch_sdist, stop=stop)
+    final = tree.tree_dir(fork_pins)
+    assert not final.exists()
+    good = tree.build(fork_pins, scratch_sdist)  # and it removes what the first left
+    assert good == final and (final / ".git" / tree.INPUTS_FILE).is_file()
+    assert not list(final.parent.glob(".tree-*"))
     head = _git(good, "rev-parse", "HEAD")
     monkeypatch.setattr(tree, "overlay_tests", Mock(side_effect=KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
         tree.build(fork_pins, scratch_sdist, force=True)
     assert _git(good, "rev-parse", "HEAD") == head
     assert list(tree.build_dir().glob(".tree-*")) == []
+
+
+# --- tree.extract_data without tarfile's "data" filter (Python before 3.11.4, e.g.
+# Debian 12's 3.11.2): the same rules, applied by forkbuild; run here on any Python.
+def _archive(path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> Path:
+    with tarfile.open(path, "w") as tar:
+        for info, data in members:
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    return path
+
+
+def _file(name: str, data: bytes = b"x", mode: int = 0o644):
+    """A file of someone else's (uid 4242)."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.uname = len(data), mode, "someone"
+    info.uid = info.gid = 4242
+    return info, data
+
+
+def _link(name: str, target: str, kind: bytes = tarfile.SYMTYPE):
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, target
+    return info, None
+
+
+@pytest.fixture
+def no_data_filter(monkeypatch):
+    monkeypatch.delattr(tarfile, "data_filter", raising=False)
+
+
+def test_plain_files_are_unpacked_as_data(no_data_filter, tmp_path):
+    members = [
+        _file("pkg/run.sh", b"#!/bin/sh\n", 0o4755),
+        _file("pkg/data.txt", b"data", 0o666),
+    ]
+    with tarfile.open(_archive(tmp_path / "a.tar", members)) as tar:
+        tree.extract_data(tar, tmp_path / "out")
+    run, data = (tmp_path / "out" / "pkg" / name for name in ("run.sh", "data.txt"))
+    assert data.read_bytes() == b"data"
+    assert run.stat().st_mode & 0o7777 == 0o755  # set-id bit gone, still executable
+    assert data.stat().st_mode & 0o7777 == 0o644  # no group or world write
+    assert run.stat().st_uid == os.getuid()  # not the archive's uid, even as root
+
+
+@pytest.mark.parametrize(
+    ("members", "error"),
+    [
+        ([_file("../evil")], "would land outside"),
+        ([_file("/tmp/evil")], "would land outside"),
+        ([_link("inside", "..")], "is a link"),
+        ([_link("hard", "pkg/x", tarfile.LNKTYPE)], "is a link"),
+        # a link made by an earlier member would carry a later one out of DEST
+        ([_link("s1", "."), _link("s1/s2", ".."), _file("s2/evil")], "is a link"),
+    ],
+    ids=["dot-dot", "absolute", "symlink", "hard link", "link chain"],
+)
+def test_what_could_leave_the_folder_is_refused_before_anything_is_written(
+    no_data_filter, tmp_path, members, error
+):
+    archive = _archive(tmp_path / "a.tar", members)
+    out = tmp_path / "out"
+    out.mkdir()
+    with tarfile.open(archive) as tar, pytest.raises(ForkError, match=error):
+        tree.extract_data(tar, out)
+    assert not any(out.iterdir())
+    assert not (tmp_path / "evil").exists()
+
+
+def test_the_pinned_sdist_holds_no_link(real_sdist):
+    """Why refusing links costs nothing: vLLM's sdist has none."""
+    with tarfile.open(real_sdist) as tar:
+        assert not [m.name for m in tar.getmembers() if m.issym() or m.islnk()]
+
+
+@pytest.mark.parametrize("after", [0.3, 1.5, 3.0])
+def test_ctrl_c_beside_the_venv_does_not_wait_for_the_tree(
+    fork_pins, scratch_sdist, monkeypatch, after
+):
+    """Ctrl-C in the venv's step: no wait for the tree thread (8 s+), and no tree."""
+    started, raised_at, finished_before = threading.Event(), [], []
+    monkeypatch.setattr(
+        log,
+        "step",
+        lambda msg: started.set() if msg.startswith("tree: unpacking") else None,
+    )
+
+    def interrupted_venv(pins, route_name=None, without_gpu=False):
+        assert started.wait(30)
+        time.sleep(after)
+        raised_at.append(time.monotonic())
+        finished_before.append(tree.tree_dir(fork_pins).exists())
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(install, "ensure_toolchain", interrupted_venv)
+    with pytest.raises(KeyboardInterrupt):
+        install._venv_beside_tree(fork_pins, fork_pins.routes["cpu"])
+    # The tree stops at its next file or git command: a second when idle, and one git
+    # command may take seconds beside CI's other suites. No tree in place shows it was
+    # stopped, not waited for.
+    assert time.monotonic() - raised_at[0] < 10.0
+    # (a machine that made the whole tree before the interrupt keeps it, whole)
+    assert finished_before[0] or not tree.tree_dir(fork_pins).exists()

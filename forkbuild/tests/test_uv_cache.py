@@ -73,8 +73,7 @@ error: Could not acquire lock
 def test_uv_out_of_space_or_read_only_is_said_in_one_line(
     fork_pins, cache, tmp_path, monkeypatch, output, said
 ):
-    """It was "uv failed to the packages of cpu-py311.txt: cause: ... No space left on
-    device (os error 28) -- check the network and disk, then run again"."""
+    """It was "uv failed to ...: cause: ... -- check the network and disk, ..."."""
     lock_file = lock.path("cpu", lock.running_python())
     what = f"the packages of {lock_file.name}"
     calls = _fake_uv(tmp_path, monkeypatch, output.format(cache=cache))
@@ -90,11 +89,12 @@ needs_mounts = pytest.mark.skipif(
     reason="needs unshare -rm (a mount namespace)",
 )
 REAL_CACHE = pins.cache_dir()
+PRELUDE = "from forkbuild.core import pins\nfrom forkbuild.setup import uv\n"
+PRELUDE += "from forkbuild.core.errors import ForkError\n"
 
 
 def _in_namespace(mounts: str, script: str, cache: Path) -> list[str]:
-    """SCRIPT (python) after the shell commands MOUNTS, in a user and mount namespace of
-    its own: real read-only and full file systems, for this process only; its lines."""
+    """SCRIPT's lines, run after MOUNTS in a user and mount namespace of its own."""
     shell = f'{mounts} && exec "$0" -c "$1"'
     argv = ["unshare", "-rm", "sh", "-c", shell, sys.executable, script]
     env = {**os.environ, "VLLM_FORK_CACHE": str(cache)}
@@ -108,8 +108,7 @@ def _in_namespace(mounts: str, script: str, cache: Path) -> list[str]:
 @needs_mounts
 @pytest.mark.parametrize("cache_is", ["empty", "the real one"])
 def test_read_only_cache_is_refused_naming_vllm_fork_cache(tmp_path, cache_is):
-    """Before: a cold read-only cache raised OSError (a traceback) and a warm one ended
-    in uv's "Read-only file system ... -- check the network and disk"."""
+    """Before: a traceback when cold; "... check the network and disk" when warm."""
     ro = tmp_path / "ro"
     ro.mkdir()
     if cache_is == "empty":
@@ -118,11 +117,8 @@ def test_read_only_cache_is_refused_naming_vllm_fork_cache(tmp_path, cache_is):
         if not (REAL_CACHE / "uv-cache").is_dir():
             pytest.skip("no cache here yet")
         mounts = f"mount --bind {REAL_CACHE} {ro} && mount -o remount,bind,ro {ro}"
-    script = textwrap.dedent("""
+    script = PRELUDE + textwrap.dedent("""
         import sys
-        from forkbuild.core import pins
-        from forkbuild.setup import uv
-        from forkbuild.core.errors import ForkError
         try:
             uv.run(pins.load(), ["pip", "freeze", "--python", sys.executable],
                    what="list packages")
@@ -137,8 +133,7 @@ def test_read_only_cache_is_refused_naming_vllm_fork_cache(tmp_path, cache_is):
 
 @needs_mounts
 def test_real_uv_out_of_space_is_said_in_one_line(tmp_path):
-    """uv itself on a full disk (a 64 MiB tmpfs as the cache, holding uv: a 100 MiB
-    wheel does not fit), through uv.install."""
+    """uv on a full disk (a 64 MiB tmpfs: the 100 MiB wheel does not fit)."""
     p, real = pins.load(), REAL_CACHE
     version = p.uv.requirement.split("==", 1)[1]
     wheel = real / "artifacts" / p.routes["cpu"].wheel.filename
@@ -152,10 +147,7 @@ def test_real_uv_out_of_space_is_said_in_one_line(tmp_path):
         f"{small}/uv/{version} && cp {needed[0]} {small}/artifacts/ && cp {needed[1]} "
         f"{small}/uv/{version}/"
     )
-    script = textwrap.dedent(f"""
-        from forkbuild.core import pins
-        from forkbuild.setup import uv
-        from forkbuild.core.errors import ForkError
+    script = PRELUDE + textwrap.dedent(f"""
         p = pins.load()
         uv.run(p, ["venv", "--quiet", "--python", {sys.executable!r},
                    {str(tmp_path / "venv")!r}], what="make a venv")

