@@ -1,5 +1,5 @@
-"""Prove the regression tests fail on unpatched vLLM and pass on the fork: the unpatched
-tree is a worktree at v<version> plus the fork's tests, on the fork's venv."""
+"""Prove the regression tests fail on unpatched vLLM (a worktree at v<version> plus the
+fork's tests, on the fork's venv) and pass on the fork."""
 
 from __future__ import annotations
 
@@ -39,21 +39,9 @@ def make_stock_tree(pins: Pins, fork_tree: Path) -> Path:
         shutil.copy2(built, target)
     verdict = fixcheck.classify((stock / fixcheck.MODULE_PATH).read_text())
     if verdict != "buggy":
-        raise ForkError(
-            f"the unpatched tree's {fixcheck.FUNCTION} reads as {verdict}, "
-            "expected buggy"
-        )
+        read = f"the unpatched tree's {fixcheck.FUNCTION} reads as {verdict}"
+        raise ForkError(f"{read}, expected buggy")
     return stock
-
-
-def imported_from(python: Path, tree_path: Path) -> Path:
-    out = run_or_fail(
-        [str(python), "-m", "forkbuild.setup.install_probe", "origin"],
-        f"`import vllm` fails in {tree_path.name}",
-        cwd=tree_path,
-        env={**os.environ, "PYTHONPATH": install.probe_path(tree_path)},
-    )
-    return Path(out.stdout.strip().splitlines()[-1])
 
 
 def _wrong_on_stock(outcome: Outcome, regression: tuple[str, ...]) -> list[str]:
@@ -67,7 +55,13 @@ def _wrong_on_stock(outcome: Outcome, regression: tuple[str, ...]) -> list[str]:
 
 
 def check_imports_from(python: Path, path: Path) -> None:
-    origin = imported_from(python, path)
+    out = run_or_fail(
+        [str(python), "-m", "forkbuild.setup.install_probe", "origin"],
+        f"`import vllm` fails in {path.name}",
+        cwd=path,
+        env={**os.environ, "PYTHONPATH": install.probe_path(path)},
+    )
+    origin = Path(out.stdout.strip().splitlines()[-1])
     if not origin.resolve().is_relative_to(path.resolve()):
         raise ForkError(
             f"in {path.name}, `import vllm` resolved to {origin}; the check would be "
@@ -114,8 +108,7 @@ def _report(
     pins: Pins, results: Path, fork: tuple[Path, Outcome], stock: tuple[Path, Outcome]
 ) -> None:
     """Print both trees' outcomes and each regression module's failures on stock."""
-    on_stock = stock[1]
-    listing = results / "regression-cases-failing-on-stock.txt"
+    on_stock, listing = stock[1], results / "regression-cases-failing-on-stock.txt"
     failing = sorted(c for c, s in on_stock.cases.items() if s == "failed")
     listing.write_text("\n".join(failing) + "\n")
     print(f"\nregression proof ({' '.join(pins.suite)}):")

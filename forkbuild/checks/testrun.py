@@ -1,12 +1,12 @@
-"""`make test`: everything CI runs. At once (alone, each leaves 2 cores half idle):
-forkbuild's tests in build/venv (some import vLLM in-process); without a GPU, the CUDA
-route and the GPU bundle on a simulated host; the regression proof. Then patch status.
-The terminal shows the fork suite (the rest: build/test-results), then one summary."""
+"""`make test`: at once (alone, each leaves 2 cores half idle) the tool tests, the CUDA
+route and its GPU bundle (without a GPU), the regression proof; then patch status. The
+terminal shows the fork suite (the rest: build/test-results), then one summary."""
 
 from __future__ import annotations
 
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from forkbuild.checks import patch_status, regression
 from forkbuild.core import preflight, pytest_runner
@@ -16,6 +16,7 @@ from forkbuild.gpu import cuda_route
 from forkbuild.gpu.bundle import check as bundle_check
 from forkbuild.setup import install
 
+Checked = tuple[cuda_route.Result, bundle_check.Result]
 NO_CUDA_CHECK = (
     "cuda route without a GPU: not checked (this machine has a GPU: `make nightly` "
     "runs the CUDA route for real)"
@@ -80,11 +81,9 @@ def _report(outcome: pytest_runner.Outcome, what: str, log: object) -> None:
         print(f"{what}: pytest's report is in {log}")
 
 
-def _check_cuda_route(
-    pins: Pins, results
-) -> tuple[cuda_route.Result, bundle_check.Result] | None:
-    """Without a GPU: the CUDA route, then its GPU bundle on a simulated host. The
-    bundle needs only the route installed, so the route's own cases run meanwhile."""
+def _check_cuda_route(pins: Pins, results: Path) -> Checked | None:
+    """Without a GPU: the CUDA route, its cases while its bundle (needing only the
+    install) is checked on a simulated host."""
     if preflight.has_nvidia_gpu():
         return None
     route = cuda_route.install(pins, results)

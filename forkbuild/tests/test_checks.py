@@ -53,8 +53,7 @@ def test_no_space_is_refused_before_work(tmp_path, monkeypatch):
 def test_unwritable_cache_or_build_is_refused_with_its_variable(
     tmp_path, monkeypatch, variable
 ):
-    """A folder that cannot be made (below a file; read-only: test_uv_cache.py) is
-    refused in one line naming its variable, not a NotADirectoryError traceback."""
+    """A folder below a file (read-only: test_uv_cache.py): a line, not a traceback."""
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv(variable, str(tmp_path / "a-file" / "folder"))
     cache = variable == "VLLM_FORK_CACHE"

@@ -1,7 +1,5 @@
-"""forkbuild's shape: areas import only the core and lower areas, no private names of
-another module; no import circle (imports in functions count); no `python -c` program
-(probes are modules run with `-m`); no function over 60 lines; ruff (ruff.toml) passes.
-"""
+"""forkbuild's shape: areas import the core and lower areas, no other module's private
+name; no import circle; no `python -c` program; no function over 60 lines; ruff."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""README and docs/: relative links reach files and headings (GitHub's anchors); each
-`make TARGET` shown exists; the README links every page and stays short; `make help`
-names forkbuild's variables and log folders. Each check fails on a broken copy."""
+"""README and docs/: links reach files and headings (GitHub's ids), each `make TARGET`
+exists, the README links every page, stays short; `make help` names variables, logs."""
 
 from __future__ import annotations
 
+import itertools
 import re
 import shlex
 import shutil
@@ -37,10 +37,11 @@ _MARKDOWN = MarkdownIt("commonmark").use(anchors_plugin, max_level=6)
 class _HtmlTargets(HTMLParser):
     """The targets (href, src) and anchors (name, id) of inline HTML."""
 
-    def __init__(self) -> None:
+    def __init__(self, html: str) -> None:
         super().__init__()
         self.targets: list[str] = []
         self.anchors: set[str] = set()
+        self.feed(html)
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         for name, value in attrs:
@@ -63,12 +64,8 @@ def _tokens(text: str) -> list[tuple[int, Token]]:
 
 
 def _html(text: str) -> list[tuple[int, _HtmlTargets]]:
-    found = []
-    for line, token in _tokens(text):
-        if token.type in ("html_inline", "html_block"):
-            found.append((line, _HtmlTargets()))
-            found[-1][1].feed(token.content)
-    return found
+    html = [(n, t) for n, t in _tokens(text) if t.type in ("html_inline", "html_block")]
+    return [(line, _HtmlTargets(token.content)) for line, token in html]
 
 
 def github_anchor(heading: str) -> str:
@@ -122,9 +119,7 @@ def broken_links(root: Path) -> list[str]:
     problems = []
     for doc in doc_files(root):
         for number, target in links(doc):
-            problem = (
-                None if _EXTERNAL.match(target) else _link_problem(root, doc, target)
-            )
+            problem = not _EXTERNAL.match(target) and _link_problem(root, doc, target)
             if problem:
                 where = f"{doc.relative_to(root)}:{number}"
                 problems.append(f"{where}: {target}: {problem}")
@@ -142,33 +137,31 @@ def makefile_targets(makefile: Path) -> set[str]:
     return set(re.findall(rule, makefile.read_text(), re.M))
 
 
+def _make_target(rest: str) -> str | None:
+    """The target of a `make` call followed by REST: options and VAR=value skipped."""
+    try:
+        words = shlex.split(rest, comments=True)
+    except ValueError:  # an unbalanced quote in the snippet
+        words = rest.split()
+    for word in words:
+        if word in ("&&", "||", ";", "|") or word.startswith("#"):
+            return None
+        if not (word.startswith("-") or "=" in word):
+            return word if re.fullmatch(r"[A-Za-z0-9][\w.-]*", word) else None
+    return None  # `make` alone names none
+
+
 def make_targets_named(text: str) -> list[tuple[int, str]]:
-    """(line, target) of each `make ...` in code (in prose "make" is a verb); options
-    and VAR=value skipped, `make` alone names none."""
-    snippets = [
-        (line + (index if token.type != "code_inline" else 0), code_line)
-        for line, token in _tokens(text)
-        if token.type in ("fence", "code_block", "code_inline")
-        for index, code_line in enumerate(
-            token.content.splitlines(), 1 if token.type == "fence" else 0
-        )
-    ]
+    """(line, target) of each `make ...` in code (in prose "make" is a verb)."""
     found = []
-    for number, snippet in snippets:
-        for call in _MAKE.finditer(snippet):
-            rest = snippet[call.end() :]
-            try:
-                words = shlex.split(rest, comments=True)
-            except ValueError:  # an unbalanced quote in the snippet
-                words = rest.split()
-            for word in words:
-                if word in ("&&", "||", ";", "|") or word.startswith("#"):
-                    break
-                if word.startswith("-") or "=" in word:
-                    continue
-                if re.fullmatch(r"[A-Za-z0-9][\w.-]*", word):
-                    found.append((number, word))
-                break
+    for line, token in _tokens(text):
+        if token.type in ("fence", "code_block", "code_inline"):
+            # a fence's code starts below its line; inline code is on one line
+            first, step = line + (token.type == "fence"), token.type != "code_inline"
+            for index, snippet in enumerate(token.content.splitlines()):
+                calls = _MAKE.finditer(snippet)
+                targets = [_make_target(snippet[call.end() :]) for call in calls]
+                found += [(first + index * step, t) for t in targets if t]
     return found
 
 
@@ -231,11 +224,9 @@ def test_make_help_lists_the_environment_and_where_logs_go_as_the_docs_do():
     for where in ("build/test-results", "build/models", "build/gpu-nightly"):
         assert where in text and where in files_doc, where
     # The help prints the Makefile's whole leading comment block, however long it grows.
-    header = []
-    for line in (REPO_ROOT / "Makefile").read_text().splitlines():
-        if line and not line.startswith("#"):
-            break
-        header.append(re.sub(r"^# ?", "", line))
+    lines = (REPO_ROOT / "Makefile").read_text().splitlines()
+    comments = itertools.takewhile(lambda line: not line or line[0] == "#", lines)
+    header = [re.sub(r"^# ?", "", line) for line in comments]
     assert len(header) > 10 and text.startswith("\n".join(header) + "\n")
 
 

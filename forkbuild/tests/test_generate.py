@@ -33,8 +33,7 @@ def _edit_line(text: str, containing: str, old: str, new: str) -> str:
 
 
 def _generate_in_copy(tmp_path: Path, *edit: str) -> tuple[Path, pins.Pins]:
-    """fork.toml and the files with blocks, copied, EDIT (_edit_line's arguments) made
-    in fork.toml alone, and `make generate` run there."""
+    """fork.toml and the blocks' files copied, EDIT (_edit_line's) made, regenerated."""
     for path in {"fork.toml", *(b[0] for b in generate.BLOCKS)}:
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO_ROOT / path, tmp_path / path)

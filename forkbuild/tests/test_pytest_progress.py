@@ -9,12 +9,7 @@ import sys
 
 from forkbuild.core import pytest_progress, pytest_runner
 
-CASES = """
-import time
-
-import pytest
-
-
+CASES = """import time, pytest
 @pytest.mark.parametrize("n", range(3))
 def test_slow(n):
     time.sleep(0.6)
@@ -42,22 +37,16 @@ def test_the_progress_line_is_read_back_whole():
     assert pytest_progress.read("5\t5\t") == (5, 5, "")
 
 
-HANGS = """
-import time
-
-
+HANGS = """import time
 def test_a_passes():
     pass
-
-
 def test_b_hangs():
     time.sleep(120)
 """
 
 
 def test_a_run_started_with_sigint_ignored_still_stops_gracefully(tmp_path):
-    """`bash run.sh OUT &` or nohup in a script: SIGINT comes ignored, and the limit's
-    graceful stop must still end the session with the finished cases' XML."""
+    """`bash run.sh OUT &`, nohup: SIGINT comes ignored; the stop must still end it."""
     (tmp_path / "test_cases.py").write_text(HANGS)
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the run
     try:
