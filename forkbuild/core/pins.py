@@ -250,10 +250,8 @@ def _gpu_case(node: str, c: dict, kinds: list[str]) -> GpuCase:
             "bundle holds for it) and `not_in_bundle` (why it does not carry it)",
             'add `bundle = []` or `not_in_bundle = "..."` to its row',
         )
-    bundle = tuple(c["bundle"]) if "bundle" in c else None
-    return GpuCase(
-        node, c["kind"], c.get("gpus", 1), bundle, c.get("not_in_bundle", "")
-    )
+    carry = tuple(c["bundle"]) if "bundle" in c else None
+    return GpuCase(node, c["kind"], c.get("gpus", 1), carry, c.get("not_in_bundle", ""))
 
 
 def cache_dir() -> Path:  # outside the clone: a fresh clone reuses the downloads
@@ -304,16 +302,10 @@ def gpu_bundle_of(raw: dict) -> GpuBundle:
         else:
             not_carried[node] = case["not_in_bundle"]
     lists = ("order", "every_case", "harness", "engine_modules", "omit")
-    return GpuBundle(
-        host=table["host"],
-        part_mib=float(table["part_mib"]),
-        needs=needs,
-        not_carried=not_carried,
-        gpu=gpu,
-        left_out=dict(table.get("left_out", {})),
-        stand_in=dict(table.get("stand_in", {})),
-        **{k: tuple(table.get(k, ())) for k in lists},
-    )
+    settings = {k: tuple(table.get(k, ())) for k in lists}
+    settings |= {k: dict(table.get(k, {})) for k in ("left_out", "stand_in")}
+    settings |= {"needs": needs, "not_carried": not_carried, "gpu": gpu}
+    return GpuBundle(table["host"], float(table["part_mib"]), **settings)
 
 
 def load_gpu_bundle(path: Path = PINS_FILE) -> GpuBundle:

@@ -191,12 +191,8 @@ def test_docs_name_only_make_targets_that_exist():
 
 
 def test_docs_every_page_is_linked_from_the_readme():
-    readme = REPO_ROOT / "README.md"
-    linked = {
-        (readme.parent / unquote(t.partition("#")[0])).resolve()
-        for _, t in links(readme)
-        if not _EXTERNAL.match(t)
-    }
+    targets = [t for _, t in links(REPO_ROOT / "README.md") if not _EXTERNAL.match(t)]
+    linked = {(REPO_ROOT / unquote(t.partition("#")[0])).resolve() for t in targets}
     pages = sorted((REPO_ROOT / "docs").glob("*.md"))
     assert pages
     assert [p.name for p in pages if p.resolve() not in linked] == []
@@ -259,10 +255,9 @@ def test_repeated_headings_are_numbered_and_code_is_no_heading(tmp_path):
 
 def _copy_docs(tmp_path: Path) -> Path:
     root = tmp_path / "repo"
-    root.mkdir()
+    shutil.copytree(REPO_ROOT / "docs", root / "docs")  # makes ROOT too
     for name in ("README.md", "Makefile"):
         shutil.copy2(REPO_ROOT / name, root / name)
-    shutil.copytree(REPO_ROOT / "docs", root / "docs")
     return root
 
 

@@ -86,9 +86,8 @@ def test_adding_a_queue_is_one_edit(tmp_path):
     assert len(steps) == len(TABLE.queues) + 1
     out = f"build/gpu-nightly/{queue}"
     assert steps[queue]["env"] == {"FORK_NIGHTLY_OUT": out}
-    assert steps[queue]["artifact_paths"] == [
-        f"{out}/*.{x}" for x in ("xml", "json", "csv")
-    ]
+    paths = [f"{out}/*.{x}" for x in ("xml", "json", "csv")]
+    assert steps[queue]["artifact_paths"] == paths
     assert f"{OLDEST.name} (2 GPUs: " in steps[queue]["label"]
     assert _required(steps[queue]) == len(OLDEST.required(2))
     readme = (root / "README.md").read_text()
