@@ -107,16 +107,11 @@ BLOCKS: tuple[tuple[str, str, str, Render], ...] = (
 )
 
 
-def _markers(path: str, block: str, source: str) -> tuple[str, str, str]:
-    """The block's first and last lines, and the prefix of its other lines."""
-    start = f"generated: {block}, from {source} by `{COMMAND}`; edit that, not this"
-    if path.endswith((".yaml", ".yml")):
-        return f"# {start}", f"# end of generated: {block}", "# "
-    return f"<!-- {start} -->", f"<!-- end of generated: {block} -->", ""
-
-
 def replace_block(text: str, path: str, block: str, source: str, body: str) -> str:
-    begin, end, prefix = _markers(path, block, source)
+    yaml = path.endswith((".yaml", ".yml"))
+    start = f"generated: {block}, from {source} by `{COMMAND}`; edit that, not this"
+    wrap = "# {}" if yaml else "<!-- {} -->"  # the block's first and last lines
+    begin, end = wrap.format(start), wrap.format(f"end of generated: {block}")
     head, found, rest = text.partition(begin + "\n")
     old, found_end, tail = rest.partition(end + "\n")
     if not (found and found_end):
@@ -124,11 +119,8 @@ def replace_block(text: str, path: str, block: str, source: str, body: str) -> s
             f"{path} has no block {block!r} (the lines {begin!r} ... {end!r})",
             "restore the two marker lines where the block goes",
         )
-    prefix = "" if block == "steps" else prefix  # the YAML itself, not a comment
-    lines = [
-        (prefix + line).rstrip() if line else prefix.rstrip()
-        for line in body.split("\n")
-    ]
+    prefix = "# " if yaml and block != "steps" else ""  # steps: the YAML itself
+    lines = [(prefix + line).rstrip() for line in body.split("\n")]
     return head + begin + "\n" + "\n".join(lines) + "\n" + end + "\n" + tail
 
 

@@ -41,8 +41,12 @@ def run(pins: Pins, route_name: str | None) -> str:
         try:
             suite = regression.check(pins, python, tree_path)
         finally:  # a broken proof must not hide failing tool tests or a failed route
-            tools = tools_run.result()
-            _report(tools, "forkbuild tool tests", tools_log)
+            tools = tools_run.result()  # its report went to a file: name what failed
+            bad = [(c, s) for c, s in tools.cases.items() if s in ("failed", "error")]
+            for case, status in bad:
+                print(f"forkbuild tool tests: {status}: {case}")
+            if bad:
+                print(f"forkbuild tool tests: pytest's report is in {tools_log}")
             if (error := cuda_run.exception()) and sys.exc_info()[1] is not None:
                 print(f"cuda route and gpu bundle without a GPU: error: {error}")
         cuda = cuda_run.result()
@@ -70,15 +74,6 @@ def run(pins: Pins, route_name: str | None) -> str:
         print(summary)
         raise ForkError(f"{failed} test(s) failed", f"JUnit reports are in {results}")
     return summary
-
-
-def _report(outcome: pytest_runner.Outcome, what: str, log: object) -> None:
-    """Name the failing cases of a run whose report went to a file."""
-    bad = [(c, s) for c, s in outcome.cases.items() if s in ("failed", "error")]
-    for case, status in bad:
-        print(f"{what}: {status}: {case}")
-    if bad:
-        print(f"{what}: pytest's report is in {log}")
 
 
 def _check_cuda_route(pins: Pins, results: Path) -> Checked | None:

@@ -46,17 +46,6 @@ class Outcome:
         return text + (f"; killed: {self.killed}" if self.killed else "")
 
 
-def _skip_reason(skipped: ET.Element) -> str:
-    message = skipped.get("message", "")
-    if skipped.get("type") == "pytest.xfail":
-        return f"xfail: {message}"
-    # the reason is in the text: (file, line, 'Skipped: …')
-    text = skipped.text or ""
-    if message == "collection skipped" and "Skipped: " in text:
-        return text.split("Skipped: ", 1)[-1].rstrip("')\"")
-    return message
-
-
 _STATUSES = (("failure", "failed"), ("error", "error"))  # the last found wins
 
 
@@ -77,9 +66,14 @@ def read_junit(junit: Path, killed: str = "") -> Outcome:
         found = [s for c, s in _STATUSES if case.find(c) is not None] or ["passed"]
         skipped = case.find("skipped")
         if skipped is not None:  # pytest reports an xfail as a skip of that type
-            reasons[node] = _skip_reason(skipped)
+            why, text = skipped.get("message", ""), skipped.text or ""
             xfail = skipped.get("type") == "pytest.xfail"
             found.append("xfailed" if xfail else "skipped")
+            if xfail:
+                why = f"xfail: {why}"
+            elif why == "collection skipped" and "Skipped: " in text:
+                why = text.split("Skipped: ", 1)[-1].rstrip("')\"")  # (file, line, '…')
+            reasons[node] = why
         cases[node] = found[-1]
         times[node] = float(case.get("time") or 0.0)
     return Outcome(cases, reasons, killed, times)

@@ -131,12 +131,6 @@ def broken_links(root: Path) -> list[str]:
 _MAKE = re.compile(r"(?<![\w./-])make(?![\w.-])")
 
 
-def makefile_targets(makefile: Path) -> set[str]:
-    """The targets the Makefile has rules for (`name:`, not `name :=` assignments)."""
-    rule = r"^([A-Za-z0-9][\w.-]*)\s*:(?!=)"
-    return set(re.findall(rule, makefile.read_text(), re.M))
-
-
 def _make_target(rest: str) -> str | None:
     """The target of a `make` call followed by REST: options and VAR=value skipped."""
     try:
@@ -166,7 +160,8 @@ def make_targets_named(text: str) -> list[tuple[int, str]]:
 
 
 def unknown_make_targets(root: Path) -> list[str]:
-    targets = makefile_targets(root / "Makefile")
+    rule = r"^([A-Za-z0-9][\w.-]*)\s*:(?!=)"  # the Makefile's `name:`, not `name :=`
+    targets = set(re.findall(rule, (root / "Makefile").read_text(), re.M))
     return [
         f"{doc.relative_to(root)}:{number}: make {target}"
         for doc in doc_files(root)
