@@ -4,10 +4,10 @@ what it cannot know: command files, artifacts and the download cache are where u
 from __future__ import annotations
 
 import fnmatch
-import importlib.resources
 import json
 import re
 import shlex
+from importlib.resources import files
 from pathlib import Path, PurePosixPath
 
 import jsonschema
@@ -28,37 +28,33 @@ REPORTS += ["summary.json"]
 NIGHTLY, CI = (yaml.safe_load(path.read_text()) for path in (PIPELINE, CI_PIPELINE))
 
 
-@pytest.fixture(scope="module")
-def schema() -> dict:
-    # No skip when buildkite-sdk is absent: it is part of the test toolchain, and a
-    # pipeline nobody validated must not pass quietly.
-    resource = importlib.resources.files("buildkite_sdk").joinpath("schema.json")
-    return json.loads(resource.read_text())
+# No skip when buildkite-sdk is absent: it is part of the test toolchain, and a
+# pipeline nobody validated must not pass quietly.
+SCHEMA = json.loads((files("buildkite_sdk") / "schema.json").read_text())
 
 
-def _errors(schema: dict, instance, definition: str | None = None) -> list[str]:
+def _errors(instance, definition: str | None = None) -> list[str]:
     """Schema violations of INSTANCE, against the whole schema or one definition."""
-    if definition:
-        schema = {**schema, "$ref": f"#/definitions/{definition}"}
+    schema = {**SCHEMA, "$ref": f"#/definitions/{definition}"} if definition else SCHEMA
     return [
         f"{'/'.join(map(str, e.absolute_path)) or '(top)'}: {e.message}"
         for e in jsonschema.Draft7Validator(schema).iter_errors(instance)
     ]
 
 
-def test_the_schema_is_buildkites_draft_07(schema):
-    assert schema["$schema"] == "http://json-schema.org/draft-07/schema#"
-    assert schema["definitions"]["commandStep"]["additionalProperties"] is False
-    jsonschema.Draft7Validator.check_schema(schema)
+def test_the_schema_is_buildkites_draft_07():
+    assert SCHEMA["$schema"] == "http://json-schema.org/draft-07/schema#"
+    assert SCHEMA["definitions"]["commandStep"]["additionalProperties"] is False
+    jsonschema.Draft7Validator.check_schema(SCHEMA)
 
 
-def test_the_schema_refuses_the_test_area_shape(schema):
+def test_the_schema_refuses_the_test_area_shape():
     # The keys of vLLM's test_areas files, which its generator drops, are no step keys.
     step = dict(NIGHTLY["steps"][0], device="h100", num_devices=1, nightly=True)
     step["source_file_dependencies"] = ["fork.toml"]
-    (error,) = _errors(schema, step, "commandStep")
+    (error,) = _errors(step, "commandStep")
     assert "Additional properties are not allowed" in error
-    assert _errors(schema, {**NIGHTLY, "steps": [step]}) != []
+    assert _errors({**NIGHTLY, "steps": [step]}) != []
 
 
 def test_every_step_targets_a_queue_of_the_gpu_table_with_a_timeout():
@@ -110,26 +106,26 @@ def _command_steps(pipeline: dict) -> list[dict]:
 
 
 @pytest.mark.parametrize("pipeline", [NIGHTLY, CI], ids=["nightly", "ci"])
-def test_the_pipelines_are_valid_for_buildkite(schema, pipeline):
+def test_the_pipelines_are_valid_for_buildkite(pipeline):
     # Each step against its own kind first: against the anyOf of all step kinds, the
     # error jsonschema picks is often another kind's ("is not of type 'string'").
     for step in pipeline["steps"]:
         label = step.get("label") if isinstance(step, dict) else step
-        assert _errors(schema, step, _step_kind(step)) == [], label
-    assert _errors(schema, pipeline) == []
+        assert _errors(step, _step_kind(step)) == [], label
+    assert _errors(pipeline) == []
     # The top level admits extra keys in the schema, but Buildkite reads only its own.
-    assert set(pipeline) <= set(schema["properties"]), set(pipeline)
+    assert set(pipeline) <= set(SCHEMA["properties"]), set(pipeline)
 
 
-def test_the_schema_refuses_a_broken_ci_pipeline(schema):
+def test_the_schema_refuses_a_broken_ci_pipeline():
     # The same check on a step with a misspelt key and a timeout that is no number.
     first = _command_steps(CI)[0]
     step = dict(first, artifacts_paths=["build/test-results/*.xml"])
-    errors = _errors(schema, step, "commandStep")
+    errors = _errors(step, "commandStep")
     assert any("Additional properties" in e for e in errors)
     step = dict(first, timeout_in_minutes="forty-five")
-    assert _errors(schema, step, "commandStep") != []
-    assert _errors(schema, {**CI, "steps": [step]}) != []
+    assert _errors(step, "commandStep") != []
+    assert _errors({**CI, "steps": [step]}) != []
 
 
 def test_the_ci_pipeline_runs_make_test_on_a_cpu_queue_in_time():
