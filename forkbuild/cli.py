@@ -24,8 +24,7 @@ Args = argparse.Namespace
 
 
 def _sdist(p: Pins) -> Path:
-    # pip runs in the venv (the sdist's metadata needs torch), made only if a file is
-    # missing. Any route's venv has pip.
+    # pip runs in a route's venv (the sdist's metadata needs torch), made if missing
     return fetch.fetch(p.sdist, lambda: install.ensure_toolchain(p))
 
 

@@ -15,16 +15,15 @@ from forkbuild.core.pytest_runner import Outcome, run_pytest
 from forkbuild.setup import install, tree
 
 BAD = ("failed", "error")
+Run = tuple[Path, Outcome]  # a tree, and what the suite did there
 
 
 def make_stock_tree(pins: Pins, fork_tree: Path) -> Path:
     """(Re)create the unpatched worktree; cheap, so it is always made afresh."""
     stock = build_dir() / f"vllm-{pins.upstream_version}-stock"
     env = {**os.environ, **tree.IDENTITY, "GIT_COMMITTER_DATE": "@0 +0000"}
-    version = f"v{pins.upstream_version}"
-    tree.fresh_worktree(
-        fork_tree, stock, version, env, "-B", "stock", hint="run `make tree`"
-    )
+    version, hint = f"v{pins.upstream_version}", "run `make tree`"
+    tree.fresh_worktree(fork_tree, stock, version, env, "-B", "stock", hint=hint)
     # the tests overlay: the fork branch's tip
     tree.git_ok(["cherry-pick", "fork"], stock, env, "add the fork's tests")
     # The compiled extensions and version file are the editable install's untracked
@@ -60,7 +59,7 @@ def check(pins: Pins, python: Path, fork_tree: Path) -> Outcome:
     results = build_dir() / "test-results"
     results.mkdir(exist_ok=True)
 
-    def on_stock_tree() -> tuple[Path, Outcome]:
+    def on_stock_tree() -> Run:
         stock = make_stock_tree(pins, fork_tree)
         check_imports_from(python, stock)
         junit, output = results / "suite-stock.xml", results / "suite-stock.log"
@@ -93,9 +92,7 @@ def check(pins: Pins, python: Path, fork_tree: Path) -> Outcome:
     return on_fork
 
 
-def _report(
-    pins: Pins, results: Path, fork: tuple[Path, Outcome], stock: tuple[Path, Outcome]
-) -> None:
+def _report(pins: Pins, results: Path, fork: Run, stock: Run) -> None:
     """Print both trees' outcomes and each regression module's failures on stock."""
     on_stock, listing = stock[1], results / "regression-cases-failing-on-stock.txt"
     failing = sorted(c for c, s in on_stock.cases.items() if s == "failed")

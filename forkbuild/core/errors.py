@@ -13,8 +13,7 @@ class ForkError(Exception):
 
     def __init__(self, cause: str, hint: str = "") -> None:
         super().__init__(cause)
-        self.cause = cause
-        self.hint = hint
+        self.cause, self.hint = cause, hint
 
     def __str__(self) -> str:
         return f"{self.cause} -- {self.hint}" if self.hint else self.cause

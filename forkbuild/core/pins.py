@@ -164,7 +164,6 @@ def _release(raw: dict, artifacts: dict[str, Artifact], torch: str, v: str) -> R
 
 
 # -- fork.toml [gpu]: the nightly's GPU kinds, queues, cases (a bundle manifest's too)
-
 Capability = tuple[int, int]  # CUDA compute capability (major, minor): 9.0 -> (9, 0)
 
 

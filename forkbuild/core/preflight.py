@@ -1,4 +1,4 @@
-"""Checks that fail fast, before any download or build (stdlib only: the runner's)."""
+"""Checks that fail fast, before any download or build (standard library only)."""
 
 from __future__ import annotations
 
@@ -41,9 +41,8 @@ def check_machine(pins: Pins) -> None:
 def setting_for(path: Path) -> str:
     """The variable that moves PATH (the download cache's or the build folder's)."""
     roots = {"VLLM_FORK_CACHE": cache_dir(), "VLLM_FORK_BUILD": build_dir()}
-    inside = [
-        v for v, r in roots.items() if path.absolute().is_relative_to(r.absolute())
-    ]
+    here = path.absolute()
+    inside = [v for v, root in roots.items() if here.is_relative_to(root.absolute())]
     return inside[0] if inside else "VLLM_FORK_CACHE / VLLM_FORK_BUILD"
 
 
@@ -51,9 +50,7 @@ def check_writable(path: Path, what: str) -> None:
     """PATH takes a file, else its variable is named (os.access: root passes on ro)."""
     try:
         path.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".forkbuild-write-test-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
+        tempfile.NamedTemporaryFile(prefix=".forkbuild-write-test-", dir=path).close()
     except OSError as exc:
         if exc.errno == 28:  # ENOSPC: a full disk, said as such by the caller's checks
             raise

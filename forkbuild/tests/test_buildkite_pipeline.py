@@ -92,8 +92,6 @@ def test_artifacts_are_the_reports_in_the_nightly_output_folder(monkeypatch):
 
 
 # -- the fork's CI on every push and pull request --------------------------------------
-
-
 def _step_kind(step) -> str:
     """The schema definition of STEP's kind (a wait step, else a command step)."""
     if step in ("wait", "waiter") or isinstance(step, dict) and "wait" in step:

@@ -29,7 +29,6 @@ def doc_files(root: Path) -> list[Path]:
 
 
 # -- Markdown, parsed by markdown-it-py (CommonMark) with GitHub's heading ids ---------
-
 _EXTERNAL = re.compile(r"^(?:[a-zA-Z][a-zA-Z0-9+.-]*:|//)")  # https:, mailto:, //host
 _MARKDOWN = MarkdownIt("commonmark").use(anchors_plugin, max_level=6)
 
@@ -127,7 +126,6 @@ def broken_links(root: Path) -> list[str]:
 
 
 # -- make targets ----------------------------------------------------------------------
-
 _MAKE = re.compile(r"(?<![\w./-])make(?![\w.-])")
 
 
@@ -171,8 +169,6 @@ def unknown_make_targets(root: Path) -> list[str]:
 
 
 # -- the checks on this repository -----------------------------------------------------
-
-
 def test_docs_relative_links_lead_to_files_and_headings():
     assert broken_links(REPO_ROOT) == []
 
@@ -180,8 +176,13 @@ def test_docs_relative_links_lead_to_files_and_headings():
 def test_docs_name_only_make_targets_that_exist():
     docs = doc_files(REPO_ROOT)
     named = {t for doc in docs for _, t in make_targets_named(doc.read_text())}
-    # the checker sees them
-    assert {"serve", "test", "wheel", "matrix", "help"} <= named
+    assert {
+        "serve",
+        "test",
+        "wheel",
+        "matrix",
+        "help",
+    } <= named  # the checker sees them
     assert unknown_make_targets(REPO_ROOT) == []
 
 
@@ -222,8 +223,6 @@ def test_make_help_lists_the_environment_and_where_logs_go_as_the_docs_do():
 
 
 # -- the checks fail where they must ---------------------------------------------------
-
-
 @pytest.mark.parametrize(
     "heading",
     [
