@@ -33,9 +33,7 @@ class Route:
     requirements: str
     extra: tuple[str, ...]
     target_device: str
-    # Dependencies left out of the route's lock (uv pip compile --excludes): what a
-    # package declares but the route never imports (FlashInfer's CUDA compilers on CPU).
-    exclude: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()  # not locked (--excludes): declared, never imported
 
 
 @dataclass(frozen=True)
@@ -68,8 +66,7 @@ class Pins:
     regression_by_patch: dict[str, tuple[str, ...]]  # patch file name -> its modules
     suite: tuple[str, ...]
     gpu_tests: tuple[str, ...]
-    # Modules run only on the CUDA build without a GPU (forkbuild/gpu/cuda_route.py).
-    cuda_route_tests: tuple[str, ...] = ()
+    cuda_route_tests: tuple[str, ...] = ()  # run only on the CUDA build without a GPU
     releases: tuple[Release, ...] = ()
     gpu: GpuTable | None = None  # fork.toml [gpu]
 

@@ -25,8 +25,7 @@ class Outcome:
 
     cases: dict[str, str]
     reasons: dict[str, str] = field(default_factory=dict)  # skipped case -> why
-    # Why the run was stopped ("" if it ended itself): CASES is what came before.
-    killed: str = ""
+    killed: str = ""  # why the run was stopped ("": it ended); CASES came before
     # case -> seconds, as JUnit says; not part of what a run found (equal runs differ)
     times: dict[str, float] = field(default_factory=dict, compare=False)
 
@@ -82,10 +81,8 @@ def read_junit(junit: Path, killed: str = "") -> Outcome:
 # At its time limit a run gets SIGINT: pytest ends as on Ctrl-C and still writes the
 # JUnit XML of the cases it finished. What still runs GRACE_S later is killed.
 GRACE_S = 30
-# How often a run's cases done are logged: CI shows more than pytest's dots.
-PROGRESS_EVERY_S = 60
-# pytest_progress.py as copied beside the run: it names the case in progress.
-_PROGRESS_MODULE = "_forkbuild_progress"
+PROGRESS_EVERY_S = 60  # how often the cases done are logged: CI shows more than dots
+_PROGRESS_MODULE = "_forkbuild_progress"  # pytest_progress.py, copied beside the run
 # Every process a limited run starts carries this variable (its value the run's): what
 # escaped its process group (a `vllm serve` in its own session) is found in /proc too.
 _RUN_MARK = "FORKBUILD_LIMITED_RUN"
