@@ -24,8 +24,7 @@ Args = argparse.Namespace
 
 
 def _sdist(p: Pins) -> Path:
-    # pip runs in the venv (the sdist's metadata needs torch), made only if a file is
-    # missing. Any route's venv has pip.
+    # pip runs in a route's venv (the sdist's metadata needs torch), made if missing
     return fetch.fetch(p.sdist, lambda: install.ensure_toolchain(p))
 
 
@@ -59,7 +58,6 @@ def _flag(help_text: str) -> dict:
 @dataclass(frozen=True)
 class Step:
     func: Callable[[Args, Pins], object]  # a str it returns is printed last
-    help: str
     route: bool = False  # installs on one route's binaries: takes --route
     arguments: dict[str, dict] | None = None  # name or flag -> argparse keywords
 
@@ -71,23 +69,14 @@ ROUTE = {
     "present, else cpu)",
 }
 STEPS = {
-    "fetch": Step(
-        _fetch, "download the pinned sdist and wheel, verified by sha256", True
-    ),
+    "fetch": Step(_fetch, True),
     "tree": Step(
         lambda a, p: print(tree.build(p, _sdist(p), force=a.force)),
-        "build build/vllm-<version>: sdist + patches + tests, as git",
         arguments={"--force": _flag("rebuild even if the inputs are unchanged")},
     ),
-    "lock": Step(
-        _lock,
-        "locks/ROUTE-pyXY.txt: every route's venv, per Python, pinned with sha256 (uv "
-        "pip compile; needs the package index)",
-    ),
+    "lock": Step(_lock),
     "install": Step(
         lambda a, p: print(install.install(p, a.route, without_gpu=a.without_gpu)[0]),
-        "build/venv: the route's lock installed by uv, hash-checked, and an editable "
-        "install of the tree",
         True,
         {
             "--without-gpu": _flag(
@@ -98,28 +87,13 @@ STEPS = {
         },
     ),
     "regression": Step(
-        lambda a, p: regression.check(p, *install.install(p, a.route)[:2]),
-        "the regression tests must fail unpatched and pass patched",
-        True,
+        lambda a, p: regression.check(p, *install.install(p, a.route)[:2]), True
     ),
-    "wheel": Step(
-        lambda a, p: print(wheel.build(p)),
-        "a distributable patched CUDA wheel in dist/",
-    ),
-    "model": Step(_model, "generate the embedded tiny random-weight models", True),
-    "test": Step(
-        lambda a, p: testrun.run(p, a.route),
-        "everything CI runs: forkbuild's tool tests (serve, wheel, locks, bad input), "
-        "the CUDA route without a GPU (its install in build/cuda-route, every compiled "
-        "extension loaded through a driver stub, FlashInfer's JIT toolchain, the GPU "
-        "tests' clean skip under that build, the kernel test's calls up to the ops' "
-        "dispatch), the regression proof (the CPU suite fails on stock vLLM and passes "
-        "on the fork) and the patch-status check",
-        True,
-    ),
+    "wheel": Step(lambda a, p: print(wheel.build(p))),
+    "model": Step(_model, True),
+    "test": Step(lambda a, p: testrun.run(p, a.route), True),
     "matrix": Step(
         lambda a, p: matrix.run(p, a.versions),
-        "the fork's CPU suite on the [matrix] releases: docs/version-matrix.md",
         arguments={
             "versions": {
                 "nargs": "*",
@@ -127,23 +101,11 @@ STEPS = {
             }
         },
     ),
-    "generate": Step(
-        lambda a, p: generate.write(p),
-        "rewrite the docs' and the nightly pipeline's blocks that restate fork.toml "
-        "and patches/",
-    ),
-    "patch-status": Step(
-        lambda a, p: patch_status.check(p),
-        "confirm each patch's DEP-3 Applied-Upstream on the matrix",
-    ),
-    "upstream": Step(
-        lambda a, p: print(upstream.build(p)),
-        "dist/upstream/<pr>/: the test PRs of upstream-prs/ for the newest release, "
-        "each proven alone and together, measured by differential mutation",
-    ),
+    "generate": Step(lambda a, p: generate.write(p)),
+    "patch-status": Step(lambda a, p: patch_status.check(p)),
+    "upstream": Step(lambda a, p: print(upstream.build(p))),
     "rebase": Step(
         lambda a, p: (rebase.accept if a.accept else rebase.trial)(p, a.version),
-        "try the series on another release (changes nothing without --accept)",
         arguments={
             "version": {"help": "the upstream vLLM version, e.g. 0.26.0"},
             "--accept": _flag("move fork.toml and patches/ to that version"),
@@ -151,8 +113,6 @@ STEPS = {
     ),
     "gpu-bundle": Step(
         _gpu_bundle,
-        "dist/gpu-bundle/: the GPU cases for an air-gapped GPU host, in parts of at "
-        "most PART_MIB MiB (run.sh in part 1)",
         arguments={
             "--host": {
                 "help": "the host's file from `bash run.sh --inventory` (default: "
@@ -165,11 +125,36 @@ STEPS = {
             },
         },
     ),
-    "nightly": Step(
-        lambda a, p: nightly.run(p),
-        "the nightly GPU job: CUDA build, GPU tests, benchmark (needs a GPU)",
-    ),
-    "serve": Step(lambda a, p: serve.serve(p, a), "vllm serve through the fork", True),
+    "nightly": Step(lambda a, p: nightly.run(p)),
+    "serve": Step(lambda a, p: serve.serve(p, a), True),
+}
+HELP = {  # each step's, as `python3 -m forkbuild STEP --help` shows it
+    "fetch": "download the pinned sdist and wheel, verified by sha256",
+    "tree": "build build/vllm-<version>: sdist + patches + tests, as git",
+    "lock": "locks/ROUTE-pyXY.txt: every route's venv, per Python, pinned with sha256 "
+    "(uv pip compile; needs the package index)",
+    "install": "build/venv: the route's lock installed by uv, hash-checked, and an "
+    "editable install of the tree",
+    "regression": "the regression tests must fail unpatched and pass patched",
+    "wheel": "a distributable patched CUDA wheel in dist/",
+    "model": "generate the embedded tiny random-weight models",
+    "test": "everything CI runs: forkbuild's tool tests (serve, wheel, locks, bad "
+    "input), the CUDA route without a GPU (its install in build/cuda-route, every "
+    "compiled extension loaded through a driver stub, FlashInfer's JIT toolchain, the "
+    "GPU tests' clean skip under that build, the kernel test's calls up to the ops' "
+    "dispatch), the regression proof (the CPU suite fails on stock vLLM and passes on "
+    "the fork) and the patch-status check",
+    "matrix": "the fork's CPU suite on the [matrix] releases: docs/version-matrix.md",
+    "generate": "rewrite the docs' and the nightly pipeline's blocks that restate "
+    "fork.toml and patches/",
+    "patch-status": "confirm each patch's DEP-3 Applied-Upstream on the matrix",
+    "upstream": "dist/upstream/<pr>/: the test PRs of upstream-prs/ for the newest "
+    "release, each proven alone and together, measured by differential mutation",
+    "rebase": "try the series on another release (changes nothing without --accept)",
+    "gpu-bundle": "dist/gpu-bundle/: the GPU cases for an air-gapped GPU host, in "
+    "parts of at most PART_MIB MiB (run.sh in part 1)",
+    "nightly": "the nightly GPU job: CUDA build, GPU tests, benchmark (needs a GPU)",
+    "serve": "vllm serve through the fork",
 }
 
 
@@ -177,7 +162,7 @@ def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="forkbuild", description=__doc__)
     sub = top.add_subparsers(dest="step", required=True)
     for name, step in STEPS.items():
-        cmd = sub.add_parser(name, help=step.help, description=step.help)
+        cmd = sub.add_parser(name, help=HELP[name], description=HELP[name])
         cmd.set_defaults(func=step.func, route=None)
         if step.route:
             cmd.add_argument("--route", **ROUTE)
@@ -208,10 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         if exc.errno != 28:  # ENOSPC
             raise
-        free = "free disk space and run again"
-        return _fail(
-            f"{where}: error: no space left on device ({exc.filename}) -- {free}"
-        )
+        full = f"no space left on device ({exc.filename})"
+        return _fail(f"{where}: error: {full} -- free disk space and run again")
     log.step(f"{args.step}: done")
     if isinstance(closing, str) and closing:  # the test summary, where CI looks
         print(closing, flush=True)

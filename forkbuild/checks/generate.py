@@ -1,6 +1,5 @@
-"""`make generate`: rewrite the blocks (BLOCKS) that restate fork.toml and patches/,
-each between a Markdown or YAML `#` comment pair; nothing outside them is touched.
-forkbuild/tests/test_generate.py fails when a block is out of date."""
+"""`make generate`: rewrite the BLOCKS that restate fork.toml and patches/, each between
+a Markdown or YAML comment pair, nothing else (test_generate.py fails on stale ones)."""
 
 from __future__ import annotations
 
@@ -40,11 +39,10 @@ def read_mail(path: Path) -> PatchFacts:
     if subject.startswith("["):  # [PATCH] or [PATCH n/m]
         subject = subject.split("] ", 1)[1]
     body = message.get_content().split("\n---\n", 1)[0]
-    fields = {}
-    for line in body.splitlines():
-        key, sep, value = line.partition(": ")
-        if sep and key.replace("-", "").isalnum():
-            fields[key] = value.strip()
+    pairs = [line.partition(": ") for line in body.splitlines()]
+    fields = {
+        k: v.strip() for k, sep, v in pairs if sep and k.replace("-", "").isalnum()
+    }
     numstat = ["git", "apply", "--numstat", str(path)]
     done = subprocess.run(numstat, capture_output=True, text=True, check=False)
     if done.returncode != 0 or not done.stdout.strip():
@@ -53,18 +51,13 @@ def read_mail(path: Path) -> PatchFacts:
             "regenerate it with git format-patch",
         )
     stat = [line.split("\t", 2) for line in done.stdout.splitlines()]
-    return PatchFacts(
-        path.name, subject, fields, tuple((int(a), int(r), f) for a, r, f in stat)
-    )
+    numbers = tuple((int(a), int(r), f) for a, r, f in stat)
+    return PatchFacts(path.name, subject, fields, numbers)
 
 
 def series(patches_dir: Path = tree.PATCHES_DIR) -> list[PatchFacts]:
     """The mails of patches/series, in the order git am applies them."""
     return [read_mail(patch.path) for patch in tree.read_series(patches_dir)]
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
 
 
 def patch_table(p: Pins, patches_dir: Path = tree.PATCHES_DIR) -> str:
@@ -76,18 +69,12 @@ def patch_table(p: Pins, patches_dir: Path = tree.PATCHES_DIR) -> str:
         if "Bug" in patch.fields:
             origin += f"; bug {patch.fields['Bug']}"
         upstream = patch.fields.get("Applied-Upstream", "not applied upstream")
-        modules = ", ".join(
-            f"`{Path(m).name}`" for m in p.regression_by_patch.get(patch.name, ())
-        )
-        cells = [
-            f"[`{patch.name[:4]}`](../patches/{patch.name})",
-            patch.subject,
-            changes,
-            origin,
-            upstream,
-            modules or "**none: add them to fork.toml [tests.regression]**",
-        ]
-        rows.append("| " + " | ".join(map(_cell, cells)) + " |")
+        modules = p.regression_by_patch.get(patch.name, ())
+        named = ", ".join(f"`{Path(m).name}`" for m in modules)
+        named = named or "**none: add them to fork.toml [tests.regression]**"
+        link = f"[`{patch.name[:4]}`](../patches/{patch.name})"
+        cells = [link, patch.subject, changes, origin, upstream, named]
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(rows)
 
 
@@ -120,16 +107,11 @@ BLOCKS: tuple[tuple[str, str, str, Render], ...] = (
 )
 
 
-def _markers(path: str, block: str, source: str) -> tuple[str, str, str]:
-    """The block's first and last lines, and the prefix of its other lines."""
-    start = f"generated: {block}, from {source} by `{COMMAND}`; edit that, not this"
-    if path.endswith((".yaml", ".yml")):
-        return f"# {start}", f"# end of generated: {block}", "# "
-    return f"<!-- {start} -->", f"<!-- end of generated: {block} -->", ""
-
-
 def replace_block(text: str, path: str, block: str, source: str, body: str) -> str:
-    begin, end, prefix = _markers(path, block, source)
+    yaml = path.endswith((".yaml", ".yml"))
+    start = f"generated: {block}, from {source} by `{COMMAND}`; edit that, not this"
+    wrap = "# {}" if yaml else "<!-- {} -->"  # the block's first and last lines
+    begin, end = wrap.format(start), wrap.format(f"end of generated: {block}")
     head, found, rest = text.partition(begin + "\n")
     old, found_end, tail = rest.partition(end + "\n")
     if not (found and found_end):
@@ -137,12 +119,8 @@ def replace_block(text: str, path: str, block: str, source: str, body: str) -> s
             f"{path} has no block {block!r} (the lines {begin!r} ... {end!r})",
             "restore the two marker lines where the block goes",
         )
-    if block == "steps":  # the YAML itself, not a comment
-        prefix = ""
-    lines = [
-        (prefix + line).rstrip() if line else prefix.rstrip()
-        for line in body.split("\n")
-    ]
+    prefix = "# " if yaml and block != "steps" else ""  # steps: the YAML itself
+    lines = [(prefix + line).rstrip() for line in body.split("\n")]
     return head + begin + "\n" + "\n".join(lines) + "\n" + end + "\n" + tail
 
 

@@ -1,5 +1,5 @@
-"""Prove the regression tests fail on unpatched vLLM and pass on the fork: the unpatched
-tree is a worktree at v<version> plus the fork's tests, on the fork's venv."""
+"""Prove the regression tests fail on unpatched vLLM (a worktree at v<version> plus the
+fork's tests, on the fork's venv) and pass on the fork."""
 
 from __future__ import annotations
 
@@ -15,20 +15,15 @@ from forkbuild.core.pytest_runner import Outcome, run_pytest
 from forkbuild.setup import install, tree
 
 BAD = ("failed", "error")
-
-
-def stock_dir(pins: Pins) -> Path:
-    return build_dir() / f"vllm-{pins.upstream_version}-stock"
+Run = tuple[Path, Outcome]  # a tree, and what the suite did there
 
 
 def make_stock_tree(pins: Pins, fork_tree: Path) -> Path:
     """(Re)create the unpatched worktree; cheap, so it is always made afresh."""
-    stock = stock_dir(pins)
+    stock = build_dir() / f"vllm-{pins.upstream_version}-stock"
     env = {**os.environ, **tree.IDENTITY, "GIT_COMMITTER_DATE": "@0 +0000"}
-    version = f"v{pins.upstream_version}"
-    tree.fresh_worktree(
-        fork_tree, stock, version, env, "-B", "stock", hint="run `make tree`"
-    )
+    version, hint = f"v{pins.upstream_version}", "run `make tree`"
+    tree.fresh_worktree(fork_tree, stock, version, env, "-B", "stock", hint=hint)
     # the tests overlay: the fork branch's tip
     tree.git_ok(["cherry-pick", "fork"], stock, env, "add the fork's tests")
     # The compiled extensions and version file are the editable install's untracked
@@ -39,35 +34,19 @@ def make_stock_tree(pins: Pins, fork_tree: Path) -> Path:
         shutil.copy2(built, target)
     verdict = fixcheck.classify((stock / fixcheck.MODULE_PATH).read_text())
     if verdict != "buggy":
-        raise ForkError(
-            f"the unpatched tree's {fixcheck.FUNCTION} reads as {verdict}, "
-            "expected buggy"
-        )
+        read = f"the unpatched tree's {fixcheck.FUNCTION} reads as {verdict}"
+        raise ForkError(f"{read}, expected buggy")
     return stock
 
 
-def imported_from(python: Path, tree_path: Path) -> Path:
+def check_imports_from(python: Path, path: Path) -> None:
     out = run_or_fail(
         [str(python), "-m", "forkbuild.setup.install_probe", "origin"],
-        f"`import vllm` fails in {tree_path.name}",
-        cwd=tree_path,
-        env={**os.environ, "PYTHONPATH": install.probe_path(tree_path)},
+        f"`import vllm` fails in {path.name}",
+        cwd=path,
+        env={**os.environ, "PYTHONPATH": install.probe_path(path)},
     )
-    return Path(out.stdout.strip().splitlines()[-1])
-
-
-def _wrong_on_stock(outcome: Outcome, regression: tuple[str, ...]) -> list[str]:
-    """Regression cases must fail (an error is no proof); every other case must not."""
-    wrong = []
-    for case, status in outcome.cases.items():
-        proves = case.split("::", 1)[0] in regression
-        if status != "failed" if proves else status in BAD:
-            wrong.append(f"{case} {status}")
-    return wrong
-
-
-def check_imports_from(python: Path, path: Path) -> None:
-    origin = imported_from(python, path)
+    origin = Path(out.stdout.strip().splitlines()[-1])
     if not origin.resolve().is_relative_to(path.resolve()):
         raise ForkError(
             f"in {path.name}, `import vllm` resolved to {origin}; the check would be "
@@ -80,7 +59,7 @@ def check(pins: Pins, python: Path, fork_tree: Path) -> Outcome:
     results = build_dir() / "test-results"
     results.mkdir(exist_ok=True)
 
-    def on_stock_tree() -> tuple[Path, Outcome]:
+    def on_stock_tree() -> Run:
         stock = make_stock_tree(pins, fork_tree)
         check_imports_from(python, stock)
         junit, output = results / "suite-stock.xml", results / "suite-stock.log"
@@ -97,8 +76,11 @@ def check(pins: Pins, python: Path, fork_tree: Path) -> Outcome:
 
     _report(pins, results, (fork_tree, on_fork), (stock, on_stock))
     problems = [f"{c} {s} on the fork" for c, s in on_fork.cases.items() if s in BAD]
-    wrong = _wrong_on_stock(on_stock, pins.regression_tests)
-    problems += [f"{w} on v{pins.upstream_version}" for w in wrong]
+    # On stock, regression cases must fail (an error is no proof), the others must not.
+    for case, status in on_stock.cases.items():
+        proves = case.split("::", 1)[0] in pins.regression_tests
+        if status != "failed" if proves else status in BAD:
+            problems.append(f"{case} {status} on v{pins.upstream_version}")
     ran = {c.split("::", 1)[0] for c in on_stock.cases}
     problems += [f"{m} ran no case" for m in pins.regression_tests if m not in ran]
     if problems:
@@ -110,12 +92,9 @@ def check(pins: Pins, python: Path, fork_tree: Path) -> Outcome:
     return on_fork
 
 
-def _report(
-    pins: Pins, results: Path, fork: tuple[Path, Outcome], stock: tuple[Path, Outcome]
-) -> None:
+def _report(pins: Pins, results: Path, fork: Run, stock: Run) -> None:
     """Print both trees' outcomes and each regression module's failures on stock."""
-    on_stock = stock[1]
-    listing = results / "regression-cases-failing-on-stock.txt"
+    on_stock, listing = stock[1], results / "regression-cases-failing-on-stock.txt"
     failing = sorted(c for c, s in on_stock.cases.items() if s == "failed")
     listing.write_text("\n".join(failing) + "\n")
     print(f"\nregression proof ({' '.join(pins.suite)}):")

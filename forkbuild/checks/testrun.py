@@ -1,12 +1,12 @@
-"""`make test`: everything CI runs. At once (alone, each leaves 2 cores half idle):
-forkbuild's tests in build/venv (some import vLLM in-process); without a GPU, the CUDA
-route and the GPU bundle on a simulated host; the regression proof. Then patch status.
-The terminal shows the fork suite (the rest: build/test-results), then one summary."""
+"""`make test`: at once (alone, each leaves 2 cores half idle) the tool tests, the CUDA
+route and its GPU bundle (without a GPU), the regression proof; then patch status. The
+terminal shows the fork suite (the rest: build/test-results), then one summary."""
 
 from __future__ import annotations
 
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from forkbuild.checks import patch_status, regression
 from forkbuild.core import preflight, pytest_runner
@@ -16,6 +16,7 @@ from forkbuild.gpu import cuda_route
 from forkbuild.gpu.bundle import check as bundle_check
 from forkbuild.setup import install
 
+Checked = tuple[cuda_route.Result, bundle_check.Result]
 NO_CUDA_CHECK = (
     "cuda route without a GPU: not checked (this machine has a GPU: `make nightly` "
     "runs the CUDA route for real)"
@@ -40,8 +41,12 @@ def run(pins: Pins, route_name: str | None) -> str:
         try:
             suite = regression.check(pins, python, tree_path)
         finally:  # a broken proof must not hide failing tool tests or a failed route
-            tools = tools_run.result()
-            _report(tools, "forkbuild tool tests", tools_log)
+            tools = tools_run.result()  # its report went to a file: name what failed
+            bad = [(c, s) for c, s in tools.cases.items() if s in ("failed", "error")]
+            for case, status in bad:
+                print(f"forkbuild tool tests: {status}: {case}")
+            if bad:
+                print(f"forkbuild tool tests: pytest's report is in {tools_log}")
             if (error := cuda_run.exception()) and sys.exc_info()[1] is not None:
                 print(f"cuda route and gpu bundle without a GPU: error: {error}")
         cuda = cuda_run.result()
@@ -71,20 +76,9 @@ def run(pins: Pins, route_name: str | None) -> str:
     return summary
 
 
-def _report(outcome: pytest_runner.Outcome, what: str, log: object) -> None:
-    """Name the failing cases of a run whose report went to a file."""
-    bad = [(c, s) for c, s in outcome.cases.items() if s in ("failed", "error")]
-    for case, status in bad:
-        print(f"{what}: {status}: {case}")
-    if bad:
-        print(f"{what}: pytest's report is in {log}")
-
-
-def _check_cuda_route(
-    pins: Pins, results
-) -> tuple[cuda_route.Result, bundle_check.Result] | None:
-    """Without a GPU: the CUDA route, then its GPU bundle on a simulated host. The
-    bundle needs only the route installed, so the route's own cases run meanwhile."""
+def _check_cuda_route(pins: Pins, results: Path) -> Checked | None:
+    """Without a GPU: the CUDA route, its cases while its bundle (needing only the
+    install) is checked on a simulated host."""
     if preflight.has_nvidia_gpu():
         return None
     route = cuda_route.install(pins, results)

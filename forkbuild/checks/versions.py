@@ -1,5 +1,4 @@
-"""Release versions as forkbuild compares them: packaging's, plain X.Y.Z only (as
-vLLM's releases are); anything else is refused, not guessed at."""
+"""Release versions: packaging's, plain X.Y.Z only (as vLLM's); others refused."""
 
 from __future__ import annotations
 

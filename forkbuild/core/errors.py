@@ -1,5 +1,4 @@
-"""The one error type the pipeline raises (a one-line cause plus what to do next), and
-the one way it runs a command that must succeed."""
+"""The one error type (a cause plus what to do), and how a must-succeed command runs."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ class ForkError(Exception):
 
     def __init__(self, cause: str, hint: str = "") -> None:
         super().__init__(cause)
-        self.cause = cause
-        self.hint = hint
+        self.cause, self.hint = cause, hint
 
     def __str__(self) -> str:
         return f"{self.cause} -- {self.hint}" if self.hint else self.cause
@@ -30,16 +28,16 @@ def run_or_fail(
     tail: int = 400,
     **kwargs: Any,
 ) -> subprocess.CompletedProcess[str]:
-    """Run CMD (text; its output captured, or written to the file REPORT); when it
-    exits non-zero, raise CAUSE with the end of what it said (REPORT's last line)."""
+    """Run CMD (output captured, or in REPORT); failing: CAUSE, what it said last."""
     with open(report or os.devnull, "w") as sink:
         streams = {"stdout": sink, "stderr": subprocess.STDOUT} if report else {}
         done = subprocess.run(
             cmd, capture_output=not report, text=True, check=False, **streams, **kwargs
         )
     if done.returncode != 0:
-        said = Path(report).read_text() if report else done.stderr or done.stdout
-        said = said.strip()
+        said = (
+            Path(report).read_text() if report else done.stderr or done.stdout
+        ).strip()
         # A crash's traceback is the useful part of captured output; a report has it.
         end = said.splitlines()[-1] if report and said else said[-tail:]
         hint = hint or (f"see {report}" if report else "")

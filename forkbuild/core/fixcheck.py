@@ -1,5 +1,4 @@
-"""Does a piece of source carry the #47054 fix? Read with ast, not grep, so that
-formatting and comments cannot fool it; reused for trees, installs and wheels."""
+"""Does source carry the #47054 fix? Read with ast, not grep: layout cannot fool it."""
 
 from __future__ import annotations
 
@@ -11,14 +10,18 @@ MODULE_PATH = "vllm/v1/worker/gpu/attn_utils.py"
 Verdict = Literal["fixed", "buggy", "unknown"]
 
 
-def _is_packing_branch(test: ast.expr) -> bool:
-    return (
-        isinstance(test, ast.Compare)
-        and isinstance(test.left, ast.Name)
-        and test.left.id == "packing"
-        and len(test.ops) == 1
-        and isinstance(test.ops[0], ast.IsNot)
-    )
+def _is_packing_branch(node: ast.AST) -> bool:  # `if packing is not ...:`
+    match node:
+        case ast.If(test=ast.Compare(left=ast.Name(id="packing"), ops=[ast.IsNot()])):
+            return True
+    return False
+
+
+def _viewed(node: ast.AST) -> str | None:  # NAME of `....view(NAME)`
+    match node:
+        case ast.Call(func=ast.Attribute(attr="view"), args=[ast.Name(id=name)]):
+            return name
+    return None
 
 
 def classify(source: str) -> Verdict:
@@ -31,19 +34,8 @@ def classify(source: str) -> Verdict:
     for func in ast.walk(tree):
         if not (isinstance(func, ast.FunctionDef) and func.name == FUNCTION):
             continue
-        for branch in ast.walk(func):
-            if not (isinstance(branch, ast.If) and _is_packing_branch(branch.test)):
-                continue
-            viewed = {
-                node.args[0].id
-                for stmt in branch.body
-                for node in ast.walk(stmt)
-                if isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Attribute)
-                and node.func.attr == "view"
-                and len(node.args) == 1
-                and isinstance(node.args[0], ast.Name)
-            }
+        for branch in filter(_is_packing_branch, ast.walk(func)):
+            viewed = {_viewed(n) for stmt in branch.body for n in ast.walk(stmt)}
             if "permuted_kv_cache_shape" in viewed:
                 return "fixed"
             if "kv_cache_shape" in viewed:

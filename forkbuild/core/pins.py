@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from forkbuild.core.errors import ForkError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PINS_FILE = REPO_ROOT / "fork.toml"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -30,9 +33,7 @@ class Route:
     requirements: str
     extra: tuple[str, ...]
     target_device: str
-    # Dependencies left out of the route's lock (uv pip compile --excludes): what a
-    # package declares but the route never imports (FlashInfer's CUDA compilers on CPU).
-    exclude: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()  # not locked (--excludes): declared, never imported
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,7 @@ class Pins:
     regression_by_patch: dict[str, tuple[str, ...]]  # patch file name -> its modules
     suite: tuple[str, ...]
     gpu_tests: tuple[str, ...]
-    # Modules run only on the CUDA build without a GPU (forkbuild/gpu/cuda_route.py).
-    cuda_route_tests: tuple[str, ...] = ()
+    cuda_route_tests: tuple[str, ...] = ()  # run only on the CUDA build without a GPU
     releases: tuple[Release, ...] = ()
     gpu: GpuTable | None = None  # fork.toml [gpu]
 
@@ -89,23 +89,15 @@ class Pins:
 
     @property
     def toolchain(self) -> tuple[str, ...]:  # every venv's, beside vLLM's requirements
-        return (
-            f"torch=={self.torch}",
-            *self.build,
-            *self.forkbuild,
-            *self.tools,
-        ) + self.test
+        libraries = (*self.build, *self.forkbuild, *self.tools, *self.test)
+        return (f"torch=={self.torch}", *libraries)
 
-    @property
-    def sdist(self) -> Artifact:
-        return self.artifacts["sdist"]
-
-    @property
-    def fork_version(self) -> str:
-        return f"{self.upstream_version}+{self.label}"
+    sdist = property(lambda self: self.artifacts["sdist"])
+    fork_version = property(lambda self: f"{self.upstream_version}+{self.label}")
 
 
-def load(path: Path = PINS_FILE) -> Pins:
+def _read(path: Path, make: Callable[[dict], T]) -> T:
+    """MAKE of the parsed file at PATH; a missing file, bad TOML or key said as such."""
     try:
         raw = tomllib.loads(path.read_text())
     except FileNotFoundError:
@@ -114,37 +106,38 @@ def load(path: Path = PINS_FILE) -> Pins:
     except tomllib.TOMLDecodeError as exc:
         raise ForkError(f"{path} is not valid TOML: {exc}", "fix the file") from None
     try:
-        artifacts = {key: _artifact(key, a) for key, a in raw["artifacts"].items()}
-        routes = {name: _route(name, r, artifacts) for name, r in raw["routes"].items()}
-        tc = raw["toolchain"]
-        matrix = raw.get("matrix", {})
-        torch_sha256 = matrix.get("torch-sha256", {})
-        releases = tuple(
-            _release(raw, artifacts, tc["torch"], v) for v in matrix.get("releases", [])
-        )
-        up, tests = raw["upstream"], raw["tests"]
-        return Pins(
-            *(raw["fork"]["label"], up["version"], tuple(up["pythons"])),
-            *(tuple(up["machines"]), up["lock_platform"], artifacts),
-            uv=_artifact("uv", tc["uv"]),
-            torch=tc["torch"],
-            torch_sha256={k: v.lower() for k, v in torch_sha256.items()},
-            **{k: tuple(tc[k]) for k in ("build", "forkbuild", "tools", "test")},
-            routes=routes,
-            regression_by_patch={k: tuple(v) for k, v in tests["regression"].items()},
-            suite=tuple(tests["suite"]),
-            gpu_tests=tuple(tests["gpu"]),
-            cuda_route_tests=tuple(tests.get("cuda_route", ())),
-            releases=releases,
-            gpu=gpu_table(raw["gpu"]),
-        )
+        return make(raw)
     except KeyError as exc:
-        raise _lacks(path, exc) from None
+        hint = "compare it with the fork's main branch"
+        raise ForkError(f"{path} lacks the key {exc}", hint) from None
 
 
-def _lacks(path: Path, exc: KeyError) -> ForkError:
-    return ForkError(
-        f"{path} lacks the key {exc}", "compare it with the fork's main branch"
+def load(path: Path = PINS_FILE) -> Pins:
+    return _read(path, _pins)
+
+
+def _pins(raw: dict) -> Pins:
+    artifacts = {key: _artifact(key, a) for key, a in raw["artifacts"].items()}
+    routes = {name: _route(name, r, artifacts) for name, r in raw["routes"].items()}
+    tc, matrix = raw["toolchain"], raw.get("matrix", {})
+    torch_sha256 = matrix.get("torch-sha256", {})
+    versions = matrix.get("releases", [])
+    releases = tuple(_release(raw, artifacts, tc["torch"], v) for v in versions)
+    up, tests = raw["upstream"], raw["tests"]
+    return Pins(
+        *(raw["fork"]["label"], up["version"], tuple(up["pythons"])),
+        *(tuple(up["machines"]), up["lock_platform"], artifacts),
+        uv=_artifact("uv", tc["uv"]),
+        torch=tc["torch"],
+        torch_sha256={k: v.lower() for k, v in torch_sha256.items()},
+        **{k: tuple(tc[k]) for k in ("build", "forkbuild", "tools", "test")},
+        routes=routes,
+        regression_by_patch={k: tuple(v) for k, v in tests["regression"].items()},
+        suite=tuple(tests["suite"]),
+        gpu_tests=tuple(tests["gpu"]),
+        cuda_route_tests=tuple(tests.get("cuda_route", ())),
+        releases=releases,
+        gpu=gpu_table(raw["gpu"]),
     )
 
 
@@ -167,10 +160,7 @@ def _release(raw: dict, artifacts: dict[str, Artifact], torch: str, v: str) -> R
     return Release(v, entry["torch"], sdist, binaries, entry.get("note", ""))
 
 
-# -- fork.toml [gpu]: the nightly GPU job's kinds, queues and required cases ----------
-# (forkbuild/gpu/required.py; the GPU bundle's manifest carries the same table, which
-# its runner reads with gpu_table.)
-
+# -- fork.toml [gpu]: the nightly's GPU kinds, queues, cases (a bundle manifest's too)
 Capability = tuple[int, int]  # CUDA compute capability (major, minor): 9.0 -> (9, 0)
 
 
@@ -228,8 +218,7 @@ class GpuTable:
 
 
 def gpu_table(data: dict) -> GpuTable:
-    """A [gpu] mapping's table (fork.toml's or a bundle manifest's): a case is due from
-    its `kind` on (newer kinds too), with two GPUs when `gpus` is 2."""
+    """A [gpu] mapping's table: a case is due from its `kind` on, on `gpus` GPUs."""
     named = sorted(
         data["kinds"].items(), key=lambda kv: capability(kv[1]["capability"])
     )
@@ -257,10 +246,8 @@ def _gpu_case(node: str, c: dict, kinds: list[str]) -> GpuCase:
             "bundle holds for it) and `not_in_bundle` (why it does not carry it)",
             'add `bundle = []` or `not_in_bundle = "..."` to its row',
         )
-    bundle = tuple(c["bundle"]) if "bundle" in c else None
-    return GpuCase(
-        node, c["kind"], c.get("gpus", 1), bundle, c.get("not_in_bundle", "")
-    )
+    carry = tuple(c["bundle"]) if "bundle" in c else None
+    return GpuCase(node, c["kind"], c.get("gpus", 1), carry, c.get("not_in_bundle", ""))
 
 
 def cache_dir() -> Path:  # outside the clone: a fresh clone reuses the downloads
@@ -276,7 +263,6 @@ def build_dir() -> Path:
     return Path(os.environ.get("VLLM_FORK_BUILD") or REPO_ROOT / "build")
 
 
-# --- fork.toml [gpu_bundle]: the GPU bundle's settings (forkbuild/gpu/bundle/) --------
 @dataclass(frozen=True)
 class GpuBundle:
     """fork.toml [gpu_bundle], and what each [gpu.cases] row says of the bundle."""
@@ -301,10 +287,9 @@ def gpu_bundle_of(raw: dict) -> GpuBundle:
     needs, not_carried = {}, {}
     for node, case in gpu["cases"].items():
         if ("bundle" in case) == ("not_in_bundle" in case):
+            gives = "both `bundle` and" if "bundle" in case else "neither `bundle` nor"
             raise ForkError(
-                f"fork.toml [gpu.cases] {node!r} gives "
-                + ("both `bundle` and" if "bundle" in case else "neither `bundle` nor")
-                + " `not_in_bundle`",
+                f"fork.toml [gpu.cases] {node!r} gives {gives} `not_in_bundle`",
                 "give one: `bundle = [...]`, what the bundle holds for it beyond "
                 '[gpu_bundle] every_case, or `not_in_bundle = "why"`',
             )
@@ -313,20 +298,11 @@ def gpu_bundle_of(raw: dict) -> GpuBundle:
         else:
             not_carried[node] = case["not_in_bundle"]
     lists = ("order", "every_case", "harness", "engine_modules", "omit")
-    return GpuBundle(
-        host=table["host"],
-        part_mib=float(table["part_mib"]),
-        needs=needs,
-        not_carried=not_carried,
-        gpu=gpu,
-        left_out=dict(table.get("left_out", {})),
-        stand_in=dict(table.get("stand_in", {})),
-        **{k: tuple(table.get(k, ())) for k in lists},
-    )
+    settings = {k: tuple(table.get(k, ())) for k in lists}
+    settings |= {k: dict(table.get(k, {})) for k in ("left_out", "stand_in")}
+    settings |= {"needs": needs, "not_carried": not_carried, "gpu": gpu}
+    return GpuBundle(table["host"], float(table["part_mib"]), **settings)
 
 
 def load_gpu_bundle(path: Path = PINS_FILE) -> GpuBundle:
-    try:
-        return gpu_bundle_of(tomllib.loads(path.read_text()))
-    except KeyError as exc:
-        raise _lacks(path, exc) from None
+    return _read(path, gpu_bundle_of)

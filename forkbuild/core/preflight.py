@@ -1,5 +1,4 @@
-"""Checks that fail fast, before any download or build: stdlib only, as the first
-module forkbuild imports on whatever python3 the user has."""
+"""Checks that fail fast, before any download or build (standard library only)."""
 
 from __future__ import annotations
 
@@ -41,23 +40,17 @@ def check_machine(pins: Pins) -> None:
 
 def setting_for(path: Path) -> str:
     """The variable that moves PATH (the download cache's or the build folder's)."""
-    for variable, root in (
-        ("VLLM_FORK_CACHE", cache_dir()),
-        ("VLLM_FORK_BUILD", build_dir()),
-    ):
-        if path.absolute().is_relative_to(root.absolute()):
-            return variable
-    return "VLLM_FORK_CACHE / VLLM_FORK_BUILD"
+    roots = {"VLLM_FORK_CACHE": cache_dir(), "VLLM_FORK_BUILD": build_dir()}
+    here = path.absolute()
+    inside = [v for v, root in roots.items() if here.is_relative_to(root.absolute())]
+    return inside[0] if inside else "VLLM_FORK_CACHE / VLLM_FORK_BUILD"
 
 
 def check_writable(path: Path, what: str) -> None:
-    """PATH exists and takes a file, else its variable is named (a file, not os.access:
-    root passes that on a read-only file system)."""
+    """PATH takes a file, else its variable is named (os.access: root passes on ro)."""
     try:
         path.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".forkbuild-write-test-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
+        tempfile.NamedTemporaryFile(prefix=".forkbuild-write-test-", dir=path).close()
     except OSError as exc:
         if exc.errno == 28:  # ENOSPC: a full disk, said as such by the caller's checks
             raise

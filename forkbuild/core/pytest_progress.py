@@ -1,8 +1,6 @@
-"""A pytest plugin (pytest_runner loads a copy with `-p`): JUnit XML comes only at the
-end, so the cases done, collected and in progress go to FORKBUILD_PYTEST_PROGRESS as one
-tab-separated line. Under --forked, what a case started (marked, inherited) and left is
-killed when it is reported: engine cores of a stopped case hold GPU memory the next
-one's profiling counts. (Without --forked a fixture may outlive a case.)"""
+"""A pytest plugin (pytest_runner's `-p`): JUnit XML comes only at the end, so cases
+done, collected, in progress go to FORKBUILD_PYTEST_PROGRESS. Under --forked, what a
+case left (marked) is killed: a stopped case's engine cores hold the next one's GPU."""
 
 from __future__ import annotations
 

@@ -25,13 +25,12 @@ class Outcome:
 
     cases: dict[str, str]
     reasons: dict[str, str] = field(default_factory=dict)  # skipped case -> why
-    # Why the run was stopped ("" if it ended itself): CASES is what came before.
-    killed: str = ""
+    killed: str = ""  # why the run was stopped ("": it ended); CASES came before
     # case -> seconds, as JUnit says; not part of what a run found (equal runs differ)
     times: dict[str, float] = field(default_factory=dict, compare=False)
 
     def count(self, status: str) -> int:
-        return sum(1 for s in self.cases.values() if s == status)
+        return list(self.cases.values()).count(status)
 
     passed = property(lambda self: self.count("passed"))
     failed = property(lambda self: self.count("failed"))
@@ -40,23 +39,13 @@ class Outcome:
     xfailed = property(lambda self: self.count("xfailed"))
 
     def __str__(self) -> str:
-        text = (
-            f"{self.passed} passed, {self.failed} failed, {self.errors} errors, "
-            f"{self.skipped} skipped"
-        )
+        text = f"{self.passed} passed, {self.failed} failed, {self.errors} errors, "
+        text += f"{self.skipped} skipped"
         text += f", {self.xfailed} xfailed" if self.xfailed else ""
         return text + (f"; killed: {self.killed}" if self.killed else "")
 
 
-def _skip_reason(skipped: ET.Element) -> str:
-    message = skipped.get("message", "")
-    if skipped.get("type") == "pytest.xfail":
-        return f"xfail: {message}"
-    # the reason is in the text: (file, line, 'Skipped: …')
-    text = skipped.text or ""
-    if message == "collection skipped" and "Skipped: " in text:
-        return text.split("Skipped: ", 1)[-1].rstrip("')\"")
-    return message
+_STATUSES = (("failure", "failed"), ("error", "error"))  # the last found wins
 
 
 def read_junit(junit: Path, killed: str = "") -> Outcome:
@@ -73,16 +62,18 @@ def read_junit(junit: Path, killed: str = "") -> Outcome:
             node = "::".join(["/".join(parts[:cut]) + ".py", *parts[cut:], name])
         else:  # a whole module skipped (or broken) at collection: NAME is the module
             node = f"{name.replace('.', '/')}.py::(module)"
-        status = "passed"
-        for child, name in (("failure", "failed"), ("error", "error")):
-            if case.find(child) is not None:
-                status = name
+        found = [s for c, s in _STATUSES if case.find(c) is not None] or ["passed"]
         skipped = case.find("skipped")
         if skipped is not None:  # pytest reports an xfail as a skip of that type
-            reasons[node] = _skip_reason(skipped)
+            why, text = skipped.get("message", ""), skipped.text or ""
             xfail = skipped.get("type") == "pytest.xfail"
-            status = "xfailed" if xfail else "skipped"
-        cases[node] = status
+            found.append("xfailed" if xfail else "skipped")
+            if xfail:
+                why = f"xfail: {why}"
+            elif why == "collection skipped" and "Skipped: " in text:
+                why = text.split("Skipped: ", 1)[-1].rstrip("')\"")  # (file, line, '…')
+            reasons[node] = why
+        cases[node] = found[-1]
         times[node] = float(case.get("time") or 0.0)
     return Outcome(cases, reasons, killed, times)
 
@@ -90,34 +81,30 @@ def read_junit(junit: Path, killed: str = "") -> Outcome:
 # At its time limit a run gets SIGINT: pytest ends as on Ctrl-C and still writes the
 # JUnit XML of the cases it finished. What still runs GRACE_S later is killed.
 GRACE_S = 30
-# How often a run's cases done are logged: CI shows more than pytest's dots.
-PROGRESS_EVERY_S = 60
-# pytest_progress.py as copied beside the run: it names the case in progress.
-_PROGRESS_MODULE = "_forkbuild_progress"
+PROGRESS_EVERY_S = 60  # how often the cases done are logged: CI shows more than dots
+_PROGRESS_MODULE = "_forkbuild_progress"  # pytest_progress.py, copied beside the run
 # Every process a limited run starts carries this variable (its value the run's): what
 # escaped its process group (a `vllm serve` in its own session) is found in /proc too.
 _RUN_MARK = "FORKBUILD_LIMITED_RUN"
 
 
-def _signal_group(pgid: int, sig: int) -> None:
+def _signal_run(pgid: int, token: str, sig: int = signal.SIGKILL) -> None:
+    """SIG to the process group PGID; a SIGKILL to every process marked TOKEN too."""
     with contextlib.suppress(ProcessLookupError):  # nothing of it is left
         os.killpg(pgid, sig)
-
-
-def _kill_all(pgid: int, token: str) -> None:
-    _signal_group(pgid, signal.SIGKILL)  # and every process marked with TOKEN
-    for pid in pytest_progress.leftovers(token, _RUN_MARK):
+    kill = sig == signal.SIGKILL
+    for pid in pytest_progress.leftovers(token, _RUN_MARK) if kill else ():
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
 
 
 def _stop(proc: subprocess.Popen, token: str) -> None:
     """SIGINT to PROC's process group; after GRACE_S, SIGKILL to what is left of it."""
-    _signal_group(proc.pid, signal.SIGINT)
+    _signal_run(proc.pid, token, signal.SIGINT)
     try:
         proc.wait(timeout=GRACE_S)
     except subprocess.TimeoutExpired:
-        _kill_all(proc.pid, token)
+        _signal_run(proc.pid, token)
         proc.wait()
 
 
@@ -151,21 +138,7 @@ def run_limited(
         _stop(proc, token)
         raise
     finally:
-        _kill_all(proc.pid, token)
-
-
-def _with_progress(
-    cmd: list[str], env: dict[str, str], folder: Path
-) -> tuple[list[str], Path]:
-    """CMD and ENV (in place) with a copy of the progress plugin (the run's own `tests`
-    package must win over forkbuild's), and its file."""
-    plugin = folder / f"{_PROGRESS_MODULE}.py"
-    shutil.copyfile(Path(__file__).with_name("pytest_progress.py"), plugin)
-    progress = folder / "running"
-    progress.write_text("")
-    env["PYTHONPATH"] = f"{folder}{os.pathsep}{env['PYTHONPATH']}"
-    env["FORKBUILD_PYTEST_PROGRESS"] = str(progress)
-    return [*cmd, "-p", _PROGRESS_MODULE], progress
+        _signal_run(proc.pid, token)
 
 
 def run_pytest(
@@ -186,7 +159,7 @@ def run_pytest(
     env = {**os.environ, **(extra_env or {}), "PYTHONPATH": str(pythonpath or cwd)}
     junit.unlink(missing_ok=True)
     cmd = [*prefix, str(python), "-m", "pytest", "-p", "no:cacheprovider", "-q"]
-    cmd += [f"--junitxml={junit}", *args]
+    cmd += [f"--junitxml={junit}", *args, "-p", _PROGRESS_MODULE]
     report = f" (report: {output})" if output else ""
     log.step(f"pytest in {cwd.name}: {' '.join(args)}{report}")
     returncode, killed = _run(cmd, cwd, env, output, timeout_s)
@@ -214,7 +187,13 @@ def _run(
         tempfile.TemporaryDirectory(prefix="forkbuild-pytest-") as folder,
     ):
         streams = {"stdout": sink, "stderr": subprocess.STDOUT} if output else {}
-        cmd, progress = _with_progress(cmd, env, Path(folder))
+        # The progress plugin, copied: the run's own `tests` package wins over ours.
+        plugin = Path(folder) / f"{_PROGRESS_MODULE}.py"
+        shutil.copyfile(Path(__file__).with_name("pytest_progress.py"), plugin)
+        progress = Path(folder) / "running"
+        progress.write_text("")
+        env["PYTHONPATH"] = f"{folder}{os.pathsep}{env['PYTHONPATH']}"
+        env["FORKBUILD_PYTEST_PROGRESS"] = str(progress)
 
         def tick() -> None:
             done, total, _ = pytest_progress.read(progress.read_text())

@@ -1,5 +1,4 @@
-"""Fixtures for forkbuild's own tests: a throw-away build folder and cache, seeded with
-the real, already verified sdist so that no test downloads it again."""
+"""Fixtures: a throw-away build folder and cache, with the real, checked sdist in it."""
 
 from __future__ import annotations
 

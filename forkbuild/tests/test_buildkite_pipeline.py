@@ -1,16 +1,13 @@
-"""The fork's Buildkite pipelines (.buildkite/fork_nightly_gpu.yaml, generated from
-fork.toml [gpu], and fork_ci.yaml, make test on every push) against Buildkite's own
-schema (in buildkite-sdk, a test tool of fork.toml), plus what it cannot know: the
-command files exist, the artifacts are where the runs write their reports, and the CI
-keeps its download cache where forkbuild reads it."""
+"""The nightly GPU and the CI pipeline against Buildkite's schema (buildkite-sdk), and
+what it cannot know: command files, artifacts and the download cache are where used."""
 
 from __future__ import annotations
 
 import fnmatch
-import importlib.resources
 import json
 import re
 import shlex
+from importlib.resources import files
 from pathlib import Path, PurePosixPath
 
 import jsonschema
@@ -28,75 +25,57 @@ CI_RUN_MIN, CI_LIMIT_MIN = 12, 90
 # What forkbuild/gpu/nightly.py writes into its output folder.
 REPORTS = ["gpus.csv", "gpu-tests.xml", "serve-gpu.xml", "benchmark.json"]
 REPORTS += ["summary.json"]
+NIGHTLY, CI = (yaml.safe_load(path.read_text()) for path in (PIPELINE, CI_PIPELINE))
 
 
-@pytest.fixture(scope="module")
-def schema() -> dict:
-    # No skip when buildkite-sdk is absent: it is part of the test toolchain, and a
-    # pipeline nobody validated must not pass quietly.
-    resource = importlib.resources.files("buildkite_sdk").joinpath("schema.json")
-    return json.loads(resource.read_text())
+# No skip when buildkite-sdk is absent: it is part of the test toolchain, and a
+# pipeline nobody validated must not pass quietly.
+SCHEMA = json.loads((files("buildkite_sdk") / "schema.json").read_text())
 
 
-def _load(path: Path) -> dict:
-    return yaml.safe_load(path.read_text())
-
-
-@pytest.fixture(scope="module")
-def pipeline() -> dict:
-    return _load(PIPELINE)
-
-
-@pytest.fixture(scope="module")
-def ci_pipeline() -> dict:
-    return _load(CI_PIPELINE)
-
-
-def _errors(schema: dict, instance, definition: str | None = None) -> list[str]:
-    """Schema violations of INSTANCE, against the whole schema or one of its
-    definitions."""
-    if definition:
-        schema = {**schema, "$ref": f"#/definitions/{definition}"}
+def _errors(instance, definition: str | None = None) -> list[str]:
+    """Schema violations of INSTANCE, against the whole schema or one definition."""
+    schema = {**SCHEMA, "$ref": f"#/definitions/{definition}"} if definition else SCHEMA
     return [
         f"{'/'.join(map(str, e.absolute_path)) or '(top)'}: {e.message}"
         for e in jsonschema.Draft7Validator(schema).iter_errors(instance)
     ]
 
 
-def test_the_schema_is_buildkites_draft_07(schema):
-    assert schema["$schema"] == "http://json-schema.org/draft-07/schema#"
-    assert schema["definitions"]["commandStep"]["additionalProperties"] is False
-    jsonschema.Draft7Validator.check_schema(schema)
+def test_the_schema_is_buildkites_draft_07():
+    assert SCHEMA["$schema"] == "http://json-schema.org/draft-07/schema#"
+    assert SCHEMA["definitions"]["commandStep"]["additionalProperties"] is False
+    jsonschema.Draft7Validator.check_schema(SCHEMA)
 
 
-def test_the_schema_refuses_the_test_area_shape(schema, pipeline):
+def test_the_schema_refuses_the_test_area_shape():
     # The keys of vLLM's test_areas files, which its generator drops, are no step keys.
-    step = dict(pipeline["steps"][0], device="h100", num_devices=1, nightly=True)
+    step = dict(NIGHTLY["steps"][0], device="h100", num_devices=1, nightly=True)
     step["source_file_dependencies"] = ["fork.toml"]
-    (error,) = _errors(schema, step, "commandStep")
+    (error,) = _errors(step, "commandStep")
     assert "Additional properties are not allowed" in error
-    assert _errors(schema, {**pipeline, "steps": [step]}) != []
+    assert _errors({**NIGHTLY, "steps": [step]}) != []
 
 
-def test_every_step_targets_a_queue_of_the_gpu_table_with_a_timeout(pipeline):
-    steps = pipeline["steps"]
+def test_every_step_targets_a_queue_of_the_gpu_table_with_a_timeout():
+    steps = NIGHTLY["steps"]
     queues = sorted(step["agents"]["queue"] for step in steps)
     assert queues == sorted(pins.load().gpu.queues), queues
     assert len({step["key"] for step in steps}) == len(steps)
     assert all(step.get("timeout_in_minutes") for step in steps)
 
 
-def test_every_command_runs_a_file_of_this_repository(pipeline):
-    for step in pipeline["steps"]:
+def test_every_command_runs_a_file_of_this_repository():
+    for step in NIGHTLY["steps"]:
         interpreter, script = shlex.split(step["command"])
         assert interpreter == "bash" and (REPO_ROOT / script).is_file(), step["label"]
 
 
-def test_artifacts_are_the_reports_in_the_nightly_output_folder(pipeline, monkeypatch):
+def test_artifacts_are_the_reports_in_the_nightly_output_folder(monkeypatch):
     monkeypatch.delenv("FORK_NIGHTLY_OUT", raising=False)
     monkeypatch.delenv("VLLM_FORK_BUILD", raising=False)
     default = PurePosixPath(nightly.out_dir().relative_to(REPO_ROOT).as_posix())
-    for step in pipeline["steps"]:
+    for step in NIGHTLY["steps"]:
         label = step["label"]
         out = PurePosixPath(step.get("env", {}).get("FORK_NIGHTLY_OUT", default))
         assert not out.is_absolute() and out.is_relative_to(default), (label, out)
@@ -113,8 +92,6 @@ def test_artifacts_are_the_reports_in_the_nightly_output_folder(pipeline, monkey
 
 
 # -- the fork's CI on every push and pull request --------------------------------------
-
-
 def _step_kind(step) -> str:
     """The schema definition of STEP's kind (a wait step, else a command step)."""
     if step in ("wait", "waiter") or isinstance(step, dict) and "wait" in step:
@@ -126,48 +103,45 @@ def _command_steps(pipeline: dict) -> list[dict]:
     return [step for step in pipeline["steps"] if _step_kind(step) == "commandStep"]
 
 
-@pytest.mark.parametrize("path", [PIPELINE, CI_PIPELINE], ids=["nightly", "ci"])
-def test_the_pipelines_are_valid_for_buildkite(schema, path):
+@pytest.mark.parametrize("pipeline", [NIGHTLY, CI], ids=["nightly", "ci"])
+def test_the_pipelines_are_valid_for_buildkite(pipeline):
     # Each step against its own kind first: against the anyOf of all step kinds, the
     # error jsonschema picks is often another kind's ("is not of type 'string'").
-    pipeline = _load(path)
     for step in pipeline["steps"]:
         label = step.get("label") if isinstance(step, dict) else step
-        assert _errors(schema, step, _step_kind(step)) == [], label
-    assert _errors(schema, pipeline) == []
+        assert _errors(step, _step_kind(step)) == [], label
+    assert _errors(pipeline) == []
     # The top level admits extra keys in the schema, but Buildkite reads only its own.
-    assert set(pipeline) <= set(schema["properties"]), set(pipeline)
+    assert set(pipeline) <= set(SCHEMA["properties"]), set(pipeline)
 
 
-def test_the_schema_refuses_a_broken_ci_pipeline(schema, ci_pipeline):
+def test_the_schema_refuses_a_broken_ci_pipeline():
     # The same check on a step with a misspelt key and a timeout that is no number.
-    first = _command_steps(ci_pipeline)[0]
+    first = _command_steps(CI)[0]
     step = dict(first, artifacts_paths=["build/test-results/*.xml"])
-    errors = _errors(schema, step, "commandStep")
+    errors = _errors(step, "commandStep")
     assert any("Additional properties" in e for e in errors)
     step = dict(first, timeout_in_minutes="forty-five")
-    assert _errors(schema, step, "commandStep") != []
-    assert _errors(schema, {**ci_pipeline, "steps": [step]}) != []
+    assert _errors(step, "commandStep") != []
+    assert _errors({**CI, "steps": [step]}) != []
 
 
-def test_the_ci_pipeline_runs_make_test_on_a_cpu_queue_in_time(ci_pipeline, pipeline):
+def test_the_ci_pipeline_runs_make_test_on_a_cpu_queue_in_time():
     # one job: make test runs its parts at once itself
-    (step,) = _command_steps(ci_pipeline)
+    (step,) = _command_steps(CI)
     assert 2 * CI_RUN_MIN <= step["timeout_in_minutes"] <= CI_LIMIT_MIN
     assert step["command"] == "bash .ci/run"
     run = (REPO_ROOT / ".ci" / "run").read_text()
     assert re.search(r"^make test$", run, re.M), "bash .ci/run no longer runs it"
-    gpu_queues = {s["agents"]["queue"] for s in pipeline["steps"]}
+    gpu_queues = {s["agents"]["queue"] for s in NIGHTLY["steps"]}
     # with a GPU, make test takes the CUDA route
     assert step["agents"]["queue"] not in gpu_queues
     assert "gpu" not in step["agents"]["queue"]
-    assert step["key"] not in {s["key"] for s in pipeline["steps"]}
+    assert step["key"] not in {s["key"] for s in NIGHTLY["steps"]}
 
 
-def test_the_ci_keeps_the_download_cache_where_forkbuild_reads_it(
-    ci_pipeline, monkeypatch
-):
-    env = _command_steps(ci_pipeline)[0]["env"]
+def test_the_ci_keeps_the_download_cache_where_forkbuild_reads_it(monkeypatch):
+    env = _command_steps(CI)[0]["env"]
     cache = PurePosixPath(env["VLLM_FORK_CACHE"])
     # Absolute: outside the checkout, which Buildkite cleans of ignored files.
     assert cache.is_absolute(), cache
@@ -178,12 +152,12 @@ def test_the_ci_keeps_the_download_cache_where_forkbuild_reads_it(
     assert "VLLM_FORK_BUILD" not in env and "VLLM_FORK_DIST" not in env
 
 
-def test_the_ci_uploads_every_junit_report_of_make_test(ci_pipeline, monkeypatch):
+def test_the_ci_uploads_every_junit_report_of_make_test(monkeypatch):
     monkeypatch.delenv("VLLM_FORK_BUILD", raising=False)
     results = PurePosixPath(
         (pins.build_dir() / "test-results").relative_to(REPO_ROOT).as_posix()
     )
-    (step,) = _command_steps(ci_pipeline)
+    (step,) = _command_steps(CI)
     patterns = step["artifact_paths"]
     assert all(PurePosixPath(p).parent == results for p in patterns), patterns
     # The JUnit files the modules of `make test` write into build/test-results.

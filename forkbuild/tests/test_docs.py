@@ -1,9 +1,9 @@
-"""README and docs/: relative links reach files and headings (GitHub's anchors); each
-`make TARGET` shown exists; the README links every page and stays short; `make help`
-names forkbuild's variables and log folders. Each check fails on a broken copy."""
+"""README and docs/: links reach files and headings (GitHub's ids), each `make TARGET`
+exists, the README links every page, stays short; `make help` names variables, logs."""
 
 from __future__ import annotations
 
+import itertools
 import re
 import shlex
 import shutil
@@ -29,7 +29,6 @@ def doc_files(root: Path) -> list[Path]:
 
 
 # -- Markdown, parsed by markdown-it-py (CommonMark) with GitHub's heading ids ---------
-
 _EXTERNAL = re.compile(r"^(?:[a-zA-Z][a-zA-Z0-9+.-]*:|//)")  # https:, mailto:, //host
 _MARKDOWN = MarkdownIt("commonmark").use(anchors_plugin, max_level=6)
 
@@ -37,10 +36,11 @@ _MARKDOWN = MarkdownIt("commonmark").use(anchors_plugin, max_level=6)
 class _HtmlTargets(HTMLParser):
     """The targets (href, src) and anchors (name, id) of inline HTML."""
 
-    def __init__(self) -> None:
+    def __init__(self, html: str) -> None:
         super().__init__()
         self.targets: list[str] = []
         self.anchors: set[str] = set()
+        self.feed(html)
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         for name, value in attrs:
@@ -63,12 +63,8 @@ def _tokens(text: str) -> list[tuple[int, Token]]:
 
 
 def _html(text: str) -> list[tuple[int, _HtmlTargets]]:
-    found = []
-    for line, token in _tokens(text):
-        if token.type in ("html_inline", "html_block"):
-            found.append((line, _HtmlTargets()))
-            found[-1][1].feed(token.content)
-    return found
+    html = [(n, t) for n, t in _tokens(text) if t.type in ("html_inline", "html_block")]
+    return [(line, _HtmlTargets(token.content)) for line, token in html]
 
 
 def github_anchor(heading: str) -> str:
@@ -122,9 +118,7 @@ def broken_links(root: Path) -> list[str]:
     problems = []
     for doc in doc_files(root):
         for number, target in links(doc):
-            problem = (
-                None if _EXTERNAL.match(target) else _link_problem(root, doc, target)
-            )
+            problem = not _EXTERNAL.match(target) and _link_problem(root, doc, target)
             if problem:
                 where = f"{doc.relative_to(root)}:{number}"
                 problems.append(f"{where}: {target}: {problem}")
@@ -132,48 +126,40 @@ def broken_links(root: Path) -> list[str]:
 
 
 # -- make targets ----------------------------------------------------------------------
-
 _MAKE = re.compile(r"(?<![\w./-])make(?![\w.-])")
 
 
-def makefile_targets(makefile: Path) -> set[str]:
-    """The targets the Makefile has rules for (`name:`, not `name :=` assignments)."""
-    rule = r"^([A-Za-z0-9][\w.-]*)\s*:(?!=)"
-    return set(re.findall(rule, makefile.read_text(), re.M))
+def _make_target(rest: str) -> str | None:
+    """The target of a `make` call followed by REST: options and VAR=value skipped."""
+    try:
+        words = shlex.split(rest, comments=True)
+    except ValueError:  # an unbalanced quote in the snippet
+        words = rest.split()
+    for word in words:
+        if word in ("&&", "||", ";", "|") or word.startswith("#"):
+            return None
+        if not (word.startswith("-") or "=" in word):
+            return word if re.fullmatch(r"[A-Za-z0-9][\w.-]*", word) else None
+    return None  # `make` alone names none
 
 
 def make_targets_named(text: str) -> list[tuple[int, str]]:
-    """(line, target) of each `make ...` in code (in prose "make" is a verb); options
-    and VAR=value skipped, `make` alone names none."""
-    snippets = [
-        (line + (index if token.type != "code_inline" else 0), code_line)
-        for line, token in _tokens(text)
-        if token.type in ("fence", "code_block", "code_inline")
-        for index, code_line in enumerate(
-            token.content.splitlines(), 1 if token.type == "fence" else 0
-        )
-    ]
+    """(line, target) of each `make ...` in code (in prose "make" is a verb)."""
     found = []
-    for number, snippet in snippets:
-        for call in _MAKE.finditer(snippet):
-            rest = snippet[call.end() :]
-            try:
-                words = shlex.split(rest, comments=True)
-            except ValueError:  # an unbalanced quote in the snippet
-                words = rest.split()
-            for word in words:
-                if word in ("&&", "||", ";", "|") or word.startswith("#"):
-                    break
-                if word.startswith("-") or "=" in word:
-                    continue
-                if re.fullmatch(r"[A-Za-z0-9][\w.-]*", word):
-                    found.append((number, word))
-                break
+    for line, token in _tokens(text):
+        if token.type in ("fence", "code_block", "code_inline"):
+            # a fence's code starts below its line; inline code is on one line
+            first, step = line + (token.type == "fence"), token.type != "code_inline"
+            for index, snippet in enumerate(token.content.splitlines()):
+                calls = _MAKE.finditer(snippet)
+                targets = [_make_target(snippet[call.end() :]) for call in calls]
+                found += [(first + index * step, t) for t in targets if t]
     return found
 
 
 def unknown_make_targets(root: Path) -> list[str]:
-    targets = makefile_targets(root / "Makefile")
+    rule = r"^([A-Za-z0-9][\w.-]*)\s*:(?!=)"  # the Makefile's `name:`, not `name :=`
+    targets = set(re.findall(rule, (root / "Makefile").read_text(), re.M))
     return [
         f"{doc.relative_to(root)}:{number}: make {target}"
         for doc in doc_files(root)
@@ -183,8 +169,6 @@ def unknown_make_targets(root: Path) -> list[str]:
 
 
 # -- the checks on this repository -----------------------------------------------------
-
-
 def test_docs_relative_links_lead_to_files_and_headings():
     assert broken_links(REPO_ROOT) == []
 
@@ -192,18 +176,19 @@ def test_docs_relative_links_lead_to_files_and_headings():
 def test_docs_name_only_make_targets_that_exist():
     docs = doc_files(REPO_ROOT)
     named = {t for doc in docs for _, t in make_targets_named(doc.read_text())}
-    # the checker sees them
-    assert {"serve", "test", "wheel", "matrix", "help"} <= named
+    assert {
+        "serve",
+        "test",
+        "wheel",
+        "matrix",
+        "help",
+    } <= named  # the checker sees them
     assert unknown_make_targets(REPO_ROOT) == []
 
 
 def test_docs_every_page_is_linked_from_the_readme():
-    readme = REPO_ROOT / "README.md"
-    linked = {
-        (readme.parent / unquote(t.partition("#")[0])).resolve()
-        for _, t in links(readme)
-        if not _EXTERNAL.match(t)
-    }
+    targets = [t for _, t in links(REPO_ROOT / "README.md") if not _EXTERNAL.match(t)]
+    linked = {(REPO_ROOT / unquote(t.partition("#")[0])).resolve() for t in targets}
     pages = sorted((REPO_ROOT / "docs").glob("*.md"))
     assert pages
     assert [p.name for p in pages if p.resolve() not in linked] == []
@@ -231,17 +216,13 @@ def test_make_help_lists_the_environment_and_where_logs_go_as_the_docs_do():
     for where in ("build/test-results", "build/models", "build/gpu-nightly"):
         assert where in text and where in files_doc, where
     # The help prints the Makefile's whole leading comment block, however long it grows.
-    header = []
-    for line in (REPO_ROOT / "Makefile").read_text().splitlines():
-        if line and not line.startswith("#"):
-            break
-        header.append(re.sub(r"^# ?", "", line))
+    lines = (REPO_ROOT / "Makefile").read_text().splitlines()
+    comments = itertools.takewhile(lambda line: not line or line[0] == "#", lines)
+    header = [re.sub(r"^# ?", "", line) for line in comments]
     assert len(header) > 10 and text.startswith("\n".join(header) + "\n")
 
 
 # -- the checks fail where they must ---------------------------------------------------
-
-
 @pytest.mark.parametrize(
     "heading",
     [
@@ -268,10 +249,9 @@ def test_repeated_headings_are_numbered_and_code_is_no_heading(tmp_path):
 
 def _copy_docs(tmp_path: Path) -> Path:
     root = tmp_path / "repo"
-    root.mkdir()
+    shutil.copytree(REPO_ROOT / "docs", root / "docs")  # makes ROOT too
     for name in ("README.md", "Makefile"):
         shutil.copy2(REPO_ROOT / name, root / name)
-    shutil.copytree(REPO_ROOT / "docs", root / "docs")
     return root
 
 

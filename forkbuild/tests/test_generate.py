@@ -33,8 +33,7 @@ def _edit_line(text: str, containing: str, old: str, new: str) -> str:
 
 
 def _generate_in_copy(tmp_path: Path, *edit: str) -> tuple[Path, pins.Pins]:
-    """fork.toml and the files with blocks, copied, EDIT (_edit_line's arguments) made
-    in fork.toml alone, and `make generate` run there."""
+    """fork.toml and the blocks' files copied, EDIT (_edit_line's) made, regenerated."""
     for path in {"fork.toml", *(b[0] for b in generate.BLOCKS)}:
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO_ROOT / path, tmp_path / path)
@@ -87,9 +86,8 @@ def test_adding_a_queue_is_one_edit(tmp_path):
     assert len(steps) == len(TABLE.queues) + 1
     out = f"build/gpu-nightly/{queue}"
     assert steps[queue]["env"] == {"FORK_NIGHTLY_OUT": out}
-    assert steps[queue]["artifact_paths"] == [
-        f"{out}/*.{x}" for x in ("xml", "json", "csv")
-    ]
+    paths = [f"{out}/*.{x}" for x in ("xml", "json", "csv")]
+    assert steps[queue]["artifact_paths"] == paths
     assert f"{OLDEST.name} (2 GPUs: " in steps[queue]["label"]
     assert _required(steps[queue]) == len(OLDEST.required(2))
     readme = (root / "README.md").read_text()

@@ -1,0 +1,163 @@
+"""What every step relies on: fixcheck's verdicts, preflight's refusals, the one-line
+errors of run_or_fail, a pytest run's progress log and graceful stop."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import signal
+import socket
+import sys
+import tarfile
+
+import pytest
+
+from forkbuild.core import fixcheck, pins, preflight, pytest_progress, pytest_runner
+from forkbuild.core.errors import ForkError, run_or_fail
+
+
+@pytest.fixture(scope="module")
+def released_source(real_sdist, fork_pins) -> str:
+    inner = f"vllm-{fork_pins.upstream_version}/{fixcheck.MODULE_PATH}"
+    with tarfile.open(real_sdist) as tar:
+        return tar.extractfile(inner).read().decode()
+
+
+def test_fixcheck_tells_released_from_fixed(released_source):
+    assert fixcheck.classify(released_source) == "buggy"
+    fixed = released_source.replace(
+        ".view(kv_cache_shape)", ".view(permuted_kv_cache_shape)"
+    )
+    assert fixcheck.classify(fixed) == "fixed"
+    # Reformatting does not fool it; code that no longer has the branch is "unknown".
+    noted = fixed.replace(".view(dtype)\n", ".view(dtype)  # note\n")
+    assert fixcheck.classify(noted) == "fixed"
+    for gone in ("def _reshape_attention_kv_cache():\n    pass\n", "not python ("):
+        assert fixcheck.classify(gone) == "unknown"
+
+
+def test_unsupported_python_and_machine_are_refused(fork_pins):
+    with pytest.raises(ForkError, match="is not supported: the fork locks Python 2.7"):
+        preflight.check_python(dataclasses.replace(fork_pins, pythons=("2.7",)))
+    with pytest.raises(ForkError, match="machine .* is not supported"):
+        preflight.check_machine(dataclasses.replace(fork_pins, machines=("riscv64",)))
+
+
+def test_no_space_is_refused_before_work(tmp_path, monkeypatch):
+    with pytest.raises(ForkError, match="GiB free under"):
+        preflight.check_disk(tmp_path, 10**9, "the test")
+    # The advice names the variable that moves the folder that is short of space.
+    monkeypatch.setenv("VLLM_FORK_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ForkError) as err:
+        preflight.check_disk(tmp_path / "cache" / "uv-cache", 10**9, "uv's downloads")
+    assert "set VLLM_FORK_CACHE to a folder on a disk with room" in err.value.hint
+
+
+@pytest.mark.parametrize("variable", ["VLLM_FORK_CACHE", "VLLM_FORK_BUILD"])
+def test_unwritable_cache_or_build_is_refused_with_its_variable(
+    tmp_path, monkeypatch, variable
+):
+    """A folder below a file (read-only: test_uv_cache.py): a line, not a traceback."""
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv(variable, str(tmp_path / "a-file" / "folder"))
+    cache = variable == "VLLM_FORK_CACHE"
+    folder = pins.cache_dir() / "artifacts" if cache else pins.build_dir()
+    refused = r"cannot write in .*a-file/folder.* \(Not a directory\)"
+    with pytest.raises(ForkError, match=refused) as err:
+        preflight.check_disk(folder, 1, "the test")
+    assert err.value.hint == f"make it writable, or set {variable} to a writable folder"
+
+
+def test_port_in_use_is_refused(monkeypatch):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        in_use = f"port {port} on 127.0.0.1 is already in use"
+        with pytest.raises(ForkError, match=in_use) as err:
+            preflight.check_port_free("127.0.0.1", port)
+        assert "pass --port N" in err.value.hint
+        # Through `make serve` (the Makefile names its variable) the advice is PORT=N.
+        monkeypatch.setenv("FORKBUILD_PORT_OPTION", "PORT=N (make serve PORT=8001)")
+        with pytest.raises(ForkError) as err:
+            preflight.check_port_free("127.0.0.1", port)
+        assert "pass PORT=N" in err.value.hint
+
+
+# -- errors.run_or_fail: a failing command is one ForkError line; a report holds all
+SAYS = [sys.executable, "-c", "import sys; print('out'); sys.exit('first\\nlast')"]
+
+
+def test_success_returns_the_captured_output():
+    done = run_or_fail([sys.executable, "-c", "print('hello')"], "cannot fail")
+    assert done.stdout == "hello\n"
+
+
+def test_failure_says_the_end_of_stderr_and_keeps_the_hint():
+    with pytest.raises(ForkError) as err:
+        run_or_fail(SAYS, "it broke", "do this", tail=4)
+    assert (err.value.cause, err.value.hint) == ("it broke: last", "do this")
+
+
+def test_failure_with_a_report_says_its_last_line_and_where_it_is(tmp_path):
+    report = tmp_path / "run.log"
+    with pytest.raises(ForkError) as err:
+        run_or_fail(SAYS, "it broke", report=report)
+    assert report.read_text().split() == ["out", "first", "last"]
+    assert (err.value.cause, err.value.hint) == ("it broke: last", f"see {report}")
+
+
+def test_a_silent_failure_says_so(tmp_path):
+    for report in (None, tmp_path / "run.log"):
+        silent = [sys.executable, "-c", "raise SystemExit(3)"]
+        with pytest.raises(ForkError) as err:
+            run_or_fail(silent, "it broke", report=report)
+        assert err.value.cause == "it broke: no output"
+
+
+# -- pytest_runner: CI sees cases done, not dots; the killed-run note names the case
+CASES = """import time, pytest
+@pytest.mark.parametrize("n", range(3))
+def test_slow(n):
+    time.sleep(0.6)
+"""
+
+
+def test_a_run_logs_its_cases_done_and_collected(tmp_path, monkeypatch, capsys):
+    (tmp_path / "test_cases.py").write_text(CASES)
+    monkeypatch.setattr(pytest_runner, "PROGRESS_EVERY_S", 0.25)
+    args = (sys.executable, tmp_path, ["test_cases.py"], tmp_path / "junit.xml")
+    assert pytest_runner.run_pytest(*args).passed == 3
+    logged = capsys.readouterr().err
+    counts = re.findall(r"pytest in \S+: (\d) of (\d) cases done", logged)
+    assert counts and {total for _, total in counts} == {"3"}, counts
+    done = [int(d) for d, _ in counts]
+    assert done == sorted(done) and done[-1] >= 1
+
+
+def test_the_progress_line_is_read_back_whole():
+    assert pytest_progress.read("") == (0, 0, "")
+    line = "2\t5\tt.py::test_x[a b]"
+    assert pytest_progress.read(line) == (2, 5, "t.py::test_x[a b]")
+    assert pytest_progress.read("5\t5\t") == (5, 5, "")
+
+
+HANGS = """import time
+def test_a_passes():
+    pass
+def test_b_hangs():
+    time.sleep(120)
+"""
+
+
+def test_a_run_started_with_sigint_ignored_still_stops_gracefully(tmp_path):
+    """`bash run.sh OUT &`, nohup: SIGINT comes ignored; the stop must still end it."""
+    (tmp_path / "test_cases.py").write_text(HANGS)
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the run
+    try:
+        args = (sys.executable, tmp_path, ["test_cases.py"], tmp_path / "junit.xml")
+        outcome = pytest_runner.run_pytest(*args, timeout_s=20)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert outcome.cases == {"test_cases.py::test_a_passes": "passed"}
+    assert outcome.killed.endswith("while running test_cases.py::test_b_hangs")
