@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import tomllib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -279,6 +279,7 @@ class GpuBundle:
     harness: tuple[str, ...] = ()
     engine_modules: tuple[str, ...] = ()
     omit: tuple[str, ...] = ()
+    xz_preset: dict[str, int] = field(default_factory=dict)  # component -> LZMA2 preset
 
 
 def gpu_bundle_of(raw: dict) -> GpuBundle:
@@ -299,7 +300,8 @@ def gpu_bundle_of(raw: dict) -> GpuBundle:
             not_carried[node] = case["not_in_bundle"]
     lists = ("order", "every_case", "harness", "engine_modules", "omit")
     settings = {k: tuple(table.get(k, ())) for k in lists}
-    settings |= {k: dict(table.get(k, {})) for k in ("left_out", "stand_in")}
+    tables = ("left_out", "stand_in", "xz_preset")
+    settings |= {k: dict(table.get(k, {})) for k in tables}
     settings |= {"needs": needs, "not_carried": not_carried, "gpu": gpu}
     return GpuBundle(table["host"], float(table["part_mib"]), **settings)
 

@@ -24,7 +24,7 @@ import sys
 import tarfile
 import tempfile
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
@@ -413,23 +413,39 @@ def models_component(python: Path, tree: Path, stub: Path, work: Path) -> Compon
 class Codec:
     """NAME: the manifest's codec ("xz", or "tar": plain); the tar in streams of CHUNK
     bytes, each compressed with FILTERS on WORKERS processes and concatenated (lzma,
-    tarfile "r:*", reads them as one)."""
+    tarfile "r:*", reads them as one). PRESETS: components whose last filter (LZMA2)
+    takes another preset (fork.toml [gpu_bundle] xz_preset)."""
 
     name: str
     filters: tuple[dict, ...] = ()
     chunk: int = 32 << 20
     workers: int = os.cpu_count() or 1
+    presets: tuple[tuple[str, int], ...] = ()
 
     @property
     def suffix(self) -> str:
         return ".tar.xz" if self.filters else ".tar"
 
+    def of(self, component: str) -> Codec:
+        """The codec COMPONENT's archive is written with."""
+        preset = dict(self.presets).get(component)
+        filters = self.filters
+        if preset is not None:
+            filters = (*filters[:-1], {**filters[-1], "preset": preset})
+        return replace(self, filters=filters, presets=())
+
 
 # The x86 filter before LZMA2 preset 6: the extensions, most of the bytes, come out
-# smaller with it at no cost in time. Faster presets do not fit: FA3 leaves part 1
-# (docs/setup-and-locks.md, "Cold CI"; benchmarks/bundle_compression.py).
+# smaller with it at no cost in time. Part 1 is nearly full and keeps preset 6; the
+# components of the other parts take fork.toml's faster presets (docs/setup-and-locks.md,
+# "Cold CI"; benchmarks/bundle_compression.py).
 XZ = Codec("xz", ({"id": lzma.FILTER_X86}, {"id": lzma.FILTER_LZMA2, "preset": 6}))
 PLAIN = Codec("tar")  # what no transfer carries: the simulated host's bundle
+
+
+def transfer_codec(settings: GpuBundle) -> Codec:
+    """XZ with fork.toml [gpu_bundle] xz_preset: what `make gpu-bundle` writes."""
+    return replace(XZ, presets=tuple(sorted(settings.xz_preset.items())))
 
 
 def write_tar(files: list[tuple[str, str, int, str]], out: Path) -> None:
@@ -447,11 +463,11 @@ def write_tar(files: list[tuple[str, str, int, str]], out: Path) -> None:
                 tar.addfile(info, handle)
 
 
-def _xz_stream(tar: str, offset: int, size: int, codec: Codec) -> bytes:
+def _xz_stream(tar: str, offset: int, size: int, filters: tuple[dict, ...]) -> bytes:
     with open(tar, "rb") as handle:
         handle.seek(offset)
         data = handle.read(size)
-    return lzma.compress(data, lzma.FORMAT_XZ, filters=codec.filters)
+    return lzma.compress(data, lzma.FORMAT_XZ, filters=filters)
 
 
 def _progress(total: int):
@@ -465,7 +481,8 @@ def _progress(total: int):
 
 
 def _xz_all(tars: dict[str, Path], codec: Codec, outs: dict[str, Path]) -> None:
-    """Each of TARS into OUTS (name -> path), in CODEC.chunk streams on every worker."""
+    """Each of TARS into OUTS (name -> path), in CODEC.chunk streams on every worker,
+    each with its component's filters (Codec.of)."""
     jobs = [
         (name, offset, min(codec.chunk, tar.stat().st_size - offset))
         for name, tar in tars.items()
@@ -480,7 +497,7 @@ def _xz_all(tars: dict[str, Path], codec: Codec, outs: dict[str, Path]) -> None:
         ProcessPoolExecutor(max_workers=codec.workers, mp_context=spawn) as pool,
     ):
         futures = {
-            pool.submit(_xz_stream, str(tars[n]), o, s, codec): (n, o, s)
+            pool.submit(_xz_stream, str(tars[n]), o, s, codec.of(n).filters): (n, o, s)
             for n, o, s in jobs
         }
         for future in as_completed(futures):
@@ -500,7 +517,8 @@ def compress(
     """Each component's archive in STORE (default: the cache, reused by content)."""
     store = store or cache_dir() / "gpu-bundle"
     store.mkdir(parents=True, exist_ok=True)
-    archives = {c.name: store / f"{c.key(codec)}{codec.suffix}" for c in components}
+    keys = {c.name: c.key(codec.of(c.name)) for c in components}
+    archives = {n: store / f"{key}{codec.suffix}" for n, key in keys.items()}
     # A cached archive is reused only as it was written (its .sha256 file says so).
     sums = {n: Path(f"{a}.sha256") for n, a in archives.items()}
     kept = {n for n, a in archives.items() if a.is_file() and sums[n].is_file()}
@@ -514,7 +532,7 @@ def compress(
         f"({', '.join(c.name for c in todo)}) in {store}"
     )
     with tempfile.TemporaryDirectory(prefix=".partial-", dir=store) as tmp:
-        tars = {c.name: Path(tmp) / f"{c.key(codec)}.tar" for c in todo}
+        tars = {c.name: Path(tmp) / f"{keys[c.name]}.tar" for c in todo}
         for c in todo:
             write_tar(c.members(), tars[c.name])
         outs = {n: Path(f"{t}.xz") for n, t in tars.items()} if codec.filters else tars
@@ -664,13 +682,15 @@ def build(
     out: Path | None = None,
     part_mib: float | None = None,
     source: Source | None = None,
-    codec: Codec = XZ,
+    codec: Codec | None = None,
 ) -> Bundle:
-    """The bundle for HOST_FILE (default: fork.toml's) in OUT (dist/gpu-bundle)."""
+    """The bundle for HOST_FILE (default: fork.toml's) in OUT (dist/gpu-bundle), with
+    CODEC (default: transfer_codec's)."""
     results = build_dir() / "test-results"
     results.mkdir(parents=True, exist_ok=True)
     source = source or prepare(pins, results)
     settings = source.settings
+    codec = codec or transfer_codec(settings)
     mib = part_mib or float(os.environ.get("PART_MIB") or settings.part_mib)
     with tempfile.TemporaryDirectory(prefix=".gpu-bundle-", dir=build_dir()) as tmp:
         work = Path(tmp)
@@ -696,7 +716,8 @@ def _order(settings: GpuBundle, names: set[str]) -> list[str]:
             f"fork.toml [gpu_bundle] order does not place {', '.join(unordered)}",
             "add them to the order list",
         )
-    used = [settings.every_case, settings.stand_in, *settings.needs.values()]
+    used = [settings.every_case, settings.stand_in, settings.xz_preset]
+    used += settings.needs.values()
     unknown = sorted({c for need in used for c in need} - names)
     if unknown:
         raise ForkError(
