@@ -45,9 +45,7 @@ PART_ONE_IMPORTS = (
     "vllm.v1.attention.ops.triton_unified_attention",
     "vllm.v1.attention.backends.triton_attn",
 )
-NO_INDEX = dict.fromkeys(
-    ("PIP_NO_INDEX", "UV_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"), "1"
-)
+NO_INDEX = {**bundle_run.OFFLINE, "UV_OFFLINE": "1"}
 T, U = TypeVar("T"), TypeVar("U")
 
 
@@ -122,29 +120,14 @@ class SimHost:
 @dataclass(frozen=True)
 class Result:
     reference: gpu_bundle.Bundle
+    simulated: str  # what the simulated host's bundle showed
     part_one: str
-    simulated: gpu_bundle.Bundle
-    extensions: int
-    collected: pytest_runner.Outcome
-    calls: pytest_runner.Outcome
-    breakage: str
-    offline: bool  # the network refused (unshare -n), not only no index
 
     def line(self) -> str:
-        network = "network refused" if self.offline else "no index; network not refused"
-        host = f"Python {HOST_PYTHON}, torch, triton and NVIDIA's packages only, "
-        host += network
-        found = (
-            f"{len(self.simulated.parts)} part(s), {self.extensions} compiled "
-            f"extensions load, {len(self.collected.cases)} GPU cases collected and "
-            "skipped without a device, the engine's modules import, kernel calls up to "
-            f"dispatch: {self.calls}; without {BREAKAGE[0]}: {self.breakage}; "
-            f"{self.part_one}"
-        )
         return (
             f"gpu bundle for {self.reference.manifest['made_for']}: "
             f"{self.reference.line()}\n"
-            f"gpu bundle on a simulated host ({host}): {found}"
+            f"gpu bundle on a simulated host {self.simulated}; {self.part_one}"
         )
 
 
@@ -165,24 +148,23 @@ def meanwhile(background: Callable[[], T], foreground: Callable[[], U]) -> tuple
 def check(pins: Pins, results: Path, route: tuple[Path, Path, Path]) -> Result:
     """ROUTE: the CUDA route's python, tree and stub folder (cuda_route.install)."""
     source = gpu_bundle.prepare(pins, results, route)
-    # The reference bundle (xz on every core: minutes on a cold cache) is needed only by
-    # _part_one, so it is made while the simulated host is. The two share no scratch
-    # path: their own work folders (tempfile), outputs (home()/reference, .../bundle)
-    # and stores (the cache's gpu-bundle/ vs. the work folder); uv's cache takes
-    # concurrent installs. The uv binary is extracted here first (both would write its
-    # uv.partial), and the xz workers are spawned, not forked, from a threaded process.
+    # The reference bundle (xz on every core: minutes on a cold cache), needed only by
+    # _part_one, is made meanwhile. The two share no scratch path (work folders,
+    # outputs, stores are their own; uv's cache takes concurrent installs); the uv
+    # binary is extracted first (both would write its uv.partial).
     uv.binary(pins)
-    reference, (host, found) = meanwhile(
+    reference, (host, shown) = meanwhile(
         lambda: gpu_bundle.build(pins, out=home() / "reference", source=source),
         lambda: _on_simulated_host(pins, source, results),
     )
-    return Result(reference, _part_one(reference, host), *found)
+    return Result(reference, shown, _part_one(reference, host))
 
 
 def _on_simulated_host(
     pins: Pins, source: gpu_bundle.Source, results: Path
-) -> tuple[SimHost, tuple]:
-    """The simulated host's bundle installed offline by run.sh and verified."""
+) -> tuple[SimHost, str]:
+    """The simulated host's bundle installed offline by run.sh and verified; what it
+    showed."""
     python, host_file = simulated_host(pins)
     # The parts' size matters only for transfers: here one part holds everything,
     # plain tars (no transfer carries them).
@@ -193,7 +175,7 @@ def _on_simulated_host(
     offline = _offline()
     env = {**os.environ, **NO_INDEX, "PYTHON": str(python)}
     env["FORK_BUNDLE_HOME"] = str(dest)
-    network = "unshare -n: no network" if offline else "no index; unshare unavailable"
+    network = "network refused" if offline else "no index; network not refused"
     log.step(f"bundle check: run.sh --install {dest} ({network})")
     # From a folder of its own: run.sh must start the bundle's runner, not this one.
     done = run_or_fail(
@@ -213,9 +195,14 @@ def _on_simulated_host(
     )
     host = SimHost(python, site, source.stub, results, offline)
     collected, calls = verify(pins, host, "bundle-host")
-    breakage = _without(BREAKAGE, pins, host)
-    found = (bundle, len(loaded["loaded"]), collected, calls, breakage, bool(offline))
-    return host, found
+    shown = (
+        f"(Python {HOST_PYTHON}, torch, triton and NVIDIA's packages only, {network}): "
+        f"{len(bundle.parts)} part(s), {len(loaded['loaded'])} compiled extensions "
+        f"load, {len(collected.cases)} GPU cases collected and skipped without a "
+        "device, the engine's modules import, kernel calls up to dispatch: "
+        f"{calls}; without {BREAKAGE[0]}: {_without(BREAKAGE, pins, host)}"
+    )
+    return host, shown
 
 
 def _refuses_without_gpu(bundle: Path, env: dict[str, str]) -> None:
