@@ -247,9 +247,7 @@ def _run_sh(bundle: Path, *args: str, cwd: Path | None = None, **env: str):
     )
 
 
-def test_run_sh_unpacks_the_parts_present_and_verifies_every_file(
-    small_bundle, tmp_path
-):
+def test_run_sh_unpacks_the_parts_present_and_checks_every_file(small_bundle, tmp_path):
     dest = tmp_path / "dest"
     done = _run_sh(small_bundle, "--install", str(dest))
     assert done.returncode == 0, done.stderr
@@ -329,9 +327,7 @@ echo "Build cuda_13.0.r13.0/compiler.36424714_0"
 """
 
 
-def test_the_inventory_is_a_host_file_naming_gpus_driver_and_nvcc(
-    small_bundle, tmp_path, on_path
-):
+def test_the_inventory_names_gpus_driver_nvcc_packages(small_bundle, tmp_path, on_path):
     tools = on_path({"nvidia-smi": FAKE_SMI, "nvcc": FAKE_NVCC})
     done = _run_sh(small_bundle, "--inventory")
     assert done.returncode == 0, done.stderr
@@ -499,12 +495,10 @@ STAND_IN = _settings(
 )
 
 
-def test_run_sh_runs_the_cases_the_parts_allow_and_gives_the_nightlys_verdict(
-    scratch, fork_pins, tmp_path, on_path
-):
-    """The runner's GPU path on CPU: the host checks, the unpacking, the vLLM probe, the
-    plan, the forked pytest run with the per-case limit, the reports and the exit
-    status."""
+def test_run_sh_gives_the_nightlys_verdict(scratch, fork_pins, tmp_path, on_path):
+    """run.sh runs the cases the parts allow. The runner's GPU path on CPU: the host
+    checks, the unpacking, the vLLM probe, the plan, the forked pytest run with the
+    per-case limit, the reports and the exit status."""
     version = fork_pins.fork_version
     info = f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
     files = {("tree", KERNELS): CASES.encode()}

@@ -86,20 +86,6 @@ class Host:
         return self.packages.get(canonicalize_name(name))
 
 
-def _freeze_line(text: str, where: str) -> tuple[str, str | None]:
-    """A `pip freeze` line: (normalized name, its == version or None)."""
-    try:
-        pin = Requirement(text)
-        pinned = [s.version for s in pin.specifier if s.operator == "=="]
-        if pin.extras or pin.marker or len(pinned) != len(pin.specifier) or pinned[1:]:
-            raise InvalidRequirement(text)
-    except InvalidRequirement:
-        raise ForkError(
-            f"{where}: not a `pip freeze` line: {text!r}", HINT_HOST
-        ) from None
-    return canonicalize_name(pin.name), pinned[0] if pinned else None
-
-
 def read_host(path: Path) -> Host:
     """`# python:`, `# glibc:`, then `pip freeze` lines (a bare name: no version)."""
     if not path.is_file():
@@ -117,8 +103,15 @@ def read_host(path: Path) -> Host:
                 version = Version(value.strip())
                 said[key.strip()] = f"{version.major}.{version.minor}"
         elif text and not text.startswith(("#", "-e ")):
-            name, version = _freeze_line(text, f"{path}:{number}")
-            packages[name] = version
+            try:  # name==version or a bare name: one == specifier at most
+                pin = Requirement(text)
+                pinned = [s.version for s in pin.specifier if s.operator == "=="]
+                if pin.extras or pin.marker or len(pin.specifier) != len(pinned[:1]):
+                    raise InvalidRequirement(text)
+            except InvalidRequirement:
+                cause = f"{path}:{number}: not a `pip freeze` line: {text!r}"
+                raise ForkError(cause, HINT_HOST) from None
+            packages[canonicalize_name(pin.name)] = pinned[0] if pinned else None
     if len(said) < 2:
         raise ForkError(
             f"{path} does not say the host's Python and C library "
@@ -261,10 +254,9 @@ class Component:
 
     def members(self) -> list[tuple[str, str, int, str]]:
         """(path, source, mode, sha256) of each file, in the archive's order."""
-        mode = {True: 0o755, False: 0o644}
-        files = sorted(self.files.items())
         return [
-            (p, str(s), mode[os.access(s, os.X_OK)], self.digests[p]) for p, s in files
+            (p, str(s), 0o755 if os.access(s, os.X_OK) else 0o644, self.digests[p])
+            for p, s in sorted(self.files.items())
         ]
 
     def key(self, codec: Codec) -> str:

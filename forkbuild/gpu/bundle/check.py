@@ -26,6 +26,7 @@ from forkbuild.core import log, pytest_runner
 from forkbuild.core.errors import ForkError, run_or_fail
 from forkbuild.core.hashing import digest_of
 from forkbuild.core.pins import REPO_ROOT, Pins, build_dir, load_gpu_bundle
+from forkbuild.core.pytest_runner import Outcome
 from forkbuild.gpu import cuda_route
 from forkbuild.gpu.bundle import build as gpu_bundle
 from forkbuild.gpu.bundle import runner as bundle_run
@@ -219,9 +220,7 @@ def _refuses_without_gpu(bundle: Path, env: dict[str, str]) -> None:
         )
 
 
-def verify(
-    pins: Pins, host: SimHost, name: str
-) -> tuple[pytest_runner.Outcome, pytest_runner.Outcome]:
+def verify(pins: Pins, host: SimHost, name: str) -> tuple[Outcome, Outcome]:
     """(GPU cases, kernel calls) run from the bundle as its runner runs them, the
     engine's modules imported last: each imports, each case skips only for want of a
     device, the calls reach dispatch."""
@@ -353,7 +352,7 @@ def _run_part_one(host: SimHost, nodes: list[str], standing_in: list[str]) -> li
 
 def _run_traced(
     host: SimHost, name: str, nodes: list[str], imports: tuple[str, ...], standing_in=()
-) -> tuple[pytest_runner.Outcome, list[str]]:
+) -> tuple[Outcome, list[str]]:
     """NODES run as the runner runs them, IMPORTS last: outcome and import errors."""
     site, results = host.site, host.results
     tree, report = site.parent / "tree", results / f"{name}-imports.json"
