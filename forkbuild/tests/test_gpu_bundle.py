@@ -194,21 +194,18 @@ SMALL = _settings(
 )
 
 
-def _components(src: Path, files: dict[tuple[str, str], bytes]) -> list[Component]:
-    """FILES ((component, path) -> data) under SRC; a root: the name before a dash."""
-    by_name: dict[str, Component] = {}
-    for (name, path), data in files.items():
-        (src / name / path).parent.mkdir(parents=True, exist_ok=True)
-        (src / name / path).write_bytes(data)
-        component = by_name.setdefault(name, Component(name, name.split("-")[0]))
-        component.add(path, src / name / path)
-    return list(by_name.values())
-
-
 PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
-def _assemble(fork_pins, tmp_path, components, limit, settings, codec=gpu_bundle.XZ):
+def _assemble(fork_pins, tmp_path, files, limit, settings, codec=gpu_bundle.XZ):
+    """A bundle of FILES ((component, path) -> data; a root: the name before a dash)."""
+    by_name: dict[str, Component] = {}
+    for (name, path), data in files.items():
+        source = tmp_path / "src" / name / path
+        source.parent.mkdir(parents=True, exist_ok=True)
+        source.write_bytes(data)
+        by_name.setdefault(name, Component(name, name.split("-")[0])).add(path, source)
+    components = list(by_name.values())
     host = Host(PYTHON, "2.17", {}, tmp_path)
     pinned = lock.pinned(lock.path("cuda", host.python))
     selection = Selection({}, {}, (), ())
@@ -227,9 +224,8 @@ def small_bundle(request, scratch, fork_pins, tmp_path) -> Path:
     files = {("tree", "tests/t.py"): b"x = 1\n"}
     files[("site-a", "pkg/__init__.py")] = b"A = 1\n"
     files[("site-b", "pkg/b.so")] = os.urandom(3 << 20)
-    components = _components(tmp_path / "src", files)
     limit = int(3.05 * 2**20)
-    bundle = _assemble(fork_pins, tmp_path, components, limit, SMALL, request.param)
+    bundle = _assemble(fork_pins, tmp_path, files, limit, SMALL, request.param)
     assert [p.components for p in bundle.parts] == [("tree", "site-a"), ("site-b",)]
     assert bundle.cases == {"part-1": ["t.py::one"], "part-2": ["t.py::two"]}
     codec = {e["codec"] for e in bundle.manifest["components"].values()}
@@ -241,10 +237,8 @@ def _run_sh(bundle: Path, *args: str, cwd: Path | None = None, **env: str):
     """run.sh away from this checkout (default: the bundle's parent): its own runner."""
     env = {**os.environ, "PYTHON": sys.executable, **env}
     command = ["bash", str(bundle / "run.sh"), *args]
-    cwd = cwd or bundle.parent
-    return subprocess.run(
-        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=120
-    )
+    kwargs = dict(cwd=cwd or bundle.parent, env=env, timeout=120)
+    return subprocess.run(command, capture_output=True, text=True, **kwargs)
 
 
 def test_run_sh_unpacks_the_parts_present_and_checks_every_file(small_bundle, tmp_path):
@@ -505,8 +499,7 @@ def test_run_sh_gives_the_nightlys_verdict(scratch, fork_pins, tmp_path, on_path
     files |= {("site", path): (text or "").encode() for path, text in VLLM.items()}
     files[("site", f"vllm-{version}.dist-info/METADATA")] = info.encode()
     files[("models", "m.bin")] = os.urandom(250 << 10)
-    components = _components(tmp_path / "src", files)
-    bundle = _assemble(fork_pins, tmp_path, components, 300 << 10, STAND_IN)
+    bundle = _assemble(fork_pins, tmp_path, files, 300 << 10, STAND_IN)
     shutil.rmtree(bundle.folder / "part-2")  # the models' part has not arrived
     out = tmp_path / "out"  # given relative, from where run.sh is called
     # all that run.sh asks of the GPU before the cases, which here need none
