@@ -105,25 +105,20 @@ def test_carried_is_what_the_host_lacks_or_has_at_another_version(tmp_path):
     # a bare name: the host's, version unknown
     assert chosen.from_host == {"pyyaml": None}
     assert chosen.provided == ("nvidia-cuda-runtime", "torch", "triton")
-
-
-def test_an_import_the_lock_does_not_pin_is_refused(tmp_path):
-    host = _host(tmp_path, HEAD)
+    # an import the lock does not pin is refused
     with pytest.raises(ForkError, match="does not pin"):
         trace = _trace(stray={"version": "1", "requires": []})
         gpu_bundle.select(trace, host, LOCK, SETTINGS)
 
 
-def test_components_fill_the_first_part_with_room_in_order():
+def test_components_fill_the_first_part_with_room_and_parts_name_their_cases():
     mib = 2**20
     sizes = {"a": 40 * mib, "b": 30 * mib, "c": 10 * mib, "d": 5 * mib}
     parts = gpu_bundle.pack(sizes, ["a", "b", "c", "d"], 56 * mib, first_extra=2 * mib)
     assert [p.components for p in parts] == [("a", "c"), ("b", "d")]
     with pytest.raises(ForkError, match="more than a part"):
         gpu_bundle.pack({"a": 57 * mib}, ["a"], 56 * mib, first_extra=0)
-
-
-def test_each_part_names_the_cases_it_adds():
+    # each part names the cases it adds
     names = ["py", "c", "fa"]
     parts = [gpu_bundle.Part(f"part-{i}", (c,), 0) for i, c in enumerate(names, 1)]
     cases = gpu_bundle.cases_by_part(parts, ["py", "c"], {"k": [], "f": ["fa"]})
@@ -374,7 +369,7 @@ def test_the_runner_runs_what_the_parts_allow_and_says_why_not_the_rest():
     }
 
 
-def test_the_runner_stands_in_only_for_an_extension_not_transferred_yet(tmp_path):
+def test_the_runner_stands_in_only_for_what_has_not_arrived(tmp_path, monkeypatch):
     manifest = {"stand_in": {"ext.so": "pkg._ext", "other.so": "pkg._other"}}
     assert bundle_run.stand_ins(manifest, ["tree", "other.so"]) == ["pkg._ext"]
     assert bundle_run.stand_ins(manifest, ["ext.so", "other.so"]) == []
@@ -386,9 +381,7 @@ def test_the_runner_stands_in_only_for_an_extension_not_transferred_yet(tmp_path
     assert env[bundle_standin.ENV] == "pkg._ext,pkg._other"
     # set empty, not left out: a value from the caller's environment never applies
     assert bundle_run.case_env(tmp_path)[bundle_standin.ENV] == ""
-
-
-def test_a_stand_in_is_an_empty_module_only_where_nothing_was_imported(monkeypatch):
+    # a stand-in is an empty module, only where nothing was imported
     monkeypatch.delitem(sys.modules, "fork_test_absent._ext", raising=False)
     monkeypatch.setitem(sys.modules, "fork_test_present", sys)
     bundle_standin.install(["fork_test_absent._ext", "fork_test_present"])
