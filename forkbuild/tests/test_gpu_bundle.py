@@ -56,7 +56,7 @@ def test_a_host_file_gives_python_glibc_and_versions(tmp_path):
 BAD_HOSTS = ["numpy==1\n", "# python: 3.12.3\nnumpy==1\n", f"{HEAD}not a line!\n"]
 
 
-@pytest.mark.parametrize("text", [*BAD_HOSTS, f"{HEAD}numpy>=1\n"])
+@pytest.mark.parametrize("text", [*BAD_HOSTS, f"{HEAD}a>=1\n", f"{HEAD}a==1,==2\n"])
 def test_a_bad_host_file_is_refused_with_what_to_do(tmp_path, text):
     with pytest.raises(ForkError, match="inventory"):
         _host(tmp_path, text)
