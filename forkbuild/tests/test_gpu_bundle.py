@@ -51,6 +51,12 @@ def test_a_host_file_gives_python_glibc_and_versions(tmp_path):
     assert host.platform == "x86_64-manylinux_2_39"
     want = {"numpy": "2.5.2", "pyyaml": None, "my-pkg": None, "torch": "2.11.0+cu130"}
     assert host.packages == want
+    # fork.toml's reference host: the notes' host
+    host = gpu_bundle.read_host(pins.REPO_ROOT / SETTINGS.host)
+    assert host.python == "3.12" and host.version("triton") == "3.6.0"
+    assert host.version("torch") == "2.11.0+cu130"
+    assert host.version("numpy") == "2.5.2" and host.version("pydantic") is None
+    assert "pydantic" not in host.packages and host.packages["pyyaml"] is None
 
 
 BAD_HOSTS = ["numpy==1\n", "# python: 3.12.3\nnumpy==1\n", f"{HEAD}not a line!\n"]
@@ -60,14 +66,6 @@ BAD_HOSTS = ["numpy==1\n", "# python: 3.12.3\nnumpy==1\n", f"{HEAD}not a line!\n
 def test_a_bad_host_file_is_refused_with_what_to_do(tmp_path, text):
     with pytest.raises(ForkError, match="inventory"):
         _host(tmp_path, text)
-
-
-def test_the_reference_host_file_is_the_notes_host():
-    host = gpu_bundle.read_host(pins.REPO_ROOT / SETTINGS.host)
-    assert host.python == "3.12" and host.version("triton") == "3.6.0"
-    assert host.version("torch") == "2.11.0+cu130"
-    assert host.version("numpy") == "2.5.2" and host.version("pydantic") is None
-    assert "pydantic" not in host.packages and host.packages["pyyaml"] is None
 
 
 @pytest.mark.parametrize(
@@ -127,19 +125,17 @@ def test_components_fill_the_first_part_with_room_and_parts_name_their_cases():
 
 def test_every_required_case_says_what_the_bundle_holds_for_it():
     """Each case of fork.toml [gpu] is carried (with what it needs, each a component the
-    bundle orders) or said not to be, never both."""
+    bundle orders) or said not to be, never both; a row saying neither or both is
+    refused."""
     assert set(SETTINGS.needs) | set(SETTINGS.not_carried) == set(SETTINGS.gpu["cases"])
     named = {c for need in SETTINGS.needs.values() for c in need}
     assert named | set(SETTINGS.every_case) <= set(SETTINGS.order)
     assert set(SETTINGS.stand_in) <= set(SETTINGS.order) - set(SETTINGS.every_case)
-
-
-@pytest.mark.parametrize("row", [{}, {"bundle": [], "not_in_bundle": "why"}])
-def test_a_case_row_must_say_what_the_bundle_holds_for_it(row):
-    raw = {"gpu_bundle": {}, "gpu": {"cases": {"t.py::one": {"kind": "Hopper", **row}}}}
-    with pytest.raises(ForkError, match="'t.py::one' gives (neither|both)") as exc:
-        pins.gpu_bundle_of(raw)
-    assert "not_in_bundle" in exc.value.hint
+    for row in ({}, {"bundle": [], "not_in_bundle": "why"}):
+        case = {"t.py::one": {"kind": "Hopper", **row}}
+        with pytest.raises(ForkError, match="'t.py::one' gives (neither|both)") as exc:
+            pins.gpu_bundle_of({"gpu_bundle": {}, "gpu": {"cases": case}})
+        assert "not_in_bundle" in exc.value.hint
 
 
 def test_part_one_runs_a_kernel_case_on_the_reference_bundles_sizes():
