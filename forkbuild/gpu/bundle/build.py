@@ -215,8 +215,7 @@ def select(
     }
     # The runner's own packages are carried whether or not the collection loaded them.
     roots = {canonicalize_name(n) for n in settings.harness}
-    missing = sorted(roots - lock_pins.keys())
-    if missing:
+    if missing := sorted(roots - lock_pins.keys()):
         raise ForkError(
             f"the CUDA lock does not pin the runner's {', '.join(missing)}",
             "add them to fork.toml [toolchain] test and run `make lock`",
@@ -314,8 +313,7 @@ def vllm_components(
     if pins.fork_version not in version_file.read_text():
         raise ForkError(f"{version_file} does not give {pins.fork_version}", HINT_ROUTE)
     python.add("vllm/_version.py", version_file)
-    missing = sorted(loaded - {e.name for e in extensions})
-    if missing:
+    if missing := sorted(loaded - {e.name for e in extensions}):
         raise ForkError(
             f"the cases load {', '.join(missing)}, which the official wheel lacks"
         )
@@ -376,8 +374,7 @@ def packages_component(
             omitted.append(path)
         else:
             component.add(path, source)
-    unused = set(omit) - set(omitted)
-    if unused:
+    if unused := set(omit) - set(omitted):
         raise ForkError(
             "fork.toml [gpu_bundle] omit names files no carried package has: "
             f"{', '.join(sorted(unused))}",
@@ -682,15 +679,13 @@ def runner_files() -> dict[str, Path]:
 def _order(settings: GpuBundle, names: set[str]) -> list[str]:
     """The components in fork.toml's order; every name the settings use, one of them."""
     order = [name for name in settings.order if name in names]
-    unordered = sorted(names - set(order))
-    if unordered:
+    if unordered := sorted(names - set(order)):
         raise ForkError(
             f"fork.toml [gpu_bundle] order does not place {', '.join(unordered)}",
             "add them to the order list",
         )
     used = [settings.every_case, settings.stand_in, *settings.needs.values()]
-    unknown = sorted({c for need in used for c in need} - names)
-    if unknown:
+    if unknown := sorted({c for need in used for c in need} - names):
         raise ForkError(
             "fork.toml [gpu_bundle] needs names what the bundle does not hold: "
             f"{', '.join(unknown)}",

@@ -303,18 +303,15 @@ def _part_one(reference: gpu_bundle.Bundle, host: SimHost) -> str:
             "case",
             "fork.toml [gpu_bundle] order, every_case and stand_in decide what it adds",
         )
-    components = reference.manifest["components"]
-    absent = sorted(
-        c for c in components if c.endswith(".so") and c not in first.components
-    )
+    later = set(reference.manifest["components"]) - set(first.components)
+    absent = sorted(c for c in later if c.endswith(".so"))
     standing_in = bundle_run.stand_ins(reference.manifest, list(first.components))
     alone = _site_copy(host, "site-part-1")
     part = replace(host, site=alone)
     for name in absent:
         (alone / name).unlink(missing_ok=True)
     try:
-        errors = _run_part_one(part, nodes, standing_in)
-        if errors:
+        if errors := _run_part_one(part, nodes, standing_in):
             raise ForkError(
                 f"with {first.name} alone, what its cases import does not import: "
                 f"{'; '.join(errors)}",

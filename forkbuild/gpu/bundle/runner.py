@@ -353,8 +353,7 @@ def plan(
             apart[node] = "not in the bundle: the manifest does not list what it needs"
         else:
             need = manifest["every_case"] + manifest["needs"][node]
-            missing = [c for c in need if c not in have]
-            if missing:
+            if missing := [c for c in need if c not in have]:
                 parts = sorted({where[c] for c in missing})
                 apart[node] = f"needs {', '.join(parts)} (not transferred yet)"
             else:
