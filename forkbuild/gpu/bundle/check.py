@@ -196,12 +196,13 @@ def _on_simulated_host(
     )
     host = SimHost(python, site, source.stub, results, offline)
     collected, calls = verify(pins, host, "bundle-host")
+    breakage = _without(BREAKAGE, pins, host)
     shown = (
         f"(Python {HOST_PYTHON}, torch, triton and NVIDIA's packages only, {network}): "
         f"{len(bundle.parts)} part(s), {len(loaded['loaded'])} compiled extensions "
         f"load, {len(collected.cases)} GPU cases collected and skipped without a "
         "device, the engine's modules import, kernel calls up to dispatch: "
-        f"{calls}; without {BREAKAGE[0]}: {_without(BREAKAGE, pins, host)}"
+        f"{calls}; without {BREAKAGE[0]}: {breakage}"
     )
     return host, shown
 
@@ -310,14 +311,23 @@ def _part_one(reference: gpu_bundle.Bundle, host: SimHost) -> str:
     part = replace(host, site=alone)
     for name in absent:
         (alone / name).unlink(missing_ok=True)
-    try:
-        if errors := _run_part_one(part, nodes, standing_in):
+    run = "bundle-part-1"
+    try:  # with the stand-ins: each case skips for want of a device, and imports
+        outcome, errors = _run_traced(part, run, nodes, PART_ONE_IMPORTS, standing_in)
+        logs = str(host.results / f"{run}-tests.log")
+        where = "part 1 of the bundle"
+        cuda_route.check_skipped(
+            outcome, host.results, where=where, logs=logs, required=nodes
+        )
+        if errors:
             raise ForkError(
                 f"with {first.name} alone, what its cases import does not import: "
                 f"{'; '.join(errors)}",
-                f"see {host.results / 'bundle-part-1-tests.log'}",
+                f"see {logs}",
             )
-        without = _run_part_one(part, nodes, [])
+        _, without = _run_traced(
+            part, f"{run}-without-stand-ins", nodes, PART_ONE_IMPORTS
+        )
     finally:
         shutil.rmtree(alone, ignore_errors=True)
     if not any(m in e for e in without for m in standing_in):
@@ -332,19 +342,6 @@ def _part_one(reference: gpu_bundle.Bundle, host: SimHost) -> str:
         f"absent): {short} collected, vLLM's CUDA platform imports with a stand-in for "
         f"{', '.join(standing_in)} and not without"
     )
-
-
-def _run_part_one(host: SimHost, nodes: list[str], standing_in: list[str]) -> list[str]:
-    """NODES with STANDING_IN (each skips for want of a device): the import errors."""
-    name = "bundle-part-1" + ("" if standing_in else "-without-stand-ins")
-    outcome, errors = _run_traced(host, name, nodes, PART_ONE_IMPORTS, standing_in)
-    if standing_in:
-        logs = str(host.results / f"{name}-tests.log")
-        where = "part 1 of the bundle"
-        cuda_route.check_skipped(
-            outcome, host.results, where=where, logs=logs, required=nodes
-        )
-    return errors
 
 
 def _run_traced(
