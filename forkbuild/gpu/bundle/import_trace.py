@@ -18,12 +18,9 @@ import os
 import sys
 from pathlib import Path
 
+from forkbuild.gpu.bundle.standin import from_env
 
-def _names(variable: str) -> list[str]:
-    return [name for name in os.environ.get(variable, "").split(",") if name]
-
-
-for _blocked in _names("FORKBUILD_TRACE_BLOCK"):
+for _blocked in from_env("FORKBUILD_TRACE_BLOCK"):
     sys.modules[_blocked] = None  # type: ignore[assignment]
 
 
@@ -63,7 +60,7 @@ def distributions_of(files: set[Path]) -> dict[str, dict]:
 
 def pytest_sessionfinish() -> None:
     failed = []
-    for name in _names("FORKBUILD_TRACE_IMPORT"):
+    for name in from_env("FORKBUILD_TRACE_IMPORT"):
         try:
             importlib.import_module(name)
         except Exception as exc:  # reported, not raised: the caller names them all
