@@ -696,8 +696,7 @@ def _order(settings: GpuBundle, names: set[str]) -> list[str]:
 
 def manifest(made: Made, entries: dict[str, dict], parts: list[Part]) -> dict:
     """manifest.json: what the runner checks and runs (ENTRIES: the components')."""
-    host, lock_pins, selection = made.host, made.lock_pins, made.selection
-    settings = made.settings
+    host, lock_pins, settings = made.host, made.lock_pins, made.settings
     cases = cases_by_part(parts, list(settings.every_case), settings.needs)
     return {
         "format": FORMAT,
@@ -719,10 +718,10 @@ def manifest(made: Made, entries: dict[str, dict], parts: list[Part]) -> dict:
         "needs": {node: list(need) for node, need in settings.needs.items()},
         "not_carried": dict(settings.not_carried),
         "gpu": settings.gpu,  # the nightly's table (forkbuild/gpu/required.py)
-        "carried": selection.carried,
-        "from_host": selection.from_host,
-        "provided_by_host": list(selection.provided),
-        "left_out": list(selection.left_out),
+        "carried": made.selection.carried,
+        "from_host": made.selection.from_host,
+        "provided_by_host": list(made.selection.provided),
+        "left_out": list(made.selection.left_out),
         "compiled_left_out": made.left,
         "omitted": made.omitted,
     }
@@ -735,8 +734,7 @@ def assemble(
     order = _order(made.settings, {c.name for c in made.components})
     runner = runner_files()
     sizes = {name: archives[name].stat().st_size for name in order}
-    # 64 KiB for the manifest
-    extra = sum(p.stat().st_size for p in runner.values()) + (64 << 10)
+    extra = sum(p.stat().st_size for p in runner.values()) + (64 << 10)  # the manifest
     parts = pack(sizes, order, limit, extra)
     where = {name: part.name for part in parts for name in part.components}
     entries = {
