@@ -86,20 +86,6 @@ class Host:
         return self.packages.get(canonicalize_name(name))
 
 
-def _freeze_line(text: str, where: str) -> tuple[str, str | None]:
-    """A `pip freeze` line: (normalized name, its == version or None)."""
-    try:
-        pin = Requirement(text)
-        pinned = [s.version for s in pin.specifier if s.operator == "=="]
-        if pin.extras or pin.marker or len(pinned) != len(pin.specifier) or pinned[1:]:
-            raise InvalidRequirement(text)
-    except InvalidRequirement:
-        raise ForkError(
-            f"{where}: not a `pip freeze` line: {text!r}", HINT_HOST
-        ) from None
-    return canonicalize_name(pin.name), pinned[0] if pinned else None
-
-
 def read_host(path: Path) -> Host:
     """`# python:`, `# glibc:`, then `pip freeze` lines (a bare name: no version)."""
     if not path.is_file():
@@ -117,8 +103,15 @@ def read_host(path: Path) -> Host:
                 version = Version(value.strip())
                 said[key.strip()] = f"{version.major}.{version.minor}"
         elif text and not text.startswith(("#", "-e ")):
-            name, version = _freeze_line(text, f"{path}:{number}")
-            packages[name] = version
+            try:  # name==version or a bare name: one == specifier at most
+                pin = Requirement(text)
+                pinned = [s.version for s in pin.specifier if s.operator == "=="]
+                if pin.extras or pin.marker or len(pin.specifier) != len(pinned[:1]):
+                    raise InvalidRequirement(text)
+            except InvalidRequirement:
+                cause = f"{path}:{number}: not a `pip freeze` line: {text!r}"
+                raise ForkError(cause, HINT_HOST) from None
+            packages[canonicalize_name(pin.name)] = pinned[0] if pinned else None
     if len(said) < 2:
         raise ForkError(
             f"{path} does not say the host's Python and C library "
@@ -222,8 +215,7 @@ def select(
     }
     # The runner's own packages are carried whether or not the collection loaded them.
     roots = {canonicalize_name(n) for n in settings.harness}
-    missing = sorted(roots - lock_pins.keys())
-    if missing:
+    if missing := sorted(roots - lock_pins.keys()):
         raise ForkError(
             f"the CUDA lock does not pin the runner's {', '.join(missing)}",
             "add them to fork.toml [toolchain] test and run `make lock`",
@@ -261,10 +253,9 @@ class Component:
 
     def members(self) -> list[tuple[str, str, int, str]]:
         """(path, source, mode, sha256) of each file, in the archive's order."""
-        mode = {True: 0o755, False: 0o644}
-        files = sorted(self.files.items())
         return [
-            (p, str(s), mode[os.access(s, os.X_OK)], self.digests[p]) for p, s in files
+            (p, str(s), 0o755 if os.access(s, os.X_OK) else 0o644, self.digests[p])
+            for p, s in sorted(self.files.items())
         ]
 
     def key(self, codec: Codec) -> str:
@@ -322,8 +313,7 @@ def vllm_components(
     if pins.fork_version not in version_file.read_text():
         raise ForkError(f"{version_file} does not give {pins.fork_version}", HINT_ROUTE)
     python.add("vllm/_version.py", version_file)
-    missing = sorted(loaded - {e.name for e in extensions})
-    if missing:
+    if missing := sorted(loaded - {e.name for e in extensions}):
         raise ForkError(
             f"the cases load {', '.join(missing)}, which the official wheel lacks"
         )
@@ -384,8 +374,7 @@ def packages_component(
             omitted.append(path)
         else:
             component.add(path, source)
-    unused = set(omit) - set(omitted)
-    if unused:
+    if unused := set(omit) - set(omitted):
         raise ForkError(
             "fork.toml [gpu_bundle] omit names files no carried package has: "
             f"{', '.join(sorted(unused))}",
@@ -437,7 +426,7 @@ class Codec:
 
 # The x86 filter before LZMA2 preset 6: the extensions, most of the bytes, come out
 # smaller with it at no cost in time. Part 1 is nearly full and keeps preset 6; the
-# components of the other parts take fork.toml's faster presets (docs/setup-and-locks.md,
+# other parts' components take fork.toml's faster presets (docs/setup-and-locks.md,
 # "Cold CI"; benchmarks/bundle_compression.py).
 XZ = Codec("xz", ({"id": lzma.FILTER_X86}, {"id": lzma.FILTER_LZMA2, "preset": 6}))
 PLAIN = Codec("tar")  # what no transfer carries: the simulated host's bundle
@@ -710,16 +699,14 @@ def runner_files() -> dict[str, Path]:
 def _order(settings: GpuBundle, names: set[str]) -> list[str]:
     """The components in fork.toml's order; every name the settings use, one of them."""
     order = [name for name in settings.order if name in names]
-    unordered = sorted(names - set(order))
-    if unordered:
+    if unordered := sorted(names - set(order)):
         raise ForkError(
             f"fork.toml [gpu_bundle] order does not place {', '.join(unordered)}",
             "add them to the order list",
         )
     used = [settings.every_case, settings.stand_in, settings.xz_preset]
     used += settings.needs.values()
-    unknown = sorted({c for need in used for c in need} - names)
-    if unknown:
+    if unknown := sorted({c for need in used for c in need} - names):
         raise ForkError(
             "fork.toml [gpu_bundle] needs names what the bundle does not hold: "
             f"{', '.join(unknown)}",
@@ -730,8 +717,7 @@ def _order(settings: GpuBundle, names: set[str]) -> list[str]:
 
 def manifest(made: Made, entries: dict[str, dict], parts: list[Part]) -> dict:
     """manifest.json: what the runner checks and runs (ENTRIES: the components')."""
-    host, lock_pins, selection = made.host, made.lock_pins, made.selection
-    settings = made.settings
+    host, lock_pins, settings = made.host, made.lock_pins, made.settings
     cases = cases_by_part(parts, list(settings.every_case), settings.needs)
     return {
         "format": FORMAT,
@@ -753,10 +739,10 @@ def manifest(made: Made, entries: dict[str, dict], parts: list[Part]) -> dict:
         "needs": {node: list(need) for node, need in settings.needs.items()},
         "not_carried": dict(settings.not_carried),
         "gpu": settings.gpu,  # the nightly's table (forkbuild/gpu/required.py)
-        "carried": selection.carried,
-        "from_host": selection.from_host,
-        "provided_by_host": list(selection.provided),
-        "left_out": list(selection.left_out),
+        "carried": made.selection.carried,
+        "from_host": made.selection.from_host,
+        "provided_by_host": list(made.selection.provided),
+        "left_out": list(made.selection.left_out),
         "compiled_left_out": made.left,
         "omitted": made.omitted,
     }
@@ -769,8 +755,7 @@ def assemble(
     order = _order(made.settings, {c.name for c in made.components})
     runner = runner_files()
     sizes = {name: archives[name].stat().st_size for name in order}
-    # 64 KiB for the manifest
-    extra = sum(p.stat().st_size for p in runner.values()) + (64 << 10)
+    extra = sum(p.stat().st_size for p in runner.values()) + (64 << 10)  # the manifest
     parts = pack(sizes, order, limit, extra)
     where = {name: part.name for part in parts for name in part.components}
     entries = {

@@ -26,6 +26,7 @@ from forkbuild.core import log, pytest_runner
 from forkbuild.core.errors import ForkError, run_or_fail
 from forkbuild.core.hashing import digest_of
 from forkbuild.core.pins import REPO_ROOT, Pins, build_dir, load_gpu_bundle
+from forkbuild.core.pytest_runner import Outcome
 from forkbuild.gpu import cuda_route
 from forkbuild.gpu.bundle import build as gpu_bundle
 from forkbuild.gpu.bundle import runner as bundle_run
@@ -45,9 +46,7 @@ PART_ONE_IMPORTS = (
     "vllm.v1.attention.ops.triton_unified_attention",
     "vllm.v1.attention.backends.triton_attn",
 )
-NO_INDEX = dict.fromkeys(
-    ("PIP_NO_INDEX", "UV_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"), "1"
-)
+NO_INDEX = {**bundle_run.OFFLINE, "UV_OFFLINE": "1"}
 T, U = TypeVar("T"), TypeVar("U")
 
 
@@ -122,29 +121,14 @@ class SimHost:
 @dataclass(frozen=True)
 class Result:
     reference: gpu_bundle.Bundle
+    simulated: str  # what the simulated host's bundle showed
     part_one: str
-    simulated: gpu_bundle.Bundle
-    extensions: int
-    collected: pytest_runner.Outcome
-    calls: pytest_runner.Outcome
-    breakage: str
-    offline: bool  # the network refused (unshare -n), not only no index
 
     def line(self) -> str:
-        network = "network refused" if self.offline else "no index; network not refused"
-        host = f"Python {HOST_PYTHON}, torch, triton and NVIDIA's packages only, "
-        host += network
-        found = (
-            f"{len(self.simulated.parts)} part(s), {self.extensions} compiled "
-            f"extensions load, {len(self.collected.cases)} GPU cases collected and "
-            "skipped without a device, the engine's modules import, kernel calls up to "
-            f"dispatch: {self.calls}; without {BREAKAGE[0]}: {self.breakage}; "
-            f"{self.part_one}"
-        )
         return (
             f"gpu bundle for {self.reference.manifest['made_for']}: "
             f"{self.reference.line()}\n"
-            f"gpu bundle on a simulated host ({host}): {found}"
+            f"gpu bundle on a simulated host {self.simulated}; {self.part_one}"
         )
 
 
@@ -165,24 +149,23 @@ def meanwhile(background: Callable[[], T], foreground: Callable[[], U]) -> tuple
 def check(pins: Pins, results: Path, route: tuple[Path, Path, Path]) -> Result:
     """ROUTE: the CUDA route's python, tree and stub folder (cuda_route.install)."""
     source = gpu_bundle.prepare(pins, results, route)
-    # The reference bundle (xz on every core: minutes on a cold cache) is needed only by
-    # _part_one, so it is made while the simulated host is. The two share no scratch
-    # path: their own work folders (tempfile), outputs (home()/reference, .../bundle)
-    # and stores (the cache's gpu-bundle/ vs. the work folder); uv's cache takes
-    # concurrent installs. The uv binary is extracted here first (both would write its
-    # uv.partial), and the xz workers are spawned, not forked, from a threaded process.
+    # The reference bundle (xz on every core: minutes on a cold cache), needed only by
+    # _part_one, is made meanwhile. The two share no scratch path (work folders,
+    # outputs, stores are their own; uv's cache takes concurrent installs); the uv
+    # binary is extracted first (both would write its uv.partial).
     uv.binary(pins)
-    reference, (host, found) = meanwhile(
+    reference, (host, shown) = meanwhile(
         lambda: gpu_bundle.build(pins, out=home() / "reference", source=source),
         lambda: _on_simulated_host(pins, source, results),
     )
-    return Result(reference, _part_one(reference, host), *found)
+    return Result(reference, shown, _part_one(reference, host))
 
 
 def _on_simulated_host(
     pins: Pins, source: gpu_bundle.Source, results: Path
-) -> tuple[SimHost, tuple]:
-    """The simulated host's bundle installed offline by run.sh and verified."""
+) -> tuple[SimHost, str]:
+    """The simulated host's bundle installed offline by run.sh and verified; what it
+    showed."""
     python, host_file = simulated_host(pins)
     # The parts' size matters only for transfers: here one part holds everything,
     # plain tars (no transfer carries them).
@@ -193,7 +176,7 @@ def _on_simulated_host(
     offline = _offline()
     env = {**os.environ, **NO_INDEX, "PYTHON": str(python)}
     env["FORK_BUNDLE_HOME"] = str(dest)
-    network = "unshare -n: no network" if offline else "no index; unshare unavailable"
+    network = "network refused" if offline else "no index; network not refused"
     log.step(f"bundle check: run.sh --install {dest} ({network})")
     # From a folder of its own: run.sh must start the bundle's runner, not this one.
     done = run_or_fail(
@@ -214,8 +197,14 @@ def _on_simulated_host(
     host = SimHost(python, site, source.stub, results, offline)
     collected, calls = verify(pins, host, "bundle-host")
     breakage = _without(BREAKAGE, pins, host)
-    found = (bundle, len(loaded["loaded"]), collected, calls, breakage, bool(offline))
-    return host, found
+    shown = (
+        f"(Python {HOST_PYTHON}, torch, triton and NVIDIA's packages only, {network}): "
+        f"{len(bundle.parts)} part(s), {len(loaded['loaded'])} compiled extensions "
+        f"load, {len(collected.cases)} GPU cases collected and skipped without a "
+        "device, the engine's modules import, kernel calls up to dispatch: "
+        f"{calls}; without {BREAKAGE[0]}: {breakage}"
+    )
+    return host, shown
 
 
 def _refuses_without_gpu(bundle: Path, env: dict[str, str]) -> None:
@@ -232,9 +221,7 @@ def _refuses_without_gpu(bundle: Path, env: dict[str, str]) -> None:
         )
 
 
-def verify(
-    pins: Pins, host: SimHost, name: str
-) -> tuple[pytest_runner.Outcome, pytest_runner.Outcome]:
+def verify(pins: Pins, host: SimHost, name: str) -> tuple[Outcome, Outcome]:
     """(GPU cases, kernel calls) run from the bundle as its runner runs them, the
     engine's modules imported last: each imports, each case skips only for want of a
     device, the calls reach dispatch."""
@@ -317,24 +304,30 @@ def _part_one(reference: gpu_bundle.Bundle, host: SimHost) -> str:
             "case",
             "fork.toml [gpu_bundle] order, every_case and stand_in decide what it adds",
         )
-    components = reference.manifest["components"]
-    absent = sorted(
-        c for c in components if c.endswith(".so") and c not in first.components
-    )
+    later = set(reference.manifest["components"]) - set(first.components)
+    absent = sorted(c for c in later if c.endswith(".so"))
     standing_in = bundle_run.stand_ins(reference.manifest, list(first.components))
     alone = _site_copy(host, "site-part-1")
     part = replace(host, site=alone)
     for name in absent:
         (alone / name).unlink(missing_ok=True)
-    try:
-        errors = _run_part_one(part, nodes, standing_in)
+    run = "bundle-part-1"
+    try:  # with the stand-ins: each case skips for want of a device, and imports
+        outcome, errors = _run_traced(part, run, nodes, PART_ONE_IMPORTS, standing_in)
+        logs = str(host.results / f"{run}-tests.log")
+        where = "part 1 of the bundle"
+        cuda_route.check_skipped(
+            outcome, host.results, where=where, logs=logs, required=nodes
+        )
         if errors:
             raise ForkError(
                 f"with {first.name} alone, what its cases import does not import: "
                 f"{'; '.join(errors)}",
-                f"see {host.results / 'bundle-part-1-tests.log'}",
+                f"see {logs}",
             )
-        without = _run_part_one(part, nodes, [])
+        _, without = _run_traced(
+            part, f"{run}-without-stand-ins", nodes, PART_ONE_IMPORTS
+        )
     finally:
         shutil.rmtree(alone, ignore_errors=True)
     if not any(m in e for e in without for m in standing_in):
@@ -351,22 +344,9 @@ def _part_one(reference: gpu_bundle.Bundle, host: SimHost) -> str:
     )
 
 
-def _run_part_one(host: SimHost, nodes: list[str], standing_in: list[str]) -> list[str]:
-    """NODES with STANDING_IN (each skips for want of a device): the import errors."""
-    name = "bundle-part-1" + ("" if standing_in else "-without-stand-ins")
-    outcome, errors = _run_traced(host, name, nodes, PART_ONE_IMPORTS, standing_in)
-    if standing_in:
-        logs = str(host.results / f"{name}-tests.log")
-        where = "part 1 of the bundle"
-        cuda_route.check_skipped(
-            outcome, host.results, where=where, logs=logs, required=nodes
-        )
-    return errors
-
-
 def _run_traced(
     host: SimHost, name: str, nodes: list[str], imports: tuple[str, ...], standing_in=()
-) -> tuple[pytest_runner.Outcome, list[str]]:
+) -> tuple[Outcome, list[str]]:
     """NODES run as the runner runs them, IMPORTS last: outcome and import errors."""
     site, results = host.site, host.results
     tree, report = site.parent / "tree", results / f"{name}-imports.json"

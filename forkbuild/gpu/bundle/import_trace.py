@@ -18,12 +18,9 @@ import os
 import sys
 from pathlib import Path
 
+from forkbuild.gpu.bundle.standin import from_env
 
-def _names(variable: str) -> list[str]:
-    return [name for name in os.environ.get(variable, "").split(",") if name]
-
-
-for _blocked in _names("FORKBUILD_TRACE_BLOCK"):
+for _blocked in from_env("FORKBUILD_TRACE_BLOCK"):
     sys.modules[_blocked] = None  # type: ignore[assignment]
 
 
@@ -34,20 +31,13 @@ def loaded_files() -> set[Path]:
     return {Path(f).resolve() for f in found if f and Path(f).is_absolute()}
 
 
-def _requirement_names(dist: importlib.metadata.Distribution) -> list[str]:
-    """What DIST requires here (markers evaluated, no extras), by the venv's own."""
-    from packaging.requirements import Requirement
-
-    wanted = [Requirement(text) for text in dist.requires or ()]
-    return [
-        w.name for w in wanted if w.marker is None or w.marker.evaluate({"extra": ""})
-    ]
-
-
 def distributions_of(files: set[Path]) -> dict[str, dict]:
     """Every installed distribution holding one of FILES (by its RECORD): name ->
-    {"version", "requires"}. A distribution vendored inside another (its own metadata
-    listed in that one's RECORD, as setuptools/_vendor's are) counts as that one."""
+    {"version", "requires" (markers evaluated, no extras)}. A distribution vendored
+    inside another (its own metadata listed in that one's RECORD, as setuptools/
+    _vendor's are) counts as that one."""
+    from packaging.requirements import Requirement  # the venv's own
+
     owners: dict[Path, list[importlib.metadata.Distribution]] = {}
     for dist in importlib.metadata.distributions():
         for entry in dist.files or ():
@@ -59,19 +49,18 @@ def distributions_of(files: set[Path]) -> dict[str, dict]:
         return any(other is not dist for other in owners.get(metadata, ()))
 
     found = {}
-    for path in files:
-        for dist in owners.get(path, ()):
-            if not vendored(dist):
-                found[dist.metadata["Name"]] = {
-                    "version": dist.version,
-                    "requires": _requirement_names(dist),
-                }
+    for dist in {d for path in files for d in owners.get(path, ()) if not vendored(d)}:
+        reqs = [Requirement(text) for text in dist.requires or ()]
+        names = [
+            r.name for r in reqs if not r.marker or r.marker.evaluate({"extra": ""})
+        ]
+        found[dist.metadata["Name"]] = {"version": dist.version, "requires": names}
     return found
 
 
-def pytest_sessionfinish(session, exitstatus) -> None:
+def pytest_sessionfinish() -> None:
     failed = []
-    for name in _names("FORKBUILD_TRACE_IMPORT"):
+    for name in from_env("FORKBUILD_TRACE_IMPORT"):
         try:
             importlib.import_module(name)
         except Exception as exc:  # reported, not raised: the caller names them all
@@ -84,8 +73,6 @@ def pytest_sessionfinish(session, exitstatus) -> None:
             str(f.relative_to(root)) for f in files if f.is_relative_to(root)
         ),
         "import_errors": failed,
-        "collected": len(session.items),
-        "exitstatus": int(exitstatus),
     }
     out = Path(os.environ["FORKBUILD_TRACE_OUT"])
     out.write_text(json.dumps(report, indent=1) + "\n")

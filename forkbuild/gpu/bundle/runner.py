@@ -49,6 +49,10 @@ OFFLINE |= dict.fromkeys(("VLLM_NO_USAGE_STATS", "PIP_NO_INDEX"), "1")
 OFFLINE |= {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "VLLM_TEST_CLEAN_GPU_MEMORY": "0"}
 PLUGINS = ["-p", "pytest_forked", "-p", "pytest_timeout"]
 SMI = ["nvidia-smi", f"--query-gpu={gpu_required.NVIDIA_SMI_QUERY}", "--format=csv"]
+REMAKE = (
+    "make a bundle for this host: `bash run.sh --inventory > host.txt`, then "
+    "`make gpu-bundle GPU_HOST=host.txt` on the build machine"
+)
 
 
 def home(bundle: Path) -> Path:
@@ -92,17 +96,14 @@ def check_host(manifest: dict) -> None:
         raise ForkError(
             f"this python3 is {platform.python_version()}; the bundle was made for "
             f"Python {manifest['python']}",
-            "run it with that Python (PYTHON=... bash run.sh), or make a bundle for "
-            "this host: `bash run.sh --inventory > host.txt`, then `make gpu-bundle "
-            "GPU_HOST=host.txt` on the build machine",
+            f"run it with that Python (PYTHON=... bash run.sh), or {REMAKE}",
         )
     libc, version = platform.libc_ver()
     if libc != "glibc" or _numbers(version) < _numbers(manifest["glibc"]):
         raise ForkError(
             f"this host's C library is {libc or 'unknown'} {version}; the bundle's "
             f"packages need glibc {manifest['glibc']} or newer",
-            "make a bundle for this host: `bash run.sh --inventory > host.txt`, then "
-            "`make gpu-bundle GPU_HOST=host.txt`",
+            REMAKE,
         )
     for name in ("torch", "triton"):
         try:  # this interpreter's own environment: the bundle is not on its path
@@ -313,8 +314,7 @@ def check_vllm(
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise ForkError(
             f"the bundle's vLLM does not import: {last}",
-            "a package is missing from the bundle or the host's differs: "
-            "make a bundle for this host (bash run.sh --inventory)",
+            f"a package is missing from the bundle or the host's differs: {REMAKE}",
         )
     found = json.loads(report.read_text())
     problems = []
@@ -353,8 +353,7 @@ def plan(
             apart[node] = "not in the bundle: the manifest does not list what it needs"
         else:
             need = manifest["every_case"] + manifest["needs"][node]
-            missing = [c for c in need if c not in have]
-            if missing:
+            if missing := [c for c in need if c not in have]:
                 parts = sorted({where[c] for c in missing})
                 apart[node] = f"needs {', '.join(parts)} (not transferred yet)"
             else:

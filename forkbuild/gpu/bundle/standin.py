@@ -27,8 +27,9 @@ def install(names: list[str]) -> list[str]:
     return names
 
 
-def from_env() -> list[str]:
-    return [name for name in os.environ.get(ENV, "").split(",") if name]
+def from_env(variable: str = ENV) -> list[str]:
+    """The names in VARIABLE, comma-separated."""
+    return [name for name in os.environ.get(variable, "").split(",") if name]
 
 
 install(from_env())
