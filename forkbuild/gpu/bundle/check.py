@@ -312,8 +312,13 @@ def _part_one(reference: gpu_bundle.Bundle, host: SimHost) -> str:
     for name in absent:
         (alone / name).unlink(missing_ok=True)
     run = "bundle-part-1"
-    try:  # with the stand-ins: each case skips for want of a device, and imports
-        outcome, errors = _run_traced(part, run, nodes, PART_ONE_IMPORTS, standing_in)
+    try:  # with the stand-ins and without, at once: the last step, one core each
+        without, (outcome, errors) = meanwhile(
+            lambda: _run_traced(
+                part, f"{run}-without-stand-ins", nodes, PART_ONE_IMPORTS
+            )[1],
+            lambda: _run_traced(part, run, nodes, PART_ONE_IMPORTS, standing_in),
+        )
         logs = str(host.results / f"{run}-tests.log")
         where = "part 1 of the bundle"
         cuda_route.check_skipped(
@@ -325,9 +330,6 @@ def _part_one(reference: gpu_bundle.Bundle, host: SimHost) -> str:
                 f"{'; '.join(errors)}",
                 f"see {logs}",
             )
-        _, without = _run_traced(
-            part, f"{run}-without-stand-ins", nodes, PART_ONE_IMPORTS
-        )
     finally:
         shutil.rmtree(alone, ignore_errors=True)
     if not any(m in e for e in without for m in standing_in):
