@@ -102,7 +102,7 @@ def test_a_file_without_its_markers_is_refused():
 
 def test_a_case_without_a_bundle_entry_is_refused():
     raw = {"kinds": {"A": {"capability": "8.0", "queues": {}}}}
-    with pytest.raises(ForkError, match="exactly one of `bundle`"):
+    with pytest.raises(ForkError, match="gives neither `bundle`"):
         pins.gpu_table({**raw, "cases": {"t.py::a": {"kind": "A"}}})
     with pytest.raises(ForkError, match="unknown kinds: B"):
         pins.gpu_table({**raw, "cases": {"t.py::b": {"kind": "B", "bundle": []}}})
