@@ -26,9 +26,7 @@ DOCS = REPO_ROOT / "docs"
 TABLE = DOCS / "version-matrix.md"
 RECORD = DOCS / "version-matrix.json"
 FORK_ROW = "fork"  # the record's key for the patched tree
-# vLLM picks its CPU platform from this (the borrowed CUDA extensions of 0.33.0 would
-# otherwise make it look for a GPU).
-CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu"}
+CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu"}  # else 0.33.0's CUDA extensions want a GPU
 
 
 def matrix_dir() -> Path:
@@ -102,7 +100,7 @@ def release_python(pins: Pins, release: Release, release_tree_path: Path) -> Pat
     if release.torch == pins.torch:
         python, _, _ = install.install(pins, "cpu")
         return python
-    if not pins.torch_pins(release.torch):
+    if not (wheels := pins.torch_pins(release.torch)):
         raise ForkError(
             f"vLLM {release.version} needs torch {release.torch}, which fork.toml does "
             "not pin",
@@ -111,10 +109,8 @@ def release_python(pins: Pins, release: Release, release_tree_path: Path) -> Pat
     home = matrix_dir() / f"venv-torch-{release.torch}"
     # A stock release is tested on its own requirement ranges (what its users get), not
     # on a lock; its torch is checked against fork.toml's pins all the same.
-    torch_line = f"torch=={release.torch} " + " ".join(
-        f"--hash=sha256:{sha}" for sha in pins.torch_pins(release.torch).values()
-    )
-    requirements = [torch_line, *pins.test]
+    hashes = [f"--hash=sha256:{sha}" for sha in wheels.values()]
+    requirements = [" ".join([f"torch=={release.torch}", *hashes]), *pins.test]
     req_file = release_tree_path / "requirements" / "common.txt"
     key = digest_of([platform.python_version(), *requirements, req_file.read_bytes()])
     text = "".join(f"{r}\n" for r in requirements) + f"-r {req_file}\n"
@@ -176,22 +172,16 @@ def _statuses(cases: dict[str, str], modules: tuple[str, ...], inside: bool) -> 
     return [s for c, s in cases.items() if (c.split("::", 1)[0] in modules) == inside]
 
 
-def _counts(statuses: list[str]) -> str:
-    failed = sum(s in ("failed", "error") for s in statuses)
-    skipped = statuses.count("skipped") + statuses.count("xfailed")
-    return f"{statuses.count('passed')} / {failed} / {skipped}"
+def _counts(statuses: list[str]) -> str:  # passed / failed, errors / skipped, xfailed
+    n = Counter(statuses)
+    return f"{n['passed']} / {n['failed'] + n['error']} / {n['skipped'] + n['xfailed']}"
 
 
 def reading(statuses: list[str]) -> str:
     """What the STATUSES of one patch's regression cases say about a release."""
-    bad = sum(s in ("failed", "error") for s in statuses)
-    if bad:
+    if bad := sum(s in ("failed", "error") for s in statuses):
         return f"needed ({bad} fail)"
     return "has the fix" if "passed" in statuses else "not testable"
-
-
-def _patch_id(name: str) -> str:
-    return name.split("-", 1)[0]
 
 
 def write(pins: Pins, rows: list[Row]) -> None:
@@ -232,10 +222,10 @@ has the fix. The last column counts every other fork case. Patches:
 
 def render(pins: Pins, record: dict) -> str:
     patches, rows = pins.regression_by_patch, record["rows"].values()
-    ids = [_patch_id(name) for name in patches]
+    ids = [name.split("-", 1)[0] for name in patches]
     lines = [
         *INTRO.splitlines(),
-        *(f"- {_patch_id(name)}: `patches/{name}`" for name in patches),
+        *(f"- {n}: `patches/{name}`" for n, name in zip(ids, patches)),
         "",
         "| release | torch | compiled extensions from | packed branch of "
         "`_reshape_attention_kv_cache` "
