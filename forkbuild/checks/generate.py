@@ -28,10 +28,6 @@ class PatchFacts:
     fields: dict[str, str]
     numstat: tuple[tuple[int, int, str], ...]
 
-    @property
-    def added(self) -> int:
-        return sum(a for a, _, _ in self.numstat)
-
 
 def read_mail(path: Path) -> PatchFacts:
     message = email.message_from_bytes(path.read_bytes(), policy=email.policy.default)
@@ -80,6 +76,7 @@ def patch_table(p: Pins, patches_dir: Path = tree.PATCHES_DIR) -> str:
 
 def tree_log(p: Pins, patches_dir: Path = tree.PATCHES_DIR) -> str:
     facts = series(patches_dir)
+    added = [str(sum(a for a, _, _ in f.numstat)) for f in facts]
     version, width = p.upstream_version, 44
     lines = [
         "```console",
@@ -88,7 +85,7 @@ def tree_log(p: Pins, patches_dir: Path = tree.PATCHES_DIR) -> str:
         *(f"…       {patch.subject}" for patch in reversed(facts)),
         f"{'2dcc02b vLLM ' + version + ' (sdist)':<{width}} <- tagged v{version}",
         f"$ git -C build/vllm-{version} diff v{version} -- vllm/     # exactly the "
-        f"series: {' + '.join(str(f.added) for f in facts)} lines added",
+        f"series: {' + '.join(added)} lines added",
         "```",
     ]
     return "\n".join(lines)
@@ -140,9 +137,8 @@ def stale(p: Pins, root: Path = REPO_ROOT) -> list[Path]:
 
 def write(p: Pins) -> str:
     """`make generate`: rewrite every stale block; return the closing line."""
-    changed = stale(p)
-    for file, text in render(p).items():
+    changed = [(f, text) for f, text in render(p).items() if f.read_text() != text]
+    for file, text in changed:
         file.write_text(text)
-    for file in changed:
         log.step(f"generate: rewrote {file.relative_to(REPO_ROOT)}")
     return f"generate: {len(changed)} file(s) changed"
