@@ -16,18 +16,12 @@ from forkbuild.core import fixcheck, pins, preflight, pytest_progress, pytest_ru
 from forkbuild.core.errors import ForkError, run_or_fail
 
 
-@pytest.fixture(scope="module")
-def released_source(real_sdist, fork_pins) -> str:
+def test_fixcheck_tells_released_from_fixed(real_sdist, fork_pins):
     inner = f"vllm-{fork_pins.upstream_version}/{fixcheck.MODULE_PATH}"
     with tarfile.open(real_sdist) as tar:
-        return tar.extractfile(inner).read().decode()
-
-
-def test_fixcheck_tells_released_from_fixed(released_source):
-    assert fixcheck.classify(released_source) == "buggy"
-    fixed = released_source.replace(
-        ".view(kv_cache_shape)", ".view(permuted_kv_cache_shape)"
-    )
+        released = tar.extractfile(inner).read().decode()
+    assert fixcheck.classify(released) == "buggy"
+    fixed = released.replace(".view(kv_cache_shape)", ".view(permuted_kv_cache_shape)")
     assert fixcheck.classify(fixed) == "fixed"
     # Reformatting does not fool it; code that no longer has the branch is "unknown".
     noted = fixed.replace(".view(dtype)\n", ".view(dtype)  # note\n")
