@@ -61,16 +61,13 @@ def release_tree(pins: Pins, release: Release) -> Path:
     matrix_dir().mkdir(parents=True, exist_ok=True)
     for stale in matrix_dir().glob(".tree-*"):
         shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tree-new-", dir=matrix_dir()))
-    try:
+    with tempfile.TemporaryDirectory(prefix=".tree-new-", dir=matrix_dir()) as made:
+        tmp = Path(made)  # moved into place whole; a failed build is deleted
         env = tree.commit_release(tmp, sdist, release.version, release.sdist.sha256)
         tree.overlay_tests(tmp, env)
         add_binaries(tmp, binaries, release.version)
         (tmp / ".git" / tree.INPUTS_FILE).write_text(digest + "\n")
         tree.swap_into_place(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.step(f"matrix: {final} built")
     return final
 
