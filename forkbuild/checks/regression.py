@@ -48,10 +48,8 @@ def check_imports_from(python: Path, path: Path) -> None:
     )
     origin = Path(out.stdout.strip().splitlines()[-1])
     if not origin.resolve().is_relative_to(path.resolve()):
-        raise ForkError(
-            f"in {path.name}, `import vllm` resolved to {origin}; the check would be "
-            "void"
-        )
+        void = f"in {path.name}, `import vllm` resolved to {origin}"
+        raise ForkError(f"{void}; the check would be void")
 
 
 def check(pins: Pins, python: Path, fork_tree: Path) -> Outcome:

@@ -22,8 +22,7 @@ def check_all(pins: Pins) -> None:
         raise ForkError(
             f"Python {platform.python_version()} is not supported: the fork locks "
             f"Python {', '.join(pins.pythons)}",
-            "run forkbuild with one of those, e.g. make ... "
-            f"PYTHON=python{pins.pythons[0]}",
+            f"run it on one of them, e.g. make ... PYTHON=python{pins.pythons[0]}",
         )
     machine = platform.machine()
     if machine not in pins.machines:
