@@ -9,9 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from forkbuild.checks import patch_status, regression
-from forkbuild.core import preflight, pytest_runner
+from forkbuild.core import preflight
 from forkbuild.core.errors import ForkError
 from forkbuild.core.pins import REPO_ROOT, Pins, build_dir
+from forkbuild.core.pytest_runner import Outcome, run_pytest
 from forkbuild.gpu import cuda_route
 from forkbuild.gpu.bundle import check as bundle_check
 from forkbuild.setup import install
@@ -31,11 +32,9 @@ def run(pins: Pins, route_name: str | None) -> str:
 
     with ThreadPoolExecutor(2) as pool:
         tools_log, tools_xml = results / "forkbuild.log", results / "forkbuild.xml"
+        tests = (python, REPO_ROOT, ["-rfEs", "forkbuild/tests"], tools_xml)
         tools_run = pool.submit(
-            pytest_runner.run_pytest,
-            *(python, REPO_ROOT, ["-rfEs", "forkbuild/tests"], tools_xml),
-            pythonpath=REPO_ROOT,
-            output=tools_log,
+            run_pytest, *tests, pythonpath=REPO_ROOT, output=tools_log
         )
         cuda_run = pool.submit(_check_cuda_route, pins, results)
         try:
@@ -56,7 +55,7 @@ def run(pins: Pins, route_name: str | None) -> str:
     patch_status.check(pins, python)
 
     cuda, bundle = cuda if cuda else (None, None)
-    calls = cuda.calls if cuda else pytest_runner.Outcome({})
+    calls = cuda.calls if cuda else Outcome({})
     # The serve test's GPU case is also among the tool tests' skips: counted once.
     gpu_skipped = len(set(cuda.gpu_cases.cases) - set(tools.cases)) if cuda else 0
     passed = tools.passed + suite.passed + calls.passed
