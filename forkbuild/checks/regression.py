@@ -100,7 +100,6 @@ def _report(pins: Pins, results: Path, fork: Run, stock: Run) -> None:
     print(f"  stock {stock[0].name:24} {on_stock}")
     for module in pins.regression_tests:
         in_module = [c for c in on_stock.cases if c.startswith(module + "::")]
-        failed = [c for c in in_module if on_stock.cases[c] == "failed"]
-        share = f"{len(failed)}/{len(in_module)}"
+        share = f"{sum(c in failing for c in in_module)}/{len(in_module)}"
         print(f"  {module}: {share} fail on v{pins.upstream_version}")
     print(f"  failing cases listed in {listing}")
