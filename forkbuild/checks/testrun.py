@@ -58,17 +58,15 @@ def run(pins: Pins, route_name: str | None) -> str:
     calls = cuda.calls if cuda else Outcome({})
     # The serve test's GPU case is also among the tool tests' skips: counted once.
     gpu_skipped = len(set(cuda.gpu_cases.cases) - set(tools.cases)) if cuda else 0
-    passed = tools.passed + suite.passed + calls.passed
-    failed = tools.failed + tools.errors + suite.failed + suite.errors
-    skipped = tools.skipped + suite.skipped + gpu_skipped
-    xfailed = tools.xfailed + suite.xfailed
+    both = Outcome({**tools.cases, **suite.cases})  # forkbuild/tests/ and tests/
+    failed = both.failed + both.errors
     print(f"\nforkbuild tool tests: {tools}")
     print(cuda.line() if cuda else NO_CUDA_CHECK)
     if bundle:
         print(bundle.line())
     print(f"fork suite in {tree_path.name}: {suite}")
-    summary = f"summary: {passed} passed, {failed} failed, {skipped} skipped, "
-    summary += f"{xfailed} xfailed"
+    summary = f"summary: {both.passed + calls.passed} passed, {failed} failed, "
+    summary += f"{both.skipped + gpu_skipped} skipped, {both.xfailed} xfailed"
     if failed:
         print(summary)
         raise ForkError(f"{failed} test(s) failed", f"JUnit reports are in {results}")
