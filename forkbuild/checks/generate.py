@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import email
 import email.policy
-import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from forkbuild.core import log
-from forkbuild.core.errors import ForkError
+from forkbuild.core.errors import ForkError, run_or_fail
 from forkbuild.core.pins import REPO_ROOT, Pins
 from forkbuild.gpu import pipeline
 from forkbuild.setup import tree
@@ -36,16 +35,10 @@ def read_mail(path: Path) -> PatchFacts:
         subject = subject.split("] ", 1)[1]
     body = message.get_content().split("\n---\n", 1)[0]
     pairs = [line.partition(": ") for line in body.splitlines()]
-    fields = {
-        k: v.strip() for k, sep, v in pairs if sep and k.replace("-", "").isalnum()
-    }
+    fields = {k: v.strip() for k, s, v in pairs if s and k.replace("-", "").isalnum()}
     numstat = ["git", "apply", "--numstat", str(path)]
-    done = subprocess.run(numstat, capture_output=True, text=True, check=False)
-    if done.returncode != 0 or not done.stdout.strip():
-        raise ForkError(
-            f"{path.name} is no diff git reads: {done.stderr.strip()}",
-            "regenerate it with git format-patch",
-        )
+    unread = f"{path.name} is no diff git reads"
+    done = run_or_fail(numstat, unread, "regenerate it with git format-patch")
     stat = [line.split("\t", 2) for line in done.stdout.splitlines()]
     numbers = tuple((int(a), int(r), f) for a, r, f in stat)
     return PatchFacts(path.name, subject, fields, numbers)
