@@ -1,7 +1,5 @@
 """Command line: python3 -m forkbuild STEP. Each step runs the steps it depends on."""
 
-from __future__ import annotations
-
 import argparse
 import os
 import sys

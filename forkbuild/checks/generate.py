@@ -1,8 +1,6 @@
 """`make generate`: rewrite the BLOCKS that restate fork.toml and patches/, each between
 a Markdown or YAML comment pair, nothing else (test_generate.py fails on stale ones)."""
 
-from __future__ import annotations
-
 import email
 import email.policy
 from collections.abc import Callable

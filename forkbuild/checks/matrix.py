@@ -2,8 +2,6 @@
 in build/matrix/vllm-<version>, the fork's tests, its wheel's compiled extensions, its
 torch) and on the fork: docs/version-matrix.md and .json (read by patch-status)."""
 
-from __future__ import annotations
-
 import json
 import platform
 import shutil

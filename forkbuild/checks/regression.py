@@ -1,8 +1,6 @@
 """Prove the regression tests fail on unpatched vLLM (a worktree at v<version> plus the
 fork's tests, on the fork's venv) and pass on the fork."""
 
-from __future__ import annotations
-
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor

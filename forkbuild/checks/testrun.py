@@ -2,8 +2,6 @@
 route and its GPU bundle (without a GPU), the regression proof; then patch status. The
 terminal shows the fork suite (the rest: build/test-results), then one summary."""
 
-from __future__ import annotations
-
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path

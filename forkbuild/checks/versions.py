@@ -1,7 +1,5 @@
 """Release versions: plain X.Y.Z (as vLLM's), packaging's Version; others refused."""
 
-from __future__ import annotations
-
 import re
 
 from packaging.version import Version

@@ -1,7 +1,5 @@
 """The one error type (a cause plus what to do), and how a must-succeed command runs."""
 
-from __future__ import annotations
-
 import os
 import subprocess
 from pathlib import Path

@@ -1,7 +1,5 @@
 """Checks that fail fast, before any download or build (standard library only)."""
 
-from __future__ import annotations
-
 import os
 import platform
 import shutil

@@ -2,8 +2,6 @@
 done, collected, in progress go to FORKBUILD_PYTEST_PROGRESS. Under --forked, what a
 case left (marked) is killed: a stopped case's engine cores hold the next one's GPU."""
 
-from __future__ import annotations
-
 import contextlib
 import os
 import signal

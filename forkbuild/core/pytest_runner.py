@@ -1,7 +1,5 @@
 """Run pytest in a tree and read its per-case results from JUnit XML."""
 
-from __future__ import annotations
-
 import contextlib
 import math
 import os

@@ -1,8 +1,6 @@
 """forkbuild's shape: areas import the core and lower areas, no other module's private
 name; no import circle; no `python -c` program; no function over 60 lines; ruff."""
 
-from __future__ import annotations
-
 import ast
 import graphlib
 import subprocess

@@ -1,8 +1,6 @@
 """What every step relies on: fixcheck's verdicts, preflight's refusals, the one-line
 errors of run_or_fail, a pytest run's progress log and graceful stop."""
 
-from __future__ import annotations
-
 import dataclasses
 import re
 import signal

@@ -1,8 +1,6 @@
 """`make generate`: the blocks that restate fork.toml and patches/ are up to date, and a
 change to the GPU table is one edit of fork.toml (in a scratch copy)."""
 
-from __future__ import annotations
-
 import shutil
 from pathlib import Path
 
