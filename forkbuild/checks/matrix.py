@@ -9,7 +9,6 @@ import sys
 import tempfile
 import zipfile
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 from forkbuild.checks import regression
@@ -113,16 +112,6 @@ def release_python(pins: Pins, release: Release, release_tree_path: Path) -> Pat
     return uv.stamped_venv(pins, home, Path(sys.executable), text, key, what)
 
 
-@dataclass(frozen=True)
-class Row:
-    key: str  # a release version, or FORK_ROW
-    title: str
-    torch: str
-    binaries: str
-    line: str  # what the #47054 code reads as there
-    outcome: Outcome
-
-
 def read_line(tree_path: Path) -> str:
     module = tree_path / fixcheck.MODULE_PATH
     source = module.read_text() if module.exists() else ""
@@ -141,25 +130,38 @@ def run_tree(pins: Pins, python: Path, tree_path: Path, name: str) -> Outcome:
     return run_pytest(python, tree_path, args, junit, output=output, extra_env=CPU_ENV)
 
 
-def run(pins: Pins, versions: list[str] | None = None) -> list[Row]:
+def run(pins: Pins, versions: list[str] | None = None) -> None:
     wanted = [pins.release(v) for v in versions] if versions else list(pins.releases)
-    rows = []
+    rows = {}
     for index, release in enumerate(wanted, 1):
         log.step(f"matrix: [{index}/{len(wanted)}] vLLM {release.version}")
         path = release_tree(pins, release)
         python = release_python(pins, release, path)
         outcome = run_tree(pins, python, path, release.version)
-        files, line = release.binaries.filename, read_line(path)
-        rows.append(Row(*(release.version,) * 2, release.torch, files, line, outcome))
+        rows[release.version] = _row(pins, release.version, path, outcome)
         log.step(f"matrix: vLLM {release.version}: {outcome}")
     if not versions or pins.upstream_version in versions:
         python, fork_tree, _ = install.install(pins, "cpu")
         outcome = run_tree(pins, python, fork_tree, FORK_ROW)
-        title = f"{pins.upstream_version} + patches/ (the fork)"
-        files, line = pins.routes["cpu"].wheel.filename, read_line(fork_tree)
-        rows.append(Row(FORK_ROW, title, pins.torch, files, line, outcome))
+        rows[FORK_ROW] = _row(pins, FORK_ROW, fork_tree, outcome)
     write(pins, rows)
-    return rows
+
+
+def _row(pins: Pins, key: str, tree_path: Path, outcome: Outcome) -> dict:
+    """The record's row KEY (a release version, or FORK_ROW): what ran, on what."""
+    release = None if key == FORK_ROW else pins.release(key)
+    title = key if release else f"{pins.upstream_version} + patches/ (the fork)"
+    binaries = release.binaries if release else pins.routes["cpu"].wheel
+    return {
+        "title": title,
+        "torch": release.torch if release else pins.torch,
+        "binaries": binaries.filename,
+        "line": read_line(tree_path),  # what the #47054 code reads as there
+        "sdist_sha256": (release or pins).sdist.sha256,
+        "note": release.note if release else "",
+        "cases": dict(sorted(outcome.cases.items())),
+        "skip_reasons": dict(sorted(outcome.reasons.items())),
+    }
 
 
 def _statuses(cases: dict[str, str], modules: tuple[str, ...], inside: bool) -> list:
@@ -179,20 +181,12 @@ def reading(statuses: list[str]) -> str:
     return "has the fix" if "passed" in statuses else "not testable"
 
 
-def write(pins: Pins, rows: list[Row]) -> None:
+def write(pins: Pins, rows: dict[str, dict]) -> None:
+    """ROWS (_row's) into the record, which keeps the others; the table from it."""
     record = json.loads(RECORD.read_text()) if RECORD.exists() else {"rows": {}}
-    for row in rows:
-        release = None if row.key == FORK_ROW else pins.release(row.key)
-        record["rows"][row.key] = {
-            **{k: getattr(row, k) for k in ("title", "torch", "binaries", "line")},
-            "sdist_sha256": (release or pins).sdist.sha256,
-            "note": release.note if release else "",
-            "cases": dict(sorted(row.outcome.cases.items())),
-            "skip_reasons": dict(sorted(row.outcome.reasons.items())),
-        }
+    record["rows"] |= rows
     order = [r.version for r in pins.releases] + [FORK_ROW]
     record["rows"] = {k: record["rows"][k] for k in order if k in record["rows"]}
-    DOCS.mkdir(exist_ok=True)
     RECORD.write_text(json.dumps(record, indent=1) + "\n")
     table = render(pins, record)
     TABLE.write_text(table)
