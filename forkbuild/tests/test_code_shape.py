@@ -137,7 +137,7 @@ def program_arguments(path: Path) -> list[int]:
     for node in ast.walk(ast.parse(path.read_text())):
         match node:
             case ast.List(elts=[_, ast.Constant(value="-c"), following, *_]):
-                value = getattr(following, "value", None)  # an ast.Constant's
+                value = following.value if isinstance(following, ast.Constant) else ""
                 if not str(value).startswith("-"):
                     lines.append(node.lineno)
     return lines
