@@ -62,7 +62,6 @@ class Step:
 
 ROUTE = {
     "choices": ("cpu", "cuda"),
-    "default": None,
     "help": "vLLM binaries to install on (default: cuda where an NVIDIA GPU is "
     "present, else cpu)",
 }
@@ -118,7 +117,6 @@ STEPS = {
             },
             "--part-mib": {
                 "type": float,
-                "default": None,
                 "help": "the largest part, in MiB (default: PART_MIB or fork.toml's)",
             },
         },
