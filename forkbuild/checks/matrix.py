@@ -32,11 +32,8 @@ def matrix_dir() -> Path:
 
 def fork_test_modules(pins: Pins, tree_path: Path) -> list[str]:
     """The fork's CPU test modules, as overlaid on TREE_PATH."""
-    modules = [
-        str(Path("tests") / p.relative_to(tree.TESTS_DIR))
-        for p in tree.overlay_files()
-        if p.name.startswith("test_") and p.suffix == ".py"
-    ]
+    tests = [p for p in tree.overlay_files() if p.match("test_*.py")]
+    modules = [str(Path("tests") / p.relative_to(tree.TESTS_DIR)) for p in tests]
     not_cpu = (*pins.gpu_tests, *pins.cuda_route_tests)
     return [m for m in modules if m not in not_cpu and (tree_path / m).is_file()]
 
