@@ -46,8 +46,7 @@ def _generate_in_copy(tmp_path: Path, *edit: str) -> tuple[Path, pins.Pins]:
 
 
 def _steps(root: Path) -> dict[str, dict]:
-    pipeline = root / ".buildkite" / "fork_nightly_gpu.yaml"
-    steps = yaml.safe_load(pipeline.read_text())["steps"]
+    steps = yaml.safe_load((root / generate.PIPELINE).read_text())["steps"]
     return {step["agents"]["queue"]: step for step in steps}
 
 
