@@ -1,7 +1,5 @@
 """Command line: python3 -m forkbuild STEP. Each step runs the steps it depends on."""
 
-from __future__ import annotations
-
 import argparse
 import os
 import sys
@@ -64,7 +62,6 @@ class Step:
 
 ROUTE = {
     "choices": ("cpu", "cuda"),
-    "default": None,
     "help": "vLLM binaries to install on (default: cuda where an NVIDIA GPU is "
     "present, else cpu)",
 }
@@ -120,7 +117,6 @@ STEPS = {
             },
             "--part-mib": {
                 "type": float,
-                "default": None,
                 "help": "the largest part, in MiB (default: PART_MIB or fork.toml's)",
             },
         },

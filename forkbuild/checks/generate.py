@@ -1,17 +1,14 @@
 """`make generate`: rewrite the BLOCKS that restate fork.toml and patches/, each between
 a Markdown or YAML comment pair, nothing else (test_generate.py fails on stale ones)."""
 
-from __future__ import annotations
-
 import email
 import email.policy
-import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from forkbuild.core import log
-from forkbuild.core.errors import ForkError
+from forkbuild.core.errors import ForkError, run_or_fail
 from forkbuild.core.pins import REPO_ROOT, Pins
 from forkbuild.gpu import pipeline
 from forkbuild.setup import tree
@@ -28,10 +25,6 @@ class PatchFacts:
     fields: dict[str, str]
     numstat: tuple[tuple[int, int, str], ...]
 
-    @property
-    def added(self) -> int:
-        return sum(a for a, _, _ in self.numstat)
-
 
 def read_mail(path: Path) -> PatchFacts:
     message = email.message_from_bytes(path.read_bytes(), policy=email.policy.default)
@@ -40,16 +33,10 @@ def read_mail(path: Path) -> PatchFacts:
         subject = subject.split("] ", 1)[1]
     body = message.get_content().split("\n---\n", 1)[0]
     pairs = [line.partition(": ") for line in body.splitlines()]
-    fields = {
-        k: v.strip() for k, sep, v in pairs if sep and k.replace("-", "").isalnum()
-    }
+    fields = {k: v.strip() for k, s, v in pairs if s and k.replace("-", "").isalnum()}
     numstat = ["git", "apply", "--numstat", str(path)]
-    done = subprocess.run(numstat, capture_output=True, text=True, check=False)
-    if done.returncode != 0 or not done.stdout.strip():
-        raise ForkError(
-            f"{path.name} is no diff git reads: {done.stderr.strip()}",
-            "regenerate it with git format-patch",
-        )
+    unread = f"{path.name} is no diff git reads"
+    done = run_or_fail(numstat, unread, "regenerate it with git format-patch")
     stat = [line.split("\t", 2) for line in done.stdout.splitlines()]
     numbers = tuple((int(a), int(r), f) for a, r, f in stat)
     return PatchFacts(path.name, subject, fields, numbers)
@@ -80,6 +67,7 @@ def patch_table(p: Pins, patches_dir: Path = tree.PATCHES_DIR) -> str:
 
 def tree_log(p: Pins, patches_dir: Path = tree.PATCHES_DIR) -> str:
     facts = series(patches_dir)
+    added = [str(sum(a for a, _, _ in f.numstat)) for f in facts]
     version, width = p.upstream_version, 44
     lines = [
         "```console",
@@ -88,7 +76,7 @@ def tree_log(p: Pins, patches_dir: Path = tree.PATCHES_DIR) -> str:
         *(f"…       {patch.subject}" for patch in reversed(facts)),
         f"{'2dcc02b vLLM ' + version + ' (sdist)':<{width}} <- tagged v{version}",
         f"$ git -C build/vllm-{version} diff v{version} -- vllm/     # exactly the "
-        f"series: {' + '.join(str(f.added) for f in facts)} lines added",
+        f"series: {' + '.join(added)} lines added",
         "```",
     ]
     return "\n".join(lines)
@@ -140,9 +128,8 @@ def stale(p: Pins, root: Path = REPO_ROOT) -> list[Path]:
 
 def write(p: Pins) -> str:
     """`make generate`: rewrite every stale block; return the closing line."""
-    changed = stale(p)
-    for file, text in render(p).items():
+    changed = [(f, text) for f, text in render(p).items() if f.read_text() != text]
+    for file, text in changed:
         file.write_text(text)
-    for file in changed:
         log.step(f"generate: rewrote {file.relative_to(REPO_ROOT)}")
     return f"generate: {len(changed)} file(s) changed"

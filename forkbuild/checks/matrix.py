@@ -2,8 +2,6 @@
 in build/matrix/vllm-<version>, the fork's tests, its wheel's compiled extensions, its
 torch) and on the fork: docs/version-matrix.md and .json (read by patch-status)."""
 
-from __future__ import annotations
-
 import json
 import platform
 import shutil
@@ -11,7 +9,6 @@ import sys
 import tempfile
 import zipfile
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 from forkbuild.checks import regression
@@ -26,9 +23,7 @@ DOCS = REPO_ROOT / "docs"
 TABLE = DOCS / "version-matrix.md"
 RECORD = DOCS / "version-matrix.json"
 FORK_ROW = "fork"  # the record's key for the patched tree
-# vLLM picks its CPU platform from this (the borrowed CUDA extensions of 0.33.0 would
-# otherwise make it look for a GPU).
-CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu"}
+CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu"}  # else 0.33.0's CUDA extensions want a GPU
 
 
 def matrix_dir() -> Path:
@@ -37,11 +32,8 @@ def matrix_dir() -> Path:
 
 def fork_test_modules(pins: Pins, tree_path: Path) -> list[str]:
     """The fork's CPU test modules, as overlaid on TREE_PATH."""
-    modules = [
-        str(Path("tests") / p.relative_to(tree.TESTS_DIR))
-        for p in tree.overlay_files()
-        if p.name.startswith("test_") and p.suffix == ".py"
-    ]
+    tests = [p for p in tree.overlay_files() if p.match("test_*.py")]
+    modules = [str(Path("tests") / p.relative_to(tree.TESTS_DIR)) for p in tests]
     not_cpu = (*pins.gpu_tests, *pins.cuda_route_tests)
     return [m for m in modules if m not in not_cpu and (tree_path / m).is_file()]
 
@@ -63,16 +55,13 @@ def release_tree(pins: Pins, release: Release) -> Path:
     matrix_dir().mkdir(parents=True, exist_ok=True)
     for stale in matrix_dir().glob(".tree-*"):
         shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tree-new-", dir=matrix_dir()))
-    try:
+    with tempfile.TemporaryDirectory(prefix=".tree-new-", dir=matrix_dir()) as made:
+        tmp = Path(made)  # moved into place whole; a failed build is deleted
         env = tree.commit_release(tmp, sdist, release.version, release.sdist.sha256)
         tree.overlay_tests(tmp, env)
         add_binaries(tmp, binaries, release.version)
         (tmp / ".git" / tree.INPUTS_FILE).write_text(digest + "\n")
         tree.swap_into_place(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.step(f"matrix: {final} built")
     return final
 
@@ -102,7 +91,7 @@ def release_python(pins: Pins, release: Release, release_tree_path: Path) -> Pat
     if release.torch == pins.torch:
         python, _, _ = install.install(pins, "cpu")
         return python
-    if not pins.torch_pins(release.torch):
+    if not (wheels := pins.torch_pins(release.torch)):
         raise ForkError(
             f"vLLM {release.version} needs torch {release.torch}, which fork.toml does "
             "not pin",
@@ -111,25 +100,13 @@ def release_python(pins: Pins, release: Release, release_tree_path: Path) -> Pat
     home = matrix_dir() / f"venv-torch-{release.torch}"
     # A stock release is tested on its own requirement ranges (what its users get), not
     # on a lock; its torch is checked against fork.toml's pins all the same.
-    torch_line = f"torch=={release.torch} " + " ".join(
-        f"--hash=sha256:{sha}" for sha in pins.torch_pins(release.torch).values()
-    )
-    requirements = [torch_line, *pins.test]
+    hashes = [f"--hash=sha256:{sha}" for sha in wheels.values()]
+    requirements = [" ".join([f"torch=={release.torch}", *hashes]), *pins.test]
     req_file = release_tree_path / "requirements" / "common.txt"
     key = digest_of([platform.python_version(), *requirements, req_file.read_bytes()])
     text = "".join(f"{r}\n" for r in requirements) + f"-r {req_file}\n"
     what = f"torch {release.torch} and vLLM {release.version}'s requirements"
     return uv.stamped_venv(pins, home, Path(sys.executable), text, key, what)
-
-
-@dataclass(frozen=True)
-class Row:
-    key: str  # a release version, or FORK_ROW
-    title: str
-    torch: str
-    binaries: str
-    line: str  # what the #47054 code reads as there
-    outcome: Outcome
 
 
 def read_line(tree_path: Path) -> str:
@@ -150,25 +127,38 @@ def run_tree(pins: Pins, python: Path, tree_path: Path, name: str) -> Outcome:
     return run_pytest(python, tree_path, args, junit, output=output, extra_env=CPU_ENV)
 
 
-def run(pins: Pins, versions: list[str] | None = None) -> list[Row]:
+def run(pins: Pins, versions: list[str] | None = None) -> None:
     wanted = [pins.release(v) for v in versions] if versions else list(pins.releases)
-    rows = []
+    rows = {}
     for index, release in enumerate(wanted, 1):
         log.step(f"matrix: [{index}/{len(wanted)}] vLLM {release.version}")
         path = release_tree(pins, release)
         python = release_python(pins, release, path)
         outcome = run_tree(pins, python, path, release.version)
-        files, line = release.binaries.filename, read_line(path)
-        rows.append(Row(*(release.version,) * 2, release.torch, files, line, outcome))
+        rows[release.version] = _row(pins, release.version, path, outcome)
         log.step(f"matrix: vLLM {release.version}: {outcome}")
     if not versions or pins.upstream_version in versions:
         python, fork_tree, _ = install.install(pins, "cpu")
         outcome = run_tree(pins, python, fork_tree, FORK_ROW)
-        title = f"{pins.upstream_version} + patches/ (the fork)"
-        files, line = pins.routes["cpu"].wheel.filename, read_line(fork_tree)
-        rows.append(Row(FORK_ROW, title, pins.torch, files, line, outcome))
+        rows[FORK_ROW] = _row(pins, FORK_ROW, fork_tree, outcome)
     write(pins, rows)
-    return rows
+
+
+def _row(pins: Pins, key: str, tree_path: Path, outcome: Outcome) -> dict:
+    """The record's row KEY (a release version, or FORK_ROW): what ran, on what."""
+    release = None if key == FORK_ROW else pins.release(key)
+    title = key if release else f"{pins.upstream_version} + patches/ (the fork)"
+    binaries = release.binaries if release else pins.routes["cpu"].wheel
+    return {
+        "title": title,
+        "torch": release.torch if release else pins.torch,
+        "binaries": binaries.filename,
+        "line": read_line(tree_path),  # what the #47054 code reads as there
+        "sdist_sha256": (release or pins).sdist.sha256,
+        "note": release.note if release else "",
+        "cases": dict(sorted(outcome.cases.items())),
+        "skip_reasons": dict(sorted(outcome.reasons.items())),
+    }
 
 
 def _statuses(cases: dict[str, str], modules: tuple[str, ...], inside: bool) -> list:
@@ -176,38 +166,24 @@ def _statuses(cases: dict[str, str], modules: tuple[str, ...], inside: bool) -> 
     return [s for c, s in cases.items() if (c.split("::", 1)[0] in modules) == inside]
 
 
-def _counts(statuses: list[str]) -> str:
-    failed = sum(s in ("failed", "error") for s in statuses)
-    skipped = statuses.count("skipped") + statuses.count("xfailed")
-    return f"{statuses.count('passed')} / {failed} / {skipped}"
+def _counts(statuses: list[str]) -> str:  # passed / failed, errors / skipped, xfailed
+    n = Counter(statuses)
+    return f"{n['passed']} / {n['failed'] + n['error']} / {n['skipped'] + n['xfailed']}"
 
 
 def reading(statuses: list[str]) -> str:
     """What the STATUSES of one patch's regression cases say about a release."""
-    bad = sum(s in ("failed", "error") for s in statuses)
-    if bad:
+    if bad := sum(s in ("failed", "error") for s in statuses):
         return f"needed ({bad} fail)"
     return "has the fix" if "passed" in statuses else "not testable"
 
 
-def _patch_id(name: str) -> str:
-    return name.split("-", 1)[0]
-
-
-def write(pins: Pins, rows: list[Row]) -> None:
+def write(pins: Pins, rows: dict[str, dict]) -> None:
+    """ROWS (_row's) into the record, which keeps the others; the table from it."""
     record = json.loads(RECORD.read_text()) if RECORD.exists() else {"rows": {}}
-    for row in rows:
-        release = None if row.key == FORK_ROW else pins.release(row.key)
-        record["rows"][row.key] = {
-            **{k: getattr(row, k) for k in ("title", "torch", "binaries", "line")},
-            "sdist_sha256": (release or pins).sdist.sha256,
-            "note": release.note if release else "",
-            "cases": dict(sorted(row.outcome.cases.items())),
-            "skip_reasons": dict(sorted(row.outcome.reasons.items())),
-        }
+    record["rows"] |= rows
     order = [r.version for r in pins.releases] + [FORK_ROW]
     record["rows"] = {k: record["rows"][k] for k in order if k in record["rows"]}
-    DOCS.mkdir(exist_ok=True)
     RECORD.write_text(json.dumps(record, indent=1) + "\n")
     table = render(pins, record)
     TABLE.write_text(table)
@@ -232,10 +208,10 @@ has the fix. The last column counts every other fork case. Patches:
 
 def render(pins: Pins, record: dict) -> str:
     patches, rows = pins.regression_by_patch, record["rows"].values()
-    ids = [_patch_id(name) for name in patches]
+    ids = [name.split("-", 1)[0] for name in patches]
     lines = [
         *INTRO.splitlines(),
-        *(f"- {_patch_id(name)}: `patches/{name}`" for name in patches),
+        *(f"- {n}: `patches/{name}`" for n, name in zip(ids, patches)),
         "",
         "| release | torch | compiled extensions from | packed branch of "
         "`_reshape_attention_kv_cache` "

@@ -1,8 +1,6 @@
 """Prove the regression tests fail on unpatched vLLM (a worktree at v<version> plus the
 fork's tests, on the fork's venv) and pass on the fork."""
 
-from __future__ import annotations
-
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -48,10 +46,8 @@ def check_imports_from(python: Path, path: Path) -> None:
     )
     origin = Path(out.stdout.strip().splitlines()[-1])
     if not origin.resolve().is_relative_to(path.resolve()):
-        raise ForkError(
-            f"in {path.name}, `import vllm` resolved to {origin}; the check would be "
-            "void"
-        )
+        void = f"in {path.name}, `import vllm` resolved to {origin}"
+        raise ForkError(f"{void}; the check would be void")
 
 
 def check(pins: Pins, python: Path, fork_tree: Path) -> Outcome:
@@ -102,7 +98,6 @@ def _report(pins: Pins, results: Path, fork: Run, stock: Run) -> None:
     print(f"  stock {stock[0].name:24} {on_stock}")
     for module in pins.regression_tests:
         in_module = [c for c in on_stock.cases if c.startswith(module + "::")]
-        failed = [c for c in in_module if on_stock.cases[c] == "failed"]
-        share = f"{len(failed)}/{len(in_module)}"
+        share = f"{sum(c in failing for c in in_module)}/{len(in_module)}"
         print(f"  {module}: {share} fail on v{pins.upstream_version}")
     print(f"  failing cases listed in {listing}")

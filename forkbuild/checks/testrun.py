@@ -2,16 +2,15 @@
 route and its GPU bundle (without a GPU), the regression proof; then patch status. The
 terminal shows the fork suite (the rest: build/test-results), then one summary."""
 
-from __future__ import annotations
-
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from forkbuild.checks import patch_status, regression
-from forkbuild.core import preflight, pytest_runner
+from forkbuild.core import preflight
 from forkbuild.core.errors import ForkError
 from forkbuild.core.pins import REPO_ROOT, Pins, build_dir
+from forkbuild.core.pytest_runner import Outcome, run_pytest
 from forkbuild.gpu import cuda_route
 from forkbuild.gpu.bundle import check as bundle_check
 from forkbuild.setup import install
@@ -31,11 +30,9 @@ def run(pins: Pins, route_name: str | None) -> str:
 
     with ThreadPoolExecutor(2) as pool:
         tools_log, tools_xml = results / "forkbuild.log", results / "forkbuild.xml"
+        tests = (python, REPO_ROOT, ["-rfEs", "forkbuild/tests"], tools_xml)
         tools_run = pool.submit(
-            pytest_runner.run_pytest,
-            *(python, REPO_ROOT, ["-rfEs", "forkbuild/tests"], tools_xml),
-            pythonpath=REPO_ROOT,
-            output=tools_log,
+            run_pytest, *tests, pythonpath=REPO_ROOT, output=tools_log
         )
         cuda_run = pool.submit(_check_cuda_route, pins, results)
         try:
@@ -56,20 +53,18 @@ def run(pins: Pins, route_name: str | None) -> str:
     patch_status.check(pins, python)
 
     cuda, bundle = cuda if cuda else (None, None)
-    calls = cuda.calls if cuda else pytest_runner.Outcome({})
+    calls = cuda.calls if cuda else Outcome({})
     # The serve test's GPU case is also among the tool tests' skips: counted once.
     gpu_skipped = len(set(cuda.gpu_cases.cases) - set(tools.cases)) if cuda else 0
-    passed = tools.passed + suite.passed + calls.passed
-    failed = tools.failed + tools.errors + suite.failed + suite.errors
-    skipped = tools.skipped + suite.skipped + gpu_skipped
-    xfailed = tools.xfailed + suite.xfailed
+    both = Outcome({**tools.cases, **suite.cases})  # forkbuild/tests/ and tests/
+    failed = both.failed + both.errors
     print(f"\nforkbuild tool tests: {tools}")
     print(cuda.line() if cuda else NO_CUDA_CHECK)
     if bundle:
         print(bundle.line())
     print(f"fork suite in {tree_path.name}: {suite}")
-    summary = f"summary: {passed} passed, {failed} failed, {skipped} skipped, "
-    summary += f"{xfailed} xfailed"
+    summary = f"summary: {both.passed + calls.passed} passed, {failed} failed, "
+    summary += f"{both.skipped + gpu_skipped} skipped, {both.xfailed} xfailed"
     if failed:
         print(summary)
         raise ForkError(f"{failed} test(s) failed", f"JUnit reports are in {results}")

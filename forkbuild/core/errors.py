@@ -1,7 +1,5 @@
 """The one error type (a cause plus what to do), and how a must-succeed command runs."""
 
-from __future__ import annotations
-
 import os
 import subprocess
 from pathlib import Path
@@ -34,12 +32,10 @@ def run_or_fail(
         done = subprocess.run(
             cmd, capture_output=not report, text=True, check=False, **streams, **kwargs
         )
-    if done.returncode != 0:
-        said = (
-            Path(report).read_text() if report else done.stderr or done.stdout
-        ).strip()
-        # A crash's traceback is the useful part of captured output; a report has it.
-        end = said.splitlines()[-1] if report and said else said[-tail:]
-        hint = hint or (f"see {report}" if report else "")
-        raise ForkError(f"{cause}: {end or 'no output'}", hint)
-    return done
+    if done.returncode == 0:
+        return done
+    said = (Path(report).read_text() if report else done.stderr or done.stdout).strip()
+    # A crash's traceback is the useful part of captured output; a report has it.
+    end = said.splitlines()[-1] if report and said else said[-tail:]
+    hint = hint or (f"see {report}" if report else "")
+    raise ForkError(f"{cause}: {end or 'no output'}", hint)

@@ -1,7 +1,5 @@
 """Does source carry the #47054 fix? Read with ast, not grep: layout cannot fool it."""
 
-from __future__ import annotations
-
 import ast
 from typing import Literal
 

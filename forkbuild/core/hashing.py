@@ -1,7 +1,5 @@
 """sha256 of files, and a digest of several inputs for stamps."""
 
-from __future__ import annotations
-
 import hashlib
 from collections.abc import Iterable
 from pathlib import Path

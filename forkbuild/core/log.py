@@ -1,7 +1,5 @@
 """Progress lines for long steps: elapsed time since the command started, to stderr."""
 
-from __future__ import annotations
-
 import sys
 import time
 

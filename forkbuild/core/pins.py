@@ -240,14 +240,20 @@ def _gpu_case(node: str, c: dict, kinds: list[str]) -> GpuCase:
             f"fork.toml [gpu] cases name unknown kinds: {c.get('kind')} ({node})",
             f"use one of {', '.join(kinds)}",
         )
-    if ("bundle" in c) == ("not_in_bundle" in c):
+    carry, why = _bundle_entry(node, c), c.get("not_in_bundle", "")
+    return GpuCase(node, c["kind"], c.get("gpus", 1), carry, why)
+
+
+def _bundle_entry(node: str, case: dict) -> tuple[str, ...] | None:
+    """What the GPU bundle holds for the case (None: `not_in_bundle` says why not)."""
+    if ("bundle" in case) == ("not_in_bundle" in case):
+        gives = "both `bundle` and" if "bundle" in case else "neither `bundle` nor"
         raise ForkError(
-            f"fork.toml [gpu] case {node} needs exactly one of `bundle` (what the GPU "
-            "bundle holds for it) and `not_in_bundle` (why it does not carry it)",
-            'add `bundle = []` or `not_in_bundle = "..."` to its row',
+            f"fork.toml [gpu.cases] {node!r} gives {gives} `not_in_bundle`",
+            "give one: `bundle = [...]`, what the bundle holds for it beyond "
+            '[gpu_bundle] every_case, or `not_in_bundle = "why"`',
         )
-    carry = tuple(c["bundle"]) if "bundle" in c else None
-    return GpuCase(node, c["kind"], c.get("gpus", 1), carry, c.get("not_in_bundle", ""))
+    return tuple(case["bundle"]) if "bundle" in case else None
 
 
 def cache_dir() -> Path:  # outside the clone: a fresh clone reuses the downloads
@@ -285,19 +291,10 @@ class GpuBundle:
 def gpu_bundle_of(raw: dict) -> GpuBundle:
     """The settings from fork.toml's parsed text RAW ([gpu_bundle] and [gpu])."""
     table, gpu = raw["gpu_bundle"], raw["gpu"]
-    needs, not_carried = {}, {}
-    for node, case in gpu["cases"].items():
-        if ("bundle" in case) == ("not_in_bundle" in case):
-            gives = "both `bundle` and" if "bundle" in case else "neither `bundle` nor"
-            raise ForkError(
-                f"fork.toml [gpu.cases] {node!r} gives {gives} `not_in_bundle`",
-                "give one: `bundle = [...]`, what the bundle holds for it beyond "
-                '[gpu_bundle] every_case, or `not_in_bundle = "why"`',
-            )
-        if "bundle" in case:
-            needs[node] = tuple(case["bundle"])
-        else:
-            not_carried[node] = case["not_in_bundle"]
+    cases = gpu["cases"]
+    carried = {node: _bundle_entry(node, case) for node, case in cases.items()}
+    needs = {node: held for node, held in carried.items() if held is not None}
+    not_carried = {n: c["not_in_bundle"] for n, c in cases.items() if n not in needs}
     lists = ("order", "every_case", "harness", "engine_modules", "omit")
     settings = {k: tuple(table.get(k, ())) for k in lists}
     tables = ("left_out", "stand_in", "xz_preset")

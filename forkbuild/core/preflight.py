@@ -1,7 +1,5 @@
 """Checks that fail fast, before any download or build (standard library only)."""
 
-from __future__ import annotations
-
 import os
 import platform
 import shutil
@@ -15,18 +13,15 @@ from forkbuild.core.errors import ForkError
 from forkbuild.core.pins import Pins, build_dir, cache_dir
 
 
-def check_python(pins: Pins) -> None:
+def check_all(pins: Pins) -> None:
+    """This Python and machine are ones the fork locks and has wheels for."""
     here = f"{sys.version_info.major}.{sys.version_info.minor}"
     if here not in pins.pythons:
         raise ForkError(
             f"Python {platform.python_version()} is not supported: the fork locks "
             f"Python {', '.join(pins.pythons)}",
-            "run forkbuild with one of those, e.g. make ... "
-            f"PYTHON=python{pins.pythons[0]}",
+            f"run it on one of them, e.g. make ... PYTHON=python{pins.pythons[0]}",
         )
-
-
-def check_machine(pins: Pins) -> None:
     machine = platform.machine()
     if machine not in pins.machines:
         raise ForkError(
@@ -95,8 +90,3 @@ def check_port_free(host: str, port: int) -> None:
                 f"port {port} on {host} is already in use ({exc.strerror})",
                 f"stop what listens there or pass {option}",
             ) from None
-
-
-def check_all(pins: Pins) -> None:
-    check_python(pins)
-    check_machine(pins)

@@ -2,8 +2,6 @@
 done, collected, in progress go to FORKBUILD_PYTEST_PROGRESS. Under --forked, what a
 case left (marked) is killed: a stopped case's engine cores hold the next one's GPU."""
 
-from __future__ import annotations
-
 import contextlib
 import os
 import signal
@@ -11,13 +9,12 @@ import uuid
 from collections.abc import Iterator
 
 CASE_MARK = "FORKBUILD_PYTEST_CASE"
-_forked = False
-_counts = {"done": 0, "total": 0}
+_state = {"done": 0, "total": 0, "forked": False}  # this session's
 
 
 def _write(running: str) -> None:
     with open(os.environ["FORKBUILD_PYTEST_PROGRESS"], "w") as progress:
-        progress.write(f"{_counts['done']}\t{_counts['total']}\t{running}")
+        progress.write(f"{_state['done']}\t{_state['total']}\t{running}")
 
 
 def read(text: str) -> tuple[int, int, str]:
@@ -27,12 +24,11 @@ def read(text: str) -> tuple[int, int, str]:
 
 
 def pytest_configure(config) -> None:
-    global _forked
     # Started in the background without job control, SIGINT comes ignored: the graceful
     # stop would never end the session, and the SIGKILL would lose the JUnit XML.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    _forked = bool(config.getoption("forked", default=False))
+    _state["forked"] = bool(config.getoption("forked", default=False))
 
 
 def leftovers(mark: str, variable: str = CASE_MARK) -> Iterator[int]:
@@ -49,7 +45,7 @@ def leftovers(mark: str, variable: str = CASE_MARK) -> Iterator[int]:
 
 
 def pytest_collection_finish(session) -> None:
-    _counts["total"] = len(session.items)
+    _state["total"] = len(session.items)
     _write("")
 
 
@@ -60,9 +56,9 @@ def pytest_runtest_logstart(nodeid, location) -> None:
 
 def pytest_runtest_logfinish(nodeid, location) -> None:
     mark = os.environ.pop(CASE_MARK, None)
-    if _forked and mark:
+    if _state["forked"] and mark:
         for pid in leftovers(mark):
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-    _counts["done"] += 1
+    _state["done"] += 1
     _write("")

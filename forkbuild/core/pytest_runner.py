@@ -1,8 +1,7 @@
 """Run pytest in a tree and read its per-case results from JUnit XML."""
 
-from __future__ import annotations
-
 import contextlib
+import math
 import os
 import shutil
 import signal
@@ -123,17 +122,15 @@ def run_limited(
     token = uuid.uuid4().hex
     env = {**env, _RUN_MARK: token}
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True, **popen_args)
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
     try:
-        while True:
-            left = PROGRESS_EVERY_S if deadline is None else deadline - time.monotonic()
+        while (left := deadline - time.monotonic()) > 0:
             try:
-                return proc.wait(timeout=max(0, min(left, PROGRESS_EVERY_S))), False
+                return proc.wait(timeout=min(left, PROGRESS_EVERY_S)), False
             except subprocess.TimeoutExpired:
-                if deadline is not None and time.monotonic() >= deadline:
-                    _stop(proc, token)
-                    return proc.returncode, True
                 tick()
+        _stop(proc, token)
+        return proc.returncode, True
     except BaseException:  # Ctrl-C of forkbuild no longer reaches the new session
         _stop(proc, token)
         raise

@@ -1,7 +1,5 @@
 """Fixtures: a throw-away build folder and cache, with the real, checked sdist in it."""
 
-from __future__ import annotations
-
 import os
 import shutil
 from pathlib import Path

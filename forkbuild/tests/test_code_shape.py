@@ -1,9 +1,8 @@
 """forkbuild's shape: areas import the core and lower areas, no other module's private
 name; no import circle; no `python -c` program; no function over 60 lines; ruff."""
 
-from __future__ import annotations
-
 import ast
+import graphlib
 import subprocess
 import sys
 from pathlib import Path
@@ -76,28 +75,19 @@ def crossings(graph: dict[str, dict[str, set[str]]]) -> list[str]:
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Every cycle a depth-first walk of GRAPH finds, as the path that closes it."""
-    found, stack, seen = [], [], set()
-
-    def walk(node: str) -> None:
-        stack.append(node)
-        seen.add(node)
-        for target in sorted(graph[node]):
-            if target in stack:
-                found.append(stack[stack.index(target) :] + [target])
-            elif target not in seen:
-                walk(target)
-        stack.pop()
-
-    for node in sorted(graph):
-        if node not in seen:
-            walk(node)
-    return found
+    """A cycle of GRAPH as the path that closes it (graphlib names one), or none."""
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as exc:
+        return [exc.args[1]]
+    return []
 
 
-def test_every_area_imports_only_the_core_and_the_areas_below_it():
-    assert crossings({m: imports(p) for m, p in MODULES.items()}) == []
+def test_areas_import_only_the_core_and_the_areas_below_them_and_no_circle():
+    graph = {m: imports(p) for m, p in MODULES.items()}
+    assert crossings(graph) == []
     assert set(RANK) == {area(m) for m in MODULES} - TOP
+    assert circles({m: set(targets) - {m} for m, targets in graph.items()}) == []
 
 
 @pytest.mark.parametrize(
@@ -116,11 +106,6 @@ def test_the_area_check_finds_a_forbidden_import(tmp_path, module, source, probl
     path.write_text(source)
     (found,) = crossings({module: imports(path)})
     assert problem in found
-
-
-def test_forkbuild_has_no_import_circle():
-    graph = {m: set(imports(p)) - {m} for m, p in MODULES.items()}
-    assert circles(graph) == []
 
 
 def test_the_circle_finder_finds_one_hidden_in_a_function(tmp_path):
@@ -145,39 +130,31 @@ def long_functions(path: Path) -> list[str]:
     ]
 
 
-def test_no_function_is_over_60_lines():
-    tests = sorted((PACKAGE / "tests").glob("*.py"))
-    found = {str(p): long_functions(p) for p in [*MODULES.values(), *tests]}
-    assert {path: names for path, names in found.items() if names} == {}
-
-
-def test_the_length_check_finds_a_long_function(tmp_path):
-    path = tmp_path / "m.py"
-    path.write_text("def f():\n" + "    x = 1\n" * LONGEST_FUNCTION)
-    assert long_functions(path) == [f"f ({LONGEST_FUNCTION + 1} lines)"]
-
-
 def program_arguments(path: Path) -> list[int]:
     """Lines of PATH whose argument list has "-c" second, then no option: a program
     passed as text (nvcc's `-c` is followed by options)."""
     lines = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.List) and len(node.elts) > 2:
-            flag, following = node.elts[1], node.elts[2]
-            value = following.value if isinstance(following, ast.Constant) else None
-            option = value is not None and str(value).startswith("-")
-            if isinstance(flag, ast.Constant) and flag.value == "-c" and not option:
-                lines.append(node.lineno)
+        match node:
+            case ast.List(elts=[_, ast.Constant(value="-c"), following, *_]):
+                value = following.value if isinstance(following, ast.Constant) else ""
+                if not str(value).startswith("-"):
+                    lines.append(node.lineno)
     return lines
 
 
-def test_no_program_is_passed_as_text():
+def test_no_function_is_over_60_lines_and_no_program_is_passed_as_text():
+    tests = sorted((PACKAGE / "tests").glob("*.py"))
+    found = {str(p): long_functions(p) for p in [*MODULES.values(), *tests]}
+    assert {path: names for path, names in found.items() if names} == {}
     found = {name: program_arguments(path) for name, path in MODULES.items()}
     assert {name: lines for name, lines in found.items() if lines} == {}
 
 
-def test_the_program_finder_finds_one(tmp_path):
+def test_the_length_and_program_checks_find_theirs(tmp_path):
     path = tmp_path / "m.py"
+    path.write_text("def f():\n" + "    x = 1\n" * LONGEST_FUNCTION)
+    assert long_functions(path) == [f"f ({LONGEST_FUNCTION + 1} lines)"]
     path.write_text(
         'import subprocess\nsubprocess.run([python, "-c", PROBE, "x"])\n'
         'subprocess.run([nvcc, "-c", "-Xcompiler", "-fPIC", source])\n'

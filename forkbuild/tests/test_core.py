@@ -1,8 +1,6 @@
 """What every step relies on: fixcheck's verdicts, preflight's refusals, the one-line
 errors of run_or_fail, a pytest run's progress log and graceful stop."""
 
-from __future__ import annotations
-
 import dataclasses
 import re
 import signal
@@ -16,18 +14,12 @@ from forkbuild.core import fixcheck, pins, preflight, pytest_progress, pytest_ru
 from forkbuild.core.errors import ForkError, run_or_fail
 
 
-@pytest.fixture(scope="module")
-def released_source(real_sdist, fork_pins) -> str:
+def test_fixcheck_tells_released_from_fixed(real_sdist, fork_pins):
     inner = f"vllm-{fork_pins.upstream_version}/{fixcheck.MODULE_PATH}"
     with tarfile.open(real_sdist) as tar:
-        return tar.extractfile(inner).read().decode()
-
-
-def test_fixcheck_tells_released_from_fixed(released_source):
-    assert fixcheck.classify(released_source) == "buggy"
-    fixed = released_source.replace(
-        ".view(kv_cache_shape)", ".view(permuted_kv_cache_shape)"
-    )
+        released = tar.extractfile(inner).read().decode()
+    assert fixcheck.classify(released) == "buggy"
+    fixed = released.replace(".view(kv_cache_shape)", ".view(permuted_kv_cache_shape)")
     assert fixcheck.classify(fixed) == "fixed"
     # Reformatting does not fool it; code that no longer has the branch is "unknown".
     noted = fixed.replace(".view(dtype)\n", ".view(dtype)  # note\n")
@@ -38,9 +30,9 @@ def test_fixcheck_tells_released_from_fixed(released_source):
 
 def test_unsupported_python_and_machine_are_refused(fork_pins):
     with pytest.raises(ForkError, match="is not supported: the fork locks Python 2.7"):
-        preflight.check_python(dataclasses.replace(fork_pins, pythons=("2.7",)))
+        preflight.check_all(dataclasses.replace(fork_pins, pythons=("2.7",)))
     with pytest.raises(ForkError, match="machine .* is not supported"):
-        preflight.check_machine(dataclasses.replace(fork_pins, machines=("riscv64",)))
+        preflight.check_all(dataclasses.replace(fork_pins, machines=("riscv64",)))
 
 
 def test_no_space_is_refused_before_work(tmp_path, monkeypatch):
@@ -93,26 +85,20 @@ def test_success_returns_the_captured_output():
     assert done.stdout == "hello\n"
 
 
-def test_failure_says_the_end_of_stderr_and_keeps_the_hint():
+@pytest.mark.parametrize("logged", [False, True])
+def test_a_failure_says_its_last_words_and_where_the_rest_is(tmp_path, logged):
+    """Captured: the end of stderr, the hint kept; with a report: its last line."""
+    report, hint = (tmp_path / "run.log", "") if logged else (None, "do this")
     with pytest.raises(ForkError) as err:
-        run_or_fail(SAYS, "it broke", "do this", tail=4)
-    assert (err.value.cause, err.value.hint) == ("it broke: last", "do this")
-
-
-def test_failure_with_a_report_says_its_last_line_and_where_it_is(tmp_path):
-    report = tmp_path / "run.log"
+        run_or_fail(SAYS, "it broke", hint, report=report, tail=4)
+    hint = f"see {report}" if logged else hint
+    assert (err.value.cause, err.value.hint) == ("it broke: last", hint)
+    if logged:
+        assert report.read_text().split() == ["out", "first", "last"]
+    silent = [sys.executable, "-c", "raise SystemExit(3)"]
     with pytest.raises(ForkError) as err:
-        run_or_fail(SAYS, "it broke", report=report)
-    assert report.read_text().split() == ["out", "first", "last"]
-    assert (err.value.cause, err.value.hint) == ("it broke: last", f"see {report}")
-
-
-def test_a_silent_failure_says_so(tmp_path):
-    for report in (None, tmp_path / "run.log"):
-        silent = [sys.executable, "-c", "raise SystemExit(3)"]
-        with pytest.raises(ForkError) as err:
-            run_or_fail(silent, "it broke", report=report)
-        assert err.value.cause == "it broke: no output"
+        run_or_fail(silent, "it broke", report=report)
+    assert err.value.cause == "it broke: no output"
 
 
 # -- pytest_runner: CI sees cases done, not dots; the killed-run note names the case

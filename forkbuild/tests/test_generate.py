@@ -1,8 +1,6 @@
 """`make generate`: the blocks that restate fork.toml and patches/ are up to date, and a
 change to the GPU table is one edit of fork.toml (in a scratch copy)."""
 
-from __future__ import annotations
-
 import shutil
 from pathlib import Path
 
@@ -48,8 +46,7 @@ def _generate_in_copy(tmp_path: Path, *edit: str) -> tuple[Path, pins.Pins]:
 
 
 def _steps(root: Path) -> dict[str, dict]:
-    pipeline = root / ".buildkite" / "fork_nightly_gpu.yaml"
-    steps = yaml.safe_load(pipeline.read_text())["steps"]
+    steps = yaml.safe_load((root / generate.PIPELINE).read_text())["steps"]
     return {step["agents"]["queue"]: step for step in steps}
 
 
@@ -102,7 +99,7 @@ def test_a_file_without_its_markers_is_refused():
 
 def test_a_case_without_a_bundle_entry_is_refused():
     raw = {"kinds": {"A": {"capability": "8.0", "queues": {}}}}
-    with pytest.raises(ForkError, match="exactly one of `bundle`"):
+    with pytest.raises(ForkError, match="gives neither `bundle`"):
         pins.gpu_table({**raw, "cases": {"t.py::a": {"kind": "A"}}})
     with pytest.raises(ForkError, match="unknown kinds: B"):
         pins.gpu_table({**raw, "cases": {"t.py::b": {"kind": "B", "bundle": []}}})
