@@ -300,6 +300,13 @@ def gpu_bundle_of(raw: dict) -> GpuBundle:
     tables = ("left_out", "stand_in", "xz_preset")
     settings |= {k: dict(table.get(k, {})) for k in tables}
     settings |= {"needs": needs, "not_carried": not_carried, "gpu": gpu}
+    presets = settings["xz_preset"].items()
+    bad = {k: v for k, v in presets if type(v) is not int or not 0 <= v <= 9}
+    if bad:
+        raise ForkError(
+            f"fork.toml [gpu_bundle] xz_preset gives {bad}",
+            "give each component an LZMA2 preset, 0 (fastest) to 9",
+        )
     return GpuBundle(table["host"], float(table["part_mib"]), **settings)
 
 
