@@ -87,10 +87,5 @@ def probe(wheel: Path, root: Path, only: list[str]) -> dict:
     return result
 
 
-def main(argv: list[str]) -> int:
-    print(json.dumps(probe(Path(argv[0]), Path(argv[1]), argv[2:])))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    print(json.dumps(probe(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:])))
