@@ -5,10 +5,8 @@ files git tracks). verify_wheel holds it to the official wheel file by file."""
 
 from __future__ import annotations
 
-import csv
 import email.message
 import email.parser
-import io
 import os
 import re
 import tempfile
@@ -20,6 +18,7 @@ from forkbuild.core import fixcheck, log, preflight
 from forkbuild.core.errors import ForkError
 from forkbuild.core.pins import REPO_ROOT, Pins, build_dir
 from forkbuild.setup import fetch, install, lock, tree
+from forkbuild.setup.load_extensions import wheel_record
 from forkbuild.setup.pip_runner import run_pip
 
 
@@ -38,21 +37,19 @@ def patched_paths(patches: list[tree.Patch]) -> set[str]:
     return {path for text in texts for pair in header.findall(text) for path in pair}
 
 
-def _contents(path: Path) -> dict[str, tuple[str | None, int, int]]:
+def _contents(path: Path) -> dict[str, tuple[str, int, int]]:
     """Name -> (RECORD's sha256: no inflating, size, CRC: a RECORD that lies)."""
     with zipfile.ZipFile(path) as whl:
         infos = [i for i in whl.infolist() if not i.is_dir()]
-        names = [i.filename for i in infos]
-        records = [n for n in names if re.fullmatch(r"[^/]+\.dist-info/RECORD", n)]
-        if len(records) != 1:
-            raise ForkError(
-                f"{path.name} has {len(records)} .dist-info/RECORD files, expected one",
-                "rebuild it; a wheel without its RECORD cannot be compared",
-            )
-        rows = csv.reader(io.StringIO(whl.read(records[0]).decode()))
-        hashes = {row[0]: row[1] or None for row in rows if row}
+    records = [i for i in infos if re.fullmatch(r"[^/]+\.dist-info/RECORD", i.filename)]
+    if len(records) != 1:
+        raise ForkError(
+            f"{path.name} has {len(records)} .dist-info/RECORD files, expected one",
+            "rebuild it; a wheel without its RECORD cannot be compared",
+        )
+    hashes = wheel_record(path)  # "" where RECORD gives none
     data = [i for i in infos if not i.filename.split("/")[0].endswith(".dist-info")]
-    return {i.filename: (hashes.get(i.filename), i.file_size, i.CRC) for i in data}
+    return {i.filename: (hashes.get(i.filename, ""), i.file_size, i.CRC) for i in data}
 
 
 @dataclass(frozen=True)
