@@ -1,14 +1,12 @@
-"""The install: the CPU build's per-ISA kernels that vLLM 0.25.1's precompiled install
-leaves out reach the tree, nothing it put there overwritten; and "up to date" is a
-property of the venv and the tree together: a venv made anew (`rm -r build/venv`, which
-forkbuild's own advice names) or one that lost the editable vLLM is never taken for the
-one the tree was installed into."""
+"""The install: the CPU build's per-ISA kernels vLLM 0.25.1's precompiled install leaves
+out reach the tree, overwriting nothing; "up to date" holds for the venv and the tree
+together: a venv made anew (`rm -r build/venv`, forkbuild's own advice) or one that lost
+the editable vLLM is never taken for the one the tree was installed into."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import sys
 import tomllib
 import zipfile
 from pathlib import Path
@@ -129,8 +127,7 @@ def test_the_tree_is_made_beside_the_venv_and_downloads_with_its_pip(
 
 
 def _site(build: Path) -> Path:
-    minor = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    site = build / "venv" / "lib" / minor / "site-packages"
+    site = install.site_packages(build / "venv")
     site.mkdir(parents=True)
     return site
 
