@@ -297,7 +297,7 @@ def probe_path(tree_path: Path) -> str:
 
 def check_install(
     python: Path, tree_path: Path, route: Route, without_gpu: bool = False
-) -> dict[str, str]:
+) -> None:
     """Ask the venv itself what `import vllm` gives: the tree, the fix, the platform."""
     log.step("install: asking the venv what `import vllm` gives")
     result = run_or_fail(
@@ -339,4 +339,3 @@ def check_install(
         f"install: verified: vllm {info['version']} from {tree_path}, "
         f"{info['platform']}, {fixcheck.FUNCTION} carries the fix"
     )
-    return info

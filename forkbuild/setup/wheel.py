@@ -97,20 +97,6 @@ HINTS = {  # what to do about each kind of file a comparison finds
 }
 
 
-def comparison_problems(
-    result: Comparison, official: Path
-) -> tuple[list[str], list[str]]:
-    """(problems, what to do) for what a comparison found."""
-    said = {
-        "missing": f"of {official.name} missing",
-        "differing": f"differ from {official.name} although no patch changes them",
-        "extra": f"not in {official.name} and added by no patch",
-    }
-    found = {kind: getattr(result, kind) for kind in said if getattr(result, kind)}
-    problems = [f"{len(n)} file(s) {said[k]}: {_some(n)}" for k, n in found.items()]
-    return problems, [HINTS[kind] for kind in found]
-
-
 def verify_wheel(
     path: Path, pins: Pins, official: Path, patches_dir: Path = tree.PATCHES_DIR
 ) -> None:
@@ -122,7 +108,14 @@ def verify_wheel(
     with zipfile.ZipFile(path) as whl:
         verdict = fixcheck.classify(whl.read(fixcheck.MODULE_PATH).decode())
     version = _metadata(path)["Version"]
-    problems, hints = comparison_problems(result, official)
+    said = {
+        "missing": f"of {official.name} missing",
+        "differing": f"differ from {official.name} although no patch changes them",
+        "extra": f"not in {official.name} and added by no patch",
+    }
+    found = {kind: getattr(result, kind) for kind in said if getattr(result, kind)}
+    problems = [f"{len(n)} file(s) {said[k]}: {_some(n)}" for k, n in found.items()]
+    hints = [HINTS[kind] for kind in found]
     ours, theirs = _requirements(path), _requirements(official)
     if ours != theirs:
         only = sorted(set(ours) ^ set(theirs))
