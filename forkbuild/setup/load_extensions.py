@@ -50,13 +50,8 @@ def probe(wheel: Path, root: Path, only: list[str]) -> dict:
     record = wheel_record(wheel)
     compiled = sorted(p for p in record if p.startswith("vllm/") and p.endswith(".so"))
     wanted = [p for p in compiled if not only or p in only]
-    result: dict = {
-        "loaded": [],
-        "failed": {p: "not in the wheel's RECORD" for p in only if p not in record},
-        "other_pythons": [],
-        "candidates": 0,
-        "ops": {},
-    }
+    result: dict = {"loaded": [], "other_pythons": [], "candidates": 0, "ops": {}}
+    result["failed"] = {p: "not in the wheel's RECORD" for p in only if p not in record}
     for path in wanted:
         if not loadable_here(path):
             result["other_pythons"].append(path)
