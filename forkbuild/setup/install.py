@@ -83,7 +83,8 @@ def ensure_toolchain(
         preflight.check_disk(build_dir(), 12, "the virtualenv")
         bootstrap.sync(pins, python, lock_file)
         venv = python.parent.parent
-        linked = bytecode.restore(site_packages(venv), venv_bytecode(lock_file))
+        kept = bytecode.store("venv", lock_file.read_bytes())
+        linked = bytecode.restore(site_packages(venv), kept)
         if linked:
             log.step(f"install: {linked} bytecode files of earlier venvs linked in")
         record = lock_file.relative_to(lock_file.parent.parent)  # locks/cpu-py311.txt
@@ -102,10 +103,6 @@ def site_packages(venv: Path) -> Path:
     return venv / "lib" / f"python{lock.running_python()}" / "site-packages"
 
 
-def venv_bytecode(lock_file: Path) -> Path:
-    return bytecode.store("venv", lock_file.read_bytes())
-
-
 def tree_bytecode(pins: Pins) -> Path:
     patches = (p.path.read_bytes() for p in tree.read_series())
     return bytecode.store("tree", pins.sdist.sha256, *patches)
@@ -114,7 +111,8 @@ def tree_bytecode(pins: Pins) -> Path:
 def keep_bytecode(pins: Pins, route: Route, tree_path: Path) -> None:
     """Keep what Python compiled in this venv and tree for the next fresh ones."""
     lock_file = lock.path(route.name, lock.running_python())
-    bytecode.keep(site_packages(venv_dir()), venv_bytecode(lock_file))
+    venv_store = bytecode.store("venv", lock_file.read_bytes())
+    bytecode.keep(site_packages(venv_dir()), venv_store)
     bytecode.keep(tree_path / "vllm", tree_bytecode(pins))
 
 

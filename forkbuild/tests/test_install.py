@@ -10,6 +10,7 @@ import shutil
 import tomllib
 import zipfile
 from pathlib import Path
+from unittest.mock import Mock
 
 import pytest
 
@@ -95,10 +96,6 @@ def test_the_editable_install_is_told_the_version_it_builds(fork_pins, tmp_path)
     assert config.name.startswith(".forkbuild-")  # git-ignored inside the tree
 
 
-def _no_venv(pins, route, without_gpu):
-    raise ForkError("uv failed to install the lock")
-
-
 @pytest.mark.parametrize("venv_made", [True, False])
 def test_the_tree_is_made_beside_the_venv_and_downloads_with_its_pip(
     fork_pins, tmp_path, monkeypatch, venv_made
@@ -110,7 +107,8 @@ def test_the_tree_is_made_beside_the_venv_and_downloads_with_its_pip(
         calls.append(("pip", str(pip())))
         return tmp_path / "vllm.tar.gz"
 
-    toolchain = (lambda *_: venv) if venv_made else _no_venv
+    failed = Mock(side_effect=ForkError("uv failed to install the lock"))
+    toolchain = (lambda *_: venv) if venv_made else failed
     monkeypatch.setattr(install, "ensure_toolchain", toolchain)
     monkeypatch.setattr(fetch, "fetch", fetched)
     monkeypatch.setattr(tree, "build", lambda pins, sdist, stop=None: tmp_path / "tree")
