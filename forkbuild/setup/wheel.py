@@ -62,10 +62,6 @@ class Comparison:
     extra: list[str]  # in the fork's wheel only, and not added by the series
     patched: list[str]  # in both, changed by the series or generated: may differ
 
-    @property
-    def ok(self) -> bool:
-        return not (self.missing or self.differing or self.extra)
-
 
 def compare_wheels(fork: Path, official: Path, patched: set[str]) -> Comparison:
     mine, theirs = _contents(fork), _contents(official)
