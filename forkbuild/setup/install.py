@@ -84,8 +84,7 @@ def ensure_toolchain(
         bootstrap.sync(pins, python, lock_file)
         venv = python.parent.parent
         kept = bytecode.store("venv", lock_file.read_bytes())
-        linked = bytecode.restore(site_packages(venv), kept)
-        if linked:
+        if linked := bytecode.restore(site_packages(venv), kept):
             log.step(f"install: {linked} bytecode files of earlier venvs linked in")
         record = lock_file.relative_to(lock_file.parent.parent)  # locks/cpu-py311.txt
         (venv / LOCK_RECORD).write_text(f"{record}\n")
@@ -312,8 +311,7 @@ def check_install(
             f"remove other vLLM installs from the venv (rm -r {venv_dir()}) and run "
             "again",
         )
-    verdict = fixcheck.classify(info["source"])
-    if verdict != "fixed":
+    if (verdict := fixcheck.classify(info["source"])) != "fixed":
         raise ForkError(
             f"the installed {fixcheck.FUNCTION} is {verdict}, not fixed",
             "check patches/series and rebuild the tree (make tree)",

@@ -100,8 +100,7 @@ def stale(pins: Pins, tree_path: Path) -> list[str]:
 
 
 def check(pins: Pins, tree_path: Path) -> None:
-    wrong = stale(pins, tree_path)
-    if wrong:
+    if wrong := stale(pins, tree_path):
         raise ForkError(
             "the locks no longer match the requirements they were made from: "
             f"{', '.join(wrong)}",
@@ -131,8 +130,7 @@ def entries(lock_file: Path, names: set[str]) -> str:
     """The pin and --hash lines of NAMES: for `uv pip install --require-hashes`."""
     kept, keep = [], False
     for line in lock_file.read_text().splitlines():
-        requirement = _pin(line)
-        if requirement:
+        if requirement := _pin(line):
             keep = normalize(requirement.name) in names
         elif not line.startswith((" ", "\t")):
             keep = False

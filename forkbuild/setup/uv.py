@@ -122,8 +122,7 @@ def _disk_failure(output: str, what: str) -> ForkError | None:
 
 
 def _failure(output: str, what: str, lock: Path | None) -> ForkError:
-    found = _MISMATCH.search(output)
-    if found:
+    if found := _MISMATCH.search(output):
         where = f"{lock.name} pins" if lock else "the requirements pin"
         return _Final(
             f"sha256 mismatch for {found['what']}: the download has "
