@@ -14,37 +14,10 @@ from forkbuild.core import log
 from forkbuild.core.hashing import digest_of
 from forkbuild.core.pins import cache_dir
 
-PYCACHE = "__pycache__"
-
 
 def store(kind: str, *sources: str | bytes) -> Path:
     """The cache folder of KIND's ("venv", "tree") bytecode from SOURCES, per Python."""
     return cache_dir() / "bytecode" / f"{kind}-{digest_of([sys.version, *sources])}"
-
-
-def _pyc_files(root: Path) -> list[Path]:
-    """Every .pyc in a __pycache__ folder under ROOT, relative to ROOT."""
-    found = []
-    for folder, dirs, files in os.walk(root):
-        if os.path.basename(folder) == PYCACHE:
-            dirs.clear()
-            pycs = (Path(folder, f) for f in files if f.endswith(".pyc"))
-            found += [pyc.relative_to(root) for pyc in pycs]
-    return found
-
-
-def _link(src: Path, dest: Path) -> None:
-    """DEST becomes SRC's file (a hard link, else a copy), in one rename."""
-    partial = dest.with_name(f"{dest.name}.{os.getpid()}.partial")
-    try:
-        try:
-            os.link(src, partial)
-        except OSError:
-            shutil.copy2(src, partial)
-        os.replace(partial, dest)
-    except OSError:
-        partial.unlink(missing_ok=True)
-        raise
 
 
 def restore(root: Path, kept: Path) -> int:
@@ -62,14 +35,20 @@ def _link_missing(
 ) -> int:
     """Link SRC's .pyc files DST lacks (SOURCE_FOLDER_ONLY: by DST's sources); count."""
     linked, failed = 0, []
-    for rel in _pyc_files(src):
-        dest = dst / rel
+    for pyc in src.glob("**/__pycache__/*.pyc"):
+        dest = dst / pyc.relative_to(src)
         if dest.exists() or (source_folder_only and not dest.parent.parent.is_dir()):
             continue
-        try:
+        partial = dest.with_name(f"{dest.name}.{os.getpid()}.partial")
+        try:  # a hard link, else a copy, renamed into place
             dest.parent.mkdir(parents=True, exist_ok=True)
-            _link(src / rel, dest)
+            try:
+                os.link(pyc, partial)
+            except OSError:
+                shutil.copy2(pyc, partial)
+            os.replace(partial, dest)
         except OSError as exc:
+            partial.unlink(missing_ok=True)
             failed.append(exc)
             continue
         linked += 1

@@ -23,7 +23,6 @@ from forkbuild.core.hashing import digest_of
 from forkbuild.core.pins import REPO_ROOT, Pins, Route, build_dir
 from forkbuild.setup import bootstrap, bytecode, fetch, lock, tree, uv
 
-TOOLCHAIN_STAMP = uv.STAMP  # what the venv was made from
 LOCK_RECORD = ".forkbuild-lock"  # in the venv: the lock it holds (locks/cpu-py311.txt)
 INSTALL_STAMP = ".forkbuild-installed"  # inside the tree: a rebuilt tree drops it
 # In the venv: a fresh id per venv, part of the tree's install stamp, so that a venv
@@ -84,8 +83,8 @@ def ensure_toolchain(
         preflight.check_disk(build_dir(), 12, "the virtualenv")
         bootstrap.sync(pins, python, lock_file)
         venv = python.parent.parent
-        linked = bytecode.restore(site_packages(venv), venv_bytecode(lock_file))
-        if linked:
+        kept = bytecode.store("venv", lock_file.read_bytes())
+        if linked := bytecode.restore(site_packages(venv), kept):
             log.step(f"install: {linked} bytecode files of earlier venvs linked in")
         record = lock_file.relative_to(lock_file.parent.parent)  # locks/cpu-py311.txt
         (venv / LOCK_RECORD).write_text(f"{record}\n")
@@ -103,10 +102,6 @@ def site_packages(venv: Path) -> Path:
     return venv / "lib" / f"python{lock.running_python()}" / "site-packages"
 
 
-def venv_bytecode(lock_file: Path) -> Path:
-    return bytecode.store("venv", lock_file.read_bytes())
-
-
 def tree_bytecode(pins: Pins) -> Path:
     patches = (p.path.read_bytes() for p in tree.read_series())
     return bytecode.store("tree", pins.sdist.sha256, *patches)
@@ -115,7 +110,8 @@ def tree_bytecode(pins: Pins) -> Path:
 def keep_bytecode(pins: Pins, route: Route, tree_path: Path) -> None:
     """Keep what Python compiled in this venv and tree for the next fresh ones."""
     lock_file = lock.path(route.name, lock.running_python())
-    bytecode.keep(site_packages(venv_dir()), venv_bytecode(lock_file))
+    venv_store = bytecode.store("venv", lock_file.read_bytes())
+    bytecode.keep(site_packages(venv_dir()), venv_store)
     bytecode.keep(tree_path / "vllm", tree_bytecode(pins))
 
 
@@ -189,7 +185,7 @@ def install_stamp(route: Route, tree_path: Path) -> str:
     """The route's wheel, the tree's inputs, the venv's lock and the venv's own id."""
     venv_id = venv_dir() / VENV_ID
     inputs = (tree_path / ".git" / tree.INPUTS_FILE).read_text()
-    made_from = (venv_dir() / TOOLCHAIN_STAMP).read_text()
+    made_from = (venv_dir() / uv.STAMP).read_text()
     own_id = venv_id.read_text() if venv_id.exists() else ""
     return digest_of([route.name, route.wheel.sha256, inputs, made_from, own_id])
 
@@ -262,15 +258,10 @@ PER_ISA_KERNEL = re.compile(r"vllm/_C_[A-Z0-9]+\.abi3\.so")
 
 
 def left_to_setup_py(setup_py: Path) -> Callable[[str], bool]:
-    """The wheel members setup.py writes: all but per-ISA kernels it does not name."""
-    named = named_in(setup_py)
-    return lambda member: not PER_ISA_KERNEL.fullmatch(member) or named(member)
-
-
-def named_in(setup_py: Path) -> Callable[[str], bool]:
-    """Whether setup.py names a wheel member (in quotes), which it then unpacks."""
+    """The wheel members setup.py writes: all but the per-ISA kernels it does not name
+    (in quotes: the members it unpacks)."""
     text = setup_py.read_text()
-    return lambda member: f'"{member}"' in text
+    return lambda member: not PER_ISA_KERNEL.fullmatch(member) or f'"{member}"' in text
 
 
 def add_missing_extensions(
@@ -303,7 +294,7 @@ def probe_path(tree_path: Path) -> str:
 
 def check_install(
     python: Path, tree_path: Path, route: Route, without_gpu: bool = False
-) -> dict[str, str]:
+) -> None:
     """Ask the venv itself what `import vllm` gives: the tree, the fix, the platform."""
     log.step("install: asking the venv what `import vllm` gives")
     result = run_or_fail(
@@ -320,8 +311,7 @@ def check_install(
             f"remove other vLLM installs from the venv (rm -r {venv_dir()}) and run "
             "again",
         )
-    verdict = fixcheck.classify(info["source"])
-    if verdict != "fixed":
+    if (verdict := fixcheck.classify(info["source"])) != "fixed":
         raise ForkError(
             f"the installed {fixcheck.FUNCTION} is {verdict}, not fixed",
             "check patches/series and rebuild the tree (make tree)",
@@ -345,4 +335,3 @@ def check_install(
         f"install: verified: vllm {info['version']} from {tree_path}, "
         f"{info['platform']}, {fixcheck.FUNCTION} carries the fix"
     )
-    return info

@@ -26,7 +26,6 @@ def probe() -> dict:
     module = importlib.util.find_spec(FIXED_MODULE).origin
     return {
         "vllm": vllm.__file__,
-        "module": module,
         "version": importlib.metadata.version("vllm"),
         "platform": type(current_platform).__name__,
         "device": current_platform.device_type,
@@ -35,15 +34,10 @@ def probe() -> dict:
     }
 
 
-def main(argv: list[str]) -> int:
-    if argv == ["origin"]:
+if __name__ == "__main__":
+    if sys.argv[1:] == ["origin"]:
         import vllm
 
         print(vllm.__file__)
     else:
         print(json.dumps(probe()))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

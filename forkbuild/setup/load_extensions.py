@@ -50,13 +50,8 @@ def probe(wheel: Path, root: Path, only: list[str]) -> dict:
     record = wheel_record(wheel)
     compiled = sorted(p for p in record if p.startswith("vllm/") and p.endswith(".so"))
     wanted = [p for p in compiled if not only or p in only]
-    result: dict = {
-        "loaded": [],
-        "failed": {p: "not in the wheel's RECORD" for p in only if p not in record},
-        "other_pythons": [],
-        "candidates": 0,
-        "ops": {},
-    }
+    result: dict = {"loaded": [], "other_pythons": [], "candidates": 0, "ops": {}}
+    result["failed"] = {p: "not in the wheel's RECORD" for p in only if p not in record}
     for path in wanted:
         if not loadable_here(path):
             result["other_pythons"].append(path)
@@ -87,10 +82,5 @@ def probe(wheel: Path, root: Path, only: list[str]) -> dict:
     return result
 
 
-def main(argv: list[str]) -> int:
-    print(json.dumps(probe(Path(argv[0]), Path(argv[1]), argv[2:])))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    print(json.dumps(probe(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:])))

@@ -65,39 +65,27 @@ class _Lock(NamedTuple):
     target: Path
     digest: str  # of its inputs
     wanted: list[str]  # its requirements.in
-    header: str  # what it is, from what
+    what: str  # what it is
+    source: str  # what of fork.toml (and vLLM) it is made from
     python: str
     exclude: tuple[str, ...] = ()
 
 
 def _locks(pins: Pins, tree_path: Path) -> list[_Lock]:
     """Every lock fork.toml asks for."""
-    made, tools = [], "forkbuild's tool environment"
+    made, tools = [], ("forkbuild's tool environment", "[toolchain] forkbuild")
     for py in pins.pythons:
         digest = bootstrap.tools_digest(pins, py)
-        made.append(_Lock(path("tools", py), digest, [*pins.forkbuild], tools, py))
+        made.append(_Lock(path("tools", py), digest, [*pins.forkbuild], *tools, py))
         for r in pins.routes.values():
             wanted = [*pins.toolchain, *r.extra, f"-r {tree_path / r.requirements}"]
             digest = inputs_digest(pins, r, py, tree_path)
             what = f"the {r.name} route's venv"
-            made.append(_Lock(path(r.name, py), digest, wanted, what, py, r.exclude))
+            source = f"[toolchain] and [routes.{r.name}] and vLLM "
+            source += f"{pins.upstream_version}'s {r.requirements}"
+            lock = _Lock(path(r.name, py), digest, wanted, what, source, py, r.exclude)
+            made.append(lock)
     return made
-
-
-def _header(pins: Pins, made: _Lock) -> str:
-    source = "[toolchain] forkbuild"
-    if not made.target.name.startswith("tools-"):
-        route = made.target.name.split("-py")[0]
-        source = (
-            f"[toolchain] and [routes.{route}] and vLLM {pins.upstream_version}'s "
-            f"{pins.routes[route].requirements}"
-        )
-    return (
-        f"# {made.target.name}: {made.header} on Python {made.python} "
-        f"({pins.lock_platform}), every package with its sha256.\n"
-        "# Made by `make lock` (uv pip compile --generate-hashes) from fork.toml "
-        f"{source}; do not edit.\n{DIGEST_LINE}{made.digest}\n"
-    )
 
 
 def stale(pins: Pins, tree_path: Path) -> list[str]:
@@ -112,8 +100,7 @@ def stale(pins: Pins, tree_path: Path) -> list[str]:
 
 
 def check(pins: Pins, tree_path: Path) -> None:
-    wrong = stale(pins, tree_path)
-    if wrong:
+    if wrong := stale(pins, tree_path):
         raise ForkError(
             "the locks no longer match the requirements they were made from: "
             f"{', '.join(wrong)}",
@@ -134,12 +121,8 @@ def _pin(line: str) -> Requirement | None:
 
 
 def pinned(lock_file: Path) -> dict[str, str]:
-    """name -> version of every package a lock pins (names normalized as in PEP 503)."""
-    return pinned_lines(lock_file.read_text())
-
-
-def pinned_lines(text: str) -> dict[str, str]:  # of a lock's or a freeze's text
-    found = filter(None, map(_pin, text.splitlines()))
+    """name -> version of every package a lock (or freeze) pins (PEP 503 names)."""
+    found = filter(None, map(_pin, lock_file.read_text().splitlines()))
     return {normalize(r.name): next(iter(r.specifier)).version for r in found}
 
 
@@ -147,8 +130,7 @@ def entries(lock_file: Path, names: set[str]) -> str:
     """The pin and --hash lines of NAMES: for `uv pip install --require-hashes`."""
     kept, keep = [], False
     for line in lock_file.read_text().splitlines():
-        requirement = _pin(line)
-        if requirement:
+        if requirement := _pin(line):
             keep = normalize(requirement.name) in names
         elif not line.startswith((" ", "\t")):
             keep = False
@@ -194,9 +176,15 @@ def generate(pins: Pins, tree_path: Path) -> list[Path]:
         wanted = "".join(f"{r}\n" for r in made.wanted)
         old = target.read_text() if target.is_file() else ""
         body = resolve(pins, wanted, made.python, target.name, made.exclude, old)
+        header = (
+            f"# {target.name}: {made.what} on Python {made.python} "
+            f"({pins.lock_platform}), every package with its sha256.\n"
+            "# Made by `make lock` (uv pip compile --generate-hashes) from fork.toml "
+            f"{made.source}; do not edit.\n{DIGEST_LINE}{made.digest}\n"
+        )
         partial = target.with_name(f".{target.name}.partial")
         try:  # renamed whole: the lock is the old one or the new one
-            partial.write_text(_header(pins, made) + body)
+            partial.write_text(header + body)
             partial.replace(target)
         finally:
             partial.unlink(missing_ok=True)

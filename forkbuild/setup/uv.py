@@ -59,15 +59,15 @@ def binary(pins: Pins) -> Path:
         raise ForkError(f"{member} has no sha256 in the uv wheel's RECORD")
     if not (target.exists() and record_digest(target.read_bytes()) == expected):
         target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name("uv.partial")
         with zipfile.ZipFile(wheel_path) as wheel:
-            partial.write_bytes(wheel.read(member))
-        if record_digest(partial.read_bytes()) != expected:
-            partial.unlink()
+            data = wheel.read(member)
+        if record_digest(data) != expected:
             raise ForkError(
                 f"the uv binary extracted from {wheel_path.name} does not match its "
                 "RECORD"
             )
+        partial = target.with_name("uv.partial")
+        partial.write_bytes(data)
         partial.chmod(0o755)
         partial.replace(target)
         log.step(f"uv: {pins.uv.requirement} ready at {target}")
@@ -105,10 +105,8 @@ def _disk_failure(output: str, what: str) -> ForkError | None:
             continue
         named = _PATH.search(line)
         path = Path(named["path"]) if named else uv_cache()
-        roots = (
-            r for r in (uv_cache(), build_dir()) if path.is_relative_to(r.absolute())
-        )
-        folder = next(roots, path)
+        roots = (uv_cache(), build_dir())
+        folder = next((r for r in roots if path.is_relative_to(r.absolute())), path)
         setting = preflight.setting_for(path)
         if int(found["errno"]) == 28:
             return _Final(
@@ -124,8 +122,7 @@ def _disk_failure(output: str, what: str) -> ForkError | None:
 
 
 def _failure(output: str, what: str, lock: Path | None) -> ForkError:
-    found = _MISMATCH.search(output)
-    if found:
+    if found := _MISMATCH.search(output):
         where = f"{lock.name} pins" if lock else "the requirements pin"
         return _Final(
             f"sha256 mismatch for {found['what']}: the download has "
@@ -159,19 +156,16 @@ def run(
     env = {**os.environ, **(extra_env or {}), "UV_CACHE_DIR": str(uv_cache())}
     # UV_PYTHON_DOWNLOADS: venvs use forkbuild's own interpreter
     env |= {"UV_PYTHON_DOWNLOADS": "never", "UV_NO_PROGRESS": "1"}
-    command = [str(binary(pins)), *args]
-    proc = subprocess.Popen(
-        command, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    lines = []
-    for line in proc.stdout or ():
-        lines.append(line)
-        if stream:
-            print(f"  uv: {line.rstrip()}", flush=True)
-    output = "".join(lines)
-    if proc.wait() != 0:
-        raise _failure(output, what, lock)
-    return output
+    command, lines = [str(binary(pins)), *args], []
+    out, both = subprocess.PIPE, subprocess.STDOUT
+    with subprocess.Popen(command, env=env, text=True, stdout=out, stderr=both) as proc:
+        for line in proc.stdout or ():
+            lines.append(line)
+            if stream:
+                print(f"  uv: {line.rstrip()}", flush=True)
+    if proc.returncode != 0:
+        raise _failure("".join(lines), what, lock)
+    return "".join(lines)
 
 
 def install(

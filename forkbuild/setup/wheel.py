@@ -5,10 +5,8 @@ files git tracks). verify_wheel holds it to the official wheel file by file."""
 
 from __future__ import annotations
 
-import csv
 import email.message
 import email.parser
-import io
 import os
 import re
 import tempfile
@@ -20,6 +18,7 @@ from forkbuild.core import fixcheck, log, preflight
 from forkbuild.core.errors import ForkError
 from forkbuild.core.pins import REPO_ROOT, Pins, build_dir
 from forkbuild.setup import fetch, install, lock, tree
+from forkbuild.setup.load_extensions import wheel_record
 from forkbuild.setup.pip_runner import run_pip
 
 
@@ -33,30 +32,24 @@ SHOWN = 5  # file names an error names at most, per kind
 
 def patched_paths(patches: list[tree.Patch]) -> set[str]:
     """Every path a `diff --git` header of the series names (old and new side)."""
-    paths: set[str] = set()
-    for patch in patches:
-        for line in patch.path.read_text(errors="replace").splitlines():
-            match = re.fullmatch(r'diff --git "?a/(.+?)"? "?b/(.+?)"?', line)
-            if match:
-                paths.update(match.groups())
-    return paths
+    header = re.compile(r'^diff --git "?a/(.+?)"? "?b/(.+?)"?\r?$', re.MULTILINE)
+    texts = [patch.path.read_text(errors="replace") for patch in patches]
+    return {path for text in texts for pair in header.findall(text) for path in pair}
 
 
-def _contents(path: Path) -> dict[str, tuple[str | None, int, int]]:
+def _contents(path: Path) -> dict[str, tuple[str, int, int]]:
     """Name -> (RECORD's sha256: no inflating, size, CRC: a RECORD that lies)."""
     with zipfile.ZipFile(path) as whl:
         infos = [i for i in whl.infolist() if not i.is_dir()]
-        names = [i.filename for i in infos]
-        records = [n for n in names if re.fullmatch(r"[^/]+\.dist-info/RECORD", n)]
-        if len(records) != 1:
-            raise ForkError(
-                f"{path.name} has {len(records)} .dist-info/RECORD files, expected one",
-                "rebuild it; a wheel without its RECORD cannot be compared",
-            )
-        rows = csv.reader(io.StringIO(whl.read(records[0]).decode()))
-        hashes = {row[0]: row[1] or None for row in rows if row}
+    records = [i for i in infos if re.fullmatch(r"[^/]+\.dist-info/RECORD", i.filename)]
+    if len(records) != 1:
+        raise ForkError(
+            f"{path.name} has {len(records)} .dist-info/RECORD files, expected one",
+            "rebuild it; a wheel without its RECORD cannot be compared",
+        )
+    hashes = wheel_record(path)  # "" where RECORD gives none
     data = [i for i in infos if not i.filename.split("/")[0].endswith(".dist-info")]
-    return {i.filename: (hashes.get(i.filename), i.file_size, i.CRC) for i in data}
+    return {i.filename: (hashes.get(i.filename, ""), i.file_size, i.CRC) for i in data}
 
 
 @dataclass(frozen=True)
@@ -68,10 +61,6 @@ class Comparison:
     differing: list[str]  # in both, not equal, and not changed by the series
     extra: list[str]  # in the fork's wheel only, and not added by the series
     patched: list[str]  # in both, changed by the series or generated: may differ
-
-    @property
-    def ok(self) -> bool:
-        return not (self.missing or self.differing or self.extra)
 
 
 def compare_wheels(fork: Path, official: Path, patched: set[str]) -> Comparison:
@@ -104,20 +93,6 @@ HINTS = {  # what to do about each kind of file a comparison finds
 }
 
 
-def comparison_problems(
-    result: Comparison, official: Path
-) -> tuple[list[str], list[str]]:
-    """(problems, what to do) for a comparison that is not ok."""
-    said = {
-        "missing": f"of {official.name} missing",
-        "differing": f"differ from {official.name} although no patch changes them",
-        "extra": f"not in {official.name} and added by no patch",
-    }
-    found = {kind: getattr(result, kind) for kind in said if getattr(result, kind)}
-    problems = [f"{len(n)} file(s) {said[k]}: {_some(n)}" for k, n in found.items()]
-    return problems, [HINTS[kind] for kind in found]
-
-
 def verify_wheel(
     path: Path, pins: Pins, official: Path, patches_dir: Path = tree.PATCHES_DIR
 ) -> None:
@@ -129,7 +104,14 @@ def verify_wheel(
     with zipfile.ZipFile(path) as whl:
         verdict = fixcheck.classify(whl.read(fixcheck.MODULE_PATH).decode())
     version = _metadata(path)["Version"]
-    problems, hints = [], []
+    said = {
+        "missing": f"of {official.name} missing",
+        "differing": f"differ from {official.name} although no patch changes them",
+        "extra": f"not in {official.name} and added by no patch",
+    }
+    found = {kind: getattr(result, kind) for kind in said if getattr(result, kind)}
+    problems = [f"{len(n)} file(s) {said[k]}: {_some(n)}" for k, n in found.items()]
+    hints = [HINTS[kind] for kind in found]
     ours, theirs = _requirements(path), _requirements(official)
     if ours != theirs:
         only = sorted(set(ours) ^ set(theirs))
@@ -149,9 +131,6 @@ def verify_wheel(
         problems.append(
             f"{len(missing)} compiled extension(s) missing, e.g. {missing[0]}"
         )
-    if not result.ok:
-        more, hints = comparison_problems(result, official)
-        problems += more
     if problems:
         raise ForkError(
             f"{path.name} is not a good fork wheel: {'; '.join(problems)}",

@@ -45,16 +45,26 @@ def first(tmp_path: Path) -> Path:
 
 
 def test_a_fresh_venv_gets_the_bytecode_and_python_keeps_it(tmp_path, first):
+    """Linked into the venv's source folders, where it has no .pyc of its own."""
     kept = tmp_path / "cache"
     assert bytecode.keep(first, kept) == 2  # pkg/__init__ and pkg/mod
     assert bytecode.keep(first, kept) == 0  # kept once
+    (kept / "gone" / "__pycache__").mkdir(parents=True)
+    (kept / "gone" / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"not installed")
     fresh = _site(tmp_path / "fresh")
     assert bytecode.restore(fresh, kept) == 2
-    linked = _pyc(fresh).stat().st_ino
+    assert not (fresh / "gone").exists()
+    own, linked = _pyc(fresh), _pyc(fresh).stat().st_ino
     _import(fresh)
     # Python found it valid (same source mtime and size): it did not write a new one.
-    assert _pyc(fresh).stat().st_ino == linked
+    assert own.stat().st_ino == linked
     assert not list(fresh.rglob("*.partial"))
+    shutil.rmtree(own.parent)
+    own.parent.mkdir()
+    own.write_bytes(b"the venv's own")
+    assert bytecode.restore(fresh, kept) == 1  # pkg/__init__ only
+    assert own.read_bytes() == b"the venv's own"
+    assert bytecode.restore(fresh, tmp_path / "no-cache-yet") == 0
 
 
 def test_bytecode_of_a_changed_source_is_compiled_afresh_and_the_cache_is_untouched(
@@ -70,21 +80,6 @@ def test_bytecode_of_a_changed_source_is_compiled_afresh_and_the_cache_is_untouc
     # Python replaced the venv's file by a rename; the cache's file is as it was.
     assert (kept / _pyc(changed).relative_to(changed)).read_bytes() == cached
     assert _pyc(changed).read_bytes() != cached
-
-
-def test_restore_leaves_what_exists_and_folders_the_venv_lacks(tmp_path, first):
-    kept = tmp_path / "cache"
-    bytecode.keep(first, kept)
-    (kept / "gone" / "__pycache__").mkdir(parents=True)
-    (kept / "gone" / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"not installed")
-    fresh = _site(tmp_path / "fresh")
-    own = fresh / "pkg" / "__pycache__" / _pyc(first).name
-    own.parent.mkdir()
-    own.write_bytes(b"the venv's own")
-    assert bytecode.restore(fresh, kept) == 1  # pkg/__init__ only
-    assert own.read_bytes() == b"the venv's own"
-    assert not (fresh / "gone").exists()
-    assert bytecode.restore(fresh, tmp_path / "no-cache-yet") == 0
 
 
 def test_the_store_is_per_source_and_per_python(tmp_path, monkeypatch):

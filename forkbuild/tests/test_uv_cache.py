@@ -51,16 +51,17 @@ error: Could not acquire lock
   cause: Read-only file system (os error 30) at path "{cache}/uv-cache/.tmpr2ZoU9"
 """
 
+FULL = (  # what forkbuild says of it
+    "no space left on the disk of {uv_cache} when uv tried to install {what} -- free "
+    "disk space there, or set VLLM_FORK_CACHE to a folder on a disk with room; then "
+    "run again (uv keeps what it downloaded)"
+)
+
 
 @pytest.mark.parametrize(
     ("output", "said"),
     [
-        (
-            NO_SPACE,
-            "no space left on the disk of {uv_cache} when uv tried to install {what} "
-            "-- free disk space there, or set VLLM_FORK_CACHE to a folder on a disk "
-            "with room; then run again (uv keeps what it downloaded)",
-        ),
+        (NO_SPACE, FULL),
         (
             READ_ONLY,
             "uv cannot write in {uv_cache} (Read-only file system) when it tried to "
@@ -158,8 +159,5 @@ def test_real_uv_out_of_space_is_said_in_one_line(tmp_path):
         except ForkError as exc:
             print(exc)
     """)
-    assert _in_namespace(mounts, script, small)[-1:] == [
-        f"no space left on the disk of {small / 'uv-cache'} when uv tried to install "
-        "the CPU wheel -- free disk space there, or set VLLM_FORK_CACHE to a folder on "
-        "a disk with room; then run again (uv keeps what it downloaded)"
-    ]
+    said = FULL.format(uv_cache=small / "uv-cache", what="the CPU wheel")
+    assert _in_namespace(mounts, script, small)[-1:] == [said]
