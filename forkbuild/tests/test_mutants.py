@@ -205,8 +205,11 @@ def test_a_kill_is_a_case_that_passed_unmutated_under_its_id_or_a_new_one():
     assert mutants.killers(baseline) == ["tests/test_layouts.py::test_download"]
 
 
-def test_a_survivor_nothing_kills_and_an_idle_pr_stop_the_step(worktree, tmp_path):
-    (nobody,) = _rows(worktree, tmp_path, (NOBODY,))
+def test_a_survivor_an_idle_pr_and_a_mutant_a_gpu_job_catches(worktree, tmp_path):
+    """A survivor nothing kills or an idle PR stops the step; a mutant a triggered GPU
+    job would likely catch (read) is named beside the table, and measures no PR."""
+    on_gpu = dataclasses.replace(MISSED, gpu_job="`gpu-job`")
+    nobody, row = _rows(worktree, tmp_path, (NOBODY, on_gpu))
     assert nobody.survivor and nobody.by_pr == {"01-pages": []}
     with pytest.raises(ForkError) as err:
         mutants.check([nobody], ["01-pages"])
@@ -214,13 +217,6 @@ def test_a_survivor_nothing_kills_and_an_idle_pr_stop_the_step(worktree, tmp_pat
     assert "survive the triggered CI jobs and every PR: copy instead of view" in said
     assert "01-pages kill(s) no mutant the triggered CI jobs miss" in said
     assert _clean(worktree)
-
-
-def test_a_mutant_a_triggered_gpu_job_would_catch_does_not_count(worktree, tmp_path):
-    """Missed on CPU, killed by the PR, but a triggered GPU job would likely catch it
-    (read): named beside the table, not in it, it measures no PR."""
-    on_gpu = dataclasses.replace(MISSED, gpu_job="`gpu-job`")
-    (row,) = _rows(worktree, tmp_path, (on_gpu,))
     assert row.survivor and row.by_pr["01-pages"] and not row.counts
     text = mutants.table([row], "01-pages")
     assert "| the row cut at 8 items |" not in text and "```diff" not in text
@@ -240,7 +236,7 @@ def test_a_mutant_that_no_longer_applies_is_refused_untouched(worktree, tmp_path
     match = f"{said} mutant was written against"
     runs = mutants.Runs(Path(sys.executable), tmp_path)
     with pytest.raises(ForkError, match=match) as refused:
-        runs.mutated(worktree, stale, ["tests/test_views.py"], "run")
+        runs.run(worktree, ["tests/test_views.py"], "run", stale)
     assert "rewrite the mutant" in refused.value.hint
     assert _clean(worktree)
     with pytest.raises(ForkError, match="no mutants of vLLM 9.9.9"):
