@@ -22,8 +22,7 @@ VIEWS = """\
 def page_view(raw, offset, stride):
     return raw[offset::stride]
 """
-# The first case fails unmutated (as a release's case needing a GPU or a download does
-# here): it kills nothing, and it must not stop a run made with -x.
+# The first case fails unmutated (as GPU or download cases do here): no kill, no -x stop
 TEST = """\
 from pkg.views import page_view
 
@@ -120,8 +119,7 @@ def test_the_differential_credits_a_pr_only_with_what_the_release_tests_miss(
     assert "offset ignored" not in text.split("Mutants tried")[0]
     assert "Mutants tried on the code these tests cover: 2" in text
     assert "kill 1 of them" in text
-    # Each listed mutant as the diff the tool applied, which `git apply` takes on the
-    # release as the description shows it; not the caught one.
+    # Each listed mutant as the diff applied, which `git apply` takes; not the caught.
     assert text.count("```diff") == 1
     shown = text.split("```diff\n", 1)[1].split("```", 1)[0]
     assert shown == missed.mutant.diff
@@ -141,8 +139,7 @@ def test_a_run_stops_at_its_first_kill_and_never_at_an_old_failure(
     fast = (tmp_path / "results" / "release-tests-1.log").read_text()
     assert "1 failed" in fast and "1 deselected" in fast  # -x, the old failure left out
     assert caught.upstream_killers == [KILL]
-    # Were the deselection to miss, -x would stop at the old failure: the run is made
-    # again whole, and the kill is still found.
+    # Were the deselection to miss, -x stops at the old failure: a whole run finds it.
     monkeypatch.setattr(mutants, "deselect", lambda baseline: [])
     (again,) = _rows(worktree, tmp_path, (CAUGHT,))
     assert again.upstream_killers == [KILL]
@@ -269,8 +266,7 @@ def test_the_newest_release_has_mutants_that_git_apply_takes(fork_pins, tmp_path
         (tmp_path / "m.diff").write_text(mutant.diff)
         applied = tree.git(["apply", "--check", "m.diff"], tmp_path)
         assert applied.returncode == 0, (mutant.name, applied.stderr)
-    # Breakages of every part of the packed path the PRs cover, each with the release's
-    # own tests of its file named.
+    # Breakages of each part of the packed path the PRs cover, each with its tests.
     parts = ("kv_cache_interface.py", "worker/utils.py", "kv_cache_planning.py")
     for part in (*parts, "offloading/worker.py", "triton_attn.py"):
         assert any(m.path.endswith(part) for m in wanted), part
