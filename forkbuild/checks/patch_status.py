@@ -21,6 +21,7 @@ from forkbuild.core.pins import Pins, Release
 from forkbuild.setup import fetch, install, tree
 
 APPLIES, REVERSED, NEITHER = "applies", "reverse-applies", "neither"
+Contents = dict[str, bytes]  # a file's path inside the release -> its bytes
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def read_patch(name: str, path: Path) -> PatchInfo:
     return PatchInfo(name, path, fields, files)
 
 
-def sdist_files(sdist: Path, names: frozenset[str]) -> dict[str, bytes]:
+def sdist_files(sdist: Path, names: frozenset[str]) -> Contents:
     """The files NAMES (paths inside the release) of SDIST, read in one pass."""
     found = {}
     with tarfile.open(sdist) as tar:
@@ -70,9 +71,7 @@ def sdist_files(sdist: Path, names: frozenset[str]) -> dict[str, bytes]:
     return found
 
 
-def try_apply(
-    patch: PatchInfo, sdist: Path, files: dict[str, bytes] | None = None
-) -> str:
+def try_apply(patch: PatchInfo, sdist: Path, files: Contents | None = None) -> str:
     """Does PATCH apply to SDIST, reverse-apply, or neither (its files, or FILES)?"""
     if files is None:
         files = sdist_files(sdist, frozenset(patch.files))

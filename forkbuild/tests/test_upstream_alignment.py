@@ -103,9 +103,7 @@ def test_rebase_to_a_version_that_does_not_exist_says_so_and_leaves_nothing(
     assert not (rebase.rebase_dir() / f"vllm-{version}").exists()
 
 
-def test_rebase_moves_every_pin_together_and_keeps_fork_toml_as_written(
-    fork_pins, tmp_path
-):
+def test_rebase_moves_every_pin_and_keeps_fork_toml_as_written(fork_pins, tmp_path):
     version = NEWER[0]
     found = {
         key: (f"{package}=={version}", f"{package}-{version}.file", sha * 64)
@@ -298,9 +296,7 @@ def test_a_hook_finding_stops_the_upstream_step(release_hooks, toolchain, tmp_pa
     assert "fix the test files" in err.value.hint
 
 
-def test_a_pipeline_step_without_a_key_stops_the_upstream_step(
-    release_hooks, toolchain
-):
+def test_a_pipeline_step_without_a_key_stops_the_step(release_hooks, toolchain):
     misc = release_hooks / PIPE
     kept = misc.read_text()
     misc.write_text(kept.replace("  key: v1-others-cpu\n", "", 1))
@@ -311,9 +307,7 @@ def test_a_pipeline_step_without_a_key_stops_the_upstream_step(
         misc.write_text(kept)
 
 
-def test_a_ruff_other_than_the_release_pins_is_refused(
-    release_hooks, toolchain, tmp_path
-):
+def test_a_ruff_other_than_the_pinned_is_refused(release_hooks, toolchain, tmp_path):
     copy = tmp_path / "release"  # what the check reads, before any hook runs
     copy.mkdir()
     config = copy / ".pre-commit-config.yaml"

@@ -180,9 +180,7 @@ class Runs:
         log.step(f"mutants: {name}: {said}")
         return outcome
 
-    def _key(
-        self, worktree: Path, mutant: Mutant | None, pytest_args: list[str]
-    ) -> str:
+    def _key(self, worktree: Path, mutant: Mutant | None, args: list[str]) -> str:
         """What decides a run's result; the tree object, not the commit: the PRs' mails
         are re-signed with a new date each time."""
 
@@ -208,7 +206,7 @@ class Runs:
             git_out("rev-parse", "HEAD^{tree}").strip(),
             untracked,
             [mutant.path, mutant.diff] if mutant else None,
-            pytest_args,
+            args,
             sorted((self.extra_env or {}).items()),
             sorted(  # what of the caller's pytest or vLLM read, not the fork's own
                 (k, v)

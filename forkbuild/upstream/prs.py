@@ -123,6 +123,7 @@ def check_words(pr: PullRequest, fork_of: str) -> None:
 HOOK_SCRIPTS = ("check_spdx_header", "check_forbidden_imports", "check_test_tethering")
 HOOKS_LOCK = "release-hooks-py311.txt"
 UPDATE = "forkbuild/upstream/prs.py"  # what reads the release's hooks
+Jobs = dict[str, list[dict]]  # test file -> the release's CI jobs that collect it
 
 
 def _repos(config_text: str) -> list[dict]:
@@ -266,13 +267,11 @@ def run_hooks(
     return lines
 
 
-def collecting_jobs(
-    python: Path, release_tree: Path, files: list[str]
-) -> dict[str, list[dict]]:
+def collecting_jobs(python: Path, work: Path, files: list[str]) -> Jobs:
     """The release's Buildkite jobs that collect each test file (release_ci_jobs.py)."""
     cmd = [str(python), str(JOBS_SCRIPT), *files]
-    what = f"could not read {release_tree.name}'s Buildkite jobs"
-    return json.loads(run_or_fail(cmd, what, tail=300, cwd=release_tree).stdout)
+    what = f"could not read {work.name}'s Buildkite jobs"
+    return json.loads(run_or_fail(cmd, what, tail=300, cwd=work).stdout)
 
 
 def selects_cpu_test(marker: str | None) -> bool:
@@ -280,19 +279,18 @@ def selects_cpu_test(marker: str | None) -> bool:
     return marker is None or bool(re.search(r"(?<!not )\bcpu_test\b", marker))
 
 
-def check_job(pr: PullRequest, jobs: dict[str, list[dict]]) -> str:
+def check_job(pr: PullRequest, jobs: Jobs) -> str:
     """PROOF.txt's line: pr.toml's CPU job collects the cases with cpu_test selected."""
     lines = []
     for test_file in sorted({c.split("::", 1)[0] for c in pr.cases}):
         runs = jobs.get(test_file, [])
         cpu = [j for j in runs if j["key"] == pr.job and "cpu" in str(j["device"])]
         if not (hits := [j for j in cpu if selects_cpu_test(j["marker"])]):
-            others = ", ".join(sorted({j["key"] or j["label"] for j in runs}))
+            others = ", ".join(sorted({j["key"] or j["label"] for j in runs})) or "none"
             said = f"{pr.name}: no CPU job '{pr.job}' of the release collects"
-            said += f" {test_file} with cpu_test selected"
+            said += f" {test_file} with cpu_test selected (jobs that run it: {others})"
             mark = "mark the cases cpu_test and add the file to that job's commands"
-            runs_it = f"(jobs that run it: {others or 'none'})"
-            raise ForkError(f"{said} {runs_it}", f"{mark} in the PR")
+            raise ForkError(said, f"{mark} in the PR")
         label, device, command = (hits[0][k] for k in ("label", "device", "command"))
         by = f"collected by '{label}' ({pr.job}, {device}): {command}"
         lines.append(f"{test_file}: {by}")

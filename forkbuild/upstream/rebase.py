@@ -339,9 +339,7 @@ def unsorted_fixes(text: str, version: str) -> list[str]:
     ]
 
 
-def unsorted_files(
-    old_sdist: Path, new_sdist: Path, audited: list[str], audit_text: str
-) -> list[str]:
-    """The files of AUDITED that differ between the sdists and have no audit row."""
-    rows = audit_table_files(audit_text)
-    return [n for n in differing_files(old_sdist, new_sdist, audited) if n not in rows]
+def unsorted_files(old: Path, new: Path, audited: list[str], text: str) -> list[str]:
+    """The files of AUDITED that differ between the sdists and have no row in TEXT."""
+    rows = audit_table_files(text)
+    return [n for n in differing_files(old, new, audited) if n not in rows]
