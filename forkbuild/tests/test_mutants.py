@@ -104,12 +104,12 @@ def _rows(work: Path, tmp: Path, found, cache=None, stock=None) -> list[mutants.
 
 # One worktree for both runs (stock is the one with the PR) takes them in turn.
 @pytest.mark.parametrize("one_tree", [False, True])
-def test_the_differential_credits_a_pr_only_with_what_the_release_tests_miss(
-    worktree, tmp_path, one_tree
-):
+def test_a_pr_earns_only_what_the_release_tests_miss(worktree, tmp_path, one_tree):
     stock = _with_pr(worktree) if one_tree else None
     caught, missed = _rows(worktree, tmp_path, (CAUGHT, MISSED), stock=stock)
     assert caught.upstream_killers == [KILL] and not caught.survivor
+    fast = (tmp_path / "results" / "release-tests-1.log").read_text()
+    assert "1 failed" in fast and "1 deselected" in fast  # -x, the old failure left out
     assert _clean(_with_pr(worktree))
     assert missed.survivor and missed.by_pr == {"01-pages": [PR_CASE]}
     assert _clean(worktree)
@@ -132,13 +132,7 @@ def test_the_differential_credits_a_pr_only_with_what_the_release_tests_miss(
         mutants.check([caught, missed], ["01-pages"])
 
 
-def test_a_run_stops_at_its_first_kill_and_never_at_an_old_failure(
-    worktree, tmp_path, monkeypatch
-):
-    (caught,) = _rows(worktree, tmp_path, (CAUGHT,))
-    fast = (tmp_path / "results" / "release-tests-1.log").read_text()
-    assert "1 failed" in fast and "1 deselected" in fast  # -x, the old failure left out
-    assert caught.upstream_killers == [KILL]
+def test_a_run_never_stops_at_an_old_failure(worktree, tmp_path, monkeypatch):
     # Were the deselection to miss, -x stops at the old failure: a whole run finds it.
     monkeypatch.setattr(mutants, "deselect", lambda baseline: [])
     (again,) = _rows(worktree, tmp_path, (CAUGHT,))
@@ -148,9 +142,7 @@ def test_a_run_stops_at_its_first_kill_and_never_at_an_old_failure(
     assert _clean(worktree)
 
 
-def test_a_run_made_before_is_read_back_and_a_changed_tree_is_run_again(
-    worktree, tmp_path, monkeypatch
-):
+def test_a_run_made_before_is_read_back_unless_changed(worktree, tmp_path, monkeypatch):
     cache = tmp_path / "runs"
     first = _rows(worktree, tmp_path, (CAUGHT, MISSED), cache)
     made = sorted(cache.glob("*.xml"))

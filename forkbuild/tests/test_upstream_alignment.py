@@ -65,16 +65,14 @@ def test_fix_applies_to_the_bug_and_reverse_applies_to_the_fix(fork_pins, toolch
         ("9.9.9", "not in the version matrix"),
     ],
 )
-def test_a_claim_the_releases_contradict_fails(
-    fork_pins, toolchain, tmp_path, claim, error
-):
+def test_a_claim_the_releases_contradict_fails(toolchain, tmp_path, claim, error):
     text = PATCH.path.read_text().replace(
         f"Applied-Upstream: v{NEWER[0]}", f"Applied-Upstream: v{claim}"
     )
     (tmp_path / PATCH.name).write_text(text)
     (tmp_path / "series").write_text(PATCH.name + "\n")
     with pytest.raises(ForkError, match=error):
-        patch_status.check(fork_pins, toolchain, patches_dir=tmp_path)
+        patch_status.check(FORK, toolchain, patches_dir=tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -88,9 +86,7 @@ def test_a_claim_the_releases_contradict_fails(
         ("9.9.9", "the package index has no vllm {v} sdist -- check the version"),
     ],
 )
-def test_rebase_to_a_version_that_does_not_exist_says_so_and_leaves_nothing(
-    version, error, toolchain
-):
+def test_rebase_to_a_bad_version_says_so_and_leaves_nothing(version, error, toolchain):
     result = _forkbuild(["rebase", version], timeout=300)
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()

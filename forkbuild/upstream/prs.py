@@ -31,15 +31,13 @@ from forkbuild.upstream import mutants
 DIST = REPO_ROOT / "dist" / "upstream"
 PRS_DIR = REPO_ROOT / "upstream-prs"
 JOBS_SCRIPT = Path(__file__).with_name("release_ci_jobs.py")
-# Words that would tell a reviewer about this repository rather than about vLLM
-# (and the release the fork is of: fork.toml [upstream] version).
+# Words that speak of this repository, not vLLM (check_words adds the fork's release).
 NOT_FOR_UPSTREAM_WORDS = ("forkbuild", "fork", "series", "matrix", "downstream")
 # The places in description.md that the proof fills in (each exactly once).
 MARKERS = ("@@VALIDATION@@", "@@MUTANTS@@")
 # The cases of one PR must fit in a CPU job beside everything it already runs.
 MAX_CASES_S = 60.0
-# The release's own tests include cases that download models: here they fail at once
-# (and count as no kill) instead of waiting on the network.
+# Offline: the release's cases that download models fail at once (no kill), not hang.
 CPU_OFFLINE = {**matrix.CPU_ENV, "HF_HUB_OFFLINE": "1"}
 README = "see upstream-prs/README.md"
 
@@ -118,8 +116,7 @@ def check_words(pr: PullRequest, fork_of: str) -> None:
             raise ForkError(f"{pr.name}/{path.name} mentions {', '.join(said)}", hint)
 
 
-# The release's own hooks (tools/pre_commit/) that its .pre-commit-config.yaml
-# applies to test files, beside ruff check, ruff format and mypy.
+# The release's own tools/pre_commit/ hooks for test files, beside ruff and mypy.
 HOOK_SCRIPTS = ("check_spdx_header", "check_forbidden_imports", "check_test_tethering")
 HOOKS_LOCK = "release-hooks-py311.txt"
 UPDATE = "forkbuild/upstream/prs.py"  # what reads the release's hooks
@@ -176,8 +173,7 @@ def release_hook_config(pins: Pins) -> str:
 
 
 def lock_hooks(pins: Pins, config_text: str) -> Path:
-    """locks/release-hooks-py311.txt: the release's mypy hook, hash-locked; rewritten
-    only when the hook asks for something else."""
+    """HOOKS_LOCK: the release's mypy hook, hash-locked; remade if the hook changes."""
     _, requirements = mypy_hook(config_text)
     target, digest = hooks_lock_path(), hooks_inputs_digest(requirements)
     if target.is_file() and lock.recorded_digest(target) == digest:
