@@ -21,6 +21,7 @@ from forkbuild.upstream import prs as upstream
 from forkbuild.upstream import rebase
 
 PATCH = next(p for p in tree.read_series())
+MAIL = patch_status.read_patch(PATCH.name, PATCH.path)
 FORK = pins.load()
 BASE = FORK.upstream_version  # the release the fork is of
 NEWEST = upstream.newest(FORK).version
@@ -43,19 +44,17 @@ def toolchain() -> Path:
 
 
 def test_dep3_header_is_read_from_the_mail():
-    patch = patch_status.read_patch(PATCH.name, PATCH.path)
-    assert str(patch.applied_upstream) == NEWER[0]
-    assert patch.fields["Bug"].endswith("/issues/47054")
-    assert patch.fields["Origin"].startswith("backport, ")
-    assert patch.files == ("vllm/v1/worker/gpu/attn_utils.py",)
+    assert str(MAIL.applied_upstream) == NEWER[0]
+    assert MAIL.fields["Bug"].endswith("/issues/47054")
+    assert MAIL.fields["Origin"].startswith("backport, ")
+    assert MAIL.files == ("vllm/v1/worker/gpu/attn_utils.py",)
 
 
 def test_fix_applies_to_the_bug_and_reverse_applies_to_the_fix(fork_pins, toolchain):
-    patch = patch_status.read_patch(PATCH.name, PATCH.path)
     expect = {BASE: patch_status.APPLIES, NEWER[0]: patch_status.REVERSED}
     for version, expected in expect.items():
         sdist = fetch.fetch(fork_pins.release(version).sdist, lambda: toolchain)
-        assert patch_status.try_apply(patch, sdist) == expected, version
+        assert patch_status.try_apply(MAIL, sdist) == expected, version
 
 
 @pytest.mark.parametrize(

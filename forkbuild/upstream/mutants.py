@@ -395,12 +395,11 @@ def summary(rows: list[Row], pr: str | None = None) -> str:
     """PROOF.txt lines: per mutant, the release's tests' verdict and the PRs'."""
     out = []
     for row in rows:
-        others = [n for n, c in row.by_pr.items() if c]
         if pr is None:
             verdict = "; ".join(f"{n}: {len(c)}" for n, c in row.by_pr.items())
         elif row.by_pr[pr]:
             verdict = f"this PR kills it with {len(row.by_pr[pr])} case(s)"
-        elif others:
+        elif others := [n for n, c in row.by_pr.items() if c]:
             verdict = f"not this PR's (killed by {', '.join(others)})"
         else:
             verdict = "killed by no PR"
