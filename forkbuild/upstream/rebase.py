@@ -22,7 +22,7 @@ from forkbuild.checks import patch_status, versions
 from forkbuild.core import log
 from forkbuild.core.errors import ForkError
 from forkbuild.core.hashing import sha256_file
-from forkbuild.core.pins import PINS_FILE, Artifact, Pins, build_dir, cache_dir, load
+from forkbuild.core.pins import PINS_FILE, Pins, build_dir, cache_dir, load
 from forkbuild.setup import fetch, install, tree
 from forkbuild.setup.pip_runner import run_pip
 
@@ -209,15 +209,13 @@ def rewrite_pins(text: str, pins: Pins, version: str, found: Found) -> str:
     releases = doc["matrix"]["release"]
     releases.pop(version, None)
     like = next(iter(releases.values()))["sdist"]  # { key = value, ... } as written
-
-    def inline(artifact: Artifact) -> tomlkit.items.InlineTable:
+    old = tomlkit.table()
+    old["torch"] = pins.torch
+    stock = {"sdist": pins.sdist, "binaries": pins.routes["cpu"].wheel}
+    for key, artifact in stock.items():
         table = copy.deepcopy(like)
         table.update(zip(PIN_FIELDS, (getattr(artifact, f) for f in PIN_FIELDS)))
-        return table
-
-    old = tomlkit.table()
-    old.update(torch=pins.torch, sdist=inline(pins.sdist))
-    old["binaries"] = inline(pins.routes["cpu"].wheel)
+        old[key] = table
     old.add(tomlkit.nl())
     base = Version(pins.upstream_version)
     later = {k: t for k, t in releases.items() if Version(k) > base}
