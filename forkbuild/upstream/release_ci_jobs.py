@@ -1,12 +1,9 @@
 """Which of a vLLM release's Buildkite jobs run a test file, read by the release's own
-tethering hook (tools/pre_commit/check_test_tethering.py). Run by `forkbuild upstream`
-in the release tree with the release's Python (the hook needs PyYAML and regex):
-
-    python release_ci_jobs.py tests/a/test_x.py [...]
-
-prints one JSON object: test file -> the jobs whose commands collect it (label, key,
-device, timeout, the command's `-m` expression). The hook ignores markers; a `cpu_test`
-case runs in a CPU job only if that job's command selects the marker.
+tethering hook (tools/pre_commit/check_test_tethering.py). `forkbuild upstream` runs
+`python release_ci_jobs.py TEST_FILE...` in the release tree with the release's Python
+(the hook needs PyYAML and regex): one JSON object, test file -> the jobs whose commands
+collect it (label, key, device, timeout, the command's `-m` expression). The hook
+ignores markers; a `cpu_test` case runs in a CPU job only if its command selects it.
 """
 
 from __future__ import annotations
