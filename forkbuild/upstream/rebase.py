@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tomlkit
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 
 from forkbuild.checks import patch_status, versions
 from forkbuild.core import log
@@ -317,8 +317,14 @@ def audited_fixes(text: str) -> list[Fix]:
 
 def _first_release(cell: str) -> tuple[int, ...] | None:
     """The first X.Y.Z release a cell names ("before 0.25.1"), or None ("none")."""
-    found = re.search(r"(?<![\w.])v?(\d+)\.(\d+)\.(\d+)(?![\d.])", cell)
-    return tuple(map(int, found.groups())) if found else None
+    for word in cell.split():
+        try:
+            found = Version(word.strip(",;:()`")).release
+        except InvalidVersion:
+            continue
+        if len(found) == 3:
+            return found
+    return None
 
 
 def audited_through(text: str) -> str | None:
