@@ -9,7 +9,8 @@ is not touched), timed by wall clock; the sizes are then packed into parts as
 per component, 2 processes.
 
 Run from the repository root:  PYTHONPATH=. build/venv/bin/python \\
-    benchmarks/bundle_compression.py [--candidates off,xz] [--components vllm,packages]
+    benchmarks/bundle_compression.py [--candidates off,xz] [--base off] \\
+    [--components vllm,packages]
 Prints a table and writes one JSON object to stdout's last line.
 """
 
@@ -34,7 +35,9 @@ CANDIDATES = {
     "off": gpu_bundle.Codec("xz", ({"id": L2, "preset": 6},), chunk=1 << 40, workers=2),
     "cores": gpu_bundle.Codec("xz", ({"id": L2, "preset": 6},)),  # 32 MiB streams
     "x86-3": gpu_bundle.Codec("xz", ({"id": X86}, {"id": L2, "preset": 3})),
-    "xz": gpu_bundle.XZ,  # the x86 filter, preset 6, every core: make gpu-bundle's
+    "xz": gpu_bundle.XZ,  # the x86 filter, preset 6, every core
+    # XZ with fork.toml [gpu_bundle] xz_preset (parts 2-4 faster): make gpu-bundle's
+    "presets": gpu_bundle.transfer_codec(fork_pins.load_gpu_bundle()),
     "plain": gpu_bundle.PLAIN,  # the simulated host's bundle: no transfer carries it
 }
 
@@ -75,6 +78,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--candidates", default=",".join(CANDIDATES))
     parser.add_argument("--components", help="only these (default: all)")
+    parser.add_argument("--base", default="off", help="the candidate ratios are to")
     args = parser.parse_args()
     pins = fork_pins.load()
     src = source(pins)
@@ -94,12 +98,12 @@ def main() -> None:
             print(name, json.dumps(found["candidates"][name]), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    base = found["candidates"].get("off")
+    base = found["candidates"].get(args.base)
     for name, got in found["candidates"].items():
         if base:
-            got["time_vs_off"] = round(got["seconds"] / base["seconds"], 3)
+            got[f"time_vs_{args.base}"] = round(got["seconds"] / base["seconds"], 3)
             total = sum(got["mib"].values()) / sum(base["mib"].values())
-            got["size_vs_off"] = round(total, 3)
+            got[f"size_vs_{args.base}"] = round(total, 3)
         print(f"{name:6} {got['seconds']:8.1f} s  {sum(got['mib'].values()):8.1f} MiB")
     print(json.dumps(found))
 

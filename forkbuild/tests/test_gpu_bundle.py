@@ -5,8 +5,10 @@ the real format, made by the builder and unpacked by the bundle's own run.sh."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
+import lzma
 import os
 import shutil
 import subprocess
@@ -532,3 +534,36 @@ def test_the_reference_bundle_made_meanwhile_loses_no_error(failing, capsys):
     assert sorted(ended) == ["background", "foreground"]  # the slow one ended too
     said = "meanwhile, this failed too: background failed" in capsys.readouterr().err
     assert said == (len(failing) == 2)
+
+
+def test_xz_preset_gives_a_component_its_own_preset(scratch, tmp_path):
+    """fork.toml [gpu_bundle] xz_preset: that component's streams take the preset (its
+    archive keyed by it), the others XZ's; each archive reads back as its tar."""
+    codec = dataclasses.replace(SMALL_XZ, presets=(("fast", 0),))
+    data = b"".join(i.to_bytes(4, "little") for i in range(600_000))  # 2.3 MiB
+    comps = {name: Component(name, gpu_bundle.SITE) for name in ("kept", "fast")}
+    for name, comp in comps.items():
+        (tmp_path / name).write_bytes(data)
+        comp.add("f.bin", tmp_path / name)
+    archives = gpu_bundle.compress(list(comps.values()), codec, tmp_path / "store")
+    assert archives["kept"].name != archives["fast"].name
+    for name, preset in (("kept", 6), ("fast", 0)):
+        gpu_bundle.write_tar(comps[name].members(), tmp_path / f"{name}.tar")
+        raw = (tmp_path / f"{name}.tar").read_bytes()
+        lzma2 = {"id": lzma.FILTER_LZMA2, "preset": preset}
+        filters = (*gpu_bundle.XZ.filters[:-1], lzma2)
+        streams = [raw[o : o + codec.chunk] for o in range(0, len(raw), codec.chunk)]
+        want = [lzma.compress(s, lzma.FORMAT_XZ, filters=filters) for s in streams]
+        assert archives[name].read_bytes() == b"".join(want)
+        assert lzma.decompress(archives[name].read_bytes()) == raw
+
+
+def test_a_bad_xz_preset_is_refused(fork_pins, tmp_path):
+    kinds = {"Hopper": {"capability": "9.0", "queues": {"q": 1}}}
+    cases = {"t.py::one": {**HOPPER, "bundle": []}}
+    with pytest.raises(ForkError, match="xz_preset gives"):
+        _settings("tree site-a", "tree", kinds, cases, xz_preset={"site-a": 10})
+    settings = _settings("tree site-a", "tree", kinds, cases, xz_preset={"gone": 3})
+    files = {("tree", "t.py"): b"", ("site-a", "a.py"): b""}
+    with pytest.raises(ForkError, match="does not hold: gone"):
+        _assemble(fork_pins, tmp_path, files, 1 << 20, settings)
