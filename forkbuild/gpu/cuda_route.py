@@ -15,7 +15,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from forkbuild.core import log, pytest_runner
+from forkbuild.core import log, preflight, pytest_runner
 from forkbuild.core.errors import ForkError, run_or_fail
 from forkbuild.core.pins import REPO_ROOT, Pins, build_dir
 from forkbuild.gpu import cuda_toolchain, driver_stub
@@ -29,18 +29,16 @@ def home() -> Path:
 
 @dataclass(frozen=True)
 class Result:
-    extensions_loaded: int
-    extensions: int
-    other_pythons: int  # the wheel's extensions built for other Python versions
+    loaded: dict  # load_extensions' report
     jit_modules: int  # FlashInfer modules whose JIT build graph resolved
     gpu_cases: pytest_runner.Outcome
     calls: pytest_runner.Outcome
-    route: tuple[Path, Path, Path]  # the CUDA venv's python, the tree, the driver stub
 
     def line(self) -> str:
+        loaded, other = len(self.loaded["loaded"]), len(self.loaded["other_pythons"])
         return (
-            f"cuda route without a GPU: {self.extensions_loaded} of {self.extensions} "
-            f"compiled extensions load ({self.other_pythons} more are for other "
+            f"cuda route without a GPU: {loaded} of {self.loaded['candidates']} "
+            f"compiled extensions load ({other} more are for other "
             f"Pythons), FlashInfer's JIT on the lock's nvcc ({self.jit_modules} module "
             f"build graphs), {len(self.gpu_cases.cases)} GPU cases collected and "
             f"skipped without a device, kernel calls up to dispatch: {self.calls}"
@@ -129,19 +127,11 @@ def load_extensions(
 
 def check_flashinfer_jit(python: Path, stub: Path, results: Path) -> int:
     """FlashInfer's JIT in the nightly's environment, the stub as libcuda.so.1."""
-    venv = python.parent.parent
-    lock_file = lock.path("cuda", lock.running_python())
-    nvcc_version = cuda_toolchain.check_lock_pins(lock_file)
-    cuda_toolchain.make_link_dir(venv, nvcc_version, stub / driver_stub.SONAME)
-    env = cuda_toolchain.toolchain_env(venv, nvcc_version)
-    if missing := cuda_toolchain.missing_tools(env, cuda_toolchain.link_dir(venv)):
-        raise ForkError(
-            f"the CUDA lock's toolchain is incomplete: {', '.join(missing)}",
-            "check the CUDA lock's nvidia-cuda-* and ninja pins",
-        )
+    nvcc = cuda_toolchain.check_lock_pins(lock.path("cuda", lock.running_python()))
+    venv, libcuda = python.parent.parent, stub / driver_stub.SONAME
+    env = cuda_toolchain.prepare_toolchain(venv, nvcc, libcuda) | stub_env(stub)
     work, report = home() / "flashinfer-jit", results / "cuda-route-flashinfer-jit.log"
-    env |= stub_env(stub)
-    return cuda_toolchain.probe_flashinfer_jit(python, env, nvcc_version, work, report)
+    return cuda_toolchain.probe_flashinfer_jit(python, env, nvcc, work, report)
 
 
 def run_gpu_tests(
@@ -231,8 +221,6 @@ class Installed:
 
 def install(pins: Pins, results: Path) -> Installed:
     """The route's first half: what the GPU bundle is made from (bundle/check.py)."""
-    from forkbuild.core import preflight
-
     if preflight.has_nvidia_gpu():  # the stub is for machines without a driver only
         raise ForkError(
             "this machine has a GPU: the CUDA route runs there", "run `make nightly`"
@@ -263,6 +251,4 @@ def check(pins: Pins, results: Path, route: Installed) -> Result:
             f"the kernel test's calls do not reach the CUDA ops' dispatch: {calls}",
             f"see {results / 'cuda-route-tests.log'}",
         )
-    loaded = route.loaded
-    counts = len(loaded["loaded"]), loaded["candidates"], len(loaded["other_pythons"])
-    return Result(*counts, jit_modules, collected, calls, route.route)
+    return Result(route.loaded, jit_modules, collected, calls)

@@ -166,21 +166,24 @@ def missing_tools(env: Mapping[str, str], links: Path) -> list[str]:
     return missing + [str(link) for link in links if not link.exists()]
 
 
-def prepare_toolchain(venv: Path, nvcc_version: str) -> dict[str, str]:
-    """After the install: the link names, and toolchain_env once all resolve there."""
-    make_link_dir(venv, nvcc_version, driver_libcuda(_ldconfig_cache()))
+def prepare_toolchain(
+    venv: Path, nvcc_version: str, libcuda: Path | None = None
+) -> dict[str, str]:
+    """After the install: the link names (libcuda.so to LIBCUDA, else the driver's), and
+    toolchain_env once all resolve there."""
+    make_link_dir(venv, nvcc_version, libcuda or driver_libcuda(_ldconfig_cache()))
     env = toolchain_env(venv, nvcc_version)
     if os.environ.get("CUDA_HOME", env["CUDA_HOME"]) != env["CUDA_HOME"]:
         log.step(
-            f"nightly: CUDA_HOME={env['CUDA_HOME']} (the lock's) instead of the "
-            f"agent's {os.environ['CUDA_HOME']}"
+            f"CUDA_HOME={env['CUDA_HOME']} (the lock's) instead of the agent's "
+            f"{os.environ['CUDA_HOME']}"
         )
     if missing := missing_tools(env, link_dir(venv)):
         raise ForkError(
-            "the installed CUDA toolchain is incomplete, missing: "
+            f"the CUDA toolchain installed in {venv} is incomplete, missing: "
             f"{', '.join(missing)}",
-            "the venv does not hold what the CUDA lock pins: rerun `make install "
-            "ROUTE=cuda`",
+            "the venv lacks what the CUDA lock pins: check its nvidia-cuda-* and ninja "
+            "pins, and rerun the install (`make install ROUTE=cuda`)",
         )
     return env
 

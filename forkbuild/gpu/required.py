@@ -12,7 +12,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from forkbuild.core.errors import ForkError
-from forkbuild.core.pins import Capability, GpuKind, GpuTable, capability
+from forkbuild.core.pins import Capability, GpuKind, GpuTable, capability, load
 from forkbuild.core.pytest_runner import Outcome
 
 CASE_LIMIT_S = 600  # seconds: a FlashInfer JIT build and its kernels, or two engines
@@ -103,7 +103,7 @@ def select(
 ) -> tuple[GpuKind, tuple[str, ...]]:
     """The kind of this machine and the cases it must run. With mixed GPUs the weakest
     decides: a case may land on any of them (TP=2 uses two)."""
-    table = table or _table()
+    table = table or load().gpu
     if not capabilities:
         raise ForkError(
             "nvidia-smi listed no GPU", "check the driver with `nvidia-smi -L`"
@@ -120,12 +120,6 @@ def select(
             + ", ".join(q for kind in table.kinds for q, _ in kind.queues),
         )
     return kind, kind.required(len(capabilities))
-
-
-def _table() -> GpuTable:
-    from forkbuild.core import pins
-
-    return pins.load().gpu
 
 
 def not_run(required: Iterable[str], outcomes: Iterable[Outcome]) -> list[str]:
@@ -150,7 +144,7 @@ def check_collected(
     collected: Collection[str], required: Collection[str] | None = None
 ) -> None:
     """Every required node id among COLLECTED on CPU: a rename fails here, not later."""
-    required = _table().all_required() if required is None else required
+    required = load().gpu.all_required() if required is None else required
     if missing := sorted(set(required) - set(collected)):
         raise ForkError(
             f"{len(missing)} node id(s) that the nightly GPU job requires are not "

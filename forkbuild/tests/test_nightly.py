@@ -57,20 +57,16 @@ def _lock(tmp_path: Path, names: list[str], runtime: str = "13.2.51") -> Path:
 
 
 ALL_PINS = list(cuda_toolchain.LOCK_PINS)
+# nvcc 13.2 with nvidia-cuda-runtime 13.0's headers: every FlashInfer JIT build stops in
+# CCCL: "CUDA compiler and CUDA toolkit headers are incompatible".
+MISMATCH = r"nvcc 13\.2\.86 but nvidia-cuda-runtime 13\.0\.96.*of CUDA 13\.0 in fork"
 
 
 @pytest.mark.parametrize(
     ("names", "runtime", "match"),
     [
         (ALL_PINS[1:-1], "13.2.51", r"cuda-py311\.txt does not pin ninja, pytest-t"),
-        # nvcc 13.2 with nvidia-cuda-runtime 13.0's headers: every FlashInfer JIT build
-        # stops in CCCL: "CUDA compiler and CUDA toolkit headers are incompatible".
-        (
-            ALL_PINS,
-            "13.0.96",
-            r"nvcc 13\.2\.86 but nvidia-cuda-runtime 13\.0\.96.*"
-            r"of CUDA 13\.0 in fork",
-        ),
+        (ALL_PINS, "13.0.96", MISMATCH),
         (None, "", r"cuda-py311\.txt\.gone is missing"),
     ],
 )
@@ -199,6 +195,13 @@ def test_ldconfig_is_found_in_sbin_off_path(tmp_path, monkeypatch):
     assert "libs found in cache" in cache and "libc.so.6" in cache
 
 
+def _compile(language: str, source: str, *args: str | Path) -> None:
+    """cc (or c++) on SOURCE, given on stdin, with ARGS."""
+    compiler = {"c": "cc", "c++": "c++"}[language]
+    command = [compiler, "-fPIC", "-x", language, "-", *map(str, args)]
+    subprocess.run(command, input=source, text=True, check=True)
+
+
 @pytest.mark.skipif(
     shutil.which("cc") is None or shutil.which("c++") is None,
     reason="needs a host C and C++ compiler to link",
@@ -211,24 +214,18 @@ def test_flashinfers_link_step_finds_the_libraries_through_the_link_names(tmp_pa
     # libraries here.
     venv = _venv(tmp_path)
     home = install.site_packages(venv) / "nvidia" / "cu13"
-    libcuda = tmp_path / "driver" / "libcuda.so.1"
+    libcuda, obj, lib = (tmp_path / name for name in ("libcuda.so.1", "m.o", "m.so"))
     for target, function in (
         (home / "lib" / "libcudart.so.13", "cudaGetDeviceCount(int *n)"),
         (libcuda, "cuInit(unsigned flags)"),
     ):
-        target.parent.mkdir(parents=True, exist_ok=True)
-        stub = tmp_path / f"{target.name}.c"
-        stub.write_text(f"int {function} {{ return 0; }}\n")
-        soname = f"-Wl,-soname,{target.name}"
-        cc = ["cc", "-shared", "-fPIC", soname, str(stub), "-o", str(target)]
-        subprocess.run(cc, check=True)
-    module = tmp_path / "module.cpp"
-    module.write_text(
+        stub = f"int {function} {{ return 0; }}\n"
+        _compile("c", stub, "-shared", f"-Wl,-soname,{target.name}", "-o", target)
+    module = (
         'extern "C" int cudaGetDeviceCount(int *);\nextern "C" int cuInit(unsigned);\n'
-        "int count() { int n; return cudaGetDeviceCount(&n) + cuInit(0); }\n"
     )
-    obj, lib = tmp_path / "module.o", tmp_path / "module.so"
-    subprocess.run(["c++", "-fPIC", "-c", str(module), "-o", str(obj)], check=True)
+    module += "int count() { int n; return cudaGetDeviceCount(&n) + cuInit(0); }\n"
+    _compile("c++", module, "-c", "-o", obj)
     link = ["c++", str(obj), "-shared", f"-L{home}/lib64", f"-L{home}/lib64/stubs"]
     link += ["-lcudart", "-lcuda", "-o", str(lib)]
     bare = {k: v for k, v in os.environ.items() if k != "LIBRARY_PATH"}
@@ -400,39 +397,15 @@ def test_a_benchmark_stopped_at_its_limit_fails_the_job(tmp_path, monkeypatch):
     assert _summary(tmp_path)["killed"] == [f"benchmark: {stop}"]
 
 
-def _per_case_run(tmp_path: Path, body: str) -> Outcome:
-    """BODY's cases forked under PER_CASE_TIMEOUT with a 2 s limit per case; the run's
-    own limit is far off, so that a loaded machine does not stop it first."""
-    options = [
-        "--timeout=2" if o.startswith("--timeout=") else o
-        for o in nightly.PER_CASE_TIMEOUT
-    ]
-    project, args = _project(tmp_path, body), ["--forked", *options, "test_cases.py"]
-    junit = tmp_path / "junit.xml"
-    return pytest_runner.run_pytest(PYTHON, project, args, junit, timeout_s=300)
-
-
-def test_a_hung_forked_case_fails_alone_under_the_per_case_limit(tmp_path):
-    # pytest-timeout with PER_CASE_TIMEOUT's options under --forked: the hung case
-    # fails, the next one runs, the run itself ends by itself with its JUnit XML. (With
-    # pytest-timeout's default timeout_func_only=false the whole pytest would exit.)
-    outcome = _per_case_run(
-        tmp_path,
-        "import time\n\ndef test_hangs():\n    time.sleep(60)\n\n"
-        "def test_runs_after():\n    pass\n",
-    )
-    # pytest-forked reports a child that exited as a crash outside the call phase, which
-    # JUnit files as an error; the nightly counts errors as failures.
-    cases = {"test_cases.py::test_hangs": "error"}
-    assert outcome == Outcome(cases | {"test_cases.py::test_runs_after": "passed"})
-
-
-def test_what_a_timed_out_case_started_is_ended_before_the_next_case(tmp_path):
-    """A forked case stopped by its limit leaves what it started (vLLM's engine core: a
-    spawned process, here a sleep in a session of its own); it must be gone when the
-    next case starts, not only when the whole run ends."""
+def test_a_hung_forked_case_fails_alone_and_what_it_started_is_ended(tmp_path):
+    """pytest-timeout with PER_CASE_TIMEOUT's options under --forked (2 s per case, the
+    run's own limit far off, so that a loaded machine does not stop it first): the hung
+    case fails, the next one runs, the run ends by itself with its JUnit XML (with
+    pytest-timeout's default timeout_func_only=false the whole pytest would exit). What
+    the hung case started (vLLM's engine core: a spawned process, here a sleep in a
+    session of its own) is gone when the next case starts, not only at the end."""
     pid_file = tmp_path / "pid"
-    outcome = _per_case_run(
+    project = _project(
         tmp_path,
         "import os, subprocess, time\n\n"
         "def test_starts_an_engine_and_hangs():\n"
@@ -445,10 +418,15 @@ def test_what_a_timed_out_case_started_is_ended_before_the_next_case(tmp_path):
         "os.path.exists(f'/proc/{pid}') else 'gone'\n"
         "    assert state in ('gone', 'Z'), state\n",
     )
-    assert outcome.cases == {
-        "test_cases.py::test_starts_an_engine_and_hangs": "error",
-        "test_cases.py::test_next_case_finds_it_gone": "passed",
-    }
+    # The last --timeout wins: 2 s instead of CASE_LIMIT_S.
+    args = ["--forked", *nightly.PER_CASE_TIMEOUT, "--timeout=2", "test_cases.py"]
+    junit = tmp_path / "junit.xml"
+    outcome = pytest_runner.run_pytest(PYTHON, project, args, junit, timeout_s=300)
+    # pytest-forked reports a child that exited as a crash outside the call phase, which
+    # JUnit files as an error; the nightly counts errors as failures.
+    hangs, after = "test_starts_an_engine_and_hangs", "test_next_case_finds_it_gone"
+    cases = {f"test_cases.py::{hangs}": "error", f"test_cases.py::{after}": "passed"}
+    assert outcome == Outcome(cases)
 
 
 # --- the job's order, with the GPU, the install and the runs faked --------------------
