@@ -18,6 +18,7 @@ from pathlib import Path
 from forkbuild.core import log, preflight, pytest_runner
 from forkbuild.core.errors import ForkError, run_or_fail
 from forkbuild.core.pins import REPO_ROOT, Pins, build_dir
+from forkbuild.core.pytest_runner import Outcome
 from forkbuild.gpu import cuda_toolchain, driver_stub
 from forkbuild.gpu import required as gpu_required
 from forkbuild.setup import fetch, lock
@@ -31,8 +32,8 @@ def home() -> Path:
 class Result:
     loaded: dict  # load_extensions' report
     jit_modules: int  # FlashInfer modules whose JIT build graph resolved
-    gpu_cases: pytest_runner.Outcome
-    calls: pytest_runner.Outcome
+    gpu_cases: Outcome
+    calls: Outcome
 
     def line(self) -> str:
         loaded, other = len(self.loaded["loaded"]), len(self.loaded["other_pythons"])
@@ -136,11 +137,11 @@ def check_flashinfer_jit(python: Path, stub: Path, results: Path) -> int:
 
 def run_gpu_tests(
     pins: Pins, python: Path, tree: Path, stub: Path, results: Path
-) -> tuple[pytest_runner.Outcome, pytest_runner.Outcome]:
+) -> tuple[Outcome, Outcome]:
     """The GPU tests and the serve test collected (each must skip), and the kernel
     calls (must pass), which share the GPU modules' run (one vLLM import less)."""
 
-    def run(where: Path, args: list[str], xml: Path, **kwargs) -> pytest_runner.Outcome:
+    def run(where: Path, args: list[str], xml: Path, **kwargs) -> Outcome:
         output, env = xml.with_suffix(".log"), stub_env(stub)
         return pytest_runner.run_pytest(
             python, where, args, xml, output=output, extra_env=env, **kwargs
@@ -153,19 +154,13 @@ def run_gpu_tests(
     xml = results / "cuda-route-serve-gpu.xml"
     serve = run(REPO_ROOT, ["-rs", *sorted(own)], xml, pythonpath=REPO_ROOT)
     gpu = part_of(in_tree, pins.gpu_tests)
-    collected = pytest_runner.Outcome(
-        gpu.cases | serve.cases, gpu.reasons | serve.reasons
-    )
+    collected = Outcome(gpu.cases | serve.cases, gpu.reasons | serve.reasons)
     return collected, part_of(in_tree, pins.cuda_route_tests)
 
 
-def part_of(
-    outcome: pytest_runner.Outcome, modules: tuple[str, ...]
-) -> pytest_runner.Outcome:
+def part_of(outcome: Outcome, modules: tuple[str, ...]) -> Outcome:
     cases = {c: s for c, s in outcome.cases.items() if c.split("::")[0] in modules}
-    return pytest_runner.Outcome(
-        cases, {c: r for c, r in outcome.reasons.items() if c in cases}
-    )
+    return Outcome(cases, {c: r for c, r in outcome.reasons.items() if c in cases})
 
 
 # How every GPU module's skipif reason for lack of a device starts: anything else (an
@@ -174,7 +169,7 @@ NO_DEVICE = "needs an NVIDIA GPU"
 
 
 def check_skipped(
-    collected: pytest_runner.Outcome,
+    collected: Outcome,
     results: Path,
     *,
     where: str = "the CUDA build",

@@ -12,6 +12,7 @@ from pathlib import Path
 from forkbuild.core import log, preflight, pytest_runner
 from forkbuild.core.errors import ForkError
 from forkbuild.core.pins import REPO_ROOT, GpuKind, Pins, build_dir
+from forkbuild.core.pytest_runner import Outcome
 from forkbuild.gpu import cuda_toolchain
 from forkbuild.gpu import required as gpu_required
 from forkbuild.gpu.required import PER_CASE_TIMEOUT
@@ -64,18 +65,24 @@ def run(pins: Pins) -> str:
     nvcc_version = cuda_toolchain.check_gpu_toolchain(lock_file)
     python, tree_path, _ = install.install(pins, "cuda")
     env = cuda_toolchain.prepare_toolchain(python.parent.parent, nvcc_version)
-    check_jit(python, env, nvcc_version, out)
+    # FlashInfer's JIT toolchain on this agent, in seconds, before the tests.
+    where = (out / "flashinfer-jit", out / "flashinfer-jit.log")
+    modules = cuda_toolchain.probe_flashinfer_jit(python, env, nvcc_version, *where)
+    log.step(
+        f"nightly: FlashInfer's JIT finds the lock's nvcc and ninja ({modules} module "
+        "build graphs), and a CUDA file compiles and links on this agent"
+    )
     *runs, killed = _runs(pins, python, tree_path, env, out)
     return conclude(kind, required, *runs, out, benchmark_killed=killed)
 
 
 def _runs(
     pins: Pins, python: Path, tree: Path, env: dict[str, str], out: Path
-) -> tuple[pytest_runner.Outcome, pytest_runner.Outcome, int, str]:
+) -> tuple[Outcome, Outcome, int, str]:
     """The runs' outcomes, the benchmark's exit status, why it was stopped (or "")."""
     forked, limits = ["--forked", "-v", "-rs", *PER_CASE_TIMEOUT], RUN_LIMITS_S
 
-    def run(where: Path, tests, xml: str, limit: str, **kw) -> pytest_runner.Outcome:
+    def run(where: Path, tests, xml: str, limit: str, **kw) -> Outcome:
         kw |= {"extra_env": env, "timeout_s": limits[limit]}
         return _run_or_note(python, where, [*forked, *tests], out / xml, **kw)
 
@@ -93,30 +100,20 @@ def _runs(
     return gpu_tests, serve, code, killed if stopped else ""
 
 
-def check_jit(python: Path, env: dict[str, str], nvcc_version: str, out: Path) -> None:
-    """FlashInfer's JIT toolchain on this agent, in seconds, before the tests."""
-    where = (out / "flashinfer-jit", out / "flashinfer-jit.log")
-    modules = cuda_toolchain.probe_flashinfer_jit(python, env, nvcc_version, *where)
-    log.step(
-        f"nightly: FlashInfer's JIT finds the lock's nvcc and ninja ({modules} module "
-        "build graphs), and a CUDA file compiles and links on this agent"
-    )
-
-
-def _run_or_note(*args, **kwargs) -> pytest_runner.Outcome:
+def _run_or_note(*args, **kwargs) -> Outcome:
     """run_pytest; a run pytest could not carry out becomes an outcome that says so."""
     try:
         return pytest_runner.run_pytest(*args, **kwargs)
     except ForkError as exc:
         log.step(f"nightly: {exc}")
-        return pytest_runner.Outcome({}, killed=f"could not run: {exc}")
+        return Outcome({}, killed=f"could not run: {exc}")
 
 
 def conclude(
     kind: GpuKind,
     required: tuple[str, ...],
-    gpu_tests: pytest_runner.Outcome,
-    serve: pytest_runner.Outcome,
+    gpu_tests: Outcome,
+    serve: Outcome,
     benchmark_exit: int,
     out: Path,
     *,
@@ -146,9 +143,7 @@ def conclude(
     line = f"summary: {passed} passed, {failed} failed, {skipped} skipped, "
     line += f"{xfailed} xfailed"
     if failed or not_run or killed:
-        for problem in (*killed, *not_run):
-            print(problem)
-        print(line)
+        print(*killed, *not_run, line, sep="\n")
         raise ForkError(
             f"the nightly GPU job failed on {kind.name}: {failed} failed (benchmark "
             f"exit {benchmark_exit}), {len(not_run)} required case(s) did not run, "

@@ -458,7 +458,7 @@ def fake_job(tmp_path, monkeypatch, fork_pins):
 
     installed = (venv / "bin" / "python", tmp_path / "tree", None)
     monkeypatch.setattr(nightly.install, "install", record("install", installed))
-    monkeypatch.setattr(nightly, "check_jit", record("jit"))
+    monkeypatch.setattr(cuda_toolchain, "probe_flashinfer_jit", record("jit", 4))
     runner = nightly.pytest_runner
     monkeypatch.setattr(runner, "run_pytest", record("pytest", Outcome({})))
     monkeypatch.setattr(runner, "run_limited", record("benchmark", (0, False)))
