@@ -42,9 +42,9 @@ def test_the_cuda_route_is_refused_at_once_without_a_driver(scratch, step):
     assert (venv / "marker").read_text() == "the working CPU venv"
 
 
-def _shared(out: Path, source: Path, *flags: str) -> None:
-    command = ["cc", "-shared", "-fPIC", "-o", str(out), str(source), *flags]
-    subprocess.run(command, check=True)
+def _shared(out: Path, source: str, *flags: str) -> None:
+    command = ["cc", "-shared", "-fPIC", "-x", "c", "-", "-o", str(out), *flags]
+    subprocess.run(command, input=source, text=True, check=True)
 
 
 def test_the_stub_defines_every_imported_driver_entry_point(tmp_path):
@@ -56,19 +56,14 @@ def test_the_stub_defines_every_imported_driver_entry_point(tmp_path):
     fake.mkdir()
     # A driver library to link against, and two extensions: one imports two entry
     # points (and a libc function, which is not the driver's), one none.
-    sources = {
-        "cuda.c": "int cuInit(void){return 0;}\nint cuMemMap(void){return 0;}\n",
-        "ext.c": "#include <string.h>\nint cuInit(void); int cuMemMap(void);\n"
-        "int use(const char *s){return cuInit() + cuMemMap() + (int)strlen(s);}\n",
-        "plain.c": "int plain(void){return 1;}\n",
-    }
-    for name, text in sources.items():
-        (tmp_path / name).write_text(text)
-    _shared(fake / "libcuda.so.1", tmp_path / "cuda.c", "-Wl,-soname,libcuda.so.1")
+    driver = "int cuInit(void){return 0;}\nint cuMemMap(void){return 0;}\n"
+    _shared(fake / "libcuda.so.1", driver, "-Wl,-soname,libcuda.so.1")
     (fake / "libcuda.so").symlink_to("libcuda.so.1")
     ext = tree / "vllm" / "sub" / "_ext.abi3.so"
-    _shared(ext, tmp_path / "ext.c", f"-L{fake}", "-lcuda")
-    _shared(tree / "vllm" / "_plain.abi3.so", tmp_path / "plain.c")
+    uses = "#include <string.h>\nint cuInit(void); int cuMemMap(void);\nint use(const "
+    uses += "char *s){return cuInit() + cuMemMap() + (int)strlen(s);}\n"
+    _shared(ext, uses, f"-L{fake}", "-lcuda")
+    _shared(tree / "vllm" / "_plain.abi3.so", "int plain(void){return 1;}\n")
 
     library, users, symbols = driver_stub.build(tree, tmp_path / "stub")
 
@@ -81,14 +76,12 @@ def test_the_stub_defines_every_imported_driver_entry_point(tmp_path):
         "print(ctypes.CDLL('libcuda.so.1').cuInit())"
     )
     bare = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
-
-    def load(env: dict) -> subprocess.CompletedProcess:
-        command = [sys.executable, "-c", probe, str(ext)]
-        return subprocess.run(command, capture_output=True, text=True, env=env)
-
-    loaded = load({**bare, "LD_LIBRARY_PATH": str(library.parent)})
+    command = [sys.executable, "-c", probe, str(ext)]
+    loaded, without = (
+        subprocess.run(command, capture_output=True, text=True, env=env)
+        for env in ({**bare, "LD_LIBRARY_PATH": str(library.parent)}, bare)
+    )
     assert loaded.stdout.strip() == str(driver_stub.CUDA_ERROR_NO_DEVICE), loaded.stderr
-    without = load(bare)
     assert without.returncode != 0 and "libcuda.so.1" in without.stderr
 
 
@@ -100,9 +93,8 @@ def test_the_stub_source_answers_no_device():
 
 def test_the_stub_comes_first_on_the_library_path(monkeypatch, tmp_path):
     monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/a:/opt/b")
-    assert (
-        cuda_route.stub_env(tmp_path)["LD_LIBRARY_PATH"] == f"{tmp_path}:/opt/a:/opt/b"
-    )
+    path = cuda_route.stub_env(tmp_path)["LD_LIBRARY_PATH"]
+    assert path == f"{tmp_path}:/opt/a:/opt/b"
     monkeypatch.delenv("LD_LIBRARY_PATH")
     assert cuda_route.stub_env(tmp_path)["LD_LIBRARY_PATH"] == str(tmp_path)
 

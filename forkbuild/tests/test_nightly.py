@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -149,26 +150,23 @@ def test_the_gpu_runs_get_the_locks_toolkit_and_ninja_first(tmp_path):
     assert cuda_toolchain.toolchain_env(venv, NVCC, {})["PATH"].count(os.pathsep) == 1
 
 
-def test_the_installed_toolchain_is_checked(tmp_path):
-    venv = _venv(tmp_path)
-    libcuda = _executable(tmp_path / "driver" / "libcuda.so.1", "")
-    cuda_toolchain.make_link_dir(venv, NVCC, libcuda)
-    env = cuda_toolchain.toolchain_env(venv, NVCC, {"PATH": ""})
-    links = cuda_toolchain.link_dir(venv)
-    assert cuda_toolchain.missing_tools(env, links) == []
-    cudart = Path(env["CUDA_HOME"]) / "lib" / "libcudart.so.13"
+def test_the_installed_toolchain_is_checked(tmp_path, monkeypatch):
+    venv, libcuda = _venv(tmp_path), _executable(tmp_path / "libcuda.so.1", "")
+    monkeypatch.setenv("PATH", "")
+    env = cuda_toolchain.prepare_toolchain(venv, NVCC, libcuda)
+    links, home = cuda_toolchain.link_dir(venv), Path(env["CUDA_HOME"])
+    cudart = home / "lib" / "libcudart.so.13"
     assert (links / "libcudart.so").resolve() == cudart.resolve()
     assert (links / "libcuda.so").resolve() == libcuda.resolve()
 
     (venv / "bin" / "ninja").unlink()
-    (Path(env["CUDA_HOME"]) / "bin" / "nvcc").chmod(0o644)
-    # the link now dangles
-    (Path(env["CUDA_HOME"]) / "lib" / "libcudart.so.13").unlink()
-    assert cuda_toolchain.missing_tools(env, links) == [
-        "ninja on PATH",
-        str(Path(env["CUDA_HOME"]) / "bin" / "nvcc"),
-        str(links / "libcudart.so"),
-    ]
+    (home / "bin" / "nvcc").chmod(0o644)
+    cudart.unlink()  # the link now dangles
+    missing = f"ninja on PATH, {home / 'bin' / 'nvcc'}, {links / 'libcudart.so'}"
+    with pytest.raises(
+        ForkError, match=f"incomplete, missing: {re.escape(missing)} -- "
+    ):
+        cuda_toolchain.prepare_toolchain(venv, NVCC, libcuda)
     with pytest.raises(ForkError, match=r"libcuda\.so\.1 is not in the dynamic linker"):
         cuda_toolchain.make_link_dir(venv, NVCC, None)
 
@@ -329,19 +327,31 @@ def _all_gone(tmp_path: Path) -> bool:
 
 @pytest.mark.parametrize("forked", [True, False], ids=["forked", "in-process"])
 def test_a_run_stopped_at_its_limit_reports_what_it_finished_and_where_it_hung(
-    tmp_path, forked
+    tmp_path, capsys, forked
 ):
     outcome, limit, took = _run_until_hung(tmp_path, forked)
     # Stopped by the limit, gracefully: not by the case's own 120 s, nor by SIGKILL.
     assert took < limit + pytest_runner.GRACE_S
     # SIGINT ended the session as Ctrl-C does: the JUnit XML of what finished was
     # written.
-    assert outcome.cases == {"test_cases.py::test_a_passes": "passed"}
-    assert outcome.killed == (
-        f"stopped after its time limit of {limit} s while running "
-        "test_cases.py::test_b_hangs"
-    )
+    passes, hangs = "test_cases.py::test_a_passes", "test_cases.py::test_b_hangs"
+    assert outcome.cases == {passes: "passed"}
+    stopped = f"stopped after its time limit of {limit} s while running {hangs}"
+    assert outcome.killed == stopped
     assert _all_gone(tmp_path)
+    # On to the job's end: the summary is written, and the required case that hung is
+    # named twice, as where the run was stopped and as a required case that did not run.
+    kind = GpuKind("Made-up", (8, 0), (passes, hangs))
+    with pytest.raises(ForkError, match=r"0 failed .*, 1 required case.*, 1 run\(s"):
+        nightly.conclude(kind, kind.cases, outcome, Outcome({}), 0, tmp_path)
+    summary = _summary(tmp_path)
+    assert summary["killed"] == [f"gpu-tests.xml: {stopped}"]
+    not_run = f"{hangs}: required but not run (not collected or not reported)"
+    assert summary["required_not_run"] == [not_run]
+    assert "killed: stopped after" in summary["gpu_tests"]
+    printed = capsys.readouterr().out
+    assert f"while running {hangs}" in printed
+    assert "summary: 1 passed, 0 failed, 0 skipped, 0 xfailed" in printed
 
 
 def test_what_ignores_the_graceful_stop_is_killed(tmp_path, monkeypatch):
@@ -349,26 +359,6 @@ def test_what_ignores_the_graceful_stop_is_killed(tmp_path, monkeypatch):
     outcome, _, _ = _run_until_hung(tmp_path, IGNORE_SIGINT="1")
     assert outcome.killed.endswith("while running test_cases.py::test_b_hangs")
     assert _all_gone(tmp_path)
-
-
-def test_a_killed_run_still_writes_the_summary_and_fails_the_job(tmp_path, capsys):
-    # The kill path end to end on CPU: the required case that hung is named twice, as
-    # where the run was stopped and as a required case that did not run.
-    outcome, limit, _ = _run_until_hung(tmp_path)
-    passes, hangs = "test_cases.py::test_a_passes", "test_cases.py::test_b_hangs"
-    kind = GpuKind("Made-up", (8, 0), (passes, hangs))
-    with pytest.raises(ForkError, match=r"0 failed .*, 1 required case.*, 1 run\(s"):
-        nightly.conclude(kind, kind.cases, outcome, Outcome({}), 0, tmp_path)
-    summary = _summary(tmp_path)
-    stopped = f"stopped after its time limit of {limit} s while running {hangs}"
-    assert summary["killed"] == [f"gpu-tests.xml: {stopped}"]
-    assert summary["required_not_run"] == [
-        f"{hangs}: required but not run (not collected or not reported)"
-    ]
-    assert "killed: stopped after" in summary["gpu_tests"]
-    printed = capsys.readouterr().out
-    assert f"while running {hangs}" in printed
-    assert "summary: 1 passed, 0 failed, 0 skipped, 0 xfailed" in printed
 
 
 def test_a_run_that_ends_in_time_is_unchanged(tmp_path):
