@@ -30,8 +30,7 @@ HOPPER = set(TABLE.kind("Hopper").required(1))
 (TP2,) = set(TABLE.kind("Hopper").required(2)) - HOPPER
 EVERY_CASE = TABLE.all_required()
 
-# `nvidia-smi --query-gpu=index,uuid,name,compute_cap,memory.total --format=csv`, made
-# up.
+# Made-up `nvidia-smi --query-gpu=index,uuid,name,compute_cap,memory.total --format=csv`
 HEADER = "index, uuid, name, compute_cap, memory.total [MiB]\n"
 H100 = ("NVIDIA H100 80GB HBM3", "9.0", "81559 MiB")
 H200 = ("NVIDIA H200", "9.0", "143771 MiB")
@@ -74,18 +73,6 @@ def test_required_cases_per_kind_and_gpu_count(gpus, kind, required):
     assert set(cases) == required and len(cases) == len(required)
 
 
-def test_older_gpus_and_unreadable_nvidia_smi_are_refused():
-    with pytest.raises(ForkError, match=r"capability 7\.5 is older than Ampere"):
-        _select(_csv(T4))
-    unreadable = "did not report the GPUs' index, uuid and compute cap"
-    with pytest.raises(ForkError, match=unreadable):
-        _select("Failed to initialize NVML: Driver/library mismatch\n")
-    with pytest.raises(ForkError, match=unreadable):  # the old query
-        _select("name, compute_cap, memory.total [MiB]\nNVIDIA A10, 8.6, 1 MiB\n")
-    with pytest.raises(ForkError, match="listed no GPU"):
-        _select(HEADER)
-
-
 @pytest.mark.parametrize(
     ("visible", "gpu_count"),
     [
@@ -117,37 +104,40 @@ def test_cuda_visible_devices_picks_the_gpus_whose_kind_counts():
     assert _select(gpus, uuid(0))[0].name == "Ampere"
 
 
-# Empty, an unknown index, a negative one, repeated; an ambiguous, unknown or repeated
-# UUID (prefix).
+UNREADABLE = "did not report the GPUs' index, uuid and compute cap"
+OLD_QUERY = "name, compute_cap, memory.total [MiB]\nNVIDIA A10, 8.6, 1 MiB\n"
+# CUDA_VISIBLE_DEVICES empty, an unknown index, a negative one, repeated; an ambiguous,
+# unknown or repeated UUID (prefix).
 HIDING = ["", "7", "-1", "0,0", "GPU-", "GPU-ffff"]
 HIDING += ["GPU-1a5e1c1f-0b0e,GPU-1a5e1c1f-0b0e"]
 
 
-@pytest.mark.parametrize("visible", HIDING)
-def test_cuda_visible_devices_that_hides_every_gpu_is_refused(visible):
-    with pytest.raises(ForkError, match=r"leaves none of the 2 GPU\(s\)"):
-        gpu_required.parse_nvidia_smi(_csv(H100, H100), visible)
-
-
-def test_mig_instances_are_refused():
-    with pytest.raises(ForkError, match="MIG instances: the nightly GPU job needs wh"):
-        _select(_csv(H100), "MIG-4b0c2c7e-2b0f-5a59-8e2c-1d8f3b0c9a11")
-
-
-def _outcomes(statuses: dict[str, str], reasons: dict[str, str] | None = None):
-    """The two pytest runs of the nightly job: GPU tests in the tree, the serve test."""
-    runs = [
-        {n: s for n, s in statuses.items() if (n == SERVE) == serve} for serve in (0, 1)
-    ]
-    return [
-        Outcome(run, {n: r for n, r in (reasons or {}).items() if n in run})
-        for run in runs
-    ]
+@pytest.mark.parametrize(
+    ("csv", "visible", "match"),
+    [
+        (_csv(T4), None, r"capability 7\.5 is older than Ampere"),
+        ("Failed to initialize NVML: Driver/library mismatch\n", None, UNREADABLE),
+        (OLD_QUERY, None, UNREADABLE),
+        (HEADER, None, "listed no GPU"),
+        (_csv(H100), "MIG-4b0c2c7e", "MIG instances: the nightly GPU job needs wh"),
+        *((_csv(H100, H100), v, r"leaves none of the 2 GPU\(s\)") for v in HIDING),
+    ],
+)
+def test_old_gpus_a_bad_nvidia_smi_and_hidden_gpus_are_refused(csv, visible, match):
+    with pytest.raises(ForkError, match=match):
+        _select(csv, visible)
 
 
 def _conclude(gpus, statuses, reasons=None, *, out, benchmark_exit: int = 0) -> str:
+    """nightly.conclude with STATUSES split into the job's two pytest runs: the GPU
+    tests in the tree, the serve test."""
     kind, required = _select(_csv(*gpus))
-    gpu_tests, serve = _outcomes(statuses, reasons)
+    in_tree = {n: s for n, s in statuses.items() if n != SERVE}
+    runs = (in_tree, {n: s for n, s in statuses.items() if n == SERVE})
+    gpu_tests, serve = (
+        Outcome(run, {n: r for n, r in (reasons or {}).items() if n in run})
+        for run in runs
+    )
     return nightly.conclude(kind, required, gpu_tests, serve, benchmark_exit, out)
 
 
