@@ -11,6 +11,8 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
+from packaging.version import Version
+
 from forkbuild.core import log
 from forkbuild.core.errors import ForkError
 from forkbuild.core.pins import REPO_ROOT
@@ -38,25 +40,21 @@ def check_lock_pins(lock_file: Path) -> str:
             "`make lock`",
         )
     nvcc, runtime = pinned["nvidia-cuda-nvcc"], pinned["nvidia-cuda-runtime"]
+    cuda = Version(runtime).release[:2]
     # FlashInfer's CCCL (cuda/std/__cccl/cuda_toolkit.h) stops every JIT build whose
     # nvcc is not of the CUDA major.minor of the toolkit headers (cuda_runtime_api.h,
     # from nvidia-cuda-runtime, which torch pins): "CUDA compiler and CUDA toolkit
     # headers are incompatible".
-    if _major_minor(nvcc) != _major_minor(runtime):
+    if Version(nvcc).release[:2] != cuda:
         raise ForkError(
             f"{lock_file.name} pins nvidia-cuda-nvcc {nvcc} but nvidia-cuda-runtime "
             f"{runtime}: FlashInfer's JIT builds refuse an nvcc of another CUDA "
             "version than the headers",
             f"pin nvidia-cuda-nvcc, nvidia-nvvm and nvidia-cuda-crt of CUDA "
-            f"{'.'.join(_major_minor(runtime))} in fork.toml [routes.cuda] and run "
+            f"{'.'.join(map(str, cuda))} in fork.toml [routes.cuda] and run "
             "`make lock`",
         )
     return nvcc
-
-
-def _major_minor(version: str) -> tuple[str, str]:
-    major, minor, *_ = version.split(".") + ["0"]
-    return major, minor
 
 
 def _resolves(command: str | None, path: str) -> bool:
