@@ -137,46 +137,35 @@ def _ldconfig_cache() -> str:
     return done.stdout if done else ""
 
 
-def make_link_dir(venv: Path, nvcc_version: str, libcuda: Path | None) -> None:
-    """link_dir(VENV) afresh, libcuda.so to LIBCUDA (None: not found)."""
-    if libcuda is None:
+def prepare_toolchain(
+    venv: Path, nvcc_version: str, libcuda: Path | None = None
+) -> dict[str, str]:
+    """After the install: link_dir(VENV) afresh, libcuda.so to LIBCUDA (else the
+    driver's), and toolchain_env once all resolve there."""
+    if (libcuda := libcuda or driver_libcuda(_ldconfig_cache())) is None:
         raise ForkError(
             "the driver's libcuda.so.1 is not in the dynamic linker's cache (ldconfig "
             "-p): Triton and FlashInfer link their kernels' modules against it",
             "install the NVIDIA driver's libraries on the agent (or run ldconfig)",
         )
-    links = link_dir(venv)
+    links, home = link_dir(venv), cuda_home(venv, nvcc_version)
     shutil.rmtree(links, ignore_errors=True)
     links.mkdir(parents=True)
     cudart = f"libcudart.so.{nvcc_version.split('.')[0]}"
-    (links / "libcudart.so").symlink_to(cuda_home(venv, nvcc_version) / "lib" / cudart)
+    (links / "libcudart.so").symlink_to(home / "lib" / cudart)
     (links / "libcuda.so").symlink_to(libcuda)
-
-
-def missing_tools(env: Mapping[str, str], links: Path) -> list[str]:
-    """What ENV (toolchain_env) and LINKS (link_dir) lack."""
-    home = Path(env["CUDA_HOME"])
-    missing = [] if shutil.which("ninja", path=env["PATH"]) else ["ninja on PATH"]
-    tools = (home / "bin" / "nvcc", home / "nvvm" / "bin" / "cicc")
-    missing += [str(tool) for tool in tools if not os.access(tool, os.X_OK)]
-    # exists() is False for a dangling link
-    links = (links / "libcudart.so", links / "libcuda.so")
-    return missing + [str(link) for link in links if not link.exists()]
-
-
-def prepare_toolchain(
-    venv: Path, nvcc_version: str, libcuda: Path | None = None
-) -> dict[str, str]:
-    """After the install: the link names (libcuda.so to LIBCUDA, else the driver's), and
-    toolchain_env once all resolve there."""
-    make_link_dir(venv, nvcc_version, libcuda or driver_libcuda(_ldconfig_cache()))
     env = toolchain_env(venv, nvcc_version)
     if os.environ.get("CUDA_HOME", env["CUDA_HOME"]) != env["CUDA_HOME"]:
         log.step(
             f"CUDA_HOME={env['CUDA_HOME']} (the lock's) instead of the agent's "
             f"{os.environ['CUDA_HOME']}"
         )
-    if missing := missing_tools(env, link_dir(venv)):
+    missing = [] if shutil.which("ninja", path=env["PATH"]) else ["ninja on PATH"]
+    tools = (home / "bin" / "nvcc", home / "nvvm" / "bin" / "cicc")
+    missing += [str(tool) for tool in tools if not os.access(tool, os.X_OK)]
+    # exists() is False for a dangling link
+    missing += [str(link) for link in sorted(links.iterdir()) if not link.exists()]
+    if missing:
         raise ForkError(
             f"the CUDA toolchain installed in {venv} is incomplete, missing: "
             f"{', '.join(missing)}",

@@ -83,8 +83,14 @@ def _runs(
     forked, limits = ["--forked", "-v", "-rs", *PER_CASE_TIMEOUT], RUN_LIMITS_S
 
     def run(where: Path, tests, xml: str, limit: str, **kw) -> Outcome:
+        """A run pytest could not carry out becomes an outcome that says so."""
         kw |= {"extra_env": env, "timeout_s": limits[limit]}
-        return _run_or_note(python, where, [*forked, *tests], out / xml, **kw)
+        args = [*forked, *tests]
+        try:
+            return pytest_runner.run_pytest(python, where, args, out / xml, **kw)
+        except ForkError as exc:
+            log.step(f"nightly: {exc}")
+            return Outcome({}, killed=f"could not run: {exc}")
 
     gpu_tests = run(tree, pins.gpu_tests, "gpu-tests.xml", "gpu-tests")
     serve_test = ["forkbuild/tests/test_serve_gpu.py"]
@@ -98,15 +104,6 @@ def _runs(
     )
     killed = f"stopped after its time limit of {limits['benchmark']} s"
     return gpu_tests, serve, code, killed if stopped else ""
-
-
-def _run_or_note(*args, **kwargs) -> Outcome:
-    """run_pytest; a run pytest could not carry out becomes an outcome that says so."""
-    try:
-        return pytest_runner.run_pytest(*args, **kwargs)
-    except ForkError as exc:
-        log.step(f"nightly: {exc}")
-        return Outcome({}, killed=f"could not run: {exc}")
 
 
 def conclude(

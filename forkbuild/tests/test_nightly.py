@@ -167,8 +167,9 @@ def test_the_installed_toolchain_is_checked(tmp_path, monkeypatch):
         ForkError, match=f"incomplete, missing: {re.escape(missing)} -- "
     ):
         cuda_toolchain.prepare_toolchain(venv, NVCC, libcuda)
+    monkeypatch.setattr(cuda_toolchain, "_ldconfig_cache", lambda: "")
     with pytest.raises(ForkError, match=r"libcuda\.so\.1 is not in the dynamic linker"):
-        cuda_toolchain.make_link_dir(venv, NVCC, None)
+        cuda_toolchain.prepare_toolchain(venv, NVCC)
 
 
 def test_the_drivers_libcuda_is_read_from_ldconfig():
@@ -233,7 +234,7 @@ def test_flashinfers_link_step_finds_the_libraries_through_the_link_names(tmp_pa
         failed = subprocess.run(link, env=bare, capture_output=True, text=True)
         assert failed.returncode != 0 and "-lcudart" in failed.stderr
 
-    cuda_toolchain.make_link_dir(venv, NVCC, libcuda)
+    cuda_toolchain.prepare_toolchain(venv, NVCC, libcuda)
     env = {**bare, **cuda_toolchain.toolchain_env(venv, NVCC, bare)}
     subprocess.run(link, env=env, check=True)
     needed = lib.read_bytes()
