@@ -19,9 +19,8 @@ from forkbuild.core.pins import REPO_ROOT
 from forkbuild.setup import install, lock
 
 # What the GPU runs need from the CUDA lock: FlashInfer 0.6.13 JIT-compiles its paged
-# prefill and decode modules with nvcc (nvidia-cuda-nvcc, its cicc in nvidia-nvvm, the
-# headers of nvidia-cuda-crt and nvidia-cuda-runtime) and a bare `ninja` from PATH, and
-# links them against libcudart; pytest-timeout gives PER_CASE_TIMEOUT.
+# prefill and decode modules with nvcc (its cicc in nvidia-nvvm, headers in -crt and
+# -runtime) and `ninja` from PATH; pytest-timeout gives PER_CASE_TIMEOUT.
 LOCK_PINS = ("ninja", "nvidia-cuda-nvcc", "nvidia-nvvm", "nvidia-cuda-crt")
 LOCK_PINS += ("nvidia-cuda-runtime", "pytest-timeout")
 
@@ -42,9 +41,8 @@ def check_lock_pins(lock_file: Path) -> str:
     nvcc, runtime = pinned["nvidia-cuda-nvcc"], pinned["nvidia-cuda-runtime"]
     cuda = Version(runtime).release[:2]
     # FlashInfer's CCCL (cuda/std/__cccl/cuda_toolkit.h) stops every JIT build whose
-    # nvcc is not of the CUDA major.minor of the toolkit headers (cuda_runtime_api.h,
-    # from nvidia-cuda-runtime, which torch pins): "CUDA compiler and CUDA toolkit
-    # headers are incompatible".
+    # nvcc is not of the CUDA major.minor of nvidia-cuda-runtime's headers (torch pins
+    # it): "CUDA compiler and CUDA toolkit headers are incompatible".
     if Version(nvcc).release[:2] != cuda:
         raise ForkError(
             f"{lock_file.name} pins nvidia-cuda-nvcc {nvcc} but nvidia-cuda-runtime "

@@ -119,8 +119,7 @@ def test_the_schema_refuses_a_broken_ci_pipeline():
     # The same check on a step with a misspelt key and a timeout that is no number.
     first = _command_steps(CI)[0]
     step = dict(first, artifacts_paths=["build/test-results/*.xml"])
-    errors = _errors(step, "commandStep")
-    assert any("Additional properties" in e for e in errors)
+    assert any("Additional properties" in e for e in _errors(step, "commandStep"))
     step = dict(first, timeout_in_minutes="forty-five")
     assert _errors(step, "commandStep") != []
     assert _errors({**CI, "steps": [step]}) != []
@@ -154,9 +153,7 @@ def test_the_ci_keeps_the_download_cache_where_forkbuild_reads_it(monkeypatch):
 
 def test_the_ci_uploads_every_junit_report_of_make_test(monkeypatch):
     monkeypatch.delenv("VLLM_FORK_BUILD", raising=False)
-    results = PurePosixPath(
-        (pins.build_dir() / "test-results").relative_to(REPO_ROOT).as_posix()
-    )
+    results = PurePosixPath(pins.build_dir().relative_to(REPO_ROOT), "test-results")
     (step,) = _command_steps(CI)
     patterns = step["artifact_paths"]
     assert all(PurePosixPath(p).parent == results for p in patterns), patterns

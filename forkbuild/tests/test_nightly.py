@@ -208,9 +208,8 @@ def _compile(language: str, source: str, *args: str | Path) -> None:
 def test_flashinfers_link_step_finds_the_libraries_through_the_link_names(tmp_path):
     # FlashInfer 0.6.13's ninja rule (flashinfer/jit/cpp_ext.py) links each JIT module
     # with `$cxx $in -shared -L$cuda_home/lib64 -L$cuda_home/lib64/stubs -lcudart
-    # -lcuda`. The wheels have lib/ and only libcudart.so.13, so it fails; with
-    # toolchain_env it links, and the module needs the soname torch loads. Stand-in
-    # libraries here.
+    # -lcuda`; the wheels have lib/ and only libcudart.so.13, so it fails; with
+    # toolchain_env it links, needing the sonames torch loads (stand-in libraries here).
     venv = _venv(tmp_path)
     home = install.site_packages(venv) / "nvidia" / "cu13"
     libcuda, obj, lib = (tmp_path / name for name in ("libcuda.so.1", "m.o", "m.so"))
@@ -269,9 +268,8 @@ def test_a_passes():
     pass
 
 def test_b_hangs():
-    # Something the case started, in a session of its own as the serve test's servers
-    # are: it must not outlive the run. IGNORE_SIGINT makes the case deaf to the
-    # graceful stop, so that only the SIGKILL ends it.
+    # Started in a session of its own as the serve test's servers are, it must not
+    # outlive the run. IGNORE_SIGINT: deaf to the graceful stop, only SIGKILL ends it.
     server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
                               start_new_session=True)
     with open(os.environ["PIDS"], "w") as pids:
@@ -299,9 +297,8 @@ def _gone(pid: int, within_s: float = 10) -> bool:
     return False
 
 
-# The limits of a run that must stop in test_b_hangs, shortest first and doubling: a
-# loaded machine may not reach it in 2 s, and a run stopped before it shows nothing of
-# the order. Each try costs its limit, so small steps keep a loaded run short.
+# Limits for a run that must stop in test_b_hangs, doubling: a loaded machine may not
+# reach it in 2 s, and each try costs its limit, so small steps keep a loaded run short.
 LIMITS_S = (2, 4, 8, 30)
 
 
@@ -333,8 +330,7 @@ def test_a_run_stopped_at_its_limit_reports_what_it_finished_and_where_it_hung(
     outcome, limit, took = _run_until_hung(tmp_path, forked)
     # Stopped by the limit, gracefully: not by the case's own 120 s, nor by SIGKILL.
     assert took < limit + pytest_runner.GRACE_S
-    # SIGINT ended the session as Ctrl-C does: the JUnit XML of what finished was
-    # written.
+    # SIGINT ended the session as Ctrl-C does: what finished is in the JUnit XML.
     passes, hangs = "test_cases.py::test_a_passes", "test_cases.py::test_b_hangs"
     assert outcome.cases == {passes: "passed"}
     stopped = f"stopped after its time limit of {limit} s while running {hangs}"
@@ -371,8 +367,7 @@ def test_a_run_that_ends_in_time_is_unchanged(tmp_path):
 
 
 def test_a_benchmark_stopped_at_its_limit_fails_the_job(tmp_path, monkeypatch):
-    # A short grace: started with SIGINT ignored (a shell's background job), the sleep
-    # is only ended by the SIGKILL.
+    # Started with SIGINT ignored (a shell's background job): only SIGKILL ends it.
     monkeypatch.setattr(pytest_runner, "GRACE_S", 1)
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
     code, stopped = pytest_runner.run_limited(
@@ -413,8 +408,8 @@ def test_a_hung_forked_case_fails_alone_and_what_it_started_is_ended(tmp_path):
     args = ["--forked", *nightly.PER_CASE_TIMEOUT, "--timeout=2", "test_cases.py"]
     junit = tmp_path / "junit.xml"
     outcome = pytest_runner.run_pytest(PYTHON, project, args, junit, timeout_s=300)
-    # pytest-forked reports a child that exited as a crash outside the call phase, which
-    # JUnit files as an error; the nightly counts errors as failures.
+    # pytest-forked reports the child's exit as a crash outside the call phase, which
+    # JUnit files as an error (the nightly counts errors as failures).
     hangs, after = "test_starts_an_engine_and_hangs", "test_next_case_finds_it_gone"
     cases = {f"test_cases.py::{hangs}": "error", f"test_cases.py::{after}": "passed"}
     assert outcome == Outcome(cases)
