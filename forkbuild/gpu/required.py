@@ -35,18 +35,17 @@ class Gpu:
 
 def parse_gpus(csv_text: str) -> list[Gpu]:
     """Every GPU of `nvidia-smi --query-gpu=NVIDIA_SMI_QUERY --format=csv`."""
-    rows = list(csv.reader(io.StringIO(csv_text), skipinitialspace=True))
-    header = [name.strip() for name in rows[0]] if rows else []
-    if not {"index", "uuid", "compute_cap"} <= set(header):
+    reader = csv.DictReader(io.StringIO(csv_text), skipinitialspace=True)
+    if not {"index", "uuid", "compute_cap"} <= set(reader.fieldnames or ()):
         raise ForkError(
             "nvidia-smi did not report the GPUs' index, uuid and compute capabilities: "
             f"{csv_text.strip()!r}",
             f"check the driver with `nvidia-smi --query-gpu={NVIDIA_SMI_QUERY} "
             "--format=csv`",
         )
-    gpus = [dict(zip(header, (cell.strip() for cell in row))) for row in rows[1:]]
     return [
-        Gpu(int(g["index"]), g["uuid"], capability(g["compute_cap"])) for g in gpus if g
+        Gpu(int(g["index"]), g["uuid"].strip(), capability(g["compute_cap"].strip()))
+        for g in reader
     ]
 
 
