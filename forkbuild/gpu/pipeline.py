@@ -27,24 +27,21 @@ def _short(node: str) -> str:
 
 def steps(table: GpuTable) -> list[dict]:
     """One step per agent queue, newest kind first, its reports from its own folder."""
-    found = []
-    for kind in reversed(table.kinds):
-        for queue, count in kind.queues:
-            out = f"{OUT_ROOT}/{queue}"
-            found.append(
-                {
-                    "label": f"#47054 nightly, {kind.name} ({_gpus(count)}: "
-                    f"{len(kind.required(count))} required cases)",
-                    "key": f"nightly-{queue}",
-                    "agents": {"queue": queue},
-                    "command": COMMAND,
-                    "env": {"FORK_NIGHTLY_OUT": out},
-                    "timeout_in_minutes": nightly.STEP_LIMIT_MIN,
-                    "retry": {"automatic": [{"exit_status": -1, "limit": 1}]},
-                    "artifact_paths": [f"{out}/{pattern}" for pattern in REPORTS],
-                }
-            )
-    return found
+    return [
+        {
+            "label": f"#47054 nightly, {kind.name} ({_gpus(count)}: "
+            f"{len(kind.required(count))} required cases)",
+            "key": f"nightly-{queue}",
+            "agents": {"queue": queue},
+            "command": COMMAND,
+            "env": {"FORK_NIGHTLY_OUT": f"{OUT_ROOT}/{queue}"},
+            "timeout_in_minutes": nightly.STEP_LIMIT_MIN,
+            "retry": {"automatic": [{"exit_status": -1, "limit": 1}]},
+            "artifact_paths": [f"{OUT_ROOT}/{queue}/{p}" for p in REPORTS],
+        }
+        for kind in reversed(table.kinds)
+        for queue, count in kind.queues
+    ]
 
 
 def steps_yaml(table: GpuTable) -> str:
