@@ -1,6 +1,7 @@
-"""The nightly GPU job's toolchain and time limits, on CPU: lock pins and host compilers
-before the install, the GPU runs' environment, and runs stopped at their limit that
-still leave a summary. Fake venvs and PATHs; the limited runs are tiny projects."""
+"""The nightly GPU job on CPU, in this order: lock pins and host compilers before the
+install, the GPU runs' environment after it, runs stopped at their limit that still
+leave a summary, and the job's order with the GPU, the install and the runs faked. Fake
+venvs and PATHs; the limited runs are tiny projects."""
 
 from __future__ import annotations
 
@@ -44,9 +45,6 @@ def _bin(tmp_path: Path, *names: str) -> str:
     for name in names:
         _executable(folder / name)
     return str(folder)
-
-
-# --- before the install: the lock's pins and the host compilers ---------------------
 
 
 def _lock(tmp_path: Path, names: list[str], runtime: str = "13.2.51") -> Path:
@@ -118,9 +116,6 @@ def test_the_toolchain_check_names_what_is_missing_before_the_install(tmp_path):
     assert cuda_toolchain.check_gpu_toolchain(lock_file, env) == NVCC
     with pytest.raises(ForkError, match="does not pin nvidia-cuda-nvcc"):
         cuda_toolchain.check_gpu_toolchain(_lock(tmp_path, ["ninja"]), env)
-
-
-# --- after the install: the toolchain's environment --------------------------------
 
 
 def _venv(tmp_path: Path) -> tuple[Path, Path]:
@@ -236,9 +231,6 @@ def test_flashinfers_link_step_finds_the_libraries_through_the_link_names(tmp_pa
     subprocess.run(link, env=env, check=True)
     needed = lib.read_bytes()
     assert b"libcudart.so.13" in needed and b"libcuda.so.1" in needed
-
-
-# --- time limits -------------------------------------------------------------------
 
 
 def test_the_limits_end_the_job_before_buildkite_does():
@@ -404,9 +396,6 @@ def test_a_hung_forked_case_fails_alone_and_what_it_started_is_ended(tmp_path):
     hangs, after = "test_starts_an_engine_and_hangs", "test_next_case_finds_it_gone"
     cases = {f"test_cases.py::{hangs}": "error", f"test_cases.py::{after}": "passed"}
     assert outcome == Outcome(cases)
-
-
-# --- the job's order, with the GPU, the install and the runs faked --------------------
 
 
 @pytest.fixture
