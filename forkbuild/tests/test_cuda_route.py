@@ -109,16 +109,14 @@ def _collected(reason: str = "needs an NVIDIA GPU: runs vLLM's CUDA kernels", dr
 
 
 NOT_SKIPPED = Outcome(_collected().cases | {REQUIRED[0]: "error"}, _collected().reasons)
+NO_IMPORT = "could not import 'flashinfer': No module named 'flashinfer'"
 
 
 @pytest.mark.parametrize(
     ("collected", "match"),
     [
         (_collected(), None),  # every GPU case skipped for lack of a device
-        (
-            _collected("could not import 'flashinfer': No module named 'flashinfer'"),
-            "another reason than the missing GPU",
-        ),
+        (_collected(NO_IMPORT), "another reason than the missing GPU"),
         (NOT_SKIPPED, "did not all skip"),
         (_collected(drop=REQUIRED[0]), "not collected"),  # a required case
     ],

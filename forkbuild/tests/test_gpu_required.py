@@ -55,20 +55,25 @@ def _csv(*gpus: tuple[str, str, str]) -> str:
 
 
 @pytest.mark.parametrize(
-    ("gpus", "kind", "required"),
+    ("gpus", "visible", "kind", "required"),
     [
-        ((A100,), "Ampere", AMPERE),
-        ((A10,), "Ampere", AMPERE),
-        ((A100, A100), "Ampere", AMPERE),  # TP=2 is a FLASH_ATTN case: FA3, Hopper only
-        ((H100,), "Hopper", HOPPER),
-        ((H200,), "Hopper", HOPPER),
-        ((H100, H100), "Hopper", HOPPER | {TP2}),
-        ((H100, A100), "Ampere", AMPERE),  # mixed: the weakest GPU decides
+        ((A100,), None, "Ampere", AMPERE),
+        ((A10,), None, "Ampere", AMPERE),
+        # TP=2 is a FLASH_ATTN case: FA3, Hopper only
+        ((A100, A100), None, "Ampere", AMPERE),
+        ((H100,), None, "Hopper", HOPPER),
+        ((H200,), None, "Hopper", HOPPER),
+        ((H100, H100), None, "Hopper", HOPPER | {TP2}),
+        ((H100, A100), None, "Ampere", AMPERE),  # mixed: the weakest GPU decides
+        # A100 at index 0, H100 at 1: the agent that sees only the H100 is a Hopper one.
+        ((A100, H100), "1", "Hopper", HOPPER),
+        ((A100, H100), uuid(0), "Ampere", AMPERE),
     ],
-    ids=["A100", "A10", "2xA100", "H100", "H200", "2xH100", "H100+A100"],
+    ids=["A100", "A10", "2xA100", "H100", "H200", "2xH100", "H100+A100"]
+    + ["A100+H100-sees-H100", "A100+H100-sees-A100"],
 )
-def test_required_cases_per_kind_and_gpu_count(gpus, kind, required):
-    selected, cases = _select(_csv(*gpus))
+def test_required_cases_per_kind_and_gpu_count(gpus, visible, kind, required):
+    selected, cases = _select(_csv(*gpus), visible)
     assert selected.name == kind
     assert set(cases) == required and len(cases) == len(required)
 
@@ -95,13 +100,6 @@ def test_cuda_visible_devices_decides_the_gpu_count(visible, gpu_count):
     assert capabilities == [(9, 0)] * gpu_count
     kind, cases = gpu_required.select(capabilities)
     assert kind.name == "Hopper" and (TP2 in cases) == (gpu_count == 2)
-
-
-def test_cuda_visible_devices_picks_the_gpus_whose_kind_counts():
-    # A100 at index 0, H100 at 1: the agent that sees only the H100 is a Hopper agent.
-    gpus = _csv(A100, H100)
-    assert _select(gpus, "1")[0].name == "Hopper"
-    assert _select(gpus, uuid(0))[0].name == "Ampere"
 
 
 UNREADABLE = "did not report the GPUs' index, uuid and compute cap"
@@ -166,9 +164,8 @@ def test_a_skipped_required_case_fails_the_job_with_its_reason(tmp_path, capsys)
     statuses = {case: "passed" for case in EVERY_CASE} | {FA3: "skipped"}
     statuses |= {case: "skipped" for case in flash}
     reasons = {FA3: fa3_reason} | {case: sinks_reason for case in flash}
-    with pytest.raises(
-        ForkError, match=f"on Hopper: 0 failed .*, {len(flash | {FA3})} required case"
-    ):
+    match = f"on Hopper: 0 failed .*, {len(flash | {FA3})} required case"
+    with pytest.raises(ForkError, match=match):
         _conclude((H100, H100), statuses, reasons, out=tmp_path)
     printed = capsys.readouterr().out
     assert f"{FA3}: required but skipped: {fa3_reason}" in printed
@@ -199,9 +196,8 @@ def test_every_required_case_must_be_collected_on_cpu():
     # What testrun checks after collecting the GPU cases (and the tool tests) on CPU.
     gpu_required.check_collected(EVERY_CASE | {f"{ENGINE}[some-new-case]"})
     renamed = (EVERY_CASE - {TP2}) | {f"{ENGINE}[FLASH_ATTN-v1-tp2-renamed]"}
-    with pytest.raises(
-        ForkError, match=r"1 node id.* not collected: .*FLASH_ATTN-v1-tp2\]"
-    ):
+    match = r"1 node id.* not collected: .*FLASH_ATTN-v1-tp2\]"
+    with pytest.raises(ForkError, match=match):
         gpu_required.check_collected(renamed)
 
 
