@@ -129,37 +129,31 @@ def _venv(tmp_path: Path) -> tuple[Path, Path]:
     return venv, toolkit
 
 
-def test_the_gpu_runs_get_the_locks_toolkit_and_ninja_first(tmp_path):
-    venv, toolkit = _venv(tmp_path)
-    agent = {"PATH": "/usr/local/bin:/usr/bin", "CUDA_HOME": "/usr/local/cuda-12.4"}
-    agent["LIBRARY_PATH"] = "/opt/lib"
-    env = cuda_toolchain.toolchain_env(venv, NVCC, agent)
+def test_the_gpu_runs_get_the_locks_toolkit_first_once_it_is_checked(
+    tmp_path, monkeypatch
+):
+    (venv, toolkit), libcuda = _venv(tmp_path), _executable(tmp_path / "libcuda.so.1")
+    monkeypatch.setenv("PATH", "/opt/agent/bin:/opt/more/bin")  # no ninja there
+    monkeypatch.setenv("CUDA_HOME", "/usr/local/cuda-12.4")
+    monkeypatch.setenv("LIBRARY_PATH", "/opt/lib")
+    env = cuda_toolchain.prepare_toolchain(venv, NVCC, libcuda)
     # The lock's toolkit, not the agent's: the nightly tests the CUDA the lock pins.
     assert env["CUDA_HOME"] == str(toolkit)
-    path = [str(venv / "bin"), str(toolkit / "bin"), "/usr/local/bin", "/usr/bin"]
+    path = [str(venv / "bin"), str(toolkit / "bin"), "/opt/agent/bin", "/opt/more/bin"]
     assert env["PATH"].split(os.pathsep) == path
     assert shutil.which("ninja", path=env["PATH"]) == str(venv / "bin" / "ninja")
-    links = str(cuda_toolchain.link_dir(venv))
-    assert env["LIBRARY_PATH"].split(os.pathsep) == [links, "/opt/lib"]
+    links = cuda_toolchain.link_dir(venv)
+    assert env["LIBRARY_PATH"].split(os.pathsep) == [str(links), "/opt/lib"]
     assert cuda_toolchain.toolchain_env(venv, NVCC, {})["PATH"].count(os.pathsep) == 1
-
-
-def test_the_installed_toolchain_is_checked(tmp_path, monkeypatch):
-    (venv, _), libcuda = _venv(tmp_path), _executable(tmp_path / "libcuda.so.1", "")
-    monkeypatch.setenv("PATH", "")
-    env = cuda_toolchain.prepare_toolchain(venv, NVCC, libcuda)
-    links, home = cuda_toolchain.link_dir(venv), Path(env["CUDA_HOME"])
-    cudart = home / "lib" / "libcudart.so.13"
+    cudart = toolkit / "lib" / "libcudart.so.13"
     assert (links / "libcudart.so").resolve() == cudart.resolve()
     assert (links / "libcuda.so").resolve() == libcuda.resolve()
 
     (venv / "bin" / "ninja").unlink()
-    (home / "bin" / "nvcc").chmod(0o644)
+    (toolkit / "bin" / "nvcc").chmod(0o644)
     cudart.unlink()  # the link now dangles
-    missing = f"ninja on PATH, {home / 'bin' / 'nvcc'}, {links / 'libcudart.so'}"
-    with pytest.raises(
-        ForkError, match=f"incomplete, missing: {re.escape(missing)} -- "
-    ):
+    missing = f"ninja on PATH, {toolkit / 'bin/nvcc'}, {links / 'libcudart.so'} -- "
+    with pytest.raises(ForkError, match=f"incomplete, missing: {re.escape(missing)}"):
         cuda_toolchain.prepare_toolchain(venv, NVCC, libcuda)
     monkeypatch.setattr(cuda_toolchain, "_ldconfig_cache", lambda: "")
     with pytest.raises(ForkError, match=r"libcuda\.so\.1 is not in the dynamic linker"):
