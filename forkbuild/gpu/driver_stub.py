@@ -17,7 +17,7 @@ CUDA_ERROR_NO_DEVICE = 100
 DRIVER_SYMBOL = re.compile(r"cu[A-Z][A-Za-z0-9_]*")
 
 
-def _dynamic(path: Path) -> tuple[list[str], list[str]]:
+def needed_and_imported(path: Path) -> tuple[list[str], list[str]]:
     """The sonames (DT_NEEDED) of the ELF shared object PATH, and the driver entry
     points it imports."""
     from elftools.elf.elffile import ELFFile  # the CUDA venv's pyelftools
@@ -36,16 +36,6 @@ def _dynamic(path: Path) -> tuple[list[str], list[str]]:
             if sym["st_shndx"] == "SHN_UNDEF" and DRIVER_SYMBOL.fullmatch(sym.name)
         ]
     return needed, imported
-
-
-def needed_libraries(path: Path) -> list[str]:
-    return _dynamic(path)[0]
-
-
-def needs_driver(path: Path) -> list[str] | None:
-    """The driver entry points PATH imports; None when it does not link the driver."""
-    needed, imported = _dynamic(path)
-    return sorted(imported) if SONAME in needed else None
 
 
 def c_source(symbols: list[str]) -> str:
@@ -67,7 +57,8 @@ def build(tree: Path, out_dir: Path) -> tuple[Path, list[str], list[str]]:
     users: list[str] = []
     symbols: set[str] = set()
     for path in sorted((tree / "vllm").rglob("*.so")):
-        if (imported := needs_driver(path)) is not None:
+        needed, imported = needed_and_imported(path)
+        if SONAME in needed:
             users.append(str(path.relative_to(tree)))
             symbols.update(imported)
     if not symbols:

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from forkbuild.gpu.driver_stub import needed_libraries
+from forkbuild.gpu.driver_stub import needed_and_imported
 
 # A runtime call and a driver call (one the wheel's extensions import, so the stub
 # defines it): gcc links --as-needed on Debian, so an unused -lcuda would leave no
@@ -64,7 +64,7 @@ def compile_and_link(cuda_home: str, work: Path) -> tuple[bool, str, list[str]]:
             return False, f"{step[0]} not found: {exc}", []
         if built.returncode != 0:
             return False, (built.stderr or built.stdout)[-800:], []
-    return True, "", sorted(n for n in needed_libraries(lib) if n in LINKED)
+    return True, "", sorted(n for n in needed_and_imported(lib)[0] if n in LINKED)
 
 
 def probe(work: Path) -> dict:
