@@ -121,14 +121,11 @@ def select(
     return kind, kind.required(len(capabilities))
 
 
-def not_run(required: Iterable[str], outcomes: Iterable[Outcome]) -> list[str]:
+def not_run(required: Iterable[str], outcomes: Collection[Outcome]) -> list[str]:
     """One line per required case skipped (with pytest's reason) or never reported;
     not failures and errors, which the job counts already."""
-    cases: dict[str, str] = {}
-    reasons: dict[str, str] = {}
-    for outcome in outcomes:
-        cases |= outcome.cases
-        reasons |= outcome.reasons
+    cases = {node: status for o in outcomes for node, status in o.cases.items()}
+    reasons = {node: why for o in outcomes for node, why in o.reasons.items()}
     lines, absent = [], "required but not run (not collected or not reported)"
     for node in required:
         if (status := cases.get(node)) is None:
