@@ -41,7 +41,6 @@ def _executable(path: Path, text: str = "#!/bin/sh\nexit 0\n") -> Path:
 def _bin(tmp_path: Path, *names: str) -> str:
     """A PATH of one folder holding executables NAMES."""
     folder = tmp_path / "path"
-    folder.mkdir(exist_ok=True)
     for name in names:
         _executable(folder / name)
     return str(folder)
