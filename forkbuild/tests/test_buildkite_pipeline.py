@@ -42,13 +42,10 @@ def _errors(instance, definition: str | None = None) -> list[str]:
     ]
 
 
-def test_the_schema_is_buildkites_draft_07():
+def test_the_schema_is_buildkites_draft_07_and_refuses_the_test_area_shape():
     assert SCHEMA["$schema"] == "http://json-schema.org/draft-07/schema#"
     assert SCHEMA["definitions"]["commandStep"]["additionalProperties"] is False
     jsonschema.Draft7Validator.check_schema(SCHEMA)
-
-
-def test_the_schema_refuses_the_test_area_shape():
     # The keys of vLLM's test_areas files, which its generator drops, are no step keys.
     step = dict(NIGHTLY["steps"][0], device="h100", num_devices=1, nightly=True)
     step["source_file_dependencies"] = ["fork.toml"]
@@ -57,16 +54,13 @@ def test_the_schema_refuses_the_test_area_shape():
     assert _errors({**NIGHTLY, "steps": [step]}) != []
 
 
-def test_every_step_targets_a_queue_of_the_gpu_table_with_a_timeout():
+def test_every_step_targets_a_queue_of_the_gpu_table_and_runs_a_file_here():
     steps = NIGHTLY["steps"]
     queues = sorted(step["agents"]["queue"] for step in steps)
     assert queues == sorted(pins.load().gpu.queues), queues
     assert len({step["key"] for step in steps}) == len(steps)
     assert all(step.get("timeout_in_minutes") for step in steps)
-
-
-def test_every_command_runs_a_file_of_this_repository():
-    for step in NIGHTLY["steps"]:
+    for step in steps:  # each command runs a file of this repository
         interpreter, script = shlex.split(step["command"])
         assert interpreter == "bash" and (REPO_ROOT / script).is_file(), step["label"]
 

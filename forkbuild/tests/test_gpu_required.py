@@ -185,16 +185,13 @@ def test_a_missing_required_case_or_a_failure_fails_the_job(tmp_path, capsys):
         _conclude((A100,), statuses, out=tmp_path)
 
 
-def test_every_required_case_must_be_collected_on_cpu():
+def test_every_required_case_must_be_collected_on_cpu_the_serve_case_here():
     # What testrun checks after collecting the GPU cases (and the tool tests) on CPU.
     gpu_required.check_collected(EVERY_CASE | {f"{ENGINE}[some-new-case]"})
     renamed = (EVERY_CASE - {TP2}) | {f"{ENGINE}[FLASH_ATTN-v1-tp2-renamed]"}
     match = r"1 node id.* not collected: .*FLASH_ATTN-v1-tp2\]"
     with pytest.raises(ForkError, match=match):
         gpu_required.check_collected(renamed)
-
-
-def test_the_required_serve_case_is_a_test_of_the_serve_module():
     # The tree's cases are checked by `make test` after collecting them with vLLM; the
     # serve test is forkbuild's own, so a rename of it fails right here too.
     path, _, name = SERVE.partition("::")

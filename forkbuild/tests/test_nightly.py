@@ -159,7 +159,9 @@ def test_the_gpu_runs_get_the_locks_toolkit_first_once_it_is_checked(
         cuda_toolchain.prepare_toolchain(venv, NVCC)
 
 
-def test_the_drivers_libcuda_is_read_from_ldconfig():
+def test_the_drivers_libcuda_is_read_from_ldconfig_found_off_path(
+    tmp_path, monkeypatch
+):
     cache = (
         "1234 libs found in cache `/etc/ld.so.cache'\n"
         "\tlibcudart.so.13 (libc6,x86-64) => /usr/local/cuda/lib64/libcudart.so.13\n"
@@ -169,12 +171,8 @@ def test_the_drivers_libcuda_is_read_from_ldconfig():
     found = cuda_toolchain.driver_libcuda(cache)
     assert found == Path("/usr/lib/x86_64-linux-gnu/libcuda.so.1")
     assert cuda_toolchain.driver_libcuda("0 libs found in cache\n") is None
-
-
-@pytest.mark.skipif(
-    not os.access("/sbin/ldconfig", os.X_OK), reason="no /sbin/ldconfig here"
-)
-def test_ldconfig_is_found_in_sbin_off_path(tmp_path, monkeypatch):
+    if not os.access("/sbin/ldconfig", os.X_OK):
+        pytest.skip("no /sbin/ldconfig here")
     # An agent's PATH often lacks /sbin, where Debian and Ubuntu keep ldconfig.
     monkeypatch.setenv("PATH", str(tmp_path))
     cache = cuda_toolchain._ldconfig_cache()
