@@ -42,7 +42,7 @@ def _errors(instance, definition: str | None = None) -> list[str]:
     ]
 
 
-def test_the_schema_is_buildkites_draft_07_and_refuses_the_test_area_shape():
+def test_the_schema_is_buildkites_draft_07_and_refuses_broken_steps():
     assert SCHEMA["$schema"] == "http://json-schema.org/draft-07/schema#"
     assert SCHEMA["definitions"]["commandStep"]["additionalProperties"] is False
     jsonschema.Draft7Validator.check_schema(SCHEMA)
@@ -52,6 +52,13 @@ def test_the_schema_is_buildkites_draft_07_and_refuses_the_test_area_shape():
     (error,) = _errors(step, "commandStep")
     assert "Additional properties are not allowed" in error
     assert _errors({**NIGHTLY, "steps": [step]}) != []
+    # The same on a CI step with a misspelt key and a timeout that is no number.
+    first = _command_steps(CI)[0]
+    step = dict(first, artifacts_paths=["build/test-results/*.xml"])
+    assert any("Additional properties" in e for e in _errors(step, "commandStep"))
+    step = dict(first, timeout_in_minutes="forty-five")
+    assert _errors(step, "commandStep") != []
+    assert _errors({**CI, "steps": [step]}) != []
 
 
 def test_every_step_targets_a_queue_of_the_gpu_table_and_runs_a_file_here():
@@ -109,17 +116,7 @@ def test_the_pipelines_are_valid_for_buildkite(pipeline):
     assert set(pipeline) <= set(SCHEMA["properties"]), set(pipeline)
 
 
-def test_the_schema_refuses_a_broken_ci_pipeline():
-    # The same check on a step with a misspelt key and a timeout that is no number.
-    first = _command_steps(CI)[0]
-    step = dict(first, artifacts_paths=["build/test-results/*.xml"])
-    assert any("Additional properties" in e for e in _errors(step, "commandStep"))
-    step = dict(first, timeout_in_minutes="forty-five")
-    assert _errors(step, "commandStep") != []
-    assert _errors({**CI, "steps": [step]}) != []
-
-
-def test_the_ci_pipeline_runs_make_test_on_a_cpu_queue_in_time():
+def test_the_ci_pipeline_runs_make_test_on_a_cpu_queue_in_time(monkeypatch):
     # one job: make test runs its parts at once itself
     (step,) = _command_steps(CI)
     assert 2 * CI_RUN_MIN <= step["timeout_in_minutes"] <= CI_LIMIT_MIN
@@ -131,10 +128,8 @@ def test_the_ci_pipeline_runs_make_test_on_a_cpu_queue_in_time():
     assert step["agents"]["queue"] not in gpu_queues
     assert "gpu" not in step["agents"]["queue"]
     assert step["key"] not in {s["key"] for s in NIGHTLY["steps"]}
-
-
-def test_the_ci_keeps_the_download_cache_where_forkbuild_reads_it(monkeypatch):
-    env = _command_steps(CI)[0]["env"]
+    # The download cache where forkbuild reads it.
+    env = step["env"]
     cache = PurePosixPath(env["VLLM_FORK_CACHE"])
     # Absolute: outside the checkout, which Buildkite cleans of ignored files.
     assert cache.is_absolute(), cache

@@ -85,13 +85,11 @@ def test_the_stub_defines_every_imported_driver_entry_point(tmp_path):
     assert without.returncode != 0 and "libcuda.so.1" in without.stderr
 
 
-def test_the_stub_source_answers_no_device():
+def test_the_stub_answers_no_device_and_comes_first(monkeypatch, tmp_path):
     source = driver_stub.c_source(["cuCtxGetCurrent", "cuMemCreate"])
     assert "int cuCtxGetCurrent(void) { return 100; }" in source
     assert "int cuMemCreate(void) { return 100; }" in source
-
-
-def test_the_stub_comes_first_on_the_library_path(monkeypatch, tmp_path):
+    # It comes first on the library path.
     monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/a:/opt/b")
     path = cuda_route.stub_env(tmp_path)["LD_LIBRARY_PATH"]
     assert path == f"{tmp_path}:/opt/a:/opt/b"
