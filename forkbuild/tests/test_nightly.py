@@ -431,8 +431,17 @@ def _summary(out: str | Path = "") -> dict:
     return json.loads((Path(out) / "summary.json").read_text())
 
 
-def test_the_job_runs_the_gpu_tests_with_the_toolchain_and_the_limits(fake_job):
+def test_the_job_runs_the_gpu_tests_with_the_toolchain_and_the_limits(
+    fake_job, tmp_path
+):
     pins, calls, home = fake_job
+    # A missing host compiler stops the job before the install.
+    for compiler in ("g++", "c++"):
+        (tmp_path / "path" / compiler).unlink()
+    with pytest.raises(ForkError, match=r"lacks: c\+\+ \(FlashInfer's JIT builds\); g"):
+        nightly.run(pins)
+    assert calls == []
+    _bin(tmp_path, "g++", "c++")
     with pytest.raises(ForkError, match="required case"):  # the fakes report no case
         nightly.run(pins)
     assert [call[0] for call in calls] == ORDER
@@ -473,12 +482,3 @@ def test_a_run_pytest_cannot_carry_out_still_leaves_the_summary(fake_job, monkey
         "gpu-tests.xml: could not run: pytest could not run the tests in tree (exit 2) "
         "-- see its output"
     ]
-
-
-def test_a_missing_host_compiler_stops_the_job_before_the_install(fake_job, tmp_path):
-    pins, calls, _ = fake_job
-    (tmp_path / "path" / "g++").unlink()
-    (tmp_path / "path" / "c++").unlink()
-    with pytest.raises(ForkError, match=r"lacks: c\+\+ \(FlashInfer's JIT builds\); g"):
-        nightly.run(pins)
-    assert calls == []
