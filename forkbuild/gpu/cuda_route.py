@@ -126,15 +126,6 @@ def load_extensions(
     return result
 
 
-def check_flashinfer_jit(python: Path, stub: Path, results: Path) -> int:
-    """FlashInfer's JIT in the nightly's environment, the stub as libcuda.so.1."""
-    nvcc = cuda_toolchain.check_lock_pins(lock.path("cuda", lock.running_python()))
-    venv, libcuda = python.parent.parent, stub / driver_stub.SONAME
-    env = cuda_toolchain.prepare_toolchain(venv, nvcc, libcuda) | stub_env(stub)
-    work, report = home() / "flashinfer-jit", results / "cuda-route-flashinfer-jit.log"
-    return cuda_toolchain.probe_flashinfer_jit(python, env, nvcc, work, report)
-
-
 def run_gpu_tests(
     pins: Pins, python: Path, tree: Path, stub: Path, results: Path
 ) -> tuple[Outcome, Outcome]:
@@ -234,7 +225,12 @@ def install(pins: Pins, results: Path) -> Installed:
 def check(pins: Pins, results: Path, route: Installed) -> Result:
     """The route's second half: FlashInfer's JIT, the GPU cases and the kernel calls."""
     python, tree, stub = route.route
-    jit_modules = check_flashinfer_jit(python, stub, results)
+    # FlashInfer's JIT in the nightly's environment, the stub as libcuda.so.1.
+    nvcc = cuda_toolchain.check_lock_pins(lock.path("cuda", lock.running_python()))
+    venv, libcuda = python.parent.parent, stub / driver_stub.SONAME
+    env = cuda_toolchain.prepare_toolchain(venv, nvcc, libcuda) | stub_env(stub)
+    work, report = home() / "flashinfer-jit", results / "cuda-route-flashinfer-jit.log"
+    jit_modules = cuda_toolchain.probe_flashinfer_jit(python, env, nvcc, work, report)
     log.step(
         f"cuda route: FlashInfer's JIT finds the lock's nvcc and ninja; {jit_modules} "
         "paged prefill build graphs resolve, a CUDA file compiles and links"

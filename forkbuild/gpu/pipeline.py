@@ -8,7 +8,7 @@ import textwrap
 
 import yaml
 
-from forkbuild.core.pins import GpuKind, GpuTable
+from forkbuild.core.pins import GpuTable
 from forkbuild.gpu import nightly
 
 COMMAND = "bash .ci/gpu-nightly"  # = make nightly
@@ -48,11 +48,6 @@ def steps_yaml(table: GpuTable) -> str:
     return yaml.safe_dump({"steps": steps(table)}, sort_keys=False, width=88)
 
 
-def _queues(kind: GpuKind) -> str:
-    named = [f"`{queue}` ({_gpus(count)})" for queue, count in kind.queues]
-    return ("queue " if len(named) == 1 else "queues ") + ", ".join(named)
-
-
 def kinds_prose(table: GpuTable) -> str:
     """Markdown: per kind, its capability, queues and the cases older kinds lack."""
     lines, seen = [], set()
@@ -65,8 +60,10 @@ def kinds_prose(table: GpuTable) -> str:
         if multi:
             what += "; with two GPUs also " + ", ".join(map(_short, multi))
         verb = "adds" if kind is not table.kinds[0] else "must run"
+        named = [f"`{queue}` ({_gpus(count)})" for queue, count in kind.queues]
+        queues = ("queue " if len(named) == 1 else "queues ") + ", ".join(named)
         item = f"- {kind.name} (compute capability {major}.{minor} and newer; "
-        lines.append(_wrap(item + f"{_queues(kind)}) {verb} {what}.", "  "))
+        lines.append(_wrap(item + f"{queues}) {verb} {what}.", "  "))
     return "\n".join(lines)
 
 

@@ -33,22 +33,6 @@ class Gpu:
     capability: Capability
 
 
-def parse_gpus(csv_text: str) -> list[Gpu]:
-    """Every GPU of `nvidia-smi --query-gpu=NVIDIA_SMI_QUERY --format=csv`."""
-    reader = csv.DictReader(io.StringIO(csv_text), skipinitialspace=True)
-    if not {"index", "uuid", "compute_cap"} <= set(reader.fieldnames or ()):
-        raise ForkError(
-            "nvidia-smi did not report the GPUs' index, uuid and compute capabilities: "
-            f"{csv_text.strip()!r}",
-            f"check the driver with `nvidia-smi --query-gpu={NVIDIA_SMI_QUERY} "
-            "--format=csv`",
-        )
-    return [
-        Gpu(int(g["index"]), g["uuid"].strip(), capability(g["compute_cap"].strip()))
-        for g in reader
-    ]
-
-
 def visible_gpus(gpus: list[Gpu], cuda_visible_devices: str | None) -> list[Gpu]:
     """The GPUs a CUDA process sees, as torch.cuda.device_count() (which the TP=2 case
     skips on) counts them: unset, all; else indices, or UUIDs (prefixes) when it starts
@@ -84,8 +68,20 @@ def visible_gpus(gpus: list[Gpu], cuda_visible_devices: str | None) -> list[Gpu]
 def parse_nvidia_smi(
     csv_text: str, cuda_visible_devices: str | None = None
 ) -> list[Capability]:
-    """Each visible GPU's compute capability: one GPU of two is asked no TP=2 case."""
-    gpus = parse_gpus(csv_text)
+    """Each visible GPU's compute capability, from `nvidia-smi
+    --query-gpu=NVIDIA_SMI_QUERY --format=csv`: one GPU of two is asked no TP=2 case."""
+    reader = csv.DictReader(io.StringIO(csv_text), skipinitialspace=True)
+    if not {"index", "uuid", "compute_cap"} <= set(reader.fieldnames or ()):
+        raise ForkError(
+            "nvidia-smi did not report the GPUs' index, uuid and compute capabilities: "
+            f"{csv_text.strip()!r}",
+            f"check the driver with `nvidia-smi --query-gpu={NVIDIA_SMI_QUERY} "
+            "--format=csv`",
+        )
+    gpus = [
+        Gpu(int(g["index"]), g["uuid"].strip(), capability(g["compute_cap"].strip()))
+        for g in reader
+    ]
     visible = visible_gpus(gpus, cuda_visible_devices)
     if gpus and not visible:
         raise ForkError(
