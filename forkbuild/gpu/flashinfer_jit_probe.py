@@ -8,6 +8,7 @@ driver by soname."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -27,24 +28,6 @@ extern "C" int probe(float *x) { void *c; cuCtxGetCurrent(&c);
   k<<<1, 32>>>(x); return cudaGetLastError(); }
 """
 LINKED = ("libcudart.so.13", "libcuda.so.1")
-
-
-def build_graphs() -> dict[str, bool]:
-    """Module name -> whether its ninja build graph resolves and runs nvcc."""
-    import torch
-    from flashinfer.prefill import gen_batch_prefill_module
-
-    # q, kv and o bf16, int32 indices, head size 64 for q/k and v, no position encoding
-    args = (torch.bfloat16,) * 3 + (torch.int32, 64, 64, 0)
-    found = {}
-    for backend in ("fa2", "fa3"):
-        for sliding in (False, True):
-            spec = gen_batch_prefill_module(backend, *args, sliding, False, False)
-            spec.write_ninja()
-            dry = ["ninja", "-n", "-C", str(spec.build_dir)]
-            resolved = subprocess.run(dry, capture_output=True, check=False).returncode
-            found[spec.name] = resolved == 0 and "nvcc" in spec.ninja_path.read_text()
-    return found
 
 
 def compile_and_link(cuda_home: str, work: Path) -> tuple[bool, str, list[str]]:
@@ -68,16 +51,29 @@ def compile_and_link(cuda_home: str, work: Path) -> tuple[bool, str, list[str]]:
 
 
 def probe(work: Path) -> dict:
+    """The report; "modules": module name -> whether its ninja build graph resolves
+    and runs nvcc."""
+    import torch
     from flashinfer.jit import cpp_ext
+    from flashinfer.prefill import gen_batch_prefill_module
 
     cuda_home = cpp_ext.get_cuda_path()
     compiled, error, links = compile_and_link(cuda_home, work)
+    # q, kv and o bf16, int32 indices, head size 64 for q/k and v, no position encoding
+    args = (torch.bfloat16,) * 3 + (torch.int32, 64, 64, 0)
+    modules = {}
+    for backend, sliding in itertools.product(("fa2", "fa3"), (False, True)):
+        spec = gen_batch_prefill_module(backend, *args, sliding, False, False)
+        spec.write_ninja()
+        dry = ["ninja", "-n", "-C", str(spec.build_dir)]
+        resolved = subprocess.run(dry, capture_output=True, check=False).returncode
+        modules[spec.name] = resolved == 0 and "nvcc" in spec.ninja_path.read_text()
     return {
         "cuda_home": cuda_home,
         "ninja": shutil.which("ninja"),
         "nvcc": shutil.which("nvcc"),
         "cuda_version": str(cpp_ext.get_cuda_version()),
-        "modules": build_graphs(),
+        "modules": modules,
         "compiled": compiled,
         "compile_error": error,
         "links": links,

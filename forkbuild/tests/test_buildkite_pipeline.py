@@ -95,9 +95,8 @@ def test_artifacts_are_the_reports_in_the_nightly_output_folder(monkeypatch):
 # -- the fork's CI on every push and pull request --------------------------------------
 def _step_kind(step) -> str:
     """The schema definition of STEP's kind (a wait step, else a command step)."""
-    if step in ("wait", "waiter") or isinstance(step, dict) and "wait" in step:
-        return "waitStep"
-    return "commandStep"
+    wait = step in ("wait", "waiter") or isinstance(step, dict) and "wait" in step
+    return "waitStep" if wait else "commandStep"
 
 
 def _command_steps(pipeline: dict) -> list[dict]:
