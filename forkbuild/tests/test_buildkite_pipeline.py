@@ -61,7 +61,9 @@ def test_the_schema_is_buildkites_draft_07_and_refuses_broken_steps():
     assert _errors({**CI, "steps": [step]}) != []
 
 
-def test_every_step_targets_a_queue_of_the_gpu_table_and_runs_a_file_here():
+def test_every_step_targets_a_gpu_queue_runs_a_file_here_and_uploads_its_reports(
+    monkeypatch,
+):
     steps = NIGHTLY["steps"]
     queues = sorted(step["agents"]["queue"] for step in steps)
     assert queues == sorted(pins.load().gpu.queues), queues
@@ -70,9 +72,7 @@ def test_every_step_targets_a_queue_of_the_gpu_table_and_runs_a_file_here():
     for step in steps:  # each command runs a file of this repository
         interpreter, script = shlex.split(step["command"])
         assert interpreter == "bash" and (REPO_ROOT / script).is_file(), step["label"]
-
-
-def test_artifacts_are_the_reports_in_the_nightly_output_folder(monkeypatch):
+    # Its artifacts are the reports in the nightly's output folder.
     monkeypatch.delenv("FORK_NIGHTLY_OUT", raising=False)
     monkeypatch.delenv("VLLM_FORK_BUILD", raising=False)
     default = PurePosixPath(nightly.out_dir().relative_to(REPO_ROOT).as_posix())
@@ -137,12 +137,9 @@ def test_the_ci_pipeline_runs_make_test_on_a_cpu_queue_in_time(monkeypatch):
     # build/ stays in the checkout: the reports are uploaded from there, and each build
     # is a fresh clone with a warm cache, as the README's figures are measured.
     assert "VLLM_FORK_BUILD" not in env and "VLLM_FORK_DIST" not in env
-
-
-def test_the_ci_uploads_every_junit_report_of_make_test(monkeypatch):
+    # It uploads every JUnit report of make test.
     monkeypatch.delenv("VLLM_FORK_BUILD", raising=False)
     results = PurePosixPath(pins.build_dir().relative_to(REPO_ROOT), "test-results")
-    (step,) = _command_steps(CI)
     patterns = step["artifact_paths"]
     assert all(PurePosixPath(p).parent == results for p in patterns), patterns
     # The JUnit files the modules of `make test` write into build/test-results.

@@ -224,17 +224,6 @@ def test_flashinfers_link_step_finds_the_libraries_through_the_link_names(tmp_pa
     assert b"libcudart.so.13" in needed and b"libcuda.so.1" in needed
 
 
-def test_the_limits_end_the_job_before_buildkite_does():
-    limits = nightly.RUN_LIMITS_S.values()
-    runs = sum(limits) + len(limits) * pytest_runner.GRACE_S
-    for step in yaml.safe_load(PIPELINE.read_text())["steps"]:
-        assert nightly.INSTALL_BUDGET_S + runs < step["timeout_in_minutes"] * 60
-    # A hung case is reported by its own limit before its run's limit stops the run.
-    assert nightly.RUN_LIMITS_S["gpu-tests"] > gpu_required.CASE_LIMIT_S
-    assert nightly.RUN_LIMITS_S["serve"] > gpu_required.CASE_LIMIT_S
-    assert f"--timeout={gpu_required.CASE_LIMIT_S}" in nightly.PER_CASE_TIMEOUT
-
-
 def _project(tmp_path: Path, body: str) -> Path:
     project = tmp_path / "project"
     project.mkdir()
@@ -332,15 +321,15 @@ def test_a_run_stopped_at_its_limit_reports_what_it_finished_and_where_it_hung(
     assert "summary: 1 passed, 0 failed, 0 skipped, 0 xfailed" in printed
 
 
-def test_what_ignores_the_graceful_stop_is_killed(tmp_path, monkeypatch):
+def test_what_ignores_the_graceful_stop_is_killed_and_fails_the_job(
+    tmp_path, monkeypatch
+):
     monkeypatch.setattr(pytest_runner, "GRACE_S", 2)
     outcome, _, _ = _run_until_hung(tmp_path, IGNORE_SIGINT="1")
     assert outcome.killed.endswith("while running test_cases.py::test_b_hangs")
     assert _all_gone(tmp_path)
-
-
-def test_a_benchmark_stopped_at_its_limit_fails_the_job(tmp_path, monkeypatch):
-    # Started with SIGINT ignored (a shell's background job): only SIGKILL ends it.
+    # A benchmark started with SIGINT ignored (a shell's background job): only SIGKILL
+    # ends it, and a benchmark stopped at its limit fails the job.
     monkeypatch.setattr(pytest_runner, "GRACE_S", 1)
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
     code, stopped = pytest_runner.run_limited(
@@ -356,14 +345,23 @@ def test_a_benchmark_stopped_at_its_limit_fails_the_job(tmp_path, monkeypatch):
     assert _summary(tmp_path)["killed"] == [f"benchmark: {stop}"]
 
 
-def test_a_hung_forked_case_fails_alone_and_what_it_started_is_ended(tmp_path):
+def test_the_limits_fail_a_hung_case_alone_and_end_what_it_started(tmp_path):
     """pytest-timeout with PER_CASE_TIMEOUT's options under --forked (2 s per case, the
     run's own limit far off, so that a loaded machine does not stop it first): the hung
     case fails, the next one runs, the run ends by itself with its JUnit XML (with
     pytest-timeout's default timeout_func_only=false the whole pytest would exit). What
     the hung case started (vLLM's engine core: a spawned process, here a sleep in a
     session of its own) is gone when the next case starts, not only at the end. The
-    run, ended in time, is reported as it is."""
+    run, ended in time, is reported as it is. The limits end the job before Buildkite
+    does."""
+    limits = nightly.RUN_LIMITS_S.values()
+    runs = sum(limits) + len(limits) * pytest_runner.GRACE_S
+    for step in yaml.safe_load(PIPELINE.read_text())["steps"]:
+        assert nightly.INSTALL_BUDGET_S + runs < step["timeout_in_minutes"] * 60
+    # A hung case is reported by its own limit before its run's limit stops the run.
+    assert nightly.RUN_LIMITS_S["gpu-tests"] > gpu_required.CASE_LIMIT_S
+    assert nightly.RUN_LIMITS_S["serve"] > gpu_required.CASE_LIMIT_S
+    assert f"--timeout={gpu_required.CASE_LIMIT_S}" in nightly.PER_CASE_TIMEOUT
     pid_file = tmp_path / "pid"
     project = _project(
         tmp_path,
