@@ -61,9 +61,7 @@ def test_the_schema_is_buildkites_draft_07_and_refuses_broken_steps():
     assert _errors({**CI, "steps": [step]}) != []
 
 
-def test_every_step_targets_a_gpu_queue_runs_a_file_here_and_uploads_its_reports(
-    monkeypatch,
-):
+def test_every_nightly_step_has_a_gpu_queue_a_file_to_run_its_reports(monkeypatch):
     steps = NIGHTLY["steps"]
     queues = sorted(step["agents"]["queue"] for step in steps)
     assert queues == sorted(pins.load().gpu.queues), queues

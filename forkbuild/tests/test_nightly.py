@@ -128,9 +128,7 @@ def _venv(tmp_path: Path) -> tuple[Path, Path]:
     return venv, toolkit
 
 
-def test_the_gpu_runs_get_the_locks_toolkit_first_once_it_is_checked(
-    tmp_path, monkeypatch
-):
+def test_the_gpu_runs_get_the_locks_toolkit_first_checked(tmp_path, monkeypatch):
     (venv, toolkit), libcuda = _venv(tmp_path), _executable(tmp_path / "libcuda.so.1")
     monkeypatch.setenv("PATH", "/opt/agent/bin:/opt/more/bin")  # no ninja there
     monkeypatch.setenv("CUDA_HOME", "/usr/local/cuda-12.4")
@@ -159,9 +157,7 @@ def test_the_gpu_runs_get_the_locks_toolkit_first_once_it_is_checked(
         cuda_toolchain.prepare_toolchain(venv, NVCC)
 
 
-def test_the_drivers_libcuda_is_read_from_ldconfig_found_off_path(
-    tmp_path, monkeypatch
-):
+def test_the_drivers_libcuda_is_read_from_ldconfig(tmp_path, monkeypatch):
     cache = (
         "1234 libs found in cache `/etc/ld.so.cache'\n"
         "\tlibcudart.so.13 (libc6,x86-64) => /usr/local/cuda/lib64/libcudart.so.13\n"
@@ -294,9 +290,7 @@ def _all_gone(tmp_path: Path) -> bool:
 
 
 @pytest.mark.parametrize("forked", [True, False], ids=["forked", "in-process"])
-def test_a_run_stopped_at_its_limit_reports_what_it_finished_and_where_it_hung(
-    tmp_path, capsys, forked
-):
+def test_a_stopped_run_reports_its_cases_and_where_it_hung(tmp_path, capsys, forked):
     outcome, limit, took = _run_until_hung(tmp_path, forked)
     # Stopped by the limit, gracefully: not by the case's own 120 s, nor by SIGKILL.
     assert took < limit + pytest_runner.GRACE_S
@@ -321,9 +315,7 @@ def test_a_run_stopped_at_its_limit_reports_what_it_finished_and_where_it_hung(
     assert "summary: 1 passed, 0 failed, 0 skipped, 0 xfailed" in printed
 
 
-def test_what_ignores_the_graceful_stop_is_killed_and_fails_the_job(
-    tmp_path, monkeypatch
-):
+def test_what_ignores_the_graceful_stop_is_killed(tmp_path, monkeypatch):
     monkeypatch.setattr(pytest_runner, "GRACE_S", 2)
     outcome, _, _ = _run_until_hung(tmp_path, IGNORE_SIGINT="1")
     assert outcome.killed.endswith("while running test_cases.py::test_b_hangs")
@@ -429,9 +421,7 @@ def _summary(out: str | Path = "") -> dict:
     return json.loads((Path(out) / "summary.json").read_text())
 
 
-def test_the_job_runs_the_gpu_tests_with_the_toolchain_and_the_limits(
-    fake_job, tmp_path, monkeypatch
-):
+def test_the_job_runs_with_the_toolchain_and_limits(fake_job, tmp_path, monkeypatch):
     pins, calls, home = fake_job
     # A missing host compiler stops the job before the install.
     for compiler in ("g++", "c++"):
