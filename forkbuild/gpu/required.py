@@ -65,11 +65,9 @@ def visible_gpus(gpus: list[Gpu], cuda_visible_devices: str | None) -> list[Gpu]
     return chosen
 
 
-def parse_nvidia_smi(
-    csv_text: str, cuda_visible_devices: str | None = None
-) -> list[Capability]:
-    """Each visible GPU's compute capability, from `nvidia-smi
-    --query-gpu=NVIDIA_SMI_QUERY --format=csv`: one GPU of two is asked no TP=2 case."""
+def parse_nvidia_smi(csv_text: str, visible: str | None = None) -> list[Capability]:
+    """Compute capabilities of the GPUs VISIBLE (CUDA_VISIBLE_DEVICES) shows, from
+    `nvidia-smi --query-gpu=NVIDIA_SMI_QUERY --format=csv`: one of two gets no TP=2."""
     reader = csv.DictReader(io.StringIO(csv_text), skipinitialspace=True)
     if not {"index", "uuid", "compute_cap"} <= set(reader.fieldnames or ()):
         raise ForkError(
@@ -82,15 +80,15 @@ def parse_nvidia_smi(
         Gpu(int(g["index"]), g["uuid"].strip(), capability(g["compute_cap"].strip()))
         for g in reader
     ]
-    visible = visible_gpus(gpus, cuda_visible_devices)
-    if gpus and not visible:
+    shown = visible_gpus(gpus, visible)
+    if gpus and not shown:
         raise ForkError(
-            f"CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} leaves none of the "
+            f"CUDA_VISIBLE_DEVICES={visible!r} leaves none of the "
             f"{len(gpus)} GPU(s) nvidia-smi lists visible",
             "name the agent's GPUs by index or UUID as gpus.csv lists them, "
             "or unset it",
         )
-    return [gpu.capability for gpu in visible]
+    return [gpu.capability for gpu in shown]
 
 
 def select(
