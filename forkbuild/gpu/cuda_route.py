@@ -126,29 +126,6 @@ def load_extensions(
     return result
 
 
-def run_gpu_tests(
-    pins: Pins, python: Path, tree: Path, stub: Path, results: Path
-) -> tuple[Outcome, Outcome]:
-    """The GPU tests and the serve test collected (each must skip), and the kernel
-    calls (must pass), which share the GPU modules' run (one vLLM import less)."""
-
-    def run(where: Path, args: list[str], xml: Path, **kwargs) -> Outcome:
-        output, env = xml.with_suffix(".log"), stub_env(stub)
-        return pytest_runner.run_pytest(
-            python, where, args, xml, output=output, extra_env=env, **kwargs
-        )
-
-    tests = ["-rfEs", *pins.gpu_tests, *pins.cuda_route_tests]
-    in_tree = run(tree, tests, results / "cuda-route-tests.xml")
-    # The required cases of forkbuild's own tests (the serve test), from the GPU table.
-    own = {c.split("::")[0] for c in pins.gpu.all_required()} - set(pins.gpu_tests)
-    xml = results / "cuda-route-serve-gpu.xml"
-    serve = run(REPO_ROOT, ["-rs", *sorted(own)], xml, pythonpath=REPO_ROOT)
-    gpu = part_of(in_tree, pins.gpu_tests)
-    collected = Outcome(gpu.cases | serve.cases, gpu.reasons | serve.reasons)
-    return collected, part_of(in_tree, pins.cuda_route_tests)
-
-
 def part_of(outcome: Outcome, modules: tuple[str, ...]) -> Outcome:
     cases = {c: s for c, s in outcome.cases.items() if c.split("::")[0] in modules}
     return Outcome(cases, {c: r for c, r in outcome.reasons.items() if c in cases})
@@ -235,7 +212,24 @@ def check(pins: Pins, results: Path, route: Installed) -> Result:
         f"cuda route: FlashInfer's JIT finds the lock's nvcc and ninja; {jit_modules} "
         "paged prefill build graphs resolve, a CUDA file compiles and links"
     )
-    collected, calls = run_gpu_tests(pins, python, tree, stub, results)
+    # The GPU tests and the serve test collected (each must skip), and the kernel calls
+    # (must pass), which share the GPU modules' run (one vLLM import less).
+
+    def run(where: Path, args: list[str], xml: Path, **kwargs) -> Outcome:
+        output, stubbed = xml.with_suffix(".log"), stub_env(stub)
+        return pytest_runner.run_pytest(
+            python, where, args, xml, output=output, extra_env=stubbed, **kwargs
+        )
+
+    tests = ["-rfEs", *pins.gpu_tests, *pins.cuda_route_tests]
+    in_tree = run(tree, tests, results / "cuda-route-tests.xml")
+    # The required cases of forkbuild's own tests (the serve test), from the GPU table.
+    own = {c.split("::")[0] for c in pins.gpu.all_required()} - set(pins.gpu_tests)
+    xml = results / "cuda-route-serve-gpu.xml"
+    serve = run(REPO_ROOT, ["-rs", *sorted(own)], xml, pythonpath=REPO_ROOT)
+    gpu = part_of(in_tree, pins.gpu_tests)
+    calls = part_of(in_tree, pins.cuda_route_tests)
+    collected = Outcome(gpu.cases | serve.cases, gpu.reasons | serve.reasons)
     check_skipped(collected, results)
     if calls.failed or calls.errors or calls.skipped or not calls.passed:
         raise ForkError(
