@@ -51,9 +51,8 @@ def test_the_stub_defines_every_imported_driver_entry_point(tmp_path):
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler")
     pytest.importorskip("elftools")
-    tree, fake = tmp_path / "tree", tmp_path / "fake"
+    tree, fake = tmp_path / "tree", tmp_path  # fake: the driver library's folder
     (tree / "vllm" / "sub").mkdir(parents=True)
-    fake.mkdir()
     # A driver library to link against, and two extensions: one imports two entry
     # points (and a libc function, which is not the driver's), one none.
     driver = "int cuInit(void){return 0;}\nint cuMemMap(void){return 0;}\n"
