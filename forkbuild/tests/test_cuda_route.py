@@ -124,17 +124,14 @@ def test_the_verdict_on_the_gpu_cases_collected(tmp_path, collected, match):
         cuda_route.check_skipped(collected, tmp_path)
 
 
-def test_the_check_splits_one_run_by_module():
+def test_the_check_splits_one_run_by_module_its_stub_stays_in_its_folder(fork_pins):
     outcome = Outcome(
         {"a/x.py::t1": "passed", "a/y.py::t2": "skipped", "a/x.py::t3": "passed"},
         {"a/y.py::t2": "no GPU"},
     )
     part = cuda_route.part_of(outcome, ("a/y.py",))
     assert part == Outcome({"a/y.py::t2": "skipped"}, {"a/y.py::t2": "no GPU"})
-
-
-def test_the_stub_is_nowhere_but_the_checks_folder(fork_pins):
-    """Never in a venv, the tree or the CPU build (where `make serve` runs)."""
+    # The stub is never in a venv, the tree or the CPU build (where `make serve` runs).
     home = cuda_route.home()
     if not (home / "driver-stub").exists():
         pytest.skip("the CUDA route check has not run here yet")
