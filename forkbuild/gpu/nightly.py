@@ -61,13 +61,12 @@ def run(pins: Pins) -> str:
     capabilities = gpu_required.parse_nvidia_smi(gpus, visible)
     kind, required = gpu_required.select(capabilities, pins.gpu)
     log.step(f"nightly: {kind.name}, {len(required)} case(s) that must run")
-    lock_file = lock.path("cuda", lock.running_python())
-    nvcc_version = cuda_toolchain.check_gpu_toolchain(lock_file)
+    nvcc = cuda_toolchain.check_gpu_toolchain(lock.path("cuda", lock.running_python()))
     python, tree_path, _ = install.install(pins, "cuda")
-    env = cuda_toolchain.prepare_toolchain(python.parent.parent, nvcc_version)
+    env = cuda_toolchain.prepare_toolchain(python.parent.parent, nvcc)
     # FlashInfer's JIT toolchain on this agent, in seconds, before the tests.
     where = (out / "flashinfer-jit", out / "flashinfer-jit.log")
-    modules = cuda_toolchain.probe_flashinfer_jit(python, env, nvcc_version, *where)
+    modules = cuda_toolchain.probe_flashinfer_jit(python, env, nvcc, *where)
     log.step(
         f"nightly: FlashInfer's JIT finds the lock's nvcc and ninja ({modules} module "
         "build graphs), and a CUDA file compiles and links on this agent"

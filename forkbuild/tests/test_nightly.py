@@ -150,12 +150,11 @@ def test_the_gpu_runs_get_the_locks_toolkit_first_checked(tmp_path, monkeypatch)
     missing = f"ninja on PATH, {toolkit / 'bin/nvcc'}, {links / 'libcudart.so'} -- "
     with pytest.raises(ForkError, match=f"incomplete, missing: {re.escape(missing)}"):
         cuda_toolchain.prepare_toolchain(venv, NVCC, libcuda)
-    monkeypatch.setattr(cuda_toolchain, "_ldconfig_cache", lambda: "")
-    with pytest.raises(ForkError, match=r"libcuda\.so\.1 is not in the dynamic linker"):
+    no_driver = r"libcuda\.so\.1 is not in the dynamic linker"
+    with monkeypatch.context() as patch, pytest.raises(ForkError, match=no_driver):
+        patch.setattr(cuda_toolchain, "_ldconfig_cache", lambda: "")
         cuda_toolchain.prepare_toolchain(venv, NVCC)
-
-
-def test_the_drivers_libcuda_is_read_from_ldconfig(tmp_path, monkeypatch):
+    # The driver's libcuda.so.1 is read from ldconfig, found off PATH.
     cache = (
         "1234 libs found in cache `/etc/ld.so.cache'\n"
         "\tlibcudart.so.13 (libc6,x86-64) => /usr/local/cuda/lib64/libcudart.so.13\n"
