@@ -92,11 +92,6 @@ def check_gpu_toolchain(lock_file: Path, env: Mapping[str, str] = os.environ) ->
     return check_lock_pins(lock_file)
 
 
-def cuda_home(venv: Path, nvcc_version: str) -> Path:
-    """The lock's toolkit: bin/, nvvm/, include/, lib/ (no lib64: see link_dir)."""
-    return install.site_packages(venv) / "nvidia" / f"cu{nvcc_version.split('.')[0]}"
-
-
 def link_dir(venv: Path) -> Path:
     """Link names for FlashInfer's `c++ ... -lcudart -lcuda`: the wheels have only
     libcudart.so.NN, many drivers only libcuda.so.1 (the sonames torch loads)."""
@@ -108,7 +103,8 @@ def toolchain_env(
 ) -> dict[str, str]:
     """On top of BASE. CUDA_HOME is the lock's even where the agent has one: FlashInfer
     takes nvcc, headers and libcudart from it, for the CUDA torch was built for."""
-    home = cuda_home(venv, nvcc_version)
+    # The lock's toolkit: bin/, nvvm/, include/, lib/ (no lib64: see link_dir).
+    home = install.site_packages(venv) / "nvidia" / f"cu{nvcc_version.split('.')[0]}"
     path = _join(venv / "bin", home / "bin", base.get("PATH", ""))
     library_path = _join(link_dir(venv), base.get("LIBRARY_PATH", ""))
     return {"PATH": path, "CUDA_HOME": str(home), "LIBRARY_PATH": library_path}
@@ -146,13 +142,13 @@ def prepare_toolchain(
             "-p): Triton and FlashInfer link their kernels' modules against it",
             "install the NVIDIA driver's libraries on the agent (or run ldconfig)",
         )
-    links, home = link_dir(venv), cuda_home(venv, nvcc_version)
+    env = toolchain_env(venv, nvcc_version)
+    links, home = link_dir(venv), Path(env["CUDA_HOME"])
     shutil.rmtree(links, ignore_errors=True)
     links.mkdir(parents=True)
     cudart = f"libcudart.so.{nvcc_version.split('.')[0]}"
     (links / "libcudart.so").symlink_to(home / "lib" / cudart)
     (links / "libcuda.so").symlink_to(libcuda)
-    env = toolchain_env(venv, nvcc_version)
     if os.environ.get("CUDA_HOME", env["CUDA_HOME"]) != env["CUDA_HOME"]:
         log.step(
             f"CUDA_HOME={env['CUDA_HOME']} (the lock's) instead of the agent's "

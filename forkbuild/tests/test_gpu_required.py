@@ -182,7 +182,7 @@ def test_a_skipped_or_missing_case_or_a_failure_fails_the_job(tmp_path, capsys):
         _conclude((A100,), statuses, out=tmp_path)
 
 
-def test_every_required_case_must_be_collected_on_cpu_the_serve_case_here():
+def test_the_gpu_table_and_its_required_node_ids():
     # What testrun checks after collecting the GPU cases (and the tool tests) on CPU.
     gpu_required.check_collected(EVERY_CASE | {f"{ENGINE}[some-new-case]"})
     renamed = (EVERY_CASE - {TP2}) | {f"{ENGINE}[FLASH_ATTN-v1-tp2-renamed]"}
@@ -195,9 +195,7 @@ def test_every_required_case_must_be_collected_on_cpu_the_serve_case_here():
     assert SERVE in EVERY_CASE
     module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
     assert callable(getattr(module, name, None)), f"{path} has no {name}"
-
-
-def test_a_case_is_required_from_its_kind_on_with_its_gpu_count():
+    # A case is required from its kind on, with its GPU count (fork.toml [gpu]).
     kinds = {"Hopper": {"capability": "9.0", "queues": {"h1": 1, "h2": 2}}}
     kinds["Ampere"] = {"capability": "8.0", "queues": {"a1": 1}}
     cases = {"a": {"kind": "Ampere", "bundle": []}}
