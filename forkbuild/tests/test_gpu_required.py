@@ -139,7 +139,7 @@ def _conclude(gpus, statuses, reasons=None, *, out) -> str:
     return nightly.conclude(kind, required, gpu_tests, serve, 0, out)
 
 
-def test_all_required_cases_run_passes(tmp_path):
+def test_the_verdict_on_the_required_cases(tmp_path, capsys):
     # One H100: the TP=2 case skips, and that is allowed with one GPU.
     statuses = {case: "passed" for case in HOPPER} | {TP2: "skipped"}
     line = _conclude((H100,), statuses, {TP2: "needs 2 GPUs"}, out=tmp_path)
@@ -151,9 +151,6 @@ def test_all_required_cases_run_passes(tmp_path):
     statuses |= {case: "skipped" for case in EVERY_CASE - AMPERE}
     line = _conclude((A100,), statuses, out=tmp_path)
     assert line.endswith(f"0 failed, {len(EVERY_CASE - AMPERE)} skipped, 0 xfailed")
-
-
-def test_a_skipped_or_missing_case_or_a_failure_fails_the_job(tmp_path, capsys):
     # FA3 does not import on a Hopper runner: every FA3 and FLASH_ATTN case skips and
     # nothing fails. That is the green job this check exists to turn red.
     fa3_reason = "FlashAttention 3 is not supported on this GPU"
@@ -176,7 +173,7 @@ def test_a_skipped_or_missing_case_or_a_failure_fails_the_job(tmp_path, capsys):
     with pytest.raises(ForkError, match="1 required case"):
         _conclude((H100,), statuses, out=tmp_path)
     assert f"{SERVE}: required but not run (not collected" in capsys.readouterr().out
-    # A failure too (a failed benchmark: test_nightly.py's benchmark_stopped test).
+    # A failure too (a failed benchmark: test_nightly.py's graceful stop test).
     statuses = {case: "passed" for case in AMPERE} | {TRITON: "failed"}
     with pytest.raises(ForkError, match="1 failed .*, 0 required case"):
         _conclude((A100,), statuses, out=tmp_path)
