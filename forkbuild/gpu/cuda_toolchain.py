@@ -176,13 +176,11 @@ def probe_flashinfer_jit(
     not in the first FlashInfer case. Returns how many build graphs it checked."""
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    command = [str(python), "-m", "forkbuild.gpu.flashinfer_jit_probe", str(work)]
+    probe = [str(python), "-m", "forkbuild.gpu.flashinfer_jit_probe", str(work)]
     run_env = {**os.environ, **env, "PYTHONPATH": str(REPO_ROOT)}
     run_env["FLASHINFER_WORKSPACE_BASE"] = str(work)
     run_env["FLASHINFER_CUDA_ARCH_LIST"] = "8.0 9.0a"
-    done = subprocess.run(
-        command, cwd=work, env=run_env, capture_output=True, text=True
-    )
+    done = subprocess.run(probe, cwd=work, env=run_env, capture_output=True, text=True)
     report.write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         raise ForkError(

@@ -18,9 +18,8 @@ from pathlib import Path
 
 from forkbuild.gpu.driver_stub import needed_and_imported
 
-# A runtime call and a driver call (one the wheel's extensions import, so the stub
-# defines it): gcc links --as-needed on Debian, so an unused -lcuda would leave no
-# trace.
+# A runtime and a driver call (one the extensions import, so the stub defines it): gcc
+# links --as-needed on Debian, so an unused -lcuda would leave no trace.
 PROBE_CU = """#include <cuda_runtime.h>
 extern "C" int cuCtxGetCurrent(void **context);
 __global__ void k(float *x) { x[threadIdx.x] += 1; }
