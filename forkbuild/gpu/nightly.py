@@ -30,9 +30,8 @@ STEP_LIMIT_MIN = 60  # the pipeline's timeout_in_minutes (forkbuild/gpu/pipeline
 
 def out_dir() -> Path:
     """FORK_NIGHTLY_OUT, relative to the repository root as the artifact_paths are."""
-    return REPO_ROOT / (
-        os.environ.get("FORK_NIGHTLY_OUT") or build_dir() / "gpu-nightly"
-    )
+    out = os.environ.get("FORK_NIGHTLY_OUT") or build_dir() / "gpu-nightly"
+    return REPO_ROOT / out
 
 
 def _query_gpus() -> str:

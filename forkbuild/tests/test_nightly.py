@@ -196,9 +196,8 @@ def test_flashinfers_link_step_finds_the_libraries_through_the_link_names(tmp_pa
     ):
         stub = f"int {function} {{ return 0; }}\n"
         _compile("c", stub, "-shared", f"-Wl,-soname,{target.name}", "-o", target)
-    module = (
-        'extern "C" int cudaGetDeviceCount(int *);\nextern "C" int cuInit(unsigned);\n'
-    )
+    module = 'extern "C" int cudaGetDeviceCount(int *);\n'
+    module += 'extern "C" int cuInit(unsigned);\n'
     module += "int count() { int n; return cudaGetDeviceCount(&n) + cuInit(0); }\n"
     _compile("c++", module, "-c", "-o", obj)
     link = ["c++", str(obj), "-shared", f"-L{home}/lib64", f"-L{home}/lib64/stubs"]
@@ -325,12 +324,10 @@ def test_what_ignores_the_graceful_stop_is_killed(tmp_path, monkeypatch):
         sleep, cwd=tmp_path, env=dict(os.environ), timeout_s=1
     )
     assert stopped and code != 0
-    kind = GpuKind("Made-up", (8, 0), ())
+    kind, none = GpuKind("Made-up", (8, 0), ()), Outcome({})
     stop = "stopped after its time limit of 1 s"
     with pytest.raises(ForkError, match=r"1 failed \(benchmark exit -?\d+\), 0 requi"):
-        nightly.conclude(
-            kind, (), Outcome({}), Outcome({}), code, tmp_path, benchmark_killed=stop
-        )
+        nightly.conclude(kind, (), none, none, code, tmp_path, benchmark_killed=stop)
     assert _summary(tmp_path)["killed"] == [f"benchmark: {stop}"]
 
 
