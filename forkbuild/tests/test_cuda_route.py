@@ -125,10 +125,8 @@ def test_the_verdict_on_the_gpu_cases_collected(tmp_path, collected, match):
 
 
 def test_the_check_splits_one_run_by_module_its_stub_stays_in_its_folder(fork_pins):
-    outcome = Outcome(
-        {"a/x.py::t1": "passed", "a/y.py::t2": "skipped", "a/x.py::t3": "passed"},
-        {"a/y.py::t2": "no GPU"},
-    )
+    cases = {"a/x.py::t1": "passed", "a/y.py::t2": "skipped", "a/x.py::t3": "passed"}
+    outcome = Outcome(cases, {"a/y.py::t2": "no GPU"})
     part = cuda_route.part_of(outcome, ("a/y.py",))
     assert part == Outcome({"a/y.py::t2": "skipped"}, {"a/y.py::t2": "no GPU"})
     # The stub is never in a venv, the tree or the CPU build (where `make serve` runs).

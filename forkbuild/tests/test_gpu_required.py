@@ -16,10 +16,8 @@ from forkbuild.gpu import nightly
 from forkbuild.gpu import required as gpu_required
 
 KERNELS = "tests/v1/worker/test_packed_kv_cache_gpu_kernels.py"
-ENGINE = (
-    "tests/v1/worker/test_packed_kv_cache_offload_e2e.py"
-    "::test_offload_reload_matches_baseline"
-)
+E2E = "tests/v1/worker/test_packed_kv_cache_offload_e2e.py"
+ENGINE = f"{E2E}::test_offload_reload_matches_baseline"
 FA3 = f"{KERNELS}::test_flash_attention_over_packed_views[3]"
 TRITON = f"{KERNELS}::test_triton_attention_over_packed_views"
 SERVE = "forkbuild/tests/test_serve_gpu.py::test_offload_preset_serves_and_reloads"
