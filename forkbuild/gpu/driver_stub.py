@@ -30,11 +30,9 @@ def needed_and_imported(path: Path) -> tuple[list[str], list[str]]:
             return [], []
         tags = dynamic.iter_tags()
         needed = [tag.needed for tag in tags if tag.entry.d_tag == "DT_NEEDED"]
-        imported = [
-            sym.name
-            for sym in dynamic.iter_symbols()
-            if sym["st_shndx"] == "SHN_UNDEF" and DRIVER_SYMBOL.fullmatch(sym.name)
-        ]
+        symbols = dynamic.iter_symbols()
+        undefined = [sym.name for sym in symbols if sym["st_shndx"] == "SHN_UNDEF"]
+        imported = [name for name in undefined if DRIVER_SYMBOL.fullmatch(name)]
     return needed, imported
 
 
