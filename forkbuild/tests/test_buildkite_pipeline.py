@@ -27,7 +27,6 @@ REPORTS = ["gpus.csv", "gpu-tests.xml", "serve-gpu.xml", "benchmark.json"]
 REPORTS += ["summary.json"]
 NIGHTLY, CI = (yaml.safe_load(path.read_text()) for path in (PIPELINE, CI_PIPELINE))
 
-
 # No skip when buildkite-sdk is absent: it is part of the test toolchain, and a
 # pipeline nobody validated must not pass quietly.
 SCHEMA = json.loads((files("buildkite_sdk") / "schema.json").read_text())

@@ -47,9 +47,8 @@ def uuid(index: int) -> str:
 
 def _csv(*gpus: tuple[str, str, str]) -> str:
     """nvidia-smi's CSV for GPUS, indexed in order."""
-    return HEADER + "".join(
-        f"{i}, {uuid(i)}, {', '.join(gpu)}\n" for i, gpu in enumerate(gpus)
-    )
+    rows = (f"{i}, {uuid(i)}, {', '.join(gpu)}\n" for i, gpu in enumerate(gpus))
+    return HEADER + "".join(rows)
 
 
 @pytest.mark.parametrize(
