@@ -33,8 +33,7 @@ def compile_and_link(cuda_home: str, work: Path) -> tuple[bool, str, list[str]]:
     """(compiled, error, sonames of LINKED needed): nvcc compiles, c++ links."""
     source, obj, lib = work / "probe.cu", work / "probe.cuda.o", work / "probe.so"
     source.write_text(PROBE_CU)
-    nvcc = os.path.join(cuda_home, "bin", "nvcc")
-    cxx = os.environ.get("CXX", "c++")
+    nvcc, cxx = os.path.join(cuda_home, "bin", "nvcc"), os.environ.get("CXX", "c++")
     steps = (
         [nvcc, "-c", "-Xcompiler", "-fPIC", "-arch=sm_80", str(source), "-o", str(obj)],
         [cxx, "-shared", str(obj), "-o", str(lib), "-lcudart", "-lcuda"],

@@ -8,9 +8,8 @@ import json
 
 import pytest
 
-from forkbuild.core import pins
 from forkbuild.core.errors import ForkError
-from forkbuild.core.pins import gpu_table
+from forkbuild.core.pins import gpu_table, load
 from forkbuild.core.pytest_runner import Outcome
 from forkbuild.gpu import nightly
 from forkbuild.gpu import required as gpu_required
@@ -22,7 +21,7 @@ FA3 = f"{KERNELS}::test_flash_attention_over_packed_views[3]"
 TRITON = f"{KERNELS}::test_triton_attention_over_packed_views"
 SERVE = "forkbuild/tests/test_serve_gpu.py::test_offload_preset_serves_and_reloads"
 # The table of fork.toml [gpu]: what each kind must run comes from there, never retyped.
-TABLE = pins.load().gpu
+TABLE = load().gpu
 AMPERE = set(TABLE.kind("Ampere").required(1))
 HOPPER = set(TABLE.kind("Hopper").required(1))
 (TP2,) = set(TABLE.kind("Hopper").required(2)) - HOPPER
