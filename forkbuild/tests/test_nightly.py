@@ -22,8 +22,7 @@ from forkbuild.core import pytest_runner
 from forkbuild.core.errors import ForkError
 from forkbuild.core.pins import REPO_ROOT, GpuKind
 from forkbuild.core.pytest_runner import Outcome
-from forkbuild.gpu import cuda_toolchain, nightly
-from forkbuild.gpu import required as gpu_required
+from forkbuild.gpu import cuda_toolchain, nightly, required
 from forkbuild.setup import install, lock
 
 NVCC = "13.2.86"
@@ -345,9 +344,9 @@ def test_the_limits_fail_a_hung_case_alone_and_end_what_it_started(tmp_path):
     for step in yaml.safe_load(PIPELINE.read_text())["steps"]:
         assert nightly.INSTALL_BUDGET_S + runs < step["timeout_in_minutes"] * 60
     # A hung case is reported by its own limit before its run's limit stops the run.
-    assert nightly.RUN_LIMITS_S["gpu-tests"] > gpu_required.CASE_LIMIT_S
-    assert nightly.RUN_LIMITS_S["serve"] > gpu_required.CASE_LIMIT_S
-    assert f"--timeout={gpu_required.CASE_LIMIT_S}" in nightly.PER_CASE_TIMEOUT
+    assert nightly.RUN_LIMITS_S["gpu-tests"] > required.CASE_LIMIT_S
+    assert nightly.RUN_LIMITS_S["serve"] > required.CASE_LIMIT_S
+    assert f"--timeout={required.CASE_LIMIT_S}" in nightly.PER_CASE_TIMEOUT
     pid_file = tmp_path / "pid"
     project = _project(
         tmp_path,
