@@ -27,8 +27,7 @@ REPORTS = ["gpus.csv", "gpu-tests.xml", "serve-gpu.xml", "benchmark.json"]
 REPORTS += ["summary.json"]
 NIGHTLY, CI = (yaml.safe_load(path.read_text()) for path in (PIPELINE, CI_PIPELINE))
 
-# No skip when buildkite-sdk is absent: it is part of the test toolchain, and a
-# pipeline nobody validated must not pass quietly.
+# No skip without buildkite-sdk, a test tool: an unvalidated pipeline must not pass.
 SCHEMA = json.loads((files("buildkite_sdk") / "schema.json").read_text())
 
 

@@ -295,8 +295,7 @@ def test_a_stopped_run_reports_its_cases_and_where_it_hung(tmp_path, capsys, for
     stopped = f"stopped after its time limit of {limit} s while running {hangs}"
     assert outcome.killed == stopped
     assert _all_gone(tmp_path)
-    # On to the job's end: the summary is written, and the required case that hung is
-    # named twice, as where the run was stopped and as a required case that did not run.
+    # The job's summary names the hung required case twice: where it stopped, not run.
     kind = GpuKind("Made-up", (8, 0), (passes, hangs))
     with pytest.raises(ForkError, match=r"0 failed .*, 1 required case.*, 1 run\(s"):
         nightly.conclude(kind, kind.cases, outcome, Outcome({}), 0, tmp_path)
