@@ -149,11 +149,8 @@ def prepare_toolchain(
     cudart = f"libcudart.so.{nvcc_version.split('.')[0]}"
     (links / "libcudart.so").symlink_to(home / "lib" / cudart)
     (links / "libcuda.so").symlink_to(libcuda)
-    if os.environ.get("CUDA_HOME", env["CUDA_HOME"]) != env["CUDA_HOME"]:
-        log.step(
-            f"CUDA_HOME={env['CUDA_HOME']} (the lock's) instead of the agent's "
-            f"{os.environ['CUDA_HOME']}"
-        )
+    if (agent_home := os.environ.get("CUDA_HOME", str(home))) != str(home):
+        log.step(f"CUDA_HOME={home} (the lock's) instead of the agent's {agent_home}")
     missing = [] if shutil.which("ninja", path=env["PATH"]) else ["ninja on PATH"]
     tools = (home / "bin" / "nvcc", home / "nvvm" / "bin" / "cicc")
     missing += [str(tool) for tool in tools if not os.access(tool, os.X_OK)]
