@@ -15,9 +15,10 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from forkbuild.core import log, pytest_runner
+from forkbuild.core import log, preflight, pytest_runner
 from forkbuild.core.errors import ForkError, run_or_fail
 from forkbuild.core.pins import REPO_ROOT, Pins, build_dir
+from forkbuild.core.pytest_runner import Outcome
 from forkbuild.gpu import cuda_toolchain, driver_stub
 from forkbuild.gpu import required as gpu_required
 from forkbuild.setup import fetch, lock
@@ -29,18 +30,16 @@ def home() -> Path:
 
 @dataclass(frozen=True)
 class Result:
-    extensions_loaded: int
-    extensions: int
-    other_pythons: int  # the wheel's extensions built for other Python versions
+    loaded: dict  # load_extensions' report
     jit_modules: int  # FlashInfer modules whose JIT build graph resolved
-    gpu_cases: pytest_runner.Outcome
-    calls: pytest_runner.Outcome
-    route: tuple[Path, Path, Path]  # the CUDA venv's python, the tree, the driver stub
+    gpu_cases: Outcome
+    calls: Outcome
 
     def line(self) -> str:
+        loaded, other = len(self.loaded["loaded"]), len(self.loaded["other_pythons"])
         return (
-            f"cuda route without a GPU: {self.extensions_loaded} of {self.extensions} "
-            f"compiled extensions load ({self.other_pythons} more are for other "
+            f"cuda route without a GPU: {loaded} of {self.loaded['candidates']} "
+            f"compiled extensions load ({other} more are for other "
             f"Pythons), FlashInfer's JIT on the lock's nvcc ({self.jit_modules} module "
             f"build graphs), {len(self.gpu_cases.cases)} GPU cases collected and "
             f"skipped without a device, kernel calls up to dispatch: {self.calls}"
@@ -127,55 +126,9 @@ def load_extensions(
     return result
 
 
-def check_flashinfer_jit(python: Path, stub: Path, results: Path) -> int:
-    """FlashInfer's JIT in the nightly's environment, the stub as libcuda.so.1."""
-    venv = python.parent.parent
-    lock_file = lock.path("cuda", lock.running_python())
-    nvcc_version = cuda_toolchain.check_lock_pins(lock_file)
-    cuda_toolchain.make_link_dir(venv, nvcc_version, stub / driver_stub.SONAME)
-    env = cuda_toolchain.toolchain_env(venv, nvcc_version)
-    if missing := cuda_toolchain.missing_tools(env, cuda_toolchain.link_dir(venv)):
-        raise ForkError(
-            f"the CUDA lock's toolchain is incomplete: {', '.join(missing)}",
-            "check the CUDA lock's nvidia-cuda-* and ninja pins",
-        )
-    work, report = home() / "flashinfer-jit", results / "cuda-route-flashinfer-jit.log"
-    env |= stub_env(stub)
-    return cuda_toolchain.probe_flashinfer_jit(python, env, nvcc_version, work, report)
-
-
-def run_gpu_tests(
-    pins: Pins, python: Path, tree: Path, stub: Path, results: Path
-) -> tuple[pytest_runner.Outcome, pytest_runner.Outcome]:
-    """The GPU tests and the serve test collected (each must skip), and the kernel
-    calls (must pass), which share the GPU modules' run (one vLLM import less)."""
-
-    def run(where: Path, args: list[str], xml: Path, **kwargs) -> pytest_runner.Outcome:
-        output, env = xml.with_suffix(".log"), stub_env(stub)
-        return pytest_runner.run_pytest(
-            python, where, args, xml, output=output, extra_env=env, **kwargs
-        )
-
-    tests = ["-rfEs", *pins.gpu_tests, *pins.cuda_route_tests]
-    in_tree = run(tree, tests, results / "cuda-route-tests.xml")
-    # The required cases of forkbuild's own tests (the serve test), from the GPU table.
-    own = {c.split("::")[0] for c in pins.gpu.all_required()} - set(pins.gpu_tests)
-    xml = results / "cuda-route-serve-gpu.xml"
-    serve = run(REPO_ROOT, ["-rs", *sorted(own)], xml, pythonpath=REPO_ROOT)
-    gpu = part_of(in_tree, pins.gpu_tests)
-    collected = pytest_runner.Outcome(
-        gpu.cases | serve.cases, gpu.reasons | serve.reasons
-    )
-    return collected, part_of(in_tree, pins.cuda_route_tests)
-
-
-def part_of(
-    outcome: pytest_runner.Outcome, modules: tuple[str, ...]
-) -> pytest_runner.Outcome:
+def part_of(outcome: Outcome, modules: tuple[str, ...]) -> Outcome:
     cases = {c: s for c, s in outcome.cases.items() if c.split("::")[0] in modules}
-    return pytest_runner.Outcome(
-        cases, {c: r for c, r in outcome.reasons.items() if c in cases}
-    )
+    return Outcome(cases, {c: r for c, r in outcome.reasons.items() if c in cases})
 
 
 # How every GPU module's skipif reason for lack of a device starts: anything else (an
@@ -184,7 +137,7 @@ NO_DEVICE = "needs an NVIDIA GPU"
 
 
 def check_skipped(
-    collected: pytest_runner.Outcome,
+    collected: Outcome,
     results: Path,
     *,
     where: str = "the CUDA build",
@@ -231,8 +184,6 @@ class Installed:
 
 def install(pins: Pins, results: Path) -> Installed:
     """The route's first half: what the GPU bundle is made from (bundle/check.py)."""
-    from forkbuild.core import preflight
-
     if preflight.has_nvidia_gpu():  # the stub is for machines without a driver only
         raise ForkError(
             "this machine has a GPU: the CUDA route runs there", "run `make nightly`"
@@ -251,18 +202,38 @@ def install(pins: Pins, results: Path) -> Installed:
 def check(pins: Pins, results: Path, route: Installed) -> Result:
     """The route's second half: FlashInfer's JIT, the GPU cases and the kernel calls."""
     python, tree, stub = route.route
-    jit_modules = check_flashinfer_jit(python, stub, results)
+    # FlashInfer's JIT in the nightly's environment, the stub as libcuda.so.1.
+    nvcc = cuda_toolchain.check_lock_pins(lock.path("cuda", lock.running_python()))
+    venv, libcuda = python.parent.parent, stub / driver_stub.SONAME
+    env = cuda_toolchain.prepare_toolchain(venv, nvcc, libcuda) | stub_env(stub)
+    work, report = home() / "flashinfer-jit", results / "cuda-route-flashinfer-jit.log"
+    jit_modules = cuda_toolchain.probe_flashinfer_jit(python, env, nvcc, work, report)
     log.step(
         f"cuda route: FlashInfer's JIT finds the lock's nvcc and ninja; {jit_modules} "
         "paged prefill build graphs resolve, a CUDA file compiles and links"
     )
-    collected, calls = run_gpu_tests(pins, python, tree, stub, results)
+    # The GPU tests and the serve test collected (each must skip), and the kernel calls
+    # (must pass), which share the GPU modules' run (one vLLM import less).
+
+    def run(where: Path, args: list[str], xml: Path, **kwargs) -> Outcome:
+        output, stubbed = xml.with_suffix(".log"), stub_env(stub)
+        return pytest_runner.run_pytest(
+            python, where, args, xml, output=output, extra_env=stubbed, **kwargs
+        )
+
+    tests = ["-rfEs", *pins.gpu_tests, *pins.cuda_route_tests]
+    in_tree = run(tree, tests, results / "cuda-route-tests.xml")
+    # The required cases of forkbuild's own tests (the serve test), from the GPU table.
+    own = {c.split("::")[0] for c in pins.gpu.all_required()} - set(pins.gpu_tests)
+    xml = results / "cuda-route-serve-gpu.xml"
+    serve = run(REPO_ROOT, ["-rs", *sorted(own)], xml, pythonpath=REPO_ROOT)
+    gpu = part_of(in_tree, pins.gpu_tests)
+    calls = part_of(in_tree, pins.cuda_route_tests)
+    collected = Outcome(gpu.cases | serve.cases, gpu.reasons | serve.reasons)
     check_skipped(collected, results)
     if calls.failed or calls.errors or calls.skipped or not calls.passed:
         raise ForkError(
             f"the kernel test's calls do not reach the CUDA ops' dispatch: {calls}",
             f"see {results / 'cuda-route-tests.log'}",
         )
-    loaded = route.loaded
-    counts = len(loaded["loaded"]), loaded["candidates"], len(loaded["other_pythons"])
-    return Result(*counts, jit_modules, collected, calls, route.route)
+    return Result(route.loaded, jit_modules, collected, calls)

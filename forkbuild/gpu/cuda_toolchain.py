@@ -11,15 +11,16 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
+from packaging.version import Version
+
 from forkbuild.core import log
 from forkbuild.core.errors import ForkError
 from forkbuild.core.pins import REPO_ROOT
 from forkbuild.setup import install, lock
 
 # What the GPU runs need from the CUDA lock: FlashInfer 0.6.13 JIT-compiles its paged
-# prefill and decode modules with nvcc (nvidia-cuda-nvcc, its cicc in nvidia-nvvm, the
-# headers of nvidia-cuda-crt and nvidia-cuda-runtime) and a bare `ninja` from PATH, and
-# links them against libcudart; pytest-timeout gives PER_CASE_TIMEOUT.
+# prefill and decode modules with nvcc (its cicc in nvidia-nvvm, headers in -crt and
+# -runtime) and `ninja` from PATH; pytest-timeout gives PER_CASE_TIMEOUT.
 LOCK_PINS = ("ninja", "nvidia-cuda-nvcc", "nvidia-nvvm", "nvidia-cuda-crt")
 LOCK_PINS += ("nvidia-cuda-runtime", "pytest-timeout")
 
@@ -38,25 +39,20 @@ def check_lock_pins(lock_file: Path) -> str:
             "`make lock`",
         )
     nvcc, runtime = pinned["nvidia-cuda-nvcc"], pinned["nvidia-cuda-runtime"]
+    cuda = Version(runtime).release[:2]
     # FlashInfer's CCCL (cuda/std/__cccl/cuda_toolkit.h) stops every JIT build whose
-    # nvcc is not of the CUDA major.minor of the toolkit headers (cuda_runtime_api.h,
-    # from nvidia-cuda-runtime, which torch pins): "CUDA compiler and CUDA toolkit
-    # headers are incompatible".
-    if _major_minor(nvcc) != _major_minor(runtime):
+    # nvcc is not of the CUDA major.minor of nvidia-cuda-runtime's headers (torch pins
+    # it): "CUDA compiler and CUDA toolkit headers are incompatible".
+    if Version(nvcc).release[:2] != cuda:
         raise ForkError(
             f"{lock_file.name} pins nvidia-cuda-nvcc {nvcc} but nvidia-cuda-runtime "
             f"{runtime}: FlashInfer's JIT builds refuse an nvcc of another CUDA "
             "version than the headers",
             f"pin nvidia-cuda-nvcc, nvidia-nvvm and nvidia-cuda-crt of CUDA "
-            f"{'.'.join(_major_minor(runtime))} in fork.toml [routes.cuda] and run "
+            f"{'.'.join(map(str, cuda))} in fork.toml [routes.cuda] and run "
             "`make lock`",
         )
     return nvcc
-
-
-def _major_minor(version: str) -> tuple[str, str]:
-    major, minor, *_ = version.split(".") + ["0"]
-    return major, minor
 
 
 def _resolves(command: str | None, path: str) -> bool:
@@ -96,11 +92,6 @@ def check_gpu_toolchain(lock_file: Path, env: Mapping[str, str] = os.environ) ->
     return check_lock_pins(lock_file)
 
 
-def cuda_home(venv: Path, nvcc_version: str) -> Path:
-    """The lock's toolkit: bin/, nvvm/, include/, lib/ (no lib64: see link_dir)."""
-    return install.site_packages(venv) / "nvidia" / f"cu{nvcc_version.split('.')[0]}"
-
-
 def link_dir(venv: Path) -> Path:
     """Link names for FlashInfer's `c++ ... -lcudart -lcuda`: the wheels have only
     libcudart.so.NN, many drivers only libcuda.so.1 (the sonames torch loads)."""
@@ -112,7 +103,8 @@ def toolchain_env(
 ) -> dict[str, str]:
     """On top of BASE. CUDA_HOME is the lock's even where the agent has one: FlashInfer
     takes nvcc, headers and libcudart from it, for the CUDA torch was built for."""
-    home = cuda_home(venv, nvcc_version)
+    # The lock's toolkit: bin/, nvvm/, include/, lib/ (no lib64: see link_dir).
+    home = install.site_packages(venv) / "nvidia" / f"cu{nvcc_version.split('.')[0]}"
     path = _join(venv / "bin", home / "bin", base.get("PATH", ""))
     library_path = _join(link_dir(venv), base.get("LIBRARY_PATH", ""))
     return {"PATH": path, "CUDA_HOME": str(home), "LIBRARY_PATH": library_path}
@@ -139,48 +131,37 @@ def _ldconfig_cache() -> str:
     return done.stdout if done else ""
 
 
-def make_link_dir(venv: Path, nvcc_version: str, libcuda: Path | None) -> None:
-    """link_dir(VENV) afresh, libcuda.so to LIBCUDA (None: not found)."""
-    if libcuda is None:
+def prepare_toolchain(
+    venv: Path, nvcc_version: str, libcuda: Path | None = None
+) -> dict[str, str]:
+    """After the install: link_dir(VENV) afresh, libcuda.so to LIBCUDA (else the
+    driver's), and toolchain_env once all resolve there."""
+    if (libcuda := libcuda or driver_libcuda(_ldconfig_cache())) is None:
         raise ForkError(
             "the driver's libcuda.so.1 is not in the dynamic linker's cache (ldconfig "
             "-p): Triton and FlashInfer link their kernels' modules against it",
             "install the NVIDIA driver's libraries on the agent (or run ldconfig)",
         )
-    links = link_dir(venv)
+    env = toolchain_env(venv, nvcc_version)
+    links, home = link_dir(venv), Path(env["CUDA_HOME"])
     shutil.rmtree(links, ignore_errors=True)
     links.mkdir(parents=True)
     cudart = f"libcudart.so.{nvcc_version.split('.')[0]}"
-    (links / "libcudart.so").symlink_to(cuda_home(venv, nvcc_version) / "lib" / cudart)
+    (links / "libcudart.so").symlink_to(home / "lib" / cudart)
     (links / "libcuda.so").symlink_to(libcuda)
-
-
-def missing_tools(env: Mapping[str, str], links: Path) -> list[str]:
-    """What ENV (toolchain_env) and LINKS (link_dir) lack."""
-    home = Path(env["CUDA_HOME"])
+    if (agent_home := os.environ.get("CUDA_HOME", str(home))) != str(home):
+        log.step(f"CUDA_HOME={home} (the lock's) instead of the agent's {agent_home}")
     missing = [] if shutil.which("ninja", path=env["PATH"]) else ["ninja on PATH"]
     tools = (home / "bin" / "nvcc", home / "nvvm" / "bin" / "cicc")
     missing += [str(tool) for tool in tools if not os.access(tool, os.X_OK)]
     # exists() is False for a dangling link
-    links = (links / "libcudart.so", links / "libcuda.so")
-    return missing + [str(link) for link in links if not link.exists()]
-
-
-def prepare_toolchain(venv: Path, nvcc_version: str) -> dict[str, str]:
-    """After the install: the link names, and toolchain_env once all resolve there."""
-    make_link_dir(venv, nvcc_version, driver_libcuda(_ldconfig_cache()))
-    env = toolchain_env(venv, nvcc_version)
-    if os.environ.get("CUDA_HOME", env["CUDA_HOME"]) != env["CUDA_HOME"]:
-        log.step(
-            f"nightly: CUDA_HOME={env['CUDA_HOME']} (the lock's) instead of the "
-            f"agent's {os.environ['CUDA_HOME']}"
-        )
-    if missing := missing_tools(env, link_dir(venv)):
+    missing += [str(link) for link in sorted(links.iterdir()) if not link.exists()]
+    if missing:
         raise ForkError(
-            "the installed CUDA toolchain is incomplete, missing: "
+            f"the CUDA toolchain installed in {venv} is incomplete, missing: "
             f"{', '.join(missing)}",
-            "the venv does not hold what the CUDA lock pins: rerun `make install "
-            "ROUTE=cuda`",
+            "the venv lacks what the CUDA lock pins: check its nvidia-cuda-* and ninja "
+            "pins, and rerun the install (`make install ROUTE=cuda`)",
         )
     return env
 
@@ -192,13 +173,11 @@ def probe_flashinfer_jit(
     not in the first FlashInfer case. Returns how many build graphs it checked."""
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    command = [str(python), "-m", "forkbuild.gpu.flashinfer_jit_probe", str(work)]
+    probe = [str(python), "-m", "forkbuild.gpu.flashinfer_jit_probe", str(work)]
     run_env = {**os.environ, **env, "PYTHONPATH": str(REPO_ROOT)}
     run_env["FLASHINFER_WORKSPACE_BASE"] = str(work)
     run_env["FLASHINFER_CUDA_ARCH_LIST"] = "8.0 9.0a"
-    done = subprocess.run(
-        command, cwd=work, env=run_env, capture_output=True, text=True
-    )
+    done = subprocess.run(probe, cwd=work, env=run_env, capture_output=True, text=True)
     report.write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         raise ForkError(

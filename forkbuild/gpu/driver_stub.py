@@ -17,38 +17,23 @@ CUDA_ERROR_NO_DEVICE = 100
 DRIVER_SYMBOL = re.compile(r"cu[A-Z][A-Za-z0-9_]*")
 
 
-def _dynamic_segment(elf):
-    """The PT_DYNAMIC segment of ELF or None (a stripped object may lack sections)."""
-    return next(
-        (seg for seg in elf.iter_segments() if seg.header.p_type == "PT_DYNAMIC"), None
-    )
-
-
-def needed_libraries(path: Path) -> list[str]:
-    """The sonames (DT_NEEDED) of the ELF shared object PATH."""
+def needed_and_imported(path: Path) -> tuple[list[str], list[str]]:
+    """The sonames (DT_NEEDED) of the ELF shared object PATH, and the driver entry
+    points it imports."""
     from elftools.elf.elffile import ELFFile  # the CUDA venv's pyelftools
 
     with open(path, "rb") as handle:
-        dynamic = _dynamic_segment(ELFFile(handle))
+        # The segment, not the .dynamic section: a stripped object may lack sections.
+        segments = ELFFile(handle).iter_segments()
+        dynamic = next((s for s in segments if s.header.p_type == "PT_DYNAMIC"), None)
         if dynamic is None:
-            return []
-        return [
-            tag.needed for tag in dynamic.iter_tags() if tag.entry.d_tag == "DT_NEEDED"
-        ]
-
-
-def needs_driver(path: Path) -> list[str] | None:
-    """The driver entry points PATH imports; None when it does not link the driver."""
-    from elftools.elf.elffile import ELFFile
-
-    if SONAME not in needed_libraries(path):
-        return None
-    with open(path, "rb") as handle:
-        return sorted(
-            sym.name
-            for sym in _dynamic_segment(ELFFile(handle)).iter_symbols()
-            if sym["st_shndx"] == "SHN_UNDEF" and DRIVER_SYMBOL.fullmatch(sym.name)
-        )
+            return [], []
+        tags = dynamic.iter_tags()
+        needed = [tag.needed for tag in tags if tag.entry.d_tag == "DT_NEEDED"]
+        symbols = dynamic.iter_symbols()
+        undefined = [sym.name for sym in symbols if sym["st_shndx"] == "SHN_UNDEF"]
+        imported = [name for name in undefined if DRIVER_SYMBOL.fullmatch(name)]
+    return needed, imported
 
 
 def c_source(symbols: list[str]) -> str:
@@ -70,7 +55,8 @@ def build(tree: Path, out_dir: Path) -> tuple[Path, list[str], list[str]]:
     users: list[str] = []
     symbols: set[str] = set()
     for path in sorted((tree / "vllm").rglob("*.so")):
-        if (imported := needs_driver(path)) is not None:
+        needed, imported = needed_and_imported(path)
+        if SONAME in needed:
             users.append(str(path.relative_to(tree)))
             symbols.update(imported)
     if not symbols:

@@ -8,6 +8,7 @@ driver by soname."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -15,11 +16,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from forkbuild.gpu.driver_stub import needed_libraries
+from forkbuild.gpu.driver_stub import needed_and_imported
 
-# A runtime call and a driver call (one the wheel's extensions import, so the stub
-# defines it): gcc links --as-needed on Debian, so an unused -lcuda would leave no
-# trace.
+# A runtime and a driver call (one the extensions import, so the stub defines it): gcc
+# links --as-needed on Debian, so an unused -lcuda would leave no trace.
 PROBE_CU = """#include <cuda_runtime.h>
 extern "C" int cuCtxGetCurrent(void **context);
 __global__ void k(float *x) { x[threadIdx.x] += 1; }
@@ -29,30 +29,11 @@ extern "C" int probe(float *x) { void *c; cuCtxGetCurrent(&c);
 LINKED = ("libcudart.so.13", "libcuda.so.1")
 
 
-def build_graphs() -> dict[str, bool]:
-    """Module name -> whether its ninja build graph resolves and runs nvcc."""
-    import torch
-    from flashinfer.prefill import gen_batch_prefill_module
-
-    # q, kv and o bf16, int32 indices, head size 64 for q/k and v, no position encoding
-    args = (torch.bfloat16,) * 3 + (torch.int32, 64, 64, 0)
-    found = {}
-    for backend in ("fa2", "fa3"):
-        for sliding in (False, True):
-            spec = gen_batch_prefill_module(backend, *args, sliding, False, False)
-            spec.write_ninja()
-            dry = ["ninja", "-n", "-C", str(spec.build_dir)]
-            resolved = subprocess.run(dry, capture_output=True, check=False).returncode
-            found[spec.name] = resolved == 0 and "nvcc" in spec.ninja_path.read_text()
-    return found
-
-
 def compile_and_link(cuda_home: str, work: Path) -> tuple[bool, str, list[str]]:
     """(compiled, error, sonames of LINKED needed): nvcc compiles, c++ links."""
     source, obj, lib = work / "probe.cu", work / "probe.cuda.o", work / "probe.so"
     source.write_text(PROBE_CU)
-    nvcc = os.path.join(cuda_home, "bin", "nvcc")
-    cxx = os.environ.get("CXX", "c++")
+    nvcc, cxx = os.path.join(cuda_home, "bin", "nvcc"), os.environ.get("CXX", "c++")
     steps = (
         [nvcc, "-c", "-Xcompiler", "-fPIC", "-arch=sm_80", str(source), "-o", str(obj)],
         [cxx, "-shared", str(obj), "-o", str(lib), "-lcudart", "-lcuda"],
@@ -64,20 +45,33 @@ def compile_and_link(cuda_home: str, work: Path) -> tuple[bool, str, list[str]]:
             return False, f"{step[0]} not found: {exc}", []
         if built.returncode != 0:
             return False, (built.stderr or built.stdout)[-800:], []
-    return True, "", sorted(n for n in needed_libraries(lib) if n in LINKED)
+    return True, "", sorted(n for n in needed_and_imported(lib)[0] if n in LINKED)
 
 
 def probe(work: Path) -> dict:
+    """The report; "modules": module name -> whether its ninja build graph resolves
+    and runs nvcc."""
+    import torch
     from flashinfer.jit import cpp_ext
+    from flashinfer.prefill import gen_batch_prefill_module
 
     cuda_home = cpp_ext.get_cuda_path()
     compiled, error, links = compile_and_link(cuda_home, work)
+    # q, kv and o bf16, int32 indices, head size 64 for q/k and v, no position encoding
+    args = (torch.bfloat16,) * 3 + (torch.int32, 64, 64, 0)
+    modules = {}
+    for backend, sliding in itertools.product(("fa2", "fa3"), (False, True)):
+        spec = gen_batch_prefill_module(backend, *args, sliding, False, False)
+        spec.write_ninja()
+        dry = ["ninja", "-n", "-C", str(spec.build_dir)]
+        resolved = subprocess.run(dry, capture_output=True, check=False).returncode
+        modules[spec.name] = resolved == 0 and "nvcc" in spec.ninja_path.read_text()
     return {
         "cuda_home": cuda_home,
         "ninja": shutil.which("ninja"),
         "nvcc": shutil.which("nvcc"),
         "cuda_version": str(cpp_ext.get_cuda_version()),
-        "modules": build_graphs(),
+        "modules": modules,
         "compiled": compiled,
         "compile_error": error,
         "links": links,

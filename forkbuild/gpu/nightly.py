@@ -12,6 +12,7 @@ from pathlib import Path
 from forkbuild.core import log, preflight, pytest_runner
 from forkbuild.core.errors import ForkError
 from forkbuild.core.pins import REPO_ROOT, GpuKind, Pins, build_dir
+from forkbuild.core.pytest_runner import Outcome
 from forkbuild.gpu import cuda_toolchain
 from forkbuild.gpu import required as gpu_required
 from forkbuild.gpu.required import PER_CASE_TIMEOUT
@@ -29,9 +30,8 @@ STEP_LIMIT_MIN = 60  # the pipeline's timeout_in_minutes (forkbuild/gpu/pipeline
 
 def out_dir() -> Path:
     """FORK_NIGHTLY_OUT, relative to the repository root as the artifact_paths are."""
-    return REPO_ROOT / (
-        os.environ.get("FORK_NIGHTLY_OUT") or build_dir() / "gpu-nightly"
-    )
+    out = os.environ.get("FORK_NIGHTLY_OUT") or build_dir() / "gpu-nightly"
+    return REPO_ROOT / out
 
 
 def _query_gpus() -> str:
@@ -60,24 +60,35 @@ def run(pins: Pins) -> str:
     capabilities = gpu_required.parse_nvidia_smi(gpus, visible)
     kind, required = gpu_required.select(capabilities, pins.gpu)
     log.step(f"nightly: {kind.name}, {len(required)} case(s) that must run")
-    lock_file = lock.path("cuda", lock.running_python())
-    nvcc_version = cuda_toolchain.check_gpu_toolchain(lock_file)
+    nvcc = cuda_toolchain.check_gpu_toolchain(lock.path("cuda", lock.running_python()))
     python, tree_path, _ = install.install(pins, "cuda")
-    env = cuda_toolchain.prepare_toolchain(python.parent.parent, nvcc_version)
-    check_jit(python, env, nvcc_version, out)
+    env = cuda_toolchain.prepare_toolchain(python.parent.parent, nvcc)
+    # FlashInfer's JIT toolchain on this agent, in seconds, before the tests.
+    where = (out / "flashinfer-jit", out / "flashinfer-jit.log")
+    modules = cuda_toolchain.probe_flashinfer_jit(python, env, nvcc, *where)
+    log.step(
+        f"nightly: FlashInfer's JIT finds the lock's nvcc and ninja ({modules} module "
+        "build graphs), and a CUDA file compiles and links on this agent"
+    )
     *runs, killed = _runs(pins, python, tree_path, env, out)
     return conclude(kind, required, *runs, out, benchmark_killed=killed)
 
 
 def _runs(
     pins: Pins, python: Path, tree: Path, env: dict[str, str], out: Path
-) -> tuple[pytest_runner.Outcome, pytest_runner.Outcome, int, str]:
+) -> tuple[Outcome, Outcome, int, str]:
     """The runs' outcomes, the benchmark's exit status, why it was stopped (or "")."""
     forked, limits = ["--forked", "-v", "-rs", *PER_CASE_TIMEOUT], RUN_LIMITS_S
 
-    def run(where: Path, tests, xml: str, limit: str, **kw) -> pytest_runner.Outcome:
+    def run(where: Path, tests, xml: str, limit: str, **kw) -> Outcome:
+        """A run pytest could not carry out becomes an outcome that says so."""
         kw |= {"extra_env": env, "timeout_s": limits[limit]}
-        return _run_or_note(python, where, [*forked, *tests], out / xml, **kw)
+        args = [*forked, *tests]
+        try:
+            return pytest_runner.run_pytest(python, where, args, out / xml, **kw)
+        except ForkError as exc:
+            log.step(f"nightly: {exc}")
+            return Outcome({}, killed=f"could not run: {exc}")
 
     gpu_tests = run(tree, pins.gpu_tests, "gpu-tests.xml", "gpu-tests")
     serve_test = ["forkbuild/tests/test_serve_gpu.py"]
@@ -93,30 +104,11 @@ def _runs(
     return gpu_tests, serve, code, killed if stopped else ""
 
 
-def check_jit(python: Path, env: dict[str, str], nvcc_version: str, out: Path) -> None:
-    """FlashInfer's JIT toolchain on this agent, in seconds, before the tests."""
-    where = (out / "flashinfer-jit", out / "flashinfer-jit.log")
-    modules = cuda_toolchain.probe_flashinfer_jit(python, env, nvcc_version, *where)
-    log.step(
-        f"nightly: FlashInfer's JIT finds the lock's nvcc and ninja ({modules} module "
-        "build graphs), and a CUDA file compiles and links on this agent"
-    )
-
-
-def _run_or_note(*args, **kwargs) -> pytest_runner.Outcome:
-    """run_pytest; a run pytest could not carry out becomes an outcome that says so."""
-    try:
-        return pytest_runner.run_pytest(*args, **kwargs)
-    except ForkError as exc:
-        log.step(f"nightly: {exc}")
-        return pytest_runner.Outcome({}, killed=f"could not run: {exc}")
-
-
 def conclude(
     kind: GpuKind,
     required: tuple[str, ...],
-    gpu_tests: pytest_runner.Outcome,
-    serve: pytest_runner.Outcome,
+    gpu_tests: Outcome,
+    serve: Outcome,
     benchmark_exit: int,
     out: Path,
     *,
@@ -146,9 +138,7 @@ def conclude(
     line = f"summary: {passed} passed, {failed} failed, {skipped} skipped, "
     line += f"{xfailed} xfailed"
     if failed or not_run or killed:
-        for problem in (*killed, *not_run):
-            print(problem)
-        print(line)
+        print(*killed, *not_run, line, sep="\n")
         raise ForkError(
             f"the nightly GPU job failed on {kind.name}: {failed} failed (benchmark "
             f"exit {benchmark_exit}), {len(not_run)} required case(s) did not run, "

@@ -8,7 +8,7 @@ import textwrap
 
 import yaml
 
-from forkbuild.core.pins import GpuKind, GpuTable
+from forkbuild.core.pins import GpuTable
 from forkbuild.gpu import nightly
 
 COMMAND = "bash .ci/gpu-nightly"  # = make nightly
@@ -27,33 +27,25 @@ def _short(node: str) -> str:
 
 def steps(table: GpuTable) -> list[dict]:
     """One step per agent queue, newest kind first, its reports from its own folder."""
-    found = []
-    for kind in reversed(table.kinds):
-        for queue, count in kind.queues:
-            out = f"{OUT_ROOT}/{queue}"
-            found.append(
-                {
-                    "label": f"#47054 nightly, {kind.name} ({_gpus(count)}: "
-                    f"{len(kind.required(count))} required cases)",
-                    "key": f"nightly-{queue}",
-                    "agents": {"queue": queue},
-                    "command": COMMAND,
-                    "env": {"FORK_NIGHTLY_OUT": out},
-                    "timeout_in_minutes": nightly.STEP_LIMIT_MIN,
-                    "retry": {"automatic": [{"exit_status": -1, "limit": 1}]},
-                    "artifact_paths": [f"{out}/{pattern}" for pattern in REPORTS],
-                }
-            )
-    return found
+    return [
+        {
+            "label": f"#47054 nightly, {kind.name} ({_gpus(count)}: "
+            f"{len(kind.required(count))} required cases)",
+            "key": f"nightly-{queue}",
+            "agents": {"queue": queue},
+            "command": COMMAND,
+            "env": {"FORK_NIGHTLY_OUT": f"{OUT_ROOT}/{queue}"},
+            "timeout_in_minutes": nightly.STEP_LIMIT_MIN,
+            "retry": {"automatic": [{"exit_status": -1, "limit": 1}]},
+            "artifact_paths": [f"{OUT_ROOT}/{queue}/{p}" for p in REPORTS],
+        }
+        for kind in reversed(table.kinds)
+        for queue, count in kind.queues
+    ]
 
 
 def steps_yaml(table: GpuTable) -> str:
     return yaml.safe_dump({"steps": steps(table)}, sort_keys=False, width=88)
-
-
-def _queues(kind: GpuKind) -> str:
-    named = [f"`{queue}` ({_gpus(count)})" for queue, count in kind.queues]
-    return ("queue " if len(named) == 1 else "queues ") + ", ".join(named)
 
 
 def kinds_prose(table: GpuTable) -> str:
@@ -68,8 +60,10 @@ def kinds_prose(table: GpuTable) -> str:
         if multi:
             what += "; with two GPUs also " + ", ".join(map(_short, multi))
         verb = "adds" if kind is not table.kinds[0] else "must run"
+        named = [f"`{queue}` ({_gpus(count)})" for queue, count in kind.queues]
+        queues = ("queue " if len(named) == 1 else "queues ") + ", ".join(named)
         item = f"- {kind.name} (compute capability {major}.{minor} and newer; "
-        lines.append(_wrap(item + f"{_queues(kind)}) {verb} {what}.", "  "))
+        lines.append(_wrap(item + f"{queues}) {verb} {what}.", "  "))
     return "\n".join(lines)
 
 

@@ -12,7 +12,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from forkbuild.core.errors import ForkError
-from forkbuild.core.pins import Capability, GpuKind, GpuTable, capability
+from forkbuild.core.pins import Capability, GpuKind, GpuTable, capability, load
 from forkbuild.core.pytest_runner import Outcome
 
 CASE_LIMIT_S = 600  # seconds: a FlashInfer JIT build and its kernels, or two engines
@@ -31,23 +31,6 @@ class Gpu:
     index: int  # nvidia-smi's index (PCI bus order)
     uuid: str  # GPU-xxxxxxxx-...
     capability: Capability
-
-
-def parse_gpus(csv_text: str) -> list[Gpu]:
-    """Every GPU of `nvidia-smi --query-gpu=NVIDIA_SMI_QUERY --format=csv`."""
-    rows = list(csv.reader(io.StringIO(csv_text), skipinitialspace=True))
-    header = [name.strip() for name in rows[0]] if rows else []
-    if not {"index", "uuid", "compute_cap"} <= set(header):
-        raise ForkError(
-            "nvidia-smi did not report the GPUs' index, uuid and compute capabilities: "
-            f"{csv_text.strip()!r}",
-            f"check the driver with `nvidia-smi --query-gpu={NVIDIA_SMI_QUERY} "
-            "--format=csv`",
-        )
-    gpus = [dict(zip(header, (cell.strip() for cell in row))) for row in rows[1:]]
-    return [
-        Gpu(int(g["index"]), g["uuid"], capability(g["compute_cap"])) for g in gpus if g
-    ]
 
 
 def visible_gpus(gpus: list[Gpu], cuda_visible_devices: str | None) -> list[Gpu]:
@@ -82,20 +65,30 @@ def visible_gpus(gpus: list[Gpu], cuda_visible_devices: str | None) -> list[Gpu]
     return chosen
 
 
-def parse_nvidia_smi(
-    csv_text: str, cuda_visible_devices: str | None = None
-) -> list[Capability]:
-    """Each visible GPU's compute capability: one GPU of two is asked no TP=2 case."""
-    gpus = parse_gpus(csv_text)
-    visible = visible_gpus(gpus, cuda_visible_devices)
-    if gpus and not visible:
+def parse_nvidia_smi(csv_text: str, visible: str | None = None) -> list[Capability]:
+    """Compute capabilities of the GPUs VISIBLE (CUDA_VISIBLE_DEVICES) shows, from
+    `nvidia-smi --query-gpu=NVIDIA_SMI_QUERY --format=csv`: one of two gets no TP=2."""
+    reader = csv.DictReader(io.StringIO(csv_text), skipinitialspace=True)
+    if not {"index", "uuid", "compute_cap"} <= set(reader.fieldnames or ()):
         raise ForkError(
-            f"CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} leaves none of the "
+            "nvidia-smi did not report the GPUs' index, uuid and compute capabilities: "
+            f"{csv_text.strip()!r}",
+            f"check the driver with `nvidia-smi --query-gpu={NVIDIA_SMI_QUERY} "
+            "--format=csv`",
+        )
+    gpus = [
+        Gpu(int(g["index"]), g["uuid"].strip(), capability(g["compute_cap"].strip()))
+        for g in reader
+    ]
+    shown = visible_gpus(gpus, visible)
+    if gpus and not shown:
+        raise ForkError(
+            f"CUDA_VISIBLE_DEVICES={visible!r} leaves none of the "
             f"{len(gpus)} GPU(s) nvidia-smi lists visible",
             "name the agent's GPUs by index or UUID as gpus.csv lists them, "
             "or unset it",
         )
-    return [gpu.capability for gpu in visible]
+    return [gpu.capability for gpu in shown]
 
 
 def select(
@@ -103,7 +96,7 @@ def select(
 ) -> tuple[GpuKind, tuple[str, ...]]:
     """The kind of this machine and the cases it must run. With mixed GPUs the weakest
     decides: a case may land on any of them (TP=2 uses two)."""
-    table = table or _table()
+    table = table or load().gpu
     if not capabilities:
         raise ForkError(
             "nvidia-smi listed no GPU", "check the driver with `nvidia-smi -L`"
@@ -122,20 +115,11 @@ def select(
     return kind, kind.required(len(capabilities))
 
 
-def _table() -> GpuTable:
-    from forkbuild.core import pins
-
-    return pins.load().gpu
-
-
-def not_run(required: Iterable[str], outcomes: Iterable[Outcome]) -> list[str]:
+def not_run(required: Iterable[str], outcomes: Collection[Outcome]) -> list[str]:
     """One line per required case skipped (with pytest's reason) or never reported;
     not failures and errors, which the job counts already."""
-    cases: dict[str, str] = {}
-    reasons: dict[str, str] = {}
-    for outcome in outcomes:
-        cases |= outcome.cases
-        reasons |= outcome.reasons
+    cases = {node: status for o in outcomes for node, status in o.cases.items()}
+    reasons = {node: why for o in outcomes for node, why in o.reasons.items()}
     lines, absent = [], "required but not run (not collected or not reported)"
     for node in required:
         if (status := cases.get(node)) is None:
@@ -150,7 +134,7 @@ def check_collected(
     collected: Collection[str], required: Collection[str] | None = None
 ) -> None:
     """Every required node id among COLLECTED on CPU: a rename fails here, not later."""
-    required = _table().all_required() if required is None else required
+    required = load().gpu.all_required() if required is None else required
     if missing := sorted(set(required) - set(collected)):
         raise ForkError(
             f"{len(missing)} node id(s) that the nightly GPU job requires are not "

@@ -27,9 +27,7 @@ REPORTS = ["gpus.csv", "gpu-tests.xml", "serve-gpu.xml", "benchmark.json"]
 REPORTS += ["summary.json"]
 NIGHTLY, CI = (yaml.safe_load(path.read_text()) for path in (PIPELINE, CI_PIPELINE))
 
-
-# No skip when buildkite-sdk is absent: it is part of the test toolchain, and a
-# pipeline nobody validated must not pass quietly.
+# No skip without buildkite-sdk, a test tool: an unvalidated pipeline must not pass.
 SCHEMA = json.loads((files("buildkite_sdk") / "schema.json").read_text())
 
 
@@ -42,36 +40,35 @@ def _errors(instance, definition: str | None = None) -> list[str]:
     ]
 
 
-def test_the_schema_is_buildkites_draft_07():
+def test_the_schema_is_buildkites_draft_07_and_refuses_broken_steps():
     assert SCHEMA["$schema"] == "http://json-schema.org/draft-07/schema#"
     assert SCHEMA["definitions"]["commandStep"]["additionalProperties"] is False
     jsonschema.Draft7Validator.check_schema(SCHEMA)
-
-
-def test_the_schema_refuses_the_test_area_shape():
     # The keys of vLLM's test_areas files, which its generator drops, are no step keys.
     step = dict(NIGHTLY["steps"][0], device="h100", num_devices=1, nightly=True)
     step["source_file_dependencies"] = ["fork.toml"]
     (error,) = _errors(step, "commandStep")
     assert "Additional properties are not allowed" in error
     assert _errors({**NIGHTLY, "steps": [step]}) != []
+    # The same on a CI step with a misspelt key and a timeout that is no number.
+    first = _command_steps(CI)[0]
+    step = dict(first, artifacts_paths=["build/test-results/*.xml"])
+    assert any("Additional properties" in e for e in _errors(step, "commandStep"))
+    step = dict(first, timeout_in_minutes="forty-five")
+    assert _errors(step, "commandStep") != []
+    assert _errors({**CI, "steps": [step]}) != []
 
 
-def test_every_step_targets_a_queue_of_the_gpu_table_with_a_timeout():
+def test_every_nightly_step_has_a_gpu_queue_a_file_to_run_its_reports(monkeypatch):
     steps = NIGHTLY["steps"]
     queues = sorted(step["agents"]["queue"] for step in steps)
     assert queues == sorted(pins.load().gpu.queues), queues
     assert len({step["key"] for step in steps}) == len(steps)
     assert all(step.get("timeout_in_minutes") for step in steps)
-
-
-def test_every_command_runs_a_file_of_this_repository():
-    for step in NIGHTLY["steps"]:
+    for step in steps:  # each command runs a file of this repository
         interpreter, script = shlex.split(step["command"])
         assert interpreter == "bash" and (REPO_ROOT / script).is_file(), step["label"]
-
-
-def test_artifacts_are_the_reports_in_the_nightly_output_folder(monkeypatch):
+    # Its artifacts are the reports in the nightly's output folder.
     monkeypatch.delenv("FORK_NIGHTLY_OUT", raising=False)
     monkeypatch.delenv("VLLM_FORK_BUILD", raising=False)
     default = PurePosixPath(nightly.out_dir().relative_to(REPO_ROOT).as_posix())
@@ -94,9 +91,8 @@ def test_artifacts_are_the_reports_in_the_nightly_output_folder(monkeypatch):
 # -- the fork's CI on every push and pull request --------------------------------------
 def _step_kind(step) -> str:
     """The schema definition of STEP's kind (a wait step, else a command step)."""
-    if step in ("wait", "waiter") or isinstance(step, dict) and "wait" in step:
-        return "waitStep"
-    return "commandStep"
+    wait = step in ("wait", "waiter") or isinstance(step, dict) and "wait" in step
+    return "waitStep" if wait else "commandStep"
 
 
 def _command_steps(pipeline: dict) -> list[dict]:
@@ -115,18 +111,7 @@ def test_the_pipelines_are_valid_for_buildkite(pipeline):
     assert set(pipeline) <= set(SCHEMA["properties"]), set(pipeline)
 
 
-def test_the_schema_refuses_a_broken_ci_pipeline():
-    # The same check on a step with a misspelt key and a timeout that is no number.
-    first = _command_steps(CI)[0]
-    step = dict(first, artifacts_paths=["build/test-results/*.xml"])
-    errors = _errors(step, "commandStep")
-    assert any("Additional properties" in e for e in errors)
-    step = dict(first, timeout_in_minutes="forty-five")
-    assert _errors(step, "commandStep") != []
-    assert _errors({**CI, "steps": [step]}) != []
-
-
-def test_the_ci_pipeline_runs_make_test_on_a_cpu_queue_in_time():
+def test_the_ci_pipeline_runs_make_test_on_a_cpu_queue_in_time(monkeypatch):
     # one job: make test runs its parts at once itself
     (step,) = _command_steps(CI)
     assert 2 * CI_RUN_MIN <= step["timeout_in_minutes"] <= CI_LIMIT_MIN
@@ -138,10 +123,8 @@ def test_the_ci_pipeline_runs_make_test_on_a_cpu_queue_in_time():
     assert step["agents"]["queue"] not in gpu_queues
     assert "gpu" not in step["agents"]["queue"]
     assert step["key"] not in {s["key"] for s in NIGHTLY["steps"]}
-
-
-def test_the_ci_keeps_the_download_cache_where_forkbuild_reads_it(monkeypatch):
-    env = _command_steps(CI)[0]["env"]
+    # The download cache where forkbuild reads it.
+    env = step["env"]
     cache = PurePosixPath(env["VLLM_FORK_CACHE"])
     # Absolute: outside the checkout, which Buildkite cleans of ignored files.
     assert cache.is_absolute(), cache
@@ -150,14 +133,9 @@ def test_the_ci_keeps_the_download_cache_where_forkbuild_reads_it(monkeypatch):
     # build/ stays in the checkout: the reports are uploaded from there, and each build
     # is a fresh clone with a warm cache, as the README's figures are measured.
     assert "VLLM_FORK_BUILD" not in env and "VLLM_FORK_DIST" not in env
-
-
-def test_the_ci_uploads_every_junit_report_of_make_test(monkeypatch):
+    # It uploads every JUnit report of make test.
     monkeypatch.delenv("VLLM_FORK_BUILD", raising=False)
-    results = PurePosixPath(
-        (pins.build_dir() / "test-results").relative_to(REPO_ROOT).as_posix()
-    )
-    (step,) = _command_steps(CI)
+    results = PurePosixPath(pins.build_dir().relative_to(REPO_ROOT), "test-results")
     patterns = step["artifact_paths"]
     assert all(PurePosixPath(p).parent == results for p in patterns), patterns
     # The JUnit files the modules of `make test` write into build/test-results.

@@ -42,33 +42,37 @@ def test_the_cuda_route_is_refused_at_once_without_a_driver(scratch, step):
     assert (venv / "marker").read_text() == "the working CPU venv"
 
 
-def _shared(out: Path, source: Path, *flags: str) -> None:
-    command = ["cc", "-shared", "-fPIC", "-o", str(out), str(source), *flags]
-    subprocess.run(command, check=True)
+def _shared(out: Path, source: str, *flags: str) -> None:
+    command = ["cc", "-shared", "-fPIC", "-x", "c", "-", "-o", str(out), *flags]
+    subprocess.run(command, input=source, text=True, check=True)
 
 
-def test_the_stub_defines_every_imported_driver_entry_point(tmp_path):
+def test_the_stub_answers_no_device_comes_first_defines_imports(monkeypatch, tmp_path):
+    source = driver_stub.c_source(["cuCtxGetCurrent", "cuMemCreate"])
+    assert "int cuCtxGetCurrent(void) { return 100; }" in source
+    assert "int cuMemCreate(void) { return 100; }" in source
+    # It comes first on the library path.
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/a:/opt/b")
+    path = cuda_route.stub_env(tmp_path)["LD_LIBRARY_PATH"]
+    assert path == f"{tmp_path}:/opt/a:/opt/b"
+    monkeypatch.delenv("LD_LIBRARY_PATH")
+    assert cuda_route.stub_env(tmp_path)["LD_LIBRARY_PATH"] == str(tmp_path)
+    # Built: it defines every driver entry point an extension imports.
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler")
     pytest.importorskip("elftools")
-    tree, fake = tmp_path / "tree", tmp_path / "fake"
+    tree, fake = tmp_path / "tree", tmp_path  # fake: the driver library's folder
     (tree / "vllm" / "sub").mkdir(parents=True)
-    fake.mkdir()
     # A driver library to link against, and two extensions: one imports two entry
     # points (and a libc function, which is not the driver's), one none.
-    sources = {
-        "cuda.c": "int cuInit(void){return 0;}\nint cuMemMap(void){return 0;}\n",
-        "ext.c": "#include <string.h>\nint cuInit(void); int cuMemMap(void);\n"
-        "int use(const char *s){return cuInit() + cuMemMap() + (int)strlen(s);}\n",
-        "plain.c": "int plain(void){return 1;}\n",
-    }
-    for name, text in sources.items():
-        (tmp_path / name).write_text(text)
-    _shared(fake / "libcuda.so.1", tmp_path / "cuda.c", "-Wl,-soname,libcuda.so.1")
+    driver = "int cuInit(void){return 0;}\nint cuMemMap(void){return 0;}\n"
+    _shared(fake / "libcuda.so.1", driver, "-Wl,-soname,libcuda.so.1")
     (fake / "libcuda.so").symlink_to("libcuda.so.1")
     ext = tree / "vllm" / "sub" / "_ext.abi3.so"
-    _shared(ext, tmp_path / "ext.c", f"-L{fake}", "-lcuda")
-    _shared(tree / "vllm" / "_plain.abi3.so", tmp_path / "plain.c")
+    uses = "#include <string.h>\nint cuInit(void); int cuMemMap(void);\nint use(const "
+    uses += "char *s){return cuInit() + cuMemMap() + (int)strlen(s);}\n"
+    _shared(ext, uses, f"-L{fake}", "-lcuda")
+    _shared(tree / "vllm" / "_plain.abi3.so", "int plain(void){return 1;}\n")
 
     library, users, symbols = driver_stub.build(tree, tmp_path / "stub")
 
@@ -81,30 +85,13 @@ def test_the_stub_defines_every_imported_driver_entry_point(tmp_path):
         "print(ctypes.CDLL('libcuda.so.1').cuInit())"
     )
     bare = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
-
-    def load(env: dict) -> subprocess.CompletedProcess:
-        command = [sys.executable, "-c", probe, str(ext)]
-        return subprocess.run(command, capture_output=True, text=True, env=env)
-
-    loaded = load({**bare, "LD_LIBRARY_PATH": str(library.parent)})
-    assert loaded.stdout.strip() == str(driver_stub.CUDA_ERROR_NO_DEVICE), loaded.stderr
-    without = load(bare)
-    assert without.returncode != 0 and "libcuda.so.1" in without.stderr
-
-
-def test_the_stub_source_answers_no_device():
-    source = driver_stub.c_source(["cuCtxGetCurrent", "cuMemCreate"])
-    assert "int cuCtxGetCurrent(void) { return 100; }" in source
-    assert "int cuMemCreate(void) { return 100; }" in source
-
-
-def test_the_stub_comes_first_on_the_library_path(monkeypatch, tmp_path):
-    monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/a:/opt/b")
-    assert (
-        cuda_route.stub_env(tmp_path)["LD_LIBRARY_PATH"] == f"{tmp_path}:/opt/a:/opt/b"
+    command = [sys.executable, "-c", probe, str(ext)]
+    loaded, without = (
+        subprocess.run(command, capture_output=True, text=True, env=env)
+        for env in ({**bare, "LD_LIBRARY_PATH": str(library.parent)}, bare)
     )
-    monkeypatch.delenv("LD_LIBRARY_PATH")
-    assert cuda_route.stub_env(tmp_path)["LD_LIBRARY_PATH"] == str(tmp_path)
+    assert loaded.stdout.strip() == str(driver_stub.CUDA_ERROR_NO_DEVICE), loaded.stderr
+    assert without.returncode != 0 and "libcuda.so.1" in without.stderr
 
 
 REQUIRED = sorted(pins.load().gpu.all_required())
@@ -117,16 +104,14 @@ def _collected(reason: str = "needs an NVIDIA GPU: runs vLLM's CUDA kernels", dr
 
 
 NOT_SKIPPED = Outcome(_collected().cases | {REQUIRED[0]: "error"}, _collected().reasons)
+NO_IMPORT = "could not import 'flashinfer': No module named 'flashinfer'"
 
 
 @pytest.mark.parametrize(
     ("collected", "match"),
     [
         (_collected(), None),  # every GPU case skipped for lack of a device
-        (
-            _collected("could not import 'flashinfer': No module named 'flashinfer'"),
-            "another reason than the missing GPU",
-        ),
+        (_collected(NO_IMPORT), "another reason than the missing GPU"),
         (NOT_SKIPPED, "did not all skip"),
         (_collected(drop=REQUIRED[0]), "not collected"),  # a required case
     ],
@@ -137,17 +122,12 @@ def test_the_verdict_on_the_gpu_cases_collected(tmp_path, collected, match):
         cuda_route.check_skipped(collected, tmp_path)
 
 
-def test_the_check_splits_one_run_by_module():
-    outcome = Outcome(
-        {"a/x.py::t1": "passed", "a/y.py::t2": "skipped", "a/x.py::t3": "passed"},
-        {"a/y.py::t2": "no GPU"},
-    )
+def test_the_check_splits_one_run_by_module_its_stub_stays_in_its_folder(fork_pins):
+    cases = {"a/x.py::t1": "passed", "a/y.py::t2": "skipped", "a/x.py::t3": "passed"}
+    outcome = Outcome(cases, {"a/y.py::t2": "no GPU"})
     part = cuda_route.part_of(outcome, ("a/y.py",))
     assert part == Outcome({"a/y.py::t2": "skipped"}, {"a/y.py::t2": "no GPU"})
-
-
-def test_the_stub_is_nowhere_but_the_checks_folder(fork_pins):
-    """Never in a venv, the tree or the CPU build (where `make serve` runs)."""
+    # The stub is never in a venv, the tree or the CPU build (where `make serve` runs).
     home = cuda_route.home()
     if not (home / "driver-stub").exists():
         pytest.skip("the CUDA route check has not run here yet")

@@ -8,30 +8,26 @@ import json
 
 import pytest
 
-from forkbuild.core import pins
 from forkbuild.core.errors import ForkError
-from forkbuild.core.pins import gpu_table
+from forkbuild.core.pins import gpu_table, load
 from forkbuild.core.pytest_runner import Outcome
 from forkbuild.gpu import nightly
 from forkbuild.gpu import required as gpu_required
 
 KERNELS = "tests/v1/worker/test_packed_kv_cache_gpu_kernels.py"
-ENGINE = (
-    "tests/v1/worker/test_packed_kv_cache_offload_e2e.py"
-    "::test_offload_reload_matches_baseline"
-)
+E2E = "tests/v1/worker/test_packed_kv_cache_offload_e2e.py"
+ENGINE = f"{E2E}::test_offload_reload_matches_baseline"
 FA3 = f"{KERNELS}::test_flash_attention_over_packed_views[3]"
 TRITON = f"{KERNELS}::test_triton_attention_over_packed_views"
 SERVE = "forkbuild/tests/test_serve_gpu.py::test_offload_preset_serves_and_reloads"
 # The table of fork.toml [gpu]: what each kind must run comes from there, never retyped.
-TABLE = pins.load().gpu
+TABLE = load().gpu
 AMPERE = set(TABLE.kind("Ampere").required(1))
 HOPPER = set(TABLE.kind("Hopper").required(1))
 (TP2,) = set(TABLE.kind("Hopper").required(2)) - HOPPER
 EVERY_CASE = TABLE.all_required()
 
-# `nvidia-smi --query-gpu=index,uuid,name,compute_cap,memory.total --format=csv`, made
-# up.
+# Made-up `nvidia-smi --query-gpu=index,uuid,name,compute_cap,memory.total --format=csv`
 HEADER = "index, uuid, name, compute_cap, memory.total [MiB]\n"
 H100 = ("NVIDIA H100 80GB HBM3", "9.0", "81559 MiB")
 H200 = ("NVIDIA H200", "9.0", "143771 MiB")
@@ -50,40 +46,32 @@ def uuid(index: int) -> str:
 
 def _csv(*gpus: tuple[str, str, str]) -> str:
     """nvidia-smi's CSV for GPUS, indexed in order."""
-    return HEADER + "".join(
-        f"{i}, {uuid(i)}, {', '.join(gpu)}\n" for i, gpu in enumerate(gpus)
-    )
+    rows = (f"{i}, {uuid(i)}, {', '.join(gpu)}\n" for i, gpu in enumerate(gpus))
+    return HEADER + "".join(rows)
 
 
 @pytest.mark.parametrize(
-    ("gpus", "kind", "required"),
+    ("gpus", "visible", "kind", "required"),
     [
-        ((A100,), "Ampere", AMPERE),
-        ((A10,), "Ampere", AMPERE),
-        ((A100, A100), "Ampere", AMPERE),  # TP=2 is a FLASH_ATTN case: FA3, Hopper only
-        ((H100,), "Hopper", HOPPER),
-        ((H200,), "Hopper", HOPPER),
-        ((H100, H100), "Hopper", HOPPER | {TP2}),
-        ((H100, A100), "Ampere", AMPERE),  # mixed: the weakest GPU decides
+        ((A100,), None, "Ampere", AMPERE),
+        ((A10,), None, "Ampere", AMPERE),
+        # TP=2 is a FLASH_ATTN case: FA3, Hopper only
+        ((A100, A100), None, "Ampere", AMPERE),
+        ((H100,), None, "Hopper", HOPPER),
+        ((H200,), None, "Hopper", HOPPER),
+        ((H100, H100), None, "Hopper", HOPPER | {TP2}),
+        ((H100, A100), None, "Ampere", AMPERE),  # mixed: the weakest GPU decides
+        # A100 at index 0, H100 at 1: the agent that sees only the H100 is a Hopper one.
+        ((A100, H100), "1", "Hopper", HOPPER),
+        ((A100, H100), uuid(0), "Ampere", AMPERE),
     ],
-    ids=["A100", "A10", "2xA100", "H100", "H200", "2xH100", "H100+A100"],
+    ids=["A100", "A10", "2xA100", "H100", "H200", "2xH100", "H100+A100"]
+    + ["A100+H100-sees-H100", "A100+H100-sees-A100"],
 )
-def test_required_cases_per_kind_and_gpu_count(gpus, kind, required):
-    selected, cases = _select(_csv(*gpus))
+def test_required_cases_per_kind_and_gpu_count(gpus, visible, kind, required):
+    selected, cases = _select(_csv(*gpus), visible)
     assert selected.name == kind
     assert set(cases) == required and len(cases) == len(required)
-
-
-def test_older_gpus_and_unreadable_nvidia_smi_are_refused():
-    with pytest.raises(ForkError, match=r"capability 7\.5 is older than Ampere"):
-        _select(_csv(T4))
-    unreadable = "did not report the GPUs' index, uuid and compute cap"
-    with pytest.raises(ForkError, match=unreadable):
-        _select("Failed to initialize NVML: Driver/library mismatch\n")
-    with pytest.raises(ForkError, match=unreadable):  # the old query
-        _select("name, compute_cap, memory.total [MiB]\nNVIDIA A10, 8.6, 1 MiB\n")
-    with pytest.raises(ForkError, match="listed no GPU"):
-        _select(HEADER)
 
 
 @pytest.mark.parametrize(
@@ -110,64 +98,55 @@ def test_cuda_visible_devices_decides_the_gpu_count(visible, gpu_count):
     assert kind.name == "Hopper" and (TP2 in cases) == (gpu_count == 2)
 
 
-def test_cuda_visible_devices_picks_the_gpus_whose_kind_counts():
-    # A100 at index 0, H100 at 1: the agent that sees only the H100 is a Hopper agent.
-    gpus = _csv(A100, H100)
-    assert _select(gpus, "1")[0].name == "Hopper"
-    assert _select(gpus, uuid(0))[0].name == "Ampere"
-
-
-# Empty, an unknown index, a negative one, repeated; an ambiguous, unknown or repeated
-# UUID (prefix).
+UNREADABLE = "did not report the GPUs' index, uuid and compute cap"
+OLD_QUERY = "name, compute_cap, memory.total [MiB]\nNVIDIA A10, 8.6, 1 MiB\n"
+# CUDA_VISIBLE_DEVICES empty, an unknown index, a negative one, repeated; an ambiguous,
+# unknown or repeated UUID (prefix).
 HIDING = ["", "7", "-1", "0,0", "GPU-", "GPU-ffff"]
 HIDING += ["GPU-1a5e1c1f-0b0e,GPU-1a5e1c1f-0b0e"]
 
 
-@pytest.mark.parametrize("visible", HIDING)
-def test_cuda_visible_devices_that_hides_every_gpu_is_refused(visible):
-    with pytest.raises(ForkError, match=r"leaves none of the 2 GPU\(s\)"):
-        gpu_required.parse_nvidia_smi(_csv(H100, H100), visible)
+@pytest.mark.parametrize(
+    ("csv", "visible", "match"),
+    [
+        (_csv(T4), None, r"capability 7\.5 is older than Ampere"),
+        ("Failed to initialize NVML: Driver/library mismatch\n", None, UNREADABLE),
+        (OLD_QUERY, None, UNREADABLE),
+        (HEADER, None, "listed no GPU"),
+        (_csv(H100), "MIG-4b0c2c7e", "MIG instances: the nightly GPU job needs wh"),
+        *((_csv(H100, H100), v, r"leaves none of the 2 GPU\(s\)") for v in HIDING),
+    ],
+)
+def test_old_gpus_a_bad_nvidia_smi_and_hidden_gpus_are_refused(csv, visible, match):
+    with pytest.raises(ForkError, match=match):
+        _select(csv, visible)
 
 
-def test_mig_instances_are_refused():
-    with pytest.raises(ForkError, match="MIG instances: the nightly GPU job needs wh"):
-        _select(_csv(H100), "MIG-4b0c2c7e-2b0f-5a59-8e2c-1d8f3b0c9a11")
-
-
-def _outcomes(statuses: dict[str, str], reasons: dict[str, str] | None = None):
-    """The two pytest runs of the nightly job: GPU tests in the tree, the serve test."""
-    runs = [
-        {n: s for n, s in statuses.items() if (n == SERVE) == serve} for serve in (0, 1)
-    ]
-    return [
+def _conclude(gpus, statuses, reasons=None, *, out) -> str:
+    """nightly.conclude with STATUSES split into the job's two pytest runs: the GPU
+    tests in the tree, the serve test."""
+    kind, required = _select(_csv(*gpus))
+    in_tree = {n: s for n, s in statuses.items() if n != SERVE}
+    runs = (in_tree, {n: s for n, s in statuses.items() if n == SERVE})
+    gpu_tests, serve = (
         Outcome(run, {n: r for n, r in (reasons or {}).items() if n in run})
         for run in runs
-    ]
+    )
+    return nightly.conclude(kind, required, gpu_tests, serve, 0, out)
 
 
-def _conclude(gpus, statuses, reasons=None, *, out, benchmark_exit: int = 0) -> str:
-    kind, required = _select(_csv(*gpus))
-    gpu_tests, serve = _outcomes(statuses, reasons)
-    return nightly.conclude(kind, required, gpu_tests, serve, benchmark_exit, out)
-
-
-def test_all_required_cases_run_passes(tmp_path):
+def test_the_verdict_on_the_required_cases(tmp_path, capsys):
     # One H100: the TP=2 case skips, and that is allowed with one GPU.
     statuses = {case: "passed" for case in HOPPER} | {TP2: "skipped"}
     line = _conclude((H100,), statuses, {TP2: "needs 2 GPUs"}, out=tmp_path)
     assert line == f"summary: {len(HOPPER)} passed, 0 failed, 1 skipped, 0 xfailed"
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["gpu_kind"] == "Hopper" and summary["required_not_run"] == []
-
-
-def test_ampere_may_skip_what_only_hopper_runs(tmp_path):
+    # Ampere may skip what only Hopper runs.
     statuses = {case: "passed" for case in AMPERE}
     statuses |= {case: "skipped" for case in EVERY_CASE - AMPERE}
     line = _conclude((A100,), statuses, out=tmp_path)
     assert line.endswith(f"0 failed, {len(EVERY_CASE - AMPERE)} skipped, 0 xfailed")
-
-
-def test_a_skipped_required_case_fails_the_job_with_its_reason(tmp_path, capsys):
     # FA3 does not import on a Hopper runner: every FA3 and FLASH_ATTN case skips and
     # nothing fails. That is the green job this check exists to turn red.
     fa3_reason = "FlashAttention 3 is not supported on this GPU"
@@ -175,10 +154,9 @@ def test_a_skipped_required_case_fails_the_job_with_its_reason(tmp_path, capsys)
     flash = {case for case in EVERY_CASE if "FLASH_ATTN" in case}
     statuses = {case: "passed" for case in EVERY_CASE} | {FA3: "skipped"}
     statuses |= {case: "skipped" for case in flash}
-    reasons = {FA3: fa3_reason} | {case: sinks_reason for case in flash}
-    with pytest.raises(
-        ForkError, match=f"on Hopper: 0 failed .*, {len(flash | {FA3})} required case"
-    ):
+    reasons = {FA3: fa3_reason} | dict.fromkeys(flash, sinks_reason)
+    match = f"on Hopper: 0 failed .*, {len(flash | {FA3})} required case"
+    with pytest.raises(ForkError, match=match):
         _conclude((H100, H100), statuses, reasons, out=tmp_path)
     printed = capsys.readouterr().out
     assert f"{FA3}: required but skipped: {fa3_reason}" in printed
@@ -186,45 +164,31 @@ def test_a_skipped_required_case_fails_the_job_with_its_reason(tmp_path, capsys)
     not_run = json.loads((tmp_path / "summary.json").read_text())["required_not_run"]
     assert len(not_run) == len(flash | {FA3})
     assert all("required but skipped" in line for line in not_run)
-
-
-def test_a_missing_required_case_fails_the_job(tmp_path, capsys):
     # The serve test did not report at all (renamed, or its run produced no case).
     statuses = {case: "passed" for case in HOPPER - {SERVE}}
     with pytest.raises(ForkError, match="1 required case"):
         _conclude((H100,), statuses, out=tmp_path)
     assert f"{SERVE}: required but not run (not collected" in capsys.readouterr().out
-
-
-def test_failures_and_the_benchmark_still_fail_the_job(tmp_path):
+    # A failure too (a failed benchmark: test_nightly.py's graceful stop test).
     statuses = {case: "passed" for case in AMPERE} | {TRITON: "failed"}
     with pytest.raises(ForkError, match="1 failed .*, 0 required case"):
         _conclude((A100,), statuses, out=tmp_path)
-    statuses[TRITON] = "passed"
-    with pytest.raises(ForkError, match=r"1 failed \(benchmark exit 1\)"):
-        _conclude((A100,), statuses, out=tmp_path, benchmark_exit=1)
 
 
-def test_every_required_case_must_be_collected_on_cpu():
+def test_the_gpu_table_and_its_required_node_ids():
     # What testrun checks after collecting the GPU cases (and the tool tests) on CPU.
     gpu_required.check_collected(EVERY_CASE | {f"{ENGINE}[some-new-case]"})
     renamed = (EVERY_CASE - {TP2}) | {f"{ENGINE}[FLASH_ATTN-v1-tp2-renamed]"}
-    with pytest.raises(
-        ForkError, match=r"1 node id.* not collected: .*FLASH_ATTN-v1-tp2\]"
-    ):
+    match = r"1 node id.* not collected: .*FLASH_ATTN-v1-tp2\]"
+    with pytest.raises(ForkError, match=match):
         gpu_required.check_collected(renamed)
-
-
-def test_the_required_serve_case_is_a_test_of_the_serve_module():
     # The tree's cases are checked by `make test` after collecting them with vLLM; the
     # serve test is forkbuild's own, so a rename of it fails right here too.
     path, _, name = SERVE.partition("::")
     assert SERVE in EVERY_CASE
     module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
     assert callable(getattr(module, name, None)), f"{path} has no {name}"
-
-
-def test_a_case_is_required_from_its_kind_on_with_its_gpu_count():
+    # A case is required from its kind on, with its GPU count (fork.toml [gpu]).
     kinds = {"Hopper": {"capability": "9.0", "queues": {"h1": 1, "h2": 2}}}
     kinds["Ampere"] = {"capability": "8.0", "queues": {"a1": 1}}
     cases = {"a": {"kind": "Ampere", "bundle": []}}

@@ -1,12 +1,14 @@
-"""The nightly GPU job's toolchain and time limits, on CPU: lock pins and host compilers
-before the install, the GPU runs' environment, and runs stopped at their limit that
-still leave a summary. Fake venvs and PATHs; the limited runs are tiny projects."""
+"""The nightly GPU job on CPU, in this order: lock pins and host compilers before the
+install, the GPU runs' environment after it, runs stopped at their limit that still
+leave a summary, and the job's order with the GPU, the install and the runs faked. Fake
+venvs and PATHs; the limited runs are tiny projects."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,8 +22,7 @@ from forkbuild.core import pytest_runner
 from forkbuild.core.errors import ForkError
 from forkbuild.core.pins import REPO_ROOT, GpuKind
 from forkbuild.core.pytest_runner import Outcome
-from forkbuild.gpu import cuda_toolchain, nightly
-from forkbuild.gpu import required as gpu_required
+from forkbuild.gpu import cuda_toolchain, nightly, required
 from forkbuild.setup import install, lock
 
 NVCC = "13.2.86"
@@ -39,13 +40,9 @@ def _executable(path: Path, text: str = "#!/bin/sh\nexit 0\n") -> Path:
 def _bin(tmp_path: Path, *names: str) -> str:
     """A PATH of one folder holding executables NAMES."""
     folder = tmp_path / "path"
-    folder.mkdir(exist_ok=True)
     for name in names:
         _executable(folder / name)
     return str(folder)
-
-
-# --- before the install: the lock's pins and the host compilers ---------------------
 
 
 def _lock(tmp_path: Path, names: list[str], runtime: str = "13.2.51") -> Path:
@@ -57,20 +54,16 @@ def _lock(tmp_path: Path, names: list[str], runtime: str = "13.2.51") -> Path:
 
 
 ALL_PINS = list(cuda_toolchain.LOCK_PINS)
+# nvcc 13.2 with nvidia-cuda-runtime 13.0's headers: every FlashInfer JIT build stops in
+# CCCL: "CUDA compiler and CUDA toolkit headers are incompatible".
+MISMATCH = r"nvcc 13\.2\.86 but nvidia-cuda-runtime 13\.0\.96.*of CUDA 13\.0 in fork"
 
 
 @pytest.mark.parametrize(
     ("names", "runtime", "match"),
     [
         (ALL_PINS[1:-1], "13.2.51", r"cuda-py311\.txt does not pin ninja, pytest-t"),
-        # nvcc 13.2 with nvidia-cuda-runtime 13.0's headers: every FlashInfer JIT build
-        # stops in CCCL: "CUDA compiler and CUDA toolkit headers are incompatible".
-        (
-            ALL_PINS,
-            "13.0.96",
-            r"nvcc 13\.2\.86 but nvidia-cuda-runtime 13\.0\.96.*"
-            r"of CUDA 13\.0 in fork",
-        ),
+        (ALL_PINS, "13.0.96", MISMATCH),
         (None, "", r"cuda-py311\.txt\.gone is missing"),
     ],
 )
@@ -79,13 +72,6 @@ def test_the_lock_must_pin_the_gpu_toolchain(tmp_path, names, runtime, match):
     bad = _lock(tmp_path, names, runtime) if names else tmp_path / "cuda-py311.txt.gone"
     with pytest.raises(ForkError, match=match):
         cuda_toolchain.check_lock_pins(bad)
-
-
-@pytest.mark.parametrize("python", ["3.11", "3.12", "3.13"])
-def test_the_cuda_locks_pin_the_gpu_toolchain(python):
-    # What the nightly reads before installing, on the real locks: a lock made without
-    # these would fail the GPU job only after minutes of install.
-    assert cuda_toolchain.check_lock_pins(lock.path("cuda", python)).startswith("13.")
 
 
 @pytest.mark.parametrize(
@@ -121,63 +107,53 @@ def test_the_toolchain_check_names_what_is_missing_before_the_install(tmp_path):
     assert cuda_toolchain.check_gpu_toolchain(lock_file, env) == NVCC
     with pytest.raises(ForkError, match="does not pin nvidia-cuda-nvcc"):
         cuda_toolchain.check_gpu_toolchain(_lock(tmp_path, ["ninja"]), env)
+    # The real locks: one made without the pins would fail the GPU job only after
+    # minutes of install.
+    for python in ("3.11", "3.12", "3.13"):
+        nvcc = cuda_toolchain.check_lock_pins(lock.path("cuda", python))
+        assert nvcc.startswith("13."), python
 
 
-# --- after the install: the toolchain's environment --------------------------------
-
-
-def _venv(tmp_path: Path) -> Path:
-    """A venv as the CUDA lock fills it: ninja, and the toolkit of the nvidia-cuda-*
-    wheels in site-packages/nvidia/cu13 (no lib64)."""
+def _venv(tmp_path: Path) -> tuple[Path, Path]:
+    """A venv as the CUDA lock fills it, and its toolkit: ninja, and the toolkit of the
+    nvidia-cuda-* wheels in site-packages/nvidia/cu13 (no lib64)."""
     venv = tmp_path / "venv"
     toolkit = install.site_packages(venv) / "nvidia" / "cu13"
     for tool in (venv / "bin/ninja", toolkit / "bin/nvcc", toolkit / "nvvm/bin/cicc"):
         _executable(tool)
     _executable(toolkit / "lib" / "libcudart.so.13", "")
-    return venv
+    return venv, toolkit
 
 
-def test_the_gpu_runs_get_the_locks_toolkit_and_ninja_first(tmp_path):
-    venv = _venv(tmp_path)
-    agent = {"PATH": "/usr/local/bin:/usr/bin", "CUDA_HOME": "/usr/local/cuda-12.4"}
-    agent["LIBRARY_PATH"] = "/opt/lib"
-    env = cuda_toolchain.toolchain_env(venv, NVCC, agent)
-    toolkit = install.site_packages(venv) / "nvidia" / "cu13"
+def test_the_gpu_runs_get_the_locks_toolkit_first_checked(tmp_path, monkeypatch):
+    (venv, toolkit), libcuda = _venv(tmp_path), _executable(tmp_path / "libcuda.so.1")
+    monkeypatch.setenv("PATH", "/opt/agent/bin:/opt/more/bin")  # no ninja there
+    monkeypatch.setenv("CUDA_HOME", "/usr/local/cuda-12.4")
+    monkeypatch.setenv("LIBRARY_PATH", "/opt/lib")
+    env = cuda_toolchain.prepare_toolchain(venv, NVCC, libcuda)
     # The lock's toolkit, not the agent's: the nightly tests the CUDA the lock pins.
     assert env["CUDA_HOME"] == str(toolkit)
-    path = [str(venv / "bin"), str(toolkit / "bin"), "/usr/local/bin", "/usr/bin"]
+    path = [str(venv / "bin"), str(toolkit / "bin"), "/opt/agent/bin", "/opt/more/bin"]
     assert env["PATH"].split(os.pathsep) == path
     assert shutil.which("ninja", path=env["PATH"]) == str(venv / "bin" / "ninja")
-    links = str(cuda_toolchain.link_dir(venv))
-    assert env["LIBRARY_PATH"].split(os.pathsep) == [links, "/opt/lib"]
-    assert cuda_toolchain.toolchain_env(venv, NVCC, {})["PATH"].count(os.pathsep) == 1
-
-
-def test_the_installed_toolchain_is_checked(tmp_path):
-    venv = _venv(tmp_path)
-    libcuda = _executable(tmp_path / "driver" / "libcuda.so.1", "")
-    cuda_toolchain.make_link_dir(venv, NVCC, libcuda)
-    env = cuda_toolchain.toolchain_env(venv, NVCC, {"PATH": ""})
     links = cuda_toolchain.link_dir(venv)
-    assert cuda_toolchain.missing_tools(env, links) == []
-    cudart = Path(env["CUDA_HOME"]) / "lib" / "libcudart.so.13"
+    assert env["LIBRARY_PATH"].split(os.pathsep) == [str(links), "/opt/lib"]
+    assert cuda_toolchain.toolchain_env(venv, NVCC, {})["PATH"].count(os.pathsep) == 1
+    cudart = toolkit / "lib" / "libcudart.so.13"
     assert (links / "libcudart.so").resolve() == cudart.resolve()
     assert (links / "libcuda.so").resolve() == libcuda.resolve()
 
     (venv / "bin" / "ninja").unlink()
-    (Path(env["CUDA_HOME"]) / "bin" / "nvcc").chmod(0o644)
-    # the link now dangles
-    (Path(env["CUDA_HOME"]) / "lib" / "libcudart.so.13").unlink()
-    assert cuda_toolchain.missing_tools(env, links) == [
-        "ninja on PATH",
-        str(Path(env["CUDA_HOME"]) / "bin" / "nvcc"),
-        str(links / "libcudart.so"),
-    ]
-    with pytest.raises(ForkError, match=r"libcuda\.so\.1 is not in the dynamic linker"):
-        cuda_toolchain.make_link_dir(venv, NVCC, None)
-
-
-def test_the_drivers_libcuda_is_read_from_ldconfig():
+    (toolkit / "bin" / "nvcc").chmod(0o644)
+    cudart.unlink()  # the link now dangles
+    missing = f"ninja on PATH, {toolkit / 'bin/nvcc'}, {links / 'libcudart.so'} -- "
+    with pytest.raises(ForkError, match=f"incomplete, missing: {re.escape(missing)}"):
+        cuda_toolchain.prepare_toolchain(venv, NVCC, libcuda)
+    no_driver = r"libcuda\.so\.1 is not in the dynamic linker"
+    with monkeypatch.context() as patch, pytest.raises(ForkError, match=no_driver):
+        patch.setattr(cuda_toolchain, "_ldconfig_cache", lambda: "")
+        cuda_toolchain.prepare_toolchain(venv, NVCC)
+    # The driver's libcuda.so.1 is read from ldconfig, found off PATH.
     cache = (
         "1234 libs found in cache `/etc/ld.so.cache'\n"
         "\tlibcudart.so.13 (libc6,x86-64) => /usr/local/cuda/lib64/libcudart.so.13\n"
@@ -187,16 +163,19 @@ def test_the_drivers_libcuda_is_read_from_ldconfig():
     found = cuda_toolchain.driver_libcuda(cache)
     assert found == Path("/usr/lib/x86_64-linux-gnu/libcuda.so.1")
     assert cuda_toolchain.driver_libcuda("0 libs found in cache\n") is None
-
-
-@pytest.mark.skipif(
-    not os.access("/sbin/ldconfig", os.X_OK), reason="no /sbin/ldconfig here"
-)
-def test_ldconfig_is_found_in_sbin_off_path(tmp_path, monkeypatch):
+    if not os.access("/sbin/ldconfig", os.X_OK):
+        pytest.skip("no /sbin/ldconfig here")
     # An agent's PATH often lacks /sbin, where Debian and Ubuntu keep ldconfig.
     monkeypatch.setenv("PATH", str(tmp_path))
     cache = cuda_toolchain._ldconfig_cache()
     assert "libs found in cache" in cache and "libc.so.6" in cache
+
+
+def _compile(language: str, source: str, *args: str | Path) -> None:
+    """cc (or c++) on SOURCE, given on stdin, with ARGS."""
+    compiler = {"c": "cc", "c++": "c++"}[language]
+    command = [compiler, "-fPIC", "-x", language, "-", *map(str, args)]
+    subprocess.run(command, input=source, text=True, check=True)
 
 
 @pytest.mark.skipif(
@@ -206,29 +185,20 @@ def test_ldconfig_is_found_in_sbin_off_path(tmp_path, monkeypatch):
 def test_flashinfers_link_step_finds_the_libraries_through_the_link_names(tmp_path):
     # FlashInfer 0.6.13's ninja rule (flashinfer/jit/cpp_ext.py) links each JIT module
     # with `$cxx $in -shared -L$cuda_home/lib64 -L$cuda_home/lib64/stubs -lcudart
-    # -lcuda`. The wheels have lib/ and only libcudart.so.13, so it fails; with
-    # toolchain_env it links, and the module needs the soname torch loads. Stand-in
-    # libraries here.
-    venv = _venv(tmp_path)
-    home = install.site_packages(venv) / "nvidia" / "cu13"
-    libcuda = tmp_path / "driver" / "libcuda.so.1"
+    # -lcuda`; the wheels have lib/ and only libcudart.so.13, so it fails; with
+    # toolchain_env it links, needing the sonames torch loads (stand-in libraries here).
+    venv, home = _venv(tmp_path)
+    libcuda, obj, lib = (tmp_path / name for name in ("libcuda.so.1", "m.o", "m.so"))
     for target, function in (
         (home / "lib" / "libcudart.so.13", "cudaGetDeviceCount(int *n)"),
         (libcuda, "cuInit(unsigned flags)"),
     ):
-        target.parent.mkdir(parents=True, exist_ok=True)
-        stub = tmp_path / f"{target.name}.c"
-        stub.write_text(f"int {function} {{ return 0; }}\n")
-        soname = f"-Wl,-soname,{target.name}"
-        cc = ["cc", "-shared", "-fPIC", soname, str(stub), "-o", str(target)]
-        subprocess.run(cc, check=True)
-    module = tmp_path / "module.cpp"
-    module.write_text(
-        'extern "C" int cudaGetDeviceCount(int *);\nextern "C" int cuInit(unsigned);\n'
-        "int count() { int n; return cudaGetDeviceCount(&n) + cuInit(0); }\n"
-    )
-    obj, lib = tmp_path / "module.o", tmp_path / "module.so"
-    subprocess.run(["c++", "-fPIC", "-c", str(module), "-o", str(obj)], check=True)
+        stub = f"int {function} {{ return 0; }}\n"
+        _compile("c", stub, "-shared", f"-Wl,-soname,{target.name}", "-o", target)
+    module = 'extern "C" int cudaGetDeviceCount(int *);\n'
+    module += 'extern "C" int cuInit(unsigned);\n'
+    module += "int count() { int n; return cudaGetDeviceCount(&n) + cuInit(0); }\n"
+    _compile("c++", module, "-c", "-o", obj)
     link = ["c++", str(obj), "-shared", f"-L{home}/lib64", f"-L{home}/lib64/stubs"]
     link += ["-lcudart", "-lcuda", "-o", str(lib)]
     bare = {k: v for k, v in os.environ.items() if k != "LIBRARY_PATH"}
@@ -238,25 +208,11 @@ def test_flashinfers_link_step_finds_the_libraries_through_the_link_names(tmp_pa
         failed = subprocess.run(link, env=bare, capture_output=True, text=True)
         assert failed.returncode != 0 and "-lcudart" in failed.stderr
 
-    cuda_toolchain.make_link_dir(venv, NVCC, libcuda)
+    cuda_toolchain.prepare_toolchain(venv, NVCC, libcuda)
     env = {**bare, **cuda_toolchain.toolchain_env(venv, NVCC, bare)}
     subprocess.run(link, env=env, check=True)
     needed = lib.read_bytes()
     assert b"libcudart.so.13" in needed and b"libcuda.so.1" in needed
-
-
-# --- time limits -------------------------------------------------------------------
-
-
-def test_the_limits_end_the_job_before_buildkite_does():
-    limits = nightly.RUN_LIMITS_S.values()
-    runs = sum(limits) + len(limits) * pytest_runner.GRACE_S
-    for step in yaml.safe_load(PIPELINE.read_text())["steps"]:
-        assert nightly.INSTALL_BUDGET_S + runs < step["timeout_in_minutes"] * 60
-    # A hung case is reported by its own limit before its run's limit stops the run.
-    assert nightly.RUN_LIMITS_S["gpu-tests"] > gpu_required.CASE_LIMIT_S
-    assert nightly.RUN_LIMITS_S["serve"] > gpu_required.CASE_LIMIT_S
-    assert f"--timeout={gpu_required.CASE_LIMIT_S}" in nightly.PER_CASE_TIMEOUT
 
 
 def _project(tmp_path: Path, body: str) -> Path:
@@ -273,9 +229,8 @@ def test_a_passes():
     pass
 
 def test_b_hangs():
-    # Something the case started, in a session of its own as the serve test's servers
-    # are: it must not outlive the run. IGNORE_SIGINT makes the case deaf to the
-    # graceful stop, so that only the SIGKILL ends it.
+    # Started in a session of its own as the serve test's servers are, it must not
+    # outlive the run. IGNORE_SIGINT: deaf to the graceful stop, only SIGKILL ends it.
     server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
                               start_new_session=True)
     with open(os.environ["PIDS"], "w") as pids:
@@ -303,9 +258,8 @@ def _gone(pid: int, within_s: float = 10) -> bool:
     return False
 
 
-# The limits of a run that must stop in test_b_hangs, shortest first and doubling: a
-# loaded machine may not reach it in 2 s, and a run stopped before it shows nothing of
-# the order. Each try costs its limit, so small steps keep a loaded run short.
+# Limits for a run that must stop in test_b_hangs, doubling: a loaded machine may not
+# reach it in 2 s, and each try costs its limit, so small steps keep a loaded run short.
 LIMITS_S = (2, 4, 8, 30)
 
 
@@ -331,20 +285,28 @@ def _all_gone(tmp_path: Path) -> bool:
 
 
 @pytest.mark.parametrize("forked", [True, False], ids=["forked", "in-process"])
-def test_a_run_stopped_at_its_limit_reports_what_it_finished_and_where_it_hung(
-    tmp_path, forked
-):
+def test_a_stopped_run_reports_its_cases_and_where_it_hung(tmp_path, capsys, forked):
     outcome, limit, took = _run_until_hung(tmp_path, forked)
     # Stopped by the limit, gracefully: not by the case's own 120 s, nor by SIGKILL.
     assert took < limit + pytest_runner.GRACE_S
-    # SIGINT ended the session as Ctrl-C does: the JUnit XML of what finished was
-    # written.
-    assert outcome.cases == {"test_cases.py::test_a_passes": "passed"}
-    assert outcome.killed == (
-        f"stopped after its time limit of {limit} s while running "
-        "test_cases.py::test_b_hangs"
-    )
+    # SIGINT ended the session as Ctrl-C does: what finished is in the JUnit XML.
+    passes, hangs = "test_cases.py::test_a_passes", "test_cases.py::test_b_hangs"
+    assert outcome.cases == {passes: "passed"}
+    stopped = f"stopped after its time limit of {limit} s while running {hangs}"
+    assert outcome.killed == stopped
     assert _all_gone(tmp_path)
+    # The job's summary names the hung required case twice: where it stopped, not run.
+    kind = GpuKind("Made-up", (8, 0), (passes, hangs))
+    with pytest.raises(ForkError, match=r"0 failed .*, 1 required case.*, 1 run\(s"):
+        nightly.conclude(kind, kind.cases, outcome, Outcome({}), 0, tmp_path)
+    summary = _summary(tmp_path)
+    assert summary["killed"] == [f"gpu-tests.xml: {stopped}"]
+    not_run = f"{hangs}: required but not run (not collected or not reported)"
+    assert summary["required_not_run"] == [not_run]
+    assert "killed: stopped after" in summary["gpu_tests"]
+    printed = capsys.readouterr().out
+    assert f"while running {hangs}" in printed
+    assert "summary: 1 passed, 0 failed, 0 skipped, 0 xfailed" in printed
 
 
 def test_what_ignores_the_graceful_stop_is_killed(tmp_path, monkeypatch):
@@ -352,87 +314,40 @@ def test_what_ignores_the_graceful_stop_is_killed(tmp_path, monkeypatch):
     outcome, _, _ = _run_until_hung(tmp_path, IGNORE_SIGINT="1")
     assert outcome.killed.endswith("while running test_cases.py::test_b_hangs")
     assert _all_gone(tmp_path)
-
-
-def test_a_killed_run_still_writes_the_summary_and_fails_the_job(tmp_path, capsys):
-    # The kill path end to end on CPU: the required case that hung is named twice, as
-    # where the run was stopped and as a required case that did not run.
-    outcome, limit, _ = _run_until_hung(tmp_path)
-    passes, hangs = "test_cases.py::test_a_passes", "test_cases.py::test_b_hangs"
-    kind = GpuKind("Made-up", (8, 0), (passes, hangs))
-    with pytest.raises(ForkError, match=r"0 failed .*, 1 required case.*, 1 run\(s"):
-        nightly.conclude(kind, kind.cases, outcome, Outcome({}), 0, tmp_path)
-    summary = _summary(tmp_path)
-    stopped = f"stopped after its time limit of {limit} s while running {hangs}"
-    assert summary["killed"] == [f"gpu-tests.xml: {stopped}"]
-    assert summary["required_not_run"] == [
-        f"{hangs}: required but not run (not collected or not reported)"
-    ]
-    assert "killed: stopped after" in summary["gpu_tests"]
-    printed = capsys.readouterr().out
-    assert f"while running {hangs}" in printed
-    assert "summary: 1 passed, 0 failed, 0 skipped, 0 xfailed" in printed
-
-
-def test_a_run_that_ends_in_time_is_unchanged(tmp_path):
-    project = _project(tmp_path, "def test_one():\n    pass\n")
-    outcome = pytest_runner.run_pytest(
-        PYTHON, project, ["test_cases.py"], tmp_path / "junit.xml", timeout_s=120
-    )
-    assert outcome == Outcome({"test_cases.py::test_one": "passed"})
-
-
-def test_a_benchmark_stopped_at_its_limit_fails_the_job(tmp_path, monkeypatch):
-    # A short grace: started with SIGINT ignored (a shell's background job), the sleep
-    # is only ended by the SIGKILL.
+    # A benchmark started with SIGINT ignored (a shell's background job): only SIGKILL
+    # ends it, and a benchmark stopped at its limit fails the job.
     monkeypatch.setattr(pytest_runner, "GRACE_S", 1)
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
     code, stopped = pytest_runner.run_limited(
         sleep, cwd=tmp_path, env=dict(os.environ), timeout_s=1
     )
     assert stopped and code != 0
-    kind = GpuKind("Made-up", (8, 0), ())
+    kind, none = GpuKind("Made-up", (8, 0), ()), Outcome({})
     stop = "stopped after its time limit of 1 s"
     with pytest.raises(ForkError, match=r"1 failed \(benchmark exit -?\d+\), 0 requi"):
-        nightly.conclude(
-            kind, (), Outcome({}), Outcome({}), code, tmp_path, benchmark_killed=stop
-        )
+        nightly.conclude(kind, (), none, none, code, tmp_path, benchmark_killed=stop)
     assert _summary(tmp_path)["killed"] == [f"benchmark: {stop}"]
 
 
-def _per_case_run(tmp_path: Path, body: str) -> Outcome:
-    """BODY's cases forked under PER_CASE_TIMEOUT with a 2 s limit per case; the run's
-    own limit is far off, so that a loaded machine does not stop it first."""
-    options = [
-        "--timeout=2" if o.startswith("--timeout=") else o
-        for o in nightly.PER_CASE_TIMEOUT
-    ]
-    project, args = _project(tmp_path, body), ["--forked", *options, "test_cases.py"]
-    junit = tmp_path / "junit.xml"
-    return pytest_runner.run_pytest(PYTHON, project, args, junit, timeout_s=300)
-
-
-def test_a_hung_forked_case_fails_alone_under_the_per_case_limit(tmp_path):
-    # pytest-timeout with PER_CASE_TIMEOUT's options under --forked: the hung case
-    # fails, the next one runs, the run itself ends by itself with its JUnit XML. (With
-    # pytest-timeout's default timeout_func_only=false the whole pytest would exit.)
-    outcome = _per_case_run(
-        tmp_path,
-        "import time\n\ndef test_hangs():\n    time.sleep(60)\n\n"
-        "def test_runs_after():\n    pass\n",
-    )
-    # pytest-forked reports a child that exited as a crash outside the call phase, which
-    # JUnit files as an error; the nightly counts errors as failures.
-    cases = {"test_cases.py::test_hangs": "error"}
-    assert outcome == Outcome(cases | {"test_cases.py::test_runs_after": "passed"})
-
-
-def test_what_a_timed_out_case_started_is_ended_before_the_next_case(tmp_path):
-    """A forked case stopped by its limit leaves what it started (vLLM's engine core: a
-    spawned process, here a sleep in a session of its own); it must be gone when the
-    next case starts, not only when the whole run ends."""
+def test_the_limits_fail_a_hung_case_alone_and_end_what_it_started(tmp_path):
+    """pytest-timeout with PER_CASE_TIMEOUT's options under --forked (2 s per case, the
+    run's own limit far off, so that a loaded machine does not stop it first): the hung
+    case fails, the next one runs, the run ends by itself with its JUnit XML (with
+    pytest-timeout's default timeout_func_only=false the whole pytest would exit). What
+    the hung case started (vLLM's engine core: a spawned process, here a sleep in a
+    session of its own) is gone when the next case starts, not only at the end. The
+    run, ended in time, is reported as it is. The limits end the job before Buildkite
+    does."""
+    limits = nightly.RUN_LIMITS_S.values()
+    runs = sum(limits) + len(limits) * pytest_runner.GRACE_S
+    for step in yaml.safe_load(PIPELINE.read_text())["steps"]:
+        assert nightly.INSTALL_BUDGET_S + runs < step["timeout_in_minutes"] * 60
+    # A hung case is reported by its own limit before its run's limit stops the run.
+    assert nightly.RUN_LIMITS_S["gpu-tests"] > required.CASE_LIMIT_S
+    assert nightly.RUN_LIMITS_S["serve"] > required.CASE_LIMIT_S
+    assert f"--timeout={required.CASE_LIMIT_S}" in nightly.PER_CASE_TIMEOUT
     pid_file = tmp_path / "pid"
-    outcome = _per_case_run(
+    project = _project(
         tmp_path,
         "import os, subprocess, time\n\n"
         "def test_starts_an_engine_and_hangs():\n"
@@ -445,13 +360,15 @@ def test_what_a_timed_out_case_started_is_ended_before_the_next_case(tmp_path):
         "os.path.exists(f'/proc/{pid}') else 'gone'\n"
         "    assert state in ('gone', 'Z'), state\n",
     )
-    assert outcome.cases == {
-        "test_cases.py::test_starts_an_engine_and_hangs": "error",
-        "test_cases.py::test_next_case_finds_it_gone": "passed",
-    }
-
-
-# --- the job's order, with the GPU, the install and the runs faked --------------------
+    # The last --timeout wins: 2 s instead of CASE_LIMIT_S.
+    args = ["--forked", *nightly.PER_CASE_TIMEOUT, "--timeout=2", "test_cases.py"]
+    junit = tmp_path / "junit.xml"
+    outcome = pytest_runner.run_pytest(PYTHON, project, args, junit, timeout_s=300)
+    # pytest-forked reports the child's exit as a crash outside the call phase, which
+    # JUnit files as an error (the nightly counts errors as failures).
+    hangs, after = "test_starts_an_engine_and_hangs", "test_next_case_finds_it_gone"
+    cases = {f"test_cases.py::{hangs}": "error", f"test_cases.py::{after}": "passed"}
+    assert outcome == Outcome(cases)
 
 
 @pytest.fixture
@@ -470,7 +387,7 @@ def fake_job(tmp_path, monkeypatch, fork_pins):
     monkeypatch.setattr(nightly, "_query_gpus", lambda: f"{gpus}1, GPU-1111, {h100}")
     lock_file = _lock(tmp_path, ALL_PINS)
     monkeypatch.setattr(nightly.lock, "path", lambda route, python: lock_file)
-    venv, libcuda = _venv(tmp_path), _executable(tmp_path / "libcuda.so.1", "")
+    (venv, home), libcuda = _venv(tmp_path), _executable(tmp_path / "libcuda.so.1", "")
     ldconfig = f"\tlibcuda.so.1 (libc6,x86-64) => {libcuda}\n"
     monkeypatch.setattr(cuda_toolchain, "_ldconfig_cache", lambda: ldconfig)
     calls: list[tuple] = []
@@ -480,19 +397,15 @@ def fake_job(tmp_path, monkeypatch, fork_pins):
 
     installed = (venv / "bin" / "python", tmp_path / "tree", None)
     monkeypatch.setattr(nightly.install, "install", record("install", installed))
-    monkeypatch.setattr(nightly, "check_jit", record("jit"))
+    monkeypatch.setattr(cuda_toolchain, "probe_flashinfer_jit", record("jit", 4))
     runner = nightly.pytest_runner
     monkeypatch.setattr(runner, "run_pytest", record("pytest", Outcome({})))
     monkeypatch.setattr(runner, "run_limited", record("benchmark", (0, False)))
     fake = dataclasses.replace(fork_pins, gpu_tests=("tests/v1/worker/test_gpu.py",))
-    return fake, calls, venv
+    return fake, calls, str(home)
 
 
 ORDER = ["install", "jit", "pytest", "pytest", "benchmark"]
-
-
-def home(venv: Path) -> str:
-    return str(install.site_packages(venv) / "nvidia" / "cu13")
 
 
 def _summary(out: str | Path = "") -> dict:
@@ -500,38 +413,41 @@ def _summary(out: str | Path = "") -> dict:
     return json.loads((Path(out) / "summary.json").read_text())
 
 
-def test_the_job_runs_the_gpu_tests_with_the_toolchain_and_the_limits(fake_job):
-    pins, calls, venv = fake_job
+def test_the_job_runs_with_the_toolchain_and_limits(fake_job, tmp_path, monkeypatch):
+    pins, calls, home = fake_job
+    # A missing host compiler stops the job before the install.
+    for compiler in ("g++", "c++"):
+        (tmp_path / "path" / compiler).unlink()
+    with pytest.raises(ForkError, match=r"lacks: c\+\+ \(FlashInfer's JIT builds\); g"):
+        nightly.run(pins)
+    assert calls == []
+    _bin(tmp_path, "g++", "c++")
     with pytest.raises(ForkError, match="required case"):  # the fakes report no case
         nightly.run(pins)
     assert [call[0] for call in calls] == ORDER
-    assert calls[0][1][1] == "cuda" and calls[1][1][1]["CUDA_HOME"] == home(venv)
+    assert calls[0][1][1] == "cuda" and calls[1][1][1]["CUDA_HOME"] == home
     (_, (_, _, gpu_args, _), gpu), (_, _, serve), (_, (bench_cmd,), bench) = calls[2:]
     assert bench_cmd[1] == str(nightly.BENCHMARK)
     assert gpu_args[:3] == ["--forked", "-v", "-rs"]
     assert gpu_args[3:-1] == nightly.PER_CASE_TIMEOUT
     for kwargs, limit in ((gpu, "gpu-tests"), (serve, "serve")):
-        assert kwargs["extra_env"]["CUDA_HOME"] == home(venv)
+        assert kwargs["extra_env"]["CUDA_HOME"] == home
         assert kwargs["timeout_s"] == nightly.RUN_LIMITS_S[limit]
-    assert bench["env"]["CUDA_HOME"] == home(venv)
+    assert bench["env"]["CUDA_HOME"] == home
     assert bench["timeout_s"] == nightly.RUN_LIMITS_S["benchmark"]
     summary = _summary()
     # CUDA_VISIBLE_DEVICES=1: one GPU, so the TP=2 case is not among the required.
     assert summary["gpu_kind"] == "Hopper"
     assert not any("tp2" in line for line in summary["required_not_run"])
 
-
-def test_a_run_pytest_cannot_carry_out_still_leaves_the_summary(fake_job, monkeypatch):
-    """A collection error in the GPU tests (pytest exit 2) must not lose the serve test,
-    the benchmark or summary.json."""
-    pins, calls, _ = fake_job
+    # A collection error in the GPU tests (pytest exit 2) must not lose the serve test,
+    # the benchmark or summary.json.
+    calls.clear()
 
     def gpu_run_breaks(*args, **kwargs):
         calls.append(("pytest", args, kwargs))
         if len(calls) == 3:  # the GPU tests' run (after the install and the JIT probe)
-            raise ForkError(
-                "pytest could not run the tests in tree (exit 2)", "see its output"
-            )
+            raise ForkError("pytest could not run the tests in tree (exit 2)", "see it")
         return Outcome({})
 
     monkeypatch.setattr(nightly.pytest_runner, "run_pytest", gpu_run_breaks)
@@ -540,14 +456,5 @@ def test_a_run_pytest_cannot_carry_out_still_leaves_the_summary(fake_job, monkey
     assert [call[0] for call in calls] == ORDER
     assert _summary()["killed"] == [
         "gpu-tests.xml: could not run: pytest could not run the tests in tree (exit 2) "
-        "-- see its output"
+        "-- see it"
     ]
-
-
-def test_a_missing_host_compiler_stops_the_job_before_the_install(fake_job, tmp_path):
-    pins, calls, _ = fake_job
-    (tmp_path / "path" / "g++").unlink()
-    (tmp_path / "path" / "c++").unlink()
-    with pytest.raises(ForkError, match=r"lacks: c\+\+ \(FlashInfer's JIT builds\); g"):
-        nightly.run(pins)
-    assert calls == []
