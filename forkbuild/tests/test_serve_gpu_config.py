@@ -15,6 +15,7 @@ import time
 from contextlib import suppress
 from pathlib import Path
 
+import psutil
 import pytest
 
 from forkbuild.serve import server as serve
@@ -137,34 +138,30 @@ def test_too_few_gpu_blocks_are_refused(server, blocks, tiny_model, offline):
         _plan(config)
 
 
-# A server in miniature: a parent that starts a child and sleeps. The child prints
-# "ready" once set up (with "ignore-term": ignoring SIGTERM, as a stuck engine core
-# would), and the parent then prints the child's pid.
-PARENT = textwrap.dedent("""
-    import subprocess, sys, time
-    child = subprocess.Popen(
-        [sys.executable, "-c", *sys.argv[1:]], stdout=subprocess.PIPE
-    )
-    assert child.stdout.readline().strip() == b"ready"
-    print(child.pid, flush=True)
-    time.sleep(300)
-""")
-CHILD = textwrap.dedent("""
-    import signal, sys, time
-    if sys.argv[1:] == ["ignore-term"]:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    print("ready", flush=True)
+# A server in miniature: a parent that starts its own program as a child and sleeps.
+# The child prints "ready" once set up (with "ignore-term": ignoring SIGTERM, as a stuck
+# engine core would), and the parent then prints the child's pid.
+TREE = textwrap.dedent("""
+    import signal, subprocess, sys, time
+    if sys.argv[1] == "child":
+        if "ignore-term" in sys.argv:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("ready", flush=True)
+    else:
+        program, *rest = sys.argv[1:]
+        argv = [sys.executable, "-c", program, "child", *rest]
+        child = subprocess.Popen(argv, stdout=subprocess.PIPE)
+        assert child.stdout.readline().strip() == b"ready"
+        print(child.pid, flush=True)
     time.sleep(300)
 """)
 
 
 def _alive(pid: int) -> bool:
     """PID runs (a zombie does not: it waits only to be reaped)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"
+    with suppress(psutil.Error):
+        return psutil.Process(pid).status() not in test_serve_gpu.GONE
+    return False
 
 
 @pytest.fixture
@@ -175,7 +172,7 @@ def start_tree():
 
     def start(*child_args: str) -> tuple[subprocess.Popen, int]:
         parent = subprocess.Popen(
-            [sys.executable, "-c", PARENT, CHILD, *child_args],
+            [sys.executable, "-c", TREE, TREE, *child_args],
             stdout=subprocess.PIPE,
             start_new_session=True,
         )
