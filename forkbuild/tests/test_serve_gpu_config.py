@@ -37,10 +37,7 @@ from vllm.entrypoints.openai.cli_args import make_arg_parser
 from vllm.usage.usage_lib import UsageContext
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.utils.import_utils import resolve_obj_by_qualname
-from vllm.v1.core.kv_cache_utils import (
-    _use_packed_kv_cache_config,
-    get_kv_cache_configs,
-)
+from vllm.v1.core import kv_cache_utils
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
 SERVERS = {"plain": [], "offload": OFFLOAD_ARGS}
@@ -56,36 +53,28 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_gpt_oss(tmp_path_factory.mktemp("models") / MODEL_ARGS[1])
 
 
-def _with_override(args: list[str], blocks: int) -> list[str]:
-    at = args.index("--num-gpu-blocks-override") + 1
-    return [*args[:at], str(blocks), *args[at + 1 :]]
-
-
-def _engine_config(
-    model: Path, server: list[str], engine_args: list[str]
-) -> VllmConfig:
+def _engine_config(model: Path, server: list[str], blocks: int) -> VllmConfig:
     """The config `vllm serve` builds from the command forkbuild serve runs in the GPU
-    test."""
+    test, with BLOCKS for its --num-gpu-blocks-override."""
+    at = ENGINE_ARGS.index("--num-gpu-blocks-override") + 1
+    engine_args = [*ENGINE_ARGS[:at], str(blocks), *ENGINE_ARGS[at + 1 :]]
     fork_parser = argparse.ArgumentParser()
     serve.add_arguments(fork_parser)
     fork_args = fork_parser.parse_args([*MODEL_ARGS, *server, "--", *engine_args])
     assert fork_args.model in serve.EMBEDDED  # generated, and served under its name
     # [vllm, "serve", model, ...], with the embedded model's and the preset's arguments
-    argv = serve.command(
-        Path(sys.executable), str(model), fork_args, embedded=fork_args.model
-    )[2:]
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+    argv = serve.command(Path(sys.executable), str(model), fork_args, fork_args.model)
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[2:])
     args.model = args.model_tag  # as the serve subcommand does
-    return AsyncEngineArgs.from_cli_args(args).create_engine_config(
-        usage_context=UsageContext.OPENAI_API_SERVER
-    )
+    engine = AsyncEngineArgs.from_cli_args(args)
+    return engine.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
 
 
 def _plan(config: VllmConfig):
     """The engine's start-up planning (EngineCore._initialize_kv_caches): the override
     is applied inside get_kv_cache_configs, before its one-request-fits check."""
     with set_current_vllm_config(config):
-        (kv_cache_config,) = get_kv_cache_configs(
+        (kv_cache_config,) = kv_cache_utils.get_kv_cache_configs(
             config, [layer_specs(config)], [PROFILED_BYTES]
         )
     return kv_cache_config
@@ -99,7 +88,7 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("server", SERVERS)
 def test_serve_gpu_args_pass_the_startup_check(server, tiny_model, offline):
-    config = _engine_config(tiny_model, SERVERS[server], ENGINE_ARGS)
+    config = _engine_config(tiny_model, SERVERS[server], GPU_BLOCKS)
     # The GPU's values, not this CPU platform's: block size 16, both KV cache groups.
     assert config.cache_config.block_size == 16
     assert config.cache_config.num_gpu_blocks_override == GPU_BLOCKS
@@ -117,7 +106,8 @@ def test_serve_gpu_args_pass_the_startup_check(server, tiny_model, offline):
     specs = [group.kv_cache_spec for group in groups]
     kinds = sorted(type(spec).__name__ for spec in specs)
     assert kinds == [FullAttentionSpec.__name__, SlidingWindowSpec.__name__]
-    assert _use_packed_kv_cache_config(config, groups) == (server == "offload")
+    packed = kv_cache_utils._use_packed_kv_cache_config(config, groups)
+    assert packed == (server == "offload")
     # The sliding group's need is capped by max_model_len, so this platform's default
     # max_num_batched_tokens plans the same blocks as a Hopper GPU's.
     (sliding,) = [spec for spec in specs if isinstance(spec, SlidingWindowSpec)]
@@ -131,8 +121,7 @@ def test_serve_gpu_args_pass_the_startup_check(server, tiny_model, offline):
 @pytest.mark.parametrize("blocks", [96, GPU_BLOCKS - 1])
 @pytest.mark.parametrize("server", SERVERS)
 def test_too_few_gpu_blocks_are_refused(server, blocks, tiny_model, offline):
-    engine_args = _with_override(ENGINE_ARGS, blocks)
-    config = _engine_config(tiny_model, SERVERS[server], engine_args)
+    config = _engine_config(tiny_model, SERVERS[server], blocks)
     assert config.cache_config.num_gpu_blocks_override == blocks
     with pytest.raises(ValueError, match=REFUSED):
         _plan(config)
