@@ -70,8 +70,7 @@ def _html(text: str) -> list[tuple[int, _HtmlTargets]]:
 def github_anchor(heading: str) -> str:
     """The id GitHub gives a heading (github-slugger's rules)."""
     tokens = _MARKDOWN.parse(f"# {heading}")
-    (opening,) = [t for t in tokens if t.type == "heading_open"]
-    return opening.attrs["id"]
+    return next(t.attrs["id"] for t in tokens if t.type == "heading_open")
 
 
 def anchors(path: Path) -> set[str]:
@@ -178,7 +177,9 @@ def test_docs_name_only_make_targets_that_exist():
     assert unknown_make_targets(REPO_ROOT) == []
 
 
-def test_docs_every_page_is_linked_from_the_readme():
+def test_docs_readme_is_a_landing_page_linking_every_page():
+    words = len((REPO_ROOT / "README.md").read_text().split())  # as `wc -w` counts
+    assert words <= README_MAX_WORDS, f"README.md: {words} words; move detail to docs/"
     targets = [t for _, t in links(REPO_ROOT / "README.md") if not _EXTERNAL.match(t)]
     linked = {(REPO_ROOT / unquote(t.partition("#")[0])).resolve() for t in targets}
     pages = sorted((REPO_ROOT / "docs").glob("*.md"))
@@ -186,15 +187,9 @@ def test_docs_every_page_is_linked_from_the_readme():
     assert [p.name for p in pages if p.resolve() not in linked] == []
 
 
-def test_docs_readme_is_a_landing_page():
-    words = len((REPO_ROOT / "README.md").read_text().split())  # as `wc -w` counts
-    assert words <= README_MAX_WORDS, f"README.md: {words} words; move detail to docs/"
-
-
 def test_make_help_lists_the_environment_and_where_logs_go_as_the_docs_do():
     make = ["make", "-s", "help", f"PYTHON={sys.executable}"]
-    text = subprocess.run(make, cwd=REPO_ROOT, capture_output=True, check=True).stdout
-    text = text.decode()
+    text = subprocess.check_output(make, cwd=REPO_ROOT, text=True)
     # Every VLLM_FORK_* variable forkbuild reads, found in its sources.
     source = "".join(p.read_text() for p in (REPO_ROOT / "forkbuild").rglob("*.py"))
     read = r"""environ(?:\.get\(|\[)\s*["'](VLLM_FORK_\w+)["']"""
@@ -202,8 +197,7 @@ def test_make_help_lists_the_environment_and_where_logs_go_as_the_docs_do():
     assert {"VLLM_FORK_CACHE", "VLLM_FORK_BUILD", "VLLM_FORK_DIST"} <= variables
     files_doc = (REPO_ROOT / "docs" / "files-and-uninstall.md").read_text()
     for variable in variables:
-        assert variable in text, variable
-        assert variable in files_doc, variable
+        assert variable in text and variable in files_doc, variable
     for where in ("build/test-results", "build/models", "build/gpu-nightly"):
         assert where in text and where in files_doc, where
     # The help prints the Makefile's whole leading comment block, however long it grows.

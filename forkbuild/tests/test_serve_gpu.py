@@ -140,10 +140,7 @@ def stop_session(
     server's memory profiling (gpu_worker.py, `init_snapshot.free_memory >= ...`)."""
     _signal_session(leader.pid, signal.SIGTERM)
     if left := _wait_session(leader, stop_s):
-        print(
-            f"server session {leader.pid}: SIGKILL after {stop_s:.0f} s: "
-            f"{'; '.join(left)}"
-        )
+        print(f"session {leader.pid}: SIGKILL after {stop_s:.0f} s: {'; '.join(left)}")
         _signal_session(leader.pid, signal.SIGKILL)
         left = _wait_session(leader, kill_s)
     assert not left, (
@@ -177,27 +174,19 @@ def serving(
     """`forkbuild serve ARGS` on a free port, its output in LOG_PATH, until healthy;
     stopped after (stop_session: it runs in a session of its own)."""
     port = free_port()
+    argv = [sys.executable, "-m", "forkbuild", "serve", "--port", str(port), *args]
+    # The worker imports the extension (ENGINE_ARGS) from the fork's tests.
+    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "VLLM_SERVER_DEV_MODE": "1"}  # the RPC
+    env["PYTHONUNBUFFERED"] = "1"  # the log read before shutdown holds all
     with open(log_path, "w") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "forkbuild", "serve", "--port", str(port), *args],
-            cwd=REPO_ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=_server_env(),
-        )
+        into = {"stdout": log, "stderr": subprocess.STDOUT, "start_new_session": True}
+        server = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, **into)
         try:
             wait_healthy(server, port, log_path, limit_s)
             yield port, server
         finally:
             stop_session(server, **stop)
-
-
-def _server_env() -> dict[str, str]:
-    # The worker imports the extension (ENGINE_ARGS) from the fork's tests.
-    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "VLLM_SERVER_DEV_MODE": "1"}  # the RPC
-    return env | {"PYTHONUNBUFFERED": "1"}  # the log read before shutdown holds all
 
 
 def post(url: str, body: dict, timeout: float = 120) -> dict:
@@ -235,15 +224,13 @@ def _packed_kv_cache() -> PackedKVCache:
     generated it) in bfloat16 (serve.command), with ENGINE_ARGS' blocks and backend."""
     config_file = build_dir() / "models" / MODEL_ARGS[1] / "config.json"
     config = json.loads(config_file.read_text())
-    return PackedKVCache(
-        backend="FLASH_ATTN",
-        layer_types=tuple(config["layer_types"]),
-        num_kv_heads=config["num_key_value_heads"],
-        head_size=config["head_dim"],
-        block_size=16,
-        dtype_bytes=2,
-        num_blocks=GPU_BLOCKS,
-    )
+    heads = {
+        "num_kv_heads": config["num_key_value_heads"],
+        "head_size": config["head_dim"],
+    }
+    blocks = {"block_size": 16, "dtype_bytes": 2, "num_blocks": GPU_BLOCKS}
+    layers = tuple(config["layer_types"])
+    return PackedKVCache(backend="FLASH_ATTN", layer_types=layers, **heads, **blocks)
 
 
 def _counter(metrics: str, name: str) -> float:
