@@ -20,14 +20,7 @@ import pytest
 
 from forkbuild.serve import server as serve
 from forkbuild.tests import test_serve_gpu
-from forkbuild.tests.test_serve_gpu import (
-    ENGINE_ARGS,
-    GPU_BLOCKS,
-    MODEL_ARGS,
-    OFFLOAD_ARGS,
-    session_processes,
-    stop_session,
-)
+from forkbuild.tests.test_serve_gpu import ENGINE_ARGS, GPU_BLOCKS, MODEL_ARGS
 from tests.v1.worker.offload_round_trip import KV_CACHE_INSPECTION, KVCacheInspection
 from tests.v1.worker.test_packed_kv_cache_pipeline import layer_specs
 from tests.v1.worker.tiny_hybrid_model import make_tiny_gpt_oss
@@ -40,7 +33,7 @@ from vllm.utils.import_utils import resolve_obj_by_qualname
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-SERVERS = {"plain": [], "offload": OFFLOAD_ARGS}
+SERVERS = {"plain": [], "offload": test_serve_gpu.OFFLOAD_ARGS}
 # What the memory profiler would report; with an override vLLM plans that instead.
 PROFILED_BYTES = 8 << 30
 # `vllm serve`'s default max_num_batched_tokens on H100/H200 (get_batch_defaults).
@@ -183,20 +176,21 @@ def test_stop_session_waits_for_the_servers_children(start_tree):
     os.kill(parent.pid, signal.SIGTERM)
     parent.wait(timeout=30)
     assert _alive(child)
-    assert [p.split()[0] for p in session_processes(parent.pid)] == [str(child)]
+    left = test_serve_gpu.session_processes(parent.pid)
+    assert [p.split()[0] for p in left] == [str(child)]
 
-    stop_session(parent, stop_s=30, kill_s=10)
+    test_serve_gpu.stop_session(parent, stop_s=30, kill_s=10)
     assert not _alive(child)
-    assert session_processes(parent.pid) == []
+    assert test_serve_gpu.session_processes(parent.pid) == []
 
 
 def test_stop_session_kills_what_ignores_sigterm(start_tree):
     parent, child = start_tree("ignore-term")
     started = time.monotonic()
-    stop_session(parent, stop_s=2, kill_s=10)
+    test_serve_gpu.stop_session(parent, stop_s=2, kill_s=10)
     assert time.monotonic() - started >= 2  # SIGTERM did not end the child
     assert not _alive(child) and parent.poll() is not None
-    assert session_processes(parent.pid) == []
+    assert test_serve_gpu.session_processes(parent.pid) == []
 
 
 def test_stop_session_fails_naming_what_is_left(start_tree, monkeypatch):
@@ -204,7 +198,7 @@ def test_stop_session_fails_naming_what_is_left(start_tree, monkeypatch):
     # Processes no signal ends (e.g. stuck in the GPU driver), simulated: none is sent.
     monkeypatch.setattr(test_serve_gpu, "_signal_session", lambda session, sig: None)
     with pytest.raises(AssertionError) as failure:
-        stop_session(parent, stop_s=0.5, kill_s=0.5)
+        test_serve_gpu.stop_session(parent, stop_s=0.5, kill_s=0.5)
     message = str(failure.value)
     assert f"session {parent.pid}" in message and "after SIGKILL" in message
     for pid in (parent.pid, child):
