@@ -44,9 +44,7 @@ def test_bad_artifact_is_deleted_and_refused(fork_pins, scratch_sdist, damage):
     assert not scratch_sdist.exists()
 
 
-def test_unwritable_cache_is_refused_naming_vllm_fork_cache(
-    fork_pins, tmp_path, monkeypatch
-):
+def test_unwritable_cache_is_refused_naming_it(fork_pins, tmp_path, monkeypatch):
     """One line naming VLLM_FORK_CACHE before pip runs (it was a traceback)."""
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("VLLM_FORK_CACHE", str(tmp_path / "a-file" / "cache"))
@@ -69,9 +67,7 @@ def test_a_download_on_a_terminal_shows_its_bytes_done(tmp_path):
         assert not shown
 
 
-def test_a_concurrent_download_is_left_alone_and_a_dead_ones_removed(
-    scratch, fork_pins
-):
+def test_a_live_download_is_left_alone_and_a_dead_ones_removed(scratch, fork_pins):
     """make test fetches in two threads: the second must leave the first's download."""
     artifacts = fetch.artifacts_dir()
     live = artifacts / f".download-{os.getpid()}-abc"
