@@ -24,9 +24,7 @@ from forkbuild.setup import install, tree
 
 
 def _git(tree_path: Path, *args: str) -> str:
-    return subprocess.run(
-        ["git", *args], cwd=tree_path, check=True, capture_output=True, text=True
-    ).stdout
+    return subprocess.check_output(["git", *args], cwd=tree_path, text=True)
 
 
 def check_tree_carries(built: Path, pins, patches_dir: Path = tree.PATCHES_DIR) -> None:
