@@ -1,9 +1,8 @@
 """`vllm serve` through the fork. Without --model: the embedded tiny chat model (a
-random-weight Gemma 2 generated locally, offline), whose sliding-window and full layers
-make vLLM plan GPT-OSS's two KV cache groups, and whose ChatML template answers
-/v1/chat/completions (the tiny GPT-OSS cannot: NO_CHAT). --preset offload-47054: vLLM
-issue #47054's cross-layer CPU KV offloading on FlashAttention, with prefix caching and
-the hybrid KV cache manager."""
+random-weight Gemma 2 made offline) whose sliding-window and full layers give GPT-OSS's
+two KV cache groups, and whose ChatML template answers /v1/chat/completions (the tiny
+GPT-OSS cannot: NO_CHAT). --preset offload-47054: vLLM issue #47054's cross-layer CPU KV
+offloading on FlashAttention, with prefix caching and the hybrid KV cache manager."""
 
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ import re
 import signal
 import subprocess
 from argparse import Namespace
+from contextlib import suppress
 from pathlib import Path
 
 from forkbuild.core import log, preflight
@@ -117,15 +117,12 @@ def start_tiny_model(python: Path, name: str = EMBEDDED_NAME) -> subprocess.Pope
     out = build_dir() / "models" / name
     log.step(f"serve: preparing the embedded model {name} in {out}")
     out.parent.mkdir(parents=True, exist_ok=True)
+    argv = [str(python), str(REPO_ROOT / EMBEDDED[name]), str(out)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     # Its output to a file, not a pipe nobody reads while the tree installs.
     with open(out.with_name(f"{name}.log"), "w") as report:
-        return subprocess.Popen(
-            [str(python), str(REPO_ROOT / EMBEDDED[name]), str(out)],
-            env={**os.environ, "HF_HUB_OFFLINE": "1"},
-            stdout=report,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        into = {"stdout": report, "stderr": subprocess.STDOUT, "text": True}
+        return subprocess.Popen(argv, env=env, **into)
 
 
 def finish_tiny_model(generating: subprocess.Popen[str]) -> Path:
@@ -190,18 +187,16 @@ def serve(pins: Pins, args: argparse.Namespace) -> None:
     except BaseException:
         if generating:  # as Ctrl-C would: it removes its unfinished folder
             generating.send_signal(signal.SIGINT)
-            try:
+            with suppress(subprocess.TimeoutExpired):
                 generating.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                generating.kill()
-                generating.wait()
+            generating.kill()  # a no-op once it has exited
+            generating.wait()
         raise
     model = str(finish_tiny_model(generating)) if generating else args.model
     model = os.path.expanduser(model)
     env = {**os.environ, **({"HF_HUB_OFFLINE": "1"} if embedded else {})}
     if route.target_device == "cpu":
-        # GiB; vLLM's default is sized for big hosts
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM's suits big hosts
         env.update(demo_engine_env(embedded))
     preflight.check_port_free(args.host, args.port)
     cmd = command(python, model, args, embedded, cpu=route.target_device == "cpu")

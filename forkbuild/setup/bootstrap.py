@@ -21,13 +21,10 @@ from forkbuild.setup import uv
 
 # What the bootstrap imports (paths in forkbuild/, as gpu/bundle/build.py's
 # RUNNER_MODULES): standard library only; test_bare_python holds it to that.
-MODULES = (
-    "__init__",
-    "__main__",
-    *(f"core/{m}" for m in ("__init__", "errors", "log", "hashing", "pins")),
-    *(f"setup/{m}" for m in ("__init__", "bootstrap", "uv", "tree", "fetch")),
-    *("core/preflight", "setup/pip_runner", "setup/load_extensions"),
-)
+_CORE = ("__init__", "errors", "log", "hashing", "pins", "preflight")
+_SETUP = ("__init__", "bootstrap", "uv", "tree", "fetch", "pip_runner")
+MODULES = ("__init__", "__main__", *(f"core/{m}" for m in _CORE))
+MODULES += (*(f"setup/{m}" for m in _SETUP), "setup/load_extensions")
 FORMAT = "forkbuild-lock-1"  # every lock's inputs digest starts with it
 DIGEST_LINE = "# inputs-sha256: "
 
@@ -73,14 +70,13 @@ def _checked_lock(pins: Pins, step: str) -> Path:
             "pythons and run `make lock` with a supported one",
         )
     if recorded_digest(lock_file) != tools_digest(pins, running_python()):
-        if step == "lock":  # `make lock` runs on the old lock, and rewrites it
-            log.step(f"tools: {lock_file.name} is stale; `lock` rewrites it")
-            return lock_file
-        raise ForkError(
-            f"{lock_file.name} was not made from fork.toml [toolchain] forkbuild as "
-            "it is now",
-            "run `make lock` (needs the package index) and commit locks/",
-        )
+        if step != "lock":  # `make lock` runs on the old lock, and rewrites it
+            raise ForkError(
+                f"{lock_file.name} was not made from fork.toml [toolchain] forkbuild "
+                "as it is now",
+                "run `make lock` (needs the package index) and commit locks/",
+            )
+        log.step(f"tools: {lock_file.name} is stale; `lock` rewrites it")
     return lock_file
 
 
@@ -88,9 +84,8 @@ def check_holds(python: Path, lock_file: Path) -> None:
     """PYTHON holds exactly LOCK_FILE: asked of itself (lock.verify_installed)."""
     verify = [str(python), "-m", "forkbuild.setup.lock", "--verify", str(lock_file)]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    done = subprocess.run(
-        verify, cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=False
-    )
+    options = {"capture_output": True, "text": True, "check": False}
+    done = subprocess.run(verify, cwd=REPO_ROOT, env=env, **options)
     if done.returncode != 0:
         lines = (done.stderr or done.stdout).strip().splitlines() or ["no output"]
         hint = "run again: the environment is made afresh from the lock"

@@ -58,16 +58,13 @@ def fetch(
         got = Path(tmp) / artifact.filename
         if not got.exists():
             files = sorted(p.name for p in Path(tmp).iterdir() if p.is_file())
-            saved = ", ".join(files) or "nothing"
             raise ForkError(
-                f"pip saved {saved}, not the pinned {artifact.filename}",
-                "the index serves different files for this requirement; "
-                "check fork.toml",
+                f"pip saved {', '.join(files) or 'nothing'}, not the pinned {got.name}",
+                "the index serves other files for this requirement; check fork.toml",
             )
         verify(got, artifact)
         os.replace(got, target)
-    size = f"{target.stat().st_size / 2**20:.0f} MiB"
-    log.step(f"fetch: {artifact.filename} verified ({size})")
+    log.step(f"fetch: {artifact.filename} verified ({target.stat().st_size >> 20} MiB)")
     return target
 
 
@@ -78,9 +75,10 @@ def _download(artifact: Artifact, pip: PipCommand, into: Path, quiet: bool) -> N
     else:
         name = artifact.requirement.split("==")[0]
         args += ["--no-binary", name, "--no-build-isolation"]
+    args.append(artifact.requirement)
     what = f"download {artifact.requirement}"
     if quiet:  # uv's own wheel, for the bootstrap: the standard library alone
-        run_pip(pip, [*args, artifact.requirement], what=what, quiet=True)
+        run_pip(pip, args, what=what, quiet=True)
         return
     from forkbuild.setup import progress  # rich: in the tool environment only
 
@@ -88,7 +86,7 @@ def _download(artifact: Artifact, pip: PipCommand, into: Path, quiet: bool) -> N
     (into / "pip-tmp").mkdir()
     env = {**os.environ, "TMPDIR": str(into / "pip-tmp")}
     with progress.bytes_in(into, artifact.requirement) as shown:
-        run_pip(pip, [*args, artifact.requirement], what=what, env=env, quiet=shown)
+        run_pip(pip, args, what=what, env=env, quiet=shown)
 
 
 def clean_partial_downloads() -> None:

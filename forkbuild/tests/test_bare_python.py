@@ -72,9 +72,7 @@ def _fresh_tools(tmp_path: Path) -> dict[str, str]:
     return {"VLLM_FORK_BUILD": str(tmp_path / "build"), "VLLM_FORK_TOOLS": ""}
 
 
-def test_the_bootstrap_runs_on_the_system_python_with_the_standard_library_alone(
-    tmp_path,
-):
+def test_the_bootstrap_runs_on_the_system_python_on_the_stdlib_alone(tmp_path):
     """`python3 -I -m forkbuild` makes the tool environment and re-executes there having
     imported only the standard library and forkbuild's bootstrap and runner modules."""
     python = SYSTEM_PYTHON if SYSTEM_PYTHON.exists() else Path(sys.executable)
@@ -188,9 +186,7 @@ def test_uv_bootstraps_without_pip_from_ensurepips_wheel(bare_python, tmp_path):
     assert said == ["uv", uv_version]
 
 
-def test_a_python_without_pip_or_ensurepip_gets_one_line_naming_the_package(
-    monkeypatch,
-):
+def test_a_python_without_pip_or_ensurepip_is_told_the_package(monkeypatch):
     monkeypatch.setattr(uv.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ForkError) as err:
         uv.bootstrap_pip()
@@ -206,8 +202,7 @@ def test_help_lists_every_target_variable_and_what_test_runs():
         assert word in text, word
     test_help = " ".join(_forkbuild(HERE, "test", "--help").stdout.split())
     assert "GPU tests' clean skip" in test_help and "patch-status" in test_help
-    assert "CUDA route without a GPU" in test_help
-    assert "--route" in test_help
+    assert "CUDA route without a GPU" in test_help and "--route" in test_help
     steps = ("tree", "wheel", "lock", "matrix", "patch-status", "upstream", "nightly")
     for step in steps:
         assert "--route" not in _forkbuild(HERE, step, "--help").stdout, step

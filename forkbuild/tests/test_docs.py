@@ -70,8 +70,7 @@ def _html(text: str) -> list[tuple[int, _HtmlTargets]]:
 def github_anchor(heading: str) -> str:
     """The id GitHub gives a heading (github-slugger's rules)."""
     tokens = _MARKDOWN.parse(f"# {heading}")
-    (opening,) = [t for t in tokens if t.type == "heading_open"]
-    return opening.attrs["id"]
+    return next(t.attrs["id"] for t in tokens if t.type == "heading_open")
 
 
 def anchors(path: Path) -> set[str]:
@@ -115,14 +114,12 @@ def _link_problem(root: Path, doc: Path, target: str) -> str | None:
 
 def broken_links(root: Path) -> list[str]:
     """'FILE:LINE: TARGET: why' for each relative link under ROOT leading nowhere."""
-    problems = []
-    for doc in doc_files(root):
-        for number, target in links(doc):
-            problem = not _EXTERNAL.match(target) and _link_problem(root, doc, target)
-            if problem:
-                where = f"{doc.relative_to(root)}:{number}"
-                problems.append(f"{where}: {target}: {problem}")
-    return problems
+    return [
+        f"{doc.relative_to(root)}:{number}: {target}: {problem}"
+        for doc in doc_files(root)
+        for number, target in links(doc)
+        if not _EXTERNAL.match(target) and (problem := _link_problem(root, doc, target))
+    ]
 
 
 # -- make targets ----------------------------------------------------------------------
@@ -176,17 +173,13 @@ def test_docs_relative_links_lead_to_files_and_headings():
 def test_docs_name_only_make_targets_that_exist():
     docs = doc_files(REPO_ROOT)
     named = {t for doc in docs for _, t in make_targets_named(doc.read_text())}
-    assert {
-        "serve",
-        "test",
-        "wheel",
-        "matrix",
-        "help",
-    } <= named  # the checker sees them
+    assert {"serve", "test", "wheel", "matrix", "help"} <= named  # checker sees them
     assert unknown_make_targets(REPO_ROOT) == []
 
 
-def test_docs_every_page_is_linked_from_the_readme():
+def test_docs_readme_is_a_landing_page_linking_every_page():
+    words = len((REPO_ROOT / "README.md").read_text().split())  # as `wc -w` counts
+    assert words <= README_MAX_WORDS, f"README.md: {words} words; move detail to docs/"
     targets = [t for _, t in links(REPO_ROOT / "README.md") if not _EXTERNAL.match(t)]
     linked = {(REPO_ROOT / unquote(t.partition("#")[0])).resolve() for t in targets}
     pages = sorted((REPO_ROOT / "docs").glob("*.md"))
@@ -194,16 +187,9 @@ def test_docs_every_page_is_linked_from_the_readme():
     assert [p.name for p in pages if p.resolve() not in linked] == []
 
 
-def test_docs_readme_is_a_landing_page():
-    words = len((REPO_ROOT / "README.md").read_text().split())  # as `wc -w` counts
-    too_long = f"README.md has {words} words: move detail to docs/"
-    assert words <= README_MAX_WORDS, too_long
-
-
 def test_make_help_lists_the_environment_and_where_logs_go_as_the_docs_do():
     make = ["make", "-s", "help", f"PYTHON={sys.executable}"]
-    done = subprocess.run(make, cwd=REPO_ROOT, capture_output=True, check=True)
-    text = done.stdout.decode()
+    text = subprocess.check_output(make, cwd=REPO_ROOT, text=True)
     # Every VLLM_FORK_* variable forkbuild reads, found in its sources.
     source = "".join(p.read_text() for p in (REPO_ROOT / "forkbuild").rglob("*.py"))
     read = r"""environ(?:\.get\(|\[)\s*["'](VLLM_FORK_\w+)["']"""
@@ -211,8 +197,7 @@ def test_make_help_lists_the_environment_and_where_logs_go_as_the_docs_do():
     assert {"VLLM_FORK_CACHE", "VLLM_FORK_BUILD", "VLLM_FORK_DIST"} <= variables
     files_doc = (REPO_ROOT / "docs" / "files-and-uninstall.md").read_text()
     for variable in variables:
-        assert variable in text, variable
-        assert variable in files_doc, variable
+        assert variable in text and variable in files_doc, variable
     for where in ("build/test-results", "build/models", "build/gpu-nightly"):
         assert where in text and where in files_doc, where
     # The help prints the Makefile's whole leading comment block, however long it grows.
@@ -223,27 +208,25 @@ def test_make_help_lists_the_environment_and_where_logs_go_as_the_docs_do():
 
 
 # -- the checks fail where they must ---------------------------------------------------
-@pytest.mark.parametrize(
-    "heading",
-    [
-        "vLLM 0.25.1 + the fix for #47054 -> vllm-0251--the-fix-for-47054",
-        "What `make test` runs -> what-make-test-runs",
-        "The fork's CPU test modules -> the-forks-cpu-test-modules",
-        "Who is affected: the connectors that reach the packed reshape -> "
-        "who-is-affected-the-connectors-that-reach-the-packed-reshape",
-        "Set-up and the [locks](x.md) -> set-up-and-the-locks",
-    ],
-)
-def test_github_anchor_rules_for_docs_headings(heading):
-    text, anchor = heading.split(" -> ")
-    assert github_anchor(text) == anchor
+AFFECTED = "Who is affected: the connectors that reach the packed reshape"
+ANCHORS = {
+    "vLLM 0.25.1 + the fix for #47054": "vllm-0251--the-fix-for-47054",
+    "What `make test` runs": "what-make-test-runs",
+    "The fork's CPU test modules": "the-forks-cpu-test-modules",
+    AFFECTED: "who-is-affected-the-connectors-that-reach-the-packed-reshape",
+    "Set-up and the [locks](x.md)": "set-up-and-the-locks",
+}
+
+
+@pytest.mark.parametrize(("heading", "anchor"), ANCHORS.items())
+def test_github_anchor_rules_for_docs_headings(heading, anchor):
+    assert github_anchor(heading) == anchor
 
 
 def test_repeated_headings_are_numbered_and_code_is_no_heading(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text(
-        "# Title\n\n## Notes\n\n```console\n# not a heading\n```\n\n## Notes ##\n"
-    )
+    code = "```console\n# not a heading\n```"
+    page.write_text(f"# Title\n\n## Notes\n\n{code}\n\n## Notes ##\n")
     assert anchors(page) == {"title", "notes", "notes-1"}
 
 
@@ -263,8 +246,7 @@ def test_docs_link_check_fails_on_a_broken_link(tmp_path):
     with tests_page.open("a") as page:
         page.write(
             "\nSee [the missing page](no-such-page.md), [a missing heading]"
-            "(setup-and-locks.md#no-such-heading), [up and "
-            "out](../../outside.md),\n"
+            "(setup-and-locks.md#no-such-heading), [up and out](../../outside.md),\n"
             "and `[code](no-such-file-in-code.md)` which is no link.\n"
         )
     (root / "docs" / "affected.md").unlink()  # README.md links it

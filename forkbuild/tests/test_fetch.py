@@ -11,18 +11,19 @@ from forkbuild.core.errors import ForkError
 from forkbuild.setup import fetch, progress
 
 
-def _no_download(*args, **kwargs):
-    raise AssertionError("fetch went to the network for a cached artifact")
+@pytest.fixture(autouse=True)
+def _no_download(monkeypatch):
+    def download(*args, **kwargs):
+        raise AssertionError("fetch went to the network for a cached artifact")
+
+    monkeypatch.setattr(fetch, "run_pip", download)
 
 
 def _no_pip():
     raise AssertionError("fetch asked for a pip (an environment) for a cached artifact")
 
 
-def test_cached_artifact_is_verified_not_downloaded(
-    fork_pins, scratch_sdist, monkeypatch
-):
-    monkeypatch.setattr(fetch, "run_pip", _no_download)
+def test_cached_artifact_is_verified_not_downloaded(fork_pins, scratch_sdist):
     assert fetch.fetch(fork_pins.sdist, _no_pip) == scratch_sdist
 
 
@@ -34,10 +35,7 @@ def test_cached_artifact_is_verified_not_downloaded(
     ],
     ids=["tampered", "truncated"],
 )
-def test_bad_artifact_is_deleted_and_refused(
-    fork_pins, scratch_sdist, monkeypatch, damage
-):
-    monkeypatch.setattr(fetch, "run_pip", _no_download)
+def test_bad_artifact_is_deleted_and_refused(fork_pins, scratch_sdist, damage):
     scratch_sdist.write_bytes(damage(scratch_sdist.read_bytes()))
     said = f"sha256 mismatch for {fork_pins.sdist.filename}"
     with pytest.raises(ForkError, match=said) as err:
@@ -46,11 +44,8 @@ def test_bad_artifact_is_deleted_and_refused(
     assert not scratch_sdist.exists()
 
 
-def test_unwritable_cache_is_refused_naming_vllm_fork_cache(
-    fork_pins, tmp_path, monkeypatch
-):
+def test_unwritable_cache_is_refused_naming_it(fork_pins, tmp_path, monkeypatch):
     """One line naming VLLM_FORK_CACHE before pip runs (it was a traceback)."""
-    monkeypatch.setattr(fetch, "run_pip", _no_download)
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("VLLM_FORK_CACHE", str(tmp_path / "a-file" / "cache"))
     said = f"cannot write in .*, which downloading {fork_pins.sdist.filename} needs"
@@ -72,9 +67,7 @@ def test_a_download_on_a_terminal_shows_its_bytes_done(tmp_path):
         assert not shown
 
 
-def test_a_concurrent_download_is_left_alone_and_a_dead_ones_removed(
-    scratch, fork_pins
-):
+def test_a_live_download_is_left_alone_and_a_dead_ones_removed(scratch, fork_pins):
     """make test fetches in two threads: the second must leave the first's download."""
     artifacts = fetch.artifacts_dir()
     live = artifacts / f".download-{os.getpid()}-abc"

@@ -3,42 +3,35 @@
 from __future__ import annotations
 
 import json
-import os
+import re
 import shlex
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from transformers import AutoTokenizer
 
 from forkbuild.core import preflight
 from forkbuild.core.errors import ForkError
 from forkbuild.core.pins import REPO_ROOT
 from forkbuild.serve import server as serve
-from forkbuild.tests.test_serve_gpu import (
-    _kv_cache_reports,
-    free_port,
-    post,
-    serving,
-)
+from forkbuild.tests.test_serve_gpu import _kv_cache_reports, free_port, post, serving
 from tests.v1.worker.offload_round_trip import KV_CACHE_INSPECTION, check_not_packed
+from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+from vllm.reasoning import ReasoningParserManager
 
 
 def _refused(*args: str) -> str:
     """`forkbuild ARGS` must fail at once (no install, no hub lookup: that took ~32 s)
     in one line, which is returned."""
     start = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "-m", "forkbuild", *args],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    argv = [sys.executable, "-m", "forkbuild", *args]
+    options = {"capture_output": True, "text": True, "timeout": 60, "check": False}
+    result = subprocess.run(argv, cwd=REPO_ROOT, **options)
     assert result.returncode == 1
     assert time.monotonic() - start < 20
     (line,) = result.stderr.strip().splitlines()
@@ -49,38 +42,31 @@ def _refused(*args: str) -> str:
     preflight.has_nvidia_gpu(), reason="checks the refusal on a machine without a GPU"
 )
 def test_gpu_preset_without_gpu_is_refused_at_once():
-    model = ["--model", "openai/gpt-oss-20b"]
-    assert "needs an NVIDIA GPU" in _refused(
-        "serve", "--preset", "offload-47054", *model
+    line = _refused(
+        "serve", "--preset", "offload-47054", "--model", "openai/gpt-oss-20b"
     )
+    assert "needs an NVIDIA GPU" in line
 
 
-def test_port_in_use_is_refused_at_once():
+def test_port_in_use_and_a_mistyped_model_are_refused_at_once():
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
         line = _refused("serve", "--port", str(port))
     assert f"port {port} on 127.0.0.1 is already in use" in line
-
-
-def test_mistyped_model_is_refused_at_once():
     line = _refused("serve", "--model", "tiny-chta", "--port", str(free_port()))
     assert "'tiny-chta' is neither an embedded model" in line
     assert "did you mean tiny-chat?" in line and "org/name" in line
 
 
-@pytest.mark.parametrize(
-    "model, close",
-    [
-        ("tiny-chta", "tiny-chat"),
-        ("Tiny-Chat", "tiny-chat"),
-        ("tiny-gptoss", "tiny-gpt-oss"),
-        # a bare name: the hub's org-less ids are redirects to org/name ones
-        ("gpt2", None),
-        ("./tiny-chat", "tiny-chat"),  # a path that does not exist
-    ],
-)
+# gpt2: a bare name (the hub's org-less ids redirect to org/name ones); ./tiny-chat: a
+# path that does not exist.
+NAMES_NOTHING = {"tiny-chta": "tiny-chat", "Tiny-Chat": "tiny-chat", "gpt2": None}
+NAMES_NOTHING |= {"tiny-gptoss": "tiny-gpt-oss", "./tiny-chat": "tiny-chat"}
+
+
+@pytest.mark.parametrize(("model", "close"), NAMES_NOTHING.items())
 def test_model_that_names_nothing_is_refused(model, close, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.chdir(tmp_path)
@@ -126,41 +112,21 @@ def test_tiny_gpt_oss_chat_fails_as_the_reason_says():
     by default cannot be made with the tiny GPT-OSS's tokenizer (every chat request
     makes one)."""
     model = serve.ensure_tiny_model(Path(sys.executable), "tiny-gpt-oss")
-    probe = textwrap.dedent("""
-        import json, sys, types
-        from transformers import AutoTokenizer
-        from vllm.model_executor.models.config import MODELS_CONFIG_MAP
-        from vllm.reasoning import ReasoningParserManager
-        (arch,) = json.load(open(sys.argv[1] + "/config.json"))["architectures"]
-        config = types.SimpleNamespace(
-            structured_outputs_config=types.SimpleNamespace(reasoning_parser=""),
-            compilation_config=types.SimpleNamespace(cudagraph_capture_sizes=[1],
-                                                     max_cudagraph_capture_size=1))
-        MODELS_CONFIG_MAP[arch].verify_and_update_config(config)
-        name = config.structured_outputs_config.reasoning_parser
-        try:
-            ReasoningParserManager.get_reasoning_parser(name)(AutoTokenizer.from_pretrained(sys.argv[1]))
-        except KeyError as exc:
-            print(name, "KeyError:", exc)
-        else:
-            print(name, "made")
-    """)
-    result = subprocess.run(
-        [sys.executable, "-c", probe, str(model)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        timeout=300,
-        check=False,
+    (arch,) = json.loads((model / "config.json").read_text())["architectures"]
+    outputs = SimpleNamespace(reasoning_parser="")
+    graphs = SimpleNamespace(cudagraph_capture_sizes=[1], max_cudagraph_capture_size=1)
+    config = SimpleNamespace(
+        structured_outputs_config=outputs, compilation_config=graphs
     )
-    assert result.stdout.strip().splitlines()[-1:] == [
-        "openai_gptoss KeyError: '<|end|>'"
-    ], result.stderr[-2000:]
+    MODELS_CONFIG_MAP[arch].verify_and_update_config(config)
+    assert outputs.reasoning_parser == "openai_gptoss"
+    parser = ReasoningParserManager.get_reasoning_parser(outputs.reasoning_parser)
+    with pytest.raises(KeyError, match=re.escape("'<|end|>'")):
+        parser(AutoTokenizer.from_pretrained(model))
 
 
 def _printed_requests(log_text: str) -> list[tuple[str, dict]]:
-    """The (url, body) of each `curl` line that `forkbuild serve` printed for the
-    user."""
+    """The (url, body) of each `curl` line `forkbuild serve` printed for the user."""
     requests = []
     for line in log_text.splitlines():
         if "serve: try  curl " in line:
@@ -174,20 +140,16 @@ def _check_greedy_answers(base: str) -> None:
     greedy = {"model": "tiny-chat", "max_tokens": 8, "temperature": 0}
     greedy["ignore_eos"] = True
     text = post(f"{base}/v1/completions", {**greedy, "prompt": "Hello, world!"})
-    assert text["usage"]["completion_tokens"] == 8
-    assert isinstance(text["choices"][0]["text"], str)
-    assert text["choices"][0]["text"]
-    assert "+fork.1" in text["system_fingerprint"]
-    chat = post(
-        f"{base}/v1/chat/completions",
-        {**greedy, "messages": [{"role": "user", "content": "Hello, world!"}]},
-    )
-    assert chat["usage"]["completion_tokens"] == 8
-    assert chat["choices"][0]["message"]["role"] == "assistant"
-    assert chat["choices"][0]["message"]["content"]
-    # the ChatML turn the template renders (system_fingerprint: the fork's vLLM)
+    assert isinstance(text["choices"][0]["text"], str) and text["choices"][0]["text"]
+    messages = [{"role": "user", "content": "Hello, world!"}]
+    chat = post(f"{base}/v1/chat/completions", {**greedy, "messages": messages})
+    message = chat["choices"][0]["message"]
+    assert message["role"] == "assistant" and message["content"]
+    for answer in (text, chat):  # system_fingerprint: the fork's vLLM
+        assert answer["usage"]["completion_tokens"] == 8
+        assert "+fork.1" in answer["system_fingerprint"]
+    # the ChatML turn the template renders
     assert chat["usage"]["prompt_tokens"] > text["usage"]["prompt_tokens"]
-    assert "+fork.1" in chat["system_fingerprint"]
 
 
 def test_embedded_model_answers_a_completion_and_a_chat(tmp_path):
@@ -199,10 +161,8 @@ def test_embedded_model_answers_a_completion_and_a_chat(tmp_path):
         base = f"http://127.0.0.1:{port}"
         # The two lines the user is told to try, sent as printed: both endpoints answer.
         printed = _printed_requests(log_path.read_text())
-        assert [url for url, _ in printed] == [
-            f"{base}/v1/completions",
-            f"{base}/v1/chat/completions",
-        ]
+        urls = [f"{base}/v1/completions", f"{base}/v1/chat/completions"]
+        assert [url for url, _ in printed] == urls
         for url, body in printed:
             answer = post(url, body)
             assert answer["model"] == "tiny-chat"
@@ -210,9 +170,8 @@ def test_embedded_model_answers_a_completion_and_a_chat(tmp_path):
         _check_greedy_answers(base)
         # the demo's worker ran inside the engine core process (demo_engine_env)
         assert "(Worker pid=" not in log_path.read_text()
-        # What the GPU serve test asks its servers, asked here the same way: one report
-        # per worker; the tiny chat model's two groups (sliding, full) per layer,
-        # unpacked.
+        # As the GPU serve test asks: one report per worker; the tiny chat model's two
+        # groups (sliding, full) per layer, unpacked.
         (report,) = _kv_cache_reports(port)
         check_not_packed(report)
         assert len(report["layers"]) == 4, report["layers"]

@@ -1,14 +1,12 @@
 """`forkbuild serve --preset offload-47054` on a GPU (the nightly job; skipped
 elsewhere): concurrent greedy completions with KV blocks evicted to CPU and reloaded,
-next to a server without offloading. With random weights a greedy token can flip when
-the batch around a request changes: texts are compared only for one request sent alone
-to each cold server; the concurrent rounds must answer every request in full, the
-offload server must have stored and loaded KV bytes, and no log may show an error. vLLM
-0.25.1 logs nothing when it packs the KV cache, and per-layer offloading passes all of
-that too: so each worker reports its KV cache (offload_round_trip.py, through the
-dev-mode /collective_rpc), packed HND block rows on the offload server only. The second
-server starts once every process of the first has exited, or its memory profiling would
-see the first's memory come free and refuse to start."""
+next to a server without offloading. Random weights let a greedy token flip with the
+batch, so texts are compared only for one request sent alone to each cold server; every
+concurrent request must be answered in full, the offload server must have stored and
+loaded KV bytes, no log may show an error, and each worker's KV cache report
+(offload_round_trip.py, via the dev-mode /collective_rpc) must show packed HND block
+rows on the offload server only (vLLM 0.25.1 logs nothing when it packs). The second
+server starts once every process of the first has exited (its memory profiling)."""
 
 from __future__ import annotations
 
@@ -26,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+import psutil
 import pytest
 
 from forkbuild.core import preflight
@@ -39,44 +38,38 @@ from tests.v1.worker.offload_round_trip import (
 )
 
 
-def _compute_capability() -> float:
-    """The weakest compute capability among the visible GPUs (as the nightly counts),
-    0.0 without nvidia-smi or a GPU."""
-    from forkbuild.gpu import required as gpu_required
+def _compute_capability() -> tuple[int, int]:
+    """The weakest compute capability of the visible GPUs (as the nightly counts),
+    (0, 0) without nvidia-smi or a GPU."""
+    from forkbuild.gpu import required
 
-    query = ["nvidia-smi", f"--query-gpu={gpu_required.NVIDIA_SMI_QUERY}"]
-    query.append("--format=csv")
+    query = ["nvidia-smi", f"--query-gpu={required.NVIDIA_SMI_QUERY}", "--format=csv"]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     try:
         out = subprocess.run(query, capture_output=True, text=True).stdout
-        capabilities = gpu_required.parse_nvidia_smi(
-            out, os.environ.get("CUDA_VISIBLE_DEVICES")
-        )
+        return min(required.parse_nvidia_smi(out, visible))
     except Exception:  # no GPU, no nvidia-smi or none visible: the other skip decides
-        return 0.0
-    major, minor = min(capabilities)
-    return major + minor / 10
+        return (0, 0)
 
 
 pytestmark = [
     pytest.mark.skipif(not preflight.has_nvidia_gpu(), reason="needs an NVIDIA GPU"),
     pytest.mark.skipif(
-        preflight.has_nvidia_gpu() and _compute_capability() < 9.0,
+        preflight.has_nvidia_gpu() and _compute_capability() < (9, 0),
         reason="the preset's FLASH_ATTN serves GPT-OSS only with FA3 (Hopper or newer)",
     ),
 ]
 
 # A small GPU cache, many distinct long prompts, two rounds: round 1's blocks are
-# evicted and round 2 reloads them from CPU. vLLM 0.25.1 starts only if one request of
+# evicted, round 2 reloads them from CPU. vLLM 0.25.1 starts only if one request of
 # --max-model-len fits the override (kv_cache_utils.py): at block size 16 the full group
-# needs cdiv(1024, 16) = 64 blocks, the sliding one cdiv(min(127 +
-# max_num_batched_tokens, 1024), 16) + 1 = 65 (every default max_num_batched_tokens is
-# >= 2048): >= 129 (96 stops both servers). 16 prompts of 758-799 tokens need ~770
-# blocks. test_serve_gpu_config.py runs this check on CPU.
+# needs cdiv(1024, 16) = 64 blocks, the sliding one cdiv(min(127 + batched tokens (>=
+# 2048 by default), 1024), 16) + 1 = 65: >= 129 (96 stops both servers). 16 prompts of
+# 758-799 tokens need ~770 blocks. test_serve_gpu_config.py checks this on CPU.
 GPU_BLOCKS = 129
 # --block-size 16 is FLASH_ATTN's pick on CUDA; explicit, the CPU check plans the same
-# blocks (CPU would pick 128). Both servers use the preset's backend: the cold texts
-# come from the same kernels. --worker-extension-cls adds the KV cache report that
-# VLLM_SERVER_DEV_MODE=1's /collective_rpc calls by name.
+# blocks. Both servers use the preset's backend (the cold texts: the same kernels); the
+# extension adds the report that VLLM_SERVER_DEV_MODE=1's /collective_rpc calls.
 ENGINE_ARGS = [
     *f"--num-gpu-blocks-override {GPU_BLOCKS} --block-size 16 --max-model-len 1024 "
     "--gpu-memory-utilization 0.3 --max-num-seqs 8 --attention-backend FLASH_ATTN "
@@ -95,26 +88,19 @@ ERRORS = re.compile(r"Traceback|illegal memory access|CUDA error|\bERROR\b")
 
 # How long the processes of a server may take to exit after SIGTERM, and after SIGKILL.
 STOP_S, KILL_S = 120, 30
+GONE = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
 
 
 def _session_table(session: int) -> list[tuple[int, int, str]]:
-    """(pid, group, 'PID COMMAND') of each live process of SESSION (/proc); no zombies:
-    they hold no memory, and a container's PID 1 may never reap an orphan's."""
+    """(pid, group, 'PID COMMAND') of each live process of SESSION; no zombies: they
+    hold no memory, and a container's PID 1 may never reap an orphan's."""
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").strip()
-        except OSError:  # exited meanwhile
-            continue
-        # "PID (COMM) STATE PPID PGRP SESSION ...", and COMM may hold ") ".
-        state, _, pgrp, sid = stat[stat.rindex(")") + 2 :].split()[:4]
-        if int(sid) == session and state not in ("Z", "X"):
-            name = " ".join(command.decode(errors="replace").split())[:200]
-            name = name or stat[stat.index("(") : stat.rindex(")") + 1]
-            found.append((int(entry.name), int(pgrp), f"{entry.name} {name}"))
+    for proc in psutil.process_iter(["cmdline", "name", "status"]):
+        with suppress(OSError, psutil.Error):  # exited meanwhile
+            if os.getsid(proc.pid) == session and proc.info["status"] not in GONE:
+                words = " ".join(proc.info["cmdline"] or [f"({proc.info['name']})"])
+                described = f"{proc.pid} {' '.join(words.split())[:200]}"
+                found.append((proc.pid, os.getpgid(proc.pid), described))
     return found
 
 
@@ -154,10 +140,7 @@ def stop_session(
     server's memory profiling (gpu_worker.py, `init_snapshot.free_memory >= ...`)."""
     _signal_session(leader.pid, signal.SIGTERM)
     if left := _wait_session(leader, stop_s):
-        print(
-            f"server session {leader.pid}: SIGKILL after {stop_s:.0f} s: "
-            f"{'; '.join(left)}"
-        )
+        print(f"session {leader.pid}: SIGKILL after {stop_s:.0f} s: {'; '.join(left)}")
         _signal_session(leader.pid, signal.SIGKILL)
         left = _wait_session(leader, kill_s)
     assert not left, (
@@ -191,27 +174,19 @@ def serving(
     """`forkbuild serve ARGS` on a free port, its output in LOG_PATH, until healthy;
     stopped after (stop_session: it runs in a session of its own)."""
     port = free_port()
+    argv = [sys.executable, "-m", "forkbuild", "serve", "--port", str(port), *args]
+    # The worker imports the extension (ENGINE_ARGS) from the fork's tests.
+    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "VLLM_SERVER_DEV_MODE": "1"}  # the RPC
+    env["PYTHONUNBUFFERED"] = "1"  # the log read before shutdown holds all
     with open(log_path, "w") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "forkbuild", "serve", "--port", str(port), *args],
-            cwd=REPO_ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=_server_env(),
-        )
+        into = {"stdout": log, "stderr": subprocess.STDOUT, "start_new_session": True}
+        server = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, **into)
         try:
             wait_healthy(server, port, log_path, limit_s)
             yield port, server
         finally:
             stop_session(server, **stop)
-
-
-def _server_env() -> dict[str, str]:
-    # The worker imports the extension (ENGINE_ARGS) from the fork's tests.
-    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "VLLM_SERVER_DEV_MODE": "1"}  # the RPC
-    return env | {"PYTHONUNBUFFERED": "1"}  # the log read before shutdown holds all
 
 
 def post(url: str, body: dict, timeout: float = 120) -> dict:
@@ -249,15 +224,13 @@ def _packed_kv_cache() -> PackedKVCache:
     generated it) in bfloat16 (serve.command), with ENGINE_ARGS' blocks and backend."""
     config_file = build_dir() / "models" / MODEL_ARGS[1] / "config.json"
     config = json.loads(config_file.read_text())
-    return PackedKVCache(
-        backend="FLASH_ATTN",
-        layer_types=tuple(config["layer_types"]),
-        num_kv_heads=config["num_key_value_heads"],
-        head_size=config["head_dim"],
-        block_size=16,
-        dtype_bytes=2,
-        num_blocks=GPU_BLOCKS,
-    )
+    heads = {
+        "num_kv_heads": config["num_key_value_heads"],
+        "head_size": config["head_dim"],
+    }
+    blocks = {"block_size": 16, "dtype_bytes": 2, "num_blocks": GPU_BLOCKS}
+    layers = tuple(config["layer_types"])
+    return PackedKVCache(backend="FLASH_ATTN", layer_types=layers, **heads, **blocks)
 
 
 def _counter(metrics: str, name: str) -> float:

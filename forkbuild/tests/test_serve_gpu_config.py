@@ -15,18 +15,12 @@ import time
 from contextlib import suppress
 from pathlib import Path
 
+import psutil
 import pytest
 
 from forkbuild.serve import server as serve
 from forkbuild.tests import test_serve_gpu
-from forkbuild.tests.test_serve_gpu import (
-    ENGINE_ARGS,
-    GPU_BLOCKS,
-    MODEL_ARGS,
-    OFFLOAD_ARGS,
-    session_processes,
-    stop_session,
-)
+from forkbuild.tests.test_serve_gpu import ENGINE_ARGS, GPU_BLOCKS, MODEL_ARGS
 from tests.v1.worker.offload_round_trip import KV_CACHE_INSPECTION, KVCacheInspection
 from tests.v1.worker.test_packed_kv_cache_pipeline import layer_specs
 from tests.v1.worker.tiny_hybrid_model import make_tiny_gpt_oss
@@ -36,13 +30,10 @@ from vllm.entrypoints.openai.cli_args import make_arg_parser
 from vllm.usage.usage_lib import UsageContext
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.utils.import_utils import resolve_obj_by_qualname
-from vllm.v1.core.kv_cache_utils import (
-    _use_packed_kv_cache_config,
-    get_kv_cache_configs,
-)
+from vllm.v1.core import kv_cache_utils
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-SERVERS = {"plain": [], "offload": OFFLOAD_ARGS}
+SERVERS = {"plain": [], "offload": test_serve_gpu.OFFLOAD_ARGS}
 # What the memory profiler would report; with an override vLLM plans that instead.
 PROFILED_BYTES = 8 << 30
 # `vllm serve`'s default max_num_batched_tokens on H100/H200 (get_batch_defaults).
@@ -55,36 +46,28 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_gpt_oss(tmp_path_factory.mktemp("models") / MODEL_ARGS[1])
 
 
-def _with_override(args: list[str], blocks: int) -> list[str]:
-    at = args.index("--num-gpu-blocks-override") + 1
-    return [*args[:at], str(blocks), *args[at + 1 :]]
-
-
-def _engine_config(
-    model: Path, server: list[str], engine_args: list[str]
-) -> VllmConfig:
+def _engine_config(model: Path, server: list[str], blocks: int) -> VllmConfig:
     """The config `vllm serve` builds from the command forkbuild serve runs in the GPU
-    test."""
+    test, with BLOCKS for its --num-gpu-blocks-override."""
+    at = ENGINE_ARGS.index("--num-gpu-blocks-override") + 1
+    engine_args = [*ENGINE_ARGS[:at], str(blocks), *ENGINE_ARGS[at + 1 :]]
     fork_parser = argparse.ArgumentParser()
     serve.add_arguments(fork_parser)
     fork_args = fork_parser.parse_args([*MODEL_ARGS, *server, "--", *engine_args])
     assert fork_args.model in serve.EMBEDDED  # generated, and served under its name
     # [vllm, "serve", model, ...], with the embedded model's and the preset's arguments
-    argv = serve.command(
-        Path(sys.executable), str(model), fork_args, embedded=fork_args.model
-    )[2:]
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+    argv = serve.command(Path(sys.executable), str(model), fork_args, fork_args.model)
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[2:])
     args.model = args.model_tag  # as the serve subcommand does
-    return AsyncEngineArgs.from_cli_args(args).create_engine_config(
-        usage_context=UsageContext.OPENAI_API_SERVER
-    )
+    engine = AsyncEngineArgs.from_cli_args(args)
+    return engine.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
 
 
 def _plan(config: VllmConfig):
     """The engine's start-up planning (EngineCore._initialize_kv_caches): the override
     is applied inside get_kv_cache_configs, before its one-request-fits check."""
     with set_current_vllm_config(config):
-        (kv_cache_config,) = get_kv_cache_configs(
+        (kv_cache_config,) = kv_cache_utils.get_kv_cache_configs(
             config, [layer_specs(config)], [PROFILED_BYTES]
         )
     return kv_cache_config
@@ -98,7 +81,7 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("server", SERVERS)
 def test_serve_gpu_args_pass_the_startup_check(server, tiny_model, offline):
-    config = _engine_config(tiny_model, SERVERS[server], ENGINE_ARGS)
+    config = _engine_config(tiny_model, SERVERS[server], GPU_BLOCKS)
     # The GPU's values, not this CPU platform's: block size 16, both KV cache groups.
     assert config.cache_config.block_size == 16
     assert config.cache_config.num_gpu_blocks_override == GPU_BLOCKS
@@ -116,7 +99,8 @@ def test_serve_gpu_args_pass_the_startup_check(server, tiny_model, offline):
     specs = [group.kv_cache_spec for group in groups]
     kinds = sorted(type(spec).__name__ for spec in specs)
     assert kinds == [FullAttentionSpec.__name__, SlidingWindowSpec.__name__]
-    assert _use_packed_kv_cache_config(config, groups) == (server == "offload")
+    packed = kv_cache_utils._use_packed_kv_cache_config(config, groups)
+    assert packed == (server == "offload")
     # The sliding group's need is capped by max_model_len, so this platform's default
     # max_num_batched_tokens plans the same blocks as a Hopper GPU's.
     (sliding,) = [spec for spec in specs if isinstance(spec, SlidingWindowSpec)]
@@ -130,41 +114,36 @@ def test_serve_gpu_args_pass_the_startup_check(server, tiny_model, offline):
 @pytest.mark.parametrize("blocks", [96, GPU_BLOCKS - 1])
 @pytest.mark.parametrize("server", SERVERS)
 def test_too_few_gpu_blocks_are_refused(server, blocks, tiny_model, offline):
-    engine_args = _with_override(ENGINE_ARGS, blocks)
-    config = _engine_config(tiny_model, SERVERS[server], engine_args)
+    config = _engine_config(tiny_model, SERVERS[server], blocks)
     assert config.cache_config.num_gpu_blocks_override == blocks
     with pytest.raises(ValueError, match=REFUSED):
         _plan(config)
 
 
-# A server in miniature: a parent that starts a child and sleeps. The child prints
-# "ready" once set up (with "ignore-term": ignoring SIGTERM, as a stuck engine core
-# would), and the parent then prints the child's pid.
-PARENT = textwrap.dedent("""
-    import subprocess, sys, time
-    child = subprocess.Popen(
-        [sys.executable, "-c", *sys.argv[1:]], stdout=subprocess.PIPE
-    )
-    assert child.stdout.readline().strip() == b"ready"
-    print(child.pid, flush=True)
-    time.sleep(300)
-""")
-CHILD = textwrap.dedent("""
-    import signal, sys, time
-    if sys.argv[1:] == ["ignore-term"]:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    print("ready", flush=True)
+# A server in miniature: a parent that starts its own program as a child and sleeps.
+# The child prints "ready" once set up (with "ignore-term": ignoring SIGTERM, as a stuck
+# engine core would), and the parent then prints the child's pid.
+TREE = textwrap.dedent("""
+    import signal, subprocess, sys, time
+    if sys.argv[1] == "child":
+        if "ignore-term" in sys.argv:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("ready", flush=True)
+    else:
+        program, *rest = sys.argv[1:]
+        argv = [sys.executable, "-c", program, "child", *rest]
+        child = subprocess.Popen(argv, stdout=subprocess.PIPE)
+        assert child.stdout.readline().strip() == b"ready"
+        print(child.pid, flush=True)
     time.sleep(300)
 """)
 
 
 def _alive(pid: int) -> bool:
     """PID runs (a zombie does not: it waits only to be reaped)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"
+    with suppress(psutil.Error):
+        return psutil.Process(pid).status() not in test_serve_gpu.GONE
+    return False
 
 
 @pytest.fixture
@@ -175,7 +154,7 @@ def start_tree():
 
     def start(*child_args: str) -> tuple[subprocess.Popen, int]:
         parent = subprocess.Popen(
-            [sys.executable, "-c", PARENT, CHILD, *child_args],
+            [sys.executable, "-c", TREE, TREE, *child_args],
             stdout=subprocess.PIPE,
             start_new_session=True,
         )
@@ -197,20 +176,21 @@ def test_stop_session_waits_for_the_servers_children(start_tree):
     os.kill(parent.pid, signal.SIGTERM)
     parent.wait(timeout=30)
     assert _alive(child)
-    assert [p.split()[0] for p in session_processes(parent.pid)] == [str(child)]
+    left = test_serve_gpu.session_processes(parent.pid)
+    assert [p.split()[0] for p in left] == [str(child)]
 
-    stop_session(parent, stop_s=30, kill_s=10)
+    test_serve_gpu.stop_session(parent, stop_s=30, kill_s=10)
     assert not _alive(child)
-    assert session_processes(parent.pid) == []
+    assert test_serve_gpu.session_processes(parent.pid) == []
 
 
 def test_stop_session_kills_what_ignores_sigterm(start_tree):
     parent, child = start_tree("ignore-term")
     started = time.monotonic()
-    stop_session(parent, stop_s=2, kill_s=10)
+    test_serve_gpu.stop_session(parent, stop_s=2, kill_s=10)
     assert time.monotonic() - started >= 2  # SIGTERM did not end the child
     assert not _alive(child) and parent.poll() is not None
-    assert session_processes(parent.pid) == []
+    assert test_serve_gpu.session_processes(parent.pid) == []
 
 
 def test_stop_session_fails_naming_what_is_left(start_tree, monkeypatch):
@@ -218,7 +198,7 @@ def test_stop_session_fails_naming_what_is_left(start_tree, monkeypatch):
     # Processes no signal ends (e.g. stuck in the GPU driver), simulated: none is sent.
     monkeypatch.setattr(test_serve_gpu, "_signal_session", lambda session, sig: None)
     with pytest.raises(AssertionError) as failure:
-        stop_session(parent, stop_s=0.5, kill_s=0.5)
+        test_serve_gpu.stop_session(parent, stop_s=0.5, kill_s=0.5)
     message = str(failure.value)
     assert f"session {parent.pid}" in message and "after SIGKILL" in message
     for pid in (parent.pid, child):

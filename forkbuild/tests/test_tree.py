@@ -24,9 +24,7 @@ from forkbuild.setup import install, tree
 
 
 def _git(tree_path: Path, *args: str) -> str:
-    return subprocess.run(
-        ["git", *args], cwd=tree_path, check=True, capture_output=True, text=True
-    ).stdout
+    return subprocess.check_output(["git", *args], cwd=tree_path, text=True)
 
 
 def check_tree_carries(built: Path, pins, patches_dir: Path = tree.PATCHES_DIR) -> None:
@@ -56,12 +54,39 @@ def check_tree_carries(built: Path, pins, patches_dir: Path = tree.PATCHES_DIR) 
     assert _git(built, "status", "--porcelain") == ""
 
 
-def test_tree_carries_exactly_the_series(fork_pins, scratch_sdist):
-    built = tree.build(fork_pins, scratch_sdist)
-    check_tree_carries(built, fork_pins)
+def test_tree_carries_exactly_the_series_is_kept_and_a_stopped_build_leaves_none(
+    fork_pins, scratch_sdist, monkeypatch
+):
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(KeyboardInterrupt):
+        tree.build(fork_pins, scratch_sdist, stop=stop)
+    assert not tree.tree_dir(fork_pins).exists()
+    first = tree.build(fork_pins, scratch_sdist)  # and it removes what the first left
+    assert first == tree.tree_dir(fork_pins) and not list(first.parent.glob(".tree-*"))
+    check_tree_carries(first, fork_pins)
     # Every file of the release is committed, including ones its own .gitignore matches.
-    files = _git(built, "ls-files", "vllm/vllm_flash_attn")
+    files = _git(first, "ls-files", "vllm/vllm_flash_attn")
     assert "vllm/vllm_flash_attn/.gitkeep" in files
+    # Why extract_data may refuse links without the data filter: the sdist has none.
+    with tarfile.open(scratch_sdist) as tar:
+        assert not [m.name for m in tar.getmembers() if m.issym() or m.islnk()]
+    head = _git(first, "rev-parse", "HEAD")
+    marker = first / ".git" / tree.INPUTS_FILE
+    mtime = marker.stat().st_mtime_ns  # the marker is there
+    start = time.monotonic()
+    again = tree.build(fork_pins, scratch_sdist)
+    assert time.monotonic() - start < 2
+    assert again == first and marker.stat().st_mtime_ns == mtime
+    # Fixed commit dates: a forced rebuild from the same inputs gives the same commits.
+    forced = tree.build(fork_pins, scratch_sdist, force=True)
+    assert _git(forced, "rev-parse", "HEAD") == head
+    # A stopped rebuild leaves the previous tree.
+    monkeypatch.setattr(tree, "overlay_tests", Mock(side_effect=KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        tree.build(fork_pins, scratch_sdist, force=True)
+    assert _git(first, "rev-parse", "HEAD") == head
+    assert list(tree.build_dir().glob(".tree-*")) == []
 
 
 # A patch the series does not have: a new file, so that it applies on any release.
@@ -74,9 +99,6 @@ Subject: [PATCH] fork: a throwaway patch of the tool tests
 Origin: vendor
 Forwarded: not-needed
 ---
- vllm/fork_throwaway.py | 2 ++
- 1 file changed, 2 insertions(+)
-
 diff --git a/vllm/fork_throwaway.py b/vllm/fork_throwaway.py
 new file mode 100644
 --- /dev/null
@@ -95,11 +117,9 @@ def test_adding_a_patch_is_its_mail_its_series_line_and_its_modules(
     (patches / name).write_text(THROWAWAY)
     with (patches / "series").open("a") as series:
         series.write(f"{name}\n")
-    module = "tests/v1/worker/test_fork_throwaway.py"
-    pins = dataclasses.replace(
-        fork_pins,
-        regression_by_patch={**fork_pins.regression_by_patch, name: (module,)},
-    )
+    modules = {name: ("tests/v1/worker/test_fork_throwaway.py",)}
+    by_patch = fork_pins.regression_by_patch | modules
+    pins = dataclasses.replace(fork_pins, regression_by_patch=by_patch)
     built = tree.build(pins, scratch_sdist, patches_dir=patches)
     check_tree_carries(built, pins, patches)
     row = generate.patch_table(pins, patches).splitlines()[-1]
@@ -109,66 +129,25 @@ def test_adding_a_patch_is_its_mail_its_series_line_and_its_modules(
     assert "0007" not in generate.patch_table(fork_pins)  # the repository's
 
 
-def test_rebuild_with_same_inputs_is_a_no_op(fork_pins, scratch_sdist):
-    first = tree.build(fork_pins, scratch_sdist)
-    head = _git(first, "rev-parse", "HEAD")
-    marker = first / ".git" / tree.INPUTS_FILE
-    mtime = marker.stat().st_mtime_ns
-    start = time.monotonic()
-    again = tree.build(fork_pins, scratch_sdist)
-    assert time.monotonic() - start < 2
-    assert again == first and marker.stat().st_mtime_ns == mtime
-    # Fixed commit dates: a forced rebuild from the same inputs gives the same commits.
-    forced = tree.build(fork_pins, scratch_sdist, force=True)
-    assert _git(forced, "rev-parse", "HEAD") == head
-
-
 @pytest.fixture
 def patches(scratch: Path) -> Path:
     """A copy of the fork's patches/ to change."""
     return shutil.copytree(tree.PATCHES_DIR, scratch / "patches")
 
 
-def test_patch_that_does_not_apply_stops_and_leaves_no_tree(
-    fork_pins, scratch_sdist, patches
-):
+def test_a_failing_or_missing_patch_leaves_no_tree(fork_pins, scratch_sdist, patches):
     (patch,) = patches.glob("0001-*.patch")
-    text = patch.read_text()
-    patch.write_text(
-        text.replace(" kv_raw_tensor.view(-1, block_stride)", " kv_raw.view(-1)")
-    )
+    old, new = " kv_raw_tensor.view(-1, block_stride)", " kv_raw.view(-1)"
+    patch.write_text(patch.read_text().replace(old, new))
     with pytest.raises(ForkError) as err:
         tree.build(fork_pins, scratch_sdist, patches_dir=patches)
     message = str(err.value)
     assert patch.name in message and "vllm/v1/worker/gpu/attn_utils.py" in message
     assert not tree.tree_dir(fork_pins).exists()
     assert list(tree.build_dir().glob(".tree-*")) == []
-
-
-def test_series_entry_without_file_is_refused(fork_pins, scratch_sdist, patches):
-    (patches / "series").write_text("0002-missing.patch\n")
+    (patches / "series").write_text("0002-missing.patch\n")  # a line naming no file
     with pytest.raises(ForkError, match="0002-missing.patch"):
         tree.build(fork_pins, scratch_sdist, patches_dir=patches)
-
-
-def test_a_stopped_build_leaves_no_tree_and_a_stopped_rebuild_the_previous_one(
-    fork_pins, scratch_sdist, monkeypatch
-):
-    stop = threading.Event()
-    stop.set()
-    with pytest.raises(KeyboardInterrupt):
-        tree.build(fork_pins, scratch_sdist, stop=stop)
-    final = tree.tree_dir(fork_pins)
-    assert not final.exists()
-    good = tree.build(fork_pins, scratch_sdist)  # and it removes what the first left
-    assert good == final and (final / ".git" / tree.INPUTS_FILE).is_file()
-    assert not list(final.parent.glob(".tree-*"))
-    head = _git(good, "rev-parse", "HEAD")
-    monkeypatch.setattr(tree, "overlay_tests", Mock(side_effect=KeyboardInterrupt))
-    with pytest.raises(KeyboardInterrupt):
-        tree.build(fork_pins, scratch_sdist, force=True)
-    assert _git(good, "rev-parse", "HEAD") == head
-    assert list(tree.build_dir().glob(".tree-*")) == []
 
 
 # --- tree.extract_data without tarfile's "data" filter (Python before 3.11.4, e.g.
@@ -237,23 +216,14 @@ def test_what_could_leave_the_folder_is_refused_before_anything_is_written(
     assert not (tmp_path / "evil").exists()
 
 
-def test_the_pinned_sdist_holds_no_link(real_sdist):
-    """Why refusing links costs nothing: vLLM's sdist has none."""
-    with tarfile.open(real_sdist) as tar:
-        assert not [m.name for m in tar.getmembers() if m.issym() or m.islnk()]
-
-
 @pytest.mark.parametrize("after", [0.3, 1.5, 3.0])
 def test_ctrl_c_beside_the_venv_does_not_wait_for_the_tree(
     fork_pins, scratch_sdist, monkeypatch, after
 ):
     """Ctrl-C in the venv's step: no wait for the tree thread (8 s+), and no tree."""
     started, raised_at, finished_before = threading.Event(), [], []
-    monkeypatch.setattr(
-        log,
-        "step",
-        lambda msg: started.set() if msg.startswith("tree: unpacking") else None,
-    )
+    unpacking = lambda msg: started.set() if msg.startswith("tree: unpacking") else None
+    monkeypatch.setattr(log, "step", unpacking)
 
     def interrupted_venv(pins, route_name=None, without_gpu=False):
         assert started.wait(30)
@@ -265,9 +235,8 @@ def test_ctrl_c_beside_the_venv_does_not_wait_for_the_tree(
     monkeypatch.setattr(install, "ensure_toolchain", interrupted_venv)
     with pytest.raises(KeyboardInterrupt):
         install._venv_beside_tree(fork_pins, fork_pins.routes["cpu"])
-    # The tree stops at its next file or git command: a second when idle, and one git
-    # command may take seconds beside CI's other suites. No tree in place shows it was
-    # stopped, not waited for.
+    # The tree stops at its next file or git command (a second when idle, seconds beside
+    # CI's other suites); no tree in place shows it was stopped, not waited for.
     assert time.monotonic() - raised_at[0] < 10.0
     # (a machine that made the whole tree before the interrupt keeps it, whole)
     assert finished_before[0] or not tree.tree_dir(fork_pins).exists()
