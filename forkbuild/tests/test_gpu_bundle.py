@@ -52,9 +52,10 @@ def test_a_host_file_gives_python_glibc_and_versions(tmp_path):
     assert host.packages == want
     # fork.toml's reference host: the notes' host
     host = gpu_bundle.read_host(pins.REPO_ROOT / SETTINGS.host)
-    assert host.python == "3.12" and host.version("triton") == "3.6.0"
-    assert host.version("torch") == "2.11.0+cu130"
-    assert host.version("numpy") == "2.5.2" and host.version("pydantic") is None
+    assert host.python == "3.12" and host.packages["triton"] == "3.6.0"
+    assert (
+        host.packages["torch"] == "2.11.0+cu130" and host.packages["numpy"] == "2.5.2"
+    )
     assert "pydantic" not in host.packages and host.packages["pyyaml"] is None
 
 
@@ -322,7 +323,7 @@ def test_the_inventory_names_gpus_driver_nvcc_packages(small_bundle, tmp_path, o
     nvcc = f"# nvcc: {tools / 'nvcc'}: Build cuda_13.0.r13.0/compiler.36424714_0"
     assert nvcc in lines
     host = _host(tmp_path, done.stdout)
-    assert host.python == PYTHON and host.version("pytest") is not None
+    assert host.python == PYTHON and host.packages["pytest"] is not None
 
 
 ESCAPES = [[("FILES.sha256", b""), (n, b"x")] for n in ("../escape", "/etc/escape")]
