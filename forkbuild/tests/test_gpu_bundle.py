@@ -13,7 +13,6 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -224,11 +223,18 @@ def small_bundle(request, scratch, fork_pins, tmp_path) -> Path:
     return bundle.folder
 
 
-def _run_sh(bundle: Path, *args: str, cwd: Path | None = None, **env: str):
-    """run.sh away from this checkout (default: the bundle's parent): its own runner."""
-    env = {**os.environ, "PYTHON": sys.executable, **env}
+def _run_sh(bundle: Path, *args: str, tools: dict[str, str] | None = None, **env: str):
+    """run.sh from the bundle's parent, away from this checkout: its own runner. TOOLS:
+    executables (name -> script) first on PATH, the GPU host's nvidia-smi, nvcc."""
+    where = bundle.parent / "bin"
+    where.mkdir(exist_ok=True)
+    for name, text in (tools or {}).items():
+        (where / name).write_text(text)
+        (where / name).chmod(0o755)
+    path = f"{where}{os.pathsep}{os.environ['PATH']}"
+    env = {**os.environ, "PYTHON": sys.executable, "PATH": path, **env}
     command = ["bash", str(bundle / "run.sh"), *args]
-    kwargs = dict(cwd=cwd or bundle.parent, env=env, timeout=120)
+    kwargs = dict(cwd=bundle.parent, env=env, timeout=120)
     return subprocess.run(command, capture_output=True, text=True, **kwargs)
 
 
@@ -250,50 +256,27 @@ def test_run_sh_unpacks_the_parts_present_and_checks_every_file(small_bundle, tm
     assert not (tmp_path / "fewer" / "site" / "pkg" / "b.so").exists()
 
 
-def _damage_part(bundle: Path) -> list[str]:
-    [archive] = (bundle / "part-2").iterdir()
-    archive.write_bytes(archive.read_bytes()[:-10])
-    return ["transfer part-2 again", f"part-2/{archive.name} is damaged"]
-
-
-def _damage_runner(bundle: Path) -> list[str]:
-    runner = bundle / "runner" / "forkbuild" / "gpu" / "bundle" / "runner.py"
-    runner.write_text("raise SystemExit(0)\n")
-    return ["part 1 is damaged"]
-
-
 @pytest.mark.parametrize(
-    "damage, install",
-    [(_damage_part, True), (_damage_runner, True)]
-    + [pytest.param(lambda bundle: ["no NVIDIA GPU"], False, marks=NO_GPU)],
+    "damaged, said",
+    [
+        ("part-2/*", ["transfer part-2 again", "part-2/{} is damaged"]),
+        ("runner/forkbuild/gpu/bundle/runner.py", ["part 1 is damaged"]),
+        pytest.param("", ["no NVIDIA GPU"], marks=NO_GPU),
+    ],
     ids=["damaged-part", "damaged-runner", "no-gpu"],
 )
 def test_a_bundle_that_cannot_run_stops_at_once_in_one_line(
-    small_bundle, tmp_path, damage, install
+    small_bundle, tmp_path, damaged, said
 ):
-    said = damage(small_bundle)
-    dest = tmp_path / "dest"
-    done = _run_sh(small_bundle, *(["--install"] if install else []), str(dest))
+    for path in small_bundle.glob(damaged) if damaged else ():
+        path.write_bytes(path.read_bytes()[:-10])
+        said = [s.format(path.name) for s in said]
+    dest = tmp_path / "dest"  # damaged: `--install DEST`, else `run.sh OUT`
+    done = _run_sh(small_bundle, *(["--install"] if damaged else []), str(dest))
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1
     assert all(s in lines[0] for s in said), lines
     assert not dest.exists()  # nothing unpacked, no OUT made
-
-
-@pytest.fixture
-def on_path(tmp_path, monkeypatch) -> Callable[[dict[str, str]], Path]:
-    """Executables (name -> script) first on PATH: the GPU host's nvidia-smi, nvcc."""
-    tools = tmp_path / "bin"
-    tools.mkdir()
-    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
-
-    def put(scripts: dict[str, str]) -> Path:
-        for name, text in scripts.items():
-            (tools / name).write_text(text)
-            (tools / name).chmod(0o755)
-        return tools
-
-    return put
 
 
 # What nvidia-smi (both of the runner's queries) and nvcc print on an H200 host.
@@ -312,16 +295,16 @@ echo "Build cuda_13.0.r13.0/compiler.36424714_0"
 """
 
 
-def test_the_inventory_names_gpus_driver_nvcc_packages(small_bundle, tmp_path, on_path):
-    tools = on_path({"nvidia-smi": FAKE_SMI, "nvcc": FAKE_NVCC})
-    done = _run_sh(small_bundle, "--inventory")
+def test_the_inventory_names_gpus_driver_nvcc_packages(small_bundle, tmp_path):
+    tools = {"nvidia-smi": FAKE_SMI, "nvcc": FAKE_NVCC}
+    done = _run_sh(small_bundle, "--inventory", tools=tools)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert "# gpu: 0, GPU-8c3e1f2a, NVIDIA H200, 9.0, 143771 MiB" in lines
     assert "# gpu: 1, GPU-5b07d9e4, NVIDIA H200, 9.0, 143771 MiB" in lines
     assert "# driver: 570.124.06" in lines and "570.124.06" not in lines  # once
-    nvcc = f"# nvcc: {tools / 'nvcc'}: Build cuda_13.0.r13.0/compiler.36424714_0"
-    assert nvcc in lines
+    nvcc = tmp_path / "bin" / "nvcc"
+    assert f"# nvcc: {nvcc}: Build cuda_13.0.r13.0/compiler.36424714_0" in lines
     host = _host(tmp_path, done.stdout)
     assert host.python == PYTHON and host.packages["pytest"] is not None
 
@@ -472,7 +455,7 @@ STAND_IN = _settings(
 )
 
 
-def test_run_sh_gives_the_nightlys_verdict(scratch, fork_pins, tmp_path, on_path):
+def test_run_sh_gives_the_nightlys_verdict(scratch, fork_pins, tmp_path):
     """run.sh runs the cases the parts allow. The runner's GPU path on CPU: the host
     checks, the unpacking, the vLLM probe, the plan, the forked pytest run with the
     per-case limit, the reports and the exit status."""
@@ -486,8 +469,8 @@ def test_run_sh_gives_the_nightlys_verdict(scratch, fork_pins, tmp_path, on_path
     shutil.rmtree(bundle.folder / "part-2")  # the models' part has not arrived
     out = tmp_path / "out"  # given relative, from where run.sh is called
     # all that run.sh asks of the GPU before the cases, which here need none
-    on_path({"nvidia-smi": f"#!/bin/sh\ncat <<'EOF'\n{SMI_CSV}EOF\n"})
-    done = _run_sh(bundle.folder, "out", cwd=tmp_path, FORK_BUNDLE_HOME="home")
+    smi = {"nvidia-smi": f"#!/bin/sh\ncat <<'EOF'\n{SMI_CSV}EOF\n"}
+    done = _run_sh(bundle.folder, "out", tools=smi, FORK_BUNDLE_HOME="home")
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stdout.strip().splitlines()[-1] == (
         "1 passed, 1 failed, 0 skipped, 2 required not run here "

@@ -5,12 +5,7 @@ the fork modules beside it (run.sh checks them and sets PYTHONPATH), no network:
     python3 -m forkbuild.gpu.bundle.runner install BUNDLE DEST  unpack, verify the parts
     python3 -m forkbuild.gpu.bundle.runner run BUNDLE OUT       check, install, run
 
-`run` stops with one line, before anything runs, on no GPU, another Python, torch or
-triton than the bundle's, or a missing or damaged archive. It unpacks what the parts
-present hold, verifies every file, checks the bundle's vLLM and its fix, and runs,
-forked and each under a time limit, the cases this GPU kind must run that the parts
-allow; gpu-tests.xml, summary.json and summary.txt go to OUT, and it exits non-zero
-when such a case failed, skipped or never ran.
+What `run` refuses, runs and writes to OUT: docs/gpu-nightly.md, "run.sh OUT".
 """
 
 from __future__ import annotations
