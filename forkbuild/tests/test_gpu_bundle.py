@@ -29,10 +29,7 @@ from forkbuild.setup import lock
 
 SETTINGS = pins.load_gpu_bundle()
 NO_GPU = pytest.mark.skipif(preflight.has_nvidia_gpu(), reason="this machine has a GPU")
-LOCK = {"torch": "2.11.0", "triton": "3.6.0", "nvidia-cuda-runtime": "13.0.96"}
-LOCK |= {"numpy": "2.3.5", "pydantic": "2.14.4", "pytest": "9.1.1", "pluggy": "1.7.0"}
-LOCK |= {"pyyaml": "6.0.3", "tblib": "3.1.0"}
-LOCK |= {"pytest-forked": "1.7.5", "pytest-timeout": "2.4.0"}
+LOCK = lock.pinned(lock.path("cuda", "3.12"))  # the reference host's: torch 2.11.0
 HEAD = "# python: 3.12.3\n# glibc: 2.39\n"
 
 
@@ -94,14 +91,13 @@ def test_carried_is_what_the_host_lacks_or_has_at_another_version(tmp_path):
     text = "numpy==2.5.2\npyyaml\npytest==8.0\npluggy\ntorch==2.11.0\ntriton==3.6.0\n"
     host = _host(tmp_path, HEAD + text)
     chosen = gpu_bundle.select(_trace(), host, LOCK, SETTINGS)
-    # pydantic: absent; numpy: another version; the runner's own packages (pytest and
-    # its pluggy, pytest-forked, pytest-timeout, tblib), whether the collection loaded
-    # them or not.
+    # pydantic: absent; numpy: another version; the runner's own packages (pytest, its
+    # pluggy, pytest-forked, pytest-timeout, tblib), loaded by the collection or not.
     carried = ["numpy", "pydantic", "pytest", "pluggy", "pytest-forked"]
     assert chosen.carried == {n: LOCK[n] for n in (*carried, "pytest-timeout", "tblib")}
     # a bare name: the host's, version unknown
     assert chosen.from_host == {"pyyaml": None}
-    assert chosen.provided == ("nvidia-cuda-runtime", "torch", "triton")
+    assert chosen.provided_by_host == ("nvidia-cuda-runtime", "torch", "triton")
     # an import the lock does not pin is refused
     with pytest.raises(ForkError, match="does not pin"):
         trace = _trace(stray={"version": "1", "requires": []})

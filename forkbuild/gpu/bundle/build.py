@@ -15,7 +15,7 @@ import sys
 import tarfile
 import tempfile
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
@@ -181,7 +181,7 @@ def _closure(roots: set[str], requires: dict[str, list[str]]) -> set[str]:
 class Selection:
     carried: dict[str, str]  # normalized name -> the lock's version
     from_host: dict[str, str | None]  # used as the host has them
-    provided: tuple[str, ...]  # torch, triton and torch's NVIDIA packages: the host's
+    provided_by_host: tuple[str, ...]  # torch, triton, torch's NVIDIA packages
     left_out: tuple[str, ...]  # imported here, not needed (fork.toml)
 
 
@@ -635,8 +635,8 @@ def components(pins: Pins, source: Source, host_file: Path, work: Path) -> Made:
     log.step(
         f"gpu bundle: for {host.source.name} (Python {host.python}): "
         f"{len(selection.carried)} packages carried, {len(selection.from_host)} the "
-        f"host's, {', '.join(selection.provided)} the host's by rule; extensions the "
-        f"cases load: {', '.join(sorted(loaded))}"
+        f"host's, {', '.join(selection.provided_by_host)} the host's by rule; "
+        f"extensions the cases load: {', '.join(sorted(loaded))}"
     )
     python, extensions, left = vllm_components(pins, source.tree, wheel, loaded, work)
     packages, omitted = packages_component(
@@ -723,10 +723,7 @@ def manifest(made: Made, entries: dict[str, dict], parts: list[Part]) -> dict:
         "needs": {node: list(need) for node, need in settings.needs.items()},
         "not_carried": dict(settings.not_carried),
         "gpu": settings.gpu,  # the nightly's table (forkbuild/gpu/required.py)
-        "carried": made.selection.carried,
-        "from_host": made.selection.from_host,
-        "provided_by_host": list(made.selection.provided),
-        "left_out": list(made.selection.left_out),
+        **asdict(made.selection),
         "compiled_left_out": made.left,
         "omitted": made.omitted,
     }
