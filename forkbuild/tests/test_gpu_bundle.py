@@ -49,10 +49,8 @@ def test_a_host_file_gives_python_glibc_and_versions(tmp_path):
     # fork.toml's reference host: the notes' host
     host = gpu_bundle.read_host(pins.REPO_ROOT / SETTINGS.host)
     assert host.python == "3.12" and host.packages["triton"] == "3.6.0"
-    assert (
-        host.packages["torch"] == "2.11.0+cu130" and host.packages["numpy"] == "2.5.2"
-    )
-    assert "pydantic" not in host.packages and host.packages["pyyaml"] is None
+    assert host.packages["torch"] == "2.11.0+cu130" and "pydantic" not in host.packages
+    assert host.packages["numpy"] == "2.5.2" and host.packages["pyyaml"] is None
 
 
 BAD_HOSTS = ["numpy==1\n", "# python: 3.12.3\nnumpy==1\n", f"{HEAD}not a line!\n"]

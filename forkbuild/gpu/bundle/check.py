@@ -141,10 +141,9 @@ def meanwhile(background: Callable[[], T], foreground: Callable[[], U]) -> tuple
 def check(pins: Pins, results: Path, route: tuple[Path, Path, Path]) -> Result:
     """ROUTE: the CUDA route's python, tree and stub folder (cuda_route.install)."""
     source = gpu_bundle.prepare(pins, results, route)
-    # The reference bundle (xz on every core: minutes on a cold cache), needed only by
-    # _part_one, is made meanwhile. The two share no scratch path (work folders,
-    # outputs, stores are their own; uv's cache takes concurrent installs); the uv
-    # binary is extracted first (both would write its uv.partial).
+    # The reference bundle (xz: minutes on a cold cache), needed only by _part_one, is
+    # made meanwhile: the two share no scratch path but uv's binary (its uv.partial),
+    # extracted first; uv's cache takes concurrent installs.
     uv.binary(pins)
     reference, (host, shown) = meanwhile(
         lambda: gpu_bundle.build(pins, out=home() / "reference", source=source),

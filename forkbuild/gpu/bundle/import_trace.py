@@ -24,13 +24,6 @@ for _blocked in from_env("FORKBUILD_TRACE_BLOCK"):
     sys.modules[_blocked] = None  # type: ignore[assignment]
 
 
-def loaded_files() -> set[Path]:
-    """The resolved files of every module loaded now (sources and extensions)."""
-    found = [getattr(module, "__file__", None) for module in list(sys.modules.values())]
-    # torch's _ops and _classes have a relative __file__
-    return {Path(f).resolve() for f in found if f and Path(f).is_absolute()}
-
-
 def distributions_of(files: set[Path]) -> dict[str, dict]:
     """Every installed distribution holding one of FILES (by its RECORD): name ->
     {"version", "requires" (markers evaluated, no extras)}. A distribution vendored
@@ -65,7 +58,10 @@ def pytest_sessionfinish() -> None:
             importlib.import_module(name)
         except Exception as exc:  # reported, not raised: the caller names them all
             failed.append(f"{name}: {type(exc).__name__}: {exc}")
-    files = loaded_files()
+    # Every module loaded now, sources and extensions (torch's _ops and _classes have a
+    # relative __file__).
+    found = [getattr(module, "__file__", None) for module in list(sys.modules.values())]
+    files = {Path(f).resolve() for f in found if f and Path(f).is_absolute()}
     root = Path.cwd().resolve()
     report = {
         "distributions": distributions_of(files),

@@ -271,35 +271,38 @@ def pythonpath(dest: Path, runner: bool = False) -> str:
     return os.pathsep.join(paths)
 
 
-def probe(platform_too: bool) -> dict:
-    """`probe`: what `import vllm` gives, the bundle first and the stand-ins in."""
+def probe(platform_too: bool, version: str, dest: Path) -> dict:
+    """`probe`: what is wrong with `import vllm` from DEST, the bundle first and the
+    stand-ins in (the modules stood in for: the runner's, it checks)."""
     standing_in = bundle_standin.install(bundle_standin.from_env())
     import vllm
 
     name = fixcheck.MODULE_PATH[:-3].replace("/", ".")
-    module = importlib.util.find_spec(name).origin
-    found = {
-        "vllm": vllm.__file__,
-        "version": importlib.metadata.version("vllm"),
-        "verdict": fixcheck.classify(Path(module).read_text()),
-        "module": module,
-        "stand_ins": standing_in,
-    }
+    verdict = fixcheck.classify(Path(importlib.util.find_spec(name).origin).read_text())
+    problems = []
+    if not Path(vllm.__file__).resolve().is_relative_to((dest / "site").resolve()):
+        problems.append(f"`import vllm` gives {vllm.__file__}, not the bundle's")
+    if (have := importlib.metadata.version("vllm")) != version:
+        problems.append(f"vLLM's version is {have}")
+    if verdict != "fixed":
+        problems.append(f"{fixcheck.FUNCTION} is {verdict}")
     if platform_too:  # resolving the CUDA platform loads the cache ops' extension
         from vllm.platforms import current_platform
 
-        found["platform"] = type(current_platform).__name__
-        found["cuda"] = current_platform.is_cuda()
-    return found
+        if not current_platform.is_cuda():
+            picked = type(current_platform).__name__
+            problems.append(f"vLLM picks {picked}, not its CUDA platform")
+    return {"problems": problems, "stand_ins": standing_in}
 
 
 def check_vllm(
     manifest: dict, dest: Path, components: list[str], standing_in: list[str] = ()
-) -> dict:
+) -> None:
     platform_too = set(manifest["every_case"]) <= set(components)
     report = dest / "probe.json"  # a file: vLLM logs to stdout
     report.unlink(missing_ok=True)
-    argv = [sys.executable, "-m", MODULE, "probe", str(int(platform_too)), str(report)]
+    argv = [sys.executable, "-m", MODULE, "probe", str(int(platform_too))]
+    argv += [manifest["fork_version"], str(dest)]
     env = {**os.environ, **case_env(dest, standing_in)}
     env["PYTHONPATH"] = pythonpath(dest, runner=True)
     done = subprocess.run(
@@ -312,15 +315,7 @@ def check_vllm(
             f"a package is missing from the bundle or the host's differs: {REMAKE}",
         )
     found = json.loads(report.read_text())
-    problems = []
-    if not Path(found["vllm"]).resolve().is_relative_to((dest / "site").resolve()):
-        problems.append(f"`import vllm` gives {found['vllm']}, not the bundle's")
-    if found["version"] != manifest["fork_version"]:
-        problems.append(f"vLLM's version is {found['version']}")
-    if found["verdict"] != "fixed":
-        problems.append(f"{fixcheck.FUNCTION} is {found['verdict']}")
-    if platform_too and not found.get("cuda"):
-        problems.append(f"vLLM picks {found.get('platform')}, not its CUDA platform")
+    problems = found["problems"]
     if sorted(found["stand_ins"]) != sorted(standing_in):
         problems.append(
             f"the probe stood in for {found['stand_ins'] or 'nothing'}, the runner for "
@@ -331,7 +326,6 @@ def check_vllm(
             "; ".join(problems),
             "remove other vLLM installs from PYTHONPATH, or rebuild the bundle",
         )
-    return found
 
 
 def plan(
@@ -368,10 +362,10 @@ def run(bundle: Path, out: Path) -> int:
     dest = home(bundle)
     install(manifest, bundle, dest, components)
     standing_in = stand_ins(manifest, components)
-    found = check_vllm(manifest, dest, components, standing_in)
+    check_vllm(manifest, dest, components, standing_in)
     log.step(
-        f"bundle: vLLM {found['version']} from {dest / 'site'} carries the fix; "
-        f"{kind.name}: {len(required)} required case(s)"
+        f"bundle: vLLM {manifest['fork_version']} from {dest / 'site'} carries the "
+        f"fix; {kind.name}: {len(required)} required case(s)"
         + (f"; stand-in for {', '.join(standing_in)}" if standing_in else "")
     )
     runnable, apart = plan(manifest, required, components)
@@ -442,8 +436,9 @@ def main(argv: list[str]) -> int:
         if argv[:1] == ["inventory"]:
             print(inventory(), end="")
             return 0
-        if argv[:1] == ["probe"] and len(argv) == 3:
-            Path(argv[2]).write_text(json.dumps(probe(argv[1] == "1")))
+        if argv[:1] == ["probe"] and len(argv) == 4:
+            found = probe(argv[1] == "1", argv[2], Path(argv[3]))
+            (Path(argv[3]) / "probe.json").write_text(json.dumps(found))
             return 0
         if argv[:1] == ["install"] and len(argv) == 3:
             bundle, dest = Path(argv[1]).resolve(), Path(argv[2]).resolve()
