@@ -273,13 +273,16 @@ def test_a_bundle_that_cannot_run_stops_at_once_in_one_line(
     assert not dest.exists()  # nothing unpacked, no OUT made
 
 
-# What nvidia-smi (both of the runner's queries) and nvcc print on an H200 host.
-FAKE_SMI = """#!/bin/sh
+# What nvidia-smi (both of the runner's queries) and nvcc print on a 2 x H200 host.
+SMI_CSV = """index, uuid, name, compute_cap, memory.total [MiB]
+0, GPU-8c3e1f2a, NVIDIA H200, 9.0, 143771 MiB
+1, GPU-5b07d9e4, NVIDIA H200, 9.0, 143771 MiB
+"""
+FAKE_SMI = f"""#!/bin/sh
 case "$*" in
-  *noheader*) printf '570.124.06\n570.124.06\n' ;;
-  *) echo "index, uuid, name, compute_cap, memory.total [MiB]"
-     echo "0, GPU-8c3e1f2a, NVIDIA H200, 9.0, 143771 MiB"
-     echo "1, GPU-5b07d9e4, NVIDIA H200, 9.0, 143771 MiB" ;;
+  *noheader*) printf '570.124.06\\n570.124.06\\n' ;;
+  *) cat <<'EOF'
+{SMI_CSV}EOF
 esac
 """
 FAKE_NVCC = """#!/bin/sh
@@ -380,10 +383,6 @@ def test_lock_entries_are_the_locks_own_lines():
 
 # --- run.sh OUT end to end, with a stand-in GPU and a stand-in vLLM ------------------
 
-SMI_CSV = (
-    "index, uuid, name, compute_cap, memory.total [MiB]\n"
-    "0, GPU-0e6d4c6a, NVIDIA H200, 9.0, 143771 MiB\n"
-)
 # What fixcheck reads as the fixed packed branch (the patched function's shape).
 FIXED = """
 def _reshape_attention_kv_cache(packing, raw, permuted_kv_cache_shape):
@@ -463,8 +462,8 @@ def test_run_sh_gives_the_nightlys_verdict(scratch, fork_pins, tmp_path):
     shutil.rmtree(bundle.folder / "part-2")  # the models' part has not arrived
     out = tmp_path / "out"  # given relative, from where run.sh is called
     # all that run.sh asks of the GPU before the cases, which here need none
-    smi = {"nvidia-smi": f"#!/bin/sh\ncat <<'EOF'\n{SMI_CSV}EOF\n"}
-    done = _run_sh(bundle.folder, "out", tools=smi, FORK_BUNDLE_HOME="home")
+    env = dict(FORK_BUNDLE_HOME="home", CUDA_VISIBLE_DEVICES="0")  # one GPU of two
+    done = _run_sh(bundle.folder, "out", tools={"nvidia-smi": FAKE_SMI}, **env)
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stdout.strip().splitlines()[-1] == (
         "1 passed, 1 failed, 0 skipped, 2 required not run here "
@@ -478,7 +477,7 @@ def test_run_sh_gives_the_nightlys_verdict(scratch, fork_pins, tmp_path):
     assert summary["cases"] == {TRITON: "passed", FA3: "failed"}
     assert summary["not_run_here"] == {
         ENGINE: "needs part-2 (not transferred yet)",
-        # no TP=2: 1 GPU
+        # no TP=2: 1 GPU visible
         "tests/f.py::flashinfer": "not in the bundle: too big",
     }
     assert (out / "gpu-tests.xml").is_file()
