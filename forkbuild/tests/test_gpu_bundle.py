@@ -390,9 +390,7 @@ FA3 = f"{KERNELS}::test_flash_attention_over_packed_views[3]"
 ENGINE = "tests/e.py::engine"
 # The stand-in cases: two required node ids, one passes, one fails.
 CASES = """import os
-
 import pytest
-
 
 def test_triton_attention_over_packed_views(request):
     # run as the runner runs cases: forked, with its time limit, offline
@@ -411,11 +409,7 @@ def test_flash_attention_over_packed_views(fa_version):
 """
 # A stand-in vLLM, carrying the fix, whose platform is CUDA.
 PLATFORM = """import vllm._C_models  # noqa: F401 (the probe has the stand-in too)
-class CudaPlatform:
-    def is_cuda(self):
-        return True
-
-current_platform = CudaPlatform()
+current_platform = type("CudaPlatform", (), {"is_cuda": lambda self: True})()
 """
 VLLM = dict.fromkeys(
     f"vllm/{p}__init__.py" for p in ("", "v1/", "v1/worker/", "v1/worker/gpu/")

@@ -311,11 +311,9 @@ def vllm_components(
     (info / "INSTALLER").write_text("forkbuild-gpu-bundle\n")
     for entry in sorted(info.iterdir()):
         python.add(f"{info.name}/{entry.name}", entry)
-    fixed = fixcheck.classify((tree / fixcheck.MODULE_PATH).read_text())
-    if fixed != "fixed":
-        raise ForkError(
-            f"{tree / fixcheck.MODULE_PATH} is {fixed}, not fixed", "make tree"
-        )
+    module = tree / fixcheck.MODULE_PATH
+    if (fixed := fixcheck.classify(module.read_text())) != "fixed":
+        raise ForkError(f"{module} is {fixed}, not fixed", "make tree")
     return python, extensions, left
 
 
