@@ -357,11 +357,10 @@ def test_the_runner_stands_in_only_for_what_has_not_arrived(tmp_path, monkeypatc
     "status, code", [("passed", 0), ("skipped", 1), ("failed", 1), (None, 1)]
 )
 def test_a_runnable_case_that_did_not_pass_fails_the_run(tmp_path, status, code):
-    manifest = {"parts": [{"name": "part-1", "components": ["tree"]}]}
     outcome = Outcome({"t.py::one": status} if status else {})
     hopper = pins.gpu_table(SMALL.gpu).kind("Hopper")
-    ran = (["t.py::one"], {}, ["tree"], outcome, tmp_path)  # runnable, apart, ...
-    assert bundle_run.conclude(manifest, hopper, *ran) == code
+    ran = (["part-1"], ["t.py::one"], {}, outcome, tmp_path)  # parts, runnable, ...
+    assert bundle_run.conclude(hopper, *ran) == code
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["parts_present"] == ["part-1"]
     summary = (tmp_path / "summary.txt").read_text()

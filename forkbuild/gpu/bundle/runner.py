@@ -382,25 +382,22 @@ def run(bundle: Path, out: Path) -> int:
             extra_env=case_env(dest, standing_in),
             timeout_s=RUN_LIMIT_S,
         )
-    return conclude(
-        manifest, kind, runnable, apart, components, outcome, out, standing_in
-    )
+    have = set(components)
+    parts = [p["name"] for p in manifest["parts"] if set(p["components"]) <= have]
+    return conclude(kind, parts, runnable, apart, outcome, out, standing_in)
 
 
 def conclude(
-    manifest: dict,
     kind: GpuKind,
+    parts: list[str],  # present
     runnable: list[str],
     apart: dict[str, str],
-    components: list[str],
     outcome: pytest_runner.Outcome,
     out: Path,
     standing_in: list[str] = (),
 ) -> int:
     not_run = gpu_required.not_run(runnable, [outcome])
     failed = outcome.failed + outcome.errors
-    have = set(components)
-    parts = [p["name"] for p in manifest["parts"] if set(p["components"]) <= have]
     line = (
         f"{outcome.passed} passed, {failed} failed, {outcome.skipped} skipped, "
         f"{len(apart)} required not run here"
