@@ -430,22 +430,24 @@ def conclude(
 
 def main(argv: list[str]) -> int:
     try:
-        if argv[:1] == ["inventory"]:
-            print(inventory(), end="")
-            return 0
-        if argv[:1] == ["probe"] and len(argv) == 4:
-            found = probe(argv[1] == "1", argv[2], Path(argv[3]))
-            (Path(argv[3]) / "probe.json").write_text(json.dumps(found))
-            return 0
-        if argv[:1] == ["install"] and len(argv) == 3:
-            bundle, dest = Path(argv[1]).resolve(), Path(argv[2]).resolve()
-            manifest = read_manifest(bundle)
-            install(manifest, bundle, dest, present(manifest, bundle))
-            print(pythonpath(dest))
-            return 0
-        if argv[:1] == ["run"] and len(argv) == 3:
-            # Resolved here: pytest runs in the unpacked tree, not where run.sh ran.
-            return run(Path(argv[1]).resolve(), Path(argv[2]).resolve())
+        match argv:
+            case ["inventory"]:
+                print(inventory(), end="")
+            case ["probe", platform_too, version, dest]:
+                found = probe(platform_too == "1", version, Path(dest))
+                (Path(dest) / "probe.json").write_text(json.dumps(found))
+            case ["install", bundle, dest]:
+                bundle, dest = Path(bundle).resolve(), Path(dest).resolve()
+                manifest = read_manifest(bundle)
+                install(manifest, bundle, dest, present(manifest, bundle))
+                print(pythonpath(dest))
+            case ["run", bundle, out]:
+                # Resolved here: pytest runs in the unpacked tree, not where run.sh ran.
+                return run(Path(bundle).resolve(), Path(out).resolve())
+            case _:
+                print(__doc__, file=sys.stderr)
+                return 2
+        return 0
     except ForkError as exc:
         print(f"run.sh: {exc}", file=sys.stderr)
         return 2
@@ -456,8 +458,6 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    print(__doc__, file=sys.stderr)
-    return 2
 
 
 if __name__ == "__main__":
