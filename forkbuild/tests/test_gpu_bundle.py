@@ -31,6 +31,7 @@ SETTINGS = pins.load_gpu_bundle()
 NO_GPU = pytest.mark.skipif(preflight.has_nvidia_gpu(), reason="this machine has a GPU")
 LOCK = lock.pinned(lock.path("cuda", "3.12"))  # the reference host's: torch 2.11.0
 HEAD = "# python: 3.12.3\n# glibc: 2.39\n"
+PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"  # this one's
 
 
 def _host(tmp_path: Path, text: str) -> Host:
@@ -169,9 +170,6 @@ SMALL = _settings(
         "t.py::three": {**HOPPER, "not_in_bundle": "not here"},
     },
 )
-
-
-PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
 def _assemble(fork_pins, tmp_path, files, limit, settings, codec=gpu_bundle.XZ):
@@ -381,8 +379,6 @@ def _reshape_attention_kv_cache(packing, raw, permuted_kv_cache_shape):
     if packing is not None:
         return raw.view(permuted_kv_cache_shape)
 """
-
-
 KERNELS = "tests/v1/worker/test_packed_kv_cache_gpu_kernels.py"
 TRITON = f"{KERNELS}::test_triton_attention_over_packed_views"
 FA3 = f"{KERNELS}::test_flash_attention_over_packed_views[3]"
