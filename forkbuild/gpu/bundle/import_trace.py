@@ -4,8 +4,7 @@ run folder's (the tree's) files a session imported, which a GPU host must have
 
   FORKBUILD_TRACE_OUT     the JSON file to write
   FORKBUILD_TRACE_BLOCK   top-level modules (comma-separated) the bundle leaves out,
-                          made unimportable first (`sys.modules[name] = None`: "not
-                          installed" to find_spec, and so to vLLM's has_flashinfer())
+                          made unimportable first
   FORKBUILD_TRACE_IMPORT  modules (comma-separated) to import at the session's end
 """
 
@@ -21,6 +20,7 @@ from pathlib import Path
 from forkbuild.gpu.bundle.standin import from_env
 
 for _blocked in from_env("FORKBUILD_TRACE_BLOCK"):
+    # "Not installed" to find_spec, and so to vLLM's has_flashinfer()
     sys.modules[_blocked] = None  # type: ignore[assignment]
 
 

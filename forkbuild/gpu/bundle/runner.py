@@ -32,8 +32,7 @@ MANIFEST = "manifest.json"
 MODULE = "forkbuild.gpu.bundle.runner"
 FILE_LIST = "FILES.sha256"  # every archive's first member (build.py's write_tar)
 RUNNER = str(Path(__file__).resolve().parents[3])  # where these modules are
-# For a host whose GPU time is counted in minutes: a kernel case takes seconds, an
-# engine case two tiny engines; the bundle carries no JIT build to wait for.
+# A kernel case takes seconds, an engine case two tiny engines (docs/gpu-nightly.md).
 CASE_LIMIT_S = 240
 RUN_LIMIT_S = 12 * 60
 # No hub, no telemetry; pytest loads only the runner's plugins (not the host's
