@@ -74,9 +74,7 @@ def read_host(path: Path) -> Host:
     """`# python:`, `# glibc:`, then `pip freeze` lines (a bare name: no version)."""
     if not path.is_file():
         raise ForkError(
-            f"no host file {path}",
-            "give one made by `bash run.sh --inventory` on the host (make "
-            "gpu-bundle GPU_HOST=FILE)",
+            f"no host file {path}", f"{HINT_HOST}: make gpu-bundle GPU_HOST=FILE"
         )
     said, packages = {}, {}
     for number, line in enumerate(path.read_text().splitlines(), 1):
