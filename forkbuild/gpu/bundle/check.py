@@ -158,8 +158,7 @@ def _on_simulated_host(
     """The simulated host's bundle installed offline by run.sh and verified; what it
     showed."""
     python, host_file = simulated_host(pins)
-    # The parts' size matters only for transfers: here one part holds everything,
-    # plain tars (no transfer carries them).
+    # One part of plain tars: a part's size and xz matter only for transfers.
     plain = dict(part_mib=4096, source=source, codec=gpu_bundle.PLAIN)
     bundle = gpu_bundle.build(pins, host_file, out=home() / "bundle", **plain)
     dest = home() / "installed"
