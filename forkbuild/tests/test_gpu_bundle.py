@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -32,11 +31,9 @@ from forkbuild.setup import lock
 
 SETTINGS = pins.load_gpu_bundle()
 NO_GPU = pytest.mark.skipif(preflight.has_nvidia_gpu(), reason="this machine has a GPU")
-LOCK = {"torch": "2.11.0", "triton": "3.6.0", "nvidia-cuda-runtime": "13.0.96"}
-LOCK |= {"numpy": "2.3.5", "pydantic": "2.14.4", "pytest": "9.1.1", "pluggy": "1.7.0"}
-LOCK |= {"pyyaml": "6.0.3", "tblib": "3.1.0"}
-LOCK |= {"pytest-forked": "1.7.5", "pytest-timeout": "2.4.0"}
+LOCK = lock.pinned(lock.path("cuda", "3.12"))  # the reference host's: torch 2.11.0
 HEAD = "# python: 3.12.3\n# glibc: 2.39\n"
+PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"  # this one's
 
 
 def _host(tmp_path: Path, text: str) -> Host:
@@ -54,10 +51,9 @@ def test_a_host_file_gives_python_glibc_and_versions(tmp_path):
     assert host.packages == want
     # fork.toml's reference host: the notes' host
     host = gpu_bundle.read_host(pins.REPO_ROOT / SETTINGS.host)
-    assert host.python == "3.12" and host.version("triton") == "3.6.0"
-    assert host.version("torch") == "2.11.0+cu130"
-    assert host.version("numpy") == "2.5.2" and host.version("pydantic") is None
-    assert "pydantic" not in host.packages and host.packages["pyyaml"] is None
+    assert host.python == "3.12" and host.packages["triton"] == "3.6.0"
+    assert host.packages["torch"] == "2.11.0+cu130" and "pydantic" not in host.packages
+    assert host.packages["numpy"] == "2.5.2" and host.packages["pyyaml"] is None
 
 
 BAD_HOSTS = ["numpy==1\n", "# python: 3.12.3\nnumpy==1\n", f"{HEAD}not a line!\n"]
@@ -83,12 +79,11 @@ def test_only_the_locks_torch_build_is_taken(tmp_path, torch, ok):
 
 
 def _trace(**extra) -> Trace:
-    versions = {n: LOCK[n] for n in ("nvidia-cuda-runtime", "triton", "numpy")}
-    versions |= {"vllm": "0.25.1+fork.1", "pydantic": "2.14.4", "PyYAML": "6.0.3"}
-    dists = {n: {"version": v, "requires": []} for n, v in versions.items()}
-    dists["torch"] = {"version": "2.11.0", "requires": ["nvidia-cuda-runtime", "sympy"]}
-    dists["pytest"] = {"version": "9.1.1", "requires": ["pluggy"]}
-    dists["pluggy"] = {"version": "1.7.0", "requires": []}
+    """What the collection loaded (select reads the names and requires, no version)."""
+    names = ("nvidia-cuda-runtime", "triton", "numpy", "vllm", "pydantic", "PyYAML")
+    dists = {n: {"version": "1", "requires": []} for n in (*names, "pluggy")}
+    dists["torch"] = {"version": "1", "requires": ["nvidia-cuda-runtime", "sympy"]}
+    dists["pytest"] = {"version": "1", "requires": ["pluggy"]}
     return Trace(dists | extra, ())
 
 
@@ -96,32 +91,17 @@ def test_carried_is_what_the_host_lacks_or_has_at_another_version(tmp_path):
     text = "numpy==2.5.2\npyyaml\npytest==8.0\npluggy\ntorch==2.11.0\ntriton==3.6.0\n"
     host = _host(tmp_path, HEAD + text)
     chosen = gpu_bundle.select(_trace(), host, LOCK, SETTINGS)
-    # pydantic: absent; numpy: another version; the runner's own packages (pytest and
-    # its pluggy, pytest-forked, pytest-timeout, tblib), whether the collection loaded
-    # them or not.
+    # pydantic: absent; numpy: another version; the runner's own packages (pytest, its
+    # pluggy, pytest-forked, pytest-timeout, tblib), loaded by the collection or not.
     carried = ["numpy", "pydantic", "pytest", "pluggy", "pytest-forked"]
     assert chosen.carried == {n: LOCK[n] for n in (*carried, "pytest-timeout", "tblib")}
     # a bare name: the host's, version unknown
     assert chosen.from_host == {"pyyaml": None}
-    assert chosen.provided == ("nvidia-cuda-runtime", "torch", "triton")
+    assert chosen.provided_by_host == ("nvidia-cuda-runtime", "torch", "triton")
     # an import the lock does not pin is refused
     with pytest.raises(ForkError, match="does not pin"):
         trace = _trace(stray={"version": "1", "requires": []})
         gpu_bundle.select(trace, host, LOCK, SETTINGS)
-
-
-def test_components_fill_the_first_part_with_room_and_parts_name_their_cases():
-    mib = 2**20
-    sizes = {"a": 40 * mib, "b": 30 * mib, "c": 10 * mib, "d": 5 * mib}
-    parts = gpu_bundle.pack(sizes, ["a", "b", "c", "d"], 56 * mib, first_extra=2 * mib)
-    assert [p.components for p in parts] == [("a", "c"), ("b", "d")]
-    with pytest.raises(ForkError, match="more than a part"):
-        gpu_bundle.pack({"a": 57 * mib}, ["a"], 56 * mib, first_extra=0)
-    # each part names the cases it adds
-    names = ["py", "c", "fa"]
-    parts = [gpu_bundle.Part(f"part-{i}", (c,), 0) for i, c in enumerate(names, 1)]
-    cases = gpu_bundle.cases_by_part(parts, ["py", "c"], {"k": [], "f": ["fa"]})
-    assert cases == {"part-1": [], "part-2": ["k"], "part-3": ["f"]}
 
 
 def test_every_required_case_says_what_the_bundle_holds_for_it():
@@ -139,17 +119,25 @@ def test_every_required_case_says_what_the_bundle_holds_for_it():
         assert "not_in_bundle" in exc.value.hint
 
 
-def test_part_one_runs_a_kernel_case_on_the_reference_bundles_sizes():
-    """With the sizes the reference bundle measured (docs/gpu-nightly.md), fork.toml's
-    order gives part 1 a kernel case (Triton, with the cache ops stood in for), parts
-    1-2 FA3's, parts 1-3 every kernel case, parts 1-4 the engine cases."""
+def test_components_fill_the_first_part_with_room_and_parts_name_their_cases():
+    """First fit; with the sizes the reference bundle measured (docs/gpu-nightly.md),
+    fork.toml's order gives part 1 a kernel case (Triton, with the cache ops stood in
+    for), parts 1-2 FA3's, parts 1-3 every kernel case, parts 1-4 the engine cases."""
+    mib = 2**20
+    sizes = {"a": 40 * mib, "b": 30 * mib, "c": 10 * mib, "d": 5 * mib}
+    parts = gpu_bundle.pack(sizes, ["a", "b", "c", "d"], 56 * mib, first_extra=2 * mib)
+    assert [p.components for p in parts] == [("a", "c"), ("b", "d")]
+    with pytest.raises(ForkError, match="more than a part"):
+        gpu_bundle.pack({"a": 57 * mib}, ["a"], 56 * mib, first_extra=0)
+    names = ["py", "c", "fa"]
+    parts = [gpu_bundle.Part(f"part-{i}", (c,), 0) for i, c in enumerate(names, 1)]
+    cases = gpu_bundle.cases_by_part(parts, ["py", "c"], {"k": [], "f": ["fa"]})
+    assert cases == {"part-1": [], "part-2": ["k"], "part-3": ["f"]}
     ext, fa = "vllm/_", "vllm/vllm_flash_attn/_vllm_"
     sizes = {"tree": 0.1, "vllm": 6.6, "packages": 37.7, f"{fa}fa3_C.abi3.so": 9.9}
     sizes |= {f"{ext}qutlass_C.abi3.so": 0.3, f"{ext}C_stable_libtorch.abi3.so": 50.8}
     sizes |= {f"{fa}fa2_C.abi3.so": 51.7, f"{ext}moe_C_stable_libtorch.abi3.so": 37.6}
-    sizes |= {"models": 12.1}
-    mib = 2**20
-    sizes = {n: int(v * mib) for n, v in sizes.items()}
+    sizes = {n: int(v * mib) for n, v in (sizes | {"models": 12.1}).items()}
     parts = gpu_bundle.pack(sizes, SETTINGS.order, SETTINGS.part_mib * mib, mib // 4)
     added = gpu_bundle.cases_by_part(parts, SETTINGS.every_case, SETTINGS.needs)
     kernels = "tests/v1/worker/test_packed_kv_cache_gpu_kernels.py::"
@@ -184,9 +172,6 @@ SMALL = _settings(
         "t.py::three": {**HOPPER, "not_in_bundle": "not here"},
     },
 )
-
-
-PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
 def _assemble(fork_pins, tmp_path, files, limit, settings, codec=gpu_bundle.XZ):
@@ -225,11 +210,18 @@ def small_bundle(request, scratch, fork_pins, tmp_path) -> Path:
     return bundle.folder
 
 
-def _run_sh(bundle: Path, *args: str, cwd: Path | None = None, **env: str):
-    """run.sh away from this checkout (default: the bundle's parent): its own runner."""
-    env = {**os.environ, "PYTHON": sys.executable, **env}
+def _run_sh(bundle: Path, *args: str, tools: dict[str, str] | None = None, **env: str):
+    """run.sh from the bundle's parent, away from this checkout: its own runner. TOOLS:
+    executables (name -> script) first on PATH, the GPU host's nvidia-smi, nvcc."""
+    where = bundle.parent / "bin"
+    where.mkdir(exist_ok=True)
+    for name, text in (tools or {}).items():
+        (where / name).write_text(text)
+        (where / name).chmod(0o755)
+    path = f"{where}{os.pathsep}{os.environ['PATH']}"
+    env = {**os.environ, "PYTHON": sys.executable, "PATH": path, **env}
     command = ["bash", str(bundle / "run.sh"), *args]
-    kwargs = dict(cwd=cwd or bundle.parent, env=env, timeout=120)
+    kwargs = dict(cwd=bundle.parent, env=env, timeout=120)
     return subprocess.run(command, capture_output=True, text=True, **kwargs)
 
 
@@ -251,59 +243,39 @@ def test_run_sh_unpacks_the_parts_present_and_checks_every_file(small_bundle, tm
     assert not (tmp_path / "fewer" / "site" / "pkg" / "b.so").exists()
 
 
-def _damage_part(bundle: Path) -> list[str]:
-    [archive] = (bundle / "part-2").iterdir()
-    archive.write_bytes(archive.read_bytes()[:-10])
-    return ["transfer part-2 again", f"part-2/{archive.name} is damaged"]
-
-
-def _damage_runner(bundle: Path) -> list[str]:
-    runner = bundle / "runner" / "forkbuild" / "gpu" / "bundle" / "runner.py"
-    runner.write_text("raise SystemExit(0)\n")
-    return ["part 1 is damaged"]
-
-
 @pytest.mark.parametrize(
-    "damage, install",
-    [(_damage_part, True), (_damage_runner, True)]
-    + [pytest.param(lambda bundle: ["no NVIDIA GPU"], False, marks=NO_GPU)],
+    "damaged, said",
+    [
+        ("part-2/*", ["transfer part-2 again", "part-2/{} is damaged"]),
+        ("runner/forkbuild/gpu/bundle/runner.py", ["part 1 is damaged"]),
+        pytest.param("", ["no NVIDIA GPU"], marks=NO_GPU),
+    ],
     ids=["damaged-part", "damaged-runner", "no-gpu"],
 )
 def test_a_bundle_that_cannot_run_stops_at_once_in_one_line(
-    small_bundle, tmp_path, damage, install
+    small_bundle, tmp_path, damaged, said
 ):
-    said = damage(small_bundle)
-    dest = tmp_path / "dest"
-    done = _run_sh(small_bundle, *(["--install"] if install else []), str(dest))
+    for path in small_bundle.glob(damaged) if damaged else ():
+        path.write_bytes(path.read_bytes()[:-10])
+        said = [s.format(path.name) for s in said]
+    dest = tmp_path / "dest"  # damaged: `--install DEST`, else `run.sh OUT`
+    done = _run_sh(small_bundle, *(["--install"] if damaged else []), str(dest))
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1
     assert all(s in lines[0] for s in said), lines
     assert not dest.exists()  # nothing unpacked, no OUT made
 
 
-@pytest.fixture
-def on_path(tmp_path, monkeypatch) -> Callable[[dict[str, str]], Path]:
-    """Executables (name -> script) first on PATH: the GPU host's nvidia-smi, nvcc."""
-    tools = tmp_path / "bin"
-    tools.mkdir()
-    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
-
-    def put(scripts: dict[str, str]) -> Path:
-        for name, text in scripts.items():
-            (tools / name).write_text(text)
-            (tools / name).chmod(0o755)
-        return tools
-
-    return put
-
-
-# What nvidia-smi (both of the runner's queries) and nvcc print on an H200 host.
-FAKE_SMI = """#!/bin/sh
+# What nvidia-smi (both of the runner's queries) and nvcc print on a 2 x H200 host.
+SMI_CSV = """index, uuid, name, compute_cap, memory.total [MiB]
+0, GPU-8c3e1f2a, NVIDIA H200, 9.0, 143771 MiB
+1, GPU-5b07d9e4, NVIDIA H200, 9.0, 143771 MiB
+"""
+FAKE_SMI = f"""#!/bin/sh
 case "$*" in
-  *noheader*) printf '570.124.06\n570.124.06\n' ;;
-  *) echo "index, uuid, name, compute_cap, memory.total [MiB]"
-     echo "0, GPU-8c3e1f2a, NVIDIA H200, 9.0, 143771 MiB"
-     echo "1, GPU-5b07d9e4, NVIDIA H200, 9.0, 143771 MiB" ;;
+  *noheader*) printf '570.124.06\\n570.124.06\\n' ;;
+  *) cat <<'EOF'
+{SMI_CSV}EOF
 esac
 """
 FAKE_NVCC = """#!/bin/sh
@@ -313,18 +285,18 @@ echo "Build cuda_13.0.r13.0/compiler.36424714_0"
 """
 
 
-def test_the_inventory_names_gpus_driver_nvcc_packages(small_bundle, tmp_path, on_path):
-    tools = on_path({"nvidia-smi": FAKE_SMI, "nvcc": FAKE_NVCC})
-    done = _run_sh(small_bundle, "--inventory")
+def test_the_inventory_names_gpus_driver_nvcc_packages(small_bundle, tmp_path):
+    tools = {"nvidia-smi": FAKE_SMI, "nvcc": FAKE_NVCC}
+    done = _run_sh(small_bundle, "--inventory", tools=tools)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert "# gpu: 0, GPU-8c3e1f2a, NVIDIA H200, 9.0, 143771 MiB" in lines
     assert "# gpu: 1, GPU-5b07d9e4, NVIDIA H200, 9.0, 143771 MiB" in lines
     assert "# driver: 570.124.06" in lines and "570.124.06" not in lines  # once
-    nvcc = f"# nvcc: {tools / 'nvcc'}: Build cuda_13.0.r13.0/compiler.36424714_0"
-    assert nvcc in lines
+    nvcc = tmp_path / "bin" / "nvcc"
+    assert f"# nvcc: {nvcc}: Build cuda_13.0.r13.0/compiler.36424714_0" in lines
     host = _host(tmp_path, done.stdout)
-    assert host.python == PYTHON and host.version("pytest") is not None
+    assert host.python == PYTHON and host.packages["pytest"] is not None
 
 
 ESCAPES = [[("FILES.sha256", b""), (n, b"x")] for n in ("../escape", "/etc/escape")]
@@ -385,11 +357,10 @@ def test_the_runner_stands_in_only_for_what_has_not_arrived(tmp_path, monkeypatc
     "status, code", [("passed", 0), ("skipped", 1), ("failed", 1), (None, 1)]
 )
 def test_a_runnable_case_that_did_not_pass_fails_the_run(tmp_path, status, code):
-    manifest = {"parts": [{"name": "part-1", "components": ["tree"]}]}
     outcome = Outcome({"t.py::one": status} if status else {})
     hopper = pins.gpu_table(SMALL.gpu).kind("Hopper")
-    ran = (["t.py::one"], {}, ["tree"], outcome, tmp_path)  # runnable, apart, ...
-    assert bundle_run.conclude(manifest, hopper, *ran) == code
+    ran = (["part-1"], ["t.py::one"], {}, outcome, tmp_path)  # parts, runnable, ...
+    assert bundle_run.conclude(hopper, *ran) == code
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["parts_present"] == ["part-1"]
     summary = (tmp_path / "summary.txt").read_text()
@@ -404,27 +375,19 @@ def test_lock_entries_are_the_locks_own_lines():
 
 # --- run.sh OUT end to end, with a stand-in GPU and a stand-in vLLM ------------------
 
-SMI_CSV = (
-    "index, uuid, name, compute_cap, memory.total [MiB]\n"
-    "0, GPU-0e6d4c6a, NVIDIA H200, 9.0, 143771 MiB\n"
-)
 # What fixcheck reads as the fixed packed branch (the patched function's shape).
 FIXED = """
 def _reshape_attention_kv_cache(packing, raw, permuted_kv_cache_shape):
     if packing is not None:
         return raw.view(permuted_kv_cache_shape)
 """
-
-
 KERNELS = "tests/v1/worker/test_packed_kv_cache_gpu_kernels.py"
 TRITON = f"{KERNELS}::test_triton_attention_over_packed_views"
 FA3 = f"{KERNELS}::test_flash_attention_over_packed_views[3]"
 ENGINE = "tests/e.py::engine"
 # The stand-in cases: two required node ids, one passes, one fails.
 CASES = """import os
-
 import pytest
-
 
 def test_triton_attention_over_packed_views(request):
     # run as the runner runs cases: forked, with its time limit, offline
@@ -443,11 +406,7 @@ def test_flash_attention_over_packed_views(fa_version):
 """
 # A stand-in vLLM, carrying the fix, whose platform is CUDA.
 PLATFORM = """import vllm._C_models  # noqa: F401 (the probe has the stand-in too)
-class CudaPlatform:
-    def is_cuda(self):
-        return True
-
-current_platform = CudaPlatform()
+current_platform = type("CudaPlatform", (), {"is_cuda": lambda self: True})()
 """
 VLLM = dict.fromkeys(
     f"vllm/{p}__init__.py" for p in ("", "v1/", "v1/worker/", "v1/worker/gpu/")
@@ -473,7 +432,7 @@ STAND_IN = _settings(
 )
 
 
-def test_run_sh_gives_the_nightlys_verdict(scratch, fork_pins, tmp_path, on_path):
+def test_run_sh_gives_the_nightlys_verdict(scratch, fork_pins, tmp_path):
     """run.sh runs the cases the parts allow. The runner's GPU path on CPU: the host
     checks, the unpacking, the vLLM probe, the plan, the forked pytest run with the
     per-case limit, the reports and the exit status."""
@@ -487,8 +446,8 @@ def test_run_sh_gives_the_nightlys_verdict(scratch, fork_pins, tmp_path, on_path
     shutil.rmtree(bundle.folder / "part-2")  # the models' part has not arrived
     out = tmp_path / "out"  # given relative, from where run.sh is called
     # all that run.sh asks of the GPU before the cases, which here need none
-    on_path({"nvidia-smi": f"#!/bin/sh\ncat <<'EOF'\n{SMI_CSV}EOF\n"})
-    done = _run_sh(bundle.folder, "out", cwd=tmp_path, FORK_BUNDLE_HOME="home")
+    env = dict(FORK_BUNDLE_HOME="home", CUDA_VISIBLE_DEVICES="0")  # one GPU of two
+    done = _run_sh(bundle.folder, "out", tools={"nvidia-smi": FAKE_SMI}, **env)
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stdout.strip().splitlines()[-1] == (
         "1 passed, 1 failed, 0 skipped, 2 required not run here "
@@ -502,7 +461,7 @@ def test_run_sh_gives_the_nightlys_verdict(scratch, fork_pins, tmp_path, on_path
     assert summary["cases"] == {TRITON: "passed", FA3: "failed"}
     assert summary["not_run_here"] == {
         ENGINE: "needs part-2 (not transferred yet)",
-        # no TP=2: 1 GPU
+        # no TP=2: 1 GPU visible
         "tests/f.py::flashinfer": "not in the bundle: too big",
     }
     assert (out / "gpu-tests.xml").is_file()

@@ -1,14 +1,5 @@
-"""`make gpu-bundle`: the GPU cases for an air-gapped GPU host, in parts it can take.
-
-The host (docs/gpu-nightly.md, "On an air-gapped GPU host") keeps its own torch and
-triton, the CUDA lock's. The bundle brings the rest, from what the GPU cases import
-(import_trace.py), not listed by hand: the distributions the host lacks or has at
-another version, vLLM's official wheel with the tree's patched files, the extensions
-the cases load, the tree's test files and tiny models. Each component is a
-deterministic tar, for a transfer (XZ) compressed once in independent xz streams on
-every core and cached by content. Components fill parts of at most PART_MIB in fork.toml
-[gpu_bundle] order (first fit): the parts a host has tell which cases it can run.
-"""
+"""`make gpu-bundle`: the GPU cases for an air-gapped GPU host, in parts it can take
+(what each part holds, and why: docs/gpu-nightly.md, "On an air-gapped GPU host")."""
 
 from __future__ import annotations
 
@@ -24,7 +15,7 @@ import sys
 import tarfile
 import tempfile
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
@@ -47,7 +38,7 @@ from forkbuild.gpu.bundle.runner import FILE_LIST
 from forkbuild.setup import fetch, lock, uv
 from forkbuild.setup.load_extensions import record_digest, wheel_record
 from forkbuild.setup.tree import GENERATED, read_series, swap_into_place
-from forkbuild.setup.wheel import patched_paths
+from forkbuild.setup.wheel import dist_dir, patched_paths
 
 FORMAT = "fork-gpu-bundle-3"
 RUNNER_MODULES = (  # the runner's modules, standard library only, paths in forkbuild/
@@ -65,10 +56,6 @@ HINT_HOST = "make the file with `bash run.sh --inventory` on the host"
 HINT_ROUTE = "rerun the CUDA route's install: rm -r build/cuda-route; make test"
 
 
-def dist_dir() -> Path:
-    return Path(os.environ.get("VLLM_FORK_DIST") or REPO_ROOT / "dist") / "gpu-bundle"
-
-
 @dataclass(frozen=True)
 class Host:
     """A GPU host as `run.sh --inventory` describes it: Python X.Y, and its packages."""
@@ -82,17 +69,12 @@ class Host:
     def platform(self) -> str:  # uv's --python-platform: x86_64-manylinux_2_39
         return f"x86_64-manylinux_{self.glibc.replace('.', '_')}"
 
-    def version(self, name: str) -> str | None:
-        return self.packages.get(canonicalize_name(name))
-
 
 def read_host(path: Path) -> Host:
     """`# python:`, `# glibc:`, then `pip freeze` lines (a bare name: no version)."""
     if not path.is_file():
         raise ForkError(
-            f"no host file {path}",
-            "give one made by `bash run.sh --inventory` on the host (make "
-            "gpu-bundle GPU_HOST=FILE)",
+            f"no host file {path}", f"{HINT_HOST}: make gpu-bundle GPU_HOST=FILE"
         )
     said, packages = {}, {}
     for number, line in enumerate(path.read_text().splitlines(), 1):
@@ -131,12 +113,11 @@ def check_host_torch(host: Host, lock_pins: dict[str, str]) -> None:
     """The host's torch and triton must be the lock's (and torch's CUDA build)."""
     label = cuda_label(lock_pins)
     for name in ("torch", "triton"):
-        have, want = host.version(name), lock_pins[name]
+        have, want = host.packages.get(name, "none"), lock_pins[name]
         public, _, local = (have or "").partition("+")
-        if have is None or public != want or (local and local != label):
-            shown = host.packages.get(name, "none") or "unknown"
+        if public != want or (local and local != label):
             raise ForkError(
-                f"the host's {name} is {shown}; the bundle needs {want}"
+                f"the host's {name} is {have or 'unknown'}; the bundle needs {want}"
                 + (f" (+{label} or no label)" if name == "torch" else "")
                 + ", the CUDA lock's, which the fork's CUDA wheel was built against",
                 f"install {name}=={want} on the host, or run the nightly there instead",
@@ -198,7 +179,7 @@ def _closure(roots: set[str], requires: dict[str, list[str]]) -> set[str]:
 class Selection:
     carried: dict[str, str]  # normalized name -> the lock's version
     from_host: dict[str, str | None]  # used as the host has them
-    provided: tuple[str, ...]  # torch, triton and torch's NVIDIA packages: the host's
+    provided_by_host: tuple[str, ...]  # torch, triton, torch's NVIDIA packages
     left_out: tuple[str, ...]  # imported here, not needed (fork.toml)
 
 
@@ -328,11 +309,9 @@ def vllm_components(
     (info / "INSTALLER").write_text("forkbuild-gpu-bundle\n")
     for entry in sorted(info.iterdir()):
         python.add(f"{info.name}/{entry.name}", entry)
-    fixed = fixcheck.classify((tree / fixcheck.MODULE_PATH).read_text())
-    if fixed != "fixed":
-        raise ForkError(
-            f"{tree / fixcheck.MODULE_PATH} is {fixed}, not fixed", "make tree"
-        )
+    module = tree / fixcheck.MODULE_PATH
+    if (fixed := fixcheck.classify(module.read_text())) != "fixed":
+        raise ForkError(f"{module} is {fixed}, not fixed", "make tree")
     return python, extensions, left
 
 
@@ -652,8 +631,8 @@ def components(pins: Pins, source: Source, host_file: Path, work: Path) -> Made:
     log.step(
         f"gpu bundle: for {host.source.name} (Python {host.python}): "
         f"{len(selection.carried)} packages carried, {len(selection.from_host)} the "
-        f"host's, {', '.join(selection.provided)} the host's by rule; extensions the "
-        f"cases load: {', '.join(sorted(loaded))}"
+        f"host's, {', '.join(selection.provided_by_host)} the host's by rule; "
+        f"extensions the cases load: {', '.join(sorted(loaded))}"
     )
     python, extensions, left = vllm_components(pins, source.tree, wheel, loaded, work)
     packages, omitted = packages_component(
@@ -681,12 +660,13 @@ def build(
     settings = source.settings
     codec = codec or transfer_codec(settings)
     mib = part_mib or float(os.environ.get("PART_MIB") or settings.part_mib)
+    out = out or dist_dir() / "gpu-bundle"
     with tempfile.TemporaryDirectory(prefix=".gpu-bundle-", dir=build_dir()) as tmp:
         work = Path(tmp)
         made = components(pins, source, host_file or REPO_ROOT / settings.host, work)
         # A plain tar is quick to write again: only the xz archives are cached.
         archives = compress(made.components, codec, None if codec.filters else work)
-        return assemble(made, archives, codec, int(mib * 2**20), out or dist_dir())
+        return assemble(made, archives, codec, int(mib * 2**20), out)
 
 
 def runner_files() -> dict[str, Path]:
@@ -739,10 +719,7 @@ def manifest(made: Made, entries: dict[str, dict], parts: list[Part]) -> dict:
         "needs": {node: list(need) for node, need in settings.needs.items()},
         "not_carried": dict(settings.not_carried),
         "gpu": settings.gpu,  # the nightly's table (forkbuild/gpu/required.py)
-        "carried": made.selection.carried,
-        "from_host": made.selection.from_host,
-        "provided_by_host": list(made.selection.provided),
-        "left_out": list(made.selection.left_out),
+        **asdict(made.selection),
         "compiled_left_out": made.left,
         "omitted": made.omitted,
     }

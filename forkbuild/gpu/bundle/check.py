@@ -1,14 +1,6 @@
-"""`make test`'s check of the GPU bundle without a GPU (forkbuild/gpu/bundle/build.py).
-
-1. The bundle for the reference host (fork.toml [gpu_bundle] host), in parts that fit;
-2. a simulated host (the host's Python with only the lock's torch, triton and NVIDIA
-   packages): its bundle unpacked by its own run.sh with the network refused, then,
-   through the driver stub, every extension loads, the GPU cases skip only for lack of a
-   device, the kernel calls reach dispatch, and `run.sh OUT` stops for want of a GPU;
-3. the same with one package the cases import taken out, which must fail;
-4. part 1 alone, the runner's stand-ins for the extensions it lacks: its cases skip only
-   for want of a device and what they call imports, and not without the stand-ins.
-"""
+"""`make test`'s check of the GPU bundle without a GPU: the reference host's bundle, a
+simulated host's installed offline and run, one package taken out, part 1 alone with its
+stand-ins (docs/gpu-nightly.md, "`make test` checks all of this")."""
 
 from __future__ import annotations
 
@@ -149,10 +141,9 @@ def meanwhile(background: Callable[[], T], foreground: Callable[[], U]) -> tuple
 def check(pins: Pins, results: Path, route: tuple[Path, Path, Path]) -> Result:
     """ROUTE: the CUDA route's python, tree and stub folder (cuda_route.install)."""
     source = gpu_bundle.prepare(pins, results, route)
-    # The reference bundle (xz on every core: minutes on a cold cache), needed only by
-    # _part_one, is made meanwhile. The two share no scratch path (work folders,
-    # outputs, stores are their own; uv's cache takes concurrent installs); the uv
-    # binary is extracted first (both would write its uv.partial).
+    # The reference bundle (xz: minutes on a cold cache), needed only by _part_one, is
+    # made meanwhile: the two share no scratch path but uv's binary (its uv.partial),
+    # extracted first; uv's cache takes concurrent installs.
     uv.binary(pins)
     reference, (host, shown) = meanwhile(
         lambda: gpu_bundle.build(pins, out=home() / "reference", source=source),
@@ -167,8 +158,7 @@ def _on_simulated_host(
     """The simulated host's bundle installed offline by run.sh and verified; what it
     showed."""
     python, host_file = simulated_host(pins)
-    # The parts' size matters only for transfers: here one part holds everything,
-    # plain tars (no transfer carries them).
+    # One part of plain tars: a part's size and xz matter only for transfers.
     plain = dict(part_mib=4096, source=source, codec=gpu_bundle.PLAIN)
     bundle = gpu_bundle.build(pins, host_file, out=home() / "bundle", **plain)
     dest = home() / "installed"
@@ -196,7 +186,7 @@ def _on_simulated_host(
     )
     host = SimHost(python, site, source.stub, results, offline)
     collected, calls = verify(pins, host, "bundle-host")
-    breakage = _without(BREAKAGE, pins, host)
+    breakage = _without(pins, host)
     shown = (
         f"(Python {HOST_PYTHON}, torch, triton and NVIDIA's packages only, {network}): "
         f"{len(bundle.parts)} part(s), {len(loaded['loaded'])} compiled extensions "
@@ -236,8 +226,7 @@ def verify(pins: Pins, host: SimHost, name: str) -> tuple[Outcome, Outcome]:
         )
     collected = cuda_route.part_of(outcome, pins.gpu_tests)
     calls = cuda_route.part_of(outcome, pins.cuda_route_tests)
-    where = f"the bundle ({name})"
-    required = set(settings.needs)
+    where, required = f"the bundle ({name})", set(settings.needs)
     cuda_route.check_skipped(
         collected, host.results, where=where, logs=logs, required=required
     )
@@ -257,9 +246,9 @@ def _site_copy(host: SimHost, name: str) -> Path:
     return copy
 
 
-def _without(dist: tuple[str, str], pins: Pins, host: SimHost) -> str:
-    """The check without DIST (name, module) in a copy of SITE: it must name MODULE."""
-    name, module = dist
+def _without(pins: Pins, host: SimHost) -> str:
+    """The check without BREAKAGE (name, module) in a copy of SITE: it names MODULE."""
+    name, module = BREAKAGE
     broken = _site_copy(host, f"site-without-{name}")
     infos = list(broken.glob(f"{name.replace('-', '_')}-*.dist-info"))
     if not infos:

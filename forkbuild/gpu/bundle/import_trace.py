@@ -4,8 +4,7 @@ run folder's (the tree's) files a session imported, which a GPU host must have
 
   FORKBUILD_TRACE_OUT     the JSON file to write
   FORKBUILD_TRACE_BLOCK   top-level modules (comma-separated) the bundle leaves out,
-                          made unimportable first (`sys.modules[name] = None`: "not
-                          installed" to find_spec, and so to vLLM's has_flashinfer())
+                          made unimportable first
   FORKBUILD_TRACE_IMPORT  modules (comma-separated) to import at the session's end
 """
 
@@ -21,14 +20,8 @@ from pathlib import Path
 from forkbuild.gpu.bundle.standin import from_env
 
 for _blocked in from_env("FORKBUILD_TRACE_BLOCK"):
+    # "Not installed" to find_spec, and so to vLLM's has_flashinfer()
     sys.modules[_blocked] = None  # type: ignore[assignment]
-
-
-def loaded_files() -> set[Path]:
-    """The resolved files of every module loaded now (sources and extensions)."""
-    found = [getattr(module, "__file__", None) for module in list(sys.modules.values())]
-    # torch's _ops and _classes have a relative __file__
-    return {Path(f).resolve() for f in found if f and Path(f).is_absolute()}
 
 
 def distributions_of(files: set[Path]) -> dict[str, dict]:
@@ -65,7 +58,10 @@ def pytest_sessionfinish() -> None:
             importlib.import_module(name)
         except Exception as exc:  # reported, not raised: the caller names them all
             failed.append(f"{name}: {type(exc).__name__}: {exc}")
-    files = loaded_files()
+    # Every module loaded now, sources and extensions (torch's _ops and _classes have a
+    # relative __file__).
+    found = [getattr(module, "__file__", None) for module in list(sys.modules.values())]
+    files = {Path(f).resolve() for f in found if f and Path(f).is_absolute()}
     root = Path.cwd().resolve()
     report = {
         "distributions": distributions_of(files),

@@ -5,12 +5,7 @@ the fork modules beside it (run.sh checks them and sets PYTHONPATH), no network:
     python3 -m forkbuild.gpu.bundle.runner install BUNDLE DEST  unpack, verify the parts
     python3 -m forkbuild.gpu.bundle.runner run BUNDLE OUT       check, install, run
 
-`run` stops with one line, before anything runs, on no GPU, another Python, torch or
-triton than the bundle's, or a missing or damaged archive. It unpacks what the parts
-present hold, verifies every file, checks the bundle's vLLM and its fix, and runs,
-forked and each under a time limit, the cases this GPU kind must run that the parts
-allow; gpu-tests.xml, summary.json and summary.txt go to OUT, and it exits non-zero
-when such a case failed, skipped or never ran.
+What `run` refuses, runs and writes to OUT: docs/gpu-nightly.md, "run.sh OUT".
 """
 
 from __future__ import annotations
@@ -37,8 +32,7 @@ MANIFEST = "manifest.json"
 MODULE = "forkbuild.gpu.bundle.runner"
 FILE_LIST = "FILES.sha256"  # every archive's first member (build.py's write_tar)
 RUNNER = str(Path(__file__).resolve().parents[3])  # where these modules are
-# For a host whose GPU time is counted in minutes: a kernel case takes seconds, an
-# engine case two tiny engines; the bundle carries no JIT build to wait for.
+# A kernel case takes seconds, an engine case two tiny engines (docs/gpu-nightly.md).
 CASE_LIMIT_S = 240
 RUN_LIMIT_S = 12 * 60
 # No hub, no telemetry; pytest loads only the runner's plugins (not the host's
@@ -276,35 +270,38 @@ def pythonpath(dest: Path, runner: bool = False) -> str:
     return os.pathsep.join(paths)
 
 
-def probe(platform_too: bool) -> dict:
-    """`probe`: what `import vllm` gives, the bundle first and the stand-ins in."""
+def probe(platform_too: bool, version: str, dest: Path) -> dict:
+    """`probe`: what is wrong with `import vllm` from DEST, the bundle first and the
+    stand-ins in (the modules stood in for: the runner's, it checks)."""
     standing_in = bundle_standin.install(bundle_standin.from_env())
     import vllm
 
     name = fixcheck.MODULE_PATH[:-3].replace("/", ".")
-    module = importlib.util.find_spec(name).origin
-    found = {
-        "vllm": vllm.__file__,
-        "version": importlib.metadata.version("vllm"),
-        "verdict": fixcheck.classify(Path(module).read_text()),
-        "module": module,
-        "stand_ins": standing_in,
-    }
+    verdict = fixcheck.classify(Path(importlib.util.find_spec(name).origin).read_text())
+    problems = []
+    if not Path(vllm.__file__).resolve().is_relative_to((dest / "site").resolve()):
+        problems.append(f"`import vllm` gives {vllm.__file__}, not the bundle's")
+    if (have := importlib.metadata.version("vllm")) != version:
+        problems.append(f"vLLM's version is {have}")
+    if verdict != "fixed":
+        problems.append(f"{fixcheck.FUNCTION} is {verdict}")
     if platform_too:  # resolving the CUDA platform loads the cache ops' extension
         from vllm.platforms import current_platform
 
-        found["platform"] = type(current_platform).__name__
-        found["cuda"] = current_platform.is_cuda()
-    return found
+        if not current_platform.is_cuda():
+            picked = type(current_platform).__name__
+            problems.append(f"vLLM picks {picked}, not its CUDA platform")
+    return {"problems": problems, "stand_ins": standing_in}
 
 
 def check_vllm(
     manifest: dict, dest: Path, components: list[str], standing_in: list[str] = ()
-) -> dict:
+) -> None:
     platform_too = set(manifest["every_case"]) <= set(components)
     report = dest / "probe.json"  # a file: vLLM logs to stdout
     report.unlink(missing_ok=True)
-    argv = [sys.executable, "-m", MODULE, "probe", str(int(platform_too)), str(report)]
+    argv = [sys.executable, "-m", MODULE, "probe", str(int(platform_too))]
+    argv += [manifest["fork_version"], str(dest)]
     env = {**os.environ, **case_env(dest, standing_in)}
     env["PYTHONPATH"] = pythonpath(dest, runner=True)
     done = subprocess.run(
@@ -317,15 +314,7 @@ def check_vllm(
             f"a package is missing from the bundle or the host's differs: {REMAKE}",
         )
     found = json.loads(report.read_text())
-    problems = []
-    if not Path(found["vllm"]).resolve().is_relative_to((dest / "site").resolve()):
-        problems.append(f"`import vllm` gives {found['vllm']}, not the bundle's")
-    if found["version"] != manifest["fork_version"]:
-        problems.append(f"vLLM's version is {found['version']}")
-    if found["verdict"] != "fixed":
-        problems.append(f"{fixcheck.FUNCTION} is {found['verdict']}")
-    if platform_too and not found.get("cuda"):
-        problems.append(f"vLLM picks {found.get('platform')}, not its CUDA platform")
+    problems = found["problems"]
     if sorted(found["stand_ins"]) != sorted(standing_in):
         problems.append(
             f"the probe stood in for {found['stand_ins'] or 'nothing'}, the runner for "
@@ -336,7 +325,6 @@ def check_vllm(
             "; ".join(problems),
             "remove other vLLM installs from PYTHONPATH, or rebuild the bundle",
         )
-    return found
 
 
 def plan(
@@ -373,10 +361,10 @@ def run(bundle: Path, out: Path) -> int:
     dest = home(bundle)
     install(manifest, bundle, dest, components)
     standing_in = stand_ins(manifest, components)
-    found = check_vllm(manifest, dest, components, standing_in)
+    check_vllm(manifest, dest, components, standing_in)
     log.step(
-        f"bundle: vLLM {found['version']} from {dest / 'site'} carries the fix; "
-        f"{kind.name}: {len(required)} required case(s)"
+        f"bundle: vLLM {manifest['fork_version']} from {dest / 'site'} carries the "
+        f"fix; {kind.name}: {len(required)} required case(s)"
         + (f"; stand-in for {', '.join(standing_in)}" if standing_in else "")
     )
     runnable, apart = plan(manifest, required, components)
@@ -393,25 +381,22 @@ def run(bundle: Path, out: Path) -> int:
             extra_env=case_env(dest, standing_in),
             timeout_s=RUN_LIMIT_S,
         )
-    return conclude(
-        manifest, kind, runnable, apart, components, outcome, out, standing_in
-    )
+    have = set(components)
+    parts = [p["name"] for p in manifest["parts"] if set(p["components"]) <= have]
+    return conclude(kind, parts, runnable, apart, outcome, out, standing_in)
 
 
 def conclude(
-    manifest: dict,
     kind: GpuKind,
+    parts: list[str],  # present
     runnable: list[str],
     apart: dict[str, str],
-    components: list[str],
     outcome: pytest_runner.Outcome,
     out: Path,
     standing_in: list[str] = (),
 ) -> int:
     not_run = gpu_required.not_run(runnable, [outcome])
     failed = outcome.failed + outcome.errors
-    have = set(components)
-    parts = [p["name"] for p in manifest["parts"] if set(p["components"]) <= have]
     line = (
         f"{outcome.passed} passed, {failed} failed, {outcome.skipped} skipped, "
         f"{len(apart)} required not run here"
@@ -444,21 +429,24 @@ def conclude(
 
 def main(argv: list[str]) -> int:
     try:
-        if argv[:1] == ["inventory"]:
-            print(inventory(), end="")
-            return 0
-        if argv[:1] == ["probe"] and len(argv) == 3:
-            Path(argv[2]).write_text(json.dumps(probe(argv[1] == "1")))
-            return 0
-        if argv[:1] == ["install"] and len(argv) == 3:
-            bundle, dest = Path(argv[1]).resolve(), Path(argv[2]).resolve()
-            manifest = read_manifest(bundle)
-            install(manifest, bundle, dest, present(manifest, bundle))
-            print(pythonpath(dest))
-            return 0
-        if argv[:1] == ["run"] and len(argv) == 3:
-            # Resolved here: pytest runs in the unpacked tree, not where run.sh ran.
-            return run(Path(argv[1]).resolve(), Path(argv[2]).resolve())
+        match argv:
+            case ["inventory"]:
+                print(inventory(), end="")
+            case ["probe", platform_too, version, dest]:
+                found = probe(platform_too == "1", version, Path(dest))
+                (Path(dest) / "probe.json").write_text(json.dumps(found))
+            case ["install", bundle, dest]:
+                bundle, dest = Path(bundle).resolve(), Path(dest).resolve()
+                manifest = read_manifest(bundle)
+                install(manifest, bundle, dest, present(manifest, bundle))
+                print(pythonpath(dest))
+            case ["run", bundle, out]:
+                # Resolved here: pytest runs in the unpacked tree, not where run.sh ran.
+                return run(Path(bundle).resolve(), Path(out).resolve())
+            case _:
+                print(__doc__, file=sys.stderr)
+                return 2
+        return 0
     except ForkError as exc:
         print(f"run.sh: {exc}", file=sys.stderr)
         return 2
@@ -469,8 +457,6 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    print(__doc__, file=sys.stderr)
-    return 2
 
 
 if __name__ == "__main__":

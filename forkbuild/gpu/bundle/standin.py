@@ -1,11 +1,6 @@
-"""Empty modules in place of compiled vLLM extensions a GPU bundle's parts lack yet.
-
-vLLM's CUDA platform imports its cache ops' extension (`vllm._C_stable_libtorch`), a
-part of its own, only to register the ops: until it arrives the runner imports an empty
-module instead (fork.toml [gpu_bundle] stand_in) and runs only cases that call none of
-them. A pytest plugin (`-p`), also loaded by the runner's vLLM probe before vLLM is;
-the modules: FORK_BUNDLE_STAND_INS (comma-separated).
-"""
+"""Empty modules in place of compiled vLLM extensions a GPU bundle's parts lack yet
+(fork.toml [gpu_bundle] stand_in; why: docs/gpu-nightly.md). A pytest plugin (`-p`),
+also loaded by the runner's vLLM probe before vLLM is; the modules: ENV's."""
 
 from __future__ import annotations
 
