@@ -538,7 +538,8 @@ def pack(
             raise ForkError(
                 f"{name} is {size / 2**20:.1f} MiB compressed, more than a part of "
                 f"{limit / 2**20:.0f} MiB can hold",
-                "raise PART_MIB, or omit files of it (fork.toml [gpu_bundle] omit)",
+                "raise PART_MIB, give it a higher fork.toml [gpu_bundle] xz_preset, "
+                "or omit files of it ([gpu_bundle] omit)",
             )
         filled.append([name])
         used.append(start + size)
