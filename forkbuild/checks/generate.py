@@ -65,8 +65,8 @@ def patch_table(p: Pins, patches_dir: Path = tree.PATCHES_DIR) -> str:
     return "\n".join(rows)
 
 
-def tree_log(p: Pins, patches_dir: Path = tree.PATCHES_DIR) -> str:
-    facts = series(patches_dir)
+def tree_log(p: Pins) -> str:
+    facts = series()
     added = [str(sum(a for a, _, _ in f.numstat)) for f in facts]
     version, width = p.upstream_version, 44
     lines = [
@@ -122,14 +122,15 @@ def render(p: Pins, root: Path = REPO_ROOT) -> dict[Path, str]:
     return texts
 
 
-def stale(p: Pins, root: Path = REPO_ROOT) -> list[Path]:
-    return [f for f, text in render(p, root).items() if f.read_text() != text]
+def stale(p: Pins, root: Path = REPO_ROOT) -> dict[Path, str]:
+    """The files with a block out of date, each as it should read."""
+    return {f: text for f, text in render(p, root).items() if f.read_text() != text}
 
 
-def write(p: Pins) -> str:
+def write(p: Pins, root: Path = REPO_ROOT) -> str:
     """`make generate`: rewrite every stale block; return the closing line."""
-    changed = [(f, text) for f, text in render(p).items() if f.read_text() != text]
-    for file, text in changed:
+    changed = stale(p, root)
+    for file, text in changed.items():
         file.write_text(text)
-        log.step(f"generate: rewrote {file.relative_to(REPO_ROOT)}")
+        log.step(f"generate: rewrote {file.relative_to(root)}")
     return f"generate: {len(changed)} file(s) changed"
