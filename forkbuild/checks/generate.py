@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from forkbuild.checks import patch_status
 from forkbuild.core import log
 from forkbuild.core.errors import ForkError, run_or_fail
 from forkbuild.core.pins import REPO_ROOT, Pins
@@ -31,9 +32,7 @@ def read_mail(path: Path) -> PatchFacts:
     subject = " ".join(str(message["Subject"]).split())
     if subject.startswith("["):  # [PATCH] or [PATCH n/m]
         subject = subject.split("] ", 1)[1]
-    body = message.get_content().split("\n---\n", 1)[0]
-    pairs = [line.partition(": ") for line in body.splitlines()]
-    fields = {k: v.strip() for k, s, v in pairs if s and k.replace("-", "").isalnum()}
+    fields = patch_status.read_patch(path.name, path).fields
     numstat = ["git", "apply", "--numstat", str(path)]
     unread = f"{path.name} is no diff git reads"
     done = run_or_fail(numstat, unread, "regenerate it with git format-patch")
