@@ -111,19 +111,14 @@ def replace_block(text: str, path: str, block: str, source: str, body: str) -> s
     return head + begin + "\n" + "\n".join(lines) + "\n" + end + "\n" + tail
 
 
-def render(p: Pins, root: Path = REPO_ROOT) -> dict[Path, str]:
-    """Every file with blocks, as it should read."""
+def stale(p: Pins, root: Path = REPO_ROOT) -> dict[Path, str]:
+    """The files with a block out of date, each as it should read."""
     texts: dict[Path, str] = {}
     for path, block, source, text in BLOCKS:
         file = root / path
         current = texts.get(file) or file.read_text()
         texts[file] = replace_block(current, path, block, source, text(p))
-    return texts
-
-
-def stale(p: Pins, root: Path = REPO_ROOT) -> dict[Path, str]:
-    """The files with a block out of date, each as it should read."""
-    return {f: text for f, text in render(p, root).items() if f.read_text() != text}
+    return {f: text for f, text in texts.items() if f.read_text() != text}
 
 
 def write(p: Pins, root: Path = REPO_ROOT) -> str:
