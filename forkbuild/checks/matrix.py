@@ -30,14 +30,6 @@ def matrix_dir() -> Path:
     return build_dir() / "matrix"
 
 
-def fork_test_modules(pins: Pins, tree_path: Path) -> list[str]:
-    """The fork's CPU test modules, as overlaid on TREE_PATH."""
-    tests = [p for p in tree.overlay_files() if p.match("test_*.py")]
-    modules = [str(Path("tests") / p.relative_to(tree.TESTS_DIR)) for p in tests]
-    not_cpu = (*pins.gpu_tests, *pins.cuda_route_tests)
-    return [m for m in modules if m not in not_cpu and (tree_path / m).is_file()]
-
-
 def release_tree(pins: Pins, release: Release) -> Path:
     """build/matrix/vllm-<version>: the stock release + the fork's tests + binaries."""
     toolchain = lambda: install.ensure_toolchain(pins, "cpu")  # pip reads sdists: torch
@@ -139,7 +131,12 @@ def _row(pins: Pins, release: Release, python: Path, path: Path, key: str) -> di
     regression.check_imports_from(python, path)
     results = build_dir() / "test-results"
     results.mkdir(parents=True, exist_ok=True)
-    args = [*fork_test_modules(pins, path), "-m", "cpu_test"]
+    # The fork's CPU test modules, as overlaid on PATH: their cpu_test cases.
+    tests = [p for p in tree.overlay_files() if p.match("test_*.py")]
+    modules = [str(Path("tests") / p.relative_to(tree.TESTS_DIR)) for p in tests]
+    not_cpu = (*pins.gpu_tests, *pins.cuda_route_tests)
+    args = [m for m in modules if m not in not_cpu and (path / m).is_file()]
+    args += ["-m", "cpu_test"]
     junit, output = results / f"matrix-{key}.xml", results / f"matrix-{key}.log"
     outcome = run_pytest(python, path, args, junit, output=output, extra_env=CPU_ENV)
     log.step(f"matrix: vLLM {release.version}: {outcome}")
