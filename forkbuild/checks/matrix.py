@@ -83,7 +83,9 @@ def release_python(pins: Pins, release: Release, release_tree_path: Path) -> Pat
     if release.torch == pins.torch:
         python, _, _ = install.install(pins, "cpu")
         return python
-    if not (wheels := pins.torch_pins(release.torch)):
+    prefix = f"torch-{release.torch}-"  # its wheels' file names
+    wheels = [sha for name, sha in pins.torch_sha256.items() if name.startswith(prefix)]
+    if not wheels:
         raise ForkError(
             f"vLLM {release.version} needs torch {release.torch}, which fork.toml does "
             "not pin",
@@ -92,7 +94,7 @@ def release_python(pins: Pins, release: Release, release_tree_path: Path) -> Pat
     home = matrix_dir() / f"venv-torch-{release.torch}"
     # A stock release is tested on its own requirement ranges (what its users get), not
     # on a lock; its torch is checked against fork.toml's pins all the same.
-    hashes = [f"--hash=sha256:{sha}" for sha in wheels.values()]
+    hashes = [f"--hash=sha256:{sha}" for sha in wheels]
     requirements = [" ".join([f"torch=={release.torch}", *hashes]), *pins.test]
     req_file = release_tree_path / "requirements" / "common.txt"
     key = digest_of([platform.python_version(), *requirements, req_file.read_bytes()])
