@@ -21,22 +21,18 @@ def test_every_generated_block_is_up_to_date():
     assert stale == [], f"{', '.join(stale)} out of date: run `make generate`"
 
 
-def _edit_line(text: str, containing: str, old: str, new: str) -> str:
-    """TEXT with OLD replaced by NEW on its one line that holds CONTAINING."""
-    lines = text.splitlines(keepends=True)
-    (i,) = [i for i, line in enumerate(lines) if containing in line]
-    assert old in lines[i], lines[i]
-    lines[i] = lines[i].replace(old, new, 1)
-    return "".join(lines)
-
-
-def _generate_in_copy(tmp_path: Path, *edit: str) -> pins.Pins:
-    """fork.toml and the blocks' files copied, EDIT (_edit_line's) made, regenerated."""
+def _generate_in_copy(tmp_path: Path, containing: str, old: str, new: str) -> pins.Pins:
+    """fork.toml and the blocks' files copied, OLD made NEW on fork.toml's one line that
+    holds CONTAINING, the blocks regenerated."""
     for path in {"fork.toml", *(b[0] for b in generate.BLOCKS)}:
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO_ROOT / path, tmp_path / path)
     toml = tmp_path / "fork.toml"
-    toml.write_text(_edit_line(toml.read_text(), *edit))
+    lines = toml.read_text().splitlines(keepends=True)
+    (i,) = [i for i, line in enumerate(lines) if containing in line]
+    assert old in lines[i], lines[i]
+    lines[i] = lines[i].replace(old, new, 1)
+    toml.write_text("".join(lines))
     edited = pins.load(toml)
     assert generate.stale(edited, tmp_path)  # the edit alone leaves them behind
     generate.write(edited, tmp_path)
