@@ -41,10 +41,9 @@ def imports(path: Path) -> dict[str, set[str]]:
                     aliases[alias.asname or alias.name] = whole
                 else:
                     found.setdefault(node.module, set()).add(alias.name)
-        elif isinstance(node, ast.Import):
+        elif isinstance(node, ast.Import):  # others than forkbuild's are left out below
             for alias in node.names:
-                if alias.name.startswith("forkbuild"):
-                    found.setdefault(alias.name, set())
+                found.setdefault(alias.name, set())
     for node in ast.walk(tree):
         name = getattr(getattr(node, "value", None), "id", None)
         if isinstance(node, ast.Attribute) and name in aliases:
