@@ -56,7 +56,6 @@ def _flag(help_text: str) -> dict:
 @dataclass(frozen=True)
 class Step:
     func: Callable[[Args, Pins], object]  # a str it returns is printed last
-    route: bool = False  # installs on one route's binaries: takes --route
     arguments: dict[str, dict] | None = None  # name or flag -> argparse keywords
 
 
@@ -65,8 +64,9 @@ ROUTE = {
     "help": "vLLM binaries to install on (default: cuda where an NVIDIA GPU is "
     "present, else cpu)",
 }
+ROUTED = {"--route": ROUTE}  # a step that installs on one route's binaries
 STEPS = {
-    "fetch": Step(_fetch, True),
+    "fetch": Step(_fetch, ROUTED),
     "tree": Step(
         lambda a, p: print(tree.build(p, _sdist(p), force=a.force)),
         arguments={"--force": _flag("rebuild even if the inputs are unchanged")},
@@ -74,21 +74,21 @@ STEPS = {
     "lock": Step(_lock),
     "install": Step(
         lambda a, p: print(install.install(p, a.route, without_gpu=a.without_gpu)[0]),
-        True,
         {
+            **ROUTED,
             "--without-gpu": _flag(
                 "install the cuda route on a machine without a driver, for checking it "
                 "there (make test does, in build/cuda-route); vLLM then finds no "
                 "platform"
-            )
+            ),
         },
     ),
     "regression": Step(
-        lambda a, p: regression.check(p, *install.install(p, a.route)[:2]), True
+        lambda a, p: regression.check(p, *install.install(p, a.route)[:2]), ROUTED
     ),
     "wheel": Step(lambda a, p: print(wheel.build(p))),
-    "model": Step(_model, True),
-    "test": Step(lambda a, p: testrun.run(p, a.route), True),
+    "model": Step(_model, ROUTED),
+    "test": Step(lambda a, p: testrun.run(p, a.route), ROUTED),
     "matrix": Step(
         lambda a, p: matrix.run(p, a.versions),
         arguments={
@@ -122,7 +122,7 @@ STEPS = {
         },
     ),
     "nightly": Step(lambda a, p: nightly.run(p)),
-    "serve": Step(lambda a, p: serve.serve(p, a), True),
+    "serve": Step(lambda a, p: serve.serve(p, a), ROUTED),
 }
 HELP = {  # each step's, as `python3 -m forkbuild STEP --help` shows it
     "fetch": "download the pinned sdist and wheel, verified by sha256",
@@ -134,12 +134,10 @@ HELP = {  # each step's, as `python3 -m forkbuild STEP --help` shows it
     "regression": "the regression tests must fail unpatched and pass patched",
     "wheel": "a distributable patched CUDA wheel in dist/",
     "model": "generate the embedded tiny random-weight models",
-    "test": "everything CI runs: forkbuild's tool tests (serve, wheel, locks, bad "
-    "input), the CUDA route without a GPU (its install in build/cuda-route, every "
-    "compiled extension loaded through a driver stub, FlashInfer's JIT toolchain, the "
-    "GPU tests' clean skip under that build, the kernel test's calls up to the ops' "
-    "dispatch), the regression proof (the CPU suite fails on stock vLLM and passes on "
-    "the fork) and the patch-status check",
+    "test": "everything CI runs: forkbuild's tool tests, the CUDA route without a GPU "
+    "(its install in build/cuda-route, every compiled extension loaded through a "
+    "driver stub, the GPU tests' clean skip; docs/tests.md), the regression proof (the "
+    "CPU suite fails on stock vLLM and passes on the fork) and the patch-status check",
     "matrix": "the fork's CPU suite on the [matrix] releases: docs/version-matrix.md",
     "generate": "rewrite the docs' and the nightly pipeline's blocks that restate "
     "fork.toml and patches/",
@@ -160,8 +158,6 @@ def parser() -> argparse.ArgumentParser:
     for name, step in STEPS.items():
         cmd = sub.add_parser(name, help=HELP[name], description=HELP[name])
         cmd.set_defaults(func=step.func, route=None)
-        if step.route:
-            cmd.add_argument("--route", **ROUTE)
         for flag, keywords in (step.arguments or {}).items():
             cmd.add_argument(flag, **keywords)
         if name == "serve":

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from forkbuild.checks import patch_status
 from forkbuild.core import log
 from forkbuild.core.errors import ForkError, run_or_fail
 from forkbuild.core.pins import REPO_ROOT, Pins
@@ -31,9 +32,7 @@ def read_mail(path: Path) -> PatchFacts:
     subject = " ".join(str(message["Subject"]).split())
     if subject.startswith("["):  # [PATCH] or [PATCH n/m]
         subject = subject.split("] ", 1)[1]
-    body = message.get_content().split("\n---\n", 1)[0]
-    pairs = [line.partition(": ") for line in body.splitlines()]
-    fields = {k: v.strip() for k, s, v in pairs if s and k.replace("-", "").isalnum()}
+    fields = patch_status.read_patch(path.name, path).fields
     numstat = ["git", "apply", "--numstat", str(path)]
     unread = f"{path.name} is no diff git reads"
     done = run_or_fail(numstat, unread, "regenerate it with git format-patch")
@@ -65,8 +64,8 @@ def patch_table(p: Pins, patches_dir: Path = tree.PATCHES_DIR) -> str:
     return "\n".join(rows)
 
 
-def tree_log(p: Pins, patches_dir: Path = tree.PATCHES_DIR) -> str:
-    facts = series(patches_dir)
+def tree_log(p: Pins) -> str:
+    facts = series()
     added = [str(sum(a for a, _, _ in f.numstat)) for f in facts]
     version, width = p.upstream_version, 44
     lines = [
@@ -112,24 +111,20 @@ def replace_block(text: str, path: str, block: str, source: str, body: str) -> s
     return head + begin + "\n" + "\n".join(lines) + "\n" + end + "\n" + tail
 
 
-def render(p: Pins, root: Path = REPO_ROOT) -> dict[Path, str]:
-    """Every file with blocks, as it should read."""
+def stale(p: Pins, root: Path = REPO_ROOT) -> dict[Path, str]:
+    """The files with a block out of date, each as it should read."""
     texts: dict[Path, str] = {}
     for path, block, source, text in BLOCKS:
         file = root / path
         current = texts.get(file) or file.read_text()
         texts[file] = replace_block(current, path, block, source, text(p))
-    return texts
+    return {f: text for f, text in texts.items() if f.read_text() != text}
 
 
-def stale(p: Pins, root: Path = REPO_ROOT) -> list[Path]:
-    return [f for f, text in render(p, root).items() if f.read_text() != text]
-
-
-def write(p: Pins) -> str:
+def write(p: Pins, root: Path = REPO_ROOT) -> str:
     """`make generate`: rewrite every stale block; return the closing line."""
-    changed = [(f, text) for f, text in render(p).items() if f.read_text() != text]
-    for file, text in changed:
+    changed = stale(p, root)
+    for file, text in changed.items():
         file.write_text(text)
-        log.step(f"generate: rewrote {file.relative_to(REPO_ROOT)}")
+        log.step(f"generate: rewrote {file.relative_to(root)}")
     return f"generate: {len(changed)} file(s) changed"

@@ -16,7 +16,7 @@ from forkbuild.core import fixcheck, log
 from forkbuild.core.errors import ForkError
 from forkbuild.core.hashing import digest_of
 from forkbuild.core.pins import REPO_ROOT, Pins, Release, build_dir
-from forkbuild.core.pytest_runner import Outcome, run_pytest
+from forkbuild.core.pytest_runner import run_pytest
 from forkbuild.setup import fetch, install, tree, uv
 
 DOCS = REPO_ROOT / "docs"
@@ -28,14 +28,6 @@ CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu"}  # else 0.33.0's CUDA extensions want a 
 
 def matrix_dir() -> Path:
     return build_dir() / "matrix"
-
-
-def fork_test_modules(pins: Pins, tree_path: Path) -> list[str]:
-    """The fork's CPU test modules, as overlaid on TREE_PATH."""
-    tests = [p for p in tree.overlay_files() if p.match("test_*.py")]
-    modules = [str(Path("tests") / p.relative_to(tree.TESTS_DIR)) for p in tests]
-    not_cpu = (*pins.gpu_tests, *pins.cuda_route_tests)
-    return [m for m in modules if m not in not_cpu and (tree_path / m).is_file()]
 
 
 def release_tree(pins: Pins, release: Release) -> Path:
@@ -91,7 +83,9 @@ def release_python(pins: Pins, release: Release, release_tree_path: Path) -> Pat
     if release.torch == pins.torch:
         python, _, _ = install.install(pins, "cpu")
         return python
-    if not (wheels := pins.torch_pins(release.torch)):
+    prefix = f"torch-{release.torch}-"  # its wheels' file names
+    wheels = [sha for name, sha in pins.torch_sha256.items() if name.startswith(prefix)]
+    if not wheels:
         raise ForkError(
             f"vLLM {release.version} needs torch {release.torch}, which fork.toml does "
             "not pin",
@@ -100,7 +94,7 @@ def release_python(pins: Pins, release: Release, release_tree_path: Path) -> Pat
     home = matrix_dir() / f"venv-torch-{release.torch}"
     # A stock release is tested on its own requirement ranges (what its users get), not
     # on a lock; its torch is checked against fork.toml's pins all the same.
-    hashes = [f"--hash=sha256:{sha}" for sha in wheels.values()]
+    hashes = [f"--hash=sha256:{sha}" for sha in wheels]
     requirements = [" ".join([f"torch=={release.torch}", *hashes]), *pins.test]
     req_file = release_tree_path / "requirements" / "common.txt"
     key = digest_of([platform.python_version(), *requirements, req_file.read_bytes()])
@@ -118,15 +112,6 @@ def read_line(tree_path: Path) -> str:
     return verdict
 
 
-def run_tree(pins: Pins, python: Path, tree_path: Path, name: str) -> Outcome:
-    regression.check_imports_from(python, tree_path)
-    results = build_dir() / "test-results"
-    results.mkdir(parents=True, exist_ok=True)
-    args = [*fork_test_modules(pins, tree_path), "-m", "cpu_test"]
-    junit, output = results / f"matrix-{name}.xml", results / f"matrix-{name}.log"
-    return run_pytest(python, tree_path, args, junit, output=output, extra_env=CPU_ENV)
-
-
 def run(pins: Pins, versions: list[str] | None = None) -> None:
     wanted = [pins.release(v) for v in versions] if versions else list(pins.releases)
     rows = {}
@@ -134,28 +119,37 @@ def run(pins: Pins, versions: list[str] | None = None) -> None:
         log.step(f"matrix: [{index}/{len(wanted)}] vLLM {release.version}")
         path = release_tree(pins, release)
         python = release_python(pins, release, path)
-        outcome = run_tree(pins, python, path, release.version)
-        rows[release.version] = _row(pins, release.version, path, outcome)
-        log.step(f"matrix: vLLM {release.version}: {outcome}")
+        rows[release.version] = _row(pins, release, python, path, release.version)
     if not versions or pins.upstream_version in versions:
         python, fork_tree, _ = install.install(pins, "cpu")
-        outcome = run_tree(pins, python, fork_tree, FORK_ROW)
-        rows[FORK_ROW] = _row(pins, FORK_ROW, fork_tree, outcome)
+        wheel = pins.routes["cpu"].wheel
+        fork = Release(pins.upstream_version, pins.torch, pins.sdist, wheel)
+        rows[FORK_ROW] = _row(pins, fork, python, fork_tree, FORK_ROW)
     write(pins, rows)
 
 
-def _row(pins: Pins, key: str, tree_path: Path, outcome: Outcome) -> dict:
-    """The record's row KEY (a release version, or FORK_ROW): what ran, on what."""
-    release = None if key == FORK_ROW else pins.release(key)
-    title = key if release else f"{pins.upstream_version} + patches/ (the fork)"
-    binaries = release.binaries if release else pins.routes["cpu"].wheel
+def _row(pins: Pins, release: Release, python: Path, path: Path, key: str) -> dict:
+    """The record's row KEY (a release version, or FORK_ROW): the suite run there."""
+    regression.check_imports_from(python, path)
+    results = build_dir() / "test-results"
+    results.mkdir(parents=True, exist_ok=True)
+    # The fork's CPU test modules, as overlaid on PATH: their cpu_test cases.
+    tests = [p for p in tree.overlay_files() if p.match("test_*.py")]
+    modules = [str(Path("tests") / p.relative_to(tree.TESTS_DIR)) for p in tests]
+    not_cpu = (*pins.gpu_tests, *pins.cuda_route_tests)
+    args = [m for m in modules if m not in not_cpu and (path / m).is_file()]
+    args += ["-m", "cpu_test"]
+    junit, output = results / f"matrix-{key}.xml", results / f"matrix-{key}.log"
+    outcome = run_pytest(python, path, args, junit, output=output, extra_env=CPU_ENV)
+    log.step(f"matrix: vLLM {release.version}: {outcome}")
+    fork = f"{pins.upstream_version} + patches/ (the fork)"
     return {
-        "title": title,
-        "torch": release.torch if release else pins.torch,
-        "binaries": binaries.filename,
-        "line": read_line(tree_path),  # what the #47054 code reads as there
-        "sdist_sha256": (release or pins).sdist.sha256,
-        "note": release.note if release else "",
+        "title": fork if key == FORK_ROW else key,
+        "torch": release.torch,
+        "binaries": release.binaries.filename,
+        "line": read_line(path),  # what the #47054 code reads as there
+        "sdist_sha256": release.sdist.sha256,
+        "note": release.note,
         "cases": dict(sorted(outcome.cases.items())),
         "skip_reasons": dict(sorted(outcome.reasons.items())),
     }

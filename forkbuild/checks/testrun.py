@@ -52,18 +52,16 @@ def run(pins: Pins, route_name: str | None) -> str:
     print("\npatch status (DEP-3 Applied-Upstream vs the version matrix):")
     patch_status.check(pins, python)
 
-    cuda, bundle = cuda if cuda else (None, None)
-    calls = cuda.calls if cuda else Outcome({})
+    cuda, bundle = cuda or (None, None)
+    calls = cuda.calls.passed if cuda else 0
     # The serve test's GPU case is also among the tool tests' skips: counted once.
     gpu_skipped = len(set(cuda.gpu_cases.cases) - set(tools.cases)) if cuda else 0
     both = Outcome({**tools.cases, **suite.cases})  # forkbuild/tests/ and tests/
     failed = both.failed + both.errors
     print(f"\nforkbuild tool tests: {tools}")
-    print(cuda.line() if cuda else NO_CUDA_CHECK)
-    if bundle:
-        print(bundle.line())
+    print(f"{cuda.line()}\n{bundle.line()}" if cuda else NO_CUDA_CHECK)
     print(f"fork suite in {tree_path.name}: {suite}")
-    summary = f"summary: {both.passed + calls.passed} passed, {failed} failed, "
+    summary = f"summary: {both.passed + calls} passed, {failed} failed, "
     summary += f"{both.skipped + gpu_skipped} skipped, {both.xfailed} xfailed"
     if failed:
         print(summary)

@@ -74,10 +74,6 @@ class Pins:
     def regression_tests(self) -> tuple[str, ...]:  # every patch's, fork.toml's order
         return tuple({m: 0 for ms in self.regression_by_patch.values() for m in ms})
 
-    def torch_pins(self, version: str) -> dict[str, str]:  # its wheels' sha256
-        prefix = f"torch-{version}-"
-        return {k: v for k, v in self.torch_sha256.items() if k.startswith(prefix)}
-
     def release(self, version: str) -> Release:
         if found := [r for r in self.releases if r.version == version]:
             return found[0]

@@ -35,28 +35,26 @@ def test_unsupported_python_and_machine_are_refused(fork_pins):
         preflight.check_all(dataclasses.replace(fork_pins, machines=("riscv64",)))
 
 
-def test_no_space_is_refused_before_work(tmp_path, monkeypatch):
-    with pytest.raises(ForkError, match="GiB free under"):
-        preflight.check_disk(tmp_path, 10**9, "the test")
-    # The advice names the variable that moves the folder that is short of space.
-    monkeypatch.setenv("VLLM_FORK_CACHE", str(tmp_path / "cache"))
-    with pytest.raises(ForkError) as err:
-        preflight.check_disk(tmp_path / "cache" / "uv-cache", 10**9, "uv's downloads")
-    assert "set VLLM_FORK_CACHE to a folder on a disk with room" in err.value.hint
+CACHE = ("VLLM_FORK_CACHE", lambda: pins.cache_dir() / "uv-cache")
 
 
-@pytest.mark.parametrize("variable", ["VLLM_FORK_CACHE", "VLLM_FORK_BUILD"])
-def test_unwritable_cache_or_build_is_refused_with_its_variable(
-    tmp_path, monkeypatch, variable
+@pytest.mark.parametrize(
+    ("variable", "folder"), [CACHE, ("VLLM_FORK_BUILD", pins.build_dir)]
+)
+def test_no_space_or_an_unwritable_folder_is_refused_with_its_variable(
+    tmp_path, monkeypatch, variable, folder
 ):
-    """A folder below a file (read-only: test_uv_cache.py): a line, not a traceback."""
+    """Refused before work, naming the variable that moves the folder; a folder below a
+    file (read-only: test_uv_cache.py) is a line, not a traceback."""
+    monkeypatch.setenv(variable, str(tmp_path / "room"))
+    with pytest.raises(ForkError, match="GiB free under") as err:
+        preflight.check_disk(folder(), 10**9, "the test")
+    assert f"set {variable} to a folder on a disk with room" in err.value.hint
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv(variable, str(tmp_path / "a-file" / "folder"))
-    cache = variable == "VLLM_FORK_CACHE"
-    folder = pins.cache_dir() / "artifacts" if cache else pins.build_dir()
     refused = r"cannot write in .*a-file/folder.* \(Not a directory\)"
     with pytest.raises(ForkError, match=refused) as err:
-        preflight.check_disk(folder, 1, "the test")
+        preflight.check_disk(folder(), 1, "the test")
     assert err.value.hint == f"make it writable, or set {variable} to a writable folder"
 
 
@@ -80,14 +78,11 @@ def test_port_in_use_is_refused(monkeypatch):
 SAYS = [sys.executable, "-c", "import sys; print('out'); sys.exit('first\\nlast')"]
 
 
-def test_success_returns_the_captured_output():
-    done = run_or_fail([sys.executable, "-c", "print('hello')"], "cannot fail")
-    assert done.stdout == "hello\n"
-
-
 @pytest.mark.parametrize("logged", [False, True])
 def test_a_failure_says_its_last_words_and_where_the_rest_is(tmp_path, logged):
     """Captured: the end of stderr, the hint kept; with a report: its last line."""
+    done = run_or_fail([sys.executable, "-c", "print('hello')"], "cannot fail")
+    assert done.stdout == "hello\n"  # a success returns the captured output
     report, hint = (tmp_path / "run.log", "") if logged else (None, "do this")
     with pytest.raises(ForkError) as err:
         run_or_fail(SAYS, "it broke", hint, report=report, tail=4)
@@ -106,44 +101,34 @@ CASES = """import time, pytest
 @pytest.mark.parametrize("n", range(3))
 def test_slow(n):
     time.sleep(0.6)
-"""
-
-
-def test_a_run_logs_its_cases_done_and_collected(tmp_path, monkeypatch, capsys):
-    (tmp_path / "test_cases.py").write_text(CASES)
-    monkeypatch.setattr(pytest_runner, "PROGRESS_EVERY_S", 0.25)
-    args = (sys.executable, tmp_path, ["test_cases.py"], tmp_path / "junit.xml")
-    assert pytest_runner.run_pytest(*args).passed == 3
-    logged = capsys.readouterr().err
-    counts = re.findall(r"pytest in \S+: (\d) of (\d) cases done", logged)
-    assert counts and {total for _, total in counts} == {"3"}, counts
-    done = [int(d) for d, _ in counts]
-    assert done == sorted(done) and done[-1] >= 1
-
-
-def test_the_progress_line_is_read_back_whole():
-    assert pytest_progress.read("") == (0, 0, "")
-    line = "2\t5\tt.py::test_x[a b]"
-    assert pytest_progress.read(line) == (2, 5, "t.py::test_x[a b]")
-    assert pytest_progress.read("5\t5\t") == (5, 5, "")
-
-
-HANGS = """import time
-def test_a_passes():
-    pass
-def test_b_hangs():
+def test_z_hangs():
     time.sleep(120)
 """
 
 
-def test_a_run_started_with_sigint_ignored_still_stops_gracefully(tmp_path):
+def test_a_run_logs_its_progress_and_stops_gracefully_with_sigint_ignored(
+    tmp_path, monkeypatch, capsys
+):
     """`bash run.sh OUT &`, nohup: SIGINT comes ignored; the stop must still end it."""
-    (tmp_path / "test_cases.py").write_text(HANGS)
+    (tmp_path / "test_cases.py").write_text(CASES)
+    monkeypatch.setattr(pytest_runner, "PROGRESS_EVERY_S", 0.25)
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the run
     try:
         args = (sys.executable, tmp_path, ["test_cases.py"], tmp_path / "junit.xml")
         outcome = pytest_runner.run_pytest(*args, timeout_s=20)
     finally:
         signal.signal(signal.SIGINT, before)
-    assert outcome.cases == {"test_cases.py::test_a_passes": "passed"}
-    assert outcome.killed.endswith("while running test_cases.py::test_b_hangs")
+    assert outcome.cases == {
+        f"test_cases.py::test_slow[{n}]": "passed" for n in range(3)
+    }
+    assert outcome.killed.endswith("while running test_cases.py::test_z_hangs")
+    logged = capsys.readouterr().err
+    counts = re.findall(r"pytest in \S+: (\d) of (\d) cases done", logged)
+    assert counts and {total for _, total in counts} == {"4"}, counts
+    done = [int(d) for d, _ in counts]
+    assert done == sorted(done) and done[-1] >= 1
+    # The progress file's line, read back whole (a node id may hold spaces).
+    assert pytest_progress.read("") == (0, 0, "")
+    line = "2\t5\tt.py::test_x[a b]"
+    assert pytest_progress.read(line) == (2, 5, "t.py::test_x[a b]")
+    assert pytest_progress.read("5\t5\t") == (5, 5, "")
