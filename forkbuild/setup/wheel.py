@@ -95,7 +95,7 @@ HINTS = {  # what to do about each kind of file a comparison finds
 
 def verify_wheel(
     path: Path, pins: Pins, official: Path, patches_dir: Path = tree.PATCHES_DIR
-) -> None:
+) -> Comparison:
     """The fix, the version, OFFICIAL's files and only the series' files added."""
     patched = patched_paths(tree.read_series(patches_dir))
     result = compare_wheels(path, official, patched)
@@ -142,6 +142,7 @@ def verify_wheel(
         f"compiled extensions among them) present and equal, {len(result.patched)} "
         f"changed as the series and the build change them ({', '.join(result.patched)})"
     )
+    return result
 
 
 def _requirements(path: Path) -> list[str]:
