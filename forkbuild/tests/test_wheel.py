@@ -162,71 +162,65 @@ BEYOND = {"tests/v1/worker/test_packed.py": b"", "vllm/_C.abi3.so": b"\x7fELF"}
 
 
 @pytest.mark.parametrize(
-    ("files", "requires", "cause", "hint"),
+    ("files", "made", "cause", "hint"),
     [
         (
             {n: d for n, d in BASE.items() if not n.endswith((".jinja", ".sh"))},
-            (),
+            {},
             re.escape(f"2 file(s) of {OFFICIAL} missing: {MISSING}") + "$",
+            "git clone of the tree",
+        ),
+        (  # a file the series changes may differ, not be missing
+            {n: d for n, d in BASE.items() if n != "vllm/patched.py"},
+            {},
+            re.escape(f"wheel: 1 file(s) of {OFFICIAL} missing: vllm/patched.py") + "$",
             "git clone of the tree",
         ),
         (
             {**BASE, SH: b"#!/bin/bash\n"},
-            (),
+            {},
             rf"1 file\(s\) differ from .* although no patch changes them: {SH}",
+            "patches/series",
+        ),
+        (  # the same size, and a RECORD that does not describe the bytes
+            {**BASE, SH: b"#!/bin/zsh\n"},
+            {"lie": {SH: b"#!/bin/sh\n"}},
+            rf"wheel: 1 file\(s\) differ from .* although no patch changes them: {SH}$",
             "patches/series",
         ),
         (  # vllm/added.py the series adds: allowed
             {**BASE, **BEYOND, "vllm/added.py": b"new\n"},
-            (),
+            {},
             r"2 file\(s\) not in .* and added by no patch: "
             r"tests/v1/worker/test_packed.py, vllm/_C.abi3.so",
             "",
         ),
         (
             {**BASE, "vllm/_version.py": b"v\n"},
-            ("extra-package",),
+            {"requires": ("torch==2.11.0", "extra-package")},
             "Requires-Dist/Requires-Python differ .* 1 line",
             "",
         ),
         (
             {**BASE, fixcheck.MODULE_PATH: BUGGY_SOURCE},
-            (),
+            {},
             f"{fixcheck.FUNCTION} is buggy",
             "",
         ),
     ],
-    ids=["missing package data", "differing", "beyond", "requirements", "no fix"],
+    ids=[
+        *("missing package data", "patched file missing", "differing", "RECORD lies"),
+        *("beyond", "requirements", "no fix"),
+    ],
 )
 def test_a_wheel_unlike_the_official_one_is_refused_saying_how(
-    fork_pins, tmp_path, series, official_made_up, files, requires, cause, hint
+    fork_pins, tmp_path, series, official_made_up, files, made, cause, hint
 ):
-    requires = ("torch==2.11.0", *requires)
-    fork = fork_made_up(tmp_path, files, requires=requires)
+    fork = fork_made_up(tmp_path, files, **made)
     with pytest.raises(ForkError) as error:
         wheel.verify_wheel(fork, fork_pins, official_made_up, patches_dir=series)
     assert re.search(cause, error.value.cause), error.value.cause
     assert hint in error.value.hint
-
-
-UNPATCHED = {n: d for n, d in BASE.items() if n != "vllm/patched.py"}
-
-
-@pytest.mark.parametrize(
-    ("files", "lie", "missing", "differing"),
-    [
-        (UNPATCHED, None, ["vllm/patched.py"], []),  # may differ, not be missing
-        ({**BASE, SH: b"#!/bin/zsh\n"}, {SH: b"#!/bin/sh\n"}, [], [SH]),  # same size
-    ],
-    ids=["patched file missing", "RECORD that does not describe the bytes"],
-)
-def test_what_the_comparison_catches(
-    tmp_path, series, official_made_up, files, lie, missing, differing
-):
-    fork = fork_made_up(tmp_path, files, lie=lie)
-    patched = wheel.patched_paths(tree.read_series(series))
-    result = wheel.compare_wheels(fork, official_made_up, patched)
-    assert (result.missing, result.differing) == (missing, differing)
 
 
 def test_many_files_are_counted_and_the_first_few_named(fork_pins, tmp_path, series):
