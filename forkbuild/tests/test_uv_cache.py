@@ -17,26 +17,6 @@ from forkbuild.core.errors import ForkError
 from forkbuild.core.pins import REPO_ROOT
 from forkbuild.setup import lock, uv
 
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch) -> Path:
-    monkeypatch.setenv("VLLM_FORK_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(uv, "_writable", set())
-    return tmp_path / "cache"
-
-
-def _fake_uv(tmp_path: Path, monkeypatch, output: str) -> Path:
-    """A `uv` that records its arguments, prints OUTPUT and fails."""
-    calls, script = tmp_path / "calls", tmp_path / "fake-uv"
-    (tmp_path / "output").write_text(output)
-    script.write_text(
-        f'#!/bin/sh\necho "$*" >> {calls}\ncat {tmp_path / "output"}\nexit 2\n'
-    )
-    script.chmod(0o755)
-    monkeypatch.setattr(uv, "binary", lambda pins: script)
-    return calls
-
-
 # uv 0.13.9's own words (a 20 MiB tmpfs as the cache; a read-only one)
 NO_SPACE = """\
 Resolved 1 package in 3ms
@@ -72,12 +52,21 @@ FULL = (  # what forkbuild says of it
     ids=["no space", "read-only"],
 )
 def test_uv_out_of_space_or_read_only_is_said_in_one_line(
-    fork_pins, cache, tmp_path, monkeypatch, output, said
+    fork_pins, tmp_path, monkeypatch, output, said
 ):
     """It was "uv failed to ...: cause: ... -- check the network and disk, ..."."""
+    cache, calls, fake_uv = tmp_path / "cache", tmp_path / "calls", tmp_path / "uv"
+    monkeypatch.setenv("VLLM_FORK_CACHE", str(cache))
+    monkeypatch.setattr(uv, "_writable", set())
+    (tmp_path / "output").write_text(output.format(cache=cache))
+    # a uv that records its arguments, prints OUTPUT and fails
+    fake_uv.write_text(
+        f'#!/bin/sh\necho "$*" >> {calls}\ncat {tmp_path}/output\nexit 2\n'
+    )
+    fake_uv.chmod(0o755)
+    monkeypatch.setattr(uv, "binary", lambda pins: fake_uv)
     lock_file = lock.path("cpu", lock.running_python())
     what = f"the packages of {lock_file.name}"
-    calls = _fake_uv(tmp_path, monkeypatch, output.format(cache=cache))
     with pytest.raises(ForkError) as err:
         uv.install(fork_pins, ["sync", str(lock_file)], what=what, lock=lock_file)
     assert str(err.value) == said.format(uv_cache=cache / "uv-cache", what=what)
