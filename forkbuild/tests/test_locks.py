@@ -172,6 +172,8 @@ def test_an_environment_holds_exactly_its_lock(tmp_path):
     (tmp_path / "freeze.txt").write_text(subprocess.check_output(freeze, text=True))
     lock_file = pins.REPO_ROOT / record.read_text().strip()
     assert lock.pinned(tmp_path / "freeze.txt") == lock.pinned(lock_file)
+    # ensure_toolchain writes the id the install stamp needs
+    assert len((Path(sys.prefix) / install.VENV_ID).read_text().strip()) == 32
 
 
 def test_a_python_without_a_tools_lock_is_told_which_ones_have_one(

@@ -119,11 +119,9 @@ def official_made_up(tmp_path):
     return make_wheel(tmp_path, VERSION, BASE)
 
 
-def fork_made_up(tmp_path: Path, files: dict[str, bytes], **kwargs) -> Path:
-    return make_wheel(tmp_path / "fork", FORK_VERSION, files, **kwargs)
-
-
-def test_patched_paths_of_the_series(series):
+def test_equal_wheel_passes_metadata_version_and_patched_files_aside(
+    fork_pins, tmp_path, series, official_made_up
+):
     assert wheel.patched_paths(tree.read_series(series)) == {
         "vllm/patched.py",
         "vllm/added.py",
@@ -137,18 +135,13 @@ def test_patched_paths_of_the_series(series):
         "vllm/distributed/kv_transfer/kv_connector/v1/offloading/worker.py",
         "vllm/v1/worker/kv_connector_model_runner_mixin.py",
     }
-
-
-def test_equal_wheel_passes_metadata_version_and_patched_files_aside(
-    fork_pins, tmp_path, series, official_made_up
-):
     files = {
         **BASE,
         "vllm/patched.py": b"fork\n",
         "vllm/added.py": b"new\n",
         "vllm/_version.py": f"__version__ = '{fork_pins.fork_version}'\n".encode(),
     }
-    fork = fork_made_up(tmp_path, files)
+    fork = make_wheel(tmp_path / "fork", FORK_VERSION, files)
     result = wheel.verify_wheel(fork, fork_pins, official_made_up, patches_dir=series)
     assert (result.missing, result.differing, result.extra) == ([], [], [])
     assert result.patched == ["vllm/_version.py", "vllm/patched.py"]
@@ -216,7 +209,7 @@ BEYOND = {"tests/v1/worker/test_packed.py": b"", "vllm/_C.abi3.so": b"\x7fELF"}
 def test_a_wheel_unlike_the_official_one_is_refused_saying_how(
     fork_pins, tmp_path, series, official_made_up, files, made, cause, hint
 ):
-    fork = fork_made_up(tmp_path, files, **made)
+    fork = make_wheel(tmp_path / "fork", FORK_VERSION, files, **made)
     with pytest.raises(ForkError) as error:
         wheel.verify_wheel(fork, fork_pins, official_made_up, patches_dir=series)
     assert re.search(cause, error.value.cause), error.value.cause
@@ -226,7 +219,7 @@ def test_a_wheel_unlike_the_official_one_is_refused_saying_how(
 def test_many_files_are_counted_and_the_first_few_named(fork_pins, tmp_path, series):
     data = {f"vllm/configs/c{i:02}.json": b"{}" for i in range(12)}
     official = make_wheel(tmp_path, VERSION, {**BASE, **data})
-    fork = fork_made_up(tmp_path, BASE)
+    fork = make_wheel(tmp_path / "fork", FORK_VERSION, BASE)
     said = r"12 file\(s\) of .* missing: vllm/configs/c00.json, .*vllm/configs/c04"
     with pytest.raises(ForkError, match=said + r".json, \.\.\. \(7 more\)"):
         wheel.verify_wheel(fork, fork_pins, official, patches_dir=series)
