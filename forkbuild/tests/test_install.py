@@ -118,25 +118,20 @@ def test_the_tree_is_made_beside_the_venv_and_downloads_with_its_pip(
 # --- the install stamp --------------------------------------------------------------
 
 
-def _site(build: Path) -> Path:
-    site = install.site_packages(build / "venv")
-    site.mkdir(parents=True)
-    return site
-
-
-def _editable(site: Path, tree_path: Path, editable: bool = True) -> None:
-    info = site / f"vllm-{FORK.fork_version}.cpu.dist-info"
-    info.mkdir(exist_ok=True)
-    url = {"url": tree_path.resolve().as_uri(), "dir_info": {"editable": editable}}
-    (info / "direct_url.json").write_text(json.dumps(url))
-
-
-def _venv(build: Path, venv_id: str, stamp: str = "the lock\n") -> None:
-    """A venv as ensure_toolchain leaves it: its toolchain stamp and its id."""
+def _venv(
+    build: Path, holds: Path | None, editable: bool = True, venv_id: str = "c"
+) -> None:
+    """A venv as ensure_toolchain leaves it (its stamp and id), HOLDS' vLLM in it."""
     venv = build / "venv"
-    venv.mkdir(exist_ok=True)
-    (venv / uv.STAMP).write_text(stamp)
+    site = install.site_packages(venv)
+    site.mkdir(parents=True)
+    (venv / uv.STAMP).write_text("the lock\n")
     (venv / install.VENV_ID).write_text(venv_id * 32 + "\n")
+    if holds:
+        info = site / f"vllm-{FORK.fork_version}.cpu.dist-info"
+        info.mkdir()
+        url = {"url": holds.resolve().as_uri(), "dir_info": {"editable": editable}}
+        (info / "direct_url.json").write_text(json.dumps(url))
 
 
 @pytest.fixture
@@ -157,24 +152,20 @@ def built(scratch: Path) -> Path:
 def test_only_the_editable_install_of_this_tree_is_recognized(
     built, vllm_of, editable, held
 ):
-    site = _site(built.parent)
-    if vllm_of:
-        where = built if vllm_of == "tree" else built.parent / vllm_of
-        _editable(site, where, editable)
+    holds = {"tree": built, "": None}.get(vllm_of, built.parent / vllm_of)
+    _venv(built.parent, holds, editable)
     assert install.holds_editable(built) is held
 
 
 @pytest.mark.parametrize("change", ["venv made anew", "vllm lost"])
 def test_an_install_whose_venv_changed_is_not_up_to_date(built, change):
     """A build folder as an install leaves it is up to date until its venv changes."""
-    _editable(_site(built.parent), built)
-    _venv(built.parent, "c")
+    _venv(built.parent, built)
     (built / install.INSTALL_STAMP).write_text(install.install_stamp(CPU, built) + "\n")
     assert install.is_installed(CPU, built)
     if change == "venv made anew":  # `rm -r build/venv`: the same lock, another id
         shutil.rmtree(built.parent / "venv")
-        _editable(_site(built.parent), built)  # even holding the tree again
-        _venv(built.parent, "d")
+        _venv(built.parent, built, venv_id="d")  # even holding the tree again
     else:
         for info in (built.parent / "venv").rglob("vllm-*.dist-info"):
             shutil.rmtree(info)

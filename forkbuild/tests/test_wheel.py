@@ -26,20 +26,11 @@ PACKAGE_DATA = [
 ]
 
 
-@pytest.fixture(scope="module")
-def fork_wheel(fork_pins, tmp_path_factory):
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setenv("VLLM_FORK_DIST", str(tmp_path_factory.mktemp("dist")))
-        yield wheel.build(fork_pins)
-
-
-@pytest.fixture(scope="module")
-def official(fork_pins):
-    return fetch.artifacts_dir() / fork_pins.routes["cuda"].wheel.filename
-
-
-def test_the_wheel_is_the_fixed_official_one(fork_pins, fork_wheel, official):
+def test_the_wheel_is_the_fixed_official_one(fork_pins, tmp_path, monkeypatch):
     """The fix, the version and the package data; the official files but the series'."""
+    monkeypatch.setenv("VLLM_FORK_DIST", str(tmp_path))
+    fork_wheel = wheel.build(fork_pins)
+    official = fetch.artifacts_dir() / fork_pins.routes["cuda"].wheel.filename
     versions = f"vllm-{fork_pins.upstream_version}-", f"vllm-{fork_pins.fork_version}-"
     assert fork_wheel.name == official.name.replace(*versions)
     result = wheel.verify_wheel(fork_wheel, fork_pins, official)  # raises if it is off
