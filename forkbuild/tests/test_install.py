@@ -1,7 +1,5 @@
-"""The install: the CPU build's per-ISA kernels vLLM 0.25.1's precompiled install leaves
-out reach the tree, overwriting nothing; "up to date" holds for the venv and the tree
-together: a venv made anew (`rm -r build/venv`, forkbuild's own advice) or one that lost
-the editable vLLM is never taken for the one the tree was installed into."""
+"""The install: the per-ISA kernels vLLM's precompiled install leaves out reach the tree,
+overwriting nothing; "up to date" holds for the venv and the tree together."""
 
 from __future__ import annotations
 
@@ -159,7 +157,6 @@ def test_only_the_editable_install_of_this_tree_is_recognized(
 
 @pytest.mark.parametrize("change", ["venv made anew", "vllm lost"])
 def test_an_install_whose_venv_changed_is_not_up_to_date(built, change):
-    """A build folder as an install leaves it is up to date until its venv changes."""
     _venv(built.parent, built)
     (built / install.INSTALL_STAMP).write_text(install.install_stamp(CPU, built) + "\n")
     assert install.is_installed(CPU, built)
