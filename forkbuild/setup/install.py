@@ -25,9 +25,7 @@ from forkbuild.setup import bootstrap, bytecode, fetch, lock, tree, uv
 
 LOCK_RECORD = ".forkbuild-lock"  # in the venv: the lock it holds (locks/cpu-py311.txt)
 INSTALL_STAMP = ".forkbuild-installed"  # inside the tree: a rebuilt tree drops it
-# In the venv: a fresh id per venv, part of the tree's install stamp, so that a venv
-# made anew never passes for one holding the tree.
-VENV_ID = ".forkbuild-venv-id"
+VENV_ID = ".forkbuild-venv-id"  # in the venv, fresh in each: part of the install stamp
 EDITABLE_CONFIG = ".forkbuild-uv-editable.toml"  # in the tree, git-ignored
 
 
@@ -199,9 +197,7 @@ def holds_editable(tree_path: Path) -> bool:
     return Path(urllib.parse.unquote(url.path)).resolve() == tree_path.resolve()
 
 
-def _venv_beside_tree(
-    pins: Pins, route: Route, without_gpu: bool = False
-) -> tuple[Path, Path]:
+def _venv_beside_tree(pins: Pins, route: Route, without_gpu: bool) -> tuple[Path, Path]:
     """The venv and the patched tree, made at the same time on two cores."""
     venv, stop = Future[Path](), threading.Event()
 

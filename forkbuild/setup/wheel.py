@@ -112,9 +112,13 @@ def verify_wheel(
     found = {kind: getattr(result, kind) for kind in said if getattr(result, kind)}
     problems = [f"{len(n)} file(s) {said[k]}: {_some(n)}" for k, n in found.items()]
     hints = [HINTS[kind] for kind in found]
-    ours, theirs = _requirements(path), _requirements(official)
+    needs = ("Requires-Dist", "Requires-Python")
+    ours, theirs = (
+        {f"{k}: {v}" for k, v in _metadata(each).items() if k in needs}
+        for each in (path, official)
+    )
     if ours != theirs:
-        only = sorted(set(ours) ^ set(theirs))
+        only = sorted(ours ^ theirs)
         problems.append(
             "its METADATA's Requires-Dist/Requires-Python differ from the official "
             f"wheel's in {len(only)} line(s), e.g. {only[0]!r}"
@@ -143,12 +147,6 @@ def verify_wheel(
         f"changed as the series and the build change them ({', '.join(result.patched)})"
     )
     return result
-
-
-def _requirements(path: Path) -> list[str]:
-    """The Requires-Dist and Requires-Python lines of the wheel's METADATA, sorted."""
-    needs = ("Requires-Dist", "Requires-Python")
-    return sorted(f"{k}: {v}" for k, v in _metadata(path).items() if k in needs)
 
 
 def _metadata(path: Path) -> email.message.Message:

@@ -1,5 +1,5 @@
-"""The install: the per-ISA kernels vLLM's precompiled install leaves out reach the tree,
-overwriting nothing; "up to date" holds for the venv and the tree together."""
+"""The install: the per-ISA kernels vLLM's precompiled install leaves out reach the
+tree, overwriting nothing; "up to date" holds for the venv and the tree together."""
 
 from __future__ import annotations
 
@@ -106,9 +106,9 @@ def test_the_tree_is_made_beside_the_venv_and_downloads_with_its_pip(
     monkeypatch.setattr(tree, "build", lambda pins, sdist, stop=None: tmp_path / "tree")
     if not venv_made:
         with pytest.raises(ForkError, match="uv failed to install the lock"):
-            install._venv_beside_tree(fork_pins, fork_pins.routes["cpu"])
+            install._venv_beside_tree(fork_pins, CPU, False)
         return
-    made = install._venv_beside_tree(fork_pins, fork_pins.routes["cpu"])
+    made = install._venv_beside_tree(fork_pins, CPU, False)
     assert made == (venv, tmp_path / "tree")
     assert calls == [("pip", str(venv))]
 
