@@ -101,9 +101,10 @@ def scratch_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "build"
 
 
-def test_a_hash_mismatch_stops_the_install_and_leaves_no_venv(
+def test_a_bad_or_missing_lock_stops_the_install_and_leaves_no_venv(
     fork_pins, scratch_build, monkeypatch
 ):
+    """A hash mismatch says both hashes; a missing lock what to do."""
     tblib = lock.pinned(lock.path("cpu", lock.running_python()))["tblib"]
     bad, wrong = scratch_build.parent / "locks" / "cpu-py311.txt", "0" * 64
     bad.parent.mkdir()
@@ -118,15 +119,14 @@ def test_a_hash_mismatch_stops_the_install_and_leaves_no_venv(
     assert len(computed) == 64 and computed != wrong
     assert not (scratch_build / "venv").exists()
     assert not (scratch_build / "venv.partial").exists()
-
-
-def test_a_missing_lock_is_refused_with_what_to_do(
-    fork_pins, scratch_build, monkeypatch
-):
-    monkeypatch.setattr(lock, "path", lambda *_: scratch_build / "none.txt")
-    with pytest.raises(ForkError, match="none.txt is missing") as err:
+    bad.unlink()
+    with pytest.raises(ForkError, match="cpu-py311.txt is missing") as err:
         install.ensure_toolchain(fork_pins, "cpu")
     assert "make lock" in err.value.hint
+    monkeypatch.setattr(bootstrap, "tools_lock", lambda python: bad)
+    with pytest.raises(ForkError, match="no tool environment locked for") as err:
+        bootstrap.ensure(fork_pins, "tree")
+    assert ", ".join(fork_pins.pythons) in err.value.hint
 
 
 def test_xfails_are_counted_as_xfails(tmp_path):
@@ -174,12 +174,3 @@ def test_an_environment_holds_exactly_its_lock(tmp_path):
     assert lock.pinned(tmp_path / "freeze.txt") == lock.pinned(lock_file)
     # ensure_toolchain writes the id the install stamp needs
     assert len((Path(sys.prefix) / install.VENV_ID).read_text().strip()) == 32
-
-
-def test_a_python_without_a_tools_lock_is_told_which_ones_have_one(
-    fork_pins, tmp_path, monkeypatch
-):
-    monkeypatch.setattr(bootstrap, "tools_lock", lambda python: tmp_path / "none.txt")
-    with pytest.raises(ForkError, match="no tool environment locked for") as err:
-        bootstrap.ensure(fork_pins, "tree")
-    assert ", ".join(fork_pins.pythons) in err.value.hint
