@@ -26,7 +26,6 @@ def dist_dir() -> Path:
     return Path(os.environ.get("VLLM_FORK_DIST") or REPO_ROOT / "dist")
 
 
-GENERATED = tree.GENERATED  # setuptools-scm writes the version into it: never equal
 SHOWN = 5  # file names an error names at most, per kind
 
 
@@ -65,7 +64,7 @@ class Comparison:
 
 def compare_wheels(fork: Path, official: Path, patched: set[str]) -> Comparison:
     mine, theirs = _contents(fork), _contents(official)
-    exempt = patched | set(GENERATED)
+    exempt = patched | set(tree.GENERATED)  # setuptools-scm's version: never equal
     both = sorted(theirs.keys() & mine.keys())
     return Comparison(
         compared=sum(1 for n in both if n not in exempt),
