@@ -105,13 +105,8 @@ def series(tmp_path):
     return patches
 
 
-@pytest.fixture
-def official_made_up(tmp_path):
-    return make_wheel(tmp_path, VERSION, BASE)
-
-
 def test_equal_wheel_passes_metadata_version_and_patched_files_aside(
-    fork_pins, tmp_path, series, official_made_up
+    fork_pins, tmp_path, series
 ):
     assert wheel.patched_paths(tree.read_series(series)) == {
         "vllm/patched.py",
@@ -133,7 +128,8 @@ def test_equal_wheel_passes_metadata_version_and_patched_files_aside(
         "vllm/_version.py": f"__version__ = '{fork_pins.fork_version}'\n".encode(),
     }
     fork = make_wheel(tmp_path / "fork", FORK_VERSION, files)
-    result = wheel.verify_wheel(fork, fork_pins, official_made_up, patches_dir=series)
+    official = make_wheel(tmp_path, VERSION, BASE)
+    result = wheel.verify_wheel(fork, fork_pins, official, patches_dir=series)
     assert (result.missing, result.differing, result.extra) == ([], [], [])
     assert result.patched == ["vllm/_version.py", "vllm/patched.py"]
     # the METADATA, WHEEL and RECORD that differ are not compared
@@ -198,11 +194,12 @@ BEYOND = {"tests/v1/worker/test_packed.py": b"", "vllm/_C.abi3.so": b"\x7fELF"}
     ],
 )
 def test_a_wheel_unlike_the_official_one_is_refused_saying_how(
-    fork_pins, tmp_path, series, official_made_up, files, made, cause, hint
+    fork_pins, tmp_path, series, files, made, cause, hint
 ):
+    official = make_wheel(tmp_path, VERSION, BASE)
     fork = make_wheel(tmp_path / "fork", FORK_VERSION, files, **made)
     with pytest.raises(ForkError) as error:
-        wheel.verify_wheel(fork, fork_pins, official_made_up, patches_dir=series)
+        wheel.verify_wheel(fork, fork_pins, official, patches_dir=series)
     assert re.search(cause, error.value.cause), error.value.cause
     assert hint in error.value.hint
 
