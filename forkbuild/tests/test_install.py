@@ -93,24 +93,18 @@ def test_the_tree_is_made_beside_the_venv_and_downloads_with_its_pip(
     fork_pins, tmp_path, monkeypatch, venv_made
 ):
     """The tree step waits for the venv's pip; a failed venv stops it waiting."""
-    venv, calls = tmp_path / "venv" / "python", []
-
-    def fetched(artifact, pip, quiet=False):  # an sdist not cached yet: needs pip
-        calls.append(("pip", str(pip())))
-        return tmp_path / "vllm.tar.gz"
-
+    venv = tmp_path / "venv" / "python"
     failed = Mock(side_effect=ForkError("uv failed to install the lock"))
     toolchain = (lambda *_: venv) if venv_made else failed
     monkeypatch.setattr(install, "ensure_toolchain", toolchain)
-    monkeypatch.setattr(fetch, "fetch", fetched)
-    monkeypatch.setattr(tree, "build", lambda pins, sdist, stop=None: tmp_path / "tree")
+    # an sdist not cached yet: fetched with the venv's pip (here, what pip() gives)
+    monkeypatch.setattr(fetch, "fetch", lambda artifact, pip, quiet=False: pip())
+    monkeypatch.setattr(tree, "build", lambda pins, sdist, stop=None: sdist / "tree")
     if not venv_made:
         with pytest.raises(ForkError, match="uv failed to install the lock"):
             install._venv_beside_tree(fork_pins, CPU, False)
         return
-    made = install._venv_beside_tree(fork_pins, CPU, False)
-    assert made == (venv, tmp_path / "tree")
-    assert calls == [("pip", str(venv))]
+    assert install._venv_beside_tree(fork_pins, CPU, False) == (venv, venv / "tree")
 
 
 # --- the install stamp --------------------------------------------------------------
