@@ -197,7 +197,9 @@ def holds_editable(tree_path: Path) -> bool:
     return Path(urllib.parse.unquote(url.path)).resolve() == tree_path.resolve()
 
 
-def _venv_beside_tree(pins: Pins, route: Route, without_gpu: bool) -> tuple[Path, Path]:
+def _venv_beside_tree(
+    pins: Pins, route: Route, without_gpu: bool = False
+) -> tuple[Path, Path]:
     """The venv and the patched tree, made at the same time on two cores."""
     venv, stop = Future[Path](), threading.Event()
 

@@ -102,9 +102,9 @@ def test_the_tree_is_made_beside_the_venv_and_downloads_with_its_pip(
     monkeypatch.setattr(tree, "build", lambda pins, sdist, stop=None: sdist / "tree")
     if not venv_made:
         with pytest.raises(ForkError, match="uv failed to install the lock"):
-            install._venv_beside_tree(fork_pins, CPU, False)
+            install._venv_beside_tree(fork_pins, CPU)
         return
-    assert install._venv_beside_tree(fork_pins, CPU, False) == (venv, venv / "tree")
+    assert install._venv_beside_tree(fork_pins, CPU) == (venv, venv / "tree")
 
 
 # --- the install stamp --------------------------------------------------------------
