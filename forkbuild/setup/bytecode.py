@@ -1,7 +1,5 @@
-"""Bytecode Python compiled in one venv or tree, linked into the cache under a key of
-the sources (the lock; the sdist and patches) for the next fresh one (uv installs none).
-Safe by Python's own rule: a .pyc records its source's mtime and size, and Python
-renames a new .pyc over an old one. A missing or unwritable cache costs compile time."""
+"""Bytecode kept between venvs and trees (docs/setup-and-locks.md#bytecode): safe, as a
+.pyc records its source's mtime and size and Python renames a new one over an old."""
 
 from __future__ import annotations
 
@@ -22,7 +20,7 @@ def store(kind: str, *sources: str | bytes) -> Path:
 
 def restore(root: Path, kept: Path) -> int:
     """Link KEPT's bytecode into ROOT's source folders lacking it; return how many."""
-    return _link_missing(kept, root, f"linked into {root}", source_folder_only=True)
+    return _link_missing(kept, root, f"linked into {root}", by_sources=True)
 
 
 def keep(root: Path, kept: Path) -> int:
@@ -30,14 +28,12 @@ def keep(root: Path, kept: Path) -> int:
     return _link_missing(root, kept, f"kept in {kept}")
 
 
-def _link_missing(
-    src: Path, dst: Path, what: str, source_folder_only: bool = False
-) -> int:
-    """Link SRC's .pyc files DST lacks (SOURCE_FOLDER_ONLY: by DST's sources); count."""
+def _link_missing(src: Path, dst: Path, what: str, by_sources: bool = False) -> int:
+    """Link SRC's .pyc files DST lacks (BY_SOURCES: where DST has the source folder)."""
     linked, failed = 0, []
     for pyc in src.glob("**/__pycache__/*.pyc"):
         dest = dst / pyc.relative_to(src)
-        if dest.exists() or (source_folder_only and not dest.parent.parent.is_dir()):
+        if dest.exists() or (by_sources and not dest.parent.parent.is_dir()):
             continue
         partial = dest.with_name(f"{dest.name}.{os.getpid()}.partial")
         try:  # a hard link, else a copy, renamed into place
@@ -47,11 +43,10 @@ def _link_missing(
             except OSError:
                 shutil.copy2(pyc, partial)
             os.replace(partial, dest)
+            linked += 1
         except OSError as exc:
             partial.unlink(missing_ok=True)
             failed.append(exc)
-            continue
-        linked += 1
     if failed:
         log.step(
             f"bytecode: {len(failed)} file(s) could not be {what} ({failed[0]}); "

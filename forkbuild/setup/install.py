@@ -14,7 +14,7 @@ import urllib.parse
 import uuid
 import zipfile
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from forkbuild.core import fixcheck, log, preflight
@@ -25,9 +25,7 @@ from forkbuild.setup import bootstrap, bytecode, fetch, lock, tree, uv
 
 LOCK_RECORD = ".forkbuild-lock"  # in the venv: the lock it holds (locks/cpu-py311.txt)
 INSTALL_STAMP = ".forkbuild-installed"  # inside the tree: a rebuilt tree drops it
-# In the venv: a fresh id per venv, part of the tree's install stamp, so that a venv
-# made anew never passes for one holding the tree.
-VENV_ID = ".forkbuild-venv-id"
+VENV_ID = ".forkbuild-venv-id"  # in the venv, fresh in each: part of the install stamp
 EDITABLE_CONFIG = ".forkbuild-uv-editable.toml"  # in the tree, git-ignored
 
 
@@ -48,10 +46,11 @@ def pick_route(pins: Pins, requested: str | None) -> Route:
     return pins.routes[name]
 
 
-def refuse_without_gpu(route: Route, without_gpu: bool = False) -> None:
-    """It would replace the CPU venv, then fail: only WITHOUT_GPU (`make test`'s)."""
+def _usable_route(pins: Pins, requested: str | None, without_gpu: bool) -> Route:
+    """CUDA without a GPU would replace the CPU venv, then fail (`make test`: ok)."""
+    route = pick_route(pins, requested)
     if route.target_device != "cuda" or without_gpu or preflight.has_nvidia_gpu():
-        return
+        return route
     raise ForkError(
         f"the {route.name} route needs an NVIDIA GPU and its driver, and this machine "
         "has none",
@@ -71,8 +70,7 @@ def ensure_toolchain(
         # venv it finds rather than rebuilding it for the default route.
         recorded = Path(record.read_text().strip()).name.split("-py")[0]
         route_name = recorded if recorded in pins.routes else None
-    route = pick_route(pins, route_name)
-    refuse_without_gpu(route, without_gpu)
+    route = _usable_route(pins, route_name, without_gpu)
     lock_file = lock.path(route.name, lock.running_python())
     if not lock_file.is_file():
         raise ForkError(
@@ -134,20 +132,15 @@ def install(
     pins: Pins, route_name: str | None = None, *, without_gpu: bool = False
 ) -> tuple[Path, Path, Route]:
     """Make sure fetch, tree and the venv are complete; return (python, tree, route)."""
-    route = pick_route(pins, route_name)
     preflight.check_all(pins)
-    refuse_without_gpu(route, without_gpu)
+    route = _usable_route(pins, route_name, without_gpu)
     python, tree_path = _venv_beside_tree(pins, route, without_gpu)
     wheel = fetch.fetch(route.wheel, lambda: python)
     lock.check(pins, tree_path)
     if is_installed(route, tree_path):
         # Verified by the probe when stamped; what may change since is the source.
-        verdict = fixcheck.classify((tree_path / fixcheck.MODULE_PATH).read_text())
-        if verdict != "fixed":
-            raise ForkError(
-                f"{tree_path / fixcheck.MODULE_PATH} is {verdict}, not fixed",
-                "rebuild the tree: make tree",
-            )
+        fixed = tree_path / fixcheck.MODULE_PATH
+        _require_fix(fixed.read_text(), str(fixed))
         keep_bytecode(pins, route, tree_path)
         log.step("install: the venv and the editable tree are up to date and verified")
         return python, tree_path, route
@@ -208,28 +201,21 @@ def _venv_beside_tree(
     pins: Pins, route: Route, without_gpu: bool = False
 ) -> tuple[Path, Path]:
     """The venv and the patched tree, made at the same time on two cores."""
-    venv_ready, stop = threading.Event(), threading.Event()
-    made: list[Path] = []
+    venv, stop = Future[Path](), threading.Event()
 
-    def venv_pip() -> Path:  # only an sdist download needs pip
-        venv_ready.wait()
-        if not made:
-            raise ForkError(
-                "the venv could not be made, so the sdist cannot be downloaded"
-            )
-        return made[0]
-
-    def make_tree() -> Path:
-        return tree.build(pins, fetch.fetch(pins.sdist, venv_pip), stop=stop)
+    def make_tree() -> Path:  # only an sdist download needs the venv's pip
+        return tree.build(pins, fetch.fetch(pins.sdist, venv.result), stop=stop)
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tree") as pool:
         making_tree = pool.submit(make_tree)
         try:
             try:
-                made.append(ensure_toolchain(pins, route.name, without_gpu))
-            finally:
-                venv_ready.set()
-            return made[0], making_tree.result()
+                venv.set_result(ensure_toolchain(pins, route.name, without_gpu))
+            except BaseException:
+                failed = "the venv could not be made, so the sdist cannot be downloaded"
+                venv.set_exception(ForkError(failed))
+                raise
+            return venv.result(), making_tree.result()
         except KeyboardInterrupt:  # the tree step stops at its next file or git command
             stop.set()
             raise
@@ -292,6 +278,14 @@ def probe_path(tree_path: Path) -> str:
     return os.pathsep.join([str(tree_path), str(REPO_ROOT)])
 
 
+def _require_fix(source: str, what: str) -> None:
+    if (verdict := fixcheck.classify(source)) != "fixed":
+        raise ForkError(
+            f"{what} is {verdict}, not fixed",
+            "check patches/series and rebuild the tree (make tree)",
+        )
+
+
 def check_install(
     python: Path, tree_path: Path, route: Route, without_gpu: bool = False
 ) -> None:
@@ -311,11 +305,7 @@ def check_install(
             f"remove other vLLM installs from the venv (rm -r {venv_dir()}) and run "
             "again",
         )
-    if (verdict := fixcheck.classify(info["source"])) != "fixed":
-        raise ForkError(
-            f"the installed {fixcheck.FUNCTION} is {verdict}, not fixed",
-            "check patches/series and rebuild the tree (make tree)",
-        )
+    _require_fix(info["source"], f"the installed {fixcheck.FUNCTION}")
     # Without a driver vLLM finds no platform at all (UnspecifiedPlatform, no device).
     no_driver = without_gpu and route.target_device == "cuda"
     if info["device"] != ("" if no_driver else route.target_device):

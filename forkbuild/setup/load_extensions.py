@@ -39,11 +39,6 @@ def record_digest(data: bytes) -> str:
     return f"sha256={encoded.decode()}"
 
 
-def loadable_here(path: str) -> bool:
-    """Whether this Python loads the extension PATH (abi3, or tagged for it)."""
-    return path.endswith((".abi3.so", importlib.machinery.EXTENSION_SUFFIXES[0]))
-
-
 def probe(wheel: Path, root: Path, only: list[str]) -> dict:
     import torch
 
@@ -52,8 +47,9 @@ def probe(wheel: Path, root: Path, only: list[str]) -> dict:
     wanted = [p for p in compiled if not only or p in only]
     result: dict = {"loaded": [], "other_pythons": [], "candidates": 0, "ops": {}}
     result["failed"] = {p: "not in the wheel's RECORD" for p in only if p not in record}
+    here = (".abi3.so", importlib.machinery.EXTENSION_SUFFIXES[0])  # this Python loads
     for path in wanted:
-        if not loadable_here(path):
+        if not path.endswith(here):
             result["other_pythons"].append(path)
             continue
         result["candidates"] += 1

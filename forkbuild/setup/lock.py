@@ -1,8 +1,5 @@
-"""`forkbuild lock`: hash-locked environments per route and supported Python
-(locks/ROUTE-pyXY.txt) and forkbuild's own (locks/tools-pyXY.txt), by `uv pip compile
---generate-hashes` for fork.toml's lock_platform. Each records a digest of its inputs;
-an install refuses a lock whose inputs changed, so the venv is the one locked and
-tested."""
+"""`forkbuild lock`: the hash-locked environments (docs/setup-and-locks.md#the-locks),
+each with a digest of its inputs: an install refuses a lock whose inputs changed."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""uv, the fork's one installer, as fork.toml pins it: extracted from its wheel (pip
-downloads it once per cache, sha256-checked) and held to the wheel's RECORD. Its cache
-(<cache>/uv-cache) lets a fresh clone install offline; what it lacks comes from uv's own
-index configuration (UV_INDEX, uv.toml)."""
+"""uv, the fork's one installer, as fork.toml pins it: extracted from its sha256-checked
+wheel, held to its RECORD; its cache, offline first (docs/setup-and-locks.md)."""
 
 from __future__ import annotations
 

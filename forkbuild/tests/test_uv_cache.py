@@ -17,26 +17,6 @@ from forkbuild.core.errors import ForkError
 from forkbuild.core.pins import REPO_ROOT
 from forkbuild.setup import lock, uv
 
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch) -> Path:
-    monkeypatch.setenv("VLLM_FORK_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(uv, "_writable", set())
-    return tmp_path / "cache"
-
-
-def _fake_uv(tmp_path: Path, monkeypatch, output: str) -> Path:
-    """A `uv` that records its arguments, prints OUTPUT and fails."""
-    calls, script = tmp_path / "calls", tmp_path / "fake-uv"
-    (tmp_path / "output").write_text(output)
-    script.write_text(
-        f'#!/bin/sh\necho "$*" >> {calls}\ncat {tmp_path / "output"}\nexit 2\n'
-    )
-    script.chmod(0o755)
-    monkeypatch.setattr(uv, "binary", lambda pins: script)
-    return calls
-
-
 # uv 0.13.9's own words (a 20 MiB tmpfs as the cache; a read-only one)
 NO_SPACE = """\
 Resolved 1 package in 3ms
@@ -72,12 +52,21 @@ FULL = (  # what forkbuild says of it
     ids=["no space", "read-only"],
 )
 def test_uv_out_of_space_or_read_only_is_said_in_one_line(
-    fork_pins, cache, tmp_path, monkeypatch, output, said
+    fork_pins, tmp_path, monkeypatch, output, said
 ):
     """It was "uv failed to ...: cause: ... -- check the network and disk, ..."."""
+    cache, calls, fake_uv = tmp_path / "cache", tmp_path / "calls", tmp_path / "uv"
+    monkeypatch.setenv("VLLM_FORK_CACHE", str(cache))
+    monkeypatch.setattr(uv, "_writable", set())
+    (tmp_path / "output").write_text(output.format(cache=cache))
+    # a uv that records its arguments, prints OUTPUT and fails
+    fake_uv.write_text(
+        f'#!/bin/sh\necho "$*" >> {calls}\ncat {tmp_path}/output\nexit 2\n'
+    )
+    fake_uv.chmod(0o755)
+    monkeypatch.setattr(uv, "binary", lambda pins: fake_uv)
     lock_file = lock.path("cpu", lock.running_python())
     what = f"the packages of {lock_file.name}"
-    calls = _fake_uv(tmp_path, monkeypatch, output.format(cache=cache))
     with pytest.raises(ForkError) as err:
         uv.install(fork_pins, ["sync", str(lock_file)], what=what, lock=lock_file)
     assert str(err.value) == said.format(uv_cache=cache / "uv-cache", what=what)
@@ -91,7 +80,8 @@ needs_mounts = pytest.mark.skipif(
 )
 REAL_CACHE = pins.cache_dir()
 PRELUDE = "from forkbuild.core import pins\nfrom forkbuild.setup import uv\n"
-PRELUDE += "from forkbuild.core.errors import ForkError\n"
+# a ForkError said as forkbuild's one line, not a traceback
+PRELUDE += "import sys\nsys.excepthook = lambda kind, error, trace: print(error)\n"
 
 
 def _in_namespace(mounts: str, script: str, cache: Path) -> list[str]:
@@ -119,12 +109,8 @@ def test_read_only_cache_is_refused_naming_vllm_fork_cache(tmp_path, cache_is):
             pytest.skip("no cache here yet")
         mounts = f"mount --bind {REAL_CACHE} {ro} && mount -o remount,bind,ro {ro}"
     script = PRELUDE + textwrap.dedent("""
-        import sys
-        try:
-            uv.run(pins.load(), ["pip", "freeze", "--python", sys.executable],
-                   what="list packages")
-        except ForkError as exc:
-            print(exc)
+        uv.run(pins.load(), ["pip", "freeze", "--python", sys.executable],
+               what="list packages")
     """)
     assert _in_namespace(mounts, script, ro) == [
         f"cannot write in {ro / 'uv-cache'} (Read-only file system), which uv needs -- "
@@ -152,12 +138,9 @@ def test_real_uv_out_of_space_is_said_in_one_line(tmp_path):
         p = pins.load()
         uv.run(p, ["venv", "--quiet", "--python", {sys.executable!r},
                    {str(tmp_path / "venv")!r}], what="make a venv")
-        try:
-            uv.install(p, ["install", "--no-deps", "--python",
-                           {str(tmp_path / "venv" / "bin" / "python")!r},
-                           {str(wheel)!r}], what="the CPU wheel")
-        except ForkError as exc:
-            print(exc)
+        uv.install(p, ["install", "--no-deps", "--python",
+                       {str(tmp_path / "venv" / "bin" / "python")!r},
+                       {str(wheel)!r}], what="the CPU wheel")
     """)
     said = FULL.format(uv_cache=small / "uv-cache", what="the CPU wheel")
     assert _in_namespace(mounts, script, small)[-1:] == [said]

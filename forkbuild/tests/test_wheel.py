@@ -26,45 +26,22 @@ PACKAGE_DATA = [
 ]
 
 
-@pytest.fixture(scope="module")
-def fork_wheel(fork_pins, tmp_path_factory):
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setenv("VLLM_FORK_DIST", str(tmp_path_factory.mktemp("dist")))
-        yield wheel.build(fork_pins)
-
-
-@pytest.fixture(scope="module")
-def official(fork_pins):
-    return fetch.artifacts_dir() / fork_pins.routes["cuda"].wheel.filename
-
-
-def test_the_wheel_is_the_fixed_official_one(fork_pins, fork_wheel, official):
+def test_the_wheel_is_the_fixed_official_one(fork_pins, tmp_path, monkeypatch):
     """The fix, the version and the package data; the official files but the series'."""
+    monkeypatch.setenv("VLLM_FORK_DIST", str(tmp_path))
+    fork_wheel = wheel.build(fork_pins)
+    official = fetch.artifacts_dir() / fork_pins.routes["cuda"].wheel.filename
     versions = f"vllm-{fork_pins.upstream_version}-", f"vllm-{fork_pins.fork_version}-"
     assert fork_wheel.name == official.name.replace(*versions)
-    wheel.verify_wheel(fork_wheel, fork_pins, official)  # raises if anything is off
+    result = wheel.verify_wheel(fork_wheel, fork_pins, official)  # raises if it is off
     with zipfile.ZipFile(fork_wheel) as whl:
         names = set(whl.namelist())
     assert not [n for n in PACKAGE_DATA if n not in names]
     assert not [n for n in names if n.startswith("tests/")]  # the fork's tests stay out
-    patched = wheel.patched_paths(tree.read_series())
-    result = wheel.compare_wheels(fork_wheel, official, patched)
     assert (result.missing, result.differing, result.extra) == ([], [], [])
-    assert result.patched == sorted([*wheel.GENERATED, *patched])
+    patched = wheel.patched_paths(tree.read_series())
+    assert result.patched == sorted([*tree.GENERATED, *patched])
     assert result.compared > 4000
-
-
-def test_wheel_without_fix_is_rejected(fork_pins, fork_wheel, official, tmp_path):
-    doctored = tmp_path / fork_wheel.name
-    with zipfile.ZipFile(fork_wheel) as src, zipfile.ZipFile(doctored, "w") as dst:
-        for item in src.infolist():
-            data = src.read(item)
-            if item.filename == fixcheck.MODULE_PATH:
-                data = data.replace(b"(permuted_kv_cache_shape)", b"(kv_cache_shape)")
-            # stored, not deflated: the check reads either; deflating ~400 MB takes 25 s
-            dst.writestr(item, data, compress_type=zipfile.ZIP_STORED)
-    with pytest.raises(ForkError, match="is buggy"):
-        wheel.verify_wheel(doctored, fork_pins, official)
 
 
 # --- the comparison, on small made-up wheels ------------------------------------------
@@ -76,6 +53,7 @@ def _reshape_attention_kv_cache(kv_cache, packing):
     if packing is not None:
         return kv_cache.view(permuted_kv_cache_shape)
 """
+BUGGY_SOURCE = FIXED_SOURCE.replace(b"(permuted_kv_cache_shape)", b"(kv_cache_shape)")
 BASE = {
     fixcheck.MODULE_PATH: FIXED_SOURCE,
     "vllm/__init__.py": b"",
@@ -127,16 +105,9 @@ def series(tmp_path):
     return patches
 
 
-@pytest.fixture
-def official_made_up(tmp_path):
-    return make_wheel(tmp_path, VERSION, BASE)
-
-
-def fork_made_up(tmp_path: Path, files: dict[str, bytes], **kwargs) -> Path:
-    return make_wheel(tmp_path / "fork", FORK_VERSION, files, **kwargs)
-
-
-def test_patched_paths_of_the_series(series):
+def test_equal_wheel_passes_metadata_version_and_patched_files_aside(
+    fork_pins, tmp_path, series
+):
     assert wheel.patched_paths(tree.read_series(series)) == {
         "vllm/patched.py",
         "vllm/added.py",
@@ -150,25 +121,19 @@ def test_patched_paths_of_the_series(series):
         "vllm/distributed/kv_transfer/kv_connector/v1/offloading/worker.py",
         "vllm/v1/worker/kv_connector_model_runner_mixin.py",
     }
-
-
-def test_equal_wheel_passes_metadata_version_and_patched_files_aside(
-    fork_pins, tmp_path, series, official_made_up
-):
     files = {
         **BASE,
         "vllm/patched.py": b"fork\n",
         "vllm/added.py": b"new\n",
         "vllm/_version.py": f"__version__ = '{fork_pins.fork_version}'\n".encode(),
     }
-    fork = fork_made_up(tmp_path, files)
-    patched = wheel.patched_paths(tree.read_series(series))
-    result = wheel.compare_wheels(fork, official_made_up, patched)
+    fork = make_wheel(tmp_path / "fork", FORK_VERSION, files)
+    official = make_wheel(tmp_path, VERSION, BASE)
+    result = wheel.verify_wheel(fork, fork_pins, official, patches_dir=series)
     assert (result.missing, result.differing, result.extra) == ([], [], [])
     assert result.patched == ["vllm/_version.py", "vllm/patched.py"]
     # the METADATA, WHEEL and RECORD that differ are not compared
     assert result.compared == len(BASE) - 2
-    wheel.verify_wheel(fork, fork_pins, official_made_up, patches_dir=series)
 
 
 SH = "vllm/utils/numa_wrapper.sh"
@@ -177,71 +142,72 @@ BEYOND = {"tests/v1/worker/test_packed.py": b"", "vllm/_C.abi3.so": b"\x7fELF"}
 
 
 @pytest.mark.parametrize(
-    ("files", "requires", "cause", "hint"),
+    ("files", "made", "cause", "hint"),
     [
         (
             {n: d for n, d in BASE.items() if not n.endswith((".jinja", ".sh"))},
-            (),
+            {},
             re.escape(f"2 file(s) of {OFFICIAL} missing: {MISSING}") + "$",
+            "git clone of the tree",
+        ),
+        (  # a file the series changes may differ, not be missing
+            {n: d for n, d in BASE.items() if n != "vllm/patched.py"},
+            {},
+            re.escape(f"wheel: 1 file(s) of {OFFICIAL} missing: vllm/patched.py") + "$",
             "git clone of the tree",
         ),
         (
             {**BASE, SH: b"#!/bin/bash\n"},
-            (),
+            {},
             rf"1 file\(s\) differ from .* although no patch changes them: {SH}",
+            "patches/series",
+        ),
+        (  # the same size, and a RECORD that does not describe the bytes
+            {**BASE, SH: b"#!/bin/zsh\n"},
+            {"lie": {SH: b"#!/bin/sh\n"}},
+            rf"wheel: 1 file\(s\) differ from .* although no patch changes them: {SH}$",
             "patches/series",
         ),
         (  # vllm/added.py the series adds: allowed
             {**BASE, **BEYOND, "vllm/added.py": b"new\n"},
-            (),
+            {},
             r"2 file\(s\) not in .* and added by no patch: "
             r"tests/v1/worker/test_packed.py, vllm/_C.abi3.so",
             "",
         ),
         (
             {**BASE, "vllm/_version.py": b"v\n"},
-            ("extra-package",),
+            {"requires": ("torch==2.11.0", "extra-package")},
             "Requires-Dist/Requires-Python differ .* 1 line",
             "",
         ),
+        (
+            {**BASE, fixcheck.MODULE_PATH: BUGGY_SOURCE},
+            {},
+            f"{fixcheck.FUNCTION} is buggy",
+            "",
+        ),
     ],
-    ids=["missing package data", "differing content", "beyond", "requirements"],
+    ids=[
+        *("missing package data", "patched file missing", "differing", "RECORD lies"),
+        *("beyond", "requirements", "no fix"),
+    ],
 )
 def test_a_wheel_unlike_the_official_one_is_refused_saying_how(
-    fork_pins, tmp_path, series, official_made_up, files, requires, cause, hint
+    fork_pins, tmp_path, series, files, made, cause, hint
 ):
-    requires = ("torch==2.11.0", *requires)
-    fork = fork_made_up(tmp_path, files, requires=requires)
+    official = make_wheel(tmp_path, VERSION, BASE)
+    fork = make_wheel(tmp_path / "fork", FORK_VERSION, files, **made)
     with pytest.raises(ForkError) as error:
-        wheel.verify_wheel(fork, fork_pins, official_made_up, patches_dir=series)
+        wheel.verify_wheel(fork, fork_pins, official, patches_dir=series)
     assert re.search(cause, error.value.cause), error.value.cause
     assert hint in error.value.hint
-
-
-UNPATCHED = {n: d for n, d in BASE.items() if n != "vllm/patched.py"}
-
-
-@pytest.mark.parametrize(
-    ("files", "lie", "missing", "differing"),
-    [
-        (UNPATCHED, None, ["vllm/patched.py"], []),  # may differ, not be missing
-        ({**BASE, SH: b"#!/bin/zsh\n"}, {SH: b"#!/bin/sh\n"}, [], [SH]),  # same size
-    ],
-    ids=["patched file missing", "RECORD that does not describe the bytes"],
-)
-def test_what_the_comparison_catches(
-    tmp_path, series, official_made_up, files, lie, missing, differing
-):
-    fork = fork_made_up(tmp_path, files, lie=lie)
-    patched = wheel.patched_paths(tree.read_series(series))
-    result = wheel.compare_wheels(fork, official_made_up, patched)
-    assert (result.missing, result.differing) == (missing, differing)
 
 
 def test_many_files_are_counted_and_the_first_few_named(fork_pins, tmp_path, series):
     data = {f"vllm/configs/c{i:02}.json": b"{}" for i in range(12)}
     official = make_wheel(tmp_path, VERSION, {**BASE, **data})
-    fork = fork_made_up(tmp_path, BASE)
+    fork = make_wheel(tmp_path / "fork", FORK_VERSION, BASE)
     said = r"12 file\(s\) of .* missing: vllm/configs/c00.json, .*vllm/configs/c04"
     with pytest.raises(ForkError, match=said + r".json, \.\.\. \(7 more\)"):
         wheel.verify_wheel(fork, fork_pins, official, patches_dir=series)
