@@ -44,20 +44,24 @@ class PatchInfo:
             raise ForkError(said, hint) from None
 
 
-def read_patch(name: str, path: Path) -> PatchInfo:
-    """A `git format-patch` mail's DEP-3 `Key: value` lines (before the diffstat)."""
-    message = email.message_from_bytes(path.read_bytes())
-    body = message.get_payload(decode=True).decode("utf-8", "replace")
-    fields: dict[str, str] = {}
-    for line in body.split("\n---\n", 1)[0].splitlines():
-        key, sep, value = line.partition(": ")
-        if sep and key.replace("-", "").isalnum() and " " not in key:
-            fields[key] = value.strip()
-    diffs = [line for line in body.splitlines() if line.startswith("diff --git a/")]
-    files = tuple(line.split(" b/", 1)[1] for line in diffs)
-    if not files:
-        raise ForkError(f"{name} has no diff", "regenerate it with git format-patch")
-    return PatchInfo(name, path, fields, files)
+def read_series(patches_dir: Path = tree.PATCHES_DIR) -> list[PatchInfo]:
+    """The series' `git format-patch` mails: DEP-3 `Key: value` lines (before the
+    diffstat) and the files each diff touches."""
+    infos = []
+    for patch in tree.read_series(patches_dir):
+        message = email.message_from_bytes(patch.path.read_bytes())
+        body = message.get_payload(decode=True).decode("utf-8", "replace")
+        fields: dict[str, str] = {}
+        for line in body.split("\n---\n", 1)[0].splitlines():
+            key, sep, value = line.partition(": ")
+            if sep and key.replace("-", "").isalnum() and " " not in key:
+                fields[key] = value.strip()
+        diffs = [line for line in body.splitlines() if line.startswith("diff --git a/")]
+        if not (files := tuple(line.split(" b/", 1)[1] for line in diffs)):
+            hint = "regenerate it with git format-patch"
+            raise ForkError(f"{patch.name} has no diff", hint)
+        infos.append(PatchInfo(patch.name, patch.path, fields, files))
+    return infos
 
 
 def sdist_files(sdist: Path, names: frozenset[str]) -> Contents:
@@ -71,10 +75,13 @@ def sdist_files(sdist: Path, names: frozenset[str]) -> Contents:
     return found
 
 
-def try_apply(patch: PatchInfo, sdist: Path, files: Contents | None = None) -> str:
-    """Does PATCH apply to SDIST, reverse-apply, or neither (its files, or FILES)?"""
-    if files is None:
-        files = sdist_files(sdist, frozenset(patch.files))
+def try_apply(patches: list[PatchInfo], sdist: Path) -> dict[str, str]:
+    """Does each patch apply to SDIST, reverse-apply, or neither (SDIST read once)?"""
+    files = sdist_files(sdist, frozenset(f for patch in patches for f in patch.files))
+    return {patch.name: _verdict(patch, files) for patch in patches}
+
+
+def _verdict(patch: PatchInfo, files: Contents) -> str:
     with tempfile.TemporaryDirectory(prefix="patch-status-") as tmp:
         for inner in patch.files:
             if inner in files:
@@ -128,10 +135,9 @@ def check(
     """Confirm every patch's claim (raise if one is not); the report lines."""
     pip = lambda: python or install.ensure_toolchain(pins)
     sdists = {r.version: fetch.fetch(r.sdist, pip) for r in pins.releases}
-    patches = [read_patch(p.name, p.path) for p in tree.read_series(patches_dir)]
-    touched = frozenset(name for patch in patches for name in patch.files)
+    patches = read_series(patches_dir)
     # Each sdist read once for all patches (a pass over ~37 MB of gzip costs ~1.5 s).
-    contents = {v: sdist_files(sdist, touched) for v, sdist in sdists.items()}
+    verdicts = {v: try_apply(patches, sdist) for v, sdist in sdists.items()}
     lines, problems = [], []
     for patch in patches:
         claim = patch.applied_upstream
@@ -145,7 +151,7 @@ def check(
             problems.append(f"{patch.name} claims v{claim}: not in the version matrix")
         for release in pins.releases:
             version = release.version
-            applied = try_apply(patch, sdists[version], contents[version])
+            applied = verdicts[version][patch.name]
             record = recorded(release, modules)
             ok, meaning = _judge(claim, version, applied, record)
             row = f"patch {applied:15} matrix: {record:24} -> {meaning}"

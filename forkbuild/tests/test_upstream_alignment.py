@@ -20,8 +20,7 @@ from forkbuild.setup import fetch, install, tree
 from forkbuild.upstream import prs as upstream
 from forkbuild.upstream import rebase
 
-PATCH = next(p for p in tree.read_series())
-MAIL = patch_status.read_patch(PATCH.name, PATCH.path)
+MAIL = patch_status.read_series()[0]
 FORK = pins.load()
 BASE = FORK.upstream_version  # the release the fork is of
 NEWEST = upstream.newest(FORK).version
@@ -54,7 +53,7 @@ def test_fix_applies_to_the_bug_and_reverse_applies_to_the_fix(fork_pins, toolch
     expect = {BASE: patch_status.APPLIES, NEWER[0]: patch_status.REVERSED}
     for version, expected in expect.items():
         sdist = fetch.fetch(fork_pins.release(version).sdist, lambda: toolchain)
-        assert patch_status.try_apply(MAIL, sdist) == expected, version
+        assert patch_status.try_apply([MAIL], sdist)[MAIL.name] == expected, version
 
 
 @pytest.mark.parametrize(
@@ -65,11 +64,11 @@ def test_fix_applies_to_the_bug_and_reverse_applies_to_the_fix(fork_pins, toolch
     ],
 )
 def test_a_claim_the_releases_contradict_fails(toolchain, tmp_path, claim, error):
-    text = PATCH.path.read_text().replace(
+    text = MAIL.path.read_text().replace(
         f"Applied-Upstream: v{NEWER[0]}", f"Applied-Upstream: v{claim}"
     )
-    (tmp_path / PATCH.name).write_text(text)
-    (tmp_path / "series").write_text(PATCH.name + "\n")
+    (tmp_path / MAIL.name).write_text(text)
+    (tmp_path / "series").write_text(MAIL.name + "\n")
     with pytest.raises(ForkError, match=error):
         patch_status.check(FORK, toolchain, patches_dir=tmp_path)
 
@@ -133,33 +132,26 @@ def _changes(patch: Path) -> set[str]:
     return set(re.findall(r"^diff --git a/(\S+) ", patch.read_text(), re.M))
 
 
-def _git_home(tmp_path: Path, config: str | None) -> dict[str, str]:
-    """An environment whose only git configuration is CONFIG (None: none at all)."""
-    if config is not None:
-        (tmp_path / "gitconfig").write_text(config)
-    home = {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path)}
-    config_file = {"GIT_CONFIG_GLOBAL": str(tmp_path / "gitconfig")}
-    return home | config_file | {"GIT_CONFIG_NOSYSTEM": "1"}
-
-
-def test_upstream_without_a_git_identity_stops_at_once(tmp_path):
-    result = _forkbuild(["upstream"], {**os.environ, **_git_home(tmp_path, None)})
+def test_the_series_is_signed_off_by_whoever_runs_it(tmp_path, monkeypatch):
+    gitconfig = tmp_path / "gitconfig"  # the only git configuration: none yet
+    home = dict.fromkeys(("HOME", "XDG_CONFIG_HOME"), str(tmp_path))
+    home |= {"GIT_CONFIG_GLOBAL": str(gitconfig), "GIT_CONFIG_NOSYSTEM": "1"}
+    # No git identity at all: `make upstream` stops at once.
+    result = _forkbuild(["upstream"], {**os.environ, **home})
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert "git has no user.name and no user.email" in last, result.stderr
     assert 'git config --global user.name "Your Name"' in last
-
-
-def test_the_series_is_signed_off_by_whoever_runs_it(tmp_path, monkeypatch):
-    config = "[user]\n\tname = Ada Reviewer\n\temail = ada@example.org\n"
-    for key, value in _git_home(tmp_path, config).items():
+    for key, value in home.items():
         monkeypatch.setenv(key, value)
+    config = "[user]\n\tname = Ada Reviewer\n\temail = ada@example.org\n"
+    gitconfig.write_text(config)
     assert upstream.submitter() == {
         f"GIT_{who}_{what}": value
         for who in ("AUTHOR", "COMMITTER")
         for what, value in (("NAME", "Ada Reviewer"), ("EMAIL", "ada@example.org"))
     }
-    (tmp_path / "gitconfig").write_text("[user]\n\tname = Ada Reviewer\n")
+    gitconfig.write_text("[user]\n\tname = Ada Reviewer\n")
     with pytest.raises(ForkError, match="git has no user.email"):
         upstream.submitter()
 
@@ -217,7 +209,7 @@ def _job(key: str, device: str, marker: str | None) -> dict:
 def test_a_pr_whose_cases_no_cpu_job_collects_is_refused():
     case = "tests/v1/worker/test_attn_utils.py"
     pr = upstream.PullRequest(
-        "01-views", Path("."), NEWEST, "t", (f"{case}::test_x",), "v1-others-cpu", ()
+        "01-views", Path("."), "t", (f"{case}::test_x",), "v1-others-cpu", ()
     )
     gpu_only = {case: [_job("v1-executor-worker", "h200_18gb", None)]}
     match = "no CPU job 'v1-others-cpu'.*jobs that run it: v1-executor-worker"
@@ -233,9 +225,10 @@ def test_the_mypy_hook_is_read_from_the_release_and_locked(fork_pins, toolchain)
     entry, requirements = upstream.mypy_hook(config)
     assert entry == 'python tools/pre_commit/mypy.py "3.11"'
     assert requirements[0].startswith("mypy==")
-    lock_text = upstream.hooks_lock_path().read_text()
+    lock_file, _, digest = upstream.hook_lock(config)
+    lock_text = lock_file.read_text()
     # The lock was made from exactly this hook's requirements (`make lock` remakes it).
-    assert f"inputs-sha256: {upstream.hooks_inputs_digest(requirements)}" in lock_text
+    assert f"inputs-sha256: {digest}" in lock_text
     assert f"\n{requirements[0]} \\\n    --hash=sha256:" in lock_text
     other = config.replace(requirements[0], "mypy==0.1")
     assert upstream.mypy_hook(other)[1][0] == "mypy==0.1"

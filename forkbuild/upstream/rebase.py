@@ -110,13 +110,12 @@ def _sort_series(
 ) -> dict[str, str]:
     """Each patch -> upstream, applies, refreshed or conflict on the trial tree WORK."""
     outcomes = {}
-    series = [(p, patch_status.read_patch(p.name, p.path)) for p in tree.read_series()]
-    touched = frozenset(f for _, patch in series for f in patch.files)
-    contents = patch_status.sdist_files(sdist, touched)
-    for p, patch in series:
-        applied = patch_status.try_apply(patch, sdist, contents)
+    series = patch_status.read_series()
+    verdicts = patch_status.try_apply(series, sdist)
+    for p in series:
         # or upstream rewrote the code and the regression cases pass there
-        if applied == patch_status.REVERSED or _effect_recorded(pins, patch, version):
+        upstream = verdicts[p.name] == patch_status.REVERSED
+        if upstream or _effect_recorded(pins, p, version):
             outcomes[p.name] = "upstream"
             continue
         outcomes[p.name] = "conflict"
