@@ -1,8 +1,6 @@
-"""`forkbuild patch-status`: is each patch still needed? `Applied-Upstream: v0.26.0`
-(DEP-3) is confirmed on every [matrix] release: before it the patch applies or the
-matrix record shows its regression cases failing; from it on it reverse-applies or the
-record shows them run and none failing. A patch that claims nothing is carried; the
-report says where it would apply, so a rebase knows what to drop."""
+"""`forkbuild patch-status`: each patch's DEP-3 `Applied-Upstream: vX` confirmed on
+every [matrix] release (docs/upstream-alignment.md); a patch that claims nothing is
+carried, and the report says where it would apply, so a rebase knows what to drop."""
 
 from __future__ import annotations
 
@@ -44,24 +42,25 @@ class PatchInfo:
             raise ForkError(said, hint) from None
 
 
+def read_patch(path: Path) -> PatchInfo:
+    """A `git format-patch` mail's DEP-3 `Key: value` lines (before the diffstat)."""
+    message = email.message_from_bytes(path.read_bytes())
+    body = message.get_payload(decode=True).decode("utf-8", "replace")
+    fields: dict[str, str] = {}
+    for line in body.split("\n---\n", 1)[0].splitlines():
+        key, sep, value = line.partition(": ")
+        if sep and key.replace("-", "").isalnum() and " " not in key:
+            fields[key] = value.strip()
+    diffs = [line for line in body.splitlines() if line.startswith("diff --git a/")]
+    if not (files := tuple(line.split(" b/", 1)[1] for line in diffs)):
+        raise ForkError(
+            f"{path.name} has no diff", "regenerate it with git format-patch"
+        )
+    return PatchInfo(path.name, path, fields, files)
+
+
 def read_series(patches_dir: Path = tree.PATCHES_DIR) -> list[PatchInfo]:
-    """The series' `git format-patch` mails: DEP-3 `Key: value` lines (before the
-    diffstat) and the files each diff touches."""
-    infos = []
-    for patch in tree.read_series(patches_dir):
-        message = email.message_from_bytes(patch.path.read_bytes())
-        body = message.get_payload(decode=True).decode("utf-8", "replace")
-        fields: dict[str, str] = {}
-        for line in body.split("\n---\n", 1)[0].splitlines():
-            key, sep, value = line.partition(": ")
-            if sep and key.replace("-", "").isalnum() and " " not in key:
-                fields[key] = value.strip()
-        diffs = [line for line in body.splitlines() if line.startswith("diff --git a/")]
-        if not (files := tuple(line.split(" b/", 1)[1] for line in diffs)):
-            hint = "regenerate it with git format-patch"
-            raise ForkError(f"{patch.name} has no diff", hint)
-        infos.append(PatchInfo(patch.name, patch.path, fields, files))
-    return infos
+    return [read_patch(patch.path) for patch in tree.read_series(patches_dir)]
 
 
 def sdist_files(sdist: Path, names: frozenset[str]) -> Contents:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -128,10 +127,6 @@ def test_rebase_moves_every_pin_and_keeps_fork_toml_as_written(fork_pins, tmp_pa
         rebase.rewrite_pins(broken, fork_pins, version, found)
 
 
-def _changes(patch: Path) -> set[str]:
-    return set(re.findall(r"^diff --git a/(\S+) ", patch.read_text(), re.M))
-
-
 def test_the_series_is_signed_off_by_whoever_runs_it(tmp_path, monkeypatch):
     gitconfig = tmp_path / "gitconfig"  # the only git configuration: none yet
     home = dict.fromkeys(("HOME", "XDG_CONFIG_HOME"), str(tmp_path))
@@ -166,7 +161,8 @@ def test_the_prs_load_in_sending_order_each_whole():
         assert all(marker in pr.description for marker in upstream.MARKERS), pr.name
         files = {c.split("::", 1)[0] for c in pr.cases}
         for patch in pr.patches:  # the cases' files are the files the mail changes
-            assert files <= _changes(patch), (pr.name, files - _changes(patch))
+            changes = set(patch_status.read_patch(patch).files)
+            assert files <= changes, (pr.name, files - changes)
             assert "Signed-off-by:" not in patch.read_text(), "the submitter signs off"
 
 
@@ -252,7 +248,8 @@ def release_hooks(fork_pins, toolchain, tmp_path_factory) -> Path:
 def series_files() -> list[str]:
     """What the PRs change, all together."""
     prs = upstream.load_prs(NEWEST)
-    return sorted({f for pr in prs for patch in pr.patches for f in _changes(patch)})
+    mails = [patch_status.read_patch(patch) for pr in prs for patch in pr.patches]
+    return sorted({f for mail in mails for f in mail.files})
 
 
 def test_every_pr_case_runs_in_the_cpu_job_it_names(release_hooks, toolchain):

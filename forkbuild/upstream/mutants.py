@@ -1,7 +1,6 @@
-"""The differential mutation proof of `forkbuild upstream`: breakages of the release's
-packed KV cache path (upstream-prs/mutants/<release>/), applied one at a time, run
-against the release's own tests and the PRs' cases. A PR is worth what it kills that
-the release's tests miss."""
+"""The differential mutants of `forkbuild upstream`: breakages of the release's packed
+KV cache path (upstream-prs/mutants/<release>/), each applied alone and run against the
+release's tests and the PRs' cases; a PR is worth what it kills that those miss."""
 
 from __future__ import annotations
 

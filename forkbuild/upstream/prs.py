@@ -1,8 +1,6 @@
-"""`forkbuild upstream`: the fork's tests as small vLLM pull requests (upstream-prs/),
-each proved alone on a fresh worktree of the newest [matrix] release (cases pass on CPU,
-the release's hooks pass, its CPU job collects them), then together, then by the
-differential mutants (mutants.py). Into dist/upstream/<name>/: the commit signed off
-(DCO) by whoever runs the step, PROOF.txt and PR_DESCRIPTION.md."""
+"""`forkbuild upstream` (docs/upstream-alignment.md): each PR of upstream-prs/ proved
+alone on a fresh worktree of the newest [matrix] release, then all together, then by the
+mutants (mutants.py); into dist/upstream/<name>/, signed off by whoever runs it."""
 
 from __future__ import annotations
 
