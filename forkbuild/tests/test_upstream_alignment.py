@@ -41,14 +41,12 @@ def toolchain() -> Path:
     return install.venv_python()
 
 
-def test_dep3_header_is_read_from_the_mail():
+def test_fix_applies_to_the_bug_and_reverse_applies_to_the_fix(fork_pins, toolchain):
+    # its DEP-3 header, read from the mail
     assert str(MAIL.applied_upstream) == NEWER[0]
     assert MAIL.fields["Bug"].endswith("/issues/47054")
     assert MAIL.fields["Origin"].startswith("backport, ")
     assert MAIL.files == ("vllm/v1/worker/gpu/attn_utils.py",)
-
-
-def test_fix_applies_to_the_bug_and_reverse_applies_to_the_fix(fork_pins, toolchain):
     expect = {BASE: patch_status.APPLIES, NEWER[0]: patch_status.REVERSED}
     for version, expected in expect.items():
         sdist = fetch.fetch(fork_pins.release(version).sdist, lambda: toolchain)
@@ -269,27 +267,23 @@ def test_the_release_hooks_pass_on_the_series(release_hooks, toolchain):
     assert lines == [f"{hook}: passed" for hook in hooks]
 
 
-def test_a_hook_finding_stops_the_upstream_step(release_hooks, toolchain, tmp_path):
+def test_a_hook_finding_stops_the_upstream_step(release_hooks, toolchain):
     bad = release_hooks / "tests" / "v1" / "worker" / "test_no_header.py"
+    misc, kept = release_hooks / PIPE, (release_hooks / PIPE).read_text()
     bad.write_text("import os\n\n\ndef test_nothing():\n    assert os.sep\n")
     try:
         files = [*series_files(), str(bad.relative_to(release_hooks))]
         with pytest.raises(ForkError, match="check_spdx_header") as err:
             upstream.run_hooks(toolchain, release_hooks, files)
-    finally:
         bad.unlink()
-    assert "fix the test files" in err.value.hint
-
-
-def test_a_pipeline_step_without_a_key_stops_the_step(release_hooks, toolchain):
-    misc = release_hooks / PIPE
-    kept = misc.read_text()
-    misc.write_text(kept.replace("  key: v1-others-cpu\n", "", 1))
-    try:
+        # A pipeline step without its key:
+        misc.write_text(kept.replace("  key: v1-others-cpu\n", "", 1))
         with pytest.raises(ForkError, match="check_buildkite_step_keys"):
             upstream.run_hooks(toolchain, release_hooks, [PIPE])
     finally:
+        bad.unlink(missing_ok=True)
         misc.write_text(kept)
+    assert "fix the test files" in err.value.hint
 
 
 def test_a_ruff_other_than_the_pinned_is_refused(release_hooks, toolchain, tmp_path):
