@@ -8,11 +8,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import tarfile
 from pathlib import Path
 
 import pytest
 
+from forkbuild.checks import patch_status
 from forkbuild.core.errors import ForkError
 from forkbuild.core.pytest_runner import Outcome
 from forkbuild.setup import fetch, tree
@@ -248,12 +248,10 @@ def test_the_newest_release_has_mutants_that_git_apply_takes(fork_pins, tmp_path
     if not sdist.exists():
         why = "is not cached yet: run `make matrix` or `make upstream`"
         pytest.skip(f"{sdist.name} {why}")
-    with tarfile.open(sdist) as tar:
-        top = tar.getmembers()[0].name.split("/", 1)[0]
-        paths = sorted({m.path for m in wanted})  # the release's files they change
-        # forkbuild's own extraction: tarfile's filter= is not in Debian's 3.11.2
-        tree.extract_data(tar, tmp_path, [tar.getmember(f"{top}/{p}") for p in paths])
-    tmp_path = tmp_path / top
+    paths = frozenset(m.path for m in wanted)  # the release's files they change
+    for path, data in patch_status.sdist_files(sdist, paths).items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_bytes(data)
     for mutant in wanted:
         (tmp_path / "m.diff").write_text(mutant.diff)
         applied = tree.git(["apply", "--check", "m.diff"], tmp_path)
