@@ -250,21 +250,18 @@ def series_files() -> list[str]:
     return sorted({f for mail in mails for f in mail.files})
 
 
-def test_every_pr_case_runs_in_the_cpu_job_it_names(release_hooks, toolchain):
-    for pr in upstream.load_prs(NEWEST):
-        files = sorted({c.split("::", 1)[0] for c in pr.cases})
-        jobs = upstream.collecting_jobs(toolchain, release_hooks, files)
-        said = upstream.check_job(pr, jobs)
-        assert f"({pr.job}, cpu" in said, said
-
-
-def test_the_release_hooks_pass_on_the_series(release_hooks, toolchain):
+def test_the_series_passes_the_release_hooks_and_cpu_jobs(release_hooks, toolchain):
     files = series_files()
     assert PIPE in files  # the PRs' CI lines
     lines = upstream.run_hooks(toolchain, release_hooks, files)
     hooks = ("ruff check", "ruff format", *upstream.HOOK_SCRIPTS)
     hooks += ("check_buildkite_step_keys",)
     assert lines == [f"{hook}: passed" for hook in hooks]
+    for pr in upstream.load_prs(NEWEST):  # each PR's cases run in the CPU job it names
+        files = sorted({c.split("::", 1)[0] for c in pr.cases})
+        jobs = upstream.collecting_jobs(toolchain, release_hooks, files)
+        said = upstream.check_job(pr, jobs)
+        assert f"({pr.job}, cpu" in said, said
 
 
 def test_a_hook_finding_stops_the_upstream_step(release_hooks, toolchain):
