@@ -1,8 +1,6 @@
-"""`forkbuild patch-status`: is each patch still needed? `Applied-Upstream: v0.26.0`
-(DEP-3) is confirmed on every [matrix] release: before it the patch applies or the
-matrix record shows its regression cases failing; from it on it reverse-applies or the
-record shows them run and none failing. A patch that claims nothing is carried; the
-report says where it would apply, so a rebase knows what to drop."""
+"""`forkbuild patch-status`: each patch's DEP-3 `Applied-Upstream: vX` confirmed on
+every [matrix] release (docs/upstream-alignment.md); a patch that claims nothing is
+carried, and the report says where it would apply, so a rebase knows what to drop."""
 
 from __future__ import annotations
 
@@ -44,7 +42,7 @@ class PatchInfo:
             raise ForkError(said, hint) from None
 
 
-def read_patch(name: str, path: Path) -> PatchInfo:
+def read_patch(path: Path) -> PatchInfo:
     """A `git format-patch` mail's DEP-3 `Key: value` lines (before the diffstat)."""
     message = email.message_from_bytes(path.read_bytes())
     body = message.get_payload(decode=True).decode("utf-8", "replace")
@@ -54,10 +52,15 @@ def read_patch(name: str, path: Path) -> PatchInfo:
         if sep and key.replace("-", "").isalnum() and " " not in key:
             fields[key] = value.strip()
     diffs = [line for line in body.splitlines() if line.startswith("diff --git a/")]
-    files = tuple(line.split(" b/", 1)[1] for line in diffs)
-    if not files:
-        raise ForkError(f"{name} has no diff", "regenerate it with git format-patch")
-    return PatchInfo(name, path, fields, files)
+    if not (files := tuple(line.split(" b/", 1)[1] for line in diffs)):
+        raise ForkError(
+            f"{path.name} has no diff", "regenerate it with git format-patch"
+        )
+    return PatchInfo(path.name, path, fields, files)
+
+
+def read_series(patches_dir: Path = tree.PATCHES_DIR) -> list[PatchInfo]:
+    return [read_patch(patch.path) for patch in tree.read_series(patches_dir)]
 
 
 def sdist_files(sdist: Path, names: frozenset[str]) -> Contents:
@@ -71,10 +74,13 @@ def sdist_files(sdist: Path, names: frozenset[str]) -> Contents:
     return found
 
 
-def try_apply(patch: PatchInfo, sdist: Path, files: Contents | None = None) -> str:
-    """Does PATCH apply to SDIST, reverse-apply, or neither (its files, or FILES)?"""
-    if files is None:
-        files = sdist_files(sdist, frozenset(patch.files))
+def try_apply(patches: list[PatchInfo], sdist: Path) -> dict[str, str]:
+    """Does each patch apply to SDIST, reverse-apply, or neither (SDIST read once)?"""
+    files = sdist_files(sdist, frozenset(f for patch in patches for f in patch.files))
+    return {patch.name: _verdict(patch, files) for patch in patches}
+
+
+def _verdict(patch: PatchInfo, files: Contents) -> str:
     with tempfile.TemporaryDirectory(prefix="patch-status-") as tmp:
         for inner in patch.files:
             if inner in files:
@@ -127,11 +133,9 @@ def check(
 ) -> list[str]:
     """Confirm every patch's claim (raise if one is not); the report lines."""
     pip = lambda: python or install.ensure_toolchain(pins)
+    patches = read_series(patches_dir)
     sdists = {r.version: fetch.fetch(r.sdist, pip) for r in pins.releases}
-    patches = [read_patch(p.name, p.path) for p in tree.read_series(patches_dir)]
-    touched = frozenset(name for patch in patches for name in patch.files)
-    # Each sdist read once for all patches (a pass over ~37 MB of gzip costs ~1.5 s).
-    contents = {v: sdist_files(sdist, touched) for v, sdist in sdists.items()}
+    verdicts = {v: try_apply(patches, sdist) for v, sdist in sdists.items()}
     lines, problems = [], []
     for patch in patches:
         claim = patch.applied_upstream
@@ -141,11 +145,11 @@ def check(
             raise ForkError(f"{said} [tests.regression]", f"{hint} there")
         header = patch.fields.get("Applied-Upstream", "(none)")
         lines.append(f"{patch.name}: Applied-Upstream {header}")
-        if claim is not None and str(claim) not in sdists:
+        if claim is not None and str(claim) not in verdicts:
             problems.append(f"{patch.name} claims v{claim}: not in the version matrix")
         for release in pins.releases:
             version = release.version
-            applied = try_apply(patch, sdists[version], contents[version])
+            applied = verdicts[version][patch.name]
             record = recorded(release, modules)
             ok, meaning = _judge(claim, version, applied, record)
             row = f"patch {applied:15} matrix: {record:24} -> {meaning}"

@@ -8,11 +8,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import tarfile
 from pathlib import Path
 
 import pytest
 
+from forkbuild.checks import patch_status
 from forkbuild.core.errors import ForkError
 from forkbuild.core.pytest_runner import Outcome
 from forkbuild.setup import fetch, tree
@@ -95,9 +95,9 @@ def _with_pr(worktree: Path) -> Path:
     return with_pr
 
 
-def _rows(work: Path, tmp: Path, found, cache=None, stock=None) -> list[mutants.Row]:
+def _rows(work: Path, tmp: Path, found, stock=None) -> list[mutants.Row]:
     """FOUND's differential: release tests on STOCK (or WORK), the PR's beside."""
-    runs = mutants.Runs(Path(sys.executable), tmp / "results", cache=cache)
+    runs = mutants.Runs(Path(sys.executable), tmp / "results", tmp / "runs")
     prs = {"01-pages": (PR_CASE,)}
     return mutants.differential(runs, stock or work, _with_pr(work), found, prs)
 
@@ -144,7 +144,7 @@ def test_a_run_never_stops_at_an_old_failure(worktree, tmp_path, monkeypatch):
 
 def test_a_run_made_before_is_read_back_unless_changed(worktree, tmp_path, monkeypatch):
     cache = tmp_path / "runs"
-    first = _rows(worktree, tmp_path, (CAUGHT, MISSED), cache)
+    first = _rows(worktree, tmp_path, (CAUGHT, MISSED))
     made = sorted(cache.glob("*.xml"))
     assert made
 
@@ -152,21 +152,21 @@ def test_a_run_made_before_is_read_back_unless_changed(worktree, tmp_path, monke
         raise AssertionError("a run made before ran again")
 
     monkeypatch.setattr(mutants, "run_pytest", no_pytest)
-    assert _rows(worktree, tmp_path, (CAUGHT, MISSED), cache) == first
+    assert _rows(worktree, tmp_path, (CAUGHT, MISSED)) == first
     assert (tmp_path / "results" / "release-tests-1.log").is_file()  # the log too
     monkeypatch.undo()
     # A kept report cut off (a full disk, a kill while copying) is a miss, not an error.
     made[0].write_text(made[0].read_text()[:40])
-    assert _rows(worktree, tmp_path, (CAUGHT, MISSED), cache) == first
+    assert _rows(worktree, tmp_path, (CAUGHT, MISSED)) == first
     # The release changes: nothing made before stands for it.
     (worktree / "pkg" / "more.py").write_text("MORE = 1\n")
     _commit(worktree, "release 2")
-    assert _rows(worktree, tmp_path, (CAUGHT, MISSED), cache) == first
+    assert _rows(worktree, tmp_path, (CAUGHT, MISSED)) == first
     assert len(list(cache.glob("*.xml"))) > len(made)
     # A mutant left behind by a stopped run is refused, not measured.
     (worktree / "pkg" / "views.py").write_text(VIEWS.replace("offset::", "::"))
     with pytest.raises(ForkError, match="has changes its commit does not hold"):
-        _rows(worktree, tmp_path, (MISSED,), cache)
+        _rows(worktree, tmp_path, (MISSED,))
 
 
 def test_a_kill_is_a_case_that_passed_unmutated_under_its_id_or_a_new_one():
@@ -223,7 +223,7 @@ def test_a_mutant_that_no_longer_applies_is_refused_untouched(worktree, tmp_path
     )
     said = "git apply refused mutant 'stride ignored' on pkg/views.py.*not what the"
     match = f"{said} mutant was written against"
-    runs = mutants.Runs(Path(sys.executable), tmp_path)
+    runs = mutants.Runs(Path(sys.executable), tmp_path, tmp_path / "runs")
     with pytest.raises(ForkError, match=match) as refused:
         runs.run(worktree, ["tests/test_views.py"], "run", stale)
     assert "rewrite the mutant" in refused.value.hint
@@ -248,12 +248,10 @@ def test_the_newest_release_has_mutants_that_git_apply_takes(fork_pins, tmp_path
     if not sdist.exists():
         why = "is not cached yet: run `make matrix` or `make upstream`"
         pytest.skip(f"{sdist.name} {why}")
-    with tarfile.open(sdist) as tar:
-        top = tar.getmembers()[0].name.split("/", 1)[0]
-        paths = sorted({m.path for m in wanted})  # the release's files they change
-        # forkbuild's own extraction: tarfile's filter= is not in Debian's 3.11.2
-        tree.extract_data(tar, tmp_path, [tar.getmember(f"{top}/{p}") for p in paths])
-    tmp_path = tmp_path / top
+    paths = frozenset(m.path for m in wanted)  # the release's files they change
+    for path, data in patch_status.sdist_files(sdist, paths).items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_bytes(data)
     for mutant in wanted:
         (tmp_path / "m.diff").write_text(mutant.diff)
         applied = tree.git(["apply", "--check", "m.diff"], tmp_path)

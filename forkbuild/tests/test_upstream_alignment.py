@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -20,8 +19,7 @@ from forkbuild.setup import fetch, install, tree
 from forkbuild.upstream import prs as upstream
 from forkbuild.upstream import rebase
 
-PATCH = next(p for p in tree.read_series())
-MAIL = patch_status.read_patch(PATCH.name, PATCH.path)
+MAIL = patch_status.read_series()[0]
 FORK = pins.load()
 BASE = FORK.upstream_version  # the release the fork is of
 NEWEST = upstream.newest(FORK).version
@@ -43,18 +41,16 @@ def toolchain() -> Path:
     return install.venv_python()
 
 
-def test_dep3_header_is_read_from_the_mail():
+def test_fix_applies_to_the_bug_and_reverse_applies_to_the_fix(fork_pins, toolchain):
+    # its DEP-3 header, read from the mail
     assert str(MAIL.applied_upstream) == NEWER[0]
     assert MAIL.fields["Bug"].endswith("/issues/47054")
     assert MAIL.fields["Origin"].startswith("backport, ")
     assert MAIL.files == ("vllm/v1/worker/gpu/attn_utils.py",)
-
-
-def test_fix_applies_to_the_bug_and_reverse_applies_to_the_fix(fork_pins, toolchain):
     expect = {BASE: patch_status.APPLIES, NEWER[0]: patch_status.REVERSED}
     for version, expected in expect.items():
         sdist = fetch.fetch(fork_pins.release(version).sdist, lambda: toolchain)
-        assert patch_status.try_apply(MAIL, sdist) == expected, version
+        assert patch_status.try_apply([MAIL], sdist)[MAIL.name] == expected, version
 
 
 @pytest.mark.parametrize(
@@ -65,11 +61,11 @@ def test_fix_applies_to_the_bug_and_reverse_applies_to_the_fix(fork_pins, toolch
     ],
 )
 def test_a_claim_the_releases_contradict_fails(toolchain, tmp_path, claim, error):
-    text = PATCH.path.read_text().replace(
+    text = MAIL.path.read_text().replace(
         f"Applied-Upstream: v{NEWER[0]}", f"Applied-Upstream: v{claim}"
     )
-    (tmp_path / PATCH.name).write_text(text)
-    (tmp_path / "series").write_text(PATCH.name + "\n")
+    (tmp_path / MAIL.name).write_text(text)
+    (tmp_path / "series").write_text(MAIL.name + "\n")
     with pytest.raises(ForkError, match=error):
         patch_status.check(FORK, toolchain, patches_dir=tmp_path)
 
@@ -129,37 +125,26 @@ def test_rebase_moves_every_pin_and_keeps_fork_toml_as_written(fork_pins, tmp_pa
         rebase.rewrite_pins(broken, fork_pins, version, found)
 
 
-def _changes(patch: Path) -> set[str]:
-    return set(re.findall(r"^diff --git a/(\S+) ", patch.read_text(), re.M))
-
-
-def _git_home(tmp_path: Path, config: str | None) -> dict[str, str]:
-    """An environment whose only git configuration is CONFIG (None: none at all)."""
-    if config is not None:
-        (tmp_path / "gitconfig").write_text(config)
-    home = {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path)}
-    config_file = {"GIT_CONFIG_GLOBAL": str(tmp_path / "gitconfig")}
-    return home | config_file | {"GIT_CONFIG_NOSYSTEM": "1"}
-
-
-def test_upstream_without_a_git_identity_stops_at_once(tmp_path):
-    result = _forkbuild(["upstream"], {**os.environ, **_git_home(tmp_path, None)})
+def test_the_series_is_signed_off_by_whoever_runs_it(tmp_path, monkeypatch):
+    gitconfig = tmp_path / "gitconfig"  # the only git configuration: none yet
+    home = dict.fromkeys(("HOME", "XDG_CONFIG_HOME"), str(tmp_path))
+    home |= {"GIT_CONFIG_GLOBAL": str(gitconfig), "GIT_CONFIG_NOSYSTEM": "1"}
+    # No git identity at all: `make upstream` stops at once.
+    result = _forkbuild(["upstream"], {**os.environ, **home})
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert "git has no user.name and no user.email" in last, result.stderr
     assert 'git config --global user.name "Your Name"' in last
-
-
-def test_the_series_is_signed_off_by_whoever_runs_it(tmp_path, monkeypatch):
-    config = "[user]\n\tname = Ada Reviewer\n\temail = ada@example.org\n"
-    for key, value in _git_home(tmp_path, config).items():
+    for key, value in home.items():
         monkeypatch.setenv(key, value)
+    config = "[user]\n\tname = Ada Reviewer\n\temail = ada@example.org\n"
+    gitconfig.write_text(config)
     assert upstream.submitter() == {
         f"GIT_{who}_{what}": value
         for who in ("AUTHOR", "COMMITTER")
         for what, value in (("NAME", "Ada Reviewer"), ("EMAIL", "ada@example.org"))
     }
-    (tmp_path / "gitconfig").write_text("[user]\n\tname = Ada Reviewer\n")
+    gitconfig.write_text("[user]\n\tname = Ada Reviewer\n")
     with pytest.raises(ForkError, match="git has no user.email"):
         upstream.submitter()
 
@@ -174,7 +159,8 @@ def test_the_prs_load_in_sending_order_each_whole():
         assert all(marker in pr.description for marker in upstream.MARKERS), pr.name
         files = {c.split("::", 1)[0] for c in pr.cases}
         for patch in pr.patches:  # the cases' files are the files the mail changes
-            assert files <= _changes(patch), (pr.name, files - _changes(patch))
+            changes = set(patch_status.read_patch(patch).files)
+            assert files <= changes, (pr.name, files - changes)
             assert "Signed-off-by:" not in patch.read_text(), "the submitter signs off"
 
 
@@ -217,7 +203,7 @@ def _job(key: str, device: str, marker: str | None) -> dict:
 def test_a_pr_whose_cases_no_cpu_job_collects_is_refused():
     case = "tests/v1/worker/test_attn_utils.py"
     pr = upstream.PullRequest(
-        "01-views", Path("."), NEWEST, "t", (f"{case}::test_x",), "v1-others-cpu", ()
+        "01-views", Path("."), "t", (f"{case}::test_x",), "v1-others-cpu", ()
     )
     gpu_only = {case: [_job("v1-executor-worker", "h200_18gb", None)]}
     match = "no CPU job 'v1-others-cpu'.*jobs that run it: v1-executor-worker"
@@ -233,9 +219,10 @@ def test_the_mypy_hook_is_read_from_the_release_and_locked(fork_pins, toolchain)
     entry, requirements = upstream.mypy_hook(config)
     assert entry == 'python tools/pre_commit/mypy.py "3.11"'
     assert requirements[0].startswith("mypy==")
-    lock_text = upstream.hooks_lock_path().read_text()
+    lock_file, _, digest = upstream.hook_lock(config)
+    lock_text = lock_file.read_text()
     # The lock was made from exactly this hook's requirements (`make lock` remakes it).
-    assert f"inputs-sha256: {upstream.hooks_inputs_digest(requirements)}" in lock_text
+    assert f"inputs-sha256: {digest}" in lock_text
     assert f"\n{requirements[0]} \\\n    --hash=sha256:" in lock_text
     other = config.replace(requirements[0], "mypy==0.1")
     assert upstream.mypy_hook(other)[1][0] == "mypy==0.1"
@@ -259,47 +246,41 @@ def release_hooks(fork_pins, toolchain, tmp_path_factory) -> Path:
 def series_files() -> list[str]:
     """What the PRs change, all together."""
     prs = upstream.load_prs(NEWEST)
-    return sorted({f for pr in prs for patch in pr.patches for f in _changes(patch)})
+    mails = [patch_status.read_patch(patch) for pr in prs for patch in pr.patches]
+    return sorted({f for mail in mails for f in mail.files})
 
 
-def test_every_pr_case_runs_in_the_cpu_job_it_names(release_hooks, toolchain):
-    for pr in upstream.load_prs(NEWEST):
-        files = sorted({c.split("::", 1)[0] for c in pr.cases})
-        jobs = upstream.collecting_jobs(toolchain, release_hooks, files)
-        said = upstream.check_job(pr, jobs)
-        assert f"({pr.job}, cpu" in said, said
-
-
-def test_the_release_hooks_pass_on_the_series(release_hooks, toolchain):
+def test_the_series_passes_the_release_hooks_and_cpu_jobs(release_hooks, toolchain):
     files = series_files()
     assert PIPE in files  # the PRs' CI lines
     lines = upstream.run_hooks(toolchain, release_hooks, files)
     hooks = ("ruff check", "ruff format", *upstream.HOOK_SCRIPTS)
     hooks += ("check_buildkite_step_keys",)
     assert lines == [f"{hook}: passed" for hook in hooks]
+    for pr in upstream.load_prs(NEWEST):  # each PR's cases run in the CPU job it names
+        files = sorted({c.split("::", 1)[0] for c in pr.cases})
+        jobs = upstream.collecting_jobs(toolchain, release_hooks, files)
+        said = upstream.check_job(pr, jobs)
+        assert f"({pr.job}, cpu" in said, said
 
 
-def test_a_hook_finding_stops_the_upstream_step(release_hooks, toolchain, tmp_path):
+def test_a_hook_finding_stops_the_upstream_step(release_hooks, toolchain):
     bad = release_hooks / "tests" / "v1" / "worker" / "test_no_header.py"
+    misc, kept = release_hooks / PIPE, (release_hooks / PIPE).read_text()
     bad.write_text("import os\n\n\ndef test_nothing():\n    assert os.sep\n")
     try:
         files = [*series_files(), str(bad.relative_to(release_hooks))]
         with pytest.raises(ForkError, match="check_spdx_header") as err:
             upstream.run_hooks(toolchain, release_hooks, files)
-    finally:
         bad.unlink()
-    assert "fix the test files" in err.value.hint
-
-
-def test_a_pipeline_step_without_a_key_stops_the_step(release_hooks, toolchain):
-    misc = release_hooks / PIPE
-    kept = misc.read_text()
-    misc.write_text(kept.replace("  key: v1-others-cpu\n", "", 1))
-    try:
+        # A pipeline step without its key:
+        misc.write_text(kept.replace("  key: v1-others-cpu\n", "", 1))
         with pytest.raises(ForkError, match="check_buildkite_step_keys"):
             upstream.run_hooks(toolchain, release_hooks, [PIPE])
     finally:
+        bad.unlink(missing_ok=True)
         misc.write_text(kept)
+    assert "fix the test files" in err.value.hint
 
 
 def test_a_ruff_other_than_the_pinned_is_refused(release_hooks, toolchain, tmp_path):

@@ -1,7 +1,6 @@
-"""The differential mutation proof of `forkbuild upstream`: breakages of the release's
-packed KV cache path (upstream-prs/mutants/<release>/), applied one at a time, run
-against the release's own tests and the PRs' cases. A PR is worth what it kills that
-the release's tests miss."""
+"""The differential mutants of `forkbuild upstream`: breakages of the release's packed
+KV cache path (upstream-prs/mutants/<release>/), each applied alone and run against the
+release's tests and the PRs' cases; a PR is worth what it kills that those miss."""
 
 from __future__ import annotations
 
@@ -126,12 +125,12 @@ _TOOL_CACHES = ("__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache")
 
 @dataclass(frozen=True)
 class Runs:
-    """The pytest runs of one differential; with CACHE, each kept by its _key."""
+    """The pytest runs of one differential, each kept in CACHE by its _key."""
 
     python: Path
     results: Path
+    cache: Path
     extra_env: dict[str, str] | None = None
-    cache: Path | None = None
 
     def run(
         self,
@@ -141,13 +140,13 @@ class Runs:
         mutant: Mutant | None = None,
         keep: Callable[[Outcome], bool] = lambda outcome: True,
     ) -> Outcome:
-        """One pytest run, MUTANT applied and undone; with CACHE, a run made before is
-        read back (a stopped step resumes), kept if it ended and KEEP agrees."""
+        """One pytest run, MUTANT applied and undone; a run made before is read back (a
+        stopped step resumes), kept if it ended and KEEP agrees."""
         if mutant is not None:
             log.step(f"mutants: {mutant.name} vs {name}")
         self.results.mkdir(parents=True, exist_ok=True)
-        key = self._key(worktree, mutant, pytest_args) if self.cache else ""
-        if self.cache and (outcome := self._read_back(key, name)) is not None:
+        key = self._key(worktree, mutant, pytest_args)
+        if (outcome := self._read_back(key, name)) is not None:
             return outcome
         if mutant is not None:
             pytest_args = [*pytest_args, "--continue-on-collection-errors"]
@@ -158,7 +157,7 @@ class Runs:
         if mutant is not None:  # raw: differential() subtracts what fails unmutated
             n = len(killers(outcome))
             log.step(f"mutants: {name}: {n or 'no'} case{'(s)' * bool(n)} failed")
-        if self.cache and not outcome.killed and keep(outcome):
+        if not outcome.killed and keep(outcome):
             self.cache.mkdir(parents=True, exist_ok=True)
             for suffix in (".log", ".xml"):  # the XML last and whole: it means kept
                 partial = self.cache / f"{key}{suffix}.partial"
@@ -168,7 +167,6 @@ class Runs:
 
     def _read_back(self, key: str, name: str) -> Outcome | None:
         """The run kept under KEY, its report and log copied as NAME's; None: none."""
-        assert self.cache is not None
         try:
             outcome = read_junit(self.cache / f"{key}.xml")
         except (OSError, ET.ParseError):  # none, or cut off: a miss

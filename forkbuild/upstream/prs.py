@@ -1,8 +1,6 @@
-"""`forkbuild upstream`: the fork's tests as small vLLM pull requests (upstream-prs/),
-each proved alone on a fresh worktree of the newest [matrix] release (cases pass on CPU,
-the release's hooks pass, its CPU job collects them), then together, then by the
-differential mutants (mutants.py). Into dist/upstream/<name>/: the commit signed off
-(DCO) by whoever runs the step, PROOF.txt and PR_DESCRIPTION.md."""
+"""`forkbuild upstream` (docs/upstream-alignment.md): each PR of upstream-prs/ proved
+alone on a fresh worktree of the newest [matrix] release, then all together, then by the
+mutants (mutants.py); into dist/upstream/<name>/, signed off by whoever runs it."""
 
 from __future__ import annotations
 
@@ -46,7 +44,6 @@ README = "see upstream-prs/README.md"
 class PullRequest:
     name: str  # its folder; sorts in sending order
     folder: Path
-    release: str
     title: str
     cases: tuple[str, ...]  # pytest node ids (or files) of the cases it adds
     job: str  # the Buildkite key of the CPU job that must collect them
@@ -79,7 +76,7 @@ def load_prs(version: str, folder: Path = PRS_DIR) -> list[PullRequest]:
             raise ForkError(f"{sub.name}: {'; '.join(lacks)}", hint)
         if meta["release"] == version:
             title, cases, job = meta["title"], (*meta["cases"],), meta["job"]
-            prs.append(PullRequest(sub.name, sub, version, title, cases, job, patches))
+            prs.append(PullRequest(sub.name, sub, title, cases, job, patches))
     return prs
 
 
@@ -155,12 +152,11 @@ def mypy_hook(config_text: str) -> tuple[str, list[str]]:
     raise ForkError(f"{said} and additional_dependencies", hint)
 
 
-def hooks_lock_path() -> Path:
-    return locks_dir() / HOOKS_LOCK
-
-
-def hooks_inputs_digest(requirements: list[str]) -> str:
-    return digest_of(["release-hooks-1", *requirements])
+def hook_lock(config_text: str) -> tuple[Path, list[str], str]:
+    """HOOKS_LOCK, the requirements of CONFIG_TEXT's mypy hook, and their digest."""
+    _, requirements = mypy_hook(config_text)
+    digest = digest_of(["release-hooks-1", *requirements])
+    return locks_dir() / HOOKS_LOCK, requirements, digest
 
 
 def release_hook_config(pins: Pins) -> str:
@@ -174,8 +170,7 @@ def release_hook_config(pins: Pins) -> str:
 
 def lock_hooks(pins: Pins, config_text: str) -> Path:
     """HOOKS_LOCK: the release's mypy hook, hash-locked; remade if the hook changes."""
-    _, requirements = mypy_hook(config_text)
-    target, digest = hooks_lock_path(), hooks_inputs_digest(requirements)
+    target, requirements, digest = hook_lock(config_text)
     if target.is_file() and lock.recorded_digest(target) == digest:
         log.step(f"lock: {target.name} is up to date")
         return target
@@ -194,8 +189,7 @@ def lock_hooks(pins: Pins, config_text: str) -> Path:
 
 def hooks_python(pins: Pins, release_tree: Path) -> Path:
     """The venv of the release's mypy hook from its lock, which must match the hook."""
-    _, requirements = mypy_hook(_config(release_tree))
-    lock_file, made_for = hooks_lock_path(), hooks_inputs_digest(requirements)
+    lock_file, requirements, made_for = hook_lock(_config(release_tree))
     if not lock_file.is_file() or lock.recorded_digest(lock_file) != made_for:
         said = f"{lock_file.name} is missing or was made for another mypy hook than"
         hook = f"{release_tree.name}'s ({', '.join(requirements)})"
@@ -207,29 +201,26 @@ def hooks_python(pins: Pins, release_tree: Path) -> Path:
 
 
 def _hooks(
-    python: Path, ruff: str, release_tree: Path, files: list[str], mypy: Path | None
-) -> list[tuple[str, list[str], dict[str, str] | None]]:
-    """(name, command, environment) of each hook, with the files its filter passes."""
+    python: Path, ruff: str, release_tree: Path, files: list[str], mypy: bool
+) -> list[tuple[str, list[str]]]:
+    """(name, command) of each hook, with the files its filter passes."""
     py_files = [f for f in files if f.endswith(".py")]
     tethers = re.compile(r"(tests/.*\.py|\.buildkite/.*\.yaml)$")
     tethered = [f for f in files if tethers.match(f)]
     hooks = [
-        ("ruff check", [ruff, "check", "--no-cache", *py_files], None),
-        ("ruff format", [ruff, "format", "--check", "--no-cache", *py_files], None),
+        ("ruff check", [ruff, "check", "--no-cache", *py_files]),
+        ("ruff format", [ruff, "format", "--check", "--no-cache", *py_files]),
     ]
     for name in HOOK_SCRIPTS:
         hook_files = tethered if name == "check_test_tethering" else py_files
-        script = [str(python), f"tools/pre_commit/{name}.py"]
-        hooks.append((name, [*script, *hook_files], None))
+        hooks.append((name, [str(python), f"tools/pre_commit/{name}.py", *hook_files]))
     if any(re.match(r"\.buildkite/.*\.ya?ml$", f) for f in files):
         # pass_filenames: false; it reads every pipeline file itself
         step_keys = [str(python), "tools/pre_commit/check_buildkite_step_keys.py"]
-        hooks.append(("check_buildkite_step_keys", step_keys, None))
-    if mypy is not None:
+        hooks.append(("check_buildkite_step_keys", step_keys))
+    if mypy:
         entry, _ = mypy_hook(_config(release_tree))
-        path = f"{mypy.parent}{os.pathsep}{os.environ.get('PATH', '')}"
-        env = {**os.environ, "PATH": path}
-        hooks.append(("mypy", [*shlex.split(entry), *py_files], env))
+        hooks.append(("mypy", [*shlex.split(entry), *py_files]))
     return hooks
 
 
@@ -244,9 +235,13 @@ def run_hooks(
         said = f"{release_tree.name} runs its hooks with ruff {wanted}; the fork's"
         hint = f"pin ruff=={wanted} in fork.toml [toolchain] test, then `make lock`"
         raise ForkError(f"{said} venv has {have.stdout.strip() or 'none'}", hint)
+    env = None  # the mypy hook's entry runs the `python` first on PATH: its venv's
+    if mypy_python is not None:
+        path = f"{mypy_python.parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        env = {**os.environ, "PATH": path}
+    kw = {"cwd": release_tree, "capture_output": True, "text": True, "env": env}
     lines, findings = [], []
-    for name, cmd, env in _hooks(python, ruff, release_tree, files, mypy_python):
-        kw = {"cwd": release_tree, "capture_output": True, "text": True, "env": env}
+    for name, cmd in _hooks(python, ruff, release_tree, files, env is not None):
         done = subprocess.run(cmd, **kw)
         said = (done.stdout + done.stderr).strip()
         lines.append(f"{name}: {'passed' if done.returncode == 0 else 'FAILED'}")
@@ -426,7 +421,7 @@ def build(pins: Pins) -> Path:
     changed = changed_files(together, ctx.tag)
     joint_hooks = run_hooks(ctx.toolchain, together, changed, mypy_python)
     kept = build_dir() / "upstream" / "runs"
-    runs = mutants.Runs(python, DIST / "mutants", CPU_OFFLINE, kept)
+    runs = mutants.Runs(python, DIST / "mutants", kept, CPU_OFFLINE)
     cases = {pr.name: pr.cases for pr in prs}
     rows = mutants.differential(runs, ctx.fresh("stock", []), together, found, cases)
     mutants.check(rows, [pr.name for pr in prs])

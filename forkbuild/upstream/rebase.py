@@ -1,9 +1,7 @@
-"""`forkbuild rebase VERSION`: try the patch series on a newer upstream release.
-
-Each patch is sorted on a trial tree (build/rebase/vllm-VERSION) into upstream (it
-reverse-applies: drop it), applies (git am takes it; refreshed: with -3) or conflict.
-The series and the hashes to pin go to build/rebase/; --accept (refused while a patch
-conflicts) moves patches/ and fork.toml to VERSION in one step."""
+"""`forkbuild rebase VERSION` (docs/upstream-alignment.md): the series tried on a trial
+tree of a newer release, each patch upstream, applies, refreshed (-3) or conflict, into
+build/rebase/ with the hashes to pin; --accept (refused on a conflict) moves patches/
+and fork.toml in one step."""
 
 from __future__ import annotations
 
@@ -110,13 +108,12 @@ def _sort_series(
 ) -> dict[str, str]:
     """Each patch -> upstream, applies, refreshed or conflict on the trial tree WORK."""
     outcomes = {}
-    series = [(p, patch_status.read_patch(p.name, p.path)) for p in tree.read_series()]
-    touched = frozenset(f for _, patch in series for f in patch.files)
-    contents = patch_status.sdist_files(sdist, touched)
-    for p, patch in series:
-        applied = patch_status.try_apply(patch, sdist, contents)
+    series = patch_status.read_series()
+    verdicts = patch_status.try_apply(series, sdist)
+    for p in series:
         # or upstream rewrote the code and the regression cases pass there
-        if applied == patch_status.REVERSED or _effect_recorded(pins, patch, version):
+        upstream = verdicts[p.name] == patch_status.REVERSED
+        if upstream or _effect_recorded(pins, p, version):
             outcomes[p.name] = "upstream"
             continue
         outcomes[p.name] = "conflict"
@@ -149,10 +146,9 @@ def trial(pins: Pins, version: str) -> tuple[dict[str, str], Found]:
     check_newer(pins, version)  # before anything is downloaded or made
     python = install.ensure_toolchain(pins)
     files, found = _download_all(python, version)
-    rebase_dir().mkdir(parents=True, exist_ok=True)
     work = rebase_dir() / f"vllm-{version}"
     shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
+    work.mkdir(parents=True)
     env = tree.commit_release(work, files["sdist"], version, found["sdist"][2])
     outcomes = _sort_series(pins, work, env, files["sdist"], version)
     out, pins_file = _write_series(work, env, version, found)
@@ -302,17 +298,13 @@ class Fix:
 
 def audited_fixes(text: str) -> list[Fix]:
     """The rows (| fix | first release | what | hit? | decision |) of FIXES_SECTION."""
-    start = text.find("\n" + FIXES_SECTION)
-    end = text.find("\n## ", start + 1)
-    section = text[start : end if end > 0 else None] if start >= 0 else ""
-    rows = [line.strip().strip("|").split("|") for line in section.splitlines()]
-    return [
-        Fix(cells[0], _first_release(cells[1]), cells[4])
-        for line, row in zip(section.splitlines(), rows)
-        if line.startswith("|")
-        and len(cells := [c.strip() for c in row]) == 5
-        and cells[0] not in ("fix", "---")
-    ]
+    section = text.partition("\n" + FIXES_SECTION)[2].split("\n## ", 1)[0]
+    fixes = []
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) == 5 and cells[0] not in ("fix", "---"):
+            fixes.append(Fix(cells[0], _first_release(cells[1]), cells[4]))
+    return fixes
 
 
 def _first_release(cell: str) -> tuple[int, ...] | None:

@@ -1,28 +1,23 @@
-"""Which of a vLLM release's Buildkite jobs run a test file, read by the release's own
-tethering hook (tools/pre_commit/check_test_tethering.py). `forkbuild upstream` runs
-`python release_ci_jobs.py TEST_FILE...` in the release tree with the release's Python
-(the hook needs PyYAML and regex): one JSON object, test file -> the jobs whose commands
-collect it (label, key, device, timeout, the command's `-m` expression). The hook
-ignores markers; a `cpu_test` case runs in a CPU job only if its command selects it.
-"""
+"""Which of a vLLM release's Buildkite jobs run a test file, by the release's own
+tethering hook (tools/pre_commit/check_test_tethering.py). Run in the release tree with
+the release's Python (the hook needs PyYAML and regex): `python release_ci_jobs.py
+TEST_FILE...` prints test file -> the jobs whose commands collect it (label, key,
+device, the command and its `-m` expression: the hook ignores markers)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import runpy
 import shlex
 import sys
 from pathlib import Path
 
 
-def _load_hook(tree: Path):  # the release's own reading of its pipelines
+def _load_hook(tree: Path) -> dict:  # the release's own reading of its pipelines
     path = tree / "tools" / "pre_commit" / "check_test_tethering.py"
-    spec = importlib.util.spec_from_file_location("release_tethering", path)
-    if spec is None or spec.loader is None:
+    if not path.is_file():
         raise SystemExit(f"{path} is missing: is this a vLLM release tree?")
-    hook = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hook)
-    return hook
+    return runpy.run_path(str(path), run_name="release_tethering")
 
 
 def _marker(command: str) -> str | None:
@@ -44,22 +39,20 @@ def jobs_running(tree: Path, test_files: list[str]) -> dict[str, list[dict]]:
 
     hook = _load_hook(tree)
     found: dict[str, list[dict]] = {f: [] for f in test_files}
-    for yaml_path in hook._pipeline_yaml_paths():
+    for yaml_path in hook["_pipeline_yaml_paths"]():
         doc = yaml.safe_load(yaml_path.read_text()) or {}
         if not isinstance(doc, dict):
             continue
-        pipeline = str(yaml_path.relative_to(tree))
-        for step in hook._iter_job_steps(doc):
+        for step in hook["_iter_job_steps"](doc):
             commands = [*(step.get("commands") or []), step.get("command")]
             job = {k: step.get(k, "") for k in ("label", "key", "device")}
-            job |= {"timeout_in_minutes": step.get("timeout_in_minutes")}
             for command in (c for c in commands if isinstance(c, str) and c):
                 said = {"command": command, "marker": _marker(command)}
-                selections = hook._parse_command(command)
+                selections = hook["_parse_command"](command)
                 for test_file in test_files:
-                    normalized = hook.normalize_test_path(test_file)
+                    normalized = hook["normalize_test_path"](test_file)
                     if any(s.runs(normalized) for s in selections):
-                        found[test_file].append(job | said | {"pipeline": pipeline})
+                        found[test_file].append(job | said)
     return found
 
 
