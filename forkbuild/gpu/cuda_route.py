@@ -1,10 +1,5 @@
-"""The CUDA route checked without a GPU (in `make test`): most of what can break in the
-nightly is not the GPU. In build/cuda-route, `forkbuild install --route cuda` as a GPU
-host runs it, with a driver stub (driver_stub.py) on LD_LIBRARY_PATH: the wheel's
-extensions load against the locked torch, byte for byte as RECORD says; FlashInfer's JIT
-toolchain (cuda_toolchain.py); the GPU tests collected and skipped for lack of a device,
-every required node id among them; the kernel test's calls with CPU tensors up to the
-ops' dispatch ([tests] cuda_route)."""
+"""The CUDA route checked without a GPU (in `make test`), through a driver stub: most of
+what can break in the nightly is not the GPU. What it checks: docs/tests.md, step 2."""
 
 from __future__ import annotations
 

@@ -330,14 +330,10 @@ def test_what_ignores_the_graceful_stop_is_killed(tmp_path, monkeypatch):
 
 
 def test_the_limits_fail_a_hung_case_alone_and_end_what_it_started(tmp_path):
-    """pytest-timeout with PER_CASE_TIMEOUT's options under --forked (2 s per case, the
-    run's own limit far off, so that a loaded machine does not stop it first): the hung
-    case fails, the next one runs, the run ends by itself with its JUnit XML (with
-    pytest-timeout's default timeout_func_only=false the whole pytest would exit). What
-    the hung case started (vLLM's engine core: a spawned process, here a sleep in a
-    session of its own) is gone when the next case starts, not only at the end. The
-    run, ended in time, is reported as it is. The limits end the job before Buildkite
-    does."""
+    """PER_CASE_TIMEOUT under --forked (docs/gpu-nightly.md, "Why the per-case limit is
+    set so"), at 2 s: the hung case fails, what it started (an engine core) is gone
+    when the next one runs, the run ends with its JUnit XML. The limits end the job
+    before Buildkite does."""
     limits = nightly.RUN_LIMITS_S.values()
     runs = sum(limits) + len(limits) * pytest_runner.GRACE_S
     for step in yaml.safe_load(PIPELINE.read_text())["steps"]:
