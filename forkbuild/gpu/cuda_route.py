@@ -137,7 +137,7 @@ def check_skipped(
     *,
     where: str = "the CUDA build",
     logs: str = "",
-    required: Collection[str] | None = None,
+    required: Collection[str],
 ) -> None:
     """Every GPU case skipped for lack of a device (an import error skips too, and
     would show only on the GPU runner); every node id of REQUIRED among them."""
@@ -225,7 +225,7 @@ def check(pins: Pins, results: Path, route: Installed) -> Result:
     gpu = part_of(in_tree, pins.gpu_tests)
     calls = part_of(in_tree, pins.cuda_route_tests)
     collected = Outcome(gpu.cases | serve.cases, gpu.reasons | serve.reasons)
-    check_skipped(collected, results)
+    check_skipped(collected, results, required=pins.gpu.all_required())
     if calls.failed or calls.errors or calls.skipped or not calls.passed:
         raise ForkError(
             f"the kernel test's calls do not reach the CUDA ops' dispatch: {calls}",

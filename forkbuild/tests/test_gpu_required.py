@@ -38,7 +38,7 @@ T4 = ("Tesla T4", "7.5", "15360 MiB")
 
 
 def _select(csv: str, visible: str | None = None):
-    return gpu_required.select(gpu_required.parse_nvidia_smi(csv, visible))
+    return gpu_required.select(gpu_required.parse_nvidia_smi(csv, visible), TABLE)
 
 
 def uuid(index: int) -> str:
@@ -175,11 +175,11 @@ def test_the_verdict_on_the_required_cases(tmp_path, capsys):
 
 def test_the_gpu_table_and_its_required_node_ids():
     # What testrun checks after collecting the GPU cases (and the tool tests) on CPU.
-    gpu_required.check_collected(EVERY_CASE | {f"{ENGINE}[some-new-case]"})
+    gpu_required.check_collected(EVERY_CASE | {f"{ENGINE}[some-new-case]"}, EVERY_CASE)
     renamed = (EVERY_CASE - {TP2}) | {f"{ENGINE}[FLASH_ATTN-v1-tp2-renamed]"}
     match = r"1 node id.* not collected: .*FLASH_ATTN-v1-tp2\]"
     with pytest.raises(ForkError, match=match):
-        gpu_required.check_collected(renamed)
+        gpu_required.check_collected(renamed, EVERY_CASE)
     # The tree's cases are checked by `make test` after collecting them with vLLM; the
     # serve test is forkbuild's own, so a rename of it fails right here too.
     path, _, name = SERVE.partition("::")
