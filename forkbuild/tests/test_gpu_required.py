@@ -124,13 +124,13 @@ def _conclude(gpus, statuses, reasons=None, *, out) -> str:
     """nightly.conclude with STATUSES split into the job's two pytest runs: the GPU
     tests in the tree, the serve test."""
     kind, required = _select(_csv(*gpus))
-    in_tree = {n: s for n, s in statuses.items() if n != SERVE}
-    runs = (in_tree, {n: s for n, s in statuses.items() if n == SERVE})
-    gpu_tests, serve = (
+    in_tree = dict(statuses)
+    serve = {SERVE: in_tree.pop(SERVE)} if SERVE in in_tree else {}
+    runs = (
         Outcome(run, {n: r for n, r in (reasons or {}).items() if n in run})
-        for run in runs
+        for run in (in_tree, serve)
     )
-    return nightly.conclude(kind, required, gpu_tests, serve, 0, out)
+    return nightly.conclude(kind, required, *runs, 0, out)
 
 
 def test_the_verdict_on_the_required_cases(tmp_path, capsys):
