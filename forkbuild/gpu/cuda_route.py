@@ -202,10 +202,8 @@ def check(pins: Pins, results: Path, route: Installed) -> Result:
     venv, libcuda = python.parent.parent, stub / driver_stub.SONAME
     env = cuda_toolchain.prepare_toolchain(venv, nvcc, libcuda) | stub_env(stub)
     work, report = home() / "flashinfer-jit", results / "cuda-route-flashinfer-jit.log"
-    jit_modules = cuda_toolchain.probe_flashinfer_jit(python, env, nvcc, work, report)
-    log.step(
-        f"cuda route: FlashInfer's JIT finds the lock's nvcc and ninja; {jit_modules} "
-        "paged prefill build graphs resolve, a CUDA file compiles and links"
+    jit_modules = cuda_toolchain.probe_flashinfer_jit(
+        python, env, nvcc, work, report, "cuda route"
     )
     # The GPU tests and the serve test collected (each must skip), and the kernel calls
     # (must pass), which share the GPU modules' run (one vLLM import less).

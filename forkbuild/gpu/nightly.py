@@ -65,11 +65,7 @@ def run(pins: Pins) -> str:
     env = cuda_toolchain.prepare_toolchain(python.parent.parent, nvcc)
     # FlashInfer's JIT toolchain on this agent, in seconds, before the tests.
     where = (out / "flashinfer-jit", out / "flashinfer-jit.log")
-    modules = cuda_toolchain.probe_flashinfer_jit(python, env, nvcc, *where)
-    log.step(
-        f"nightly: FlashInfer's JIT finds the lock's nvcc and ninja ({modules} module "
-        "build graphs), and a CUDA file compiles and links on this agent"
-    )
+    cuda_toolchain.probe_flashinfer_jit(python, env, nvcc, *where, "nightly")
     *runs, killed = _runs(pins, python, tree_path, env, out)
     return conclude(kind, required, *runs, out, benchmark_killed=killed)
 
