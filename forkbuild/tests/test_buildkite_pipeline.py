@@ -23,7 +23,8 @@ CI_PIPELINE = REPO_ROOT / ".buildkite" / "fork_ci.yaml"
 # A cold `make test` takes about 12 minutes on 2 cores; the fork's CI stops a job at 90.
 CI_RUN_MIN, CI_LIMIT_MIN = 12, 90
 # What forkbuild/gpu/nightly.py writes into its output folder.
-REPORTS = "gpus.csv gpu-tests.xml serve-gpu.xml benchmark.json summary.json".split()
+REPORTS = ["gpus.csv", "gpu-tests.xml", "serve-gpu.xml", "benchmark.json"]
+REPORTS += ["summary.json"]
 NIGHTLY, CI = (yaml.safe_load(path.read_text()) for path in (PIPELINE, CI_PIPELINE))
 
 # No skip without buildkite-sdk, a test tool: an unvalidated pipeline must not pass.
