@@ -54,8 +54,7 @@ def _lock(tmp_path: Path, names: list[str], runtime: str = "13.2.51") -> Path:
 
 
 ALL_PINS = list(cuda_toolchain.LOCK_PINS)
-# nvcc 13.2 with nvidia-cuda-runtime 13.0's headers: every FlashInfer JIT build stops in
-# CCCL: "CUDA compiler and CUDA toolkit headers are incompatible".
+# nvcc 13.2 with nvidia-cuda-runtime 13.0's headers, which FlashInfer's CCCL refuses.
 MISMATCH = r"nvcc 13\.2\.86 but nvidia-cuda-runtime 13\.0\.96.*of CUDA 13\.0 in fork"
 
 
