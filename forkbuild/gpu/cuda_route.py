@@ -1,10 +1,5 @@
-"""The CUDA route checked without a GPU (in `make test`): most of what can break in the
-nightly is not the GPU. In build/cuda-route, `forkbuild install --route cuda` as a GPU
-host runs it, with a driver stub (driver_stub.py) on LD_LIBRARY_PATH: the wheel's
-extensions load against the locked torch, byte for byte as RECORD says; FlashInfer's JIT
-toolchain (cuda_toolchain.py); the GPU tests collected and skipped for lack of a device,
-every required node id among them; the kernel test's calls with CPU tensors up to the
-ops' dispatch ([tests] cuda_route)."""
+"""The CUDA route checked without a GPU (in `make test`), through a driver stub: most of
+what can break in the nightly is not the GPU. What it checks: docs/tests.md, step 2."""
 
 from __future__ import annotations
 
@@ -142,7 +137,7 @@ def check_skipped(
     *,
     where: str = "the CUDA build",
     logs: str = "",
-    required: Collection[str] | None = None,
+    required: Collection[str],
 ) -> None:
     """Every GPU case skipped for lack of a device (an import error skips too, and
     would show only on the GPU runner); every node id of REQUIRED among them."""
@@ -207,10 +202,8 @@ def check(pins: Pins, results: Path, route: Installed) -> Result:
     venv, libcuda = python.parent.parent, stub / driver_stub.SONAME
     env = cuda_toolchain.prepare_toolchain(venv, nvcc, libcuda) | stub_env(stub)
     work, report = home() / "flashinfer-jit", results / "cuda-route-flashinfer-jit.log"
-    jit_modules = cuda_toolchain.probe_flashinfer_jit(python, env, nvcc, work, report)
-    log.step(
-        f"cuda route: FlashInfer's JIT finds the lock's nvcc and ninja; {jit_modules} "
-        "paged prefill build graphs resolve, a CUDA file compiles and links"
+    jit_modules = cuda_toolchain.probe_flashinfer_jit(
+        python, env, nvcc, work, report, "cuda route"
     )
     # The GPU tests and the serve test collected (each must skip), and the kernel calls
     # (must pass), which share the GPU modules' run (one vLLM import less).
@@ -230,7 +223,7 @@ def check(pins: Pins, results: Path, route: Installed) -> Result:
     gpu = part_of(in_tree, pins.gpu_tests)
     calls = part_of(in_tree, pins.cuda_route_tests)
     collected = Outcome(gpu.cases | serve.cases, gpu.reasons | serve.reasons)
-    check_skipped(collected, results)
+    check_skipped(collected, results, required=pins.gpu.all_required())
     if calls.failed or calls.errors or calls.skipped or not calls.passed:
         raise ForkError(
             f"the kernel test's calls do not reach the CUDA ops' dispatch: {calls}",

@@ -167,10 +167,10 @@ def prepare_toolchain(
 
 
 def probe_flashinfer_jit(
-    python: Path, env: dict[str, str], nvcc_version: str, work: Path, report: Path
+    python: Path, env: dict[str, str], nvcc: str, work: Path, report: Path, who: str
 ) -> int:
     """flashinfer_jit_probe.py with ENV: what FlashInfer's JIT would miss, in seconds,
-    not in the first FlashInfer case. Returns how many build graphs it checked."""
+    not in the first FlashInfer case, logged for WHO; the build graphs checked."""
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     probe = [str(python), "-m", "forkbuild.gpu.flashinfer_jit_probe", str(work)]
@@ -186,12 +186,17 @@ def probe_flashinfer_jit(
         )
     found = json.loads(done.stdout.strip().splitlines()[-1])
     venv = python.parent.parent
-    if problems := jit_problems(found, env["CUDA_HOME"], venv, nvcc_version):
+    if problems := jit_problems(found, env["CUDA_HOME"], venv, nvcc):
         raise ForkError(
             "FlashInfer's JIT would fail on the GPU runner: " + "; ".join(problems),
             f"see {report}",
         )
-    return len(found["modules"])
+    modules = len(found["modules"])
+    log.step(
+        f"{who}: FlashInfer's JIT finds the lock's nvcc and ninja; {modules} paged "
+        "prefill build graphs resolve, a CUDA file compiles and links"
+    )
+    return modules
 
 
 def jit_problems(found: dict, home: str, venv: Path, nvcc_version: str) -> list[str]:

@@ -1,10 +1,6 @@
 """FlashInfer's JIT toolchain checked without compiling its kernels (a real module takes
-minutes of nvcc), in the CUDA venv with toolchain_env: `python -m
-forkbuild.gpu.flashinfer_jit_probe WORK` prints one JSON line: where FlashInfer finds
-CUDA, nvcc and ninja; whether `ninja -n` resolves the build graphs of the kernel test's
-paged prefill modules (FA2 and FA3, sliding and full, bf16, head size 64); whether a
-small CUDA file compiles and links as FlashInfer links, needing the runtime and the
-driver by soname."""
+minutes of nvcc): `python -m forkbuild.gpu.flashinfer_jit_probe WORK`, in the CUDA venv
+with toolchain_env, prints probe()'s report as one JSON line."""
 
 from __future__ import annotations
 
@@ -49,8 +45,10 @@ def compile_and_link(cuda_home: str, work: Path) -> tuple[bool, str, list[str]]:
 
 
 def probe(work: Path) -> dict:
-    """The report; "modules": module name -> whether its ninja build graph resolves
-    and runs nvcc."""
+    """Where FlashInfer finds CUDA, nvcc and ninja; "modules": the kernel test's paged
+    prefill modules (FA2 and FA3, sliding and full) -> whether `ninja -n` resolves their
+    build graph and it runs nvcc; whether a small CUDA file compiles and links as
+    FlashInfer links, needing the runtime and the driver by soname."""
     import torch
     from flashinfer.jit import cpp_ext
     from flashinfer.prefill import gen_batch_prefill_module

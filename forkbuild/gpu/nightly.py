@@ -65,11 +65,7 @@ def run(pins: Pins) -> str:
     env = cuda_toolchain.prepare_toolchain(python.parent.parent, nvcc)
     # FlashInfer's JIT toolchain on this agent, in seconds, before the tests.
     where = (out / "flashinfer-jit", out / "flashinfer-jit.log")
-    modules = cuda_toolchain.probe_flashinfer_jit(python, env, nvcc, *where)
-    log.step(
-        f"nightly: FlashInfer's JIT finds the lock's nvcc and ninja ({modules} module "
-        "build graphs), and a CUDA file compiles and links on this agent"
-    )
+    cuda_toolchain.probe_flashinfer_jit(python, env, nvcc, *where, "nightly")
     *runs, killed = _runs(pins, python, tree_path, env, out)
     return conclude(kind, required, *runs, out, benchmark_killed=killed)
 
@@ -116,9 +112,9 @@ def conclude(
 ) -> str:
     """Write summary.json; the summary line, or fail on a failure, a failed benchmark,
     a stopped run, or a required case that skipped or never ran."""
-    outcomes = (gpu_tests, serve)
-    not_run = gpu_required.not_run(required, outcomes)
-    failed = sum(o.failed + o.errors for o in outcomes) + (benchmark_exit != 0)
+    both = Outcome(gpu_tests.cases | serve.cases, gpu_tests.reasons | serve.reasons)
+    not_run = gpu_required.not_run(required, [both])
+    failed = both.failed + both.errors + (benchmark_exit != 0)
     stops = (gpu_tests.killed, serve.killed, benchmark_killed)
     names = ("gpu-tests.xml", "serve-gpu.xml", "benchmark")
     killed = [f"{name}: {note}" for name, note in zip(names, stops) if note]
@@ -132,11 +128,8 @@ def conclude(
         "junit": ["gpu-tests.xml", "serve-gpu.xml"],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    passed, skipped, xfailed = (
-        sum(getattr(o, n) for o in outcomes) for n in ("passed", "skipped", "xfailed")
-    )
-    line = f"summary: {passed} passed, {failed} failed, {skipped} skipped, "
-    line += f"{xfailed} xfailed"
+    line = f"summary: {both.passed} passed, {failed} failed, {both.skipped} skipped, "
+    line += f"{both.xfailed} xfailed"
     if failed or not_run or killed:
         print(*killed, *not_run, line, sep="\n")
         raise ForkError(

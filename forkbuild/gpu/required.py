@@ -12,7 +12,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from forkbuild.core.errors import ForkError
-from forkbuild.core.pins import Capability, GpuKind, GpuTable, capability, load
+from forkbuild.core.pins import Capability, GpuKind, GpuTable, capability
 from forkbuild.core.pytest_runner import Outcome
 
 CASE_LIMIT_S = 600  # seconds: a FlashInfer JIT build and its kernels, or two engines
@@ -92,11 +92,10 @@ def parse_nvidia_smi(csv_text: str, visible: str | None = None) -> list[Capabili
 
 
 def select(
-    capabilities: list[Capability], table: GpuTable | None = None
+    capabilities: list[Capability], table: GpuTable
 ) -> tuple[GpuKind, tuple[str, ...]]:
     """The kind of this machine and the cases it must run. With mixed GPUs the weakest
     decides: a case may land on any of them (TP=2 uses two)."""
-    table = table or load().gpu
     if not capabilities:
         raise ForkError(
             "nvidia-smi listed no GPU", "check the driver with `nvidia-smi -L`"
@@ -130,11 +129,8 @@ def not_run(required: Iterable[str], outcomes: Collection[Outcome]) -> list[str]
     return lines
 
 
-def check_collected(
-    collected: Collection[str], required: Collection[str] | None = None
-) -> None:
+def check_collected(collected: Collection[str], required: Collection[str]) -> None:
     """Every required node id among COLLECTED on CPU: a rename fails here, not later."""
-    required = load().gpu.all_required() if required is None else required
     if missing := sorted(set(required) - set(collected)):
         raise ForkError(
             f"{len(missing)} node id(s) that the nightly GPU job requires are not "

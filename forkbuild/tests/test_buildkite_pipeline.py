@@ -64,16 +64,16 @@ def test_every_nightly_step_has_a_gpu_queue_a_file_to_run_its_reports(monkeypatc
     queues = sorted(step["agents"]["queue"] for step in steps)
     assert queues == sorted(pins.load().gpu.queues), queues
     assert len({step["key"] for step in steps}) == len(steps)
-    assert all(step.get("timeout_in_minutes") for step in steps)
-    for step in steps:  # each command runs a file of this repository
-        interpreter, script = shlex.split(step["command"])
-        assert interpreter == "bash" and (REPO_ROOT / script).is_file(), step["label"]
-    # Its artifacts are the reports in the nightly's output folder.
     monkeypatch.delenv("FORK_NIGHTLY_OUT", raising=False)
     monkeypatch.delenv("VLLM_FORK_BUILD", raising=False)
     default = PurePosixPath(nightly.out_dir().relative_to(REPO_ROOT).as_posix())
-    for step in NIGHTLY["steps"]:
+    for step in steps:
         label = step["label"]
+        assert step.get("timeout_in_minutes"), label
+        # Its command runs a file of this repository, its artifacts are the reports in
+        # the nightly's output folder.
+        interpreter, script = shlex.split(step["command"])
+        assert interpreter == "bash" and (REPO_ROOT / script).is_file(), label
         out = PurePosixPath(step.get("env", {}).get("FORK_NIGHTLY_OUT", default))
         assert not out.is_absolute() and out.is_relative_to(default), (label, out)
         # nightly.py takes a relative FORK_NIGHTLY_OUT from the repository root, which

@@ -119,7 +119,7 @@ NO_IMPORT = "could not import 'flashinfer': No module named 'flashinfer'"
 )
 def test_the_verdict_on_the_gpu_cases_collected(tmp_path, collected, match):
     with pytest.raises(ForkError, match=match) if match else contextlib.nullcontext():
-        cuda_route.check_skipped(collected, tmp_path)
+        cuda_route.check_skipped(collected, tmp_path, required=REQUIRED)
 
 
 def test_the_check_splits_one_run_by_module_its_stub_stays_in_its_folder(fork_pins):

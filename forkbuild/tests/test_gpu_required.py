@@ -24,7 +24,8 @@ SERVE = "forkbuild/tests/test_serve_gpu.py::test_offload_preset_serves_and_reloa
 TABLE = load().gpu
 AMPERE = set(TABLE.kind("Ampere").required(1))
 HOPPER = set(TABLE.kind("Hopper").required(1))
-(TP2,) = set(TABLE.kind("Hopper").required(2)) - HOPPER
+TWO_H100 = set(TABLE.kind("Hopper").required(2))
+(TP2,) = TWO_H100 - HOPPER
 EVERY_CASE = TABLE.all_required()
 
 # Made-up `nvidia-smi --query-gpu=index,uuid,name,compute_cap,memory.total --format=csv`
@@ -37,7 +38,7 @@ T4 = ("Tesla T4", "7.5", "15360 MiB")
 
 
 def _select(csv: str, visible: str | None = None):
-    return gpu_required.select(gpu_required.parse_nvidia_smi(csv, visible))
+    return gpu_required.select(gpu_required.parse_nvidia_smi(csv, visible), TABLE)
 
 
 def uuid(index: int) -> str:
@@ -50,6 +51,24 @@ def _csv(*gpus: tuple[str, str, str]) -> str:
     return HEADER + "".join(rows)
 
 
+# CUDA_VISIBLE_DEVICES on two H100s, and how many GPUs it shows (one: TP=2 is not
+# required).
+VISIBLE = [
+    (None, 2),  # unset: every GPU
+    ("0", 1),  # an agent pinned to one GPU of two
+    ("1", 1),
+    ("1,0", 2),
+    (" 0 , 1 ", 2),
+    ("0,7,1", 1),  # CUDA stops at the first entry that names no GPU
+    ("0,x,1", 1),
+    ("1gpu", 1),  # read like strtoul: the leading number
+    (uuid(1), 1),
+    (uuid(1)[:12], 1),  # an unambiguous UUID prefix
+    (f"{uuid(0)},{uuid(1)[:12]}", 2),
+    (f"{uuid(0)},1", 1),  # a UUID list ends at an entry that is no UUID
+]
+
+
 @pytest.mark.parametrize(
     ("gpus", "visible", "kind", "required"),
     [
@@ -59,43 +78,22 @@ def _csv(*gpus: tuple[str, str, str]) -> str:
         ((A100, A100), None, "Ampere", AMPERE),
         ((H100,), None, "Hopper", HOPPER),
         ((H200,), None, "Hopper", HOPPER),
-        ((H100, H100), None, "Hopper", HOPPER | {TP2}),
         ((H100, A100), None, "Ampere", AMPERE),  # mixed: the weakest GPU decides
         # A100 at index 0, H100 at 1: the agent that sees only the H100 is a Hopper one.
         ((A100, H100), "1", "Hopper", HOPPER),
         ((A100, H100), uuid(0), "Ampere", AMPERE),
+        *(
+            ((H100, H100), v, "Hopper", TWO_H100 if n == 2 else HOPPER)
+            for v, n in VISIBLE
+        ),
     ],
-    ids=["A100", "A10", "2xA100", "H100", "H200", "2xH100", "H100+A100"]
-    + ["A100+H100-sees-H100", "A100+H100-sees-A100"],
 )
-def test_required_cases_per_kind_and_gpu_count(gpus, visible, kind, required):
+def test_required_cases_per_kind_gpu_count_and_visible_devices(
+    gpus, visible, kind, required
+):
     selected, cases = _select(_csv(*gpus), visible)
     assert selected.name == kind
     assert set(cases) == required and len(cases) == len(required)
-
-
-@pytest.mark.parametrize(
-    ("visible", "gpu_count"),
-    [
-        (None, 2),  # unset: every GPU
-        ("0", 1),  # an agent pinned to one GPU of two: TP=2 is not required
-        ("1", 1),
-        ("1,0", 2),
-        (" 0 , 1 ", 2),
-        ("0,7,1", 1),  # CUDA stops at the first entry that names no GPU
-        ("0,x,1", 1),
-        ("1gpu", 1),  # read like strtoul: the leading number
-        (uuid(1), 1),
-        (uuid(1)[:12], 1),  # an unambiguous UUID prefix
-        (f"{uuid(0)},{uuid(1)[:12]}", 2),
-        (f"{uuid(0)},1", 1),  # a UUID list ends at an entry that is no UUID
-    ],
-)
-def test_cuda_visible_devices_decides_the_gpu_count(visible, gpu_count):
-    capabilities = gpu_required.parse_nvidia_smi(_csv(H100, H100), visible)
-    assert capabilities == [(9, 0)] * gpu_count
-    kind, cases = gpu_required.select(capabilities)
-    assert kind.name == "Hopper" and (TP2 in cases) == (gpu_count == 2)
 
 
 UNREADABLE = "did not report the GPUs' index, uuid and compute cap"
@@ -126,13 +124,13 @@ def _conclude(gpus, statuses, reasons=None, *, out) -> str:
     """nightly.conclude with STATUSES split into the job's two pytest runs: the GPU
     tests in the tree, the serve test."""
     kind, required = _select(_csv(*gpus))
-    in_tree = {n: s for n, s in statuses.items() if n != SERVE}
-    runs = (in_tree, {n: s for n, s in statuses.items() if n == SERVE})
-    gpu_tests, serve = (
+    in_tree = dict(statuses)
+    serve = {SERVE: in_tree.pop(SERVE)} if SERVE in in_tree else {}
+    runs = (
         Outcome(run, {n: r for n, r in (reasons or {}).items() if n in run})
-        for run in runs
+        for run in (in_tree, serve)
     )
-    return nightly.conclude(kind, required, gpu_tests, serve, 0, out)
+    return nightly.conclude(kind, required, *runs, 0, out)
 
 
 def test_the_verdict_on_the_required_cases(tmp_path, capsys):
@@ -177,11 +175,11 @@ def test_the_verdict_on_the_required_cases(tmp_path, capsys):
 
 def test_the_gpu_table_and_its_required_node_ids():
     # What testrun checks after collecting the GPU cases (and the tool tests) on CPU.
-    gpu_required.check_collected(EVERY_CASE | {f"{ENGINE}[some-new-case]"})
+    gpu_required.check_collected(EVERY_CASE | {f"{ENGINE}[some-new-case]"}, EVERY_CASE)
     renamed = (EVERY_CASE - {TP2}) | {f"{ENGINE}[FLASH_ATTN-v1-tp2-renamed]"}
     match = r"1 node id.* not collected: .*FLASH_ATTN-v1-tp2\]"
     with pytest.raises(ForkError, match=match):
-        gpu_required.check_collected(renamed)
+        gpu_required.check_collected(renamed, EVERY_CASE)
     # The tree's cases are checked by `make test` after collecting them with vLLM; the
     # serve test is forkbuild's own, so a rename of it fails right here too.
     path, _, name = SERVE.partition("::")
