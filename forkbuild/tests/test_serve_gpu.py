@@ -91,7 +91,7 @@ STOP_S, KILL_S = 120, 30
 GONE = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
 
 
-def _session_table(session: int) -> list[tuple[int, int, str]]:
+def session_table(session: int) -> list[tuple[int, int, str]]:
     """(pid, group, 'PID COMMAND') of each live process of SESSION; no zombies: they
     hold no memory, and a container's PID 1 may never reap an orphan's."""
     found = []
@@ -104,17 +104,12 @@ def _session_table(session: int) -> list[tuple[int, int, str]]:
     return found
 
 
-def session_processes(session: int) -> list[str]:
-    """'PID COMMAND' of each live process of SESSION."""
-    return [described for _, _, described in _session_table(session)]
-
-
 def _signal_session(session: int, sig: signal.Signals) -> None:
     """SIG once to each process of SESSION: its leader's group, then the others (vLLM's
     API server, engine core and workers take SIGTERM as a shutdown request)."""
     with suppress(ProcessLookupError):
         os.killpg(session, sig)
-    for pid, pgrp, _ in _session_table(session):
+    for pid, pgrp, _ in session_table(session):
         if pgrp != session:
             with suppress(ProcessLookupError):
                 os.kill(pid, sig)
@@ -125,7 +120,7 @@ def _wait_session(leader: subprocess.Popen, timeout: float) -> list[str]:
     deadline = time.monotonic() + timeout
     while True:
         leader.poll()  # reap the leader, our child
-        left = session_processes(leader.pid)
+        left = [described for *_, described in session_table(leader.pid)]
         if not left or time.monotonic() >= deadline:
             return left
         time.sleep(0.5)
@@ -155,18 +150,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_healthy(server: subprocess.Popen, port: int, log: Path, limit_s: int) -> None:
-    deadline = time.monotonic() + limit_s
-    while True:
-        assert server.poll() is None, f"server exited: {log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"server not healthy after {limit_s} s"
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
-                return
-        except OSError:
-            time.sleep(2)
-
-
 @contextmanager
 def serving(
     args: list[str], log_path: Path, limit_s: int, **stop: float
@@ -182,8 +165,19 @@ def serving(
     with open(log_path, "w") as log:
         into = {"stdout": log, "stderr": subprocess.STDOUT, "start_new_session": True}
         server = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, **into)
+        deadline = time.monotonic() + limit_s
         try:
-            wait_healthy(server, port, log_path, limit_s)
+            while True:
+                assert server.poll() is None, (
+                    f"server exited: {log_path.read_text()[-3000:]}"
+                )
+                assert time.monotonic() < deadline, f"not healthy after {limit_s} s"
+                with suppress(OSError):
+                    urllib.request.urlopen(
+                        f"http://127.0.0.1:{port}/health", timeout=5
+                    ).close()
+                    break
+                time.sleep(2)
             yield port, server
         finally:
             stop_session(server, **stop)
@@ -205,13 +199,6 @@ def _complete(port: int, prompt: str) -> dict:
     return post(f"http://127.0.0.1:{port}/v1/completions", body, timeout=300)
 
 
-def _two_rounds(port: int) -> list[dict]:
-    with ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(lambda p: _complete(port, p), PROMPTS))  # stores to CPU
-        answers += list(pool.map(lambda p: _complete(port, p), PROMPTS))  # reloads
-    return answers
-
-
 def _kv_cache_reports(port: int) -> list[dict]:
     """Each worker's kv_cache_report through vLLM 0.25.1's dev-mode endpoint
     (entrypoints/serve/dev/rpc/api_router.py): {"results": [one per worker]}."""
@@ -224,10 +211,8 @@ def _packed_kv_cache() -> PackedKVCache:
     generated it) in bfloat16 (serve.command), with ENGINE_ARGS' blocks and backend."""
     config_file = build_dir() / "models" / MODEL_ARGS[1] / "config.json"
     config = json.loads(config_file.read_text())
-    heads = {
-        "num_kv_heads": config["num_key_value_heads"],
-        "head_size": config["head_dim"],
-    }
+    heads = {"num_kv_heads": config["num_key_value_heads"]}
+    heads["head_size"] = config["head_dim"]
     blocks = {"block_size": 16, "dtype_bytes": 2, "num_blocks": GPU_BLOCKS}
     layers = tuple(config["layer_types"])
     return PackedKVCache(backend="FLASH_ATTN", layer_types=layers, **heads, **blocks)
@@ -267,7 +252,9 @@ def _serve(
             check_not_packed(report)
         # cold, nothing else in flight
         alone = _complete(port, PROMPTS[0])["choices"][0]["text"]
-        answers = _two_rounds(port)
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda p: _complete(port, p), PROMPTS))  # stores
+            answers += list(pool.map(lambda p: _complete(port, p), PROMPTS))  # reloads
         moved = _offload_bytes(port) if offload else (0.0, 0.0)
         assert server.poll() is None, f"server died: {log_path.read_text()[-3000:]}"
         # Read before shutdown: what a stopping server logs is not under test.
