@@ -1,12 +1,8 @@
-"""`forkbuild serve --preset offload-47054` on a GPU (the nightly job; skipped
-elsewhere): concurrent greedy completions with KV blocks evicted to CPU and reloaded,
-next to a server without offloading. Random weights let a greedy token flip with the
-batch, so texts are compared only for one request sent alone to each cold server; every
-concurrent request must be answered in full, the offload server must have stored and
-loaded KV bytes, no log may show an error, and each worker's KV cache report
-(offload_round_trip.py, via the dev-mode /collective_rpc) must show packed HND block
-rows on the offload server only (vLLM 0.25.1 logs nothing when it packs). The second
-server starts once every process of the first has exited (its memory profiling)."""
+"""`forkbuild serve --preset offload-47054` on a GPU next to a server without
+offloading (the nightly job, as docs/gpu-nightly.md lists it; skipped elsewhere). Random
+weights let a greedy token flip with the batch: texts are compared only for one request
+sent alone to each cold server. vLLM 0.25.1 logs nothing when it packs: the workers'
+KV cache report (offload_round_trip.py) shows it."""
 
 from __future__ import annotations
 
@@ -130,8 +126,7 @@ def stop_session(
     leader: subprocess.Popen, stop_s: float = STOP_S, kill_s: float = KILL_S
 ) -> None:
     """Stop LEADER's session (start_new_session=True), returning once it is empty:
-    SIGTERM, SIGKILL after STOP_S, a failure naming what is left KILL_S later. Engine
-    cores and workers may outlive LEADER holding GPU memory, which fails the next
+    engine cores and workers may outlive LEADER holding GPU memory, which fails the next
     server's memory profiling (gpu_worker.py, `init_snapshot.free_memory >= ...`)."""
     _signal_session(leader.pid, signal.SIGTERM)
     if left := _wait_session(leader, stop_s):
