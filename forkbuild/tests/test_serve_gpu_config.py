@@ -130,7 +130,7 @@ def start_tree():
     started: list[subprocess.Popen] = []
 
     def start(ignore_term: bool = False) -> tuple[subprocess.Popen, int]:
-        script = "trap '' TERM; " * ignore_term + SERVER
+        script = ("trap '' TERM; " if ignore_term else "") + SERVER
         into = {"stdout": subprocess.PIPE, "start_new_session": True}
         parent = subprocess.Popen(["sh", "-c", script], **into)
         started.append(parent)
