@@ -22,6 +22,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from forkbuild.core import preflight
 from forkbuild.core.pins import REPO_ROOT, build_dir
@@ -213,21 +214,17 @@ def _packed_kv_cache() -> PackedKVCache:
     return PackedKVCache(backend="FLASH_ATTN", layer_types=layers, **heads, **blocks)
 
 
-def _counter(metrics: str, name: str) -> float:
-    # prometheus_client exposes a Counter named N as N_total; sum over its label sets.
-    pattern = rf"^{re.escape(name)}_total(?:\{{[^}}]*\}})? (\S+)$"
-    return sum(float(value) for value in re.findall(pattern, metrics, re.MULTILINE))
-
-
 def _offload_bytes(port: int) -> tuple[float, float]:
     """(loaded, stored) bytes from /metrics; waits for stores after the last answer."""
     deadline = time.monotonic() + 60
     while True:
         url = f"http://127.0.0.1:{port}/metrics"
         with urllib.request.urlopen(url, timeout=10) as resp:
-            metrics = resp.read().decode()
-        loaded = _counter(metrics, "vllm:kv_offload_load_bytes")
-        stored = _counter(metrics, "vllm:kv_offload_store_bytes")
+            families = text_string_to_metric_families(resp.read().decode())
+        # Each counter's N_total samples, summed over its label sets.
+        total = {f.name: sum(s.value for s in f.samples) for f in families}
+        loaded = total.get("vllm:kv_offload_load_bytes", 0.0)
+        stored = total.get("vllm:kv_offload_store_bytes", 0.0)
         if (loaded > 0 and stored > 0) or time.monotonic() > deadline:
             return loaded, stored
         time.sleep(2)
