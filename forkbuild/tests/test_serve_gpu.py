@@ -57,12 +57,11 @@ pytestmark = [
     ),
 ]
 
-# A small GPU cache, many distinct long prompts, two rounds: round 1's blocks are
-# evicted, round 2 reloads them from CPU. vLLM 0.25.1 starts only if one request of
-# --max-model-len fits the override (kv_cache_utils.py): at block size 16 the full group
-# needs cdiv(1024, 16) = 64 blocks, the sliding one cdiv(min(127 + batched tokens (>=
-# 2048 by default), 1024), 16) + 1 = 65: >= 129 (96 stops both servers). 16 prompts of
-# 758-799 tokens need ~770 blocks. test_serve_gpu_config.py checks this on CPU.
+# A small GPU cache, 16 distinct prompts of 758-799 tokens (~770 blocks), two rounds:
+# round 1's blocks are evicted, round 2 reloads them from CPU. vLLM 0.25.1 starts only
+# if one --max-model-len request fits (kv_cache_utils.py): cdiv(1024, 16) = 64 full
+# blocks + cdiv(min(127 + batched tokens (>= 2048), 1024), 16) + 1 = 65 sliding ones;
+# 96 stops both servers. test_serve_gpu_config.py checks this on CPU.
 GPU_BLOCKS = 129
 # --block-size 16 is FLASH_ATTN's pick on CUDA; explicit, the CPU check plans the same
 # blocks. Both servers use the preset's backend (the cold texts: the same kernels); the

@@ -47,8 +47,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _engine_config(model: Path, server: list[str], blocks: int) -> VllmConfig:
     """The config `vllm serve` builds from the command forkbuild serve runs in the GPU
     test, with BLOCKS for its --num-gpu-blocks-override."""
-    at = ENGINE_ARGS.index("--num-gpu-blocks-override") + 1
-    engine_args = [*ENGINE_ARGS[:at], str(blocks), *ENGINE_ARGS[at + 1 :]]
+    engine_args = [*ENGINE_ARGS, "--num-gpu-blocks-override", str(blocks)]  # last wins
     fork_parser = argparse.ArgumentParser()
     serve.add_arguments(fork_parser)
     fork_args = fork_parser.parse_args([*MODEL_ARGS, *server, "--", *engine_args])
