@@ -67,15 +67,9 @@ def _html(text: str) -> list[tuple[int, _HtmlTargets]]:
     return [(line, _HtmlTargets(token.content)) for line, token in html]
 
 
-def github_anchor(heading: str) -> str:
-    """The id GitHub gives a heading (github-slugger's rules)."""
-    tokens = _MARKDOWN.parse(f"# {heading}")
-    return next(t.attrs["id"] for t in tokens if t.type == "heading_open")
-
-
-def anchors(path: Path) -> set[str]:
-    """PATH's heading ids (repeats numbered x, x-1, ... as GitHub), HTML anchors."""
-    text = path.read_text()
+def anchors(text: str) -> set[str]:
+    """TEXT's heading ids (GitHub's: github-slugger's rules, repeats numbered x, x-1,
+    ...) and HTML anchors."""
     ids = {t.attrs["id"] for _, t in _tokens(text) if t.type == "heading_open"}
     return ids.union(*(html.anchors for _, html in _html(text)))
 
@@ -105,7 +99,7 @@ def _link_problem(root: Path, doc: Path, target: str) -> str | None:
     if not dest.exists():
         return "no such file"
     if fragment and dest.suffix == ".md":
-        if unquote(fragment) not in anchors(dest):
+        if unquote(fragment) not in anchors(dest.read_text()):
             return f"no heading #{fragment} in {dest.relative_to(root.resolve())}"
     elif fragment and not re.fullmatch(r"L\d+(-L\d+)?", fragment):
         return f"#{fragment} names no line of a file that is not Markdown"
@@ -216,18 +210,15 @@ ANCHORS = {
     AFFECTED: "who-is-affected-the-connectors-that-reach-the-packed-reshape",
     "Set-up and the [locks](x.md)": "set-up-and-the-locks",
 }
+PAGES = [(f"# {heading}", {anchor}) for heading, anchor in ANCHORS.items()]
+# Repeated headings are numbered; code holds no heading.
+REPEATED = "# Title\n\n## Notes\n\n```console\n# not a heading\n```\n\n## Notes ##\n"
+PAGES.append((REPEATED, {"title", "notes", "notes-1"}))
 
 
-@pytest.mark.parametrize(("heading", "anchor"), ANCHORS.items())
-def test_github_anchor_rules_for_docs_headings(heading, anchor):
-    assert github_anchor(heading) == anchor
-
-
-def test_repeated_headings_are_numbered_and_code_is_no_heading(tmp_path):
-    page = tmp_path / "page.md"
-    code = "```console\n# not a heading\n```"
-    page.write_text(f"# Title\n\n## Notes\n\n{code}\n\n## Notes ##\n")
-    assert anchors(page) == {"title", "notes", "notes-1"}
+@pytest.mark.parametrize(("text", "ids"), PAGES)
+def test_github_anchor_rules_for_docs_headings(text, ids):
+    assert anchors(text) == ids
 
 
 def _copy_docs(tmp_path: Path) -> Path:

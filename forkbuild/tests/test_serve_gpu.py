@@ -1,12 +1,8 @@
-"""`forkbuild serve --preset offload-47054` on a GPU (the nightly job; skipped
-elsewhere): concurrent greedy completions with KV blocks evicted to CPU and reloaded,
-next to a server without offloading. Random weights let a greedy token flip with the
-batch, so texts are compared only for one request sent alone to each cold server; every
-concurrent request must be answered in full, the offload server must have stored and
-loaded KV bytes, no log may show an error, and each worker's KV cache report
-(offload_round_trip.py, via the dev-mode /collective_rpc) must show packed HND block
-rows on the offload server only (vLLM 0.25.1 logs nothing when it packs). The second
-server starts once every process of the first has exited (its memory profiling)."""
+"""`forkbuild serve --preset offload-47054` on a GPU next to a server without
+offloading (the nightly job, as docs/gpu-nightly.md lists it; skipped elsewhere). Random
+weights let a greedy token flip with the batch: texts are compared only for one request
+sent alone to each cold server. vLLM 0.25.1 logs nothing when it packs: the workers'
+KV cache report (offload_round_trip.py) shows it."""
 
 from __future__ import annotations
 
@@ -26,8 +22,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from forkbuild.core import preflight
 from forkbuild.core.pins import REPO_ROOT, build_dir
 from tests.v1.worker.offload_round_trip import (
     KV_CACHE_INSPECTION,
@@ -48,24 +44,21 @@ def _compute_capability() -> tuple[int, int]:
     try:
         out = subprocess.run(query, capture_output=True, text=True).stdout
         return min(required.parse_nvidia_smi(out, visible))
-    except Exception:  # no GPU, no nvidia-smi or none visible: the other skip decides
+    except Exception:  # no GPU, no nvidia-smi or none visible
         return (0, 0)
 
 
-pytestmark = [
-    pytest.mark.skipif(not preflight.has_nvidia_gpu(), reason="needs an NVIDIA GPU"),
-    pytest.mark.skipif(
-        preflight.has_nvidia_gpu() and _compute_capability() < (9, 0),
-        reason="the preset's FLASH_ATTN serves GPT-OSS only with FA3 (Hopper or newer)",
-    ),
-]
+pytestmark = pytest.mark.skipif(
+    _compute_capability() < (9, 0),
+    reason="needs an NVIDIA GPU with FA3 (Hopper or newer): the preset's FLASH_ATTN "
+    "serves GPT-OSS only with it",
+)
 
-# A small GPU cache, many distinct long prompts, two rounds: round 1's blocks are
-# evicted, round 2 reloads them from CPU. vLLM 0.25.1 starts only if one request of
-# --max-model-len fits the override (kv_cache_utils.py): at block size 16 the full group
-# needs cdiv(1024, 16) = 64 blocks, the sliding one cdiv(min(127 + batched tokens (>=
-# 2048 by default), 1024), 16) + 1 = 65: >= 129 (96 stops both servers). 16 prompts of
-# 758-799 tokens need ~770 blocks. test_serve_gpu_config.py checks this on CPU.
+# A small GPU cache, 16 distinct prompts of 758-799 tokens (~770 blocks), two rounds:
+# round 1's blocks are evicted, round 2 reloads them from CPU. vLLM 0.25.1 starts only
+# if one --max-model-len request fits (kv_cache_utils.py): cdiv(1024, 16) = 64 full
+# blocks + cdiv(min(127 + batched tokens (>= 2048), 1024), 16) + 1 = 65 sliding ones;
+# 96 stops both servers. test_serve_gpu_config.py checks this on CPU.
 GPU_BLOCKS = 129
 # --block-size 16 is FLASH_ATTN's pick on CUDA; explicit, the CPU check plans the same
 # blocks. Both servers use the preset's backend (the cold texts: the same kernels); the
@@ -91,7 +84,7 @@ STOP_S, KILL_S = 120, 30
 GONE = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
 
 
-def _session_table(session: int) -> list[tuple[int, int, str]]:
+def session_table(session: int) -> list[tuple[int, int, str]]:
     """(pid, group, 'PID COMMAND') of each live process of SESSION; no zombies: they
     hold no memory, and a container's PID 1 may never reap an orphan's."""
     found = []
@@ -104,17 +97,12 @@ def _session_table(session: int) -> list[tuple[int, int, str]]:
     return found
 
 
-def session_processes(session: int) -> list[str]:
-    """'PID COMMAND' of each live process of SESSION."""
-    return [described for _, _, described in _session_table(session)]
-
-
 def _signal_session(session: int, sig: signal.Signals) -> None:
     """SIG once to each process of SESSION: its leader's group, then the others (vLLM's
     API server, engine core and workers take SIGTERM as a shutdown request)."""
     with suppress(ProcessLookupError):
         os.killpg(session, sig)
-    for pid, pgrp, _ in _session_table(session):
+    for pid, pgrp, _ in session_table(session):
         if pgrp != session:
             with suppress(ProcessLookupError):
                 os.kill(pid, sig)
@@ -125,7 +113,7 @@ def _wait_session(leader: subprocess.Popen, timeout: float) -> list[str]:
     deadline = time.monotonic() + timeout
     while True:
         leader.poll()  # reap the leader, our child
-        left = session_processes(leader.pid)
+        left = [described for *_, described in session_table(leader.pid)]
         if not left or time.monotonic() >= deadline:
             return left
         time.sleep(0.5)
@@ -135,8 +123,7 @@ def stop_session(
     leader: subprocess.Popen, stop_s: float = STOP_S, kill_s: float = KILL_S
 ) -> None:
     """Stop LEADER's session (start_new_session=True), returning once it is empty:
-    SIGTERM, SIGKILL after STOP_S, a failure naming what is left KILL_S later. Engine
-    cores and workers may outlive LEADER holding GPU memory, which fails the next
+    engine cores and workers may outlive LEADER holding GPU memory, which fails the next
     server's memory profiling (gpu_worker.py, `init_snapshot.free_memory >= ...`)."""
     _signal_session(leader.pid, signal.SIGTERM)
     if left := _wait_session(leader, stop_s):
@@ -155,18 +142,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_healthy(server: subprocess.Popen, port: int, log: Path, limit_s: int) -> None:
-    deadline = time.monotonic() + limit_s
-    while True:
-        assert server.poll() is None, f"server exited: {log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"server not healthy after {limit_s} s"
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
-                return
-        except OSError:
-            time.sleep(2)
-
-
 @contextmanager
 def serving(
     args: list[str], log_path: Path, limit_s: int, **stop: float
@@ -182,8 +157,19 @@ def serving(
     with open(log_path, "w") as log:
         into = {"stdout": log, "stderr": subprocess.STDOUT, "start_new_session": True}
         server = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, **into)
+        deadline = time.monotonic() + limit_s
         try:
-            wait_healthy(server, port, log_path, limit_s)
+            while True:
+                assert server.poll() is None, (
+                    f"server exited: {log_path.read_text()[-3000:]}"
+                )
+                assert time.monotonic() < deadline, f"not healthy after {limit_s} s"
+                with suppress(OSError):
+                    urllib.request.urlopen(
+                        f"http://127.0.0.1:{port}/health", timeout=5
+                    ).close()
+                    break
+                time.sleep(2)
             yield port, server
         finally:
             stop_session(server, **stop)
@@ -205,13 +191,6 @@ def _complete(port: int, prompt: str) -> dict:
     return post(f"http://127.0.0.1:{port}/v1/completions", body, timeout=300)
 
 
-def _two_rounds(port: int) -> list[dict]:
-    with ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(lambda p: _complete(port, p), PROMPTS))  # stores to CPU
-        answers += list(pool.map(lambda p: _complete(port, p), PROMPTS))  # reloads
-    return answers
-
-
 def _kv_cache_reports(port: int) -> list[dict]:
     """Each worker's kv_cache_report through vLLM 0.25.1's dev-mode endpoint
     (entrypoints/serve/dev/rpc/api_router.py): {"results": [one per worker]}."""
@@ -224,19 +203,11 @@ def _packed_kv_cache() -> PackedKVCache:
     generated it) in bfloat16 (serve.command), with ENGINE_ARGS' blocks and backend."""
     config_file = build_dir() / "models" / MODEL_ARGS[1] / "config.json"
     config = json.loads(config_file.read_text())
-    heads = {
-        "num_kv_heads": config["num_key_value_heads"],
-        "head_size": config["head_dim"],
-    }
+    heads = {"num_kv_heads": config["num_key_value_heads"]}
+    heads["head_size"] = config["head_dim"]
     blocks = {"block_size": 16, "dtype_bytes": 2, "num_blocks": GPU_BLOCKS}
     layers = tuple(config["layer_types"])
     return PackedKVCache(backend="FLASH_ATTN", layer_types=layers, **heads, **blocks)
-
-
-def _counter(metrics: str, name: str) -> float:
-    # prometheus_client exposes a Counter named N as N_total; sum over its label sets.
-    pattern = rf"^{re.escape(name)}_total(?:\{{[^}}]*\}})? (\S+)$"
-    return sum(float(value) for value in re.findall(pattern, metrics, re.MULTILINE))
 
 
 def _offload_bytes(port: int) -> tuple[float, float]:
@@ -245,9 +216,11 @@ def _offload_bytes(port: int) -> tuple[float, float]:
     while True:
         url = f"http://127.0.0.1:{port}/metrics"
         with urllib.request.urlopen(url, timeout=10) as resp:
-            metrics = resp.read().decode()
-        loaded = _counter(metrics, "vllm:kv_offload_load_bytes")
-        stored = _counter(metrics, "vllm:kv_offload_store_bytes")
+            families = text_string_to_metric_families(resp.read().decode())
+        # Each counter's N_total samples, summed over its label sets.
+        total = {f.name: sum(s.value for s in f.samples) for f in families}
+        loaded = total.get("vllm:kv_offload_load_bytes", 0.0)
+        stored = total.get("vllm:kv_offload_store_bytes", 0.0)
         if (loaded > 0 and stored > 0) or time.monotonic() > deadline:
             return loaded, stored
         time.sleep(2)
@@ -267,7 +240,9 @@ def _serve(
             check_not_packed(report)
         # cold, nothing else in flight
         alone = _complete(port, PROMPTS[0])["choices"][0]["text"]
-        answers = _two_rounds(port)
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda p: _complete(port, p), PROMPTS))  # stores
+            answers += list(pool.map(lambda p: _complete(port, p), PROMPTS))  # reloads
         moved = _offload_bytes(port) if offload else (0.0, 0.0)
         assert server.poll() is None, f"server died: {log_path.read_text()[-3000:]}"
         # Read before shutdown: what a stopping server logs is not under test.

@@ -10,12 +10,10 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from contextlib import suppress
 from pathlib import Path
 
-import psutil
 import pytest
 
 from forkbuild.serve import server as serve
@@ -49,8 +47,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _engine_config(model: Path, server: list[str], blocks: int) -> VllmConfig:
     """The config `vllm serve` builds from the command forkbuild serve runs in the GPU
     test, with BLOCKS for its --num-gpu-blocks-override."""
-    at = ENGINE_ARGS.index("--num-gpu-blocks-override") + 1
-    engine_args = [*ENGINE_ARGS[:at], str(blocks), *ENGINE_ARGS[at + 1 :]]
+    engine_args = [*ENGINE_ARGS, "--num-gpu-blocks-override", str(blocks)]  # last wins
     fork_parser = argparse.ArgumentParser()
     serve.add_arguments(fork_parser)
     fork_args = fork_parser.parse_args([*MODEL_ARGS, *server, "--", *engine_args])
@@ -120,44 +117,21 @@ def test_too_few_gpu_blocks_are_refused(server, blocks, tiny_model, offline):
         _plan(config)
 
 
-# A server in miniature: a parent that starts its own program as a child and sleeps.
-# The child prints "ready" once set up (with "ignore-term": ignoring SIGTERM, as a stuck
-# engine core would), and the parent then prints the child's pid.
-TREE = textwrap.dedent("""
-    import signal, subprocess, sys, time
-    if sys.argv[1] == "child":
-        if "ignore-term" in sys.argv:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        print("ready", flush=True)
-    else:
-        program, *rest = sys.argv[1:]
-        argv = [sys.executable, "-c", program, "child", *rest]
-        child = subprocess.Popen(argv, stdout=subprocess.PIPE)
-        assert child.stdout.readline().strip() == b"ready"
-        print(child.pid, flush=True)
-    time.sleep(300)
-""")
-
-
-def _alive(pid: int) -> bool:
-    """PID runs (a zombie does not: it waits only to be reaped)."""
-    with suppress(psutil.Error):
-        return psutil.Process(pid).status() not in test_serve_gpu.GONE
-    return False
+# A server in miniature: a shell that starts a child, prints its pid and waits (with
+# ignore_term: both ignore SIGTERM, as a stuck engine core would).
+SERVER = "sleep 300 & echo $!; wait"
 
 
 @pytest.fixture
 def start_tree():
-    """Start the parent in a session of its own, as _server starts a server; return it
+    """Start the parent in a session of its own, as serving starts a server; return it
     and its child's pid. What a test started is killed at its end whatever happened."""
     started: list[subprocess.Popen] = []
 
-    def start(*child_args: str) -> tuple[subprocess.Popen, int]:
-        parent = subprocess.Popen(
-            [sys.executable, "-c", TREE, TREE, *child_args],
-            stdout=subprocess.PIPE,
-            start_new_session=True,
-        )
+    def start(ignore_term: bool = False) -> tuple[subprocess.Popen, int]:
+        script = ("trap '' TERM; " if ignore_term else "") + SERVER
+        into = {"stdout": subprocess.PIPE, "start_new_session": True}
+        parent = subprocess.Popen(["sh", "-c", script], **into)
         started.append(parent)
         return parent, int(parent.stdout.readline())
 
@@ -175,22 +149,20 @@ def test_stop_session_waits_for_the_servers_children(start_tree):
     # server), so waiting for the parent's pid is not waiting for the server.
     os.kill(parent.pid, signal.SIGTERM)
     parent.wait(timeout=30)
-    assert _alive(child)
-    left = test_serve_gpu.session_processes(parent.pid)
-    assert [p.split()[0] for p in left] == [str(child)]
+    # the child alone runs (session_table counts no zombie)
+    assert [pid for pid, *_ in test_serve_gpu.session_table(parent.pid)] == [child]
 
     test_serve_gpu.stop_session(parent, stop_s=30, kill_s=10)
-    assert not _alive(child)
-    assert test_serve_gpu.session_processes(parent.pid) == []
+    assert test_serve_gpu.session_table(parent.pid) == []
 
 
 def test_stop_session_kills_what_ignores_sigterm(start_tree):
-    parent, child = start_tree("ignore-term")
+    parent, child = start_tree(ignore_term=True)
     started = time.monotonic()
     test_serve_gpu.stop_session(parent, stop_s=2, kill_s=10)
     assert time.monotonic() - started >= 2  # SIGTERM did not end the child
-    assert not _alive(child) and parent.poll() is not None
-    assert test_serve_gpu.session_processes(parent.pid) == []
+    assert parent.poll() is not None
+    assert test_serve_gpu.session_table(parent.pid) == []
 
 
 def test_stop_session_fails_naming_what_is_left(start_tree, monkeypatch):
@@ -201,5 +173,4 @@ def test_stop_session_fails_naming_what_is_left(start_tree, monkeypatch):
         test_serve_gpu.stop_session(parent, stop_s=0.5, kill_s=0.5)
     message = str(failure.value)
     assert f"session {parent.pid}" in message and "after SIGKILL" in message
-    for pid in (parent.pid, child):
-        assert f"{pid} {sys.executable} -c" in message
+    assert f"{parent.pid} sh -c" in message and f"{child} sleep 300" in message
