@@ -2,8 +2,6 @@
 every [matrix] release (docs/upstream-alignment.md); a patch that claims nothing is
 carried, and the report says where it would apply, so a rebase knows what to drop."""
 
-from __future__ import annotations
-
 import email
 import json
 import subprocess

@@ -1,7 +1,5 @@
 """Read fork.toml, the fork's single pinned source of truth."""
 
-from __future__ import annotations
-
 import os
 import tomllib
 from collections.abc import Callable
@@ -68,7 +66,7 @@ class Pins:
     gpu_tests: tuple[str, ...]
     cuda_route_tests: tuple[str, ...] = ()  # run only on the CUDA build without a GPU
     releases: tuple[Release, ...] = ()
-    gpu: GpuTable | None = None  # fork.toml [gpu]
+    gpu: "GpuTable | None" = None  # fork.toml [gpu], defined below
 
     @property
     def regression_tests(self) -> tuple[str, ...]:  # every patch's, fork.toml's order

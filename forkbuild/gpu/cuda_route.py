@@ -1,8 +1,6 @@
 """The CUDA route checked without a GPU (in `make test`), through a driver stub: most of
 what can break in the nightly is not the GPU. What it checks: docs/tests.md, step 2."""
 
-from __future__ import annotations
-
 import json
 import os
 import sys

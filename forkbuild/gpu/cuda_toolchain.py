@@ -1,8 +1,6 @@
 """The CUDA lock's toolchain for the nightly and the CUDA route check: its pins, the
 host compilers, CUDA_HOME, FlashInfer's link names, the JIT probe."""
 
-from __future__ import annotations
-
 import json
 import os
 import shlex

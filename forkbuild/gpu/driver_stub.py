@@ -4,8 +4,6 @@ GPU and a CUDA op called with CPU tensors stops at the dispatcher. Only under
 build/cuda-route, never in a wheel, a venv or on a GPU host. `python -m
 forkbuild.gpu.driver_stub TREE OUT_DIR` in the CUDA venv (pyelftools)."""
 
-from __future__ import annotations
-
 import re
 import shutil
 import subprocess

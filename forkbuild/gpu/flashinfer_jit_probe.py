@@ -2,8 +2,6 @@
 minutes of nvcc): `python -m forkbuild.gpu.flashinfer_jit_probe WORK`, in the CUDA venv
 with toolchain_env, prints probe()'s report as one JSON line."""
 
-from __future__ import annotations
-
 import itertools
 import json
 import os

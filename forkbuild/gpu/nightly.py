@@ -2,8 +2,6 @@
 the serve test and the offload benchmark on the CUDA route. A required case that skipped
 or is absent fails the job (required.py): a skip is how a missing kernel shows."""
 
-from __future__ import annotations
-
 import json
 import os
 import subprocess

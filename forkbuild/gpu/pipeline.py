@@ -2,8 +2,6 @@
 pipeline's steps (one per agent queue) and the GPU kinds' prose of README.md, the
 pipeline and docs/gpu-nightly.md."""
 
-from __future__ import annotations
-
 import textwrap
 
 import yaml

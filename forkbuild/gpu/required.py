@@ -3,8 +3,6 @@ GPU case skips itself when a kernel is missing, so a broken FA3 install would le
 job green: a required case's skip or absence fails it with pytest's reason. Standard
 library only: the GPU bundle's runner imports it."""
 
-from __future__ import annotations
-
 import csv
 import io
 import re

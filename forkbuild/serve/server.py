@@ -4,8 +4,6 @@ two KV cache groups, and whose ChatML template answers /v1/chat/completions (the
 GPT-OSS cannot: NO_CHAT). --preset offload-47054: vLLM issue #47054's cross-layer CPU KV
 offloading on FlashAttention, with prefix caching and the hybrid KV cache manager."""
 
-from __future__ import annotations
-
 import argparse
 import difflib
 import json

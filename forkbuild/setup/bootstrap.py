@@ -3,8 +3,6 @@
 (VLLM_FORK_TOOLS, default $VLLM_FORK_BUILD/tools) holding exactly locks/tools-pyXY.txt,
 verified inside itself, and re-executes the same command there."""
 
-from __future__ import annotations
-
 import csv
 import fcntl
 import functools

@@ -1,8 +1,6 @@
 """Bytecode kept between venvs and trees (docs/setup-and-locks.md#bytecode): safe, as a
 .pyc records its source's mtime and size and Python renames a new one over an old."""
 
-from __future__ import annotations
-
 import os
 import shutil
 import sys

@@ -2,8 +2,6 @@
 <cache>/artifacts only once their sha256 matched: an interrupted or tampered download
 never looks like a good one."""
 
-from __future__ import annotations
-
 import os
 import shutil
 import tempfile

@@ -2,8 +2,6 @@
 patched tree on vLLM's precompiled binaries (VLLM_PRECOMPILED_WHEEL_LOCATION names the
 verified local wheel: unset, vLLM 0.25.1's setup.py fetches a nightly one instead)."""
 
-from __future__ import annotations
-
 import json
 import os
 import re

@@ -1,8 +1,6 @@
 """What `import vllm` gives in a venv, run in the tree (first on sys.path): one JSON
 line (the package, its version, platform, fixed module), or with `origin` its path."""
 
-from __future__ import annotations
-
 import importlib.metadata
 import json
 import sys

@@ -4,8 +4,6 @@ environment to check (with the driver stub where there is none): loads every
 RECORD's sha256, against ROOT's torch. Prints one JSON line: what loaded, what failed
 and why, those for other Pythons, whether torch sees a GPU, the kernel test's ops."""
 
-from __future__ import annotations
-
 import base64
 import csv
 import hashlib

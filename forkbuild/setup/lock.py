@@ -1,8 +1,6 @@
 """`forkbuild lock`: the hash-locked environments (docs/setup-and-locks.md#the-locks),
 each with a digest of its inputs: an install refuses a lock whose inputs changed."""
 
-from __future__ import annotations
-
 import importlib.metadata
 import sys
 import tempfile

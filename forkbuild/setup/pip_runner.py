@@ -1,8 +1,6 @@
 """Run pip with the machine's own pip configuration; never name an index here. pip only
 downloads (uv, the one installer, has no download command): the pinned files and uv."""
 
-from __future__ import annotations
-
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path

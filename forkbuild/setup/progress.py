@@ -1,7 +1,5 @@
 """A download's bytes so far, shown with rich (not the stdlib-only bootstrap's)."""
 
-from __future__ import annotations
-
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress

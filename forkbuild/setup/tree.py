@@ -3,8 +3,6 @@ release as published), a commit per patch of patches/series (git am), HEAD "fork
 overlay the fork's tests": `git diff v0.25.1` is what the fork changes. Built in a
 temporary folder renamed into place, with fixed commit dates (same inputs, commits)."""
 
-from __future__ import annotations
-
 import os
 import shutil
 import subprocess

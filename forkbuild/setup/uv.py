@@ -1,8 +1,6 @@
 """uv, the fork's one installer, as fork.toml pins it: extracted from its sha256-checked
 wheel, held to its RECORD; its cache, offline first (docs/setup-and-locks.md)."""
 
-from __future__ import annotations
-
 import importlib.util
 import os
 import re

@@ -3,8 +3,6 @@ built from a clean clone of the tree (the dev tree holds the editable install's 
 binaries; not a `git archive` export: ~40 files of package data reach the wheel only as
 files git tracks). verify_wheel holds it to the official wheel file by file."""
 
-from __future__ import annotations
-
 import email.message
 import email.parser
 import os

@@ -2,8 +2,6 @@
 #47054 configuration runs: each differing audited file has a row in its table
 (rebase.unsorted_files, shown to fail on a broken copy)."""
 
-from __future__ import annotations
-
 import io
 import tarfile
 from pathlib import Path

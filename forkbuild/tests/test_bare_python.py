@@ -2,8 +2,6 @@
 standard library until the tool environment exists, gets uv without pip, and a step
 makes only what it uses. The help says what each step does and which options it has."""
 
-from __future__ import annotations
-
 import json
 import os
 import shlex

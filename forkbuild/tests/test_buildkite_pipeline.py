@@ -1,8 +1,6 @@
 """The nightly GPU and the CI pipeline against Buildkite's schema (buildkite-sdk), and
 what it cannot know: command files, artifacts and the download cache are where used."""
 
-from __future__ import annotations
-
 import fnmatch
 import json
 import re

@@ -1,8 +1,6 @@
 """What Python compiled in one venv reaches the next fresh one made from the same files,
 and Python itself still decides whether it is used."""
 
-from __future__ import annotations
-
 import os
 import shutil
 import subprocess

@@ -2,8 +2,6 @@
 touches anything, the driver stub is made from the symbols an extension imports, and
 the check's verdicts on the GPU tests' collection."""
 
-from __future__ import annotations
-
 import contextlib
 import os
 import shutil

@@ -1,8 +1,6 @@
 """README and docs/: links reach files and headings (GitHub's ids), each `make TARGET`
 exists, the README links every page, stays short; `make help` names variables, logs."""
 
-from __future__ import annotations
-
 import itertools
 import re
 import shlex

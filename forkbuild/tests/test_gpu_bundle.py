@@ -2,8 +2,6 @@
 into parts, the required-case table it shares with the nightly, and a small bundle in
 the real format, made by the builder and unpacked by the bundle's own run.sh."""
 
-from __future__ import annotations
-
 import contextlib
 import dataclasses
 import io

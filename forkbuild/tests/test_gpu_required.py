@@ -1,8 +1,6 @@
 """The nightly GPU job's verdict: the cases each GPU kind and count must run, and a skip
 or absence of one fails the job with its reason (synthetic pytest outcomes)."""
 
-from __future__ import annotations
-
 import importlib
 import json
 

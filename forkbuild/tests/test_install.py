@@ -1,8 +1,6 @@
 """The install: the per-ISA kernels vLLM's precompiled install leaves out reach the
 tree, overwriting nothing; "up to date" holds for the venv and the tree together."""
 
-from __future__ import annotations
-
 import json
 import shutil
 import tomllib

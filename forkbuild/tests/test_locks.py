@@ -1,8 +1,6 @@
 """The hash-locked environments: locks current, the venv equal to its lock, a bad hash
 refused with both hashes and no half venv, xfails counted as xfails."""
 
-from __future__ import annotations
-
 import dataclasses
 import shutil
 import subprocess

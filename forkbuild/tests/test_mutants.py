@@ -3,8 +3,6 @@ release's own tests and the PRs' cases, and undone; a PR is credited only with w
 release's tests miss; a survivor nothing kills, a PR that kills nothing new, or a mutant
 that no longer matches the release's code stops the step."""
 
-from __future__ import annotations
-
 import dataclasses
 import os
 import sys

@@ -3,8 +3,6 @@ install, the GPU runs' environment after it, runs stopped at their limit that st
 leave a summary, and the job's order with the GPU, the install and the runs faked. Fake
 venvs and PATHs; the limited runs are tiny projects."""
 
-from __future__ import annotations
-
 import dataclasses
 import json
 import os

@@ -1,8 +1,6 @@
 """The offload benchmark fails when a figure it reports is zero or missing (checked on
 synthetic reports: the benchmark itself needs a GPU)."""
 
-from __future__ import annotations
-
 import copy
 import runpy
 from types import SimpleNamespace

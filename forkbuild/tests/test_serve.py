@@ -1,7 +1,5 @@
 """`forkbuild serve` end to end: refusals come at once; the embedded model answers."""
 
-from __future__ import annotations
-
 import json
 import re
 import shlex

@@ -4,8 +4,6 @@ weights let a greedy token flip with the batch: texts are compared only for one 
 sent alone to each cold server. vLLM 0.25.1 logs nothing when it packs: the workers'
 KV cache report (offload_round_trip.py) shows it."""
 
-from __future__ import annotations
-
 import json
 import os
 import re

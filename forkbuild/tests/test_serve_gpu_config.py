@@ -3,8 +3,6 @@ cache check, on CPU: an argument vLLM rejects, or a --num-gpu-blocks-override to
 for one request of --max-model-len, fails here, not in the nightly GPU job. Also the
 helper that waits for every process of one server before the next starts."""
 
-from __future__ import annotations
-
 import argparse
 import os
 import signal

@@ -2,8 +2,6 @@
 inputs give the same commits; a stopped or failed build leaves no tree (Ctrl-C beside
 the venv included); the sdist unpacked as data where tarfile has no "data" filter."""
 
-from __future__ import annotations
-
 import dataclasses
 import io
 import os

@@ -1,7 +1,5 @@
 """patch-status, rebase, upstream: the checks that keep the fork aligned with vLLM."""
 
-from __future__ import annotations
-
 import os
 import shutil
 import subprocess

@@ -1,8 +1,6 @@
 """uv's cache on a disk that fills or cannot be written: refused before uv runs, or said
 in one line that names the folder and VLLM_FORK_CACHE."""
 
-from __future__ import annotations
-
 import os
 import shutil
 import subprocess

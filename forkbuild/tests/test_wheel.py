@@ -1,8 +1,6 @@
 """The distributable wheel carries the fix, and the official one's files but for what
 the patch series changes."""
 
-from __future__ import annotations
-
 import re
 import zipfile
 from pathlib import Path

@@ -2,8 +2,6 @@
 KV cache path (upstream-prs/mutants/<release>/), each applied alone and run against the
 release's tests and the PRs' cases; a PR is worth what it kills that those miss."""
 
-from __future__ import annotations
-
 import contextlib
 import dataclasses
 import hashlib

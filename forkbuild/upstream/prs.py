@@ -2,8 +2,6 @@
 alone on a fresh worktree of the newest [matrix] release, then all together, then by the
 mutants (mutants.py); into dist/upstream/<name>/, signed off by whoever runs it."""
 
-from __future__ import annotations
-
 import json
 import os
 import re

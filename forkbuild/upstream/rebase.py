@@ -3,8 +3,6 @@ tree of a newer release, each patch upstream, applies, refreshed (-3) or conflic
 build/rebase/ with the hashes to pin; --accept (refused on a conflict) moves patches/
 and fork.toml in one step."""
 
-from __future__ import annotations
-
 import copy
 import os
 import re

@@ -4,8 +4,6 @@ the release's Python (the hook needs PyYAML and regex): `python release_ci_jobs.
 TEST_FILE...` prints test file -> the jobs whose commands collect it (label, key,
 device, the command and its `-m` expression: the hook ignores markers)."""
 
-from __future__ import annotations
-
 import json
 import runpy
 import shlex

@@ -1,8 +1,6 @@
 """`make gpu-bundle`: the GPU cases for an air-gapped GPU host, in parts it can take
 (what each part holds, and why: docs/gpu-nightly.md, "On an air-gapped GPU host")."""
 
-from __future__ import annotations
-
 import contextlib
 import hashlib
 import io
@@ -239,7 +237,7 @@ class Component:
             for p, s in sorted(self.files.items())
         ]
 
-    def key(self, codec: Codec) -> str:
+    def key(self, codec: "Codec") -> str:
         """What the archive's bytes depend on: names, contents, modes, the codec."""
         listing = [(path, digest, mode) for path, _, mode, digest in self.members()]
         text = json.dumps([FORMAT, codec.name, codec.filters, codec.chunk, listing])
@@ -394,7 +392,7 @@ class Codec:
     def suffix(self) -> str:
         return ".tar.xz" if self.filters else ".tar"
 
-    def of(self, component: str) -> Codec:
+    def of(self, component: str) -> "Codec":
         """The codec COMPONENT's archive is written with."""
         preset = dict(self.presets).get(component)
         filters = self.filters

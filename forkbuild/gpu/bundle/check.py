@@ -2,8 +2,6 @@
 simulated host's installed offline and run, one package taken out, part 1 alone with its
 stand-ins (docs/gpu-nightly.md, "`make test` checks all of this")."""
 
-from __future__ import annotations
-
 import json
 import os
 import shutil

@@ -8,8 +8,6 @@ run folder's (the tree's) files a session imported, which a GPU host must have
   FORKBUILD_TRACE_IMPORT  modules (comma-separated) to import at the session's end
 """
 
-from __future__ import annotations
-
 import importlib
 import importlib.metadata
 import json

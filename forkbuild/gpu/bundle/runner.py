@@ -8,8 +8,6 @@ the fork modules beside it (run.sh checks them and sets PYTHONPATH), no network:
 What `run` refuses, runs and writes to OUT: docs/gpu-nightly.md, "run.sh OUT".
 """
 
-from __future__ import annotations
-
 import importlib.metadata
 import importlib.util
 import json

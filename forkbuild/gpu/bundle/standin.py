@@ -2,8 +2,6 @@
 (fork.toml [gpu_bundle] stand_in; why: docs/gpu-nightly.md). A pytest plugin (`-p`),
 also loaded by the runner's vLLM probe before vLLM is; the modules: ENV's."""
 
-from __future__ import annotations
-
 import os
 import sys
 import types
