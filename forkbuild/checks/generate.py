@@ -32,7 +32,7 @@ def read_mail(path: Path) -> PatchFacts:
     subject = " ".join(str(message["Subject"]).split())
     if subject.startswith("["):  # [PATCH] or [PATCH n/m]
         subject = subject.split("] ", 1)[1]
-    fields = patch_status.read_patch(path.name, path).fields
+    fields = patch_status.read_patch(path).fields
     numstat = ["git", "apply", "--numstat", str(path)]
     unread = f"{path.name} is no diff git reads"
     done = run_or_fail(numstat, unread, "regenerate it with git format-patch")
