@@ -24,6 +24,7 @@ from forkbuild.core.pytest_runner import Outcome, read_junit, run_pytest
 from forkbuild.setup import tree
 
 MUTANTS_DIR = REPO_ROOT / "upstream-prs" / "mutants"
+TABLE = REPO_ROOT / "upstream-prs" / "mutants-table.template.md"
 # A PR set must prove itself on at least this many breakages the release's tests miss.
 MIN_SURVIVORS = 8
 PrCases = dict[str, tuple[str, ...]]  # each PR's name -> its cases
@@ -340,39 +341,26 @@ def check(rows: list[Row], pr_names: list[str]) -> None:
 
 
 def table(rows: list[Row], pr: str) -> str:
-    """PR's table: the mutants it kills that no triggered CI job catches, then each
-    as a diff, for a reviewer to apply and run both again."""
+    """PR's table (upstream-prs/mutants-table.template.md): the mutants it kills that
+    no triggered CI job catches, then each as a diff, to apply and run both again."""
     listed = [row for row in rows if row.counts and row.by_pr[pr]]
     paths = {r.mutant.path for r in rows if r.by_pr[pr]}
     mine = [r for r in rows if r.mutant.path in paths]
-    caught = sum(1 for r in mine if not r.survivor)
     on_gpu = [r for r in mine if r.survivor and r.mutant.gpu_job]
     names = sorted({t for r in mine for t in r.mutant.tests})
-    tests = ", ".join(f"`{t}`" for t in names)
-    return (
-        "| mutant | file | caught by a CI job that a change to the file triggers "
-        "| killed by this PR |\n| --- | --- | --- | --- |\n"
-        + "".join(
-            f"| {r.mutant.name} | `{r.mutant.path}` | no | {_cases(r.by_pr[pr])} |\n"
-            for r in listed
-        )
-        + f"\nMutants tried on the code these tests cover: {len(mine)}, each one "
-        "change to vLLM's code, applied alone. The release's own tests of that code, "
-        f"as shipped ({tests}), run on CPU, kill {caught} of them. The GPU jobs whose "
-        "`source_file_dependencies` a change to the mutated file triggers were read "
-        "case by case (which cases execute the mutated line, and would they fail): "
-        f"{len(on_gpu)} of the rest would likely be caught there"
-        + "".join(f"; {r.mutant.name}: {r.mutant.gpu_job}" for r in on_gpu)
-        + ". The table lists the others that this PR kills.\n\n<details>\n"
-        "<summary>The mutants, each as `git apply` takes it on the release "
-        "(what was applied)</summary>\n\n"
-        + "".join(
-            f"{r.mutant.name}, in `{r.mutant.path}`:\n\n```diff\n"
-            f"{r.mutant.diff.rstrip(chr(10))}\n```\n\n"
-            for r in listed
-        )
-        + "</details>"
+    line = "| {0.name} | `{0.path}` | no | {1} |\n"
+    shown = "{0.name}, in `{0.path}`:\n\n```diff\n{1}\n```\n\n"
+    diffs = [(r.mutant, r.mutant.diff.rstrip("\n")) for r in listed]
+    filled = TABLE.read_text().format(
+        rows="".join(line.format(r.mutant, _cases(r.by_pr[pr])) for r in listed),
+        tried=len(mine),
+        tests=", ".join(f"`{t}`" for t in names),
+        caught=sum(1 for r in mine if not r.survivor),
+        on_gpu=len(on_gpu),
+        gpu_jobs="".join(f"; {r.mutant.name}: {r.mutant.gpu_job}" for r in on_gpu),
+        diffs="".join(shown.format(mutant, diff) for mutant, diff in diffs),
     )
+    return filled.rstrip("\n")
 
 
 def _cases(cases: list[str]) -> str:

@@ -26,6 +26,7 @@ from forkbuild.upstream import mutants
 
 DIST = REPO_ROOT / "dist" / "upstream"
 PRS_DIR = REPO_ROOT / "upstream-prs"
+VALIDATION = PRS_DIR / "validation.template.md"  # @@VALIDATION@@, str.format fields
 JOBS_SCRIPT = Path(__file__).with_name("release_ci_jobs.py")
 # Words that speak of this repository, not vLLM (check_words adds the fork's release).
 NOT_FOR_UPSTREAM_WORDS = ("forkbuild", "fork", "series", "matrix", "downstream")
@@ -437,28 +438,12 @@ def build(pins: Pins) -> Path:
 
 
 def validation(ctx: Context, proof: Proof) -> str:
-    cases = "\n".join(proof.case_lines("{case} {status} ({seconds:.2f} s)"))
-    hooks = "\n".join(proof.hooks)
-    return f"""\
-On a fresh checkout of `{ctx.tag}` with this commit applied (`git am`), CPU only
-(`VLLM_TARGET_DEVICE=cpu`, torch {ctx.release.torch}):
-
-```
-pytest {" ".join(proof.pr.cases)}
-```
-
-```
-{cases}
-{proof.outcome} in {proof.seconds:.1f} s of test time
-```
-
-The pre-commit hooks that run on these files, from that checkout:
-
-```
-{hooks}
-```
-
-CI: {proof.job}"""
+    """@@VALIDATION@@: upstream-prs/validation.template.md filled in from PROOF."""
+    fields = dict(tag=ctx.tag, torch=ctx.release.torch, job=proof.job)
+    fields |= dict(command=" ".join(proof.pr.cases), hooks="\n".join(proof.hooks))
+    fields |= dict(outcome=proof.outcome, seconds=proof.seconds)
+    fields["cases"] = "\n".join(proof.case_lines("{case} {status} ({seconds:.2f} s)"))
+    return VALIDATION.read_text().format(**fields).rstrip("\n")
 
 
 def write_pr(ctx: Context, proof: Proof, rows: list[mutants.Row]) -> None:
