@@ -61,14 +61,20 @@ KV_PATH = (
 )
 # Added although the CPU engine does not run them: what a GPU runs in their place
 # (FlashAttention where the CPU engine runs Triton; the CUDA transfer worker where the
-# test's host-copy worker stands in), and the SimpleCPUOffloadConnector road of
-# docs/affected.md.
+# test's host-copy worker stands in), the SimpleCPUOffloadConnector and MultiConnector
+# roads of docs/affected.md, and the tiering spec.
 ADDED = {
     "vllm/v1/attention/backends/flash_attn.py": "GPU: the backend of #47054",
     "vllm/vllm_flash_attn/flash_attn_interface.py": "GPU: FlashAttention's kernels",
     "vllm/v1/kv_offload/cpu/gpu_worker.py": "GPU: CPUOffloadingSpec's transfer worker",
     "vllm/v1/kv_offload/cpu/shared_offload_region.py": "GPU: its host memory",
     "vllm/v1/simple_kv_offload/manager.py": "road: SimpleCPUOffloadConnector",
+    "vllm/v1/kv_offload/tiering/spec.py": (
+        "the tiering spec: its DP region (issue 28, #47987)"
+    ),
+    "vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py": (
+        "road: MultiConnector(NIXL + Offloading) (issue 36, #46865)"
+    ),
 }
 
 SITECUSTOMIZE = textwrap.dedent("""
