@@ -11,16 +11,17 @@ freshly allocated blocks on the compute stream (models with Mamba layers, in
 ``_update_states`` before the connector starts its loads), and 0.25.1 zeroes a
 load's destination blocks too; under async scheduling (0.25.1's default) or
 with pipeline parallelism (the engine's batch queue) the compute stream may
-still hold earlier steps' work. A copy that lands before that zeroing, or
-while an earlier step still reads a reused block, is wiped or read wrong:
-silent wrong output.
+still hold earlier steps' work. A copy that lands before that zeroing is
+wiped, and one into a reused block that an earlier step still reads overwrites
+KV in use: silent wrong output.
 
-Each case submits loads through the real ``CPUOffloadingWorker`` and records
-the calls its load handler makes on the stream stand-ins below. It must make
-the load's stream wait for the compute stream (the current stream when the
-load was submitted) before it issues the copy on that stream. Every case fails
-on 0.25.1 (the load stream never waits for the compute stream) and passes with
-the fork's patch 0008, as on vLLM 0.28.0, the first release with the wait.
+Each case submits transfers through the real ``CPUOffloadingWorker`` and
+records the calls its handlers make on the stand-ins below. Every transfer,
+load or store, must make its stream wait for the compute stream (the current
+stream when it was submitted) before it issues its copy on that stream. Every
+case fails on 0.25.1 (no load stream waits for the compute stream) and passes
+with the fork's patch 0008, as on vLLM 0.28.0, the first release with the wait;
+0.24, whose worker has another API, skips.
 
 Stand-ins for CUDA, which this machine lacks (the worker, its handlers and
 their ordering run unchanged): streams, events and the current-stream context
@@ -141,6 +142,7 @@ class StandInCudaPlatform:
 
 @pytest.fixture
 def cuda_stand_ins(monkeypatch: pytest.MonkeyPatch) -> StandInCudaPlatform:
+    """What stands in for CUDA in the worker's module, for one case."""
     timeline = Timeline()
     platform = StandInCudaPlatform(gpu_worker.current_platform, timeline)
 
@@ -176,14 +178,16 @@ def _gpu_spec(blocks: list[int]) -> GPULoadStoreSpec:
     return GPULoadStoreSpec(blocks, group_sizes=(len(blocks),), block_indices=(0,))
 
 
-def _load(worker: Any, timeline: Timeline, job_id: int, cpu: list[int], gpu: list[int]):
+def _load(
+    worker: Any, timeline: Timeline, job_id: int, cpu: list[int], gpu: list[int]
+) -> None:
     timeline.calls.append(("submit_load", job_id))
     assert worker.submit_load(job_id, CPULoadStoreSpec(cpu), _gpu_spec(gpu))
 
 
 def _store(
     worker: Any, timeline: Timeline, job_id: int, gpu: list[int], cpu: list[int]
-):
+) -> None:
     timeline.calls.append(("submit_store", job_id))
     assert worker.submit_store(job_id, _gpu_spec(gpu), CPULoadStoreSpec(cpu))
 

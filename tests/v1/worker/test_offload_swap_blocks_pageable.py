@@ -137,7 +137,12 @@ def test_pageable_host_memory_loads_with_dma(
     monkeypatch.setattr(gpu_worker, "PIN_MEMORY", host_memory == "registration-refused")
     monkeypatch.setattr(gpu_worker, "pin_mmap_region", _refused_host_registration)
     region = None if host_memory == "pinning-off" else _shared_region(page_sizes)
-    worker = Worker(kv_caches, 1, NUM_CPU_BLOCKS, region)
+    try:
+        worker = Worker(kv_caches, 1, NUM_CPU_BLOCKS, region)
+    except BaseException:
+        if region is not None:
+            region.cleanup()  # its file in /dev/shm outlives the process
+        raise
     load_handler, store_handler = _handlers(worker)
     try:
         assert region is None or not region.is_pinned
