@@ -17,6 +17,10 @@ from forkbuild.core.pins import Pins, Release
 from forkbuild.setup import fetch, install, tree
 
 APPLIES, REVERSED, NEITHER = "applies", "reverse-applies", "neither"
+# At or after the claimed release, a patch that applies cleanly is not upstream's: the
+# code it changes is still as it was (a neighbouring change may make its cases pass).
+STILL_APPLIES = "the patch still applies: its own change is absent"
+ANOTHER_CHANGE = "; the cases pass through another change"
 Contents = dict[str, bytes]  # a file's path inside the release -> its bytes
 
 
@@ -119,11 +123,27 @@ def _judge(
         return ok, "still needed" if ok else "cannot show it is still needed"
     if record == "fail":  # upstream's change does not make the tests pass
         return False, "regression cases fail where upstream should have it"
+    if applied == APPLIES:  # so a passing record is some other change's doing
+        return False, STILL_APPLIES + (ANOTHER_CHANGE if record == "pass" else "")
     if applied == REVERSED:
         return True, "upstream has it (reverse-applies)"
     if record == "pass":
         return True, "effect present (regression cases pass)"
     return False, "cannot show upstream has it"
+
+
+def _between_releases(
+    name: str, claim: versions.Release, matrix_versions: list[str]
+) -> tuple[str | None, str | None]:
+    """A claim that names no matrix release: the rows before and after it bracket it
+    (the first release itself is read in the sdists: docs/backport-audit.md); with no
+    matrix release after it, nothing can show that upstream has it."""
+    before = [v for v in matrix_versions if versions.release(v) < claim]
+    after = [v for v in matrix_versions if versions.release(v) > claim]
+    if not after:
+        return f"{name} claims v{claim}: not in the version matrix, none newer", None
+    what = f"v{claim} is not in the version matrix: bracketed by"
+    return None, f"  ({what} {before[-1] if before else 'none'} and {after[0]})"
 
 
 def check(
@@ -144,7 +164,9 @@ def check(
         header = patch.fields.get("Applied-Upstream", "(none)")
         lines.append(f"{patch.name}: Applied-Upstream {header}")
         if claim is not None and str(claim) not in verdicts:
-            problems.append(f"{patch.name} claims v{claim}: not in the version matrix")
+            problem, note = _between_releases(patch.name, claim, list(verdicts))
+            problems += [problem] if problem else []
+            lines += [note] if note else []
         for release in pins.releases:
             version = release.version
             applied = verdicts[version][patch.name]

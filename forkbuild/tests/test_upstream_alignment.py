@@ -1,6 +1,8 @@
 """patch-status, rebase, upstream: the checks that keep the fork aligned with vLLM."""
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -55,7 +57,7 @@ def test_fix_applies_to_the_bug_and_reverse_applies_to_the_fix(fork_pins, toolch
     ("claim", "error"),
     [
         (OLDER[-1], f"not confirmed, e.g. .* on {OLDER[-1]}"),
-        ("9.9.9", "not in the version matrix"),
+        ("9.9.9", "not in the version matrix, none newer"),
     ],
 )
 def test_a_claim_the_releases_contradict_fails(toolchain, tmp_path, claim, error):
@@ -66,6 +68,114 @@ def test_a_claim_the_releases_contradict_fails(toolchain, tmp_path, claim, error
     (tmp_path / "series").write_text(MAIL.name + "\n")
     with pytest.raises(ForkError, match=error):
         patch_status.check(FORK, toolchain, patches_dir=tmp_path)
+
+
+APPLIES, REVERSED, NEITHER = (
+    patch_status.APPLIES,
+    patch_status.REVERSED,
+    patch_status.NEITHER,
+)
+RECORDS = ("fail", "pass", "no regression case ran", "no matrix record")
+# Is a claim confirmed on a release before it, and on one at or after it: per
+# (try_apply's verdict, the matrix record). A patch that still applies is not upstream's
+# change.
+BEFORE_CLAIM = {
+    **{(APPLIES, r): True for r in RECORDS},
+    **{(v, r): r == "fail" for v in (REVERSED, NEITHER) for r in RECORDS},
+}
+FROM_CLAIM = {
+    **{(APPLIES, r): False for r in RECORDS},
+    **{(REVERSED, r): r != "fail" for r in RECORDS},
+    **{(NEITHER, r): r == "pass" for r in RECORDS},
+}
+
+
+def test_every_verdict_on_releases_before_at_and_after_the_claim():
+    claim = Version("0.27.0")
+    for version, table in (
+        ("0.26.0", BEFORE_CLAIM),
+        ("0.27.0", FROM_CLAIM),
+        ("0.33.0", FROM_CLAIM),
+    ):
+        got = {k: patch_status._judge(claim, version, *k)[0] for k in table}
+        assert got == table, version
+    # A patch that claims nothing is carried wherever it stands.
+    for applied, record in FROM_CLAIM:
+        assert patch_status._judge(None, "0.33.0", applied, record)[0]
+
+
+@pytest.mark.parametrize("record", RECORDS[1:])
+def test_a_patch_that_still_applies_says_its_change_is_absent(record: str):
+    ok, meaning = patch_status._judge(Version("0.26.0"), "0.26.0", APPLIES, record)
+    assert not ok
+    assert meaning.startswith("the patch still applies: its own change is absent")
+    # A pass there is named as what it is: another change's doing.
+    another = meaning.endswith("; the cases pass through another change")
+    assert another == (record == "pass")
+
+
+def _neighbour_fixed(version: str) -> tuple[str, str]:
+    """0006's story: (try_apply's verdict, its cases' status) on each release. 0.26.0's
+    neighbouring change makes the cases pass while the patch still applies; 0.27.0 makes
+    the patch's own change (the code it touches moves: it applies neither way)."""
+    if Version(version) < Version("0.26.0"):
+        return APPLIES, "failed"
+    return (APPLIES if version == "0.26.0" else NEITHER), "passed"
+
+
+@pytest.fixture
+def neighbouring_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Patch 0006 alone in a series folder, on synthetic sdists and matrix record."""
+    mail = next(p for p in patch_status.read_series() if p.name.startswith("0006-"))
+    modules = FORK.regression_by_patch[mail.name]
+    rows = {}
+    for release in FORK.releases:
+        status = _neighbour_fixed(release.version)[1]
+        cases = {f"{m}::test_case": status for m in modules}
+        rows[release.version] = {"sdist_sha256": release.sdist.sha256, "cases": cases}
+    record = tmp_path / "version-matrix.json"
+    record.write_text(json.dumps({"rows": rows}))
+    monkeypatch.setattr(patch_status.matrix, "RECORD", record)
+    # Each release's sdist stands for its version: try_apply reads the story by name.
+    by_name = {r.sdist.filename: r.version for r in FORK.releases}
+    monkeypatch.setattr(fetch, "fetch", lambda artifact, pip: Path(artifact.filename))
+    verdict = lambda patches, sdist: {
+        p.name: _neighbour_fixed(by_name[sdist.name])[0] for p in patches
+    }
+    monkeypatch.setattr(patch_status, "try_apply", verdict)
+    series = tmp_path / "patches"
+    series.mkdir()
+    (series / mail.name).write_text(mail.path.read_text())
+    (series / "series").write_text(mail.name + "\n")
+    return series / mail.name
+
+
+def _claim(mail: Path, version: str) -> None:
+    text = re.sub(
+        r"(?m)^Applied-Upstream: .*$", f"Applied-Upstream: v{version}", mail.read_text()
+    )
+    mail.write_text(text)
+
+
+def test_a_neighbouring_fix_confirms_only_the_release_that_makes_the_patch(
+    neighbouring_fix: Path,
+):
+    # 0.26.0's cases pass, but the patch still applies there: not upstream's change yet.
+    _claim(neighbouring_fix, "0.26.0")
+    said = (
+        "on 0.26.0: the patch still applies: its own change is absent; the cases pass"
+    )
+    with pytest.raises(ForkError, match=said):
+        patch_status.check(FORK, Path("python"), patches_dir=neighbouring_fix.parent)
+    # Claimed at 0.27.0 (between matrix releases), 0.26.0 still needs it, 0.33.0 has it.
+    _claim(neighbouring_fix, "0.27.0")
+    folder = neighbouring_fix.parent
+    lines = patch_status.check(FORK, Path("python"), patches_dir=folder)
+    assert "(v0.27.0 is not in the version matrix: bracketed by 0.26.0 and" in lines[1]
+    rows = {line.split()[0]: line for line in lines[2:]}
+    assert rows["0.26.0"].endswith("-> still needed"), rows["0.26.0"]
+    newest = FORK.releases[-1].version
+    assert rows[newest].endswith("-> effect present (regression cases pass)")
 
 
 @pytest.mark.parametrize(
