@@ -179,6 +179,24 @@ def test_a_neighbouring_fix_confirms_only_the_release_that_makes_the_patch(
 
 
 @pytest.mark.parametrize(
+    ("applied", "outcome"),
+    [(patch_status.APPLIES, "applies"), (patch_status.NEITHER, "upstream")],
+)
+def test_a_rebase_drops_a_patch_only_where_it_no_longer_applies(
+    monkeypatch: pytest.MonkeyPatch, applied: str, outcome: str
+):
+    # Its cases pass in the record either way; only a rewrite (neither) is upstream's.
+    mail = next(p for p in patch_status.read_series() if p.name.startswith("0006-"))
+    monkeypatch.setattr(patch_status, "read_series", lambda: [mail])
+    monkeypatch.setattr(patch_status, "try_apply", lambda s, _: {mail.name: applied})
+    monkeypatch.setattr(rebase, "_effect_recorded", lambda *_: True)
+    done = lambda args, cwd, env: subprocess.CompletedProcess(args, 0)
+    monkeypatch.setattr(rebase.tree, "git", done)
+    got = rebase._sort_series(FORK, Path("work"), {}, Path("sdist"), "0.26.0")
+    assert got == {mail.name: outcome}
+
+
+@pytest.mark.parametrize(
     ("version", "error"),
     [
         ("no-version", "VERSION '{v}' is not a release version -- give it as X.Y.Z"),

@@ -109,9 +109,13 @@ def _sort_series(
     series = patch_status.read_series()
     verdicts = patch_status.try_apply(series, sdist)
     for p in series:
-        # or upstream rewrote the code and the regression cases pass there
-        upstream = verdicts[p.name] == patch_status.REVERSED
-        if upstream or _effect_recorded(pins, p, version):
+        # or upstream rewrote the code and the regression cases pass there; a patch
+        # that still applies is not upstream's, whatever passes (patch-status's rule)
+        verdict = verdicts[p.name]
+        rewritten = verdict == patch_status.NEITHER and _effect_recorded(
+            pins, p, version
+        )
+        if verdict == patch_status.REVERSED or rewritten:
             outcomes[p.name] = "upstream"
             continue
         outcomes[p.name] = "conflict"
