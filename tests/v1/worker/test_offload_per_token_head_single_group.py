@@ -19,6 +19,16 @@ as that group, vLLM's planner, and Triton's real scale views: every layer's scal
 must lie in its own cells' padding and no two layers may share a scale byte. The
 KVCacheLayout API (0.33) has no cross-layer layout; there the same check runs on the
 layout the connector resolves.
+
+The fix itself (#49226, first in 0.27.0) is in the runner's choice of the layout,
+``KVConnectorModelRunnerMixin.use_uniform_kv_cache``, so it holds for every connector
+that prefers cross-layer blocks, not only the OffloadingConnector: NIXL and
+MooncakeStore with ``enable_cross_layers_blocks``, and MultiConnector over such
+connectors. The second test drives that choice with each real connector class as the
+transfer group: with a per-token-head dtype it must decline the cross-layer layout
+the connector asks for. It fails on 0.25.1 and on 0.26.0, whose strided scale views
+(#44455) make the first test pass while the runner still picks cross-layer blocks;
+from 0.29 the choice has left the model runner and the test skips.
 """
 
 import contextlib
@@ -35,6 +45,7 @@ from tests.v1.worker.test_packed_kv_cache_scales import mark_bytes, padding_of
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
+    KVTransferConfig,
     ModelConfig,
     VllmConfig,
     set_current_vllm_config,
@@ -45,7 +56,12 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionBackend,
     TritonAttentionImpl,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVQuantMode,
+    get_kv_quant_mode,
+)
+from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
 # No distributed state or engine here: vLLM's per-test global cleanup (~0.7 s a case
 # on CPU) is skipped, as its conftest allows for such unit tests.
@@ -245,3 +261,145 @@ def test_per_token_head_scales_stay_in_their_layer_behind_the_offloading_connect
             f"{view.stride()})"
         )
         claimed[key] |= scales
+
+
+# The connectors of 0.25.1 whose ``prefer_cross_layer_blocks`` can be True, configured
+# so that it is: each class's own property decides, in the transfer group's place.
+CROSS_LAYER_CONNECTORS = [
+    "OffloadingConnector",
+    "NixlConnector",
+    "MooncakeStoreConnector",
+    "MultiConnector",
+]
+
+
+def cross_layer_transfer_config(connector: str) -> KVTransferConfig:
+    """CONNECTOR configured for cross-layer blocks (the OffloadingConnector asks for
+    them whatever its configuration; MultiConnector only when all of its connectors
+    do: here NIXL for P/D and the OffloadingConnector for CPU offloading)."""
+    offload = offload_transfer_config(None, cross_layers_blocks=False)
+    if connector == "OffloadingConnector":
+        return offload
+    extra: dict = {"enable_cross_layers_blocks": "True"}
+    if connector == "MultiConnector":
+        extra = {
+            "connectors": [
+                {
+                    "kv_connector": "NixlConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": extra,
+                },
+                {
+                    "kv_connector": offload.kv_connector,
+                    "kv_role": offload.kv_role,
+                    "kv_connector_extra_config": offload.kv_connector_extra_config,
+                },
+            ]
+        }
+    return KVTransferConfig(
+        kv_connector=connector, kv_role="kv_both", kv_connector_extra_config=extra
+    )
+
+
+def register_triton_layers(vllm_config: VllmConfig, specs: dict) -> None:
+    """Put attention layers on Triton into the config's forward context, where NIXL
+    looks up the backend (it prefers cross-layer blocks only on some). The model's
+    own layers would pick the CPU backend on this host, so stand-ins through vLLM's
+    layer interface (AttentionLayerBase) declare Triton and each layer's spec."""
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    class TritonLayer(AttentionLayerBase):
+        def __init__(self, spec) -> None:
+            self.spec = spec
+
+        def get_attn_backend(self) -> type[TritonAttentionBackend]:
+            return TritonAttentionBackend
+
+        def get_kv_cache_spec(self, vllm_config: VllmConfig):
+            return self.spec
+
+    context = vllm_config.compilation_config.static_forward_context
+    for name, spec in specs.items():
+        context[name] = TritonLayer(spec)
+
+
+@pytest.fixture
+def cross_layer_transfer_group(monkeypatch):
+    """Build the configured connector class, as vLLM's factory names it, and make it
+    the process's KV transfer group. Only the OffloadingConnector's worker side runs
+    on this host: NIXL's worker needs the nixl library's agent and MooncakeStore's
+    the Mooncake store, so those (and MultiConnector over NIXL) are built with the
+    scheduler role. The property the runner reads, ``prefer_cross_layer_blocks``, is
+    the same class's either way."""
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    built = []
+
+    def install(vllm_config: VllmConfig, kv_cache_config):
+        transfer_config = vllm_config.kv_transfer_config
+        connector_cls = KVConnectorFactory.get_connector_class(transfer_config)
+        role = (
+            KVConnectorRole.WORKER
+            if transfer_config.kv_connector == "OffloadingConnector"
+            else KVConnectorRole.SCHEDULER
+        )
+        connector = connector_cls(vllm_config, role, kv_cache_config)
+        built.append(connector)
+        monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", connector)
+        return connector
+
+    yield install
+    # MooncakeStore's scheduler opens a ZMQ client to the store's lookup server; left
+    # open, its socket blocks the ZMQ context's teardown (and the test process).
+    for connector in built:
+        scheduler = getattr(connector, "connector_scheduler", None)
+        if (client := getattr(scheduler, "client", None)) is not None:
+            client.close()
+
+
+def single_attention_group(spec, layer_names: list[str]) -> list[list]:
+    from vllm.v1.worker.utils import AttentionGroup
+
+    return [[AttentionGroup(TritonAttentionBackend, layer_names, spec, 0)]]
+
+
+@pytest.mark.parametrize("cache_dtype", PER_TOKEN_HEAD_DTYPES)
+@pytest.mark.parametrize("connector", CROSS_LAYER_CONNECTORS)
+def test_per_token_head_dtypes_decline_cross_layer_blocks(
+    tmp_path, cross_layer_transfer_group, connector: str, cache_dtype: str
+):
+    if not hasattr(KVConnectorModelRunnerMixin, "use_uniform_kv_cache"):
+        pytest.skip(
+            "this vLLM's model runner has no use_uniform_kv_cache: the cross-layer "
+            "layout is decided by the connector's layout (offloading/config.py)"
+        )
+    if cache_dtype not in TritonAttentionBackend.supported_kv_cache_dtypes:
+        pytest.skip(f"this vLLM's Triton backend has no {cache_dtype} KV cache")
+    vllm_config = single_group_config(tmp_path, cache_dtype)
+    vllm_config.kv_transfer_config = cross_layer_transfer_config(connector)
+    with layout_decided_by_the_connector(), set_current_vllm_config(vllm_config):
+        specs = layer_specs(vllm_config, cache_dtype)
+        kv_cache_config = plan(vllm_config, specs)
+        (group,) = kv_cache_config.kv_cache_groups
+        register_triton_layers(vllm_config, specs)
+        transfer_group = cross_layer_transfer_group(vllm_config, kv_cache_config)
+        # The case is the one that matters only if the connector does ask.
+        assert transfer_group.prefer_cross_layer_blocks, connector
+
+        # Without per-token-head scales the runner still packs the layers.
+        unquantized = dataclasses.replace(
+            group.kv_cache_spec,
+            dtype=vllm_config.model_config.dtype,
+            kv_quant_mode=KVQuantMode.NONE,
+        )
+        names = list(group.layer_names)
+        groups = single_attention_group(unquantized, names)
+        assert KVConnectorModelRunnerMixin.use_uniform_kv_cache(groups)
+
+        groups = single_attention_group(group.kv_cache_spec, names)
+        assert not KVConnectorModelRunnerMixin.use_uniform_kv_cache(groups), (
+            f"{cache_dtype}: the runner packs all layers into cross-layer blocks "
+            f"for {connector}, where each layer's scale views assume its own page"
+        )
