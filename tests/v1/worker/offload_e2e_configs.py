@@ -183,3 +183,29 @@ if __name__ == "__main__":
     # made ahead (the GPU bundle carries them to hosts that run the cases offline).
     for made in sorted({tiny_model(case, Path(sys.argv[1])) for case in CASES}):
         print(made)
+
+
+def offline_harness_model(harness, folder: Path, monkeypatch) -> str:
+    """A local tiny GPT-OSS (config and tokenizer, no weights) in FOLDER, made the
+    model of upstream's connector harness (HARNESS: its offloading_connector utils),
+    which names a hub id; the scheduler never loads weights, so tests run offline."""
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.v1.worker.tiny_hybrid_model import byte_level_bpe
+
+    folder.mkdir()
+    tiny_gpt_oss_config(folder, head_size=64, num_kv_heads=2)
+    # The scheduler's structured output manager loads the model's tokenizer.
+    PreTrainedTokenizerFast(
+        tokenizer_object=byte_level_bpe(["<|endoftext|>"]), eos_token="<|endoftext|>"
+    ).save_pretrained(folder)
+    create = harness.create_vllm_config
+
+    def create_offline(*args, **kwargs):
+        kwargs["model"] = str(folder)
+        # The harness's max_model_len (10000) exceeds the config's positions.
+        kwargs["hf_overrides"] = {"max_position_embeddings": 10000}
+        return create(*args, **kwargs)
+
+    monkeypatch.setattr(harness, "create_vllm_config", create_offline)
+    return str(folder)

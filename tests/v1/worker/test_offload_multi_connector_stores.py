@@ -46,8 +46,7 @@ from tests.v1.kv_connector.unit.utils import (
     create_scheduler,
     create_vllm_config,
 )
-from tests.v1.worker.offload_e2e_configs import tiny_gpt_oss_config
-from tests.v1.worker.tiny_hybrid_model import byte_level_bpe
+from tests.v1.worker.offload_e2e_configs import offline_harness_model
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
     MultiKVConnectorMetadata,
@@ -83,25 +82,7 @@ OFFLOADING = {
 
 @pytest.fixture
 def offline_model(tmp_path, monkeypatch) -> str:
-    model = tmp_path / "model"
-    model.mkdir()
-    tiny_gpt_oss_config(model, head_size=64, num_kv_heads=2)
-    # The scheduler's structured output manager loads the model's tokenizer.
-    from transformers import PreTrainedTokenizerFast
-
-    PreTrainedTokenizerFast(
-        tokenizer_object=byte_level_bpe(["<|endoftext|>"]), eos_token="<|endoftext|>"
-    ).save_pretrained(model)
-    create = harness.create_vllm_config
-
-    def create_offline(*args, **kwargs):
-        kwargs["model"] = str(model)
-        # The harness's max_model_len (10000) exceeds the config's positions.
-        kwargs["hf_overrides"] = {"max_position_embeddings": 10000}
-        return create(*args, **kwargs)
-
-    monkeypatch.setattr(harness, "create_vllm_config", create_offline)
-    return str(model)
+    return offline_harness_model(harness, tmp_path / "model", monkeypatch)
 
 
 class Engine:
