@@ -88,6 +88,25 @@ def gpt_oss_like_specs(cache_dtype: str) -> list:
     return specs
 
 
+def blhnc_views(
+    raw: torch.Tensor, spec, names: list[str], layer_stride: int, block_stride: int
+) -> list[torch.Tensor]:
+    """The layers' views of RAW through the KVCacheLayout API (0.33), under BLHNC."""
+    from vllm.v1.kv_cache_interface import (
+        KVCacheLayout,
+        KVCacheTensor,
+        create_kv_cache_views,
+    )
+
+    tensor = KVCacheTensor(
+        size=raw.numel(),
+        layers=names,
+        layer_stride=layer_stride,
+        block_stride=block_stride,
+    )
+    return create_kv_cache_views(raw, spec, NUM_BLOCKS, KVCacheLayout.BLHNC, tensor)
+
+
 def packed_views(specs, cache_dtype: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One int8 allocation of NUM_BLOCKS rows, each holding every layer's page, and
     the per-layer views the attention layers get."""
@@ -95,22 +114,8 @@ def packed_views(specs, cache_dtype: str) -> tuple[torch.Tensor, list[torch.Tens
     block_stride = len(specs) * page_bytes
     raw = torch.zeros(NUM_BLOCKS * block_stride, dtype=torch.int8)
     if HAS_LAYOUT_API:
-        from vllm.v1.kv_cache_interface import (
-            KVCacheLayout,
-            KVCacheTensor,
-            create_kv_cache_views,
-        )
-
-        tensor = KVCacheTensor(
-            size=raw.numel(),
-            layers=[f"model.layers.{i}.self_attn.attn" for i in range(len(specs))],
-            layer_stride=page_bytes,
-            block_stride=block_stride,
-        )
-        views = create_kv_cache_views(
-            raw, specs[0], NUM_BLOCKS, KVCacheLayout.BLHNC, tensor
-        )
-        return raw, views
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(len(specs))]
+        return raw, blhnc_views(raw, specs[0], names, page_bytes, block_stride)
 
     from vllm.v1.attention.backends.utils import (
         get_kv_cache_layout,
@@ -241,21 +246,7 @@ def padded_view(raw: torch.Tensor, name: str, spec, cache_dtype: str) -> torch.T
     """The layer's view of its own allocation of NUM_BLOCKS pages of
     ``spec.page_size_bytes`` (the page padded where the spec says so)."""
     if HAS_LAYOUT_API:
-        from vllm.v1.kv_cache_interface import (
-            KVCacheLayout,
-            KVCacheTensor,
-            create_kv_cache_views,
-        )
-
-        tensor = KVCacheTensor(
-            size=raw.numel(),
-            layers=[name],
-            layer_stride=raw.numel(),
-            block_stride=spec.page_size_bytes,
-        )
-        (view,) = create_kv_cache_views(
-            raw, spec, NUM_BLOCKS, KVCacheLayout.BLHNC, tensor
-        )
+        (view,) = blhnc_views(raw, spec, [name], raw.numel(), spec.page_size_bytes)
         return view
 
     from vllm.v1.worker.gpu.attn_utils import _reshape_attention_kv_cache
