@@ -111,7 +111,8 @@ def test_adding_a_patch_is_its_mail_its_series_line_and_its_modules(
     fork_pins, scratch_sdist, patches
 ):
     """Issue 35: a patch, its series line and its modules; the rest follows."""
-    name = "0007-fork-a-throwaway-patch-of-the-tool-tests.patch"
+    number = f"{len(tree.read_series(patches)) + 1:04d}"  # after the fork's own
+    name = f"{number}-fork-a-throwaway-patch-of-the-tool-tests.patch"
     (patches / name).write_text(THROWAWAY)
     with (patches / "series").open("a") as series:
         series.write(f"{name}\n")
@@ -121,10 +122,12 @@ def test_adding_a_patch_is_its_mail_its_series_line_and_its_modules(
     built = tree.build(pins, scratch_sdist, patches_dir=patches)
     check_tree_carries(built, pins, patches)
     row = generate.patch_table(pins, patches).splitlines()[-1]
-    assert row.startswith(f"| [`0007`](../patches/{name}) | fork: a throwaway patch")
+    assert row.startswith(
+        f"| [`{number}`](../patches/{name}) | fork: a throwaway patch"
+    )
     assert "`vllm/fork_throwaway.py` +2 -0 | vendor |" in row
     assert row.endswith("| not applied upstream | `test_fork_throwaway.py` |")
-    assert "0007" not in generate.patch_table(fork_pins)  # the repository's
+    assert name not in generate.patch_table(fork_pins)  # the repository's
 
 
 @pytest.fixture

@@ -118,6 +118,8 @@ def test_equal_wheel_passes_metadata_version_and_patched_files_aside(
         "vllm/v1/kv_cache_interface.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/offloading/worker.py",
         "vllm/v1/worker/kv_connector_model_runner_mixin.py",
+        "vllm/v1/kv_offload/cpu/gpu_worker.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py",
     }
     files = {
         **BASE,
