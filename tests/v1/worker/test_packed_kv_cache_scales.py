@@ -88,6 +88,27 @@ def gpt_oss_like_specs(cache_dtype: str) -> list:
     return specs
 
 
+@contextlib.contextmanager
+def kv_cache_layout(layout: str):
+    """Up to 0.26 the layout is a cached process-wide value: set it for the case (the
+    layout API takes it per view instead)."""
+    if HAS_LAYOUT_API:
+        yield
+        return
+    from vllm.v1.attention.backends.utils import (
+        get_kv_cache_layout,
+        set_kv_cache_layout,
+    )
+
+    set_kv_cache_layout(layout)
+    get_kv_cache_layout.cache_clear()
+    try:
+        yield
+    finally:
+        set_kv_cache_layout(None)
+        get_kv_cache_layout.cache_clear()
+
+
 def blhnc_views(
     raw: torch.Tensor, spec, names: list[str], layer_stride: int, block_stride: int
 ) -> list[torch.Tensor]:
@@ -117,22 +138,13 @@ def packed_views(specs, cache_dtype: str) -> tuple[torch.Tensor, list[torch.Tens
         names = [f"model.layers.{i}.self_attn.attn" for i in range(len(specs))]
         return raw, blhnc_views(raw, specs[0], names, page_bytes, block_stride)
 
-    from vllm.v1.attention.backends.utils import (
-        get_kv_cache_layout,
-        set_kv_cache_layout,
-    )
     from vllm.v1.worker.gpu.attn_utils import _reshape_attention_kv_cache
 
-    set_kv_cache_layout("HND")  # what the OffloadingConnector requires
-    get_kv_cache_layout.cache_clear()
-    try:
+    with kv_cache_layout("HND"):  # what the OffloadingConnector requires
         shape = TritonAttentionBackend.get_kv_cache_shape(
             NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, cache_dtype_str=cache_dtype
         )
         order = TritonAttentionBackend.get_kv_cache_stride_order()
-    finally:
-        set_kv_cache_layout(None)
-        get_kv_cache_layout.cache_clear()
     assert prod(shape[1:]) * specs[0].dtype.itemsize == page_bytes
     views = [
         _reshape_attention_kv_cache(
@@ -260,27 +272,6 @@ def padded_view(raw: torch.Tensor, name: str, spec, cache_dtype: str) -> torch.T
     )
     order = TritonAttentionBackend.get_kv_cache_stride_order()
     return _reshape_attention_kv_cache(raw, spec, shape, order, NUM_BLOCKS, None)
-
-
-@contextlib.contextmanager
-def kv_cache_layout(layout: str):
-    """Up to 0.26 the layout is a cached process-wide value: set it for the case (the
-    layout API takes it per view instead)."""
-    if HAS_LAYOUT_API:
-        yield
-        return
-    from vllm.v1.attention.backends.utils import (
-        get_kv_cache_layout,
-        set_kv_cache_layout,
-    )
-
-    set_kv_cache_layout(layout)
-    get_kv_cache_layout.cache_clear()
-    try:
-        yield
-    finally:
-        set_kv_cache_layout(None)
-        get_kv_cache_layout.cache_clear()
 
 
 # NHD: the layout without a connector (the report's); HND: what the connectors that
