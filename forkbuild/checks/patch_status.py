@@ -132,18 +132,16 @@ def _judge(
     return False, "cannot show upstream has it"
 
 
-def _between_releases(
-    name: str, claim: versions.Release, matrix_versions: list[str]
-) -> tuple[str | None, str | None]:
-    """A claim that names no matrix release: the rows before and after it bracket it
-    (the first release itself is read in the sdists: docs/backport-audit.md); with no
-    matrix release after it, nothing can show that upstream has it."""
+def _bracket(claim: versions.Release, matrix_versions: list[str]) -> str | None:
+    """The line for a claim that names no matrix release: the rows before and after it
+    bracket it (the first release itself is read in the sdists: docs/backport-audit.md);
+    None where no matrix release is newer, so nothing can show that upstream has it."""
     before = [v for v in matrix_versions if versions.release(v) < claim]
     after = [v for v in matrix_versions if versions.release(v) > claim]
     if not after:
-        return f"{name} claims v{claim}: not in the version matrix, none newer", None
+        return None
     what = f"v{claim} is not in the version matrix: bracketed by"
-    return None, f"  ({what} {before[-1] if before else 'none'} and {after[0]})"
+    return f"  ({what} {before[-1] if before else 'none'} and {after[0]})"
 
 
 def check(
@@ -164,9 +162,11 @@ def check(
         header = patch.fields.get("Applied-Upstream", "(none)")
         lines.append(f"{patch.name}: Applied-Upstream {header}")
         if claim is not None and str(claim) not in verdicts:
-            problem, note = _between_releases(patch.name, claim, list(verdicts))
-            problems += [problem] if problem else []
-            lines += [note] if note else []
+            if bracket := _bracket(claim, list(verdicts)):
+                lines.append(bracket)
+            else:
+                said = "not in the version matrix, none newer"
+                problems.append(f"{patch.name} claims v{claim}: {said}")
         for release in pins.releases:
             version = release.version
             applied = verdicts[version][patch.name]
