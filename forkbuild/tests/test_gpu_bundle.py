@@ -484,6 +484,7 @@ def test_run_sh_gives_the_nightlys_verdict(scratch, fork_pins, tmp_path):
     assert stock["proved"] and stock["stock_function_ran"] and stock["stock"] == "error"
     assert not summary["stock"][FA3]["proved"]
     assert summary["sanitizer"] == summary["figures"] == {}
+    assert set(summary["seconds"]) == {"setup", "cases", "proofs"}  # the budget's
     assert summary["not_run_here"] == {
         ENGINE: "needs part-2 (not transferred yet)",
         # no TP=2: 1 GPU visible

@@ -373,7 +373,7 @@ def plan(
 
 
 def run(bundle: Path, out: Path) -> int:
-    manifest = read_manifest(bundle)
+    manifest, began = read_manifest(bundle), time.monotonic()
     gpus = query_gpus()  # before anything else: without a GPU there is nothing to do
     check_host(manifest)
     components = present(manifest, bundle)
@@ -391,6 +391,7 @@ def run(bundle: Path, out: Path) -> int:
         + (f"; stand-in for {', '.join(standing_in)}" if standing_in else "")
     )
     runnable, apart = plan(manifest, required, components)
+    seconds = {"setup": time.monotonic() - began}  # what the budget's estimate is of
     for node, why in apart.items():
         print(f"{node}: {why}")
     outcome = pytest_runner.Outcome({})
@@ -404,7 +405,10 @@ def run(bundle: Path, out: Path) -> int:
             extra_env=case_env(dest, standing_in),
             timeout_s=RUN_LIMIT_S,
         )
+    seconds["cases"] = time.monotonic() - began - seconds["setup"]
     proved = prove(manifest, dest, components, runnable, outcome, out, standing_in)
+    seconds["proofs"] = time.monotonic() - began - sum(seconds.values())
+    proved["seconds"] = {step: round(s, 1) for step, s in seconds.items()}
     have = set(components)
     parts = [p["name"] for p in manifest["parts"] if set(p["components"]) <= have]
     return conclude(kind, parts, runnable, apart, outcome, out, standing_in, proved)
@@ -562,6 +566,7 @@ def conclude(
         "stock": proved["stock"],  # node -> stock and fork verdicts (proofs.py)
         "sanitizer": proved["sanitizer"],
         "figures": proved["figures"],
+        "seconds": proved.get("seconds", {}),  # setup, cases, proofs: the budget's
         "junit": "gpu-tests.xml",
         "summary": line,
     }
