@@ -22,6 +22,7 @@ from forkbuild.core.errors import ForkError
 from forkbuild.core.pytest_runner import Outcome
 from forkbuild.gpu.bundle import build as gpu_bundle
 from forkbuild.gpu.bundle import check as bundle_check
+from forkbuild.gpu.bundle import proofs
 from forkbuild.gpu.bundle import runner as bundle_run
 from forkbuild.gpu.bundle import standin as bundle_standin
 from forkbuild.gpu.bundle.build import Component, Host, Made, Selection, Trace
@@ -568,3 +569,17 @@ def test_the_proofs_name_cases_the_bundle_carries():
     for wrong in ({"stock_cases": ["t.py::no"]}, {"sanitizer_case": "t.py::no"}):
         with pytest.raises(ForkError, match="no bundle case"):
             _settings("tree", "tree", kinds, cases, **wrong)
+
+
+def test_a_proof_that_did_not_run_fails_the_run_and_says_why(tmp_path):
+    hopper = pins.gpu_table(SMALL.gpu).kind("Hopper")
+    ran = (["part-1"], ["t.py::one"], {}, Outcome({"t.py::one": "passed"}), tmp_path)
+    proved = {"stock": {}, "figures": {}, "not_run": {"figures": "needs part-4"}}
+    proved["sanitizer"] = proofs.did_not_run("pytest could not run the tests (exit 3)")
+    assert bundle_run.conclude(hopper, *ran, [], proved) == 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["summary"].endswith(
+        "; did not run: pytest could not run the tests (exit 3)"
+    )
+    assert summary["not_run_here"] == {"figures": "needs part-4"}
+    assert summary["figures"] == {} and summary["stock"] == {}

@@ -40,6 +40,12 @@ def read_events(report: Path) -> list[dict]:
     return [json.loads(line) for line in report.read_text().splitlines() if line]
 
 
+def did_not_run(cause: str) -> dict:
+    """A proof whose run did not end as pytest's (the sanitizer or pytest failed to
+    start, ...): not proved, and why."""
+    return {"proved": False, "line": f"did not run: {cause}"}
+
+
 def not_stock(events: list[dict], stock_file: Path) -> str:
     """What is wrong with the module the run loaded, "" if it was STOCK_FILE and its
     function reads as buggy: what the stock runs' proof rests on."""

@@ -426,14 +426,21 @@ def prove(
     """The proofs beside the cases the parts present allow (proofs.py): stock's runs,
     memcheck, the figures; each {} where not run, and why in "not_run"."""
     found, not_run = {"stock": {}, "sanitizer": {}, "figures": {}}, {}
+    # A proof that cannot run is reported as such: the run's summary is still written.
     if nodes := [n for n in manifest["stock"]["cases"] if n in runnable]:
-        found["stock"] = run_stock(manifest, dest, nodes, fork, out, standing_in)
+        try:
+            found["stock"] = run_stock(manifest, dest, nodes, fork, out, standing_in)
+        except ForkError as exc:
+            found["stock"] = {n: proofs.did_not_run(exc.cause) for n in nodes}
     for node in manifest["stock"]["cases"]:
         if node not in runnable:
             not_run[f"stock: {node}"] = "its fork case does not run here"
     node, tool = manifest["sanitizer_case"], proofs.sanitizer()
     if node in runnable and tool:
-        found["sanitizer"] = run_sanitizer(tool, node, dest, out, standing_in)
+        try:
+            found["sanitizer"] = run_sanitizer(tool, node, dest, out, standing_in)
+        except ForkError as exc:
+            found["sanitizer"] = proofs.did_not_run(exc.cause)
     elif node:
         why = "no compute-sanitizer on this host" if tool is None else ""
         not_run["sanitizer"] = why or "its case does not run here"
