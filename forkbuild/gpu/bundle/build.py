@@ -325,7 +325,9 @@ def tree_component(tree: Path, trace: Trace, pins: Pins, figures: dict) -> Compo
         if path.endswith(".py") or path == "pyproject.toml":
             component.add(path, tree / path)
     for path in [figures["script"], *figures["helpers"]] if figures else ():
-        component.add(path, REPO_ROOT / path)
+        component.add(
+            path, tree / path if (tree / path).is_file() else REPO_ROOT / path
+        )
     return component
 
 
