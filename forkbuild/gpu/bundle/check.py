@@ -318,7 +318,7 @@ def _stock_overlay(host: SimHost, stock: Path) -> str:
     return (
         f"stock's {stock.name} overlaid: {len(nodes)} cases collected and skipped "
         f"without a device, its {fixcheck.FUNCTION} buggy; without the overlay the "
-        f"check fails ({without[:160]})"
+        f"check fails ({without[:200]})"
     )
 
 

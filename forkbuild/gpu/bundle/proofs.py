@@ -53,7 +53,7 @@ def not_stock(events: list[dict], stock_file: Path) -> str:
     if loaded and all(found == (str(stock_file), "buggy") for found in loaded):
         return ""
     shown = ", ".join(f"{o} ({v})" for o, v in loaded) or "nothing recorded"
-    return f"the module loaded was not stock's {stock_file}: {shown}"
+    return f"the module loaded was {shown}, not stock's {stock_file}"
 
 
 def stock_verdict(node: str, fork: Outcome, stock: Outcome, events, stock_file) -> dict:
