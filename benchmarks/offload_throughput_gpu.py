@@ -59,9 +59,10 @@ def timed_batch(llm: LLM, prompts) -> float:
     return max(o.metrics.first_token_latency for o in outputs[1:])
 
 
-def measure(model: str, cross_layer: bool) -> dict:
+def measure(model: str, cross_layer: bool, enforce_eager: bool = False) -> dict:
     llm = LLM(
         model=model,
+        enforce_eager=enforce_eager,
         dtype="bfloat16",
         max_model_len=4096,
         gpu_memory_utilization=0.4,
@@ -126,14 +127,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", help="default: a tiny GPT-OSS generated locally")
+    # The GPU bundle's run: no compile or CUDA-graph capture in its few minutes. The
+    # connector's GB/s do not depend on it; the TTFTs are eager ones (the report says).
+    parser.add_argument("--enforce-eager", action="store_true")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("offload_throughput_gpu: needs a CUDA GPU")
     model = args.model or str(make_tiny_gpt_oss(Path(args.out).parent / "tiny-gpt-oss"))
-    runs = [measure(model, cross_layer=True), measure(model, cross_layer=False)]
+    eager = args.enforce_eager
+    runs = [measure(model, True, eager), measure(model, False, eager)]
     report = {
         "gpu": torch.cuda.get_device_name(),
         "model": model,
+        "enforce_eager": eager,
         "runs": runs,
         "pinned_copy": pinned_copy(int(max(r["store_bytes"] for r in runs)) or 1 << 28),
     }

@@ -280,6 +280,9 @@ class GpuBundle:
     engine_modules: tuple[str, ...] = ()
     omit: tuple[str, ...] = ()
     xz_preset: dict[str, int] = field(default_factory=dict)  # component -> LZMA2 preset
+    stock_cases: tuple[str, ...] = ()  # run again on stock's module: must fail
+    sanitizer_case: str = ""  # run under compute-sanitizer memcheck: 0 errors
+    figures: dict = field(default_factory=dict)  # the offload benchmark: script, needs
 
 
 def gpu_bundle_of(raw: dict) -> GpuBundle:
@@ -289,9 +292,9 @@ def gpu_bundle_of(raw: dict) -> GpuBundle:
     carried = {node: _bundle_entry(node, case) for node, case in cases.items()}
     needs = {node: held for node, held in carried.items() if held is not None}
     not_carried = {n: c["not_in_bundle"] for n, c in cases.items() if n not in needs}
-    lists = ("order", "every_case", "harness", "engine_modules", "omit")
+    lists = ("order", "every_case", "harness", "engine_modules", "omit", "stock_cases")
     settings = {k: tuple(table.get(k, ())) for k in lists}
-    tables = ("left_out", "stand_in", "xz_preset")
+    tables = ("left_out", "stand_in", "xz_preset", "figures")
     settings |= {k: dict(table.get(k, {})) for k in tables}
     settings |= {"needs": needs, "not_carried": not_carried, "gpu": gpu}
     presets = settings["xz_preset"].items()
@@ -301,7 +304,19 @@ def gpu_bundle_of(raw: dict) -> GpuBundle:
             f"fork.toml [gpu_bundle] xz_preset gives {bad}",
             "give each component an LZMA2 preset, 0 (fastest) to 9",
         )
-    return GpuBundle(table["host"], float(table["part_mib"]), **settings)
+    if unknown := [n for n in settings["stock_cases"] if n not in needs]:
+        raise ForkError(
+            f"fork.toml [gpu_bundle] stock_cases names {unknown[0]}, no bundle case",
+            "name cases of [gpu.cases] that the bundle carries",
+        )
+    sanitizer = table.get("sanitizer_case", "")
+    if sanitizer and sanitizer not in needs:
+        raise ForkError(
+            f"fork.toml [gpu_bundle] sanitizer_case {sanitizer} is no bundle case",
+            "name a case of [gpu.cases] that the bundle carries",
+        )
+    host, mib = table["host"], float(table["part_mib"])
+    return GpuBundle(host, mib, **settings, sanitizer_case=sanitizer)
 
 
 def load_gpu_bundle(path: Path = PINS_FILE) -> GpuBundle:

@@ -27,6 +27,8 @@ class Outcome:
     killed: str = ""  # why the run was stopped ("": it ended); CASES came before
     # case -> seconds, as JUnit says; not part of what a run found (equal runs differ)
     times: dict[str, float] = field(default_factory=dict, compare=False)
+    # failed or errored case -> JUnit's message and text (what it failed with)
+    said: dict[str, str] = field(default_factory=dict, compare=False)
 
     def count(self, status: str) -> int:
         return list(self.cases.values()).count(status)
@@ -48,7 +50,7 @@ _STATUSES = (("failure", "failed"), ("error", "error"))  # the last found wins
 
 
 def read_junit(junit: Path, killed: str = "") -> Outcome:
-    cases, reasons, times = {}, {}, {}
+    cases, reasons, times, said = {}, {}, {}, {}
     for case in ET.parse(junit).getroot().iter("testcase"):
         classname, name = case.get("classname", ""), case.get("name", "")
         if not name:  # what pytest writes for the case a Ctrl-C (SIGINT) interrupted
@@ -62,6 +64,10 @@ def read_junit(junit: Path, killed: str = "") -> Outcome:
         else:  # a whole module skipped (or broken) at collection: NAME is the module
             node = f"{name.replace('.', '/')}.py::(module)"
         found = [s for c, s in _STATUSES if case.find(c) is not None] or ["passed"]
+        for failure in (case.find(c) for c, _ in _STATUSES):
+            if failure is not None:
+                text = f"{failure.get('message', '')}\n{failure.text or ''}\n"
+                said[node] = said.get(node, "") + text
         skipped = case.find("skipped")
         if skipped is not None:  # pytest reports an xfail as a skip of that type
             why, text = skipped.get("message", ""), skipped.text or ""
@@ -74,7 +80,7 @@ def read_junit(junit: Path, killed: str = "") -> Outcome:
             reasons[node] = why
         cases[node] = found[-1]
         times[node] = float(case.get("time") or 0.0)
-    return Outcome(cases, reasons, killed, times)
+    return Outcome(cases, reasons, killed, times, said)
 
 
 # At its time limit a run gets SIGINT: pytest ends as on Ctrl-C and still writes the

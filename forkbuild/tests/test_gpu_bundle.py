@@ -22,6 +22,7 @@ from forkbuild.core.errors import ForkError
 from forkbuild.core.pytest_runner import Outcome
 from forkbuild.gpu.bundle import build as gpu_bundle
 from forkbuild.gpu.bundle import check as bundle_check
+from forkbuild.gpu.bundle import proofs
 from forkbuild.gpu.bundle import runner as bundle_run
 from forkbuild.gpu.bundle import standin as bundle_standin
 from forkbuild.gpu.bundle.build import Component, Host, Made, Selection, Trace
@@ -133,6 +134,7 @@ def test_components_fill_the_first_part_with_room_and_parts_name_their_cases():
     assert cases == {"part-1": [], "part-2": ["k"], "part-3": ["f"]}
     ext, fa = "vllm/_", "vllm/vllm_flash_attn/_vllm_"
     sizes = {"tree": 0.1, "vllm": 6.6, "packages": 37.7, f"{fa}fa3_C.abi3.so": 9.9}
+    sizes["stock"] = 0.01  # stock's fixcheck module, for the stock runs
     sizes |= {f"{ext}qutlass_C.abi3.so": 0.3, f"{ext}C_stable_libtorch.abi3.so": 50.8}
     sizes |= {f"{fa}fa2_C.abi3.so": 51.7, f"{ext}moe_C_stable_libtorch.abi3.so": 37.6}
     sizes = {n: int(v * mib) for n, v in (sizes | {"models": 12.1}).items()}
@@ -143,6 +145,7 @@ def test_components_fill_the_first_part_with_room_and_parts_name_their_cases():
     # FlashAttention's vllm_flash_attn, which the case's fixture imports, needs FA3 (or
     # FA2) on CUDA: part 1 carries it.
     assert f"{fa}fa3_C.abi3.so" in parts[0].components
+    assert "stock" in parts[0].components  # the stock runs go with the first cases
     assert added["part-2"] == [f"{kernels}test_flash_attention_over_packed_views[3]"]
     assert added["part-3"] == [f"{kernels}test_flash_attention_over_packed_views[2]"]
     assert len(parts) == 4 and len(added["part-4"]) == 5
@@ -379,15 +382,30 @@ def _reshape_attention_kv_cache(packing, raw, permuted_kv_cache_shape):
     if packing is not None:
         return raw.view(permuted_kv_cache_shape)
 """
+# Stock's: the same branch viewed with the logical shape (fixcheck: buggy).
+STOCK = """
+def _reshape_attention_kv_cache(packing, raw, permuted_kv_cache_shape):
+    kv_cache_shape = "logical"
+    if packing is not None:
+        return raw.view(kv_cache_shape)
+"""
 KERNELS = "tests/v1/worker/test_packed_kv_cache_gpu_kernels.py"
 TRITON = f"{KERNELS}::test_triton_attention_over_packed_views"
 FA3 = f"{KERNELS}::test_flash_attention_over_packed_views[3]"
 ENGINE = "tests/e.py::engine"
 # The stand-in cases: two required node ids, one passes, one fails.
 CASES = """import os
+import signal
+import types
+
 import pytest
 
 def test_triton_attention_over_packed_views(request):
+    # the module's function as vLLM's callers reach it; a wrong view crashes
+    from vllm.v1.worker.gpu import attn_utils
+    raw = types.SimpleNamespace(view=lambda shape: shape)
+    if attn_utils._reshape_attention_kv_cache(1, raw, "physical") != "physical":
+        os.kill(os.getpid(), signal.SIGSEGV)
     # run as the runner runs cases: forked, with its time limit, offline
     assert request.config.option.forked
     assert request.config.getini('timeout_func_only') is True
@@ -416,7 +434,7 @@ KINDS = {
     "Hopper": {"capability": "9.0", "queues": {"h": 1}},
 }
 STAND_IN = _settings(
-    "tree site models",
+    "tree stock site models",
     "tree site",
     KINDS,
     {
@@ -427,6 +445,7 @@ STAND_IN = _settings(
         "tests/f.py::flashinfer": {**AMPERE, "not_in_bundle": "too big"},
     },
     stand_in={"models": "vllm._C_models"},
+    stock_cases=[TRITON, FA3],
 )
 
 
@@ -440,6 +459,7 @@ def test_run_sh_gives_the_nightlys_verdict(scratch, fork_pins, tmp_path):
     files |= {("site", path): (text or "").encode() for path, text in VLLM.items()}
     files[("site", f"vllm-{version}.dist-info/METADATA")] = info.encode()
     files[("models", "m.bin")] = os.urandom(250 << 10)
+    files[("stock", "vllm/v1/worker/gpu/attn_utils.py")] = STOCK.encode()
     bundle = _assemble(fork_pins, tmp_path, files, 300 << 10, STAND_IN)
     shutil.rmtree(bundle.folder / "part-2")  # the models' part has not arrived
     out = tmp_path / "out"  # given relative, from where run.sh is called
@@ -450,13 +470,22 @@ def test_run_sh_gives_the_nightlys_verdict(scratch, fork_pins, tmp_path):
     assert done.stdout.strip().splitlines()[-1] == (
         "1 passed, 1 failed, 0 skipped, 2 required not run here "
         "(listed above; the nightly's verdict needs them too) "
-        "(stand-in for vllm._C_models until its part arrives)"
+        "(stand-in for vllm._C_models until its part arrives); "
+        "test_triton_attention_over_packed_views: stock fails (crash), fork passes; "
+        "test_flash_attention_over_packed_views[3]: stock's function did not run in "
+        "the case; on stock it failed (assert False); on the fork it failed"
     )
     assert (tmp_path / "home").is_dir()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["gpu_kind"] == "Hopper" and summary["parts_present"] == ["part-1"]
     assert summary["stand_ins"] == ["vllm._C_models"]
     assert summary["cases"] == {TRITON: "passed", FA3: "failed"}
+    # the stock runs: stock's function ran in the Triton case (the overlay's record)
+    stock = summary["stock"][TRITON]
+    assert stock["proved"] and stock["stock_function_ran"] and stock["stock"] == "error"
+    assert not summary["stock"][FA3]["proved"]
+    assert summary["sanitizer"] == summary["figures"] == {}
+    assert set(summary["seconds"]) == {"setup", "cases", "proofs"}  # the budget's
     assert summary["not_run_here"] == {
         ENGINE: "needs part-2 (not transferred yet)",
         # no TP=2: 1 GPU visible
@@ -524,3 +553,33 @@ def test_a_bad_xz_preset_is_refused(fork_pins, tmp_path):
     files = {("tree", "t.py"): b"", ("site-a", "a.py"): b""}
     with pytest.raises(ForkError, match="does not hold: gone"):
         _assemble(fork_pins, tmp_path, files, 1 << 20, settings)
+
+
+def test_the_proofs_name_cases_the_bundle_carries():
+    kinds = {"Hopper": {"capability": "9.0", "queues": {"q": 1}}}
+    cases = {"t.py::one": {**HOPPER, "bundle": []}}
+    cases["t.py::no"] = {**HOPPER, "not_in_bundle": "too big"}
+    made = _settings("tree", "tree", kinds, cases, stock_cases=["t.py::one"])
+    assert made.stock_cases == ("t.py::one",) and made.sanitizer_case == ""
+    # fork.toml's: the headline FA3 case and the Triton case, FA3 under memcheck
+    assert SETTINGS.sanitizer_case in SETTINGS.stock_cases
+    assert len(SETTINGS.stock_cases) == 2 and set(SETTINGS.stock_cases) <= set(
+        SETTINGS.needs
+    )
+    for wrong in ({"stock_cases": ["t.py::no"]}, {"sanitizer_case": "t.py::no"}):
+        with pytest.raises(ForkError, match="no bundle case"):
+            _settings("tree", "tree", kinds, cases, **wrong)
+
+
+def test_a_proof_that_did_not_run_fails_the_run_and_says_why(tmp_path):
+    hopper = pins.gpu_table(SMALL.gpu).kind("Hopper")
+    ran = (["part-1"], ["t.py::one"], {}, Outcome({"t.py::one": "passed"}), tmp_path)
+    proved = {"stock": {}, "figures": {}, "not_run": {"figures": "needs part-4"}}
+    proved["sanitizer"] = proofs.did_not_run("pytest could not run the tests (exit 3)")
+    assert bundle_run.conclude(hopper, *ran, [], proved) == 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["summary"].endswith(
+        "; did not run: pytest could not run the tests (exit 3)"
+    )
+    assert summary["not_run_here"] == {"figures": "needs part-4"}
+    assert summary["figures"] == {} and summary["stock"] == {}

@@ -35,7 +35,7 @@ from forkbuild.gpu import cuda_route
 from forkbuild.gpu.bundle.runner import FILE_LIST
 from forkbuild.setup import fetch, lock, uv
 from forkbuild.setup.load_extensions import record_digest, wheel_record
-from forkbuild.setup.tree import GENERATED, read_series, swap_into_place
+from forkbuild.setup.tree import GENERATED, git, read_series, swap_into_place
 from forkbuild.setup.wheel import dist_dir, patched_paths
 
 FORMAT = "fork-gpu-bundle-3"
@@ -44,12 +44,13 @@ RUNNER_MODULES = (  # the runner's modules, standard library only, paths in fork
     *(f"core/{m}" for m in ("__init__", "errors", "log", "hashing", "pins")),
     *(f"core/{m}" for m in ("pytest_runner", "pytest_progress", "fixcheck")),
     *(f"gpu/{m}" for m in ("__init__", "required", "bundle/__init__")),
-    *(f"gpu/bundle/{m}" for m in ("standin", "runner")),
+    *(f"gpu/bundle/{m}" for m in ("standin", "stock_overlay", "proofs", "runner")),
 )
 TRACE = ["-p", "forkbuild.gpu.bundle.import_trace"]  # import_trace.py, a pytest plugin
 # The roots a component unpacks into on the host: site/ goes first on PYTHONPATH, tree/
-# is where pytest runs (the node ids are the tree's), models/ holds the tiny models.
-SITE, TREE, MODELS = "site", "tree", "models"
+# is where pytest runs (the node ids are the tree's), models/ holds the tiny models,
+# stock/ stock vLLM's fixcheck module (stock_overlay.py serves it to the stock runs).
+SITE, TREE, MODELS, STOCK = "site", "tree", "models", "stock"
 HINT_HOST = "make the file with `bash run.sh --inventory` on the host"
 HINT_ROUTE = "rerun the CUDA route's install: rm -r build/cuda-route; make test"
 
@@ -313,14 +314,38 @@ def vllm_components(
     return python, extensions, left
 
 
-def tree_component(tree: Path, trace: Trace, pins: Pins) -> Component:
-    """The tree's test files the collection loaded, and pyproject.toml (pytest's)."""
+def tree_component(tree: Path, trace: Trace, pins: Pins, figures: dict) -> Component:
+    """The tree's test files the collection loaded, and pyproject.toml (pytest's); the
+    fork's offload benchmark (FIGURES: fork.toml's), run in the tree as the nightly
+    runs it."""
     component = Component("tree", TREE)
     wanted = {f for f in trace.tree_files if f.startswith("tests/")}
     wanted |= {*pins.gpu_tests, *pins.cuda_route_tests}
     for path in sorted(wanted | {"pyproject.toml"}):
         if path.endswith(".py") or path == "pyproject.toml":
             component.add(path, tree / path)
+    for path in [figures["script"], *figures["helpers"]] if figures else ():
+        component.add(
+            path, tree / path if (tree / path).is_file() else REPO_ROOT / path
+        )
+    return component
+
+
+def stock_component(pins: Pins, tree: Path, work: Path) -> Component:
+    """Stock vLLM's fixcheck module: the release's, as TREE's first commit (the pinned
+    sdist, tag v<version>) holds it; it must read as buggy."""
+    ref = f"v{pins.upstream_version}:{fixcheck.MODULE_PATH}"
+    shown = git(["show", ref], tree)
+    if shown.returncode != 0 or fixcheck.classify(shown.stdout) != "buggy":
+        said = shown.stderr.strip() or f"reads as {fixcheck.classify(shown.stdout)}"
+        raise ForkError(
+            f"{tree}: {ref} is not stock's buggy module ({said})", HINT_ROUTE
+        )
+    target = work / STOCK / fixcheck.MODULE_PATH
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(shown.stdout)
+    component = Component(STOCK, STOCK)
+    component.add(fixcheck.MODULE_PATH, target)
     return component
 
 
@@ -638,8 +663,9 @@ def components(pins: Pins, source: Source, host_file: Path, work: Path) -> Made:
         pins, selection, host, lock_file, work, source.settings.omit
     )
     tiny = models_component(source.python, source.tree, source.stub, work)
-    tree = tree_component(source.tree, source.trace, pins)
-    parts = [tree, python, packages, *extensions, tiny]
+    tree = tree_component(source.tree, source.trace, pins, source.settings.figures)
+    stock = stock_component(pins, source.tree, work)
+    parts = [tree, stock, python, packages, *extensions, tiny]
     return Made(pins, source.settings, host, lock_pins, selection, parts, left, omitted)
 
 
@@ -684,7 +710,7 @@ def _order(settings: GpuBundle, names: set[str]) -> list[str]:
             "add them to the order list",
         )
     used = [settings.every_case, settings.stand_in, settings.xz_preset]
-    used += settings.needs.values()
+    used += [*settings.needs.values(), settings.figures.get("needs", ())]
     if unknown := sorted({c for need in used for c in need} - names):
         raise ForkError(
             "fork.toml [gpu_bundle] needs names what the bundle does not hold: "
@@ -717,6 +743,9 @@ def manifest(made: Made, entries: dict[str, dict], parts: list[Part]) -> dict:
         "stand_in": dict(settings.stand_in),
         "needs": {node: list(need) for node, need in settings.needs.items()},
         "not_carried": dict(settings.not_carried),
+        "stock": {"cases": list(settings.stock_cases), "component": STOCK},
+        "sanitizer_case": settings.sanitizer_case,
+        "figures": dict(settings.figures),
         "gpu": settings.gpu,  # the nightly's table (forkbuild/gpu/required.py)
         **asdict(made.selection),
         "compiled_left_out": made.left,

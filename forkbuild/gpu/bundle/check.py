@@ -12,13 +12,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
-from forkbuild.core import log, pytest_runner
+from forkbuild.core import fixcheck, log, pytest_runner
 from forkbuild.core.errors import ForkError, run_or_fail
 from forkbuild.core.hashing import digest_of
 from forkbuild.core.pins import REPO_ROOT, Pins, build_dir, load_gpu_bundle
 from forkbuild.core.pytest_runner import Outcome
 from forkbuild.gpu import cuda_route
 from forkbuild.gpu.bundle import build as gpu_bundle
+from forkbuild.gpu.bundle import proofs
 from forkbuild.gpu.bundle import runner as bundle_run
 from forkbuild.setup import fetch, lock, uv
 
@@ -185,12 +186,14 @@ def _on_simulated_host(
     host = SimHost(python, site, source.stub, results, offline)
     collected, calls = verify(pins, host, "bundle-host")
     breakage = _without(pins, host)
+    stock = _stock_overlay(host, bundle_run.stock_file(bundle.manifest, dest))
+    figures = _figures_script(host, bundle.manifest["figures"])
     shown = (
         f"(Python {HOST_PYTHON}, torch, triton and NVIDIA's packages only, {network}): "
         f"{len(bundle.parts)} part(s), {len(loaded['loaded'])} compiled extensions "
         f"load, {len(collected.cases)} GPU cases collected and skipped without a "
         "device, the engine's modules import, kernel calls up to dispatch: "
-        f"{calls}; without {BREAKAGE[0]}: {breakage}"
+        f"{calls}; without {BREAKAGE[0]}: {breakage}; {stock}; {figures}"
     )
     return host, shown
 
@@ -280,6 +283,68 @@ def _without(pins: Pins, host: SimHost) -> str:
     )
 
 
+def _stock_overlay(host: SimHost, stock: Path) -> str:
+    """The stock runs' cases as the runner runs them, with stock's module (STOCK) and,
+    on purpose, without: each skips only for want of a GPU, and the overlay's record
+    passes the runner's check (proofs.not_stock) with it and fails it without."""
+    nodes = list(load_gpu_bundle().stock_cases)
+
+    def overlaid(file: Path | None) -> str:
+        name = f"bundle-stock-{'overlay' if file else 'without-overlay'}"
+        report = host.results / f"{name}.jsonl"
+        report.unlink(missing_ok=True)
+        outcome, errors = _run_traced(host, name, nodes, (), (), (file, report))
+        logs = str(host.results / f"{name}-tests.log")
+        where = f"the bundle's stock runs ({name})"
+        cuda_route.check_skipped(
+            outcome, host.results, where=where, logs=logs, required=nodes
+        )
+        if errors:
+            raise ForkError(f"{where}: {'; '.join(errors)}", f"see {logs}")
+        return proofs.not_stock(proofs.read_events(report), stock)
+
+    with_it, without = meanwhile(lambda: overlaid(stock), lambda: overlaid(None))
+    if with_it:
+        raise ForkError(
+            f"with the overlay, {with_it}",
+            "check forkbuild/gpu/bundle/stock_overlay.py and the bundle's stock/",
+        )
+    if not without:
+        raise ForkError(
+            "without the overlay the stock check still passes: it cannot tell stock's "
+            "module from the fork's",
+            "fix forkbuild/gpu/bundle/proofs.py not_stock",
+        )
+    return (
+        f"stock's {stock.name} overlaid: {len(nodes)} cases collected and skipped "
+        f"without a device, its {fixcheck.FUNCTION} buggy; without the overlay the "
+        f"check fails ({without[:200]})"
+    )
+
+
+def _figures_script(host: SimHost, figures: dict) -> str:
+    """The benchmark the runner runs for the figures, from the unpacked bundle: its
+    imports all resolve (`--help` answers after them) and it takes the runner's flag;
+    its model is there."""
+    tree, script = host.site.parent / "tree", figures["script"]
+    model = host.site.parent / "models" / figures["model"] / "config.json"
+    env = {**os.environ, **cuda_route.stub_env(host.stub), **NO_INDEX}
+    env["PYTHONPATH"] = bundle_run.pythonpath(host.site.parent)
+    done = run_or_fail(
+        [*host.offline, str(host.python), script, "--help"],
+        f"the bundle's {script} does not start on the simulated host",
+        f"its imports must be in the bundle (fork.toml [gpu_bundle] figures): {tree}",
+        cwd=tree,
+        env=env,
+    )
+    if "--enforce-eager" not in done.stdout or not model.is_file():
+        raise ForkError(
+            f"the bundle's {script} lacks --enforce-eager or its model {model}",
+            "the runner runs it with both: check fork.toml [gpu_bundle] figures",
+        )
+    return f"{script} imports from the bundle, its model {model.parent.name} is there"
+
+
 def _part_one(reference: gpu_bundle.Bundle, host: SimHost) -> str:
     """Part 1 of the reference bundle alone (a copy of SITE without the extensions it
     lacks), its cases run as the runner runs them: they import with stand-ins only."""
@@ -334,15 +399,21 @@ def _part_one(reference: gpu_bundle.Bundle, host: SimHost) -> str:
 
 
 def _run_traced(
-    host: SimHost, name: str, nodes: list[str], imports: tuple[str, ...], standing_in=()
+    host: SimHost,
+    name: str,
+    nodes: list[str],
+    imports: tuple[str, ...],
+    standing_in=(),
+    stock: tuple[Path | None, Path] | None = None,
 ) -> tuple[Outcome, list[str]]:
-    """NODES run as the runner runs them, IMPORTS last: outcome and import errors."""
+    """NODES run as the runner runs them, IMPORTS last: outcome and import errors;
+    STOCK (stock's file or None, the overlay's report): with the overlay plugin."""
     site, results = host.site, host.results
     tree, report = site.parent / "tree", results / f"{name}-imports.json"
     logs = results / f"{name}-tests.log"
     report.unlink(missing_ok=True)
     env = {
-        **bundle_run.case_env(site.parent, standing_in),
+        **bundle_run.case_env(site.parent, standing_in, *(stock or ())),
         **cuda_route.stub_env(host.stub),
         **NO_INDEX,
         "FORKBUILD_TRACE_OUT": str(report),
@@ -351,7 +422,7 @@ def _run_traced(
     outcome = pytest_runner.run_pytest(
         host.python,
         tree,
-        [*gpu_bundle.TRACE, *bundle_run.case_args(nodes, standing_in)],
+        [*gpu_bundle.TRACE, *bundle_run.case_args(nodes, standing_in, bool(stock))],
         results / f"{name}-tests.xml",
         pythonpath=os.pathsep.join([str(tree), str(site), str(REPO_ROOT)]),
         output=logs,

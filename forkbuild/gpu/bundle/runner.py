@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 from forkbuild.core import fixcheck, log, pytest_runner
@@ -24,6 +25,7 @@ from forkbuild.core.errors import ForkError
 from forkbuild.core.hashing import sha256_file
 from forkbuild.core.pins import GpuKind, gpu_table
 from forkbuild.gpu import required as gpu_required
+from forkbuild.gpu.bundle import proofs, stock_overlay
 from forkbuild.gpu.bundle import standin as bundle_standin
 
 MANIFEST = "manifest.json"
@@ -33,6 +35,12 @@ RUNNER = str(Path(__file__).resolve().parents[3])  # where these modules are
 # A kernel case takes seconds, an engine case two tiny engines (docs/gpu-nightly.md).
 CASE_LIMIT_S = 240
 RUN_LIMIT_S = 12 * 60
+# The proofs after the cases, each bounded (the run's estimate: docs/gpu-nightly.md,
+# "What the first run proves"): stock's two kernel cases, FA3 under memcheck, the two
+# engines of the offload benchmark.
+STOCK_LIMIT_S = 150
+SANITIZER_LIMIT_S = 180
+FIGURES_LIMIT_S = 180
 # No hub, no telemetry; pytest loads only the runner's plugins (not the host's
 # pytest-cov, xdist, ...), and vLLM's conftest does not reach for its GPU-memory helper
 # (tests/utils.py, not carried).
@@ -242,24 +250,41 @@ def stand_ins(manifest: dict, components: list[str]) -> list[str]:
     return sorted(table[c] for c in table if c not in components)
 
 
-def case_args(nodes: list[str], standing_in: list[str] = ()) -> list[str]:
+def case_args(
+    nodes: list[str], standing_in: list[str] = (), stock: bool = False, forked=True
+) -> list[str]:
     """pytest's arguments for NODES: forked, each under CASE_LIMIT_S (pytest-timeout in
-    the forked child, as the nightly runs it), with the stand-ins' plugin if any."""
+    the forked child, as the nightly runs it), with the stand-ins' plugin if any, and
+    where STOCK the overlay's (stock_overlay.py: case_env's STOCK says which module)."""
     limit = [
         f"--timeout={CASE_LIMIT_S}" if a.startswith("--timeout=") else a
         for a in gpu_required.PER_CASE_TIMEOUT
     ]
     standin = ["-p", bundle_standin.__name__] if standing_in else []
-    return [*PLUGINS, *standin, "--forked", "-v", "-rs", *limit, *nodes]
+    overlay = ["-p", stock_overlay.__name__] if stock else []
+    fork = ["--forked"] if forked else []
+    return [*PLUGINS, *standin, *overlay, *fork, "-v", "-rs", *limit, *nodes]
 
 
-def case_env(dest: Path, standing_in: list[str] = ()) -> dict[str, str]:
+def case_env(
+    dest: Path, standing_in: list[str] = (), stock: Path | None = None, report=None
+) -> dict[str, str]:
+    """The cases' environment; STOCK: stock's module file for the overlay, REPORT:
+    where the overlay records what loaded and ran."""
     # Always set: a value inherited from the caller never stands in for what arrived.
     return {
         **OFFLINE,
         "VLLM_OFFLOAD_E2E_MODELS": str(dest / "models"),
         bundle_standin.ENV: ",".join(standing_in),
+        stock_overlay.ENV: str(stock or ""),
+        stock_overlay.REPORT_ENV: str(report or ""),
     }
+
+
+def stock_file(manifest: dict, dest: Path) -> Path:
+    """Where stock's fixcheck module unpacks (the manifest's stock component)."""
+    root = manifest["components"][manifest["stock"]["component"]]["root"]
+    return dest / root / fixcheck.MODULE_PATH
 
 
 def pythonpath(dest: Path, runner: bool = False) -> str:
@@ -348,7 +373,7 @@ def plan(
 
 
 def run(bundle: Path, out: Path) -> int:
-    manifest = read_manifest(bundle)
+    manifest, began = read_manifest(bundle), time.monotonic()
     gpus = query_gpus()  # before anything else: without a GPU there is nothing to do
     check_host(manifest)
     components = present(manifest, bundle)
@@ -366,6 +391,7 @@ def run(bundle: Path, out: Path) -> int:
         + (f"; stand-in for {', '.join(standing_in)}" if standing_in else "")
     )
     runnable, apart = plan(manifest, required, components)
+    seconds = {"setup": time.monotonic() - began}  # what the budget's estimate is of
     for node, why in apart.items():
         print(f"{node}: {why}")
     outcome = pytest_runner.Outcome({})
@@ -379,9 +405,125 @@ def run(bundle: Path, out: Path) -> int:
             extra_env=case_env(dest, standing_in),
             timeout_s=RUN_LIMIT_S,
         )
+    seconds["cases"] = time.monotonic() - began - seconds["setup"]
+    proved = prove(manifest, dest, components, runnable, outcome, out, standing_in)
+    seconds["proofs"] = time.monotonic() - began - sum(seconds.values())
+    proved["seconds"] = {step: round(s, 1) for step, s in seconds.items()}
     have = set(components)
     parts = [p["name"] for p in manifest["parts"] if set(p["components"]) <= have]
-    return conclude(kind, parts, runnable, apart, outcome, out, standing_in)
+    return conclude(kind, parts, runnable, apart, outcome, out, standing_in, proved)
+
+
+def prove(
+    manifest: dict,
+    dest: Path,
+    components: list[str],
+    runnable: list[str],
+    fork: pytest_runner.Outcome,
+    out: Path,
+    standing_in: list[str] = (),
+) -> dict:
+    """The proofs beside the cases the parts present allow (proofs.py): stock's runs,
+    memcheck, the figures; each {} where not run, and why in "not_run"."""
+    found, not_run = {"stock": {}, "sanitizer": {}, "figures": {}}, {}
+    # A proof that cannot run is reported as such: the run's summary is still written.
+    if nodes := [n for n in manifest["stock"]["cases"] if n in runnable]:
+        try:
+            found["stock"] = run_stock(manifest, dest, nodes, fork, out, standing_in)
+        except ForkError as exc:
+            found["stock"] = {n: proofs.did_not_run(exc.cause) for n in nodes}
+    for node in manifest["stock"]["cases"]:
+        if node not in runnable:
+            not_run[f"stock: {node}"] = "its fork case does not run here"
+    node, tool = manifest["sanitizer_case"], proofs.sanitizer()
+    if node in runnable and tool:
+        try:
+            found["sanitizer"] = run_sanitizer(tool, node, dest, out, standing_in)
+        except ForkError as exc:
+            found["sanitizer"] = proofs.did_not_run(exc.cause)
+    elif node:
+        why = "no compute-sanitizer on this host" if tool is None else ""
+        not_run["sanitizer"] = why or "its case does not run here"
+    figures = manifest["figures"]
+    need = [*manifest["every_case"], *figures.get("needs", ())]
+    if figures and set(need) <= set(components):
+        found["figures"] = run_figures(figures, dest, out)
+    elif figures:
+        missing = sorted({c for c in need if c not in components})
+        not_run["figures"] = f"needs {', '.join(missing)} (not transferred yet)"
+    return {**found, "not_run": not_run}
+
+
+def run_stock(
+    manifest: dict,
+    dest: Path,
+    nodes: list[str],
+    fork: pytest_runner.Outcome,
+    out: Path,
+    standing_in: list[str],
+) -> dict:
+    """NODES again, each forked, with stock's module (stock_overlay.py): node -> the
+    verdict (proofs.stock_verdict)."""
+    stock, report = stock_file(manifest, dest), out / "stock-overlay.jsonl"
+    report.unlink(missing_ok=True)
+    log.step(f"bundle: {len(nodes)} case(s) again with stock's {stock.name}")
+    ran = pytest_runner.run_pytest(
+        Path(sys.executable),
+        dest / "tree",
+        case_args(nodes, standing_in, stock=True),
+        out / "stock-tests.xml",
+        pythonpath=pythonpath(dest, runner=True),
+        output=out / "stock-tests.log",
+        extra_env=case_env(dest, standing_in, stock, report),
+        timeout_s=STOCK_LIMIT_S,
+    )
+    events = proofs.read_events(report)
+    return {n: proofs.stock_verdict(n, fork, ran, events, stock) for n in nodes}
+
+
+def run_sanitizer(
+    tool: str, node: str, dest: Path, out: Path, standing_in: list[str]
+) -> dict:
+    """NODE under TOOL's memcheck, in one process (not forked): its verdict."""
+    log.step(f"bundle: {node} under {tool} memcheck")
+    began, log_file = time.monotonic(), out / "sanitizer.log"
+    checked = pytest_runner.run_pytest(
+        Path(sys.executable),
+        dest / "tree",
+        case_args([node], standing_in, forked=False),
+        out / "sanitizer-tests.xml",
+        pythonpath=pythonpath(dest, runner=bool(standing_in)),
+        output=log_file,
+        extra_env=case_env(dest, standing_in),
+        timeout_s=SANITIZER_LIMIT_S,
+        prefix=(tool, *proofs.SANITIZER_ARGS),
+    )
+    seconds = time.monotonic() - began
+    return proofs.sanitizer_verdict(node, checked, log_file, seconds)
+
+
+def run_figures(figures: dict, dest: Path, out: Path) -> dict:
+    """The offload benchmark in the tree on the bundle's tiny GPT-OSS (eager: no
+    compile or graph capture in the budget); its JSON report in OUT."""
+    report, output = out / "offload-figures.json", out / "offload-figures.log"
+    report.unlink(missing_ok=True)
+    model = dest / "models" / figures["model"]
+    command = [sys.executable, figures["script"], "--out", str(report)]
+    command += ["--model", str(model), "--enforce-eager"]
+    log.step(f"bundle: the offload figures ({figures['script']}; report: {output})")
+    env = {**os.environ, **case_env(dest), "PYTHONPATH": pythonpath(dest)}
+    began = time.monotonic()
+    with open(output, "w") as sink:
+        code, stopped = pytest_runner.run_limited(
+            command,
+            cwd=dest / "tree",
+            env=env,
+            timeout_s=FIGURES_LIMIT_S,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+    seconds = time.monotonic() - began
+    return proofs.figures_verdict(report, -1 if stopped else code, seconds)
 
 
 def conclude(
@@ -392,13 +534,33 @@ def conclude(
     outcome: pytest_runner.Outcome,
     out: Path,
     standing_in: list[str] = (),
+    proved: dict | None = None,
 ) -> int:
+    proved = proved or {"stock": {}, "sanitizer": {}, "figures": {}, "not_run": {}}
     not_run = gpu_required.not_run(runnable, [outcome])
     failed = outcome.failed + outcome.errors
     line = (
         f"{outcome.passed} passed, {failed} failed, {outcome.skipped} skipped, "
         f"{len(apart)} required not run here"
     )
+    for problem in (*([outcome.killed] if outcome.killed else []), *not_run):
+        print(problem)
+    for what, why in proved["not_run"].items():
+        print(f"{what}: not run ({why})")
+    if not runnable:
+        line += f" (parts present: {', '.join(parts)}: none of them runs a case yet)"
+    if apart:
+        line += " (listed above; the nightly's verdict needs them too)"
+    if standing_in:
+        line += f" (stand-in for {', '.join(standing_in)} until its part arrives)"
+    # Then what the proofs showed, each in a few words (summary.json has the rest).
+    shown = [f"{n.split('::', 1)[-1]}: {v['line']}" for n, v in proved["stock"].items()]
+    shown += [proved[k]["line"] for k in ("sanitizer", "figures") if proved[k]]
+    line += "".join(f"; {s}" for s in shown)
+    unproved = [k for k, v in proved["stock"].items() if not v["proved"]]
+    unproved += [
+        k for k in ("sanitizer", "figures") if proved[k].get("proved") is False
+    ]
     summary = {
         "gpu_kind": kind.name,
         "parts_present": parts,
@@ -406,23 +568,19 @@ def conclude(
         "skip_reasons": outcome.reasons,
         "required_not_run": not_run,
         "killed": outcome.killed,
-        "not_run_here": apart,
+        "not_run_here": {**apart, **proved["not_run"]},
         "stand_ins": list(standing_in),
+        "stock": proved["stock"],  # node -> stock and fork verdicts (proofs.py)
+        "sanitizer": proved["sanitizer"],
+        "figures": proved["figures"],
+        "seconds": proved.get("seconds", {}),  # setup, cases, proofs: the budget's
         "junit": "gpu-tests.xml",
         "summary": line,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    for problem in (*([outcome.killed] if outcome.killed else []), *not_run):
-        print(problem)
-    if not runnable:
-        line += f" (parts present: {', '.join(parts)}: none of them runs a case yet)"
-    if apart:
-        line += " (listed above; the nightly's verdict needs them too)"
-    if standing_in:
-        line += f" (stand-in for {', '.join(standing_in)} until its part arrives)"
     (out / "summary.txt").write_text(line + "\n")
     print(line, flush=True)
-    return 1 if failed or not_run or outcome.killed else 0
+    return 1 if failed or not_run or outcome.killed or unproved else 0
 
 
 def main(argv: list[str]) -> int:
