@@ -112,7 +112,7 @@ def test_a_pr_earns_only_what_the_release_tests_miss(worktree, tmp_path, one_tre
     assert missed.survivor and missed.by_pr == {"01-pages": [PR_CASE]}
     assert _clean(worktree)
     text = mutants.table([caught, missed], "01-pages")
-    row = "| the row cut at 8 items | `pkg/views.py` | no | "
+    row = "| the row cut at 8 items | `pkg/views.py` | no | no | "
     assert row + "`test_pages_of_a_longer_row` |" in text
     assert "offset ignored" not in text.split("Mutants tried")[0]
     assert "Mutants tried on the code these tests cover: 2" in text

@@ -1,5 +1,6 @@
 """patch-status, rebase, upstream: the checks that keep the fork aligned with vLLM."""
 
+import dataclasses
 import json
 import os
 import re
@@ -279,7 +280,7 @@ def test_the_prs_load_in_sending_order_each_whole():
     prs = upstream.load_prs(NEWEST)
     assert [pr.name for pr in prs] == sorted(pr.name for pr in prs) and len(prs) >= 2
     for pr in prs:
-        assert pr.cases and pr.job and pr.patches, pr.name
+        assert pr.cases and pr.jobs and pr.patches, pr.name
         # nothing sent speaks of this repository or of the release it is a fork of
         upstream.check_words(pr, BASE)
         assert all(marker in pr.description for marker in upstream.MARKERS), pr.name
@@ -296,10 +297,10 @@ def test_a_broken_pr_folder_is_refused_with_what_it_lacks(tmp_path):
     (folder / "mutants").mkdir()  # the mutants' folder is no PR
     meta = folder / "01-views" / "pr.toml"
     meta.write_text(f'release = "{NEWEST}"\ntitle = "[Tests] x"\n')
-    lacks = "01-views: pr.toml lacks cases, job; no \\*.patch; no description.md"
+    lacks = "01-views: pr.toml lacks cases, jobs; no \\*.patch; no description.md"
     with pytest.raises(ForkError, match=lacks):
         upstream.load_prs(NEWEST, folder)
-    meta.write_text(meta.read_text() + 'cases = ["a"]\njob = "v1-others-cpu"\n')
+    meta.write_text(meta.read_text() + 'cases = ["a"]\njobs = ["v1-others-cpu"]\n')
     mail = folder / "01-views" / "0001-x.patch"
     mail.write_text("Subject: [Tests] x\n\nfor the fork\n")
     (folder / "01-views" / "description.md").write_text("@@VALIDATION@@ @@MUTANTS@@\n")
@@ -326,18 +327,35 @@ def _job(key: str, device: str, marker: str | None) -> dict:
     return {"key": key, "label": key, "device": device, "marker": marker, "command": ""}
 
 
-def test_a_pr_whose_cases_no_cpu_job_collects_is_refused():
+def _pr(case: str, *jobs: str) -> upstream.PullRequest:
+    return upstream.PullRequest("01-views", Path("."), "t", (f"{case}::x",), jobs, ())
+
+
+def test_a_pr_names_the_jobs_that_collect_its_cases_with_cpu_test_selected():
     case = "tests/v1/worker/test_attn_utils.py"
-    pr = upstream.PullRequest(
-        "01-views", Path("."), "t", (f"{case}::test_x",), "v1-others-cpu", ()
-    )
     gpu_only = {case: [_job("v1-executor-worker", "h200_18gb", None)]}
-    match = "no CPU job 'v1-others-cpu'.*jobs that run it: v1-executor-worker"
+    match = "no job of v1-others-cpu collects.*jobs that run it: v1-executor-worker"
     with pytest.raises(ForkError, match=match):
-        upstream.check_job(pr, gpu_only)
-    negated = {case: [_job("v1-others-cpu", "cpu-small", "not cpu_test")]}
-    with pytest.raises(ForkError, match="no CPU job"):
-        upstream.check_job(pr, negated)
+        upstream.check_job(_pr(case, "v1-others-cpu"), gpu_only)
+    # A GPU job that runs the file unfiltered collects its cpu_test cases too.
+    said = upstream.check_job(_pr(case, "v1-executor-worker"), gpu_only)
+    assert said == f"{case}: 'v1-executor-worker' (v1-executor-worker, h200_18gb): "
+    negated = {case: [_job("v1-core", "h200_35gb", "not cpu_test")]}
+    with pytest.raises(ForkError, match="no job of v1-core"):
+        upstream.check_job(_pr(case, "v1-core"), negated)
+    # Each file needs one of the named jobs; every one that collects it is listed.
+    other = "tests/v1/core/test_contiguous_kv_packing.py"
+    both = {
+        case: [*gpu_only[case], _job("v1-others-cpu", "cpu-small", "cpu_test")],
+        other: [_job("v1-others-cpu", "cpu-small", "cpu_test")],
+    }
+    pr = upstream.PullRequest(
+        "01", Path("."), "t", (f"{case}::x", f"{other}::y"), ("v1-executor-worker",), ()
+    )
+    with pytest.raises(ForkError, match=f"collects {other}"):
+        upstream.check_job(pr, both)
+    pr = dataclasses.replace(pr, jobs=("v1-executor-worker", "v1-others-cpu"))
+    assert len(upstream.check_job(pr, both).splitlines()) == 3
 
 
 def test_the_mypy_hook_is_read_from_the_release_and_locked(fork_pins, toolchain):
@@ -387,7 +405,7 @@ def test_the_series_passes_the_release_hooks_and_cpu_jobs(release_hooks, toolcha
         files = sorted({c.split("::", 1)[0] for c in pr.cases})
         jobs = upstream.collecting_jobs(toolchain, release_hooks, files)
         said = upstream.check_job(pr, jobs)
-        assert f"({pr.job}, cpu" in said, said
+        assert {line.split(":", 1)[0] for line in said.splitlines()} == set(files)
 
 
 def test_a_hook_finding_stops_the_upstream_step(release_hooks, toolchain):

@@ -348,7 +348,7 @@ def table(rows: list[Row], pr: str) -> str:
     mine = [r for r in rows if r.mutant.path in paths]
     on_gpu = [r for r in mine if r.survivor and r.mutant.gpu_job]
     names = sorted({t for r in mine for t in r.mutant.tests})
-    line = "| {0.name} | `{0.path}` | no | {1} |\n"
+    line = "| {0.name} | `{0.path}` | no | no | {1} |\n"
     shown = "{0.name}, in `{0.path}`:\n\n```diff\n{1}\n```\n\n"
     diffs = [(r.mutant, r.mutant.diff.rstrip("\n")) for r in listed]
     filled = TABLE.read_text().format(

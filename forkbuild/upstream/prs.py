@@ -37,6 +37,8 @@ MAX_CASES_S = 60.0
 # Offline: the release's cases that download models fail at once (no kill), not hang.
 CPU_OFFLINE = {**matrix.CPU_ENV, "HF_HUB_OFFLINE": "1"}
 README = "see upstream-prs/README.md"
+# pytest's short summary names every case with its outcome: what Validation shows.
+REPORT_ARGS = ("-rA",)
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,9 @@ class PullRequest:
     folder: Path
     title: str
     cases: tuple[str, ...]  # pytest node ids (or files) of the cases it adds
-    job: str  # the Buildkite key of the CPU job that must collect them
+    # Buildkite keys of the release's jobs, CPU or GPU, of which one must collect each
+    # case's file with cpu_test selected (a GPU job that runs the file unfiltered does)
+    jobs: tuple[str, ...]
     patches: tuple[Path, ...]
 
     @property
@@ -64,7 +68,7 @@ def load_prs(version: str, folder: Path = PRS_DIR) -> list[PullRequest]:
         except (OSError, tomllib.TOMLDecodeError) as err:
             hint = f"each upstream-prs/<name>/ needs pr.toml ({README})"
             raise ForkError(f"{sub / 'pr.toml'} cannot be read: {err}", hint) from None
-        keys = ("release", "title", "cases", "job")
+        keys = ("release", "title", "cases", "jobs")
         patches = tuple(sorted(sub.glob("*.patch")))
         missing = ", ".join(k for k in keys if k not in meta)
         lacks = [f"pr.toml lacks {missing}"] if missing else []
@@ -74,8 +78,8 @@ def load_prs(version: str, folder: Path = PRS_DIR) -> list[PullRequest]:
             hint = f"{README} for what a PR folder holds"
             raise ForkError(f"{sub.name}: {'; '.join(lacks)}", hint)
         if meta["release"] == version:
-            title, cases, job = meta["title"], (*meta["cases"],), meta["job"]
-            prs.append(PullRequest(sub.name, sub, title, cases, job, patches))
+            title, cases, jobs = meta["title"], (*meta["cases"],), (*meta["jobs"],)
+            prs.append(PullRequest(sub.name, sub, title, cases, jobs, patches))
     return prs
 
 
@@ -270,20 +274,23 @@ def selects_cpu_test(marker: str | None) -> bool:
 
 
 def check_job(pr: PullRequest, jobs: Jobs) -> str:
-    """PROOF.txt's line: pr.toml's CPU job collects the cases with cpu_test selected."""
+    """PROOF.txt's lines: for each case's file, the jobs of pr.toml `jobs` that collect
+    it with cpu_test selected (read from the release's pipelines, not run); one must."""
     lines = []
     for test_file in sorted({c.split("::", 1)[0] for c in pr.cases}):
         runs = jobs.get(test_file, [])
-        cpu = [j for j in runs if j["key"] == pr.job and "cpu" in str(j["device"])]
-        if not (hits := [j for j in cpu if selects_cpu_test(j["marker"])]):
+        named = [j for j in runs if j["key"] in pr.jobs]
+        if not (hits := [j for j in named if selects_cpu_test(j["marker"])]):
             others = ", ".join(sorted({j["key"] or j["label"] for j in runs})) or "none"
-            said = f"{pr.name}: no CPU job '{pr.job}' of the release collects"
-            said += f" {test_file} with cpu_test selected (jobs that run it: {others})"
-            mark = "mark the cases cpu_test and add the file to that job's commands"
-            raise ForkError(said, f"{mark} in the PR")
-        label, device, command = (hits[0][k] for k in ("label", "device", "command"))
-        by = f"collected by '{label}' ({pr.job}, {device}): {command}"
-        lines.append(f"{test_file}: {by}")
+            said = f"{pr.name}: no job of {', '.join(pr.jobs)} collects {test_file}"
+            said += f" with cpu_test selected (jobs that run it: {others})"
+            mark = "mark the cases cpu_test and name a job that runs the file (or add"
+            raise ForkError(said, f"{mark} it to a CPU job's commands in the PR)")
+        for job in hits:
+            label, key, device, command = (
+                job[k] for k in ("label", "key", "device", "command")
+            )
+            lines.append(f"{test_file}: '{label}' ({key}, {device}): {command}")
     return "\n".join(lines)
 
 
@@ -335,7 +342,7 @@ class Context:
     ) -> Outcome:
         """CASES in WORK on CPU, offline, reports in OUT as NAME-*: all pass or WHAT."""
         log_file = out / f"{name}-pytest.log"
-        args = (self.python, work, [*cases, "-rs"], out / f"{name}-junit.xml")
+        args = (self.python, work, [*REPORT_ARGS, *cases], out / f"{name}-junit.xml")
         outcome = run_pytest(*args, output=log_file, extra_env=CPU_OFFLINE)
         if outcome.passed != len(outcome.cases):  # a failure, error or skip
             raise ForkError(f"{what}: {outcome}", f"see {log_file}")
@@ -357,13 +364,20 @@ def signed_mail(ctx: Context, pr: PullRequest, out: Path) -> Path:
     return mail
 
 
+def pytest_report(log_file: Path) -> str:
+    """The end of what pytest printed: its short test summary and closing line."""
+    lines = log_file.read_text().splitlines()
+    heads = [i for i, line in enumerate(lines) if "short test summary info" in line]
+    return "\n".join(lines[heads[-1] :] if heads else lines[-1:])
+
+
 @dataclass
 class Proof:
     pr: PullRequest
     mail: Path
     outcome: Outcome
     hooks: list[str]
-    job: str
+    ci: str  # the jobs that collect the cases' files (check_job)
     added: int
 
     @property
@@ -383,8 +397,8 @@ def prove(ctx: Context, pr: PullRequest, mail: Path, mypy_python: Path) -> Proof
     files = changed_files(work, ctx.tag)
     hooks = run_hooks(ctx.toolchain, work, files, mypy_python)
     tests = [f for f in files if f.startswith("tests/") and f.endswith(".py")]
-    job = check_job(pr, collecting_jobs(ctx.python, work, tests))
-    proof = Proof(pr, mail, outcome, hooks, job, lines_added(work, ctx.tag))
+    ci = check_job(pr, collecting_jobs(ctx.python, work, tests))
+    proof = Proof(pr, mail, outcome, hooks, ci, lines_added(work, ctx.tag))
     if proof.seconds > MAX_CASES_S:
         took = f"{proof.seconds:.1f} s on CPU, over {MAX_CASES_S:.0f} s"
         hint = "make them smaller: the CPU job runs them beside everything else"
@@ -439,10 +453,12 @@ def build(pins: Pins) -> Path:
 
 def validation(ctx: Context, proof: Proof) -> str:
     """@@VALIDATION@@: upstream-prs/validation.template.md filled in from PROOF."""
-    fields = dict(tag=ctx.tag, torch=ctx.release.torch, job=proof.job)
-    fields |= dict(command=" ".join(proof.pr.cases), hooks="\n".join(proof.hooks))
-    fields |= dict(outcome=proof.outcome, seconds=proof.seconds)
-    fields["cases"] = "\n".join(proof.case_lines("{case} {status} ({seconds:.2f} s)"))
+    env = " ".join(f"{k}={v}" for k, v in sorted(CPU_OFFLINE.items()))
+    args = " ".join([*REPORT_ARGS, *proof.pr.cases])
+    fields = dict(tag=ctx.tag, torch=ctx.release.torch, ci=proof.ci)
+    fields |= dict(command=f"{env} python -m pytest -q {args}")
+    fields |= dict(report=pytest_report(proof.mail.parent / "proof-pytest.log"))
+    fields |= dict(hooks="\n".join(proof.hooks), seconds=proof.seconds)
     return VALIDATION.read_text().format(**fields).rstrip("\n")
 
 
@@ -462,5 +478,6 @@ def write_pr(ctx: Context, proof: Proof, rows: list[mutants.Row]) -> None:
         f"pytest {' '.join(pr.cases)}: {proof.outcome} ({proof.seconds:.1f} s)\n"
         + "".join(proof.case_lines("  {case} {status} {seconds:.2f} s\n"))
         + "".join(f"hook {line}\n" for line in proof.hooks)
-        + f"job: {proof.job}\n{mutants.summary(rows, pr.name)}\n"
+        + "".join(f"ci: {line}\n" for line in proof.ci.splitlines())
+        + f"{mutants.summary(rows, pr.name)}\n"
     )
