@@ -494,7 +494,12 @@ def run_sanitizer(
         out / "sanitizer-tests.xml",
         pythonpath=pythonpath(dest, runner=bool(standing_in)),
         output=log_file,
-        extra_env=case_env(dest, standing_in),
+        # no caching allocator: memcheck sees each tensor's own allocation, not torch's
+        # big blocks, inside which an out-of-bounds access would go unseen
+        extra_env={
+            **case_env(dest, standing_in),
+            "PYTORCH_NO_CUDA_MEMORY_CACHING": "1",
+        },
         timeout_s=SANITIZER_LIMIT_S,
         prefix=(tool, *proofs.SANITIZER_ARGS),
     )
