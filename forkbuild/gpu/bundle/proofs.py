@@ -52,6 +52,9 @@ def did_not_run(cause: str) -> dict:
     return {"proved": False, "line": f"did not run: {cause}"}
 
 
+OUT_OF_TIME = {"proved": False, "line": "not run: out of time"}  # the run's deadline
+
+
 def not_stock(events: list[dict], stock_file: Path) -> str:
     """What is wrong with the module the run loaded, "" if it was STOCK_FILE and its
     function reads as buggy: what the stock runs' proof rests on."""
