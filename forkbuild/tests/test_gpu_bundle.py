@@ -569,6 +569,11 @@ def test_the_proofs_name_cases_the_bundle_carries():
     for wrong in ({"stock_cases": ["t.py::no"]}, {"sanitizer_case": "t.py::no"}):
         with pytest.raises(ForkError, match="no bundle case"):
             _settings("tree", "tree", kinds, cases, **wrong)
+    figures = {"script": "b.py", "helpers": [], "model": "m", "needs": []}
+    assert _settings("tree", "tree", kinds, cases, figures=figures).figures == figures
+    for wrong in ({"script": "b.py"}, {**figures, "needs": "models"}):
+        with pytest.raises(ForkError, match="figures gives"):
+            _settings("tree", "tree", kinds, cases, figures=wrong)
 
 
 def test_a_proof_that_did_not_run_fails_the_run_and_says_why(tmp_path):
