@@ -10,6 +10,11 @@ from pathlib import Path
 
 from forkbuild.core.pytest_runner import Outcome
 
+# stock_overlay.py, the stock runs' pytest plugin (-p: imported only where it is to
+# work), its settings: stock's module file, and where it records what loaded and ran.
+OVERLAY = "forkbuild.gpu.bundle.stock_overlay"
+ENV, REPORT_ENV = "FORK_BUNDLE_STOCK", "FORK_BUNDLE_STOCK_REPORT"
+
 # compute-sanitizer: where the host's PATH lacks it, the CUDA toolkit's usual place.
 SANITIZER = ("compute-sanitizer", "/usr/local/cuda/bin/compute-sanitizer")
 # memcheck of the application's process (the run is not forked); CUDA API errors are

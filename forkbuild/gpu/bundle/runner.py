@@ -25,7 +25,7 @@ from forkbuild.core.errors import ForkError
 from forkbuild.core.hashing import sha256_file
 from forkbuild.core.pins import GpuKind, gpu_table
 from forkbuild.gpu import required as gpu_required
-from forkbuild.gpu.bundle import proofs, stock_overlay
+from forkbuild.gpu.bundle import proofs
 from forkbuild.gpu.bundle import standin as bundle_standin
 
 MANIFEST = "manifest.json"
@@ -264,7 +264,7 @@ def case_args(
         for a in gpu_required.PER_CASE_TIMEOUT
     ]
     standin = ["-p", bundle_standin.__name__] if standing_in else []
-    overlay = ["-p", stock_overlay.__name__] if stock else []
+    overlay = ["-p", proofs.OVERLAY] if stock else []
     fork = ["--forked"] if forked else []
     return [*PLUGINS, *standin, *overlay, *fork, "-v", "-rs", *limit, *nodes]
 
@@ -279,8 +279,8 @@ def case_env(
         **OFFLINE,
         "VLLM_OFFLOAD_E2E_MODELS": str(dest / "models"),
         bundle_standin.ENV: ",".join(standing_in),
-        stock_overlay.ENV: str(stock or ""),
-        stock_overlay.REPORT_ENV: str(report or ""),
+        proofs.ENV: str(stock or ""),
+        proofs.REPORT_ENV: str(report or ""),
     }
 
 
