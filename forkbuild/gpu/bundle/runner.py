@@ -38,12 +38,12 @@ RUN_LIMIT_S = 12 * 60
 # The proofs after the cases, each bounded (the run's estimate: docs/gpu-nightly.md,
 # "What the first run proves"): stock's two kernel cases, FA3 under memcheck, the two
 # engines of the offload benchmark.
-STOCK_LIMIT_S = 150
-SANITIZER_LIMIT_S = 180
-FIGURES_LIMIT_S = 180
-# The whole run's (within a 10-minute device command): each step runs at most its limit
-# or the time left, a proof with none left is "not run: out of time".
-DEADLINE_ENV, DEADLINE_S = "FORK_BUNDLE_DEADLINE_S", 540
+STOCK_LIMIT_S = 90
+SANITIZER_LIMIT_S = 120
+FIGURES_LIMIT_S = 90
+# The whole run's (the 8 minutes): each step runs at most its limit or the time
+# left, a proof with none left is "not run: out of time".
+DEADLINE_ENV, DEADLINE_S = "FORK_BUNDLE_DEADLINE_S", 480
 # No hub, no telemetry; pytest loads only the runner's plugins (not the host's
 # pytest-cov, xdist, ...), and vLLM's conftest does not reach for its GPU-memory helper
 # (tests/utils.py, not carried).
