@@ -315,6 +315,13 @@ def gpu_bundle_of(raw: dict) -> GpuBundle:
             f"fork.toml [gpu_bundle] sanitizer_case {sanitizer} is no bundle case",
             "name a case of [gpu.cases] that the bundle carries",
         )
+    figures = settings["figures"]
+    shapes = {"script": str, "helpers": list, "model": str, "needs": list}
+    if figures and {k: type(v) for k, v in figures.items()} != shapes:
+        raise ForkError(
+            f"fork.toml [gpu_bundle] figures gives {sorted(figures)}",
+            "give script and model (paths) and helpers and needs (lists), or no table",
+        )
     host, mib = table["host"], float(table["part_mib"])
     return GpuBundle(host, mib, **settings, sanitizer_case=sanitizer)
 

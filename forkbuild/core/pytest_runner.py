@@ -78,7 +78,9 @@ def read_junit(junit: Path, killed: str = "") -> Outcome:
             elif why == "collection skipped" and "Skipped: " in text:
                 why = text.split("Skipped: ", 1)[-1].rstrip("')\"")  # (file, line, '…')
             reasons[node] = why
-        cases[node] = found[-1]
+        # pytest writes a call's failure and its teardown's error after it as two
+        # testcases of one name: the case failed (its call), its said has both
+        cases[node] = "failed" if cases.get(node) == "failed" else found[-1]
         times[node] = float(case.get("time") or 0.0)
     return Outcome(cases, reasons, killed, times, said)
 

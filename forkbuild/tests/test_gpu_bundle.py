@@ -569,6 +569,11 @@ def test_the_proofs_name_cases_the_bundle_carries():
     for wrong in ({"stock_cases": ["t.py::no"]}, {"sanitizer_case": "t.py::no"}):
         with pytest.raises(ForkError, match="no bundle case"):
             _settings("tree", "tree", kinds, cases, **wrong)
+    figures = {"script": "b.py", "helpers": [], "model": "m", "needs": []}
+    assert _settings("tree", "tree", kinds, cases, figures=figures).figures == figures
+    for wrong in ({"script": "b.py"}, {**figures, "needs": "models"}):
+        with pytest.raises(ForkError, match="figures gives"):
+            _settings("tree", "tree", kinds, cases, figures=wrong)
 
 
 def test_a_proof_that_did_not_run_fails_the_run_and_says_why(tmp_path):
@@ -583,3 +588,15 @@ def test_a_proof_that_did_not_run_fails_the_run_and_says_why(tmp_path):
     )
     assert summary["not_run_here"] == {"figures": "needs part-4"}
     assert summary["figures"] == {} and summary["stock"] == {}
+
+
+def test_a_proof_past_the_runs_deadline_is_not_run_and_the_summary_is_saved(tmp_path):
+    manifest = {"stock": {"cases": ["t.py::one"]}, "sanitizer_case": ""}
+    manifest |= {"figures": {}, "every_case": []}
+    saved, ran = [], ["t.py::one"]
+    args = (manifest, tmp_path, [], ran, Outcome({}), tmp_path, [], saved.append)
+    found = bundle_run.prove(*args, lambda limit: 0)  # no time left
+    assert found["stock"] == {"t.py::one": proofs.OUT_OF_TIME}
+    # before the first proof (the cases' summary), then after each
+    assert saved[0] == {"stock": {}, "sanitizer": {}, "figures": {}, "not_run": {}}
+    assert saved[-1]["stock"] == found["stock"]

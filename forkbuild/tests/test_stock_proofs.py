@@ -13,7 +13,7 @@ import pytest
 from forkbuild.core import fixcheck, pins, pytest_runner
 from forkbuild.core.pytest_runner import Outcome
 from forkbuild.gpu.bundle import build as gpu_bundle
-from forkbuild.gpu.bundle import proofs, stock_overlay
+from forkbuild.gpu.bundle import proofs
 from forkbuild.setup import install, tree
 
 # How a stock case can end, as the forked child ends it (the real plugin, its reports).
@@ -30,12 +30,34 @@ def _close(actual, expected, msg):
 
 torch.testing.assert_close = _close
 
+IMA = "CUDA error: an illegal memory access was encountered"
+
 @pytest.fixture
 def broken():
     raise RuntimeError("a view that does not fit")
 
+@pytest.fixture
+def cleanup():  # vLLM's conftest's cleanup_fixture: empty_cache raises again
+    yield
+    raise RuntimeError(IMA)
+
 def test_memory():
-    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    raise RuntimeError(IMA)
+
+def test_memory_then_teardown(cleanup):
+    raise RuntimeError(IMA)
+
+def test_teardown_only(cleanup):
+    pass
+
+def test_misaligned():
+    raise RuntimeError("Triton Error [CUDA]: misaligned address")
+
+def test_exits():  # a worker's exception or SystemExit: no crash
+    os._exit(3)
+
+def test_not_close_call():  # assert_close( in the traceback, no AssertionError
+    torch.testing.assert_close(1.0)
 
 def test_crash():
     os.kill(os.getpid(), signal.SIGSEGV)
@@ -52,8 +74,14 @@ def test_setup(broken):
 def test_passes():
     pass
 """
+IMA = "an illegal memory access was encountered"
 WANT = {
-    "test_memory": "illegal memory access",
+    "test_memory": IMA,
+    "test_memory_then_teardown": IMA,  # the call's failure, not the teardown's error
+    "test_teardown_only": "",
+    "test_misaligned": "misaligned address",
+    "test_exits": "",
+    "test_not_close_call": "",
     "test_crash": "crash",
     "test_mismatch": "mismatch",
     "test_other": "",  # failed, but not as stock's view fails: no proof
@@ -85,13 +113,13 @@ def _events(origin: Path, verdict: str, case: str) -> list[dict]:
 def test_stock_fails_and_fork_passes_only_with_stock_run_and_failing(tmp_path):
     node, stock = "t.py::case", tmp_path / "stock.py"
     fork = Outcome({node: "passed"})
-    said = {node: "E   RuntimeError: CUDA error: an illegal memory access was ..."}
+    said = {node: "E   RuntimeError: CUDA error: an illegal memory access"}
     failed = Outcome({node: "failed"}, said=said)
     verdict = proofs.stock_verdict(
         node, fork, failed, _events(stock, "buggy", node), stock
     )
     assert verdict["proved"] and verdict["line"] == (
-        "stock fails (illegal memory access), fork passes"
+        "stock fails (an illegal memory access), fork passes"
     )
     other = tmp_path / "attn_utils.py"  # the fork's module: the overlay was not used
     verdict = proofs.stock_verdict(
@@ -133,6 +161,10 @@ def test_memcheck_needs_its_summary_at_zero_and_the_case_passed(tmp_path):
 def test_figures_are_read_from_the_benchmarks_report(tmp_path):
     report = tmp_path / "offload-figures.json"
     assert proofs.figures_verdict(report, 1, 3)["line"] == "figures: no report (exit 1)"
+    report.write_text('{"runs": [')  # cut short: no report, not a crash of the runner
+    assert (
+        proofs.figures_verdict(report, -1, 3)["line"] == "figures: no report (exit -1)"
+    )
     run = {"layout": "per-layer", "store_GBps": 20.04, "load_GBps": 18.0}
     run |= {"ttft_cold_batch_s": 0.5, "ttft_cpu_hit_batch_s": 0.25}
     pinned = {"h2d_GBps": 50.0, "d2h_GBps": 51.0}
@@ -169,13 +201,13 @@ def _overlaid(fork_tree: Path, tmp_path: Path, stock: Path | None):
     outcome = pytest_runner.run_pytest(
         install.venv_python(),
         fork_tree,
-        ["-p", stock_overlay.__name__, CPU_CASE],
+        [*(["-p", proofs.OVERLAY] if stock else []), CPU_CASE],
         tmp_path / f"{report.stem}.xml",
         pythonpath=os.pathsep.join([str(fork_tree), str(pins.REPO_ROOT)]),
         output=tmp_path / f"{report.stem}.log",
         extra_env={
-            stock_overlay.ENV: str(stock or ""),
-            stock_overlay.REPORT_ENV: str(report),
+            proofs.ENV: str(stock or ""),
+            proofs.REPORT_ENV: str(report),
         },
     )
     return outcome.cases.get(CPU_CASE), proofs.read_events(report)
@@ -195,9 +227,9 @@ def test_the_overlay_runs_stocks_function_and_the_check_fails_without_it(
     }
     assert proofs.not_stock(events, stock) == ""
     # On purpose without the overlay: the fork's function runs, the case passes, and
-    # the check the runner's stock verdict rests on fails.
+    # the check the runner's stock verdict rests on fails (nothing was recorded).
     status, events = _overlaid(fork_tree, tmp_path, None)
-    fork_module = str(fork_tree / fixcheck.MODULE_PATH)
-    assert status == "passed", tmp_path
-    assert {(e["origin"], e["verdict"]) for e in events} == {(fork_module, "fixed")}
-    assert "not stock's" in proofs.not_stock(events, stock)
+    assert status == "passed" and events == [], tmp_path
+    assert "nothing recorded" in proofs.not_stock(events, stock)
+    fork_module = fork_tree / fixcheck.MODULE_PATH  # a record of the fork's is refused
+    assert "not stock's" in proofs.not_stock(_events(fork_module, "fixed", ""), stock)

@@ -293,7 +293,8 @@ def _stock_overlay(host: SimHost, stock: Path) -> str:
         name = f"bundle-stock-{'overlay' if file else 'without-overlay'}"
         report = host.results / f"{name}.jsonl"
         report.unlink(missing_ok=True)
-        outcome, errors = _run_traced(host, name, nodes, (), (), (file, report))
+        overlay = (file, report) if file else None  # without: not loaded at all
+        outcome, errors = _run_traced(host, name, nodes, (), (), overlay)
         logs = str(host.results / f"{name}-tests.log")
         where = f"the bundle's stock runs ({name})"
         cuda_route.check_skipped(

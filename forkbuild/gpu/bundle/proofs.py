@@ -10,26 +10,37 @@ from pathlib import Path
 
 from forkbuild.core.pytest_runner import Outcome
 
+# stock_overlay.py, the stock runs' pytest plugin (-p: imported only where it is to
+# work), its settings: stock's module file, and where it records what loaded and ran.
+OVERLAY = "forkbuild.gpu.bundle.stock_overlay"
+ENV, REPORT_ENV = "FORK_BUNDLE_STOCK", "FORK_BUNDLE_STOCK_REPORT"
+
 # compute-sanitizer: where the host's PATH lacks it, the CUDA toolkit's usual place.
 SANITIZER = ("compute-sanitizer", "/usr/local/cuda/bin/compute-sanitizer")
-# memcheck, following every process the case starts (the forked child, Triton's).
-SANITIZER_ARGS = ("--tool", "memcheck", "--target-processes", "all")
+# memcheck of the application's process (the run is not forked); CUDA API errors are
+# not reported: torch's and FA3's probing calls fail on purpose, and would count in
+# the ERROR SUMMARY (--report-api-errors, compute-sanitizer's documentation).
+SANITIZER_ARGS = ("--tool", "memcheck", "--report-api-errors", "no")
 _ERROR_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) errors?")
-# What a failure on stock may be, each found in JUnit's text of the case: the CUDA
-# error of the report, pytest-forked's report of a child that died, the cases' own
-# torch.testing.assert_close (its message is the layer's name).
+# What a failure on stock may be, found in JUnit's text of the case: a CUDA fault (as
+# torch or Triton words it), pytest-forked's report of a child killed by a signal, an
+# AssertionError (the cases' torch.testing.assert_close: its message is the layer's).
+_CUDA_FAULT = re.compile(
+    r"^(?:E\s+)?\w*Error: (?:CUDA error|Triton Error \[CUDA\]): (.+)$", re.MULTILINE
+)
 FAILURES = (
-    ("illegal memory access", ("illegal memory access",)),
-    ("crash", ("CRASHED with signal", "EXITED with status")),
-    ("mismatch", ("torch.testing.assert_close(",)),
+    ("crash", re.compile("CRASHED with signal")),
+    ("mismatch", re.compile(r"^(E\s+)?AssertionError", re.MULTILINE)),
 )
 
 
 def failure_kind(status: str, said: str) -> str:
-    """What a stock case failed with (FAILURES), "" where it did not fail so: an error
-    in setup, a skip or a pass proves nothing. (pytest-forked's JUnit gives a child
-    that died as an error "on setup": a crash, whatever the status.)"""
-    kind = next((k for k, marks in FAILURES if any(m in said for m in marks)), "")
+    """What a stock case failed with (the CUDA fault's words, or FAILURES), "" where it
+    did not fail so: a skip, a pass, or an error without the call's failure (in setup)
+    prove nothing; pytest-forked reports a child that died as an error, a crash."""
+    fault = _CUDA_FAULT.search(said)
+    marked = [kind for kind, mark in FAILURES if mark.search(said)]
+    kind = fault.group(1).strip()[:80] if fault else (marked or [""])[0]
     return kind if status == "failed" or (status, kind) == ("error", "crash") else ""
 
 
@@ -44,6 +55,9 @@ def did_not_run(cause: str) -> dict:
     """A proof whose run did not end as pytest's (the sanitizer or pytest failed to
     start, ...): not proved, and why."""
     return {"proved": False, "line": f"did not run: {cause}"}
+
+
+OUT_OF_TIME = {"proved": False, "line": "not run: out of time"}  # the run's deadline
 
 
 def not_stock(events: list[dict], stock_file: Path) -> str:
@@ -64,7 +78,8 @@ def stock_verdict(node: str, fork: Outcome, stock: Outcome, events, stock_file) 
     status = stock.cases.get(node, "not run")
     kind = failure_kind(status, stock.said.get(node, ""))
     problems = [wrong] if (wrong := not_stock(events, stock_file)) else []
-    if not any((e["origin"], e["verdict"]) == (origin, "buggy") for e in ran):
+    ran = any((e["origin"], e["verdict"]) == (origin, "buggy") for e in ran)
+    if not ran:
         problems.append("stock's function did not run in the case")
     if not kind:
         first = _first_error(stock.said.get(node, ""))
@@ -76,7 +91,7 @@ def stock_verdict(node: str, fork: Outcome, stock: Outcome, events, stock_file) 
     return {
         "stock": status,
         "failure": kind,
-        "stock_function_ran": bool(ran),
+        "stock_function_ran": ran,
         "fork": fork_status,
         "proved": not problems,
         "line": line,
@@ -119,7 +134,11 @@ def sanitizer_verdict(node: str, outcome: Outcome, log: Path, seconds: float) ->
 
 def figures_verdict(report: Path, returncode: int, seconds: float) -> dict:
     """The benchmark's JSON REPORT (it exits non-zero where a figure is missing)."""
-    found = json.loads(report.read_text()) if report.is_file() else {}
+    try:
+        found = json.loads(report.read_text())
+    except (OSError, ValueError):  # none, or cut short
+        found = {}
+    found = found if isinstance(found, dict) else {}
     runs = found.get("runs") or []
     pinned = found.get("pinned_copy") or {}
     shown = [

@@ -1,12 +1,12 @@
 """Stock vLLM's fixcheck module in place of the fork's, for the GPU bundle's proof that
 its cases fail without the fix (docs/gpu-nightly.md, "What the first run proves").
 
-A pytest plugin (`-p`), standard library only. With ENV naming stock's file, the module
-(fixcheck.MODULE_PATH) is loaded from it; without, from where it is. Either way, when
-REPORT_ENV names a file, it gets a JSON line when the module loads ("loaded": where
-from, the fix verdict of its FUNCTION as the module's other functions will call it) and
-at the first call of that function in each process ("ran": the file and verdict of the
-code that ran, and the case). The runner's verdict rests on these, not on the setting.
+A pytest plugin (`-p` proofs.OVERLAY), standard library only: the module
+(fixcheck.MODULE_PATH) is loaded from the file ENV names. When REPORT_ENV names a file,
+it gets a JSON line when the module loads ("loaded": where from, the fix verdict of its
+FUNCTION as the module's other functions will call it) and at the first call of that
+function in each process ("ran": the file and verdict of the code that ran, and the
+case). The runner's verdict rests on these, not on the setting.
 """
 
 import functools
@@ -20,9 +20,8 @@ import sys
 import types
 
 from forkbuild.core import fixcheck
+from forkbuild.gpu.bundle.proofs import ENV, REPORT_ENV
 
-ENV = "FORK_BUNDLE_STOCK"
-REPORT_ENV = "FORK_BUNDLE_STOCK_REPORT"
 MODULE = fixcheck.MODULE_PATH[:-3].replace("/", ".")
 
 
@@ -78,7 +77,7 @@ class _Watching(importlib.abc.Loader):
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    """MODULE from STOCK (a file) if given, else from the package's own path."""
+    """MODULE from STOCK, a file."""
 
     def __init__(self, stock: str) -> None:
         self.stock = stock
@@ -86,23 +85,18 @@ class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         if fullname != MODULE:
             return None
-        if self.stock:
-            inner = importlib.machinery.SourceFileLoader(fullname, self.stock)
-            return importlib.util.spec_from_file_location(
-                fullname, self.stock, loader=_Watching(inner)
-            )
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is not None:
-            spec.loader = _Watching(spec.loader)
-        return spec
+        inner = importlib.machinery.SourceFileLoader(fullname, self.stock)
+        return importlib.util.spec_from_file_location(
+            fullname, self.stock, loader=_Watching(inner)
+        )
 
 
 def install(stock: str) -> None:
     """The finder first on sys.meta_path: before anything imports MODULE."""
     if MODULE in sys.modules:
         raise RuntimeError(f"stock_overlay: {MODULE} was imported before the plugin")
-    if stock and not os.path.isfile(stock):
-        raise RuntimeError(f"stock_overlay: {ENV} names {stock}, which is no file")
+    if not os.path.isfile(stock):
+        raise RuntimeError(f"stock_overlay: {ENV} names {stock!r}, which is no file")
     sys.meta_path.insert(0, _Finder(stock))
 
 
